@@ -1,0 +1,32 @@
+# radixkv: `make demo` runs the main job, `make test` runs the test suite.
+# Both set everything up on a fresh machine: a .venv, torch (the CPU build 2.13.0 when no
+# torch is present), then radixkv with its dev extra.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.radixkv-installed
+
+.PHONY: all setup demo test test-fast bench clean
+
+all: test
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m radixkv demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_allocator.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

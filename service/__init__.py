@@ -1,0 +1,1 @@
+"""radixkv.service: the gRPC cache manager and its worker client (installed as ``radixkv.service``)."""
