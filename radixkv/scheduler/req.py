@@ -1,0 +1,82 @@
+"""``Req``: the per-request record that the pools, the cache and the scheduler flow share.
+
+Field names follow SGLang's ``Req`` so its users feel at home. Token ids are kept as int32
+numpy arrays (the container the RadixCache prefers); ``fill_ids`` is the prompt plus the
+output generated so far, i.e. every token whose KV row the request holds or will hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+
+def as_token_array(tokens) -> np.ndarray:
+    """Tokens (list, numpy array or torch tensor) as a contiguous int32 numpy array (no copy
+    when they already are one)."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.dtype != np.int32:
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            from radixkv.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"token ids must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int32)
+    return np.ascontiguousarray(arr.reshape(-1))
+
+
+@dataclass(eq=False)
+class Req:
+    """One request as the memory layers see it.
+
+    Attributes:
+        rid: request id (unique per scheduler / session).
+        origin_input_ids: prompt tokens, int32.
+        output_ids: generated tokens so far, int32.
+        req_pool_idx: its row in ``req_to_token`` (``None`` until allocated).
+        prefix_indices: int64 tensor of KV rows reused from the cache (the matched prefix).
+        last_node: the tree node locked on behalf of this request (``None`` when none).
+        extra_key: cache namespace (LoRA id, tenant, salt); ``None`` is its own namespace.
+        priority: eviction priority for the ``priority`` policy (higher is kept longer).
+        mamba_pool_idx: its Mamba state slot (hybrid models), else ``None``.
+        kv_committed_len: tokens of ``fill_ids`` whose KV rows are written in its row.
+        cache_protected_len: tokens at the head of its row that belong to the tree (locked).
+    """
+
+    rid: Any
+    origin_input_ids: np.ndarray
+    output_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    req_pool_idx: Optional[int] = None
+    prefix_indices: Optional[torch.Tensor] = None
+    last_node: Any = None
+    extra_key: Optional[str] = None
+    priority: int = 0
+    mamba_pool_idx: Optional[int] = None
+    kv_committed_len: int = 0
+    cache_protected_len: int = 0
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.origin_input_ids = as_token_array(self.origin_input_ids)
+        self.output_ids = as_token_array(self.output_ids)
+
+    @property
+    def fill_ids(self) -> np.ndarray:
+        """Prompt + output tokens (int32)."""
+        if self.output_ids.size == 0:
+            return self.origin_input_ids
+        return np.concatenate([self.origin_input_ids, self.output_ids])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.origin_input_ids.size + self.output_ids.size)
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix_indices is None else int(self.prefix_indices.numel())
+
+    def append_output(self, token_id: int) -> None:
+        self.output_ids = np.append(self.output_ids, np.int32(token_id))
