@@ -1,0 +1,111 @@
+"""``FreeSlots``: a free list of the integer ids ``1..size`` held in device tensors.
+
+Pure bookkeeping, no KV data. Id 0 is the reserved padding id and is never handed out.
+Used for request rows, Mamba state slots, and as the model of the KV slot allocators.
+
+Cost model (k = ids in the call): ``alloc`` O(k), ``free`` O(k log k) with checks (the sort
+finds duplicates within the call) and O(k) without; nothing on the hot path is O(size).
+The free list is a preallocated ring buffer of ``size`` ids (FIFO: freed ids are handed
+out after the ids already free) plus a bool "is free" mask of ``size + 1`` entries for the
+vectorized double-free check. Memory: 5 bytes per id.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from radixkv.allocator.id_ring import IdRing
+from radixkv.allocator.invariants import check_free_lists
+from radixkv.allocator.validation import (
+    as_id_tensor,
+    check_count,
+    check_ids_in_range,
+    check_ids_to_free,
+)
+from radixkv.errors import InvariantError
+
+
+class FreeSlots:
+    """A free list of ids ``1..size`` on ``device``.
+
+    Args:
+        size: number of usable ids (ids ``1..size``); must be >= 0.
+        device: where the ids live; ``alloc`` returns tensors on it.
+        checks: validate ``free`` arguments (range, double free, duplicates, dtype). With
+            ``checks=False`` (benchmarks only) a bad ``free`` corrupts the state silently.
+
+    Every raising call leaves the state exactly unchanged.
+    """
+
+    def __init__(self, size: int, device="cpu", *, checks: bool = True):
+        self.size = check_count(size, "size")
+        self.device = torch.device(device)
+        self.checks = bool(checks)
+        self._ring = IdRing(self.size, self.device)
+        self._free = torch.zeros(self.size + 1, dtype=torch.bool, device=self.device)
+        self.clear()
+
+    def available(self) -> int:
+        """Number of free ids. O(1)."""
+        return len(self._ring)
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        """Take ``n`` free ids: an int64 tensor of ``n`` distinct ids on ``device``, or
+        ``None`` (state unchanged) when fewer than ``n`` are free. O(n).
+
+        Raises:
+            InvalidArgumentError: ``n`` is not a non-negative int.
+        """
+        n = check_count(n)
+        if n > len(self._ring):
+            return None
+        ids = self._ring.pop(n)
+        if n:
+            self._free[ids] = False
+        return ids
+
+    def free(self, ids) -> None:
+        """Return ``ids`` (an int32/int64 tensor or numpy array, any shape) to the free list.
+        O(k log k) with checks, O(k) without.
+
+        Raises (state unchanged):
+            InvalidArgumentError: a non-integer dtype.
+            InvalidIndexError: ids outside ``1..size`` (0 is the reserved padding id).
+            DoubleFreeError: ids already free, or repeated within ``ids``.
+        """
+        ids = as_id_tensor(ids, self.device)
+        if ids.numel() == 0:
+            return
+        if self.checks:
+            check_ids_to_free(ids, self._free, 1, self.size)
+        self._ring.push(ids)
+        self._free[ids] = True
+
+    def is_free(self, ids) -> torch.Tensor:
+        """A bool tensor (flat, on ``device``): whether each of ``ids`` is free. O(k).
+
+        Raises:
+            InvalidArgumentError / InvalidIndexError: non-integer dtype / ids outside
+                ``0..size`` (id 0 is reported as not free).
+        """
+        ids = as_id_tensor(ids, self.device)
+        check_ids_in_range(ids, 0, self.size)
+        return self._free[ids]
+
+    def clear(self) -> None:
+        """Make every id ``1..size`` free again (in ascending order). O(size)."""
+        self._ring.reset(torch.arange(1, self.size + 1, dtype=torch.int32, device=self.device))
+        self._free.fill_(True)
+        self._free[0] = False
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError (naming the ids) unless the ring holds exactly the ids
+        marked free, each once, all in ``1..size``, and ``available() + in use == size``.
+        O(size)."""
+        if not 0 <= len(self._ring) <= self.size:
+            raise InvariantError(f"FreeSlots: count {len(self._ring)} outside 0..{self.size}")
+        check_free_lists("FreeSlots", self._free, {"free": self._ring.live()})
+
+    def __repr__(self) -> str:
+        return f"FreeSlots(size={self.size}, available={self.available()}, device={self.device})"

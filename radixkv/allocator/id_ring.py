@@ -1,0 +1,100 @@
+"""``IdRing``: a ring buffer of integer ids in one preallocated device tensor.
+
+Pure bookkeeping used by the free lists. Positions are *absolute* (they only grow): the id
+pushed at absolute position ``p`` lives in ``buf[p % capacity]`` until a later push at
+``p + capacity`` overwrites it. Absolute positions let a caller snapshot a ring in O(1)
+(``head``, ``tail``) and later tell whether the entries of that snapshot are still intact
+(``intact(start)``), which is what makes allocator backups cheap.
+
+Every operation costs O(number of ids moved); nothing is O(capacity) except ``reset``.
+"""
+from __future__ import annotations
+
+import torch
+
+from radixkv.errors import InvariantError
+
+
+class IdRing:
+    """A FIFO of ids held in ``capacity`` preallocated slots on ``device``.
+
+    Attributes:
+        capacity: the number of slots of the buffer.
+        head, tail: absolute positions; the live ids are those at ``[head, tail)``.
+        high_water: the largest absolute position ever written (exclusive), across
+            rollbacks of ``head``/``tail`` by the owner.
+    """
+
+    def __init__(self, capacity: int, device, dtype: torch.dtype = torch.int32):
+        self.capacity = int(capacity)
+        self.device = torch.device(device)
+        self.buf = torch.zeros(max(self.capacity, 1), dtype=dtype, device=self.device)
+        self.head = 0
+        self.tail = 0
+        self.high_water = 0
+
+    def __len__(self) -> int:
+        return self.tail - self.head
+
+    def reset(self, ids: torch.Tensor) -> None:
+        """Make ``ids`` the whole content (positions ``[0, len(ids))``). O(len(ids))."""
+        n = int(ids.numel())
+        if n > self.capacity:
+            raise InvariantError(f"IdRing.reset: {n} ids exceed the capacity {self.capacity}")
+        self.buf[:n] = ids
+        self.head, self.tail, self.high_water = 0, n, n
+
+    def push(self, ids: torch.Tensor) -> None:
+        """Append ``ids`` (1-D) after the tail. O(len(ids)).
+
+        The owner guarantees the live count stays within ``capacity`` (it validated the
+        ids as distinct and not already held); exceeding it is an internal error.
+        """
+        n = int(ids.numel())
+        if n == 0:
+            return
+        if len(self) + n > self.capacity:
+            raise InvariantError(
+                f"IdRing.push: {len(self)} + {n} ids exceed the capacity {self.capacity}"
+            )
+        p = self.tail % self.capacity
+        first = min(n, self.capacity - p)
+        self.buf[p : p + first] = ids[:first]
+        if n > first:
+            self.buf[: n - first] = ids[first:]
+        self.tail += n
+        if self.tail > self.high_water:
+            self.high_water = self.tail
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """The ids at absolute positions ``[start, end)`` in order. O(end - start).
+
+        Returns a view of the buffer when the range does not wrap (valid until the next
+        push), else a fresh tensor. The caller checks ``intact(start)`` first.
+        """
+        n = end - start
+        if n <= 0:
+            return self.buf[:0]
+        p = start % self.capacity
+        if p + n <= self.capacity:
+            return self.buf[p : p + n]
+        return torch.cat((self.buf[p:], self.buf[: n - (self.capacity - p)]))
+
+    def peek(self, n: int) -> torch.Tensor:
+        """The first ``n`` live ids (view or fresh tensor, see ``read``). O(n)."""
+        return self.read(self.head, self.head + n)
+
+    def pop(self, n: int) -> torch.Tensor:
+        """Remove and return the first ``n`` live ids as a fresh int64 tensor. O(n)."""
+        out = self.peek(n).to(torch.int64, copy=True)
+        self.head += n
+        return out
+
+    def live(self) -> torch.Tensor:
+        """All live ids (view or fresh tensor, see ``read``). O(len)."""
+        return self.read(self.head, self.tail)
+
+    def intact(self, start: int) -> bool:
+        """Whether every entry at absolute position ``>= start`` written so far is still in
+        the buffer (no later push wrapped over it)."""
+        return self.high_water - start <= self.capacity

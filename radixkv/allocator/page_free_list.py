@@ -1,0 +1,326 @@
+"""``PageFreeList``: the free-list core shared by the KV slot allocators.
+
+Pure bookkeeping of the ids ``1..num_ids`` (KV slots when ``page_size == 1``, pages
+otherwise; id 0 is reserved), with SGLang's semantics:
+
+* ``free_pages``: a FIFO ring (``alloc`` takes from its head);
+* ``release_pages`` (``need_sort=True``): freed ids wait there and are merged and sorted
+  into ``free_pages`` only when an allocation would otherwise fall short, so later
+  allocations come out ascending;
+* a free group (``group_begin``/``group_end``) collects frees and releases them at once;
+* ``backup()``/``restore(state)`` snapshot and roll back the free list.
+
+One bool mask ``not_in_use[id]`` (True while the id is in ``free_pages``, in
+``release_pages`` or pending in an open group) makes the double-free check O(k).
+
+Cost (k = ids in the call, F = free ids): ``alloc`` O(k), plus O(F log F) for the merge a
+need_sort allocation may trigger; ``free`` O(k log k) with checks, O(k) without;
+``backup`` O(1); ``restore`` O(ids allocated and freed since the backup), or O(F) when a
+merge ran since the backup. Memory per id: 8 bytes for the ``free_pages`` ring (twice
+``num_ids`` int32 entries, so that a backup survives a merge), 4 more with ``need_sort``
+(the ``release_pages`` ring), 1 for the mask.
+
+Backups are restorable while their entries have not been overwritten in the rings. The
+rule: the ring holds ``2 * num_ids`` entries and the backup's free list occupies its
+``[head, tail)``; the backup survives while no entry was written at or beyond ``head +
+2 * num_ids`` (counting writes in rolled-back futures); likewise for ``release_pages``
+(``num_ids`` entries). Hence it is guaranteed whenever, since the backup, at most
+``num_ids`` entries went to ``free_pages`` (frees without need_sort; a need_sort merge
+writes the whole free list once) and at most ``num_ids`` minus the releases pending at
+the backup went to ``release_pages``: the speculative pattern (backup, allocate, maybe
+free, restore) always qualifies. A backup taken before ``clear()``, one taken after the
+backup just restored (a discarded future), or one older than the last 1024 live backups
+is rejected with ``StaleBackupError``; restoring a backup keeps it and its ancestors
+restorable.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from radixkv.allocator.id_ring import IdRing
+from radixkv.allocator.invariants import check_free_lists
+from radixkv.allocator.validation import check_count, check_ids_to_free, sort_ids
+from radixkv.errors import (
+    InvalidArgumentError,
+    InvariantError,
+    StaleSessionError,
+)
+
+_OWNER_IDS = itertools.count(1)
+_MAX_LIVE_BACKUPS = 1024
+
+
+class StaleBackupError(StaleSessionError):
+    """A backup that can no longer be restored (taken before ``clear()``, in a discarded
+    future, or overwritten in the rings)."""
+
+
+class FreeGroupError(InvalidArgumentError):
+    """Free-group misuse: nested ``free_group_begin``, ``free_group_end`` without a begin,
+    or a backup/restore while a group is open."""
+
+
+class FreeListState(NamedTuple):
+    """An opaque O(1) snapshot returned by ``backup()`` (absolute ring positions)."""
+
+    owner: int
+    stamp: int
+    head: int
+    tail: int
+    release_head: int
+    release_tail: int
+    merges: int
+
+
+class FreeListCounts(NamedTuple):
+    """Counts of ids, each in one place: ``free + release + group + in_use == num_ids``."""
+
+    num_ids: int
+    free: int
+    release: int
+    group: int
+    in_use: int
+
+
+class PageFreeList:
+    """Free list of ids ``1..num_ids`` on ``device`` (see the module docstring).
+
+    Args:
+        num_ids: usable ids (``1..num_ids``).
+        device: where ids live.
+        need_sort: keep freed ids in ``release_pages`` until a merge (SGLang's need_sort).
+        checks: validate frees (range, double free, duplicates). Off only for benchmarks.
+        kind: the word used for ids in error messages ("slot" or "page").
+    """
+
+    def __init__(self, num_ids: int, device, *, need_sort: bool, checks: bool, kind: str):
+        self.num_ids = check_count(num_ids, "num_ids")
+        self.device = torch.device(device)
+        self.need_sort = bool(need_sort)
+        self.checks = bool(checks)
+        self.kind = kind
+        self._ring = IdRing(2 * self.num_ids, self.device)
+        self._rel = IdRing(self.num_ids if self.need_sort else 0, self.device)
+        self._not_in_use = torch.zeros(self.num_ids + 1, dtype=torch.bool, device=self.device)
+        self._owner = next(_OWNER_IDS)
+        self._stamps = 0
+        self.clear()
+
+    # ------------------------------------------------------------------ counts
+    def available(self) -> int:
+        """Ids in ``free_pages`` plus ``release_pages`` (not an open group). O(1)."""
+        return len(self._ring) + len(self._rel)
+
+    def counts(self) -> FreeListCounts:
+        """Counts by place. O(1)."""
+        free, rel, grp = len(self._ring), len(self._rel), self._group_count
+        return FreeListCounts(self.num_ids, free, rel, grp, self.num_ids - free - rel - grp)
+
+    def free_ids(self) -> torch.Tensor:
+        """A copy of ``free_pages`` in hand-out order. O(F)."""
+        return self._ring.live().to(torch.int64)
+
+    def release_ids(self) -> torch.Tensor:
+        """A copy of ``release_pages``. O(pending)."""
+        return self._rel.live().to(torch.int64)
+
+    def is_free(self, ids: torch.Tensor) -> torch.Tensor:
+        """``not_in_use`` for in-range int64 ids (free, pending release or in a group)."""
+        return self._not_in_use[ids]
+
+    # ------------------------------------------------------------------ alloc
+    def ensure(self, n: int) -> bool:
+        """Make the first ``n`` ids of ``free_pages`` ready to take: False (nothing
+        changed) when fewer than ``n`` are available; merges ``release_pages`` first when
+        ``free_pages`` alone falls short. O(1), or O(F log F) for a merge."""
+        if n > self.available():
+            return False
+        if n > len(self._ring):
+            self.merge_and_sort()
+        return True
+
+    def peek(self, n: int) -> torch.Tensor:
+        """The first ``n`` ids of ``free_pages`` (int32; a view valid until the next
+        mutation). Call ``ensure(n)`` first. O(1) or O(n) when the ring wraps."""
+        return self._ring.peek(n)
+
+    def commit(self, n: int) -> torch.Tensor:
+        """Take the first ``n`` ids of ``free_pages`` (after ``ensure(n)``): int64. O(n)."""
+        ids = self._ring.pop(n)
+        if n:
+            self._not_in_use[ids] = False
+        return ids
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        """``n`` ids (int64, on device) or None when fewer are available (unchanged)."""
+        if not self.ensure(n):
+            return None
+        return self.commit(n)
+
+    def merge_and_sort(self) -> None:
+        """Move ``release_pages`` into ``free_pages`` and sort it ascending. O(F log F).
+
+        The merged list is written after the ring's tail (not over the old entries), so a
+        backup taken before the merge stays restorable."""
+        if len(self._rel) == 0:
+            return
+        merged = sort_ids(torch.cat((self._ring.live(), self._rel.live())))
+        new_head = self._ring.tail
+        self._ring.push(merged)
+        self._ring.head = new_head
+        self._rel.head = self._rel.tail
+        self._merges += 1
+
+    # ------------------------------------------------------------------ free
+    def free(self, ids: torch.Tensor, *, known_unique: bool = False,
+             validated: bool = False) -> None:
+        """Return ``ids`` (flat int64 on device). With checks: InvalidIndexError for ids
+        outside ``1..num_ids``, DoubleFreeError for ids not in use (free, pending release
+        or in the open group) or repeated; state unchanged. O(k log k), O(k) when the
+        caller vouches for ``known_unique`` ids or already ``validated`` them."""
+        if ids.numel() == 0:
+            return
+        if self.checks and not validated:
+            check_ids_to_free(
+                ids, self._not_in_use, 1, self.num_ids,
+                kind=self.kind, check_duplicates=not known_unique,
+            )
+        if self._group is not None:
+            self._group.append(ids)
+            self._group_count += int(ids.numel())
+        elif self.need_sort:
+            self._rel.push(ids)
+        else:
+            self._ring.push(ids)
+        self._not_in_use[ids] = True
+
+    def group_begin(self) -> None:
+        """Open a free group: frees until ``group_end`` are released together."""
+        if self._group is not None:
+            raise FreeGroupError("free_group_begin: a free group is already open")
+        self._group = []
+        self._group_count = 0
+
+    def group_end(self) -> None:
+        """Close the group and release its ids in one batch. O(k)."""
+        if self._group is None:
+            raise FreeGroupError("free_group_end without free_group_begin")
+        group, self._group, self._group_count = self._group, None, 0
+        if group:
+            ids = torch.cat(group)
+            (self._rel if self.need_sort else self._ring).push(ids)
+
+    @property
+    def in_group(self) -> bool:
+        return self._group is not None
+
+    # ------------------------------------------------------------------ backup
+    def backup(self) -> FreeListState:
+        """O(1) snapshot of the free list (see the module docstring for its lifetime)."""
+        if self._group is not None:
+            raise FreeGroupError("backup_state while a free group is open")
+        # Drop the oldest live backups once overwritten (their heads only grow along
+        # the lineage) or beyond the cap, so the lineage list stays short.
+        live = self._lineage
+        drop = 0
+        while drop < len(live) and (
+            len(live) - drop >= _MAX_LIVE_BACKUPS
+            or not (self._ring.intact(live[drop][1]) and self._rel.intact(live[drop][2]))
+        ):
+            drop += 1
+        if drop:
+            del live[:drop]
+        self._stamps += 1
+        live.append((self._stamps, self._ring.head, self._rel.head))
+        return FreeListState(
+            self._owner, self._stamps, self._ring.head, self._ring.tail,
+            self._rel.head, self._rel.tail, self._merges,
+        )
+
+    def _check_restorable(self, s) -> None:
+        if not isinstance(s, FreeListState) or s.owner != self._owner:
+            raise InvalidArgumentError(
+                f"restore_state takes a state from this allocator's backup_state, "
+                f"got {type(s).__name__}"
+            )
+        if self._group is not None:
+            raise FreeGroupError("restore_state while a free group is open")
+        i = bisect.bisect_left(self._lineage, (s.stamp,))
+        if i == len(self._lineage) or self._lineage[i][0] != s.stamp:
+            raise StaleBackupError(
+                f"backup #{s.stamp} predates clear(), belongs to a rolled-back future, or "
+                f"is older than the last {_MAX_LIVE_BACKUPS} backups"
+            )
+        if not (self._ring.intact(s.head) and self._rel.intact(s.release_head)):
+            raise StaleBackupError(
+                f"backup #{s.stamp} was overwritten: too many {self.kind}s freed since"
+            )
+
+    def restore(self, s: FreeListState) -> None:
+        """Roll the free list back to ``s`` exactly. O(ids allocated/freed since ``s``);
+        O(F) when a merge ran since. Raises StaleBackupError / FreeGroupError /
+        InvalidArgumentError (unchanged) when ``s`` cannot be restored."""
+        self._check_restorable(s)
+        ring, rel, mask = self._ring, self._rel, self._not_in_use
+        if self._merges == s.merges:
+            # Only allocations (ring head) and frees (ring / release tails) since s.
+            mask[ring.read(s.tail, ring.tail).long()] = False
+            mask[rel.read(s.release_tail, rel.tail).long()] = False
+            mask[ring.read(s.head, min(ring.head, s.tail)).long()] = True
+        else:
+            # No group is open, so the mask is exactly the two rings: rebuild it from
+            # the backup's entries (a memset plus one scatter of its free ids).
+            mask.fill_(False)
+            mask[ring.read(s.head, s.tail).long()] = True
+            mask[rel.read(s.release_head, s.release_tail).long()] = True
+        ring.head, ring.tail = s.head, s.tail
+        rel.head, rel.tail = s.release_head, s.release_tail
+        self._merges = s.merges
+        del self._lineage[bisect.bisect_right(self._lineage, (s.stamp, float("inf"))):]
+
+    # ------------------------------------------------------------------ reset / checks
+    def clear(self) -> None:
+        """Everything free again, ascending; closes a group, invalidates backups. O(n)."""
+        self._ring.reset(torch.arange(1, self.num_ids + 1, dtype=torch.int32, device=self.device))
+        self._rel.reset(self._rel.buf[:0])
+        self._not_in_use.fill_(True)
+        self._not_in_use[0] = False
+        self._group: Optional[List[torch.Tensor]] = None
+        self._group_count = 0
+        self._merges = 0
+        # (stamp, ring head, release head) of the backups that are ancestors of the
+        # current state, oldest first: the only ones restore() accepts.
+        self._lineage: List[Tuple[int, int, int]] = []
+
+    def check_invariants(self, owner: str) -> None:
+        """InvariantError naming the ids unless free_pages, release_pages and the open
+        group hold exactly the ids marked not in use, each once, and counts conserve.
+        O(num_ids)."""
+        if not self.need_sort and len(self._rel):
+            raise InvariantError(f"{owner}: release_pages used without need_sort")
+        lists = {"free_pages": self._ring.live(), "release_pages": self._rel.live()}
+        if self._group:
+            lists["free_group"] = torch.cat(self._group)
+        check_free_lists(owner, self._not_in_use, lists, kind=self.kind)
+        c = self.counts()
+        marked = int(self._not_in_use.sum())
+        if c.in_use < 0 or marked != c.free + c.release + c.group:
+            raise InvariantError(
+                f"{owner}: counts do not conserve: {c}, {marked} {self.kind}s marked not in use"
+            )
+        grp = sum(int(t.numel()) for t in self._group) if self._group else 0
+        if grp != c.group:
+            raise InvariantError(f"{owner}: free group holds {grp} ids, counted {c.group}")
+
+
+__all__ = [
+    "FreeGroupError",
+    "FreeListCounts",
+    "FreeListState",
+    "PageFreeList",
+    "StaleBackupError",
+]

@@ -1,0 +1,53 @@
+"""``TokenToKVPoolAllocator``: hands out single KV slots (page size 1), SGLang style.
+
+Slots are ``1..size``; slot 0 is the padding slot and is never handed out. Costs: see
+``radixkv.allocator.page_free_list`` (alloc O(n); free O(k log k) with checks; backup O(1)).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from radixkv.allocator.base import BaseKVAllocator
+from radixkv.allocator.validation import as_id_tensor, check_count, check_ids_in_range
+
+
+class TokenToKVPoolAllocator(BaseKVAllocator):
+    """KV slot allocator with page size 1.
+
+    Args:
+        size: usable slots (ids ``1..size``).
+        device: where indices live; ``alloc`` returns int64 tensors on it.
+        need_sort: freed slots wait in ``release_pages`` and are merged, sorted, into
+            ``free_pages`` only when an ``alloc`` would otherwise fall short.
+        kvcache: the KV buffer object this allocator serves (``get_kvcache()``).
+        checks: validate ``free`` (off only for benchmarks: bad frees then corrupt state).
+    """
+
+    def __init__(self, size: int, device="cpu", need_sort: bool = False, kvcache: Any = None,
+                 checks: bool = True):
+        super().__init__(size, 1, device, need_sort, kvcache, checks, kind="slot")
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` free slots (int64 on ``device``), or None (state unchanged) when
+        fewer are available. O(need_size), plus a merge under need_sort when needed.
+
+        Raises InvalidArgumentError for a negative or non-int ``need_size``."""
+        return self._fl.alloc(check_count(need_size, "need_size"))
+
+    def free(self, free_index) -> None:
+        """Return slots (int32/int64 tensor or numpy array, any shape). Inside a free group
+        they are released at ``free_group_end()``. O(k log k) with checks.
+
+        Raises (state unchanged): InvalidArgumentError (non-integer dtype),
+        InvalidIndexError (slot 0 or > size), DoubleFreeError (already free, pending
+        release, in the open group, or repeated in the call)."""
+        self._fl.free(as_id_tensor(free_index, self.device, "free_index"))
+
+    def is_free(self, indices) -> torch.Tensor:
+        """Bool tensor: whether each slot is not in use (free, pending or in a group).
+        Raises InvalidIndexError for slots outside ``0..size``. O(k)."""
+        ids = as_id_tensor(indices, self.device, "indices")
+        check_ids_in_range(ids, 0, self.size, "slot")
+        return self._fl.is_free(ids)
