@@ -1,0 +1,27 @@
+"""Memory pools (SGLang's memory pool, layers 1 and 3): each pool's tensors are views into one
+contiguous allocation (:mod:`radixkv.memory.arena`), so a pool is one block of memory.
+
+* ``ReqToTokenPool``: request row -> KV indices table.
+* ``MHATokenToKVPool`` / ``MLATokenToKVPool``: per-token K/V buffers of full-attention layers.
+* ``MambaPool`` / ``KimiLinearStateShape``: fixed-size recurrent state slots (KDA / Mamba).
+* ``HybridReqToTokenPool`` / ``HybridLinearKVPool``: the hybrid (linear + full attention) pools.
+"""
+from radixkv.memory.arena import Arena, ArenaLayout, TensorSpec, plan_layout
+from radixkv.memory.req_to_token import ReqToTokenPool
+from radixkv.memory.kv_pool import KVCache, KVSizeBytes, MHATokenToKVPool, MLATokenToKVPool
+from radixkv.memory.mamba_pool import (
+    KimiLinearStateShape,
+    Mamba2LayerCache,
+    MambaCache,
+    MambaPool,
+    MambaStateSizeBytes,
+)
+from radixkv.memory.hybrid import HybridLinearKVPool, HybridReqToTokenPool
+
+__all__ = [
+    "Arena", "ArenaLayout", "TensorSpec", "plan_layout",
+    "ReqToTokenPool",
+    "KVCache", "KVSizeBytes", "MHATokenToKVPool", "MLATokenToKVPool",
+    "KimiLinearStateShape", "Mamba2LayerCache", "MambaCache", "MambaPool", "MambaStateSizeBytes",
+    "HybridLinearKVPool", "HybridReqToTokenPool",
+]

@@ -1,0 +1,236 @@
+"""Pools of hybrid models (linear-attention KDA / Mamba layers mixed with full attention).
+
+* :class:`HybridReqToTokenPool` -- a :class:`ReqToTokenPool` whose requests also hold one
+  :class:`MambaPool` slot each; ``req_index_to_mamba_index_mapping[row]`` is the slot of the
+  request holding ``row`` (0 for a free row).
+* :class:`HybridLinearKVPool` (in :mod:`radixkv.memory.hybrid_kv`, re-exported here) --
+  routes global layer ids: full-attention layers to a KV pool, linear (KDA) layers to the
+  Mamba pool's layers.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from radixkv.errors import DoubleFreeError, InvalidArgumentError, InvariantError, describe_ids
+from radixkv.memory._checks import check_range, index_tensor
+from radixkv.memory.arena import DEFAULT_ALIGNMENT
+from radixkv.memory.mamba_pool import Mamba2LayerCache, MambaPool
+from radixkv.memory.req_to_token import ReqToTokenPool
+
+MAPPING = "req_index_to_mamba_index_mapping"
+OWNER = "mamba_index_to_req_index"
+
+
+class HybridReqToTokenPool(ReqToTokenPool):
+    """Request rows plus one Mamba state slot per request.
+
+    Pass an existing ``mamba_pool`` (on the same device type), or the arguments to build one
+    (``conv_state_shape``, ``temporal_state_shape``, ``num_mamba_layers``; ``mamba_size``
+    defaults to ``size``). Besides ``req_to_token`` the arena holds
+    ``req_index_to_mamba_index_mapping`` (int32 ``[size+1]``, row -> slot) and its inverse
+    ``mamba_index_to_req_index`` (int32 ``[mamba_size+1]``, slot -> row, 0 when no row maps
+    to the slot), which makes the "slot already mapped" check O(1) per request.
+
+    A slot outlives its row when freed with ``free_mamba_cache=False`` (the request, or a
+    cache, keeps ``req.mamba_pool_idx``); such a request keeps that slot on its next ``alloc``.
+    """
+
+    def __init__(self, size: int, max_context_len: int, mamba_pool: Optional[MambaPool] = None, *,
+                 mamba_size: Optional[int] = None, conv_state_shape: Optional[Sequence[int]] = None,
+                 temporal_state_shape: Optional[Sequence[int]] = None,
+                 num_mamba_layers: Optional[int] = None,
+                 mamba_dtype: Union[torch.dtype, str] = torch.float32,
+                 conv_dtype: Union[torch.dtype, str, None] = None,
+                 temporal_dtype: Union[torch.dtype, str, None] = None,
+                 device: Union[str, torch.device] = "cpu", checks: bool = True,
+                 buffer: Optional[torch.Tensor] = None, alignment: int = DEFAULT_ALIGNMENT):
+        device = torch.device(device)
+        if mamba_pool is None:
+            if conv_state_shape is None or temporal_state_shape is None or num_mamba_layers is None:
+                raise InvalidArgumentError("pass a mamba_pool, or conv_state_shape, temporal_state_shape "
+                                           "and num_mamba_layers to build one")
+            mamba_pool = MambaPool(size if mamba_size is None else mamba_size, conv_state_shape,
+                                   temporal_state_shape, num_mamba_layers, mamba_dtype, device,
+                                   conv_dtype=conv_dtype, temporal_dtype=temporal_dtype, checks=checks)
+        elif not isinstance(mamba_pool, MambaPool):
+            raise InvalidArgumentError(f"mamba_pool must be a MambaPool, got {type(mamba_pool).__name__}")
+        elif mamba_pool.device.type != device.type:
+            raise InvalidArgumentError(f"mamba_pool is on {mamba_pool.device}, the pool on {device}")
+        self.mamba_pool = mamba_pool
+        super().__init__(size, max_context_len, device, checks=checks, buffer=buffer, alignment=alignment)
+        self.req_index_to_mamba_index_mapping: torch.Tensor = self.arena[MAPPING]
+        self._slot_owner: torch.Tensor = self.arena[OWNER]
+
+    def _extra_entries(self) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+        return [(MAPPING, (self.size + 1,), torch.int32),
+                (OWNER, (self.mamba_pool.size + 1,), torch.int32)]
+
+    # -- alloc / free ---------------------------------------------------------------------
+    def _validate_slots(self, reqs: List[Any]) -> None:
+        """Every held slot is allocated, held by one request, and consistent with its row."""
+        orphan = [r.rid for r in reqs if r.req_pool_idx is not None and r.mamba_pool_idx is None]
+        if orphan:
+            raise InvalidArgumentError(f"requests hold a row but no mamba slot: {orphan!r}")
+        held = [r.mamba_pool_idx for r in reqs if r.mamba_pool_idx is not None]
+        if not held:
+            return
+        slots = self.mamba_pool.validate_allocated(held, "mamba_pool_idx")
+        if len(set(int(h) for h in held)) != len(held):
+            raise InvalidArgumentError(f"two requests hold the same mamba slot: {sorted(held)}")
+        owners = self._slot_owner[slots].cpu().tolist()
+        for r, owner in zip((r for r in reqs if r.mamba_pool_idx is not None), owners):
+            if r.req_pool_idx is None and owner != 0:
+                raise InvalidArgumentError(
+                    f"request {r.rid!r} holds mamba slot {r.mamba_pool_idx} that row {owner} maps to")
+            if r.req_pool_idx is not None and owner != r.req_pool_idx:
+                raise InvalidArgumentError(
+                    f"request {r.rid!r}: row {r.req_pool_idx} does not map to its mamba slot "
+                    f"{r.mamba_pool_idx}")
+
+    def alloc(self, reqs: Iterable[Any]) -> Optional[List[int]]:
+        """Give each request without a row a row, and each request without a Mamba slot a
+        (zeroed) slot; record row -> slot in ``req_index_to_mamba_index_mapping`` and set
+        ``req.mamba_pool_idx``. All or nothing across both pools.
+
+        Returns:
+            Every request's row, or ``None`` when rows or slots run out (nothing changes).
+        Raises (nothing changes): as ``ReqToTokenPool.alloc``, plus ``InvalidArgumentError``
+            when a held slot is free, shared, mapped to another row, or not its row's slot.
+        """
+        reqs = list(reqs)
+        self._held_rows(reqs)
+        self._validate_slots(reqs)
+        new_rows = [r for r in reqs if r.req_pool_idx is None]
+        new_slots = [r for r in reqs if r.mamba_pool_idx is None]
+        if len(new_rows) > self.available_size() or len(new_slots) > self.mamba_pool.available_size():
+            return None
+        if new_slots:
+            slots = self.mamba_pool.alloc(len(new_slots))
+            for r, s in zip(new_slots, slots.tolist()):
+                r.mamba_pool_idx = int(s)
+        if new_rows:
+            rows = self.free_slots.alloc(len(new_rows))
+            for r, row in zip(new_rows, rows.tolist()):
+                r.req_pool_idx = int(row)
+            rows_t = rows.to(self.device)
+            slots_t = torch.tensor([r.mamba_pool_idx for r in new_rows], dtype=torch.int64, device=self.device)
+            self.req_index_to_mamba_index_mapping[rows_t] = slots_t.to(torch.int32)
+            self._slot_owner[slots_t] = rows_t.to(torch.int32)
+        return [r.req_pool_idx for r in reqs]
+
+    def free(self, req: Any, free_mamba_cache: bool = True) -> None:
+        """Free ``req``'s row (and unmap its slot); with ``free_mamba_cache`` also free the slot
+        and set ``req.mamba_pool_idx = None``, else the request keeps the (allocated) slot.
+
+        Raises (nothing changes): as ``ReqToTokenPool.free``, plus ``InvalidArgumentError``
+        when ``req.mamba_pool_idx`` is not the slot its row maps to.
+        """
+        row = self._host_row(req)
+        if bool(self.free_slots.is_free(torch.tensor([row]))[0]):
+            raise DoubleFreeError(f"row {row} of request {getattr(req, 'rid', req)!r} is already free")
+        slot = int(self.req_index_to_mamba_index_mapping[row])
+        if req.mamba_pool_idx is None or int(req.mamba_pool_idx) != slot:
+            raise InvalidArgumentError(
+                f"request {getattr(req, 'rid', req)!r}: mamba_pool_idx {req.mamba_pool_idx} is not "
+                f"the slot {slot} its row {row} maps to")
+        self.req_index_to_mamba_index_mapping[row] = 0
+        self._slot_owner[slot] = 0
+        self.free_slots.free(torch.tensor([row], dtype=torch.int64))
+        req.req_pool_idx = None
+        if free_mamba_cache:
+            self.mamba_pool.free(slot)
+            req.mamba_pool_idx = None
+
+    def clear(self) -> None:
+        """Every row and every Mamba slot free again, the mappings zeroed."""
+        super().clear()
+        self.mamba_pool.clear()
+        self.req_index_to_mamba_index_mapping.zero_()
+        self._slot_owner.zero_()
+
+    # -- lookups --------------------------------------------------------------------------
+    def get_mamba_indices(self, req_pool_indices: Any) -> torch.Tensor:
+        """The Mamba slots (int32) of rows ``req_pool_indices`` (row 0 -> slot 0).
+        Raises ``InvalidIndexError`` for a row outside ``[0, size]`` (with ``checks``)."""
+        idx = index_tensor(req_pool_indices, self.device, "req_pool_indices")
+        if self.checks:
+            check_range(idx, 0, self.size + 1, "req_pool_indices")
+        return self.req_index_to_mamba_index_mapping[idx]
+
+    def mamba2_layer_cache(self, layer_id: Any) -> Mamba2LayerCache:
+        """The Mamba pool's views of linear layer ``layer_id`` (see ``MambaPool``)."""
+        return self.mamba_pool.mamba2_layer_cache(layer_id)
+
+    # -- invariants -----------------------------------------------------------------------
+    def check_invariants(self, reqs: Optional[Iterable[Any]] = None) -> None:
+        """Rows and slots sound, and the mapping consistent with them: every row in use maps
+        to a distinct allocated slot that maps back to it; free rows map to 0; no slot maps to
+        a free row. Given ``reqs`` (every live request), also as ``ReqToTokenPool``, and each
+        request's ``mamba_pool_idx`` is its row's slot (or, without a row, an allocated slot no
+        row maps to), no slot held twice. O(size). Raises ``InvariantError`` naming the ids."""
+        if reqs is not None:
+            reqs = list(reqs)
+        super().check_invariants(reqs)
+        self.mamba_pool.check_invariants()
+        rows = torch.arange(1, self.size + 1, dtype=torch.int64)
+        in_use = ~self.free_slots.is_free(rows).cpu()
+        mapping = self.req_index_to_mamba_index_mapping.cpu().to(torch.int64)
+        owner = self._slot_owner.cpu().to(torch.int64)
+        m = mapping[1:]
+        if int(mapping[0]) != 0:
+            raise InvariantError(f"padding row 0 maps to mamba slot {int(mapping[0])}")
+        stale = rows[~in_use & (m != 0)]
+        if stale.numel():
+            raise InvariantError(f"free rows still mapped to mamba slots: {describe_ids(stale.tolist())}")
+        bad = rows[in_use & ((m < 1) | (m > self.mamba_pool.size))]
+        if bad.numel():
+            raise InvariantError(f"rows in use without a valid mamba slot: {describe_ids(bad.tolist())}")
+        used_rows, slots = rows[in_use], m[in_use]
+        s, _ = torch.sort(slots)
+        dup = torch.unique(s[1:][s[1:] == s[:-1]])
+        if dup.numel():
+            raise InvariantError(f"mamba slots mapped by two rows: {describe_ids(dup.tolist())}")
+        if slots.numel():
+            free_slot = self.mamba_pool.free_slots.is_free(slots.to(self.mamba_pool.device)).cpu()
+            if bool(free_slot.any()):
+                raise InvariantError(f"rows mapped to free mamba slots: rows "
+                                     f"{describe_ids(used_rows[free_slot].tolist())}")
+            back = owner[slots] != used_rows
+            if bool(back.any()):
+                raise InvariantError(f"mamba slots whose owner is not their row: "
+                                     f"{describe_ids(slots[back].tolist())}")
+        owned = torch.nonzero(owner).flatten()
+        if int(owner[0]) != 0 or owned.numel() != slots.numel():
+            extra = owned[~torch.isin(owned, slots)] if owned.numel() else owned
+            raise InvariantError(f"mamba slots owned by no row in use: {describe_ids(extra.tolist())}")
+        if reqs is not None:
+            self._check_req_slots(reqs, mapping, owner)
+
+    def _check_req_slots(self, reqs: List[Any], mapping: torch.Tensor, owner: torch.Tensor) -> None:
+        held = [int(r.mamba_pool_idx) for r in reqs if r.mamba_pool_idx is not None]
+        if len(set(held)) != len(held):
+            dup = sorted({h for h in held if held.count(h) > 1})
+            raise InvariantError(f"mamba slots held by two requests: {describe_ids(dup)}")
+        bad_rows = [r.req_pool_idx for r in reqs if r.req_pool_idx is not None
+                    and (r.mamba_pool_idx is None or int(mapping[r.req_pool_idx]) != int(r.mamba_pool_idx))]
+        if bad_rows:
+            raise InvariantError(f"rows whose request's mamba_pool_idx is not their slot: "
+                                 f"{describe_ids(bad_rows)}")
+        detached = [int(r.mamba_pool_idx) for r in reqs
+                    if r.req_pool_idx is None and r.mamba_pool_idx is not None]
+        if detached:
+            t = torch.tensor(detached, dtype=torch.int64)
+            if bool((t < 1).any()) or bool((t > self.mamba_pool.size).any()):
+                raise InvariantError(f"held mamba slots out of range: {describe_ids(detached)}")
+            free = self.mamba_pool.free_slots.is_free(t.to(self.mamba_pool.device)).cpu()
+            mapped = owner[t] != 0
+            if bool(free.any()) or bool(mapped.any()):
+                raise InvariantError(f"slots held without a row that are free: "
+                                     f"{describe_ids(t[free].tolist())}; or mapped by a row: "
+                                     f"{describe_ids(t[mapped].tolist())}")
+
+
+# The hybrid KV pool lives in its own module; importable from here too.
+from radixkv.memory.hybrid_kv import HybridLinearKVPool  # noqa: E402,F401

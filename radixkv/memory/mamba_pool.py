@@ -1,0 +1,281 @@
+"""Fixed-size recurrent state slots for linear-attention layers (Mamba / KDA).
+
+A request on a hybrid model holds one *slot* of a :class:`MambaPool`: for every linear layer
+a conv state (the causal conv1d's sliding window) and a temporal state (the SSM / delta-rule
+matrix), both of a size independent of the sequence length. Slots ``1..size`` are handed out
+(slot 0 is padding); the states live in one :class:`~radixkv.memory.arena.Arena`, the free
+slots in one :class:`~radixkv.allocator.FreeSlots` on the pool's device.
+
+:class:`KimiLinearStateShape` computes the two state shapes of a Kimi Linear (KDA) layer.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from radixkv.allocator import FreeSlots
+from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.kernels.state_copy import copy_states, resolve_backend
+from radixkv.memory._checks import (
+    check_allocated,
+    check_range,
+    check_same_length,
+    check_unique,
+    index_tensor,
+    layer_index,
+)
+from radixkv.memory.arena import DEFAULT_ALIGNMENT, Arena, parse_dtype, plan_layout
+
+GiB = 1 << 30
+
+
+def _check_pos(name: str, v: Any, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def _check_shape(name: str, shape: Sequence[int]) -> Tuple[int, ...]:
+    try:
+        out = tuple(shape)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be a sequence of ints, got {shape!r}") from None
+    for d in out:
+        _check_pos(f"{name} dimension", d)
+    return out
+
+
+class KimiLinearStateShape(NamedTuple):
+    """State shapes of one KDA (Kimi Delta Attention) layer on one tensor-parallel rank.
+
+    * ``conv = (conv_kernel_size - 1, proj_size / tp)``: the causal conv1d's window of the
+      last ``conv_kernel_size - 1`` inputs.
+    * ``temporal = (num_heads / tp, head_dim, head_dim)``: one ``head_dim x head_dim``
+      delta-rule state per head.
+
+    ``proj_size`` (the conv's channel count) defaults to ``num_heads * head_dim * 3``: the
+    q, k and v projections concatenated into ONE conv state, since a ``MambaPool`` holds one
+    conv tensor per layer. (SGLang keeps three conv states of ``num_heads * head_dim``
+    channels each instead; the seed's example ``conv (3, 4096)`` for 32 heads of 128 is one
+    of those, i.e. ``proj_size=4096`` here.)
+    """
+
+    conv: Tuple[int, int]
+    temporal: Tuple[int, int, int]
+    num_heads: int
+    head_dim: int
+    conv_kernel_size: int
+    proj_size: int
+    tp_world_size: int
+
+    @classmethod
+    def create(cls, num_heads: int, head_dim: int, conv_kernel_size: int,
+               proj_size: Optional[int] = None, tp_world_size: int = 1) -> "KimiLinearStateShape":
+        """Shapes for one rank of ``tp_world_size``.
+
+        Raises:
+            InvalidArgumentError: a non-positive argument, ``conv_kernel_size < 2``, or
+                ``num_heads`` / ``proj_size`` not divisible by ``tp_world_size``.
+        """
+        _check_pos("num_heads", num_heads)
+        _check_pos("head_dim", head_dim)
+        _check_pos("conv_kernel_size", conv_kernel_size, 2)
+        _check_pos("tp_world_size", tp_world_size)
+        if proj_size is None:
+            proj_size = num_heads * head_dim * 3
+        _check_pos("proj_size", proj_size)
+        for name, v in (("num_heads", num_heads), ("proj_size", proj_size)):
+            if v % tp_world_size:
+                raise InvalidArgumentError(f"{name}={v} is not divisible by tp_world_size={tp_world_size}")
+        return cls(
+            conv=(conv_kernel_size - 1, proj_size // tp_world_size),
+            temporal=(num_heads // tp_world_size, head_dim, head_dim),
+            num_heads=num_heads, head_dim=head_dim, conv_kernel_size=conv_kernel_size,
+            proj_size=proj_size, tp_world_size=tp_world_size,
+        )
+
+
+class Mamba2LayerCache(NamedTuple):
+    """One layer's states: ``conv`` is a list holding one tensor ``[size+1, *conv_shape]``
+    (SGLang's ``layer_cache.conv[0]``), ``temporal`` is ``[size+1, *temporal_shape]``."""
+
+    conv: List[torch.Tensor]
+    temporal: torch.Tensor
+
+
+class MambaCache(NamedTuple):
+    """All layers' states: ``conv`` a one-tensor list ``[[L, size+1, *conv]]``, ``temporal``
+    ``[L, size+1, *temporal]``."""
+
+    conv: List[torch.Tensor]
+    temporal: torch.Tensor
+
+
+class MambaStateSizeBytes(NamedTuple):
+    conv_bytes: int
+    temporal_bytes: int
+
+
+class MambaPool:
+    """State slots ``1..size`` of ``num_layers`` linear-attention layers.
+
+    ``conv_state`` is ``[num_layers, size+1, *conv_state_shape]`` (dtype ``conv_dtype`` or
+    ``dtype``), ``temporal_state`` ``[num_layers, size+1, *temporal_state_shape]`` (dtype
+    ``temporal_dtype`` or ``dtype``); both are views into one arena.
+
+    ``copy_backend`` picks how ``copy_from`` moves states: ``None`` (the Triton kernel of
+    :mod:`radixkv.kernels.state_copy` on CUDA, torch indexing elsewhere), ``"torch"`` or
+    ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``). Copies whose sources and
+    destinations overlap always take the torch path, which gathers before it writes.
+
+    Costs (k = slots in the call, S = bytes of one slot over all layers): ``alloc`` O(k * S)
+    (it zeroes the slots), ``free`` O(k log k), ``copy_from`` O(k * S).
+    """
+
+    def __init__(self, size: int, conv_state_shape: Sequence[int], temporal_state_shape: Sequence[int],
+                 num_layers: int, dtype: Union[torch.dtype, str] = torch.float32,
+                 device: Union[str, torch.device] = "cpu", *,
+                 conv_dtype: Union[torch.dtype, str, None] = None,
+                 temporal_dtype: Union[torch.dtype, str, None] = None,
+                 checks: bool = True, buffer: Optional[torch.Tensor] = None,
+                 alignment: int = DEFAULT_ALIGNMENT, copy_backend: Optional[str] = None):
+        self.size = _check_pos("size", size)
+        self.num_layers = _check_pos("num_layers", num_layers)
+        self.conv_state_shape = _check_shape("conv_state_shape", conv_state_shape)
+        self.temporal_state_shape = _check_shape("temporal_state_shape", temporal_state_shape)
+        self.dtype = parse_dtype(dtype)
+        self.conv_dtype = parse_dtype(conv_dtype) if conv_dtype is not None else self.dtype
+        self.temporal_dtype = parse_dtype(temporal_dtype) if temporal_dtype is not None else self.dtype
+        self.device = torch.device(device)
+        self.checks = checks
+        self.copy_backend = resolve_backend(copy_backend, self.device)
+        entries = [
+            ("conv", (num_layers, size + 1) + self.conv_state_shape, self.conv_dtype),
+            ("temporal", (num_layers, size + 1) + self.temporal_state_shape, self.temporal_dtype),
+        ]
+        self.arena = Arena(plan_layout(entries, alignment), self.device, buffer)
+        self.conv_state: torch.Tensor = self.arena["conv"]
+        self.temporal_state: torch.Tensor = self.arena["temporal"]
+        self.mamba_cache = MambaCache(conv=[self.conv_state], temporal=self.temporal_state)
+        self.free_slots = FreeSlots(size, device=self.device)
+
+    @classmethod
+    def from_state_shape(cls, size: int, shape: KimiLinearStateShape, num_layers: int,
+                         dtype: Union[torch.dtype, str] = torch.float32,
+                         device: Union[str, torch.device] = "cpu", **kwargs) -> "MambaPool":
+        """A pool for layers of the given :class:`KimiLinearStateShape`."""
+        return cls(size, shape.conv, shape.temporal, num_layers, dtype, device, **kwargs)
+
+    # -- slots ----------------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Free slots."""
+        return int(self.free_slots.available())
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        """Take ``n`` free slots (int64 tensor on the pool device) and zero their states in
+        every layer; ``None`` (nothing changes) when fewer than ``n`` are free.
+
+        Raises ``InvalidArgumentError`` when ``n`` is not a non-negative int.
+        """
+        ids = self.free_slots.alloc(n)
+        if ids is None or ids.numel() == 0:
+            return ids
+        self.conv_state[:, ids] = 0
+        self.temporal_state[:, ids] = 0
+        return ids
+
+    def _slots(self, idx: Any, what: str) -> torch.Tensor:
+        if isinstance(idx, torch.Tensor) and idx.device != self.device:
+            raise InvalidArgumentError(f"{what} are on {idx.device}, the pool on {self.device}")
+        return index_tensor(idx, self.device, what)
+
+    def free(self, indices: Any) -> None:
+        """Return slots ``indices`` (tensor, array, sequence or int).
+
+        Raises (nothing changes): ``InvalidIndexError`` (outside ``1..size``),
+        ``DoubleFreeError`` (already free, or repeated), ``InvalidArgumentError`` (dtype).
+        """
+        self.free_slots.free(self._slots(indices, "indices"))
+
+    def validate_allocated(self, indices: Any, what: str = "slot") -> torch.Tensor:
+        """``indices`` as an int64 tensor, checked to lie in ``1..size`` and be allocated.
+
+        Raises ``InvalidIndexError`` / ``InvalidArgumentError`` naming the bad slots.
+        """
+        idx = self._slots(indices, what)
+        check_range(idx, 1, self.size + 1, what)
+        check_allocated(self.free_slots, idx, what)
+        return idx
+
+    def copy_from(self, src_indices: Any, dst_indices: Any) -> None:
+        """Fork: copy every layer's conv and temporal state of slot ``src[i]`` into ``dst[i]``.
+
+        Overlap is fine (the sources are gathered before anything is written).
+
+        Raises (nothing changes): ``LengthMismatchError`` (lengths differ),
+        ``InvalidIndexError`` (outside ``1..size``), ``InvalidArgumentError`` (a slot not
+        allocated, or a destination repeated).
+        """
+        src = self._slots(src_indices, "src_indices")
+        dst = self._slots(dst_indices, "dst_indices")
+        check_same_length(src.numel(), dst.numel(), "copy_from: len(src_indices) vs len(dst_indices)")
+        self.validate_allocated(src, "src slot")
+        self.validate_allocated(dst, "dst slot")
+        check_unique(dst, "dst slots")
+        if src.numel() == 0:
+            return
+        if self.copy_backend == "triton" and not bool(torch.isin(dst, src).any()):
+            # the kernel copies pair by pair, so it needs sources and destinations disjoint
+            copy_states(self.conv_state, self.temporal_state, src, dst, backend="triton", checks=False)
+            return
+        self.conv_state[:, dst] = self.conv_state[:, src]  # gathers first: overlap is fine
+        self.temporal_state[:, dst] = self.temporal_state[:, src]
+
+    def clear(self) -> None:
+        """Every slot free again (states are zeroed on the next ``alloc``)."""
+        self.free_slots.clear()
+
+    # -- views ----------------------------------------------------------------------------
+    def mamba2_layer_cache(self, layer_id: Any) -> Mamba2LayerCache:
+        """Views of layer ``layer_id`` (an int in ``[0, num_layers)``); ``.conv[0]`` is its
+        conv state, ``.temporal`` its temporal state. Raises ``InvalidIndexError``."""
+        lid = layer_index(layer_id, self.num_layers)
+        return Mamba2LayerCache(conv=[self.conv_state[lid]], temporal=self.temporal_state[lid])
+
+    # -- accounting -----------------------------------------------------------------------
+    def get_state_size_bytes(self) -> MambaStateSizeBytes:
+        """Bytes of all conv states and all temporal states (every layer, slot 0 included)."""
+        return MambaStateSizeBytes(self.conv_state.numel() * self.conv_state.element_size(),
+                                   self.temporal_state.numel() * self.temporal_state.element_size())
+
+    @property
+    def slot_bytes(self) -> MambaStateSizeBytes:
+        """Bytes one slot holds in ONE layer: ``(conv, temporal)``."""
+        return MambaStateSizeBytes(math.prod(self.conv_state_shape) * self.conv_dtype.itemsize,
+                                   math.prod(self.temporal_state_shape) * self.temporal_dtype.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool's one allocation (alignment padding included)."""
+        return self.arena.nbytes
+
+    @property
+    def mem_usage(self) -> float:
+        """GiB of conv + temporal states."""
+        return sum(self.get_state_size_bytes()) / GiB
+
+    def check_invariants(self) -> None:
+        """Free slots sound (no leaked / double-freed / duplicated slot, slot 0 never free), and
+        the states alias the arena with their shapes. Raises ``InvariantError``."""
+        self.free_slots.check_invariants()
+        self.arena.check_invariants()
+        want_c = (self.num_layers, self.size + 1) + self.conv_state_shape
+        want_t = (self.num_layers, self.size + 1) + self.temporal_state_shape
+        if (self.conv_state is not self.arena.views.get("conv")
+                or self.temporal_state is not self.arena.views.get("temporal")
+                or tuple(self.conv_state.shape) != want_c or tuple(self.temporal_state.shape) != want_t):
+            raise InvariantError(f"MambaPool states (shapes {tuple(self.conv_state.shape)}, "
+                                 f"{tuple(self.temporal_state.shape)}; want {want_c}, {want_t}) "
+                                 "are not the arena's views")
