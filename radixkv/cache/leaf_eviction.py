@@ -1,0 +1,68 @@
+"""``RadixCache.evict``: walking the evictable-leaf index (the mechanics; the order comes
+from the policy, see :mod:`radixkv.cache.eviction`).
+
+The index is a ``SortedKeyList`` of the unlocked leaves keyed by the sort key each was
+filed under (``node.skey``). Popping its front is O(log L); a leaf whose key went stale
+since it was filed (lazy policies) is re-filed instead of evicted, and a parent whose last
+child goes is filed in turn, so an eviction costs O(evicted nodes x log L).
+"""
+from __future__ import annotations
+
+from typing import List
+
+from radixkv.cache.rows import check_count
+
+__all__ = ["evict"]
+
+
+def evict(cache, num_tokens: int) -> int:
+    """Evict unlocked leaves in the policy's order until ``num_tokens`` tokens are freed
+    (or nothing evictable is left); a parent whose last child goes becomes a candidate.
+    All evicted rows go back to the allocator in ONE ``free`` call.
+
+    Returns the number of tokens freed (whole nodes, so possibly more than asked).
+    Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
+    O(evicted nodes x log L).
+    """
+    num_tokens = check_count(num_tokens, "num_tokens")
+    if cache.disable or num_tokens == 0 or not cache._leaves:
+        return 0
+    leaves = cache._leaves
+    sort_key = cache._sort_key
+    lazy = cache._lazy
+    on_evict = cache._on_evict
+    events = cache.kv_events
+    pb = cache._pb
+    freed: List[bytes] = []
+    evicted = 0
+    while evicted < num_tokens and leaves:
+        node = leaves[0]
+        if lazy:
+            k = sort_key(node)
+            if k != node.skey:  # touched since it was filed: re-file, look again
+                leaves.pop(0)
+                node.skey = k
+                leaves.add(node)
+                continue
+        leaves.pop(0)
+        node.skey = None
+        kb = node.kbuf
+        parent = node.parent
+        del parent.children[kb[:pb]]
+        evicted += len(kb) >> 2
+        freed.append(node.vbuf)
+        if on_evict is not None:
+            on_evict(node)
+        if events is not None:
+            events.on_removed(node.block_hashes)
+        if not parent.children:
+            if parent.parent is not None:
+                if parent.lock_ref == 0:
+                    parent.skey = sort_key(parent)
+                    leaves.add(parent)
+            elif parent.extra_key is not None:  # an empty namespace goes away
+                del cache._heads[parent.extra_key]
+    cache._evictable -= evicted
+    cache._free_rows(freed)
+    cache._metrics.record_evict(evicted)
+    return evicted

@@ -1,0 +1,478 @@
+"""``RadixCache``: token prefix -> KV rows, a radix tree over int32 token ids (SGLang's
+RadixCache, rebuilt for speed and memory).
+
+Shape of the tree: one empty :class:`NamespaceHead` per ``extra_key`` (``root_node`` is the
+head of the ``None`` namespace); below it, :class:`TreeNode` edges, each holding a whole
+number of pages of tokens and their KV row indices as int32 bytes. A node's children are
+keyed by the bytes of their first page.
+
+Cost model (n = key tokens, d = nodes on the matched path, L = evictable leaves):
+
+* ``match_prefix``: O(d) dict probes + O(n) ``memcmp`` + one concatenation of the matched
+  rows and one int32->int64 conversion; a match ending inside a node splits it (O(node)).
+* ``insert``: the same walk, then one copy of the new tail; O(log L) to file the new leaf.
+* ``evict``: O(evicted nodes x log L); all the evicted rows go back in ONE allocator call.
+* ``inc_lock_ref`` / ``dec_lock_ref``: O(depth) (+ O(log L) for the bottom node).
+
+Every call that rejects its input raises a :mod:`radixkv.errors` type and leaves the tree
+exactly as it was: arguments are validated, and the walk is done read-only, before the
+first mutation (a split, a new node, a size change).
+
+The request-level entry points (``cache_finished_req`` / ``cache_unfinished_req``) live in
+:mod:`radixkv.cache.req_cache`; the audit (``check_invariants`` / ``pretty_print``) in
+:mod:`radixkv.cache.tree_audit`.
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any, Iterator, List, NamedTuple, Tuple, Union
+
+import numpy as np
+import torch
+from sortedcontainers import SortedKeyList
+
+from radixkv.cache import leaf_eviction, req_cache, tree_audit
+from radixkv.cache.eviction import EvictionPolicy, make_policy
+from radixkv.cache.metrics import CacheMetrics
+from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
+from radixkv.cache.rows import check_value, rows_bytes, rows_tensor
+from radixkv.cache.tree_node import NamespaceHead, TreeNode
+from radixkv.errors import AlignmentError, InvalidArgumentError
+
+__all__ = ["RadixCache", "MatchResult"]
+
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+
+
+class MatchResult(NamedTuple):
+    """Result of :meth:`RadixCache.match_prefix`.
+
+    Attributes:
+        device_indices: int64 tensor (on the cache's device) of the KV rows of the longest
+            cached page-aligned prefix of the key; length ``prefix_len``.
+        last_node: the node where that prefix ends (the one to lock); a namespace head
+            when nothing matched.
+        prefix_len: number of tokens matched.
+    """
+
+    device_indices: torch.Tensor
+    last_node: TreeNode
+    prefix_len: int
+
+    @property
+    def last_device_node(self) -> TreeNode:
+        """SGLang's name for ``last_node``."""
+        return self.last_node
+
+
+_tuple_new = tuple.__new__  # MatchResult(...) without its Python-level __new__ (hot path)
+
+
+class RadixCache:
+    """A radix tree mapping token prefixes (per namespace) to KV rows of a token pool.
+
+    Args:
+        req_to_token_pool: the request-to-token table (``ReqToTokenPool``), used by the
+            ``cache_*_req`` methods; ``None`` for a cache driven directly.
+        token_to_kv_pool_allocator: the KV row allocator (``alloc``/``free``/``device``);
+            evicted rows are freed to it. ``None``: rows are simply dropped.
+        page_size: tokens per page; nodes hold whole pages, keys are matched page-aligned.
+        eviction_policy: a registered name (``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``,
+            ``priority``, ``slru``) or an :class:`EvictionPolicy` instance.
+        disable: every match is empty, every insert a no-op.
+        enable_kv_events: record KV events (``take_events()``); nodes then keep their
+            per-page hashes.
+        kv_event_seed: seed of the event hash chain (see ``radixkv.cache.events``).
+        metrics_window: queries covered by the rolling hit rate.
+
+    The device (of ``MatchResult.device_indices``) is the allocator's device, else CPU.
+    """
+
+    def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
+                 page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru",
+                 disable: bool = False, enable_kv_events: bool = False,
+                 kv_event_seed: Any = None, metrics_window: int = 1000):
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise InvalidArgumentError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self._pb = 4 * page_size  # bytes per page
+        self.disable = bool(disable)
+        self.device = torch.device(getattr(token_to_kv_pool_allocator, "device", "cpu"))
+        self._on_device = self.device.type != "cpu"
+        self.policy = make_policy(eviction_policy)
+        self.policy.bind(self._refile, page_size)
+        self._sort_key = self.policy.sort_key
+        self._lazy = bool(self.policy.monotonic)
+        base = EvictionPolicy
+        kind = type(self.policy)
+        self._on_hit = self.policy.on_hit if kind.on_hit is not base.on_hit else None
+        self._on_insert = self.policy.on_insert if kind.on_insert is not base.on_insert else None
+        self._on_split = self.policy.on_split if kind.on_split is not base.on_split else None
+        self._on_evict = self.policy.on_evict if kind.on_evict is not base.on_evict else None
+        self.kv_events = None
+        if enable_kv_events:
+            from radixkv.cache.events import DEFAULT_SEED, KVEventRecorder
+
+            self.kv_events = KVEventRecorder(page_size, seed=DEFAULT_SEED if kv_event_seed is None
+                                             else kv_event_seed)
+        self._metrics = CacheMetrics(metrics_window)
+        self._record_query = self._metrics.record_query
+        self._record_insert = self._metrics.record_insert
+        self._leaves = SortedKeyList(key=attrgetter("skey"))
+        self._next_id = 0
+        self._clock = 0
+        self._clear_tree()
+
+    # ------------------------------------------------------------------ sizes, handles
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes. O(1)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Tokens in locked nodes. O(1)."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """Tokens in the tree. O(1)."""
+        return self._evictable + self._protected
+
+    def evictable_leaf_count(self) -> int:
+        """Number of evictable (unlocked, childless) nodes. O(1)."""
+        return len(self._leaves)
+
+    @property
+    def metrics(self) -> CacheMetrics:
+        """The cache's counters (``metrics.snapshot()``)."""
+        return self._metrics
+
+    @property
+    def root_node(self) -> NamespaceHead:
+        """Head of the ``None`` namespace."""
+        return self._heads[None]
+
+    def namespaces(self) -> List[Any]:
+        """The extra keys that currently have a head."""
+        return list(self._heads)
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every real node (not the heads), parents before children. O(nodes)."""
+        stack = list(self._heads.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                yield child
+                stack.append(child)
+
+    def all_values(self) -> torch.Tensor:
+        """Every KV row in the tree (int64, on the device). O(total)."""
+        joined = b"".join(n.vbuf for n in self.iter_nodes())
+        return rows_tensor(joined, self.device)
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, key: Union[RadixKey, Any], extra_key: Any = None) -> MatchResult:
+        """The longest cached page-aligned prefix of ``key`` and its KV rows.
+
+        ``key`` is a :class:`RadixKey` (preferred: no conversion) or token ids (then
+        ``extra_key`` names the namespace). A key longer than a whole number of pages is
+        matched on its page-aligned part. A match ending inside a node splits it at the
+        (page-aligned) boundary. Every node on the matched path is touched (recency) and
+        counted as a hit. With ``disable`` the match is always empty.
+
+        Raises:
+            InvalidArgumentError: tokens that are not integers / not 1-D / not int32-sized.
+        """
+        if type(key) is not RadixKey or extra_key is not None:
+            key = as_radix_key(key, extra_key)
+        buf = key._buf
+        nbytes = len(buf)
+        pb = self._pb
+        n = nbytes - nbytes % pb if pb != 4 else nbytes
+        head = self._heads.get(key.extra_key)
+        if n == 0 or head is None or self.disable:
+            self._record_query(nbytes >> 2, 0)
+            return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
+                               head if head is not None else self._heads[None], 0))
+        hit = self._on_hit
+        eager = not self._lazy
+        tick = self._clock
+        node = head
+        children = head.children
+        pos = 0
+        vals = []
+        while pos < n:
+            child = children.get(buf[pos:pos + pb])
+            if child is None:
+                break
+            kb = child.kbuf
+            end = pos + len(kb)
+            if end <= n and buf.startswith(kb, pos):
+                node = child
+                pos = end
+            else:
+                m = common_prefix_tokens(kb, buf, pos, n)
+                m = (m - m % self.page_size) * 4
+                node = self._split(child, m)
+                pos += m
+            tick += 1
+            node.last_access = tick
+            node.hits += 1
+            if hit is not None:
+                hit(node)
+            if eager and node.skey is not None:
+                self._refile(node)
+            vals.append(node.vbuf)
+            if node is not child:
+                break
+            children = node.children
+        self._clock = tick
+        self._record_query(nbytes >> 2, pos >> 2)
+        if not pos:
+            return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device), node, 0))
+        idx = torch.from_numpy(np.frombuffer(vals[0] if len(vals) == 1 else b"".join(vals),
+                                             dtype=_I32).astype(_I64))
+        if self._on_device:
+            idx = idx.to(self.device)
+        return _tuple_new(MatchResult, (idx, node, pos >> 2))
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, key: Union[RadixKey, Any], value: Any, priority: int = 0,
+               extra_key: Any = None) -> int:
+        """Insert ``key`` (a whole number of pages) with its KV rows ``value``.
+
+        Args:
+            key: a :class:`RadixKey` or token ids (``extra_key`` then names the namespace).
+            value: KV rows, an integer tensor (any device) or numpy array, one per token.
+                The rows the tree stores (those after the already-cached prefix) must lie
+                in ``[0, 2**31)``; the others are the caller's duplicates, never read.
+            priority: for the ``priority`` policy; every node on the path keeps the max.
+
+        Returns:
+            The number of leading tokens that were already cached: the tree keeps its own
+            rows for them, and the caller frees its duplicate rows ``value[:returned]``
+            that differ from the tree's.
+
+        Raises (the tree unchanged):
+            AlignmentError: the key length is not a multiple of ``page_size``.
+            LengthMismatchError: ``len(value) != len(key)``.
+            InvalidArgumentError / InvalidIndexError: bad dtype, shape, priority or rows.
+        """
+        return self._insert(as_radix_key(key, extra_key), value, priority)[0]
+
+    def _insert(self, key: RadixKey, value: Any, priority: int) -> Tuple[int, TreeNode, List[TreeNode]]:
+        """Insert; returns (prefix tokens already cached, node where the key ends, the
+        path of nodes covering the already-cached prefix)."""
+        buf = key._buf
+        n = len(buf)
+        pb = self._pb
+        if n % pb:
+            raise AlignmentError(f"key of {n >> 2} tokens is not a multiple of page_size {self.page_size}")
+        value = check_value(value, n >> 2)
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        head = self._heads.get(key.extra_key)
+        if self.disable or n == 0:
+            return 0, head if head is not None else self._heads[None], []
+        node = head
+        pos = 0
+        path: List[TreeNode] = []
+        split_child, split_at = None, 0
+        if head is not None:  # read-only walk: nothing changes before validation ends
+            children = head.children
+            while pos < n:
+                child = children.get(buf[pos:pos + pb])
+                if child is None:
+                    break
+                kb = child.kbuf
+                end = pos + len(kb)
+                if end <= n and buf.startswith(kb, pos):
+                    path.append(child)
+                    node = child
+                    pos = end
+                    children = child.children
+                    continue
+                m = common_prefix_tokens(kb, buf, pos, n)
+                split_child, split_at = child, (m - m % self.page_size) * 4
+                pos += split_at
+                break
+        tail = rows_bytes(value, pos >> 2) if pos < n else b""
+        hashes = None
+        if self.kv_events is not None and pos < n:
+            if split_child is not None:
+                parent_hash = split_child.block_hashes[split_at // pb - 1]
+            else:
+                parent_hash = node.block_hashes[-1] if node is not head else None
+            hashes = self.kv_events.on_stored(parent_hash, np.frombuffer(buf, _I32, offset=pos),
+                                              key.extra_key)
+        # ---- mutation (nothing below raises on caller input) ----
+        if head is None:
+            head = node = self._heads[key.extra_key] = NamespaceHead(self._new_id(), key.extra_key)
+        if split_child is not None:
+            node = self._split(split_child, split_at)
+            path.append(node)
+        priority = int(priority)
+        tick = self._clock
+        for x in path:
+            tick += 1
+            x.last_access = tick
+            if x.priority < priority:
+                x.priority = priority
+            if not self._lazy and x.skey is not None:
+                self._refile(x)
+        if pos < n:
+            tick += 1
+            leaf = TreeNode(self._new_id(), node, buf[pos:], tail, tick, priority)
+            leaf.block_hashes = hashes
+            if node.skey is not None:  # the parent stops being a leaf
+                self._leaves.remove(node)
+                node.skey = None
+            node.children[buf[pos:pos + pb]] = leaf
+            self._evictable += (n - pos) >> 2
+            if self._on_insert is not None:
+                self._on_insert(leaf)
+            leaf.skey = self._sort_key(leaf)
+            self._leaves.add(leaf)
+            node = leaf
+        self._clock = tick
+        self._record_insert((n - pos) >> 2)
+        return pos >> 2, node, path
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut the first ``m`` bytes (whole pages, 0 < m < len) of ``child`` into a new
+        parent; returns it. Sizes and leaf status do not change. O(len(child))."""
+        pb = self._pb
+        kb, vb = child.kbuf, child.vbuf
+        parent = child.parent
+        new = TreeNode(self._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)
+        new.last_access = child.last_access
+        new.hits = child.hits
+        new.lock_ref = child.lock_ref
+        child.kbuf = kb[m:]
+        child.vbuf = vb[m:]
+        child.parent = new
+        new.children[child.kbuf[:pb]] = child
+        parent.children[kb[:pb]] = new
+        if child.block_hashes is not None:
+            pages = m // pb
+            new.block_hashes = child.block_hashes[:pages]
+            child.block_hashes = child.block_hashes[pages:]
+        if self._on_split is not None:
+            self._on_split(new, child)
+        return new
+
+    # ------------------------------------------------------------------ evict
+    evict = leaf_eviction.evict
+
+    def _refile(self, node: TreeNode) -> None:
+        """Re-file a filed leaf under its current sort key (policies' ``rekey``)."""
+        if node.skey is not None:
+            self._leaves.remove(node)
+            node.skey = self._sort_key(node)
+            self._leaves.add(node)
+
+    # ------------------------------------------------------------------ locks
+    def _check_node(self, node: Any) -> None:
+        """Raise unless ``node`` is a live node of this tree (or a namespace head)."""
+        if not isinstance(node, TreeNode):
+            raise InvalidArgumentError(f"expected a TreeNode, got {type(node).__name__}")
+        parent = node.parent
+        if parent is None:
+            return
+        if parent.children.get(node.kbuf[:self._pb]) is not node:
+            raise InvalidArgumentError(f"node {node.id} is not in the tree (evicted?)")
+        while parent.parent is not None:
+            parent = parent.parent
+        if self._heads.get(parent.extra_key) is not parent:
+            raise InvalidArgumentError(f"node {node.id} belongs to another tree (or one reset since)")
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock ``node`` and every ancestor (protects the whole path from eviction).
+
+        Returns the change of ``evictable_size()`` (<= 0). O(depth).
+        Raises InvalidArgumentError for a node not in this tree.
+        """
+        if self.disable:
+            return 0
+        self._check_node(node)
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                delta -= len(node.kbuf) >> 2
+                if node.skey is not None:
+                    self._leaves.remove(node)
+                    node.skey = None
+            node.lock_ref += 1
+            node = node.parent
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one :meth:`inc_lock_ref` of ``node``.
+
+        Returns the change of ``evictable_size()`` (>= 0). O(depth).
+        Raises InvalidArgumentError for a node not in this tree or not locked.
+        """
+        if self.disable:
+            return 0
+        self._check_node(node)
+        if node.parent is not None and node.lock_ref < 1:
+            raise InvalidArgumentError(f"dec_lock_ref on node {node.id}, which is not locked")
+        delta = 0
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                delta += len(node.kbuf) >> 2
+                if not node.children:
+                    node.skey = self._sort_key(node)
+                    self._leaves.add(node)
+            node = node.parent
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    # ------------------------------------------------------------------ whole tree
+    def reset(self) -> None:
+        """Drop every node, freeing all their rows to the allocator (one call), and record
+        ``AllBlocksCleared``. Nodes handed out before become invalid handles."""
+        if self._heads:
+            joined = b"".join(n.vbuf for n in self.iter_nodes())
+            if joined:
+                self._free_rows([joined])
+        self._clear_tree()
+        self.policy.reset()
+        if self.kv_events is not None:
+            self.kv_events.on_cleared()
+
+    def _clear_tree(self) -> None:
+        self._heads = {None: NamespaceHead(self._new_id(), None)}
+        self._leaves.clear()
+        self._evictable = 0
+        self._protected = 0
+
+    def take_events(self) -> list:
+        """Drain the pending KV events (``[]`` when events are disabled)."""
+        return self.kv_events.take_events() if self.kv_events is not None else []
+
+    # ------------------------------------------------------------------ requests
+    cache_finished_req = req_cache.cache_finished_req
+    cache_unfinished_req = req_cache.cache_unfinished_req
+
+    # ------------------------------------------------------------------ audit
+    check_invariants = tree_audit.check_invariants
+    pretty_print = tree_audit.pretty_print
+
+    # ------------------------------------------------------------------ helpers
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _free_rows(self, bufs: List[bytes]) -> None:
+        alloc = self.token_to_kv_pool_allocator
+        if alloc is None or not bufs:
+            return
+        joined = bufs[0] if len(bufs) == 1 else b"".join(bufs)
+        if joined:
+            alloc.free(rows_tensor(joined, self.device))

@@ -1,0 +1,97 @@
+"""``TreeNode``: one edge of the radix tree (a run of tokens and their KV rows).
+
+Memory layout (the tree holds millions of tokens, so this is what the cache costs):
+
+* ``kbuf`` / ``vbuf``: the node's token ids and KV row indices as int32 ``bytes``
+  (4 bytes per token each, plus ~33 bytes of object header). ``bytes`` rather than numpy
+  arrays: smaller headers, ``startswith`` compares without copying, and ``b"".join`` builds
+  a match result in one copy. ``key`` / ``value`` give read-only int32 numpy views.
+* ``children``: a dict keyed by the child's first page as bytes (4 bytes per token).
+* ``__slots__`` only, no per-node tensors.
+
+Bookkeeping fields the cache maintains for every policy: ``lock_ref`` (requests holding the
+node), ``last_access`` / ``created`` (ticks of a logical clock, unique among leaves),
+``hits`` (matches through the node), ``priority`` (max priority of the inserts through it),
+``skey`` (the sort key it is filed under in the evictable-leaf index, ``None`` when it is
+not filed), ``pstate`` (free for the eviction policy), ``block_hashes`` (KV-event page
+hashes, kept only when events are enabled).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+__all__ = ["TreeNode", "NamespaceHead"]
+
+
+class TreeNode:
+    """A node of the radix tree; see the module docstring for the fields.
+
+    Nodes are created and mutated by :class:`~radixkv.cache.radix_cache.RadixCache` only;
+    callers treat them as opaque handles (``MatchResult.last_node``, ``Req.last_node``)
+    to pass back to ``inc_lock_ref`` / ``dec_lock_ref``.
+    """
+
+    __slots__ = ("children", "parent", "kbuf", "vbuf", "lock_ref", "last_access", "created",
+                 "hits", "priority", "skey", "id", "block_hashes", "pstate")
+
+    def __init__(self, node_id: int, parent: Optional["TreeNode"], kbuf: bytes, vbuf: bytes,
+                 tick: int = 0, priority: int = 0):
+        self.children: Dict[bytes, TreeNode] = {}
+        self.parent = parent
+        self.kbuf = kbuf
+        self.vbuf = vbuf
+        self.lock_ref = 0
+        self.last_access = tick
+        self.created = tick
+        self.hits = 0
+        self.priority = priority
+        self.skey: Any = None
+        self.id = node_id
+        self.block_hashes: Optional[list] = None
+        self.pstate: Any = None
+
+    @property
+    def key(self) -> np.ndarray:
+        """The node's token ids (read-only int32 view)."""
+        return np.frombuffer(self.kbuf, dtype=np.int32)
+
+    @property
+    def value(self) -> np.ndarray:
+        """The node's KV row indices (read-only int32 view)."""
+        return np.frombuffer(self.vbuf, dtype=np.int32)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.kbuf) >> 2
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def is_head(self) -> bool:
+        """True for the empty head of a namespace (it holds no tokens, is never evicted)."""
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        head = self.key[:6].tolist()
+        more = ", ..." if self.num_tokens > 6 else ""
+        return (f"TreeNode(id={self.id}, tokens={self.num_tokens} {head}{more}, "
+                f"lock_ref={self.lock_ref}, children={len(self.children)})")
+
+
+class NamespaceHead(TreeNode):
+    """The empty head of one namespace (``extra_key``). It has no parent, no tokens, and a
+    lock count the cache never changes; the tree's real nodes hang below it."""
+
+    __slots__ = ("extra_key",)
+
+    def __init__(self, node_id: int, extra_key: Any):
+        super().__init__(node_id, None, b"", b"", tick=0, priority=-(1 << 62))
+        self.extra_key = extra_key
+        self.lock_ref = 1
+
+    def __repr__(self) -> str:
+        return f"NamespaceHead(id={self.id}, extra_key={self.extra_key!r}, children={len(self.children)})"
