@@ -1,0 +1,377 @@
+"""The scheduler's memory flow (seed section 5; SGLang's ``mem_cache/common.py``).
+
+* :func:`alloc_for_extend`: match every new request's prefix in the tree and lock it, give
+  it a row of ``req_to_token``, take KV slots for the tokens to compute (evicting from the
+  tree when the allocator falls short), and write prefix + new slots into the rows.
+* :func:`alloc_for_decode`: one KV slot per request for the token it just generated.
+* :func:`release_kv_cache`: a finished request's KV goes into the tree, its row is freed.
+* :func:`conservation` / :func:`check_conservation`: every KV slot of the pool is exactly
+  one of: free, in the tree (evictable or protected), or held by a running request and not
+  yet in the tree.
+
+All-or-nothing: when a call raises (bad input, or ``CapacityError`` when even eviction
+cannot make room) no lock, row or slot it took is kept, and no request or batch field
+changes. Eviction runs only once the call knows it will succeed (``available + evictable
+>= needed``), so a refused call evicts nothing; matching may still have split a tree node
+or refreshed access times, which changes no size or content.
+
+Lengths. A request's ``fill_ids`` is its prompt plus its output; ``kv_committed_len`` of
+them have KV slots written in its row. Extend brings that to the batch's target
+(``Batch.fill_lens``, default ``req.seq_len``); decode brings it from ``seq_len - 1`` to
+``seq_len``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, NamedTuple, Optional
+
+import torch
+
+from radixkv.cache.radix_key import RadixKey
+from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
+from radixkv.kernels.write_cache_indices import write_cache_indices
+from radixkv.scheduler.batch import Batch, ForwardMode
+from radixkv.scheduler.req import Req
+
+__all__ = [
+    "Conservation",
+    "alloc_for_extend",
+    "alloc_for_decode",
+    "release_kv_cache",
+    "conservation",
+    "check_conservation",
+    "pages_needed",
+]
+
+
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.div(a + (b - 1), b, rounding_mode="floor")
+
+
+def pages_needed(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> int:
+    """KV slots to allocate so that every request grows from ``prefix_lens`` to
+    ``seq_lens`` tokens: with pages, only the pages a request does not already touch
+    (``ceil(seq/ps) - ceil(prefix/ps)`` each, times ``ps``). O(bs), vectorized."""
+    if page_size == 1:
+        return int((seq_lens - prefix_lens).sum())
+    return int(((_ceil_div(seq_lens, page_size) - _ceil_div(prefix_lens, page_size)) * page_size).sum())
+
+
+def _make_room(tree_cache: Any, allocator: Any, need: int, what: str) -> None:
+    """Evict from the tree until ``need`` slots are available, or raise CapacityError
+    without evicting anything when even evicting all it can would not be enough."""
+    avail = allocator.available_size()
+    if avail >= need:
+        return
+    evictable = tree_cache.evictable_size()
+    if avail + evictable < need:
+        raise CapacityError(
+            f"{what}: need {need} KV slots, {avail} free + {evictable} evictable",
+            requested=need, available=avail + evictable,
+        )
+    tree_cache.evict(need - avail)
+    if allocator.available_size() < need:  # evict() freed less than it reported evictable
+        raise CapacityError(
+            f"{what}: need {need} KV slots, only {allocator.available_size()} after eviction",
+            requested=need, available=allocator.available_size(),
+        )
+
+
+def _check_rows_free(pool: Any, reqs: List[Req]) -> None:
+    n_new = sum(r.req_pool_idx is None for r in reqs)
+    if n_new > pool.available_size():
+        raise CapacityError(
+            f"need {n_new} request rows, {pool.available_size()} free",
+            requested=n_new, available=pool.available_size(),
+        )
+
+
+def alloc_for_extend(batch: Batch) -> torch.Tensor:
+    """Prepare ``batch`` for an extend (prefill) step; return ``out_cache_loc``.
+
+    For each request ``i`` with target length ``T = batch.target_len(i)``:
+
+    * a new request (no row): ``match_prefix(RadixKey(fill_ids[:T - 1], extra_key))`` (at
+      least one token is always computed, as SGLang does), ``inc_lock_ref`` on the matched
+      node, and a fresh row;
+    * a request that holds a row (chunked prefill, or more input after decoding): its
+      committed tokens are the prefix, its row and locks are kept.
+
+    Then the KV slots of tokens ``prefix_len .. T`` are allocated (``alloc`` with page size
+    1, else ``alloc_extend`` with each request's ``last_loc``) after evicting the shortfall
+    from the tree, and :func:`~radixkv.kernels.write_cache_indices.write_cache_indices`
+    writes prefix and new slots into the rows.
+
+    Sets ``req.prefix_indices``, ``req.last_node``, ``req.cache_protected_len`` (new
+    requests) and ``req.kv_committed_len = T`` (all), and the batch tensors.
+
+    Raises (nothing changes, nothing leaks): ``InvalidArgumentError`` for a target outside
+    ``(kv_committed_len, seq_len]`` or an inconsistent request; ``CapacityError`` when a
+    target exceeds the table width, or rows or slots run out even after eviction.
+
+    Cost: O(bs) matches + O(tokens) vectorized index work; one eviction at most.
+    """
+    reqs, pool, allocator, tree = batch.reqs, batch.req_to_token_pool, batch.allocator, batch.tree_cache
+    ps, dev = batch.page_size, batch.device
+    width = pool.req_to_token.shape[1]
+    targets = [batch.target_len(i) for i in range(len(reqs))]
+    for r, t in zip(reqs, targets):
+        if not r.kv_committed_len < t <= r.seq_len:
+            raise InvalidArgumentError(
+                f"request {r.rid!r}: extend target {t} outside ({r.kv_committed_len}, {r.seq_len}]"
+            )
+        if t > width:
+            raise CapacityError(f"request {r.rid!r}: {t} tokens exceed the row width {width}",
+                                requested=t, available=width)
+        if r.req_pool_idx is None and (r.last_node is not None or r.kv_committed_len):
+            raise InvalidArgumentError(f"request {r.rid!r} has no row but holds a lock or KV")
+    _check_rows_free(pool, reqs)
+
+    locked: List[Any] = []
+    matches: List[Optional[Any]] = [None] * len(reqs)
+    prefixes: List[torch.Tensor] = []
+    new_rows: List[Req] = []
+    out = None
+    backup = None
+    try:
+        for i, r in enumerate(reqs):
+            if r.req_pool_idx is None:
+                m = tree.match_prefix(RadixKey(r.fill_ids[: targets[i] - 1], r.extra_key))
+                tree.inc_lock_ref(m.last_node)
+                locked.append(m.last_node)
+                matches[i] = m
+                prefixes.append(torch.as_tensor(m.device_indices).to(device=dev, dtype=torch.int64))
+            else:
+                prefixes.append(pool.req_to_token[r.req_pool_idx, : r.kv_committed_len].to(torch.int64))
+        pre = torch.tensor([p.numel() for p in prefixes], dtype=torch.int64)
+        seq = torch.tensor(targets, dtype=torch.int64)
+        ext = seq - pre
+        need = pages_needed(pre, seq, ps)
+        _make_room(tree, allocator, need, "alloc_for_extend")
+
+        new_rows = [r for r in reqs if r.req_pool_idx is None]
+        rows = pool.alloc(reqs)
+        if rows is None:
+            raise CapacityError("request rows ran out", requested=len(new_rows),
+                                available=pool.available_size())
+        backup = allocator.backup_state()
+        if ps == 1:
+            out = allocator.alloc(int(ext.sum()))
+        else:
+            last_loc = torch.stack([p[-1] if p.numel() else p.new_tensor(-1) for p in prefixes]) \
+                if prefixes else torch.empty(0, dtype=torch.int64, device=dev)
+            out = allocator.alloc_extend(pre.to(dev), seq.to(dev), last_loc, int(ext.sum()))
+        if out is None:
+            raise CapacityError(f"alloc_for_extend: {need} KV slots not available",
+                                requested=need, available=allocator.available_size())
+        write_cache_indices(pool.req_to_token, rows, pre, seq, ext, out, prefixes)
+    except BaseException:
+        if out is not None:
+            allocator.restore_state(backup)
+        for r in new_rows:
+            if r.req_pool_idx is not None:
+                pool.free(r)
+        for node in locked:
+            tree.dec_lock_ref(node)
+        raise
+
+    for i, r in enumerate(reqs):
+        if matches[i] is not None:
+            r.prefix_indices = prefixes[i]
+            r.last_node = matches[i].last_node
+            r.cache_protected_len = int(pre[i])
+        r.kv_committed_len = targets[i]
+    batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
+    batch.prefix_lens, batch.extend_lens = pre, ext
+    batch.seq_lens_cpu, batch.seq_lens = seq, seq.to(dev)
+    batch.out_cache_loc = out
+    batch.forward_mode = ForwardMode.EXTEND
+    return out
+
+
+def alloc_for_decode(batch: Batch) -> torch.Tensor:
+    """Prepare ``batch`` for one decode step; return ``out_cache_loc`` (one slot each).
+
+    Every request must hold a row and exactly one uncommitted token: the token it just
+    generated, already appended to ``output_ids`` (``seq_len == kv_committed_len + 1``).
+    Its slot is written at ``req_to_token[req_pool_idx, seq_len - 1]``. This is SGLang's
+    convention (``write((req_pool_indices, seq_lens), out_cache_loc)`` *before*
+    ``seq_lens += 1``): the batch's ``seq_lens`` before the step count the tokens with KV,
+    and the new token takes the column right after them. Afterwards
+    ``batch.seq_lens == seq_len`` and ``kv_committed_len == seq_len``.
+
+    With page size 1 it allocates ``bs`` slots; with pages, ``alloc_decode`` takes a fresh
+    page only for requests whose new token starts a page (``(seq_len - 1) % ps == 0``) and
+    otherwise uses the next slot of the request's last page (``last_loc + 1``).
+
+    Raises (nothing changes): ``InvalidArgumentError`` (a request without a row, or not
+    exactly one uncommitted token); ``CapacityError`` (row width, or slots even after
+    eviction). Cost: O(bs) vectorized; one eviction at most.
+    """
+    reqs, pool, allocator, tree = batch.reqs, batch.req_to_token_pool, batch.allocator, batch.tree_cache
+    ps, dev = batch.page_size, batch.device
+    width = pool.req_to_token.shape[1]
+    for r in reqs:
+        if r.req_pool_idx is None:
+            raise InvalidArgumentError(f"request {r.rid!r} holds no row; extend it first")
+        if r.seq_len != r.kv_committed_len + 1:
+            raise InvalidArgumentError(
+                f"request {r.rid!r}: decode needs exactly one uncommitted token, has "
+                f"{r.seq_len - r.kv_committed_len}"
+            )
+        if r.seq_len > width:
+            raise CapacityError(f"request {r.rid!r}: {r.seq_len} tokens exceed the row width {width}",
+                                requested=r.seq_len, available=width)
+    pos = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64)
+    rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    need = len(reqs) if ps == 1 else ps * int((pos % ps == 0).sum())
+    _make_room(tree, allocator, need, "alloc_for_decode")
+
+    rows_d, pos_d = rows.to(dev), pos.to(dev)
+    backup = allocator.backup_state()
+    if ps == 1:
+        out = allocator.alloc(len(reqs))
+    else:
+        last_loc = pool.req_to_token[rows_d, (pos_d - 1).clamp(min=0)].to(torch.int64)
+        out = allocator.alloc_decode(pos_d + 1, last_loc)
+    if out is None:
+        raise CapacityError(f"alloc_for_decode: {need} KV slots not available",
+                            requested=need, available=allocator.available_size())
+    try:
+        if len(reqs):
+            pool.write((rows_d, pos_d), out)
+    except BaseException:
+        allocator.restore_state(backup)
+        raise
+
+    for r in reqs:
+        r.kv_committed_len = r.seq_len
+    batch.req_pool_indices = rows_d
+    batch.prefix_lens, batch.extend_lens = pos, torch.ones_like(pos)
+    batch.seq_lens_cpu, batch.seq_lens = pos + 1, pos_d + 1
+    batch.out_cache_loc = out
+    batch.forward_mode = ForwardMode.DECODE
+    return out
+
+
+def release_kv_cache(req: Req, tree_cache: Any, req_to_token_pool: Any = None) -> None:
+    """A finished request gives its KV to the tree and its row back.
+
+    ``tree_cache.cache_finished_req(req)`` inserts ``fill_ids[:kv_committed_len]`` with
+    the request's slots, frees the slots the tree already had (duplicates) and any
+    unaligned tail, and unlocks ``req.last_node``; then ``req_to_token_pool.free(req)``
+    (default ``tree_cache.req_to_token_pool``) frees the row and sets ``req_pool_idx`` to
+    ``None``.
+
+    Raises ``InvalidArgumentError`` (nothing changes) when the request holds no row.
+    """
+    pool = req_to_token_pool if req_to_token_pool is not None else tree_cache.req_to_token_pool
+    if req.req_pool_idx is None:
+        raise InvalidArgumentError(f"request {req.rid!r} holds no row (released twice?)")
+    tree_cache.cache_finished_req(req)
+    pool.free(req)
+
+
+class Conservation(NamedTuple):
+    """Where the pool's KV slots are (all counts in slots).
+
+    ``available + evictable + protected + held_by_requests == pool_size`` when nothing leaks.
+    ``held_by_requests`` counts, per running request, the slots of the pages its committed
+    tokens touch beyond its ``cache_protected_len`` (the tree owns those first tokens).
+    """
+
+    pool_size: int
+    available: int
+    evictable: int
+    protected: int
+    held_by_requests: int
+
+    @property
+    def accounted(self) -> int:
+        return self.available + self.evictable + self.protected + self.held_by_requests
+
+    @property
+    def ok(self) -> bool:
+        return self.accounted == self.pool_size
+
+
+def _held(req: Req, page_size: int) -> int:
+    if req.req_pool_idx is None:
+        return 0
+    pages = -(-req.kv_committed_len // page_size)
+    return pages * page_size - req.cache_protected_len
+
+
+def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req]) -> Conservation:
+    """Count where the slots are (see :class:`Conservation`). O(requests)."""
+    ps = int(getattr(allocator, "page_size", 1))
+    return Conservation(
+        pool_size=int(allocator.size),
+        available=int(allocator.available_size()),
+        evictable=int(tree_cache.evictable_size()),
+        protected=int(tree_cache.protected_size()),
+        held_by_requests=sum(_held(r, ps) for r in running_reqs),
+    )
+
+
+def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Req]) -> None:
+    """Exact audit, in pages (slots when ``page_size == 1``): every page in use is owned
+    by exactly one of the tree and the running requests (their columns
+    ``cache_protected_len .. kv_committed_len``), no owned page is free, and every slot of a
+    request's protected prefix is in the tree. Raises ``InvariantError`` naming the leaked /
+    double-owned / freed-but-referenced pages. O(pool size + total tokens), vectorized."""
+    ps = int(getattr(allocator, "page_size", 1))
+    n_pages = int(allocator.size) // ps
+    dev = allocator.device
+    tree_slots = torch.as_tensor(tree_cache.all_values()).to(dev, torch.int64)
+    owners = [torch.unique(torch.div(tree_slots, ps, rounding_mode="floor"))]
+    heads = []
+    for r in reqs:
+        if r.req_pool_idx is None:
+            continue
+        row = tree_cache.req_to_token_pool.req_to_token[r.req_pool_idx, : r.kv_committed_len]
+        row = row.to(dev, torch.int64)
+        owners.append(torch.unique(torch.div(row[r.cache_protected_len:], ps, rounding_mode="floor")))
+        heads.append(row[: r.cache_protected_len])
+    owned = torch.cat(owners)
+    oob = (owned < 1) | (owned > n_pages)
+    if bool(oob.any()):
+        raise InvariantError(f"KV pages outside 1..{n_pages} (or the padding page 0) referenced: "
+                             f"{describe_ids(owned[oob].tolist())}")
+    counts = torch.bincount(owned, minlength=n_pages + 1)[1:]
+    pages = torch.arange(1, n_pages + 1, device=dev)
+    in_use = ~torch.as_tensor(allocator.is_free(pages * ps)).to(dev)
+    for what, mask in (
+        ("owned by two of tree/requests (duplicated)", counts > 1),
+        ("in use but owned by neither the tree nor a request (leaked)", in_use & (counts == 0)),
+        ("free in the allocator but still referenced (double-freed)", ~in_use & (counts > 0)),
+    ):
+        if bool(mask.any()):
+            raise InvariantError(f"KV pages {what}: {describe_ids(pages[mask].tolist())}")
+    head = torch.cat(heads) if heads else tree_slots[:0]
+    stray = head[~torch.isin(head, tree_slots)]
+    if stray.numel():
+        raise InvariantError(
+            f"slots in requests' protected prefixes that the tree does not hold: {describe_ids(stray.tolist())}"
+        )
+
+
+def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req],
+                       exact: bool = True) -> Conservation:
+    """:func:`conservation`, raising ``InvariantError`` unless the pool is exactly accounted
+    for: the counts must add up, and (``exact``, the default) the page-level audit must
+    find no page leaked, owned twice, or free while referenced; the message names them.
+    ``running_reqs`` are all requests that hold a row. O(pool + tokens) when ``exact``."""
+    reqs = list(running_reqs)
+    c = conservation(allocator, tree_cache, reqs)
+    ps = int(getattr(allocator, "page_size", 1))
+    odd = [r.rid for r in reqs if _held(r, ps) < 0]
+    if exact:
+        _audit_pages(allocator, tree_cache, reqs)
+    if not c.ok or odd:
+        raise InvariantError(
+            f"KV slots not conserved: available {c.available} + evictable {c.evictable} + "
+            f"protected {c.protected} + held by requests {c.held_by_requests} = {c.accounted} "
+            f"!= pool size {c.pool_size} (off by {c.pool_size - c.accounted}: >0 leaked, <0 counted twice)"
+            + (f"; requests with cache_protected_len beyond their pages: {odd}" if odd else "")
+        )
+    return c
