@@ -1,0 +1,179 @@
+"""The KDA (Kimi Delta Attention) layer of the reference model: its math and its two ways to run.
+
+Per token ``x`` (width ``hidden``), with ``H`` heads of width ``D``::
+
+    qkv      = x @ W_qkv                          # [3*H*D], channels q | k | v
+    qkv      = silu(causal_conv1d(qkv))           # short depthwise conv, kernel K, rolling state
+    q, k, v  = split(qkv) -> [H, D] each;  q, k = q / |q|, k / |k|   (L2 per head)
+    g        = -softplus(x @ W_g + g_bias)        # [H, D]: channel-wise log decay, < 0
+    beta     = sigmoid(x @ W_beta)                # [H]
+    o        = gated_delta_rule(q, k, v, g, beta; state S [H, D_k, D_v])
+    out      = o.flatten() @ W_o                  # [hidden]
+
+Gated delta rule, per head, state ``S [D_k, D_v]`` indexed ``[key_dim, value_dim]``::
+
+    S     = S * exp(g)[:, None]       # decay along the key dim
+    v_new = (v - S^T k) * beta
+    S     = S + outer(k, v_new)
+    o     = S^T q
+
+A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D])``, zeros at the start.
+
+* ``kda_recurrent``: the rule token by token (the ground truth, used by ``forward_reference``).
+* ``kda_chunked``: the same map computed chunk by chunk in parallel form (used by ``extend``):
+  within a chunk with start state ``S0`` and in-chunk cumulative log decay ``G_t = sum_{s<=t}
+  g_s``, the pseudo-values ``U`` solve the unit lower-triangular system
+  ``(I + A) U = beta * (V - (exp(G) * K) S0)`` with ``A[t, s] = beta_t * sum_d k_t[d] k_s[d]
+  exp(G_t[d] - G_s[d])`` for ``s < t``; then ``O = (exp(G) * Q) S0 + P U`` with ``P[t, s] =
+  sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])`` for ``s <= t``, and the end state is
+  ``exp(G_L) * S0 + (K * exp(G_L - G))^T U``. Decay ratios are formed as differences in log
+  space (never ``exp(-G)``), so nothing overflows. Cost per chunk of length L:
+  O(H * L^2 * D) for A/P plus O(H * L * D^2); Python loops over chunks only.
+* ``decode`` uses the fused kernels ``causal_conv1d_update`` and ``kda_decode``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from radixkv.kernels.kda_decode import kda_decode
+from radixkv.reference.config import HybridConfig
+
+
+class KDAOutput(NamedTuple):
+    """Outputs ``o [T, H, D_v]`` and the state after the last token ``[H, D_k, D_v]``."""
+
+    o: torch.Tensor
+    final_state: torch.Tensor
+
+
+def _zero_state(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=q.dtype, device=q.device)
+
+
+def kda_recurrent(q, k, v, g, beta, initial_state: Optional[torch.Tensor] = None) -> KDAOutput:
+    """The gated delta rule token by token (ground truth). ``q, k, g [T, H, D_k]``,
+    ``v [T, H, D_v]``, ``beta [T, H]``, ``initial_state [H, D_k, D_v]`` or ``None`` (zeros).
+    Cost: O(T * H * D_k * D_v) in a Python loop over T (vectorised over heads)."""
+    state = _zero_state(q, v) if initial_state is None else initial_state.to(q.dtype).clone()
+    outs = []
+    for t in range(q.shape[0]):
+        state = state * torch.exp(g[t])[:, :, None]
+        v_new = (v[t] - (state * k[t][:, :, None]).sum(1)) * beta[t][:, None]
+        state = state + k[t][:, :, None] * v_new[:, None, :]
+        outs.append((state * q[t][:, :, None]).sum(1))
+    o = torch.stack(outs) if outs else v.new_zeros(v.shape)
+    return KDAOutput(o, state)
+
+
+def kda_chunked(q, k, v, g, beta, initial_state: Optional[torch.Tensor] = None, chunk_size: int = 16) -> KDAOutput:
+    """The same map as ``kda_recurrent`` in chunked parallel form (see the module docstring).
+    Same shapes and contract; ``chunk_size`` >= 1."""
+    state = _zero_state(q, v) if initial_state is None else initial_state.to(q.dtype)
+    # heads first: [H, T, D]
+    qh, kh, vh, gh = (t.transpose(0, 1) for t in (q, k, v, g))
+    bh = beta.transpose(0, 1)
+    outs = []
+    for start in range(0, q.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        qc, kc, vc, gc, bc = qh[:, sl], kh[:, sl], vh[:, sl], gh[:, sl], bh[:, sl]
+        length = qc.shape[1]
+        cum = gc.cumsum(1)  # [H, L, Dk]
+        diff = cum[:, :, None, :] - cum[:, None, :, :]  # [H, t, s, Dk]: G_t - G_s
+        pos = torch.arange(length, device=q.device)
+        causal = pos[:, None] >= pos[None, :]  # [t, s]: s <= t
+        decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
+        strict = (pos[:, None] > pos[None, :]).to(q.dtype)  # s < t
+        attn_kk = torch.einsum("htd,hsd,htsd->hts", kc, kc, decay) * strict * bc[:, :, None]
+        attn_qk = torch.einsum("htd,hsd,htsd->hts", qc, kc, decay)
+        rhs = bc[:, :, None] * (vc - (kc * torch.exp(cum)) @ state)
+        u = torch.linalg.solve_triangular(attn_kk, rhs, upper=False, unitriangular=True)
+        outs.append((qc * torch.exp(cum)) @ state + attn_qk @ u)
+        last = cum[:, -1:, :]  # [H, 1, Dk]
+        state = torch.exp(last).transpose(1, 2) * state + (kc * torch.exp(last - cum)).transpose(1, 2) @ u
+    o = torch.cat(outs, dim=1).transpose(0, 1) if outs else v.new_zeros(v.shape)
+    return KDAOutput(o, state)
+
+
+class KDALayer:
+    """One KDA mixer with random weights (plain tensors on ``device``, ``config.dtype``).
+
+    ``gen`` is the model's CPU float64 generator; weights are drawn in a fixed order from it.
+    The layer never validates: ``HybridModel`` validates every request before calling it.
+    """
+
+    def __init__(self, config: HybridConfig, gen: torch.Generator, device: torch.device):
+        self.config = config
+        hid, pd, heads, kw = config.hidden, config.proj_dim, config.num_heads, config.conv_kernel
+
+        def draw(*shape, scale=1.0, shift=0.0):
+            t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + shift
+            return t.to(device=device, dtype=config.dtype)
+
+        self.w_qkv = draw(hid, 3 * pd, scale=hid**-0.5)
+        self.conv_w = draw(3 * pd, kw, scale=kw**-0.5)
+        self.conv_b = draw(3 * pd, scale=0.1)
+        self.w_g = draw(hid, pd, scale=hid**-0.5)
+        self.g_bias = (torch.rand(pd, generator=gen, dtype=torch.float64) * 4.0 - 4.0).to(device, config.dtype)
+        self.w_beta = draw(hid, heads, scale=hid**-0.5)
+        self.w_o = draw(pd, hid, scale=pd**-0.5)
+
+    # ---- shared pieces -------------------------------------------------------------------
+    def _gates(self, x: torch.Tensor):
+        """``g [N, H, D]`` (log decay) and ``beta [N, H]`` from the layer input ``x [N, hidden]``."""
+        cfg = self.config
+        g = -F.softplus(x @ self.w_g + self.g_bias).view(-1, cfg.num_heads, cfg.head_dim)
+        beta = torch.sigmoid(x @ self.w_beta)
+        return g, beta
+
+    def _split(self, qkv: torch.Tensor):
+        """Conv output ``[N, 3*H*D]`` -> L2-normalised ``q, k`` and ``v``, each ``[N, H, D]``."""
+        cfg = self.config
+        q, k, v = qkv.view(-1, 3, cfg.num_heads, cfg.head_dim).unbind(1)
+        return F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6), v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        return o.reshape(o.shape[0], -1).to(self.w_o.dtype) @ self.w_o
+
+    # ---- ground truth ------------------------------------------------------------------
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole sequence ``x [T, hidden]`` from a zero state: the conv as a sum over its taps
+        of shifted inputs (zero history), then ``kda_recurrent``."""
+        kw, n = self.config.conv_kernel, x.shape[0]
+        qkv = x @ self.w_qkv  # [T, C]
+        padded = torch.cat([qkv.new_zeros(kw - 1, qkv.shape[1]), qkv])
+        conv = sum(self.conv_w[:, j] * padded[j : j + n] for j in range(kw)) + self.conv_b
+        qkv = F.silu(conv)
+        q, k, v = self._split(qkv)
+        g, beta = self._gates(x)
+        return self._out(kda_recurrent(q, k, v, g, beta).o)
+
+    # ---- incremental ---------------------------------------------------------------------
+    def extend(self, x: torch.Tensor, cache, slot: int, fresh: bool) -> torch.Tensor:
+        """Continue one sequence by ``x [T, hidden]`` from its state in ``slot`` of ``cache``
+        (``cache.conv[0] [slots+1, K-1, C]``, ``cache.temporal [slots+1, H, D, D]``; zeros instead
+        when ``fresh``), write the new state back to ``slot``, return ``[T, hidden]``."""
+        conv_all, ssm_all = cache.conv[0], cache.temporal
+        init_conv = None if fresh else conv_all[slot]
+        init_ssm = None if fresh else ssm_all[slot]
+        qkv, conv_state = causal_conv1d_fn(x @ self.w_qkv, self.conv_w, self.conv_b, init_conv, "silu")
+        q, k, v = self._split(qkv)
+        g, beta = self._gates(x)
+        out = kda_chunked(q, k, v, g, beta, init_ssm, self.config.chunk_size)
+        conv_all[slot] = conv_state.to(conv_all.dtype)
+        ssm_all[slot] = out.final_state.to(ssm_all.dtype)
+        return self._out(out.o)
+
+    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
+        """One token for each of ``B`` requests: ``x [B, hidden]``, ``slots [B]`` (int64, already
+        validated); states updated in place by the fused kernels. Returns ``[B, hidden]``."""
+        qkv = causal_conv1d_update(
+            x @ self.w_qkv, cache.conv[0], self.conv_w, self.conv_b, "silu", slots, backend=backend, checks=False
+        )
+        q, k, v = self._split(qkv)
+        g, beta = self._gates(x)
+        o = kda_decode(q, k, v, g, beta, cache.temporal, slots, backend=backend, checks=False)
+        return self._out(o)

@@ -1,0 +1,341 @@
+"""``HybridModel``: a tiny Kimi-Linear-like model (KDA + full attention) with random weights,
+runnable from scratch (the ground truth) or incrementally through the cache pools.
+
+Architecture: ``x = embed[token]``; per layer ``x += mixer(rmsnorm(x))`` then
+``x += mlp(rmsnorm(x))`` (SwiGLU; omitted when ``mlp_mult == 0``); ``logits = rmsnorm(x) @
+lm_head``. Mixers follow ``config.layer_pattern``: ``K`` = ``KDALayer``, ``F`` =
+``FullAttentionLayer``.
+
+The cache interface (``ModelCache``), exactly the API of the real pools:
+
+* ``kv_pool.get_kv_buffer(layer_id) -> (k_buf, v_buf)``, each ``[rows, H, D]``, and
+  ``kv_pool.set_kv_buffer(layer_id, loc, k, v)`` (``MHATokenToKVPool`` / ``HybridLinearKVPool``);
+* ``mamba_cache(layer_id)`` returning an object with ``.conv[0]`` (``[slots+1, K-1, 3*H*D]``)
+  and ``.temporal`` (``[slots+1, H, D, D]``) (``MambaPool.mamba2_layer_cache`` /
+  ``HybridReqToTokenPool.mamba2_layer_cache``);
+* ``req_to_token`` (``[reqs+1, max_context]`` int, ``ReqToTokenPool.req_to_token``): only
+  ``decode`` reads it.
+
+Layer ids passed to the pools are global (``"global"``, as ``HybridLinearKVPool`` and the hybrid
+request pool expect) or per kind (``"local"``: the i-th full layer is KV layer i, the i-th KDA
+layer is Mamba layer i, as a bare ``MHATokenToKVPool`` / ``MambaPool`` expect).
+
+Slot/row conventions: KV row 0, state slot 0 and request row 0 are padding and never used.
+A request's KV rows are ``req_to_token[req_pool_idx, :seq_len]``. ``extend`` at
+``start_pos == 0`` starts from a zero state whatever the slot holds; later extends and decodes
+continue from the slot's state. To fork (prefix sharing), copy the state slot with
+``radixkv.kernels.state_copy.copy_states`` (or ``MambaPool.copy_from``) and reuse the KV rows.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError, describe_ids
+from radixkv.kernels.state_copy import resolve_backend, validate_slot_indices
+from radixkv.reference.attention import FullAttentionLayer
+from radixkv.reference.config import HybridConfig
+from radixkv.reference.kda import KDALayer
+from radixkv.scheduler.req import as_token_array
+
+LAYER_ID_MODES = ("global", "local")
+
+
+class ModelCache:
+    """What the incremental paths read and write: a KV pool, a Mamba-state accessor and
+    (for ``decode``) the request-to-token table. Holds references only; no state of its own.
+
+    ``ModelCache(kv_pool, mamba_cache, req_to_token=None, *, kv_layer_ids="global",
+    mamba_layer_ids="global")``; ``kv_pool`` may be ``None`` for a model without full layers.
+    """
+
+    __slots__ = ("kv_pool", "mamba_cache", "req_to_token", "kv_layer_ids", "mamba_layer_ids")
+
+    def __init__(
+        self,
+        kv_pool,
+        mamba_cache: Callable[[int], object],
+        req_to_token: Optional[torch.Tensor] = None,
+        *,
+        kv_layer_ids: str = "global",
+        mamba_layer_ids: str = "global",
+    ):
+        if kv_layer_ids not in LAYER_ID_MODES or mamba_layer_ids not in LAYER_ID_MODES:
+            raise InvalidArgumentError(f"layer id modes must be in {LAYER_ID_MODES}")
+        self.kv_pool = kv_pool
+        self.mamba_cache = mamba_cache
+        self.req_to_token = req_to_token
+        self.kv_layer_ids = kv_layer_ids
+        self.mamba_layer_ids = mamba_layer_ids
+
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _index_tensor(x, name: str, device: torch.device) -> torch.Tensor:
+    """An int32/int64 1-D tensor (or numpy array) as int64 on ``device``."""
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or x.dim() != 1:
+        raise InvalidArgumentError(f"{name} must be a 1-D int32/int64 tensor, got {x!r:.80}")
+    return x.to(device=device, dtype=torch.int64)
+
+
+def _check_rows(rows: torch.Tensor, num_rows: int, name: str) -> None:
+    bad = (rows < 1) | (rows >= num_rows)
+    if bool(bad.any()):
+        raise InvalidIndexError(f"{name} out of range 1..{num_rows - 1}: {describe_ids(rows[bad].tolist())}")
+
+
+def _check_distinct(rows: torch.Tensor, name: str) -> None:
+    uniq, counts = torch.unique(rows, return_counts=True)
+    if bool((counts > 1).any()):
+        raise InvalidArgumentError(f"{name} repeats {describe_ids(uniq[counts > 1].tolist())}")
+
+
+class _Block:
+    """One layer: pre-norm mixer and pre-norm SwiGLU MLP, both residual."""
+
+    def __init__(self, config: HybridConfig, kind: str, gen: torch.Generator, device: torch.device):
+        def draw(*shape, scale=1.0, shift=0.0):
+            return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + shift).to(device, config.dtype)
+
+        hid, inner = config.hidden, config.mlp_mult * config.hidden
+        self.norm1 = draw(hid, scale=0.1, shift=1.0)
+        self.mixer = KDALayer(config, gen, device) if kind == "K" else FullAttentionLayer(config, gen, device)
+        self.norm2 = draw(hid, scale=0.1, shift=1.0)
+        self.mlp = None
+        if inner:
+            w_gate = draw(hid, inner, scale=hid**-0.5)
+            w_up = draw(hid, inner, scale=hid**-0.5)
+            self.mlp = (w_gate, w_up, draw(inner, hid, scale=inner**-0.5))
+
+    def mlp_residual(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.mlp is None:
+            return x
+        w_gate, w_up, w_down = self.mlp
+        h = _rmsnorm(x, self.norm2, eps)
+        return x + (F.silu(h @ w_gate) * (h @ w_up)) @ w_down
+
+
+class HybridModel:
+    """The reference hybrid model. ``HybridModel(config, device="cpu", *, backend=None)``;
+    ``backend`` selects the decode kernels (``None``: Triton on CUDA, torch elsewhere).
+
+    Methods (all validate fully before touching any pool, and raise typed errors from
+    ``radixkv.errors``; state is unchanged on error):
+
+    * ``forward_reference(token_ids) -> logits [T, vocab]``
+    * ``extend(token_ids_new, start_pos, kv_rows_prefix, kv_rows_new, state_slot, pools)
+      -> logits [T_new, vocab]``
+    * ``decode(token_ids, req_pool_indices, seq_lens, out_cache_loc, state_slots, pools)
+      -> logits [B, vocab]``
+    """
+
+    def __init__(self, config: HybridConfig, device="cpu", *, backend: Optional[str] = None):
+        if not isinstance(config, HybridConfig):
+            raise InvalidArgumentError(f"config must be a HybridConfig, got {type(config).__name__}")
+        self.config = config
+        self.device = torch.device(device)
+        self.backend = resolve_backend(backend, self.device)
+        gen = torch.Generator().manual_seed(config.seed)
+        draw = lambda *s, scale=1.0, shift=0.0: (  # noqa: E731
+            torch.randn(*s, generator=gen, dtype=torch.float64) * scale + shift
+        ).to(self.device, config.dtype)
+        self.embed = draw(config.vocab, config.hidden)
+        self.blocks = [_Block(config, kind, gen, self.device) for kind in config.layer_pattern]
+        self.final_norm = draw(config.hidden, scale=0.1, shift=1.0)
+        self.lm_head = draw(config.hidden, config.vocab, scale=config.hidden**-0.5)
+        self._local = {lid: i for ids in (config.kda_layer_ids, config.full_layer_ids) for i, lid in enumerate(ids)}
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _tokens(self, token_ids) -> torch.Tensor:
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool or token_ids.dim() != 1:
+                raise InvalidArgumentError(
+                    f"token ids must be a 1-D integer tensor, got {token_ids.dtype} {tuple(token_ids.shape)}"
+                )
+            ids = token_ids.to(self.device, torch.int64)
+        else:
+            ids = torch.from_numpy(as_token_array(token_ids)).to(self.device, torch.int64)
+        bad = (ids < 0) | (ids >= self.config.vocab)
+        if bool(bad.any()):
+            raise InvalidIndexError(
+                f"token ids out of range 0..{self.config.vocab - 1}: {describe_ids(ids[bad].tolist())}"
+            )
+        return ids
+
+    def _kv_id(self, lid: int, pools: ModelCache) -> int:
+        return lid if pools.kv_layer_ids == "global" else self._local[lid]
+
+    def _mamba(self, lid: int, pools: ModelCache):
+        return pools.mamba_cache(lid if pools.mamba_layer_ids == "global" else self._local[lid])
+
+    def _check_pools(self, pools: ModelCache):
+        """Validate every buffer the model will touch; returns (kv rows, state slots) counts."""
+        cfg = self.config
+        if not isinstance(pools, ModelCache):
+            raise InvalidArgumentError(f"pools must be a ModelCache, got {type(pools).__name__}")
+        num_rows = num_slots = None
+        for lid in cfg.full_layer_ids:
+            if pools.kv_pool is None:
+                raise InvalidArgumentError("the model has full-attention layers but pools.kv_pool is None")
+            k_buf, v_buf = pools.kv_pool.get_kv_buffer(self._kv_id(lid, pools))
+            for buf in (k_buf, v_buf):
+                if buf.dim() != 3 or tuple(buf.shape[1:]) != (cfg.num_heads, cfg.head_dim) or buf.device != self.device:
+                    raise InvalidArgumentError(
+                        f"KV buffer of layer {lid} must be [rows, {cfg.num_heads}, {cfg.head_dim}] on "
+                        f"{self.device}, got {tuple(buf.shape)} on {buf.device}"
+                    )
+            num_rows = min(k_buf.shape[0], v_buf.shape[0], num_rows or k_buf.shape[0])
+        for lid in cfg.kda_layer_ids:
+            cache = self._mamba(lid, pools)
+            conv, temporal = cache.conv[0], cache.temporal
+            ok = (
+                conv.dim() == 3 and tuple(conv.shape[1:]) == cfg.conv_state_shape
+                and temporal.dim() == 4 and tuple(temporal.shape[1:]) == cfg.temporal_state_shape
+                and conv.shape[0] == temporal.shape[0] and conv.device == temporal.device == self.device
+            )
+            if not ok:
+                raise InvalidArgumentError(
+                    f"Mamba cache of layer {lid} must be conv [slots+1, {cfg.conv_state_shape}] and temporal "
+                    f"[slots+1, {cfg.temporal_state_shape}] on {self.device}, "
+                    f"got {tuple(conv.shape)}, {tuple(temporal.shape)}"
+                )
+            num_slots = min(conv.shape[0], num_slots or conv.shape[0])
+        return num_rows, num_slots
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return _rmsnorm(x, self.final_norm, self.config.norm_eps) @ self.lm_head
+
+    # ---- ground truth ----------------------------------------------------------------------
+    def forward_reference(self, token_ids) -> torch.Tensor:
+        """Logits ``[T, vocab]`` of the whole sequence from scratch: no pools, no kernels
+        (the conv as a sum of shifted taps, the token-by-token delta rule, masked attention)."""
+        ids = self._tokens(token_ids)
+        if ids.numel() == 0:
+            raise InvalidArgumentError("forward_reference needs at least one token")
+        x = self.embed.index_select(0, ids)
+        eps = self.config.norm_eps
+        for block in self.blocks:
+            x = x + block.mixer.forward_reference(_rmsnorm(x, block.norm1, eps))
+            x = block.mlp_residual(x, eps)
+        return self._logits(x)
+
+    # ---- incremental -----------------------------------------------------------------------
+    def extend(
+        self, token_ids_new, start_pos: int, kv_rows_prefix, kv_rows_new, state_slot: int, pools: ModelCache
+    ) -> torch.Tensor:
+        """Run ``T`` new tokens of ONE request at positions ``start_pos..start_pos+T-1``.
+
+        ``kv_rows_prefix [start_pos]``: the KV rows of the tokens before (i.e.
+        ``req_to_token[req_pool_idx, :start_pos]``); ``kv_rows_new [T]``: fresh rows for the new
+        tokens (``out_cache_loc``), written here for every full layer. ``state_slot``: the
+        request's Mamba slot; its state is read (unless ``start_pos == 0``: zeros) and replaced
+        by the state after the last new token. Chunked prefill = successive extends. Returns
+        the logits of the new tokens ``[T, vocab]``. Cost: O(T * (start_pos + T)) attention,
+        O(T * chunk * D + T * D^2) per KDA layer.
+        """
+        ids = self._tokens(token_ids_new)
+        if ids.numel() == 0:
+            raise InvalidArgumentError("extend needs at least one new token")
+        if not isinstance(start_pos, (int, np.integer)) or isinstance(start_pos, bool) or start_pos < 0:
+            raise InvalidArgumentError(f"start_pos must be an int >= 0, got {start_pos!r}")
+        start_pos = int(start_pos)
+        num_rows, num_slots = self._check_pools(pools)
+        prefix = _index_tensor(kv_rows_prefix, "kv_rows_prefix", self.device)
+        new = _index_tensor(kv_rows_new, "kv_rows_new", self.device)
+        if prefix.numel() != start_pos:
+            raise LengthMismatchError(f"kv_rows_prefix has {prefix.numel()} rows, start_pos is {start_pos}")
+        if new.numel() != ids.numel():
+            raise LengthMismatchError(f"kv_rows_new has {new.numel()} rows for {ids.numel()} new tokens")
+        if num_rows is not None:
+            _check_rows(prefix, num_rows, "kv_rows_prefix")
+            _check_rows(new, num_rows, "kv_rows_new")
+            _check_distinct(new, "kv_rows_new")
+            clash = torch.isin(new, prefix)
+            if bool(clash.any()):
+                raise InvalidArgumentError(f"kv_rows_new overwrite prefix rows {describe_ids(new[clash].tolist())}")
+        if num_slots is not None:
+            is_int = isinstance(state_slot, (int, np.integer)) and not isinstance(state_slot, bool)
+            if not is_int or not 1 <= state_slot < num_slots:
+                raise InvalidIndexError(f"state_slot must be an int in 1..{num_slots - 1}, got {state_slot!r}")
+            state_slot = int(state_slot)
+
+        x = self.embed.index_select(0, ids)
+        eps = self.config.norm_eps
+        for lid, block in enumerate(self.blocks):
+            h = _rmsnorm(x, block.norm1, eps)
+            if isinstance(block.mixer, KDALayer):
+                out = block.mixer.extend(h, self._mamba(lid, pools), state_slot, fresh=start_pos == 0)
+            else:
+                out = block.mixer.extend(h, start_pos, pools.kv_pool, self._kv_id(lid, pools), prefix, new)
+            x = block.mlp_residual(x + out, eps)
+        return self._logits(x)
+
+    def decode(
+        self, token_ids, req_pool_indices, seq_lens, out_cache_loc, state_slots, pools: ModelCache
+    ) -> torch.Tensor:
+        """One new token for each of ``B`` requests (batched).
+
+        ``seq_lens[b]`` counts request b's tokens INCLUDING the new one (so the new token sits
+        at position ``seq_lens[b] - 1``; ``seq_lens >= 2``); its KV row ``out_cache_loc[b]``
+        must already be recorded at ``req_to_token[req_pool_indices[b], seq_lens[b] - 1]``
+        (SGLang's convention: the scheduler writes the table before the forward). The earlier
+        rows come from ``pools.req_to_token``. ``state_slots[b]``: its Mamba slot, advanced in
+        place. Requests, rows and slots must be distinct. Returns ``[B, vocab]``.
+        Cost: O(B * max(seq_lens)) attention, O(B * H * D^2) per KDA layer.
+        """
+        ids = self._tokens(token_ids)
+        dev = self.device
+        rpi = _index_tensor(req_pool_indices, "req_pool_indices", dev)
+        lens = _index_tensor(seq_lens, "seq_lens", dev)
+        loc = _index_tensor(out_cache_loc, "out_cache_loc", dev)
+        slots = _index_tensor(state_slots, "state_slots", dev)
+        batch = ids.numel()
+        if batch == 0:
+            raise InvalidArgumentError("decode needs at least one request")
+        if {rpi.numel(), lens.numel(), loc.numel(), slots.numel()} != {batch}:
+            raise LengthMismatchError(
+                f"decode inputs differ in length: tokens {batch}, req_pool_indices {rpi.numel()}, "
+                f"seq_lens {lens.numel()}, out_cache_loc {loc.numel()}, state_slots {slots.numel()}"
+            )
+        num_rows, num_slots = self._check_pools(pools)
+        table = pools.req_to_token
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.device != dev:
+            raise InvalidArgumentError(f"decode needs pools.req_to_token, a 2-D tensor on {dev}")
+        _check_distinct(rpi, "req_pool_indices")
+        _check_rows(rpi, table.shape[0], "req_pool_indices")
+        bad = (lens < 2) | (lens > table.shape[1])
+        if bool(bad.any()):
+            raise InvalidArgumentError(
+                f"seq_lens must be in 2..{table.shape[1]}, got {describe_ids(lens[bad].tolist())}"
+            )
+        max_len = int(lens.max())
+        valid = torch.arange(max_len, device=dev)[None, :] < lens[:, None]
+        rows = torch.where(valid, table[rpi, :max_len].to(torch.int64), torch.zeros((), dtype=torch.int64, device=dev))
+        if num_rows is not None:
+            _check_rows(rows[valid], num_rows, "req_to_token rows")
+            _check_rows(loc, num_rows, "out_cache_loc")
+            _check_distinct(loc, "out_cache_loc")
+            recorded = rows.gather(1, (lens - 1)[:, None])[:, 0]
+            if not torch.equal(recorded, loc):
+                raise InvalidArgumentError("out_cache_loc differs from req_to_token[req_pool_indices, seq_lens - 1]")
+        if num_slots is not None:
+            slots = validate_slot_indices(slots, num_slots, name="state_slots", device=dev, allow_padding=False)
+
+        x = self.embed.index_select(0, ids)
+        positions = lens - 1
+        eps = self.config.norm_eps
+        for lid, block in enumerate(self.blocks):
+            h = _rmsnorm(x, block.norm1, eps)
+            if isinstance(block.mixer, KDALayer):
+                out = block.mixer.decode(h, self._mamba(lid, pools), slots, self.backend)
+            else:
+                out = block.mixer.decode(h, positions, pools.kv_pool, self._kv_id(lid, pools), loc, rows, valid)
+            x = block.mlp_residual(x + out, eps)
+        return self._logits(x)
