@@ -3,6 +3,8 @@
 * ``TRITON_INTERPRET=1`` is set before anything imports Triton when no CUDA device is
   present, so Triton kernels run on CPU tensors in the interpreter and can be compared
   with their torch references.
+* torch runs single-threaded: the suite's tensors are small, and thread hand-offs cost
+  more than they save on a 2-core machine.
 * Tests marked ``cuda`` are skipped without a CUDA device.
 * Hypothesis gets a CI profile with bounded examples and no deadline (timing never decides
   a test's pass/fail).
@@ -13,6 +15,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tiny tensors dominate the suite: intra-op threads only add overhead (and contend on
+# small CI machines).
+torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
