@@ -1,0 +1,360 @@
+"""Prefix hit-rate replay: a driver over any cache, bounds, and the ``radixkv bench hitrate`` CLI.
+
+The driver (:func:`replay`) talks to a cache through :class:`ReplayCache`::
+
+    hit = cache.match_prefix(tokens)      # hit tokens; protects the matched prefix
+    short = (len(tokens) - hit) - (cache.capacity - cache.used_tokens)
+    if short > 0: cache.evict(short)      # frees >= short tokens (fewer if nothing evictable)
+    cache.insert(tokens)                  # caches what fits, releases the protection
+
+:class:`BlockSimAdapter` puts :mod:`blocksim` behind it (token arrays -> chained block ids).
+Another engine registers a factory ``(capacity_tokens, policy, page_size) -> ReplayCache``
+with :func:`register_engine` (the RadixCache adapter: lock the matched node in
+``match_prefix``, unlock after ``insert``). For ``blocksim`` the CLI takes the equivalent
+fast path (:func:`~radixkv.bench.blocksim.simulate` on precomputed block ids); a test
+checks both paths agree.
+
+Capacity is a fraction of the stream's unique prompt tokens; token hit rate = matched
+prompt tokens / all prompt tokens. Bounds: infinite capacity and Belady (with bypass) at
+the simulator's block granularity.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol
+
+import numpy as np
+
+from radixkv.bench.belady import belady
+from radixkv.bench.blocksim import BlockSim, make_policy, simulate
+from radixkv.bench.progress import Progress
+from radixkv.bench.traces import MOONCAKE_BLOCK_SIZE, BlockTrace, load_mooncake
+from radixkv.bench.workloads import WORKLOADS, make_workload
+from radixkv.errors import InvalidArgumentError, RadixKVError
+
+__all__ = ["ReplayCache", "ReplayResult", "BlockSimAdapter", "replay", "register_engine",
+           "ENGINES", "Source", "load_source", "measure", "add_arguments", "run", "main"]
+
+
+class ReplayCache(Protocol):
+    """What :func:`replay` needs from a cache (token counts throughout)."""
+
+    capacity: int
+
+    @property
+    def used_tokens(self) -> int: ...
+
+    def match_prefix(self, tokens: np.ndarray) -> int: ...
+
+    def evict(self, n_tokens: int) -> int: ...
+
+    def insert(self, tokens: np.ndarray) -> int: ...
+
+
+class ReplayResult(NamedTuple):
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    evicted_tokens: int
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def replay(requests: Iterable[np.ndarray], cache: ReplayCache, progress=None) -> ReplayResult:
+    """Drive ``cache`` with each prompt in order (see the module docstring)."""
+    n = prompt = hit = evicted = 0
+    for toks in requests:
+        h = int(cache.match_prefix(toks))
+        short = (len(toks) - h) - (cache.capacity - cache.used_tokens)
+        if short > 0:
+            evicted += int(cache.evict(short))
+        cache.insert(toks)
+        n += 1
+        prompt += len(toks)
+        hit += h
+        if progress is not None:
+            progress.update(1)
+    return ReplayResult(n, prompt, hit, evicted)
+
+
+class BlockSimAdapter:
+    """:class:`ReplayCache` over :class:`~radixkv.bench.blocksim.BlockSim`: prompts are cut
+    into ``page_size`` blocks with chained ids (a dict keyed by (parent id, block bytes):
+    one probe per block), new ids are registered with the simulator.
+
+    Raises (``insert``): InvalidArgumentError when called without a matching
+    ``match_prefix`` of the same tokens.
+    """
+
+    def __init__(self, capacity_tokens: int, policy="lru", page_size: int = 16):
+        if int(page_size) < 1:
+            raise InvalidArgumentError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = int(page_size)
+        pol = make_policy(policy) if isinstance(policy, str) else policy
+        self.sim = BlockSim(np.zeros(0, np.int64), np.zeros(0, np.int32), capacity_tokens, pol)
+        self.capacity = self.sim.capacity
+        self._table: Dict[tuple, int] = {}
+        self._pending = None
+
+    @property
+    def used_tokens(self) -> int:
+        return self.sim.used
+
+    def block_ids(self, tokens: np.ndarray) -> np.ndarray:
+        """Chained block ids of ``tokens`` (registering unseen blocks)."""
+        if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.ndim != 1:
+            raise InvalidArgumentError("tokens must be a 1-D int32 numpy array")
+        p, raw, table = self.page_size, tokens.tobytes(), self._table
+        ids, new_len, new_par = [], [], []
+        prev = -1
+        nxt = self.sim.n_valid
+        for s in range(0, len(tokens), p):
+            key = (prev, raw[4 * s: 4 * (s + p)])
+            b = table.get(key)
+            if b is None:
+                b = table[key] = nxt + len(new_len)
+                new_len.append(min(p, len(tokens) - s))
+                new_par.append(prev)
+            ids.append(b)
+            prev = b
+        if new_len:
+            self.sim.add_blocks(new_len, new_par)
+        return np.asarray(ids, dtype=np.int64)
+
+    def match_prefix(self, tokens: np.ndarray) -> int:
+        if self._pending is not None:
+            raise InvalidArgumentError("match_prefix called twice without insert")
+        ids = self.block_ids(tokens)
+        k = self.sim.begin(ids)
+        self._pending = (tokens, ids, k)
+        return int(self.sim.block_len[ids[:k]].sum())
+
+    def evict(self, n_tokens: int) -> int:
+        return self.sim.evict(int(n_tokens))
+
+    def insert(self, tokens: np.ndarray) -> int:
+        if self._pending is None or self._pending[0] is not tokens:
+            raise InvalidArgumentError("insert must follow match_prefix of the same tokens")
+        _, ids, k = self._pending
+        self._pending = None
+        return self.sim.finish(ids, k)
+
+    def check_invariants(self) -> None:
+        self.sim.check_invariants()
+
+
+EngineFactory = Callable[[int, str, int], ReplayCache]
+#: ``--engine`` name -> ``factory(capacity_tokens, policy, page_size)``.
+ENGINES: Dict[str, EngineFactory] = {
+    "blocksim": lambda cap, policy, page: BlockSimAdapter(cap, policy, page),
+}
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Make ``--engine name`` available (e.g. the RadixCache adapter)."""
+    ENGINES[name] = factory
+
+
+# ---------------------------------------------------------------------- sources
+class Source(NamedTuple):
+    """A request stream ready to measure: name, lazy token iterator factory, its block view
+    at the cache's page size, token-level totals."""
+
+    name: str
+    n_requests: int
+    tokens: Callable[[], Iterable[np.ndarray]]
+    blocks: BlockTrace
+    prompt_tokens: int
+    unique_tokens: int
+    page_size: int
+
+
+def load_source(trace: Optional[str] = None, workload: Optional[str] = None, block_size: int = MOONCAKE_BLOCK_SIZE,
+                page_size: Optional[int] = None, limit: Optional[int] = None, seed: int = 0) -> Source:
+    """A Mooncake trace (a JSONL path, or ``conversation`` / ``synthetic`` for the bundled
+    ones; ``page_size`` divides ``block_size``, default ``block_size``) or a generated
+    workload (``page_size`` default 16; ``limit`` = number of requests).
+
+    Raises:
+        InvalidArgumentError: neither or both of ``trace`` / ``workload``; bad sizes.
+    """
+    if (trace is None) == (workload is None):
+        raise InvalidArgumentError("give exactly one of --trace or --workload")
+    if trace is not None:
+        if not os.path.isfile(trace) and trace in ("conversation", "synthetic"):
+            from radixkv.data import mooncake_trace
+
+            trace = str(mooncake_trace(trace))               # the bundled copy
+        tr = load_mooncake(trace, limit=limit, block_size=block_size)
+        page = block_size if page_size is None else int(page_size)
+        bt = tr.block_trace().rechunk(page)
+        return Source(tr.name, len(tr), tr.iter_tokens, bt, tr.prompt_tokens, tr.unique_tokens, page)
+    wl = make_workload(workload, n_requests=limit, seed=seed)
+    page = 16 if page_size is None else int(page_size)
+    bt = BlockTrace.from_token_requests(wl.requests, page)
+    return Source(f"{wl.name}(seed={seed})", len(wl.requests), lambda: iter(wl.requests), bt,
+                  wl.prompt_tokens, wl.unique_tokens, page)
+
+
+def _frac_key(f: float) -> str:
+    return f"{f:g}"
+
+
+def measure(src: Source, fracs: List[float], policies: List[str], engine: str = "blocksim",
+            show_progress: Optional[bool] = None) -> dict:
+    """Bounds and every (policy, capacity) result as the CLI's JSON document."""
+    bt = src.blocks
+    doc = {
+        "trace": src.name,
+        "requests": src.n_requests,
+        "prompt_tokens": src.prompt_tokens,
+        "unique_tokens": src.unique_tokens,
+        "bounds": {
+            "infinite_capacity": bt.infinite_hit_tokens() / src.prompt_tokens,
+            "belady": {_frac_key(f): belady(bt, int(f * src.unique_tokens)).token_hit_rate for f in fracs},
+        },
+        "results": [],
+    }
+    if engine not in ENGINES:
+        raise InvalidArgumentError(f"engine {engine!r} is not available; known: {', '.join(sorted(ENGINES))}")
+    for pol in policies:
+        for f in fracs:
+            cap = int(f * src.unique_tokens)
+            with Progress(src.n_requests, f"{pol} @ {f:g}", enabled=show_progress) as bar:
+                if engine == "blocksim":
+                    r = simulate(bt, cap, pol, progress=bar)
+                    hit, ev = r.hit_tokens, r.evicted_tokens
+                else:
+                    rr = replay(src.tokens(), ENGINES[engine](cap, pol, src.page_size), progress=bar)
+                    hit, ev = rr.hit_tokens, rr.evicted_tokens
+            doc["results"].append({
+                "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": src.page_size,
+                "hit_tokens": int(hit), "token_hit_rate": hit / src.prompt_tokens, "evicted_tokens": int(ev),
+            })
+    return doc
+
+
+def markdown_table(doc: dict) -> str:
+    """Policies as rows, capacities as columns, hit rates in percent; bounds as last rows."""
+    fracs = sorted({r["capacity_frac"] for r in doc["results"]} | {float(k) for k in doc["bounds"]["belady"]})
+    head = "| policy | " + " | ".join(f"{100 * f:g}%" for f in fracs) + " |"
+    lines = [f"{doc['trace']}: {doc['requests']} requests, {doc['prompt_tokens']} prompt tokens, "
+             f"{doc['unique_tokens']} unique", "", head, "| --- |" + " ---: |" * len(fracs)]
+    by = {}
+    for r in doc["results"]:
+        by.setdefault(r["policy"], {})[r["capacity_frac"]] = r["token_hit_rate"]
+    for pol, row in by.items():
+        lines.append(f"| {pol} | " + " | ".join(f"{100 * row[f]:.2f}" if f in row else "" for f in fracs) + " |")
+    bel = {float(k): v for k, v in doc["bounds"]["belady"].items()}
+    lines.append("| belady (offline) | " + " | ".join(f"{100 * bel[f]:.2f}" if f in bel else "" for f in fracs) + " |")
+    inf = 100 * doc["bounds"]["infinite_capacity"]
+    lines.append("| infinite capacity | " + " | ".join(f"{inf:.2f}" for _ in fracs) + " |")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> Optional[str]:
+    """Hit rate vs capacity per policy with the bounds; returns a note when skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: plot skipped"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by = {}
+    for r in doc["results"]:
+        by.setdefault(r["policy"], []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
+    for pol, pts in by.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+    bel = sorted((float(k), 100 * v) for k, v in doc["bounds"]["belady"].items())
+    ax.plot([b[0] for b in bel], [b[1] for b in bel], "k--", label="belady (offline)")
+    ax.axhline(100 * doc["bounds"]["infinite_capacity"], color="grey", linestyle=":", label="infinite capacity")
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (fraction of unique prompt tokens)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title(doc["trace"])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ---------------------------------------------------------------------- CLI
+def _floats(text: str) -> List[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+    if not vals or any(not 0 < v for v in vals):
+        raise argparse.ArgumentTypeError("capacity fractions must be > 0")
+    return vals
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``radixkv bench hitrate``."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake JSONL trace path, or 'conversation' / 'synthetic' (bundled)")
+    src.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload instead of a trace")
+    parser.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE,
+                        help="tokens per trace hash block (pseudo-token expansion); default 512")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="cache page / simulator block size (default: block size for traces, 16 for workloads)")
+    parser.add_argument("--capacity-frac", type=_floats, default=[0.01, 0.02, 0.05, 0.1, 0.25, 0.5],
+                        help="capacities as fractions of unique prompt tokens, comma-separated")
+    parser.add_argument("--policy", default="lru", help="eviction policies, comma-separated")
+    parser.add_argument("--engine", default="blocksim", help="blocksim (default) or a registered engine (radix)")
+    parser.add_argument("--json", dest="json_out", help="write the JSON document here ('-' for stdout)")
+    parser.add_argument("--plot", help="PNG path (default: the --json path with .png)")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests of the trace / workload size")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--no-progress", action="store_true", help="never draw the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the measurement; prints the table, writes JSON / PNG. Returns the exit code."""
+    t0 = time.perf_counter()
+    try:
+        src = load_source(args.trace, args.workload, args.block_size, args.page_size, args.limit, args.seed)
+        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+        if args.engine == "blocksim":
+            for p in policies:
+                make_policy(p)                               # fail before any work
+        doc = measure(src, args.capacity_frac, policies, args.engine,
+                      show_progress=False if args.no_progress else None)
+    except RadixKVError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(markdown_table(doc))
+    print(f"\n({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if args.json_out:
+        text = json.dumps(doc, indent=2)
+        if args.json_out == "-":
+            print(text)
+        else:
+            with open(args.json_out, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+    png = args.plot or (os.path.splitext(args.json_out)[0] + ".png" if args.json_out and args.json_out != "-" else None)
+    if png:
+        note = plot(doc, png)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m radixkv.bench.hitrate", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
