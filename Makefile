@@ -14,7 +14,7 @@ all: test
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev,dynamo]"
 	touch $(STAMP)
 
 setup: $(STAMP)
