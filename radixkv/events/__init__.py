@@ -1,0 +1,42 @@
+"""KV events for cluster routers: radixkv's cache events in the formats routers consume.
+
+* :mod:`~radixkv.events.vllm_wire`: vLLM's msgpack ``KVEventBatch`` bytes (encode / decode);
+* :mod:`~radixkv.events.zmq_publisher`: vLLM's ZMQ outlet (PUB + replay ROUTER);
+* :mod:`~radixkv.events.dynamo`: NVIDIA Dynamo ``KvCacheEvent`` JSON and its ``tokens_hash``;
+* :mod:`~radixkv.events.state_events`: state events of hybrid models and their index;
+* :mod:`~radixkv.events.sources`: draining a cache, recorder or engine.
+
+The names below load their module on first use, so one outlet's dependency (``pyzmq``,
+``msgpack``, ``xxhash``) is needed only by whoever uses that outlet. The byte layouts and
+how to run everything are in ``docs/events.md``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HybridEventRecorder": "state_events", "StateIndex": "state_events", "StateRemoved": "state_events",
+    "StateStored": "state_events", "UsableOverlap": "state_events", "any_event_from_dict": "state_events",
+    "split_state_events": "state_events",
+    "decode_batch": "vllm_wire", "encode_batch": "vllm_wire",
+    "DynamoEventAdapter": "dynamo", "DynamoNamespace": "dynamo", "compute_block_hash_for_seq": "dynamo",
+    "default_namespace": "dynamo", "dynamo_seed": "dynamo", "tokens_hashes": "dynamo",
+    "drain_events": "sources",
+    "ZmqEventPublisher": "zmq_publisher",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixkv.events' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"radixkv.events.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))

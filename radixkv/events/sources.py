@@ -1,0 +1,34 @@
+"""Where KV events come from: one call that drains any radixkv event source.
+
+Sources: a ``RadixCache`` / ``MambaRadixCache`` (``take_events()``), a ``KVEventRecorder``
+(``take_events()``), or a ``CacheEngine`` (``take_events(session)``, which returns
+``to_dict()`` dicts). Whatever the source, :func:`drain_events` returns event objects, oldest
+first, ready for :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher` or
+:class:`~radixkv.events.dynamo.DynamoEventAdapter`. Drain once and hand the same list to
+every outlet: each source has one queue, and an event taken is gone from it.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from radixkv.errors import InvalidArgumentError
+from radixkv.events.state_events import as_events
+
+__all__ = ["drain_events"]
+
+
+def drain_events(source: Any, session: Optional[Any] = None, max_events: int = 0) -> List[Any]:
+    """Take the pending events of ``source`` as event objects (KV and state events).
+
+    ``session`` is required for a ``CacheEngine`` (its ``take_events(session, max_events)``)
+    and must be ``None`` otherwise; ``max_events`` (0: all) applies to engines only.
+    Raises InvalidArgumentError for a source without ``take_events``.
+    """
+    take = getattr(source, "take_events", None)
+    if take is None:
+        raise InvalidArgumentError(f"{type(source).__name__} has no take_events()")
+    if session is not None:
+        return as_events(take(session, max_events))
+    if max_events:
+        raise InvalidArgumentError("max_events applies to a CacheEngine (with a session) only")
+    return as_events(take())

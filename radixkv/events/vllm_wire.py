@@ -1,0 +1,270 @@
+"""vLLM's KV-event wire format: the msgpack bytes of one ``KVEventBatch``.
+
+vLLM (``vllm/distributed/kv_events.py``) declares its events as ``msgspec`` structs and
+encodes a batch with ``msgspec.msgpack``. This module writes the same bytes with the
+``msgpack`` package, and reads them back, so any vLLM-event consumer (vLLM's example
+subscriber, Dynamo's ZMQ relay, llm-d's indexer) decodes radixkv's batches.
+
+Byte layout
+-----------
+A batch is a msgpack array (``EventBatch`` is ``array_like``)::
+
+    [ts: float64, events: array, data_parallel_rank: int | nil]
+
+``array_like`` structs keep every field, defaults included, so ``data_parallel_rank`` is
+always there (nil when unset). Events are *tagged* structs (``tag=True``: the tag is the
+class name) in one of two layouts:
+
+* ``"array"`` (default; vLLM's original ``array_like`` events, what the example subscriber
+  and llm-d decode): the tag, then every field in declaration order::
+
+      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+       lora_name]
+      ["BlockRemoved", block_hashes, medium]
+      ["AllBlocksCleared"]
+
+* ``"map"`` (vLLM's later map events): a map whose first key is ``"type"`` (the tag), then
+  the fields in the same order, fields equal to their default omitted (``omit_defaults``);
+  the seven ``BlockStored`` fields above have no default, so they are always present.
+
+``block_hashes`` / ``parent_block_hash`` are unsigned 64-bit ints (vLLM's integer
+``ExternalBlockHash``), ``token_ids`` plain ints, ``medium`` ``"GPU"``. msgpack ints take
+their shortest form, floats are always float64, strings are msgpack ``str``: exactly what
+``msgspec`` writes, byte for byte (``tests/test_vllm_wire.py`` checks it against vLLM's structs).
+
+vLLM's later optional ``BlockStored`` fields (``extra_keys``, ``group_idx``, ...) are not
+written: a decoder fills trailing defaults, and older decoders ignore trailing fields, so
+every vLLM version reads these batches. The radixkv namespace travels as vLLM does it:
+``lora_name`` for a ``str`` extra key, ``lora_id`` for an ``int``; other extra keys (bytes,
+tuples) are not representable on this wire and decode as ``None``.
+
+State events of hybrid models (:mod:`radixkv.events.state_events`) are radixkv's own tags,
+``["StateStored", block_hash, position, medium]`` and ``["StateRemoved", block_hashes,
+medium]`` (or their maps). vLLM's decoders reject unknown tags, so :func:`encode_batch`
+drops them unless ``state_events="inline"``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional
+
+import msgpack
+import numpy as np
+
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.events.state_events import StateRemoved, StateStored, as_events, is_state_event
+
+__all__ = ["LAYOUTS", "STATE_POLICIES", "encode_batch", "encode_event", "decode_batch", "as_events"]
+
+#: Event layouts: ``"array"`` (array_like tagged structs) and ``"map"`` (tagged maps).
+LAYOUTS = ("array", "map")
+#: What :func:`encode_batch` does with state events: drop them, write them, or refuse.
+STATE_POLICIES = ("drop", "inline", "error")
+
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+    "StateStored": ("block_hash", "position", "medium"),
+    "StateRemoved": ("block_hashes", "medium"),
+}
+_U64 = 1 << 64
+_I32 = np.iinfo(np.int32)
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _values(event: Any) -> tuple:
+    """(tag, field values in declaration order), validated."""
+    if isinstance(event, BlockStored):
+        hashes = [_hash(int(h), "block_hashes") for h in event.block_hashes]
+        if event.parent_block_hash is not None:
+            _hash(int(event.parent_block_hash), "parent_block_hash")
+        tokens = np.asarray(event.token_ids)
+        if tokens.ndim != 1 or tokens.size != len(hashes) * int(event.block_size):
+            raise LengthMismatchError(f"BlockStored: {len(hashes)} hashes of {event.block_size} tokens "
+                                      f"but {tokens.size} token ids")
+        return "BlockStored", (hashes, event.parent_block_hash, tokens.tolist(), int(event.block_size),
+                               event.lora_id, event.medium, event.lora_name)
+    if isinstance(event, BlockRemoved):
+        return "BlockRemoved", ([_hash(int(h), "block_hashes") for h in event.block_hashes], event.medium)
+    if isinstance(event, AllBlocksCleared):
+        return "AllBlocksCleared", ()
+    if isinstance(event, StateStored):
+        return "StateStored", (int(event.block_hash), int(event.position), event.medium)
+    if isinstance(event, StateRemoved):
+        return "StateRemoved", ([_hash(int(h), "block_hashes") for h in event.block_hashes], event.medium)
+    raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
+
+
+def encode_event(event: Any, layout: str = "array") -> Any:
+    """The msgpack-ready form of one event (a list for ``"array"``, a dict for ``"map"``)."""
+    tag, values = _values(event)
+    if layout == "array":
+        return [tag, *values]
+    if layout == "map":
+        # omit_defaults: no field of these seven structs has a default, so all stay.
+        return {"type": tag, **dict(zip(_FIELDS[tag], values))}
+    raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def encode_batch(events: Any, *, ts: Optional[float] = None, data_parallel_rank: Optional[int] = None,
+                 layout: str = "array", state_events: str = "drop") -> bytes:
+    """The msgpack bytes of one vLLM ``KVEventBatch``.
+
+    Args:
+        events: a :class:`KVEventBatch` (its ``ts`` / ``data_parallel_rank`` are used unless
+            given here), or a sequence of events or their ``to_dict()`` dicts.
+        ts: wall-clock seconds (default: the batch's, else ``time.time()``).
+        data_parallel_rank: the rank written in the batch (default: the batch's, else nil).
+        layout: ``"array"`` or ``"map"`` (module doc).
+        state_events: ``"drop"`` (default; vLLM consumers reject them), ``"inline"``, or
+            ``"error"`` (raise if any).
+
+    Raises InvalidArgumentError / LengthMismatchError for a bad event or argument.
+    O(total tokens), no per-token Python loop (numpy ``tolist`` + C msgpack).
+    """
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if state_events not in STATE_POLICIES:
+        raise InvalidArgumentError(f"state_events must be one of {STATE_POLICIES}, got {state_events!r}")
+    if isinstance(events, KVEventBatch):
+        ts = events.ts if ts is None else ts
+        if data_parallel_rank is None:
+            data_parallel_rank = events.data_parallel_rank
+        events = events.events
+    evs = as_events(events)
+    if state_events != "inline":
+        if state_events == "error" and any(map(is_state_event, evs)):
+            raise InvalidArgumentError("state events in a batch for a vLLM consumer")
+        evs = [e for e in evs if not is_state_event(e)]
+    ts = time.time() if ts is None else ts
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise InvalidArgumentError(f"ts must be a number, got {ts!r}")
+    if data_parallel_rank is not None and (isinstance(data_parallel_rank, bool)
+                                           or not isinstance(data_parallel_rank, int)):
+        raise InvalidArgumentError(f"data_parallel_rank must be an int or None, got {data_parallel_rank!r}")
+    body = [float(ts), [encode_event(e, layout) for e in evs], data_parallel_rank]
+    return msgpack.packb(body, use_bin_type=True)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _fail(path: str, msg: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"bad KV event batch at {path}: {msg}")
+
+
+def _hash(v: Any, path: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U64:
+        raise _fail(path, f"a block hash must be a u64 int, got {v!r}")
+    return v
+
+
+def _hashes(v: Any, path: str) -> tuple:
+    if not isinstance(v, list):
+        raise _fail(path, f"block_hashes must be an array, got {type(v).__name__}")
+    return tuple(_hash(h, f"{path}[{i}]") for i, h in enumerate(v))
+
+
+def _opt(v: Any, kind: type, path: str) -> Any:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
+        raise _fail(path, f"expected {kind.__name__} or nil, got {v!r}")
+    return v
+
+
+def _fields(raw: Any, path: str) -> tuple:
+    """(tag, {field: value}) of one encoded event, either layout."""
+    if isinstance(raw, list):
+        if not raw or not isinstance(raw[0], str):
+            raise _fail(path, "an array event must start with its tag")
+        tag = raw[0]
+        if tag not in _FIELDS:
+            raise _fail(path, f"unknown event tag {tag!r}")
+        names = _FIELDS[tag]
+        if len(raw) - 1 < len(names):
+            raise _fail(path, f"{tag} needs {len(names)} fields, got {len(raw) - 1}")
+        return tag, dict(zip(names, raw[1:]))  # trailing extra fields are ignored, as msgspec does
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if tag not in _FIELDS:
+            raise _fail(path, f"unknown event tag {tag!r}")
+        missing = [n for n in _FIELDS[tag] if n not in raw]
+        if missing:
+            raise _fail(path, f"{tag} lacks fields {missing}")
+        return tag, raw
+    raise _fail(path, f"an event must be an array or a map, got {type(raw).__name__}")
+
+
+def _decode_event(raw: Any, path: str, allow_state: bool) -> Any:
+    tag, f = _fields(raw, path)
+    if tag == "BlockStored":
+        hashes = _hashes(f["block_hashes"], f"{path}.block_hashes")
+        parent = f["parent_block_hash"]
+        if parent is not None:
+            parent = _hash(parent, f"{path}.parent_block_hash")
+        size = f["block_size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise _fail(f"{path}.block_size", f"must be an int >= 1, got {size!r}")
+        toks = f["token_ids"]
+        if not isinstance(toks, list):
+            raise _fail(f"{path}.token_ids", "must be an array")
+        try:
+            arr = np.asarray(toks, dtype=np.int64) if toks else np.empty(0, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise _fail(f"{path}.token_ids", "must be ints") from None
+        if arr.ndim != 1 or (arr.size and (arr.min() < _I32.min or arr.max() > _I32.max)):
+            raise _fail(f"{path}.token_ids", "must be int32 ints")
+        if arr.size != len(hashes) * size:
+            raise _fail(path, f"{len(hashes)} hashes of {size} tokens but {arr.size} token ids")
+        arr = arr.astype(np.int32)
+        arr.setflags(write=False)
+        lora_id = _opt(f["lora_id"], int, f"{path}.lora_id")
+        lora_name = _opt(f["lora_name"], str, f"{path}.lora_name")
+        return BlockStored(hashes, parent, arr, size, lora_id, _opt(f["medium"], str, f"{path}.medium"),
+                           lora_name, lora_name if lora_name is not None else lora_id)
+    if tag == "BlockRemoved":
+        return BlockRemoved(_hashes(f["block_hashes"], f"{path}.block_hashes"),
+                            _opt(f["medium"], str, f"{path}.medium"))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if not allow_state:
+        raise _fail(path, f"state event {tag!r} where none is allowed")
+    if tag == "StateStored":
+        pos = f["position"]
+        if isinstance(pos, bool) or not isinstance(pos, int) or pos < 1:
+            raise _fail(f"{path}.position", f"must be an int >= 1, got {pos!r}")
+        return StateStored(_hash(f["block_hash"], f"{path}.block_hash"), pos,
+                           _opt(f["medium"], str, f"{path}.medium"))
+    return StateRemoved(_hashes(f["block_hashes"], f"{path}.block_hashes"), _opt(f["medium"], str, f"{path}.medium"))
+
+
+def decode_batch(payload: bytes, *, allow_state: bool = True) -> KVEventBatch:
+    """Parse the msgpack bytes of a batch (either event layout; the batch itself as an array
+    or a map) into a :class:`KVEventBatch` of radixkv event objects.
+
+    ``extra_key`` of a ``BlockStored`` is its ``lora_name``, else its ``lora_id``.
+    Raises InvalidArgumentError naming the path of the first malformed element.
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise InvalidArgumentError(f"payload is not msgpack: {e}") from None
+    if isinstance(raw, dict):
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise _fail("$", "a batch is [ts, events, data_parallel_rank]")
+    ts, events = raw[0], raw[1]
+    rank = raw[2] if len(raw) > 2 else None
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise _fail("$[0]", f"ts must be a number, got {ts!r}")
+    if not isinstance(events, list):
+        raise _fail("$[1]", "events must be an array")
+    rank = _opt(rank, int, "$[2]")
+    out = [_decode_event(e, f"$[1][{i}]", allow_state) for i, e in enumerate(events)]
+    return KVEventBatch(float(ts), out, rank)

@@ -1,0 +1,415 @@
+"""Publish KV event batches on vLLM's ZMQ wire: a PUB socket plus a replay ROUTER socket.
+
+Wire protocol (vLLM's ``ZmqEventPublisher``, reproduced):
+
+* **PUB** (``endpoint``): every batch is one 3-frame message ``[topic, seq, payload]``:
+  ``topic`` the UTF-8 topic (``b""`` by default; SUB sockets filter on its prefix), ``seq``
+  the batch's sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher), ``payload``
+  the msgpack batch of :mod:`radixkv.events.vllm_wire`.
+* **Replay ROUTER** (``replay_endpoint``, optional): a subscriber that sees a gap in ``seq``
+  (or joins late) sends one request, ``[start_seq]`` (8 bytes big-endian) from a REQ socket
+  (or ``[b"", start_seq]`` from a DEALER); the ROUTER answers with one message ``[seq,
+  payload]`` per buffered batch whose ``seq >= start_seq``, oldest first, then the end marker
+  ``[(-1).to_bytes(8, "big", signed=True), b""]`` (8 bytes 0xff and an empty payload). Only the
+  last ``buffer_steps`` batches are kept; older ones are gone (the reply then starts later than
+  asked: the subscriber sees it from the first ``seq``). A malformed request gets the end
+  marker alone.
+
+Endpoints: like vLLM, the PUB socket binds when the endpoint has a ``*`` / ``::`` or is
+``ipc://`` / ``inproc://``, and connects otherwise (to a proxy); the replay socket binds.
+``tcp://127.0.0.1:*`` binds a free port; :attr:`ZmqEventPublisher.endpoint` tells which.
+
+Threading: with ``background=True`` (default) a thread owns both sockets, sends queued
+batches and serves replay requests; :meth:`publish` (any thread) validates and encodes the
+batch in the caller, takes the next sequence number and queues it, so a bad batch raises in
+the caller and takes no number. With ``background=False`` the caller's thread owns the
+sockets: :meth:`publish` sends at once and :meth:`serve_replay` answers waiting requests.
+
+Flags: :func:`add_arguments` / :func:`from_args` give the CLI switches (endpoint, replay
+endpoint, topic, buffer, layout).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Deque, List, NamedTuple, Optional, Tuple
+
+import zmq
+
+from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
+from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
+
+__all__ = ["ZmqEventPublisher", "PublisherStats", "END_SEQ", "add_arguments", "from_args", "should_bind"]
+
+log = logging.getLogger(__name__)
+
+#: The replay stream's end marker (the ``seq`` frame of the last reply).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_STOP = object()
+
+
+def should_bind(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard, IPv6-any, ``ipc://`` or ``inproc://`` endpoint, else connect."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
+            or endpoint.startswith("inproc://"))
+
+
+class PublisherStats(NamedTuple):
+    """``published``: batches sent on PUB; ``next_seq``: the number the next batch gets;
+    ``buffered``: batches kept for replay, ``oldest_seq`` the first of them (``None`` when
+    empty); ``queued``: batches waiting for the thread; ``replay_requests`` served (and
+    ``bad_replay_requests`` among them)."""
+
+    published: int
+    next_seq: int
+    buffered: int
+    oldest_seq: Optional[int]
+    queued: int
+    replay_requests: int
+    bad_replay_requests: int
+
+
+def _check_int(name: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+class ZmqEventPublisher:
+    """vLLM-compatible KV event publisher (PUB + replay ROUTER, bounded replay buffer).
+
+    Args:
+        endpoint: PUB address (``tcp://*:5557`` by default, vLLM's).
+        replay_endpoint: ROUTER address for replay, ``None`` for no replay.
+        topic: the first frame of every message.
+        buffer_steps: batches kept for replay (the oldest are dropped past it).
+        hwm: send high-water mark of the PUB socket (ZMQ drops past it for slow subscribers).
+        max_queue_size: batches the background thread may have waiting; :meth:`publish`
+            waits up to ``put_timeout_s`` for room, then raises ``CapacityError``.
+        data_parallel_rank: written into batches that carry none.
+        layout: event layout on the wire, ``"array"`` or ``"map"`` (see ``vllm_wire``).
+        state_events: ``"drop"`` / ``"inline"`` / ``"error"`` for hybrid state events.
+        background: run the sending thread (default) or send from the caller.
+        linger_ms: how long ``close`` lets unsent messages drain.
+        context: a ``zmq.Context`` to use (default: a private one, terminated by ``close``).
+
+    Raises InvalidArgumentError for a bad argument or an endpoint that cannot be bound or
+    connected (nothing left open).
+    """
+
+    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: Optional[str] = None, topic: str = "",
+                 *, buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
+                 data_parallel_rank: Optional[int] = 0, layout: str = "array", state_events: str = "drop",
+                 background: bool = True, linger_ms: int = 100, put_timeout_s: float = 1.0,
+                 context: Optional[zmq.Context] = None):
+        if not isinstance(endpoint, str) or not endpoint:
+            raise InvalidArgumentError(f"endpoint must be a non-empty str, got {endpoint!r}")
+        if replay_endpoint is not None and (not isinstance(replay_endpoint, str) or not replay_endpoint):
+            raise InvalidArgumentError(f"replay_endpoint must be a non-empty str or None, got {replay_endpoint!r}")
+        if not isinstance(topic, str):
+            raise InvalidArgumentError(f"topic must be a str, got {topic!r}")
+        _check_int("buffer_steps", buffer_steps, 1)
+        _check_int("hwm", hwm, 0)
+        _check_int("max_queue_size", max_queue_size, 1)
+        _check_int("linger_ms", linger_ms, 0)
+        if data_parallel_rank is not None:
+            _check_int("data_parallel_rank", data_parallel_rank, 0)
+        if layout not in LAYOUTS:
+            raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if state_events not in STATE_POLICIES:
+            raise InvalidArgumentError(f"state_events must be one of {STATE_POLICIES}, got {state_events!r}")
+        if isinstance(put_timeout_s, bool) or not isinstance(put_timeout_s, (int, float)) or put_timeout_s < 0:
+            raise InvalidArgumentError(f"put_timeout_s must be a number >= 0, got {put_timeout_s!r}")
+        self.topic = topic
+        self._topic = topic.encode("utf-8")
+        self.layout = layout
+        self.state_events = state_events
+        self.data_parallel_rank = data_parallel_rank
+        self.background = bool(background)
+        self._hwm, self._linger = hwm, linger_ms
+        self._put_timeout = float(put_timeout_s)
+        self._want = (endpoint, replay_endpoint)
+        self.endpoint: Optional[str] = None
+        self.replay_endpoint: Optional[str] = None
+        self._own_ctx = context is None
+        self._ctx = zmq.Context() if context is None else context
+        self._buffer: Deque[Tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buf_lock = threading.Lock()
+        self._seq_lock = threading.Lock()
+        self._next_seq = 0
+        self._published = 0
+        self._replays = 0
+        self._bad_replays = 0
+        self._closed = False
+        self._pub: Optional[zmq.Socket] = None
+        self._replay: Optional[zmq.Socket] = None
+        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=max_queue_size)
+        self._thread: Optional[threading.Thread] = None
+        if self.background:
+            ready = threading.Event()
+            err: List[BaseException] = []
+            self._thread = threading.Thread(target=self._run, args=(ready, err), daemon=True,
+                                            name="radixkv-kv-events")
+            self._thread.start()
+            ready.wait()
+            if err:
+                self._thread.join()
+                self._term()
+                raise err[0]
+        else:
+            try:
+                self._open()
+            except BaseException:
+                self._term()
+                raise
+
+    # ------------------------------------------------------------------ sockets
+    def _open(self) -> None:
+        endpoint, replay_endpoint = self._want
+        try:
+            pub = self._ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, self._hwm)
+            pub.setsockopt(zmq.LINGER, self._linger)
+            self._pub = pub
+            if should_bind(endpoint):
+                pub.bind(endpoint)
+                self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                pub.connect(endpoint)
+                self.endpoint = endpoint
+            if replay_endpoint is not None:
+                rep = self._ctx.socket(zmq.ROUTER)
+                rep.setsockopt(zmq.LINGER, self._linger)
+                self._replay = rep
+                rep.bind(replay_endpoint)
+                self.replay_endpoint = rep.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise InvalidArgumentError(f"cannot open KV event endpoints {self._want}: {e}") from None
+
+    def _close_sockets(self) -> None:
+        for s in (self._pub, self._replay):
+            if s is not None:
+                s.close(linger=self._linger)
+        self._pub = self._replay = None
+
+    def _term(self) -> None:
+        if self._own_ctx:
+            self._ctx.term()
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self, events: Any, ts: Optional[float] = None) -> int:
+        """Publish one batch; returns its sequence number.
+
+        ``events``: a ``KVEventBatch`` or a sequence of events / ``to_dict()`` dicts. An
+        empty batch -- also one whose only events were state events dropped by the
+        ``state_events`` policy -- is published and numbered all the same (callers skip
+        empty drains). The batch is validated and encoded here (``vllm_wire.encode_batch``)
+        before it takes a number.
+
+        Raises: InvalidArgumentError (bad events, or the publisher is closed),
+        CapacityError (background queue full for ``put_timeout_s``; the number is not used).
+        O(tokens in the batch).
+        """
+        rank = None
+        if not hasattr(events, "data_parallel_rank") or events.data_parallel_rank is None:
+            rank = self.data_parallel_rank
+        payload = encode_batch(events, ts=ts, data_parallel_rank=rank, layout=self.layout,
+                               state_events=self.state_events)
+        with self._seq_lock:
+            if self._closed:
+                raise InvalidArgumentError("the publisher is closed")
+            seq = self._next_seq
+            if self.background:
+                try:
+                    self._queue.put((seq, payload), timeout=self._put_timeout)
+                except queue.Full:
+                    raise CapacityError(f"KV event queue full ({self._queue.maxsize} batches)",
+                                        requested=1, available=0) from None
+            else:
+                self._send(seq, payload)
+            self._next_seq = seq + 1
+        return seq
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        with self._buf_lock:
+            self._buffer.append((seq, payload))
+            self._published += 1
+
+    # ------------------------------------------------------------------ replay
+    def buffered_since(self, start_seq: int) -> List[Tuple[int, bytes]]:
+        """The kept ``(seq, payload)`` pairs with ``seq >= start_seq``, oldest first."""
+        with self._buf_lock:
+            return [(s, p) for s, p in self._buffer if s >= start_seq]
+
+    def _serve_one(self) -> None:
+        frames = self._replay.recv_multipart()
+        self._replays += 1
+        if len(frames) < 2:
+            self._bad_replays += 1
+            return  # no envelope to answer
+        ident = frames[0]
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            self._bad_replays += 1
+            log.warning("malformed KV event replay request (%d frames)", len(frames))
+            self._replay.send_multipart((ident, b"", END_SEQ, b""))
+            return
+        start = int.from_bytes(frames[2], "big")
+        for seq, payload in self.buffered_since(start):
+            self._replay.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((ident, b"", END_SEQ, b""))
+
+    def serve_replay(self, timeout_ms: int = 0) -> int:
+        """Answer the replay requests waiting (waiting up to ``timeout_ms`` for the first);
+        returns how many. Only with ``background=False`` (the thread serves them otherwise)."""
+        if self.background:
+            raise InvalidArgumentError("serve_replay is for background=False publishers")
+        if self._closed or self._replay is None:
+            return 0
+        n = 0
+        while self._replay.poll(timeout_ms if n == 0 else 0):
+            self._serve_one()
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ thread
+    def _run(self, ready: threading.Event, err: List[BaseException]) -> None:
+        try:
+            self._open()
+        except BaseException as e:  # reported by the constructor
+            err.append(e)
+            ready.set()
+            return
+        ready.set()
+        try:
+            while True:
+                if self._replay is not None:
+                    while self._replay.poll(0):
+                        try:
+                            self._serve_one()
+                        except zmq.ZMQError as e:  # a vanished client must not stop publishing
+                            log.warning("KV event replay failed: %s", e)
+                try:
+                    item = self._queue.get(timeout=0.01)
+                except queue.Empty:
+                    continue
+                if item is _STOP:
+                    break
+                try:
+                    self._send(*item)
+                except zmq.ZMQError as e:
+                    log.error("KV event batch %d not sent: %s", item[0], e)
+        finally:
+            self._close_sockets()
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every queued batch is sent (background); ``True`` when done in time."""
+        if not self.background:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._buf_lock:
+                if self._published >= self._next_seq:
+                    return True
+            time.sleep(0.002)
+        return False
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout_s``), close the sockets and, when private,
+        the context. Idempotent; ``publish`` raises afterwards."""
+        with self._seq_lock:  # no publish is half done past this point
+            if self._closed:
+                return
+            self._closed = True
+        if self._thread is not None:
+            try:
+                self._queue.put(_STOP, timeout=timeout_s)
+            except queue.Full:
+                log.error("KV event queue still full at close; dropping what is queued")
+                self._drain_queue()
+                self._queue.put_nowait(_STOP)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("KV event thread did not finish in %.1fs; dropping what is queued", timeout_s)
+                self._drain_queue()
+                self._queue.put_nowait(_STOP)
+                self._thread.join()
+        else:
+            self._close_sockets()
+        self._term()
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def __enter__(self) -> "ZmqEventPublisher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ audit
+    def stats(self) -> PublisherStats:
+        with self._buf_lock:
+            return PublisherStats(self._published, self._next_seq, len(self._buffer),
+                                  self._buffer[0][0] if self._buffer else None, self._queue.qsize(),
+                                  self._replays, self._bad_replays)
+
+    def check_invariants(self) -> None:
+        """Buffered numbers are consecutive and end at the last sent one; nothing sent that
+        was not numbered; the buffer holds at most ``buffer_steps``."""
+        with self._buf_lock:
+            seqs = [s for s, _ in self._buffer]
+            published = self._published
+        if seqs and seqs != list(range(seqs[0], seqs[0] + len(seqs))):
+            gaps = sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs))
+            raise InvariantError(f"replay buffer not consecutive; missing seqs {gaps[:16]}, "
+                                 f"duplicated {sorted({s for s in seqs if seqs.count(s) > 1})[:16]}")
+        if seqs and seqs[-1] != published - 1:
+            raise InvariantError(f"replay buffer ends at seq {seqs[-1]}, but {published} batches were sent")
+        if published > self._next_seq:
+            raise InvariantError(f"{published} batches sent but only {self._next_seq} numbered")
+        if len(seqs) > (self._buffer.maxlen or 0):
+            raise InvariantError(f"replay buffer holds {len(seqs)} > {self._buffer.maxlen}")
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def add_arguments(parser: argparse.ArgumentParser, prefix: str = "kv-events") -> None:
+    """Add ``--{prefix}-endpoint``, ``-replay-endpoint``, ``-topic``, ``-buffer-steps``,
+    ``-hwm``, ``-layout`` and ``-state-events`` to ``parser`` (endpoint unset: no ZMQ outlet)."""
+    g = parser.add_argument_group("KV events (vLLM ZMQ wire)")
+    g.add_argument(f"--{prefix}-endpoint", default=None,
+                   help="PUB endpoint, e.g. tcp://*:5557 (unset: do not publish on ZMQ)")
+    g.add_argument(f"--{prefix}-replay-endpoint", default=None,
+                   help="ROUTER endpoint answering replay requests, e.g. tcp://*:5558")
+    g.add_argument(f"--{prefix}-topic", default="", help="topic frame of every message (default: empty)")
+    g.add_argument(f"--{prefix}-buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    g.add_argument(f"--{prefix}-hwm", type=int, default=100_000, help="PUB send high-water mark")
+    g.add_argument(f"--{prefix}-layout", choices=LAYOUTS, default="array",
+                   help="event layout: array (array_like structs) or map")
+    g.add_argument(f"--{prefix}-state-events", choices=STATE_POLICIES, default="drop",
+                   help="hybrid state events on this stream: drop (vLLM-safe), inline, error")
+
+
+def from_args(args: argparse.Namespace, prefix: str = "kv-events", **kwargs: Any) -> Optional[ZmqEventPublisher]:
+    """The publisher the flags of :func:`add_arguments` describe, ``None`` without an endpoint."""
+    a = prefix.replace("-", "_")
+    endpoint = getattr(args, f"{a}_endpoint")
+    if not endpoint:
+        return None
+    return ZmqEventPublisher(endpoint, getattr(args, f"{a}_replay_endpoint"), getattr(args, f"{a}_topic"),
+                             buffer_steps=getattr(args, f"{a}_buffer_steps"), hwm=getattr(args, f"{a}_hwm"),
+                             layout=getattr(args, f"{a}_layout"), state_events=getattr(args, f"{a}_state_events"),
+                             **kwargs)
+
