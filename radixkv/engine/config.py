@@ -1,0 +1,226 @@
+"""``EngineConfig``: everything needed to build a cache engine (pools, tree, session table).
+
+The defaults start a small KV-only engine on the CPU. A config round-trips through plain
+data (``to_dict`` / ``from_dict``) and loads from a JSON or TOML file (``from_file``), so the
+server can take a config file and override single fields from flags
+(``dataclasses.replace(cfg, kv_tokens=...)`` validates again).
+
+Model shape: ``layer_types`` has one character per layer, ``F`` (full attention: per-token
+KV in the KV pool) or ``K`` (a KDA linear-attention layer: a fixed-size recurrent state per
+request in the Mamba pool). Layers are numbered globally in that order, as the reference
+model and ``HybridLinearKVPool`` number them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Tuple
+
+import torch
+
+from radixkv.errors import InvalidArgumentError
+from radixkv.memory.arena import parse_dtype
+
+__all__ = ["EngineConfig", "ADMISSION_POLICIES"]
+
+#: ``every``: every finished / chunked request's tokens go into the tree (SGLang's radix
+#: cache). ``none``: nothing is cached, every match is empty (SGLang's
+#: ``--disable-radix-cache``); requests still get rows and KV slots.
+ADMISSION_POLICIES: Tuple[str, ...] = ("every", "none")
+
+_INT_MIN = {  # field -> smallest allowed value
+    "kv_tokens": 1, "page_size": 1, "head_num": 1, "head_dim": 1, "conv_kernel": 2,
+    "kda_num_heads": 1, "kda_head_dim": 1, "state_slots": 1, "request_rows": 1,
+    "max_context_len": 1, "max_sessions": 1, "max_requests_per_session": 1,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The shape and limits of one cache engine. Immutable; validated on construction.
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``: where every pool and index lives.
+        kv_tokens: KV slots of the pool (a multiple of ``page_size``).
+        page_size: tokens per KV page (1: token-granular allocator).
+        layer_types: one ``F`` / ``K`` per layer (at least one ``F``).
+        head_num, head_dim: KV heads and head width of the full-attention layers.
+        kv_dtype: floating dtype name of the KV buffers (``"float16"``, ``"bfloat16"``, ...).
+        conv_kernel: KDA short-conv width (its state keeps ``conv_kernel - 1`` inputs).
+        kda_num_heads, kda_head_dim: heads / head width of the KDA layers.
+        state_dtype: floating dtype name of the KDA states.
+        state_slots: Mamba state slots (used by hybrid configs only).
+        request_rows: rows of ``req_to_token`` (running requests at once).
+        max_context_len: tokens per request (columns of ``req_to_token``).
+        eviction_policy: a registered RadixCache policy (``lru``, ``lfu``, ``fifo``, ...).
+        admission_policy: one of :data:`ADMISSION_POLICIES`.
+        enable_kv_events: record BlockStored / BlockRemoved / AllBlocksCleared events.
+        lease_ttl_s: seconds a session lives without a call or heartbeat.
+        max_sessions: sessions at once.
+        max_requests_per_session: running requests of one session at once.
+        checks: range / double-free validation inside the pools and allocators (turn off
+            only for benchmarks; the engine validates its own inputs either way).
+
+    Raises ``InvalidArgumentError`` naming the field for any bad value.
+    """
+
+    device: str = "cpu"
+    kv_tokens: int = 4096
+    page_size: int = 1
+    layer_types: str = "FF"
+    head_num: int = 2
+    head_dim: int = 16
+    kv_dtype: str = "float32"
+    conv_kernel: int = 4
+    kda_num_heads: int = 2
+    kda_head_dim: int = 16
+    state_dtype: str = "float32"
+    state_slots: int = 64
+    request_rows: int = 64
+    max_context_len: int = 2048
+    eviction_policy: str = "lru"
+    admission_policy: str = "every"
+    enable_kv_events: bool = False
+    lease_ttl_s: float = 30.0
+    max_sessions: int = 64
+    max_requests_per_session: int = 64
+    checks: bool = True
+
+    def __post_init__(self) -> None:
+        for name, lo in _INT_MIN.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise InvalidArgumentError(f"EngineConfig.{name} must be an int >= {lo}, got {v!r}")
+        self._check_device()
+        if self.kv_tokens % self.page_size:
+            raise InvalidArgumentError(
+                f"EngineConfig.kv_tokens ({self.kv_tokens}) must be a multiple of page_size "
+                f"({self.page_size})")
+        lt = self.layer_types
+        if not isinstance(lt, str) or not lt or set(lt) - {"F", "K"} or "F" not in lt:
+            raise InvalidArgumentError(
+                f"EngineConfig.layer_types must be a string of 'F'/'K' with at least one 'F', got {lt!r}")
+        for name in ("kv_dtype", "state_dtype"):
+            v = getattr(self, name)
+            try:
+                dt = parse_dtype(v) if isinstance(v, str) else None
+            except InvalidArgumentError:
+                dt = None
+            if dt is None or not dt.is_floating_point:
+                raise InvalidArgumentError(f"EngineConfig.{name} must name a floating torch dtype, got {v!r}")
+        from radixkv.cache.eviction import available_policies
+
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in available_policies():
+            raise InvalidArgumentError(
+                f"EngineConfig.eviction_policy must be one of {available_policies()}, got {self.eviction_policy!r}")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise InvalidArgumentError(
+                f"EngineConfig.admission_policy must be one of {list(ADMISSION_POLICIES)}, "
+                f"got {self.admission_policy!r}")
+        for name in ("enable_kv_events", "checks"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        ttl = self.lease_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
+            raise InvalidArgumentError(f"EngineConfig.lease_ttl_s must be a finite number > 0, got {ttl!r}")
+        object.__setattr__(self, "lease_ttl_s", float(ttl))
+
+    def _check_device(self) -> None:
+        d = self.device
+        try:
+            dev = torch.device(d) if isinstance(d, str) else None
+        except (RuntimeError, ValueError):
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"EngineConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {d!r}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the model has KDA layers (then requests also hold a state slot)."""
+        return "K" in self.layer_types
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def full_layer_ids(self) -> Tuple[int, ...]:
+        """Global ids of the full-attention layers (KV layer ``i`` is the ``i``-th)."""
+        return tuple(i for i, c in enumerate(self.layer_types) if c == "F")
+
+    @property
+    def kda_layer_ids(self) -> Tuple[int, ...]:
+        """Global ids of the KDA layers (Mamba layer ``i`` is the ``i``-th)."""
+        return tuple(i for i, c in enumerate(self.layer_types) if c == "K")
+
+    @property
+    def conv_state_shape(self) -> Tuple[int, int]:
+        """Per-slot conv state of one KDA layer: ``(conv_kernel - 1, 3 * heads * head_dim)``
+        (q|k|v channels concatenated, as ``KimiLinearStateShape`` and the reference model)."""
+        return (self.conv_kernel - 1, 3 * self.kda_num_heads * self.kda_head_dim)
+
+    @property
+    def temporal_state_shape(self) -> Tuple[int, int, int]:
+        """Per-slot recurrent state of one KDA layer: ``(heads, head_dim, head_dim)``."""
+        return (self.kda_num_heads, self.kda_head_dim, self.kda_head_dim)
+
+    # ------------------------------------------------------------------ plain data
+    def to_dict(self) -> Dict[str, Any]:
+        """Every field as plain JSON-able data."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "EngineConfig":
+        """A config from plain data; missing fields take their defaults.
+
+        Raises ``InvalidArgumentError`` for a non-dict, unknown field names (listed) or a
+        bad value."""
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"an engine config must be a dict, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in names)
+        if unknown:
+            raise InvalidArgumentError(f"unknown EngineConfig fields: {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: "str | os.PathLike") -> "EngineConfig":
+        """Load a ``.json`` or ``.toml`` file: the fields at top level, or under an
+        ``engine`` table/object. Raises ``InvalidArgumentError`` for an unreadable or
+        malformed file, another extension, or bad fields."""
+        p = os.fspath(path)
+        ext = os.path.splitext(p)[1].lower()
+        try:
+            if ext == ".json":
+                with open(p, "r", encoding="utf-8") as f:
+                    data = json.load(f)
+            elif ext == ".toml":
+                import tomllib
+
+                with open(p, "rb") as f:
+                    data = tomllib.load(f)
+            else:
+                raise InvalidArgumentError(f"config file must end in .json or .toml, got {p!r}")
+        except (OSError, ValueError) as e:
+            if isinstance(e, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError(f"cannot read engine config {p!r}: {e}") from None
+        if isinstance(data, dict) and set(data) == {"engine"} and isinstance(data["engine"], dict):
+            data = data["engine"]
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A copy with ``changes`` applied (validated; unknown names raise)."""
+        names = {f.name for f in fields(self)}
+        unknown = sorted(k for k in changes if k not in names)
+        if unknown:
+            raise InvalidArgumentError(f"unknown EngineConfig fields: {unknown}")
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,396 @@
+"""``CacheEngine``: the cache-engine protocol run in-process (embedded mode).
+
+A thin, typed, validating layer over the scheduler flow (``radixkv.scheduler.flow``) and
+the tree: it keeps the sessions (:mod:`radixkv.engine.sessions`) and, per session, its
+requests (:class:`~radixkv.engine.requests.EngineReq`) by rid, and turns protocol calls
+into ``alloc_for_extend`` / ``alloc_for_decode`` / ``cache_unfinished_req`` /
+``release_kv_cache`` on the pools built by :mod:`radixkv.engine.pools`.
+
+Every call, in this order: expired leases are reclaimed (O(1) when none is due); the
+session is checked (unknown / ended / expired / other epoch -> ``StaleSessionError``) and
+its lease renewed; the whole input is validated (types, int32 token arrays, lengths, rid
+ownership -> ``NotFoundError`` / ``PermissionDeniedError``, repeated rids ->
+``InvalidArgumentError``, limits -> ``CapacityError``); only then does anything change. A
+call that raises leaves pools, tree, requests, sessions and the reported counters as they
+were (the flow is all-or-nothing; appended tokens are rolled back; the tree's query
+counters of a failed call are discounted).
+
+Thread-safety: none. The engine is single-threaded by design: the service runs it in one
+event loop, and in-process users call it from one thread (or hold their own lock).
+"""
+from __future__ import annotations
+
+import copy
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from radixkv.cache.radix_key import RadixKey
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.pools import EnginePools, build_tree
+from radixkv.engine.protocol import (
+    AttachInfo, CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem,
+    ExtendResult, MatchInfo, MatchQuery, Session,
+)
+from radixkv.engine.requests import EngineReq
+from radixkv.engine.sessions import SessionTable
+from radixkv.engine.validation import (
+    as_items, check_count, check_extra_key, check_priority, check_rids, check_token_id, check_tokens,
+)
+from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
+from radixkv.scheduler.batch import Batch
+from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, check_conservation, conservation, \
+    release_kv_cache
+
+__all__ = ["CacheEngine"]
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+def _as_config(config: Union[EngineConfig, Dict[str, Any], None]) -> EngineConfig:
+    if config is None:
+        return EngineConfig()
+    if isinstance(config, dict):
+        return EngineConfig.from_dict(config)
+    if not isinstance(config, EngineConfig):
+        raise InvalidArgumentError(f"config must be an EngineConfig or a dict, got {type(config).__name__}")
+    return config
+
+
+class CacheEngine:
+    """The embedded cache engine (implements :class:`~radixkv.engine.protocol.CacheEngineAPI`).
+
+    Args:
+        config: an :class:`EngineConfig`, a dict of its fields, or ``None`` (defaults).
+        clock: seconds, non-decreasing (default ``time.monotonic``); leases use it.
+        epoch: the session epoch (default random; a restarted engine gets a new one).
+        buffers: ``{pool name: tensor}`` of existing memory for the pools (the service's
+            shared buffers), see :class:`~radixkv.engine.pools.EnginePools`.
+        mappings: ``{pool name: mapping dict}`` put into the layout ``attach`` returns (how
+            workers map those buffers); default ``"embedded"``.
+
+    Attributes: ``config``, ``pools`` (:class:`EnginePools`), ``tree`` (the RadixCache),
+    ``sessions`` (:class:`SessionTable`). Single-threaded (see the module docstring).
+
+    Raises (constructor) ``InvalidArgumentError`` for a bad config or buffers, or a hybrid
+    config while the Mamba-aware tree is missing.
+    """
+
+    def __init__(self, config: Union[EngineConfig, Dict[str, Any], None] = None, *,
+                 clock: Optional[Callable[[], float]] = None, epoch: Optional[int] = None,
+                 buffers: Optional[Dict[str, torch.Tensor]] = None,
+                 mappings: Optional[Dict[str, Dict[str, Any]]] = None):
+        self.config = _as_config(config)
+        self.pools = EnginePools(self.config, buffers)
+        self.tree = build_tree(self.pools)
+        self.sessions = SessionTable(self.config.lease_ttl_s, self.config.max_sessions,
+                                     self.config.max_requests_per_session, clock=clock, epoch=epoch)
+        self._layout = self.pools.layout(mappings)
+        self._reqs: Dict[str, EngineReq] = {}
+        self._events: Deque[Any] = deque()
+        self._discount = [0, 0, 0]  # queries, queried tokens, hit tokens of calls that raised
+
+    # ------------------------------------------------------------------ sessions
+    @property
+    def epoch(self) -> int:
+        return self.sessions.epoch
+
+    def layout(self) -> Dict[str, Any]:
+        """A copy of the JSON-able layout of the pools (what ``attach`` returns)."""
+        return copy.deepcopy(self._layout)
+
+    def worker_buffers(self):
+        """In-process :class:`~radixkv.engine.buffers.WorkerBuffers` over the pools."""
+        return self.pools.worker_buffers()
+
+    def attach(self, worker_name: str = "") -> AttachInfo:
+        """Open a session. Raises ``CapacityError`` at ``max_sessions``. O(1)."""
+        self.sweep()
+        return AttachInfo(self.sessions.open(worker_name), self.layout())
+
+    def heartbeat(self, session: Session) -> float:
+        """Renew the lease; returns the seconds it now has left."""
+        sid = self._enter(session)
+        return self.sessions.time_left(sid)
+
+    def detach(self, session: Session) -> None:
+        """End the session; everything its requests hold is freed (not cached)."""
+        self.reclaim(self._enter(session), "was detached")
+
+    def reclaim(self, session_id: str, reason: str = "was reclaimed") -> int:
+        """End live session ``session_id``: its requests are aborted (locks released, KV
+        slots not in the tree, rows and state slots freed) and later calls under it raise
+        ``StaleSessionError`` quoting ``reason``. Returns how many requests it held.
+        O(tokens its requests hold privately)."""
+        rids = self.sessions.rids(session_id)
+        self._abort([self._reqs[r] for r in rids])
+        self.sessions.close(session_id, reason)
+        for r in rids:
+            del self._reqs[r]
+        return len(rids)
+
+    def sweep(self, now: Optional[float] = None) -> List[str]:
+        """Reclaim every session whose lease ran out at ``now`` (default: the clock);
+        returns their ids. Every call runs it first; the service also runs it periodically.
+        O(1) when none is due."""
+        expired = self.sessions.due(now)
+        for sid in expired:
+            self.reclaim(sid, "expired (its lease ran out)")
+        return expired
+
+    def close(self) -> None:
+        """Reclaim every session (server shutdown)."""
+        for sid in self.sessions.session_ids():
+            self.reclaim(sid, "was closed: the engine shut down")
+
+    def _enter(self, session: Session) -> str:
+        self.sweep()
+        sid = self.sessions.lookup(session).session_id
+        self.sessions.renew(sid)
+        return sid
+
+    def _own(self, sid: str, rids: Any) -> List[EngineReq]:
+        rids = check_rids(rids)
+        self.sessions.classify(sid, rids, must_exist=True)
+        return [self._reqs[r] for r in rids]
+
+    # ------------------------------------------------------------------ queries
+    def match(self, session: Session, queries: Sequence[MatchQuery]) -> List[MatchInfo]:
+        """How much of each query is cached (no lock, no allocation). O(sum of lengths)."""
+        self._enter(session)
+        qs = as_items(queries, MatchQuery, "queries")
+        keys = [RadixKey(check_tokens(q.token_ids, f"queries[{i}]", allow_empty=True),
+                         check_extra_key(q.extra_key, f"queries[{i}]")) for i, q in enumerate(qs)]
+        out = []
+        for key in keys:
+            n = self.tree.match_prefix(key).prefix_len
+            out.append(MatchInfo(n, n))
+        return out
+
+    # ------------------------------------------------------------------ extend / decode
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
+        """All or nothing (see the protocol). New rids are matched and locked and get a
+        row; every request gets KV slots for its new tokens, evicting as needed.
+
+        Raises ``InvalidArgumentError`` (bad items, repeated rids, no tokens),
+        ``PermissionDeniedError`` (another session's rid), ``CapacityError`` (over
+        ``max_context_len``, ``max_requests_per_session``, rows, or KV even after eviction).
+        Cost: the flow's, O(batch + tokens) vectorized."""
+        sid = self._enter(session)
+        its = as_items(items, ExtendItem, "items")
+        rids = check_rids([it.rid for it in its])
+        toks = [check_tokens(it.token_ids, f"items[{i}] ({it.rid!r})") for i, it in enumerate(its)]
+        for i, it in enumerate(its):
+            check_extra_key(it.extra_key, f"items[{i}]")
+            check_priority(it.priority, f"items[{i}]")
+        known = self.sessions.classify(sid, rids, must_exist=False)
+        self.sessions.check_room(sid, known.count(False))
+        limit = self.config.max_context_len
+        for rid, tok, k in zip(rids, toks, known):
+            total = (self._reqs[rid].seq_len if k else 0) + tok.size
+            if total > limit:
+                raise CapacityError(f"request {rid!r}: {total} tokens exceed max_context_len {limit}",
+                                    requested=total, available=limit)
+        if not its:
+            return []
+        reqs, marks = [], []
+        for it, tok, k in zip(its, toks, known):
+            if k:
+                r = self._reqs[it.rid]
+                marks.append((r, r.mark()))
+                r.append_tokens(tok)
+            else:
+                r = EngineReq.create(it.rid, tok, it.extra_key, int(it.priority))
+            reqs.append(r)
+        batch = self._batch(reqs)
+        before = self.tree.metrics.snapshot()
+        try:
+            alloc_for_extend(batch)
+        except BaseException:
+            for r, m in marks:
+                r.rollback(m)
+            self._discount_since(before)
+            raise
+        new = [r for r, k in zip(reqs, known) if not k]
+        self.sessions.add_requests(sid, [r.rid for r in new])
+        for r in new:
+            self._reqs[r.rid] = r
+        out = batch.out_cache_loc.to("cpu", torch.int64).numpy()
+        pre, seq = batch.prefix_lens.tolist(), batch.seq_lens_cpu.tolist()
+        results, pos = [], 0
+        for i, r in enumerate(reqs):
+            n = seq[i] - pre[i]
+            results.append(ExtendResult(r.rid, int(r.req_pool_idx), 0 if known[i] else pre[i], pre[i],
+                                        seq[i], out[pos:pos + n].copy(), self._slot(r)))
+            pos += n
+        return results
+
+    def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
+        """One KV slot per request for the token fed this step (appended to its tokens).
+
+        Raises ``InvalidArgumentError`` / ``NotFoundError`` / ``PermissionDeniedError`` for
+        bad items or rids, ``CapacityError`` (``max_context_len``, or KV even after
+        eviction). O(batch) vectorized."""
+        sid = self._enter(session)
+        its = as_items(items, DecodeItem, "items")
+        reqs = self._own(sid, [it.rid for it in its])
+        tids = [check_token_id(it.token_id, f"items[{i}] ({it.rid!r})") for i, it in enumerate(its)]
+        limit = self.config.max_context_len
+        for r in reqs:
+            if r.seq_len + 1 > limit:
+                raise CapacityError(f"request {r.rid!r}: {r.seq_len + 1} tokens exceed max_context_len "
+                                    f"{limit}", requested=r.seq_len + 1, available=limit)
+        if not its:
+            return DecodeResult(_EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy())
+        marks = [r.mark() for r in reqs]
+        for r, t in zip(reqs, tids):
+            r.append_output(t)
+        batch = self._batch(reqs)
+        try:
+            alloc_for_decode(batch)
+        except BaseException:
+            for r, m in zip(reqs, marks):
+                r.rollback(m)
+            raise
+        return DecodeResult(batch.out_cache_loc.to("cpu", torch.int64).numpy().copy(),
+                            batch.seq_lens_cpu.to(torch.int64).numpy().copy(),
+                            np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
+                            np.array([self._slot(r) for r in reqs], dtype=np.int64))
+
+    # ------------------------------------------------------------------ cache / release
+    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        """Insert each request's committed tokens (page-aligned) into the tree and move its
+        lock there. ``cached_len`` is 0 with admission policy ``none``. O(tokens)."""
+        sid = self._enter(session)
+        reqs = self._own(sid, rids)
+        for r in reqs:
+            self.tree.cache_unfinished_req(r)
+        return [CacheResult(r.rid, int(r.cache_protected_len)) for r in reqs]
+
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        """Cache the requests' tokens (page-aligned part), free what the tree does not keep
+        and their rows; the rids are forgotten. O(tokens)."""
+        sid = self._enter(session)
+        reqs = self._own(sid, rids)
+        ps, disabled = self.config.page_size, self.tree.disable
+        results = []
+        for r in reqs:
+            n = r.kv_committed_len
+            results.append(CacheResult(r.rid, 0 if disabled else n - n % ps))
+            release_kv_cache(r, self.tree, self.pools.req_to_token_pool)
+        self._forget(sid, reqs)
+        return results
+
+    def release(self, session: Session, rids: Sequence[str]) -> None:
+        """Abort: drop the requests without caching; locks, private KV slots, rows (and
+        state slots) are freed. O(tokens they hold privately)."""
+        sid = self._enter(session)
+        reqs = self._own(sid, rids)
+        self._abort(reqs)
+        self._forget(sid, reqs)
+
+    def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult:
+        """Evict at least ``num_tokens`` unlocked tokens (whole nodes) from the tree, or all
+        it can. ``states`` is 0 for KV-only models. O(evicted nodes x log leaves)."""
+        self._enter(session)
+        n = check_count(num_tokens, "num_tokens")
+        check_count(num_states, "num_states")
+        return EvictResult(self.tree.evict(n) if n else 0, 0)
+
+    def flush(self, session: Session) -> bool:
+        """Empty the tree (records ``AllBlocksCleared``); ``False`` while any request of
+        any session is running. O(tree)."""
+        self._enter(session)
+        if self._reqs:
+            return False
+        self.tree.reset()
+        return True
+
+    def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
+        """Drain up to ``max_events`` KV events (0: all), oldest first, as ``to_dict()``
+        dicts. One queue for the whole engine: events go to whoever takes them."""
+        self._enter(session)
+        n = check_count(max_events, "max_events")
+        self._events.extend(self.tree.take_events())
+        k = len(self._events) if n == 0 else min(n, len(self._events))
+        return [self._events.popleft().to_dict() for _ in range(k)]
+
+    # ------------------------------------------------------------------ stats / audit
+    def stats(self, session: Optional[Session] = None) -> EngineStats:
+        """Counters of the whole engine (``session`` optional; checked and renewed when
+        given). O(running requests)."""
+        if session is not None:
+            self._enter(session)
+        else:
+            self.sweep()
+        c = conservation(self.pools.allocator, self.tree, self._reqs.values())
+        m = self.tree.metrics.snapshot()
+        pool = self.pools.req_to_token_pool
+        return EngineStats(
+            kv_capacity=c.pool_size, kv_available=c.available, kv_evictable=c.evictable,
+            kv_protected=c.protected, kv_held=c.held_by_requests,
+            state_capacity=0, state_available=0, state_evictable=0, state_protected=0, state_held=0,
+            rows_capacity=pool.size, rows_available=pool.available_size(),
+            sessions=len(self.sessions), requests=len(self._reqs),
+            queries=m.queries - self._discount[0], queried_tokens=m.queried_tokens - self._discount[1],
+            hit_tokens=m.hit_tokens - self._discount[2], inserted_tokens=m.inserted_tokens,
+            evicted_tokens=m.evicted_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        """Every pool, the tree, the KV conservation law (page-exact, with the running
+        requests), the session table, and the engine's own request map agree. Raises
+        ``InvariantError`` naming the offending ids. O(pool + tree + tokens)."""
+        reqs = list(self._reqs.values())
+        self.pools.check_invariants(reqs)
+        self.tree.check_invariants()
+        self.sessions.check_invariants()
+        owned = {rid for sid in self.sessions.session_ids() for rid in self.sessions.rids(sid)}
+        if owned != set(self._reqs):
+            raise InvariantError(f"requests without a session (leaked): {sorted(set(self._reqs) - owned)}; "
+                                 f"session rids without a request: {sorted(owned - set(self._reqs))}")
+        bad = [rid for rid, r in self._reqs.items()
+               if r.rid != rid or r.req_pool_idx is None or r.kv_committed_len != r.seq_len]
+        if bad:
+            raise InvariantError(f"running requests without a row or with uncommitted tokens: {bad}")
+        self._batch(reqs).check_invariants()
+        check_conservation(self.pools.allocator, self.tree, reqs)
+
+    # ------------------------------------------------------------------ helpers
+    def _batch(self, reqs: List[EngineReq]) -> Batch:
+        p = self.pools
+        return Batch(reqs, p.req_to_token_pool, p.allocator, self.tree, kv_pool=p.kv_pool)
+
+    @staticmethod
+    def _slot(r: EngineReq) -> int:
+        return -1 if r.mamba_pool_idx is None else int(r.mamba_pool_idx)
+
+    def _abort(self, reqs: List[EngineReq]) -> None:
+        """Free everything ``reqs`` hold without caching: one allocator call for their
+        private KV slots (columns ``cache_protected_len .. kv_committed_len``), then their
+        locks and rows."""
+        pool = self.pools.req_to_token_pool
+        private = [pool.req_to_token[r.req_pool_idx, r.cache_protected_len:r.kv_committed_len]
+                   for r in reqs if r.req_pool_idx is not None]
+        slots = torch.cat(private).to(torch.int64) if private else None
+        if slots is not None and slots.numel():
+            self.pools.allocator.free(slots)
+        for r in reqs:
+            if r.last_node is not None:
+                self.tree.dec_lock_ref(r.last_node)
+                r.last_node = None
+            if r.req_pool_idx is not None:
+                pool.free(r)
+
+    def _forget(self, sid: str, reqs: List[EngineReq]) -> None:
+        self.sessions.remove_requests(sid, [r.rid for r in reqs])
+        for r in reqs:
+            del self._reqs[r.rid]
+
+    def _discount_since(self, before: Any) -> None:
+        m = self.tree.metrics.snapshot()
+        self._discount[0] += m.queries - before.queries
+        self._discount[1] += m.queried_tokens - before.queried_tokens
+        self._discount[2] += m.hit_tokens - before.hit_tokens

@@ -1,0 +1,230 @@
+"""Build every pool of an engine (and its tree) from an :class:`EngineConfig`.
+
+An engine has up to three pools, each ONE allocation (an :class:`~radixkv.memory.arena.Arena`)
+named in the layout:
+
+* ``"req_to_token"``: the request-to-token table (``ReqToTokenPool``; for hybrid models the
+  ``HybridReqToTokenPool``, whose arena also holds the row <-> state-slot maps);
+* ``"kv"``: the K/V buffers of the full-attention layers (``MHATokenToKVPool``);
+* ``"mamba"``: the KDA states (``MambaPool``), hybrid models only.
+
+:func:`plan_arenas` computes their layouts without allocating anything, so a server can
+create shared-memory buffers of the right size first and pass them in (``buffers=``); the
+pools then live in those bytes. :meth:`EnginePools.layout` describes everything a worker
+needs to map them (``radixkv.engine.buffers.attach_buffers``), as plain JSON-able data.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+
+from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.engine.config import EngineConfig
+from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.memory import (
+    ArenaLayout,
+    HybridLinearKVPool,
+    HybridReqToTokenPool,
+    MambaPool,
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    plan_layout,
+)
+from radixkv.memory.arena import DEFAULT_ALIGNMENT
+from radixkv.memory.hybrid import MAPPING, OWNER
+
+__all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "HYBRID_TREE_MODULE", "HYBRID_NEEDS_TREE", "plan_arenas",
+           "EnginePools", "build_kv_pool", "build_mamba_pool", "build_tree", "hybrid_tree_available"]
+
+POOL_NAMES = ("req_to_token", "kv", "mamba")
+LAYOUT_FORMAT = "radixkv.engine.layout/1"
+HYBRID_TREE_MODULE = "radixkv.cache.mamba_radix_cache"
+HYBRID_NEEDS_TREE = f"hybrid prefix caching needs {HYBRID_TREE_MODULE}"
+
+
+def _store_dtype(name: str) -> torch.dtype:
+    """The dtype a KV pool stores ``name`` as (fp8 as uint8, as ``KVCache`` does)."""
+    from radixkv.memory.kv_pool import _FP8
+    from radixkv.memory.arena import parse_dtype
+
+    dt = parse_dtype(name)
+    return torch.uint8 if dt in _FP8 else dt
+
+
+def plan_arenas(config: EngineConfig) -> Dict[str, ArenaLayout]:
+    """The arena layout of every pool of ``config`` (``"mamba"`` only for hybrid models),
+    computed without allocating: what shared buffers must hold. O(layers)."""
+    c = config
+    r2t = [(ReqToTokenPool.TABLE, (c.request_rows + 1, c.max_context_len), torch.int32)]
+    if c.is_hybrid:
+        r2t += [(MAPPING, (c.request_rows + 1,), torch.int32), (OWNER, (c.state_slots + 1,), torch.int32)]
+    n_full = len(c.full_layer_ids)
+    shape = (c.kv_tokens + c.page_size, c.head_num, c.head_dim)
+    sd = _store_dtype(c.kv_dtype)
+    kv = [(f"k.{l}", shape, sd) for l in range(n_full)] + [(f"v.{l}", shape, sd) for l in range(n_full)]
+    plans = {"req_to_token": plan_layout(r2t, DEFAULT_ALIGNMENT), "kv": plan_layout(kv, DEFAULT_ALIGNMENT)}
+    if c.is_hybrid:
+        n_kda = len(c.kda_layer_ids)
+        plans["mamba"] = plan_layout([
+            ("conv", (n_kda, c.state_slots + 1) + c.conv_state_shape, c.state_dtype),
+            ("temporal", (n_kda, c.state_slots + 1) + c.temporal_state_shape, c.state_dtype),
+        ], DEFAULT_ALIGNMENT)
+    return plans
+
+
+def build_kv_pool(config: EngineConfig, buffer: Optional[torch.Tensor] = None,
+                  device: Any = None) -> MHATokenToKVPool:
+    """The full-attention KV pool of ``config`` (over ``buffer`` when given)."""
+    c = config
+    return MHATokenToKVPool(c.kv_tokens, c.page_size, c.kv_dtype, c.head_num, c.head_dim,
+                            len(c.full_layer_ids), device if device is not None else c.torch_device,
+                            checks=c.checks, buffer=buffer)
+
+
+def build_mamba_pool(config: EngineConfig, buffer: Optional[torch.Tensor] = None,
+                     device: Any = None) -> MambaPool:
+    """The KDA state pool of a hybrid ``config`` (over ``buffer`` when given)."""
+    c = config
+    return MambaPool(c.state_slots, c.conv_state_shape, c.temporal_state_shape, len(c.kda_layer_ids),
+                     c.state_dtype, device if device is not None else c.torch_device,
+                     checks=c.checks, buffer=buffer)
+
+
+def hybrid_tree_available() -> bool:
+    """Whether the Mamba-aware radix tree module is installed."""
+    return importlib.util.find_spec(HYBRID_TREE_MODULE) is not None
+
+
+class EnginePools:
+    """Every pool of one engine, built from a config.
+
+    Args:
+        config: the engine config.
+        buffers: optional ``{pool name: 1-D tensor}`` of existing memory (shared memory on
+            CPU, CUDA IPC on GPU) to build those pools over instead of allocating; each
+            must hold at least ``plan_arenas(config)[name].total_bytes`` bytes.
+
+    Attributes: ``config``, ``device``, ``req_to_token_pool``, ``kv_pool``,
+    ``mamba_pool`` (``None`` unless hybrid), ``hybrid_kv_pool`` (``None`` unless hybrid),
+    ``allocator`` (token or paged, ``need_sort=True``), ``embedded_key`` (how in-process
+    workers find these pools).
+
+    Raises ``InvalidArgumentError`` (a CUDA device without CUDA, unknown buffer names, a
+    buffer too small / misaligned / on another device).
+    """
+
+    def __init__(self, config: EngineConfig, buffers: Optional[Dict[str, torch.Tensor]] = None):
+        if not isinstance(config, EngineConfig):
+            raise InvalidArgumentError(f"expected an EngineConfig, got {type(config).__name__}")
+        dev = config.torch_device
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device {config.device!r} requested but CUDA is not available")
+        plans = plan_arenas(config)
+        buffers = dict(buffers or {})
+        unknown = sorted(set(buffers) - set(plans))
+        if unknown:
+            raise InvalidArgumentError(f"buffers given for unknown pools {unknown}; pools are {sorted(plans)}")
+        self.config = config
+        self.device = dev
+        self.kv_pool = build_kv_pool(config, buffers.get("kv"))
+        self.mamba_pool: Optional[MambaPool] = None
+        self.hybrid_kv_pool: Optional[HybridLinearKVPool] = None
+        if config.is_hybrid:
+            self.mamba_pool = build_mamba_pool(config, buffers.get("mamba"))
+            self.req_to_token_pool: ReqToTokenPool = HybridReqToTokenPool(
+                config.request_rows, config.max_context_len, self.mamba_pool, device=dev,
+                checks=config.checks, buffer=buffers.get("req_to_token"))
+            self.hybrid_kv_pool = HybridLinearKVPool(self.kv_pool, list(config.full_layer_ids),
+                                                     self.mamba_pool,
+                                                     linear_layer_ids=list(config.kda_layer_ids))
+        else:
+            self.req_to_token_pool = ReqToTokenPool(config.request_rows, config.max_context_len, dev,
+                                                    checks=config.checks,
+                                                    buffer=buffers.get("req_to_token"))
+        if config.page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(config.kv_tokens, dev, need_sort=True,
+                                                    kvcache=self.kv_pool, checks=config.checks)
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(config.kv_tokens, config.page_size, dev,
+                                                         need_sort=True, kvcache=self.kv_pool,
+                                                         checks=config.checks)
+        for name, arena in self.arenas().items():
+            if arena.layout != plans[name]:
+                raise InvariantError(f"pool {name!r} was built with a layout other than plan_arenas() gives")
+        from radixkv.engine.buffers import register_embedded
+
+        self.embedded_key = register_embedded(self)
+
+    def arenas(self) -> Dict[str, Any]:
+        """``{pool name: Arena}``: the one allocation of each pool."""
+        out = {"req_to_token": self.req_to_token_pool.arena, "kv": self.kv_pool.arena}
+        if self.mamba_pool is not None:
+            out["mamba"] = self.mamba_pool.arena
+        return out
+
+    def buffers(self) -> Dict[str, torch.Tensor]:
+        """``{pool name: its flat uint8 buffer}`` (what ``attach_buffers`` takes)."""
+        return {name: a.buffer for name, a in self.arenas().items()}
+
+    def layout(self, mappings: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+        """Plain, JSON-able description of the pools: ``format``, ``config`` (the engine
+        config's ``to_dict()``), ``device``, ``page_size``, ``layers`` (``types``, global
+        ``full`` and ``kda`` ids) and ``pools``: per pool its ``kind``, ``arena``
+        (``ArenaLayout.to_dict()``) and ``mapping`` (how a worker maps the bytes:
+        ``{"mode": "embedded", "key": ...}`` in-process unless ``mappings`` gives one, e.g. a
+        shared-memory file or CUDA IPC handle filled in by the service)."""
+        mappings = dict(mappings or {})
+        unknown = sorted(set(mappings) - set(self.arenas()))
+        if unknown:
+            raise InvalidArgumentError(f"mappings given for unknown pools {unknown}")
+        kinds = {"req_to_token": "hybrid_req_to_token" if self.mamba_pool is not None else "req_to_token",
+                 "kv": "mha", "mamba": "mamba"}
+        c = self.config
+        return {
+            "format": LAYOUT_FORMAT,
+            "config": c.to_dict(),
+            "device": str(self.device),
+            "page_size": c.page_size,
+            "layers": {"types": c.layer_types, "full": list(c.full_layer_ids), "kda": list(c.kda_layer_ids)},
+            "pools": {
+                name: {"kind": kinds[name], "arena": arena.layout.to_dict(),
+                       "mapping": dict(mappings.get(name, {"mode": "embedded", "key": self.embedded_key}))}
+                for name, arena in self.arenas().items()
+            },
+        }
+
+    def worker_buffers(self):
+        """A :class:`~radixkv.engine.buffers.WorkerBuffers` over these very pools."""
+        from radixkv.engine.buffers import WorkerBuffers
+
+        return WorkerBuffers.from_pools(self)
+
+    def check_invariants(self, reqs: Optional[Iterable[Any]] = None) -> None:
+        """Every pool's own invariants (the request pool against ``reqs``, every request
+        holding a row, when given). Raises ``InvariantError``."""
+        self.allocator.check_invariants()
+        self.req_to_token_pool.check_invariants(None if reqs is None else list(reqs))
+        self.kv_pool.check_invariants()
+        if self.hybrid_kv_pool is not None:
+            self.hybrid_kv_pool.check_invariants()
+
+
+def build_tree(pools: EnginePools) -> RadixCache:
+    """The prefix tree over ``pools`` as the config asks (policy, admission, events).
+
+    KV-only models get a :class:`RadixCache`. Hybrid models need the Mamba-aware tree
+    (``radixkv.cache.mamba_radix_cache``): ``InvalidArgumentError(HYBRID_NEEDS_TREE)`` while
+    that module does not exist; once it does, the engine still has to be wired to it (the
+    state fork on match and the state insert on cache), so this raises too, saying so."""
+    c = pools.config
+    if c.is_hybrid:
+        if not hybrid_tree_available():
+            raise InvalidArgumentError(HYBRID_NEEDS_TREE)
+        raise InvalidArgumentError(f"{HYBRID_TREE_MODULE} exists but the engine is not wired to "
+                                   "MambaRadixCache yet (radixkv/engine/pools.py build_tree)")
+    return RadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
+                      eviction_policy=c.eviction_policy, disable=c.admission_policy == "none",
+                      enable_kv_events=c.enable_kv_events)

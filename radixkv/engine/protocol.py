@@ -1,0 +1,224 @@
+"""The cache-engine protocol: what a scheduler needs from the cache for one step, in batch form.
+
+Two implementations, one contract:
+
+* ``radixkv.CacheEngine`` runs it in-process (embedded mode, a library);
+* ``radixkv.connect(address, token=...)`` returns a client that runs it over gRPC against a
+  cache-manager process (``radixkv serve``) that owns the device-resident buffers.
+
+A conformance suite (``tests/conformance/``) runs the same scenarios against both; they must
+agree call for call. The service maps :mod:`radixkv.errors` to gRPC status codes in one place,
+and the client maps them back, so both raise the same typed errors.
+
+Vocabulary (SGLang's): a *request* (``rid``, unique within its session) holds a row of the
+shared ``req_to_token`` table (``req_pool_idx``), KV slots for the tokens it has committed, and,
+for hybrid models, one Mamba state slot. Its tokens are everything it was given so far: the
+prompt (sent with its first ``alloc_extend``), more prompt chunks, and the token fed at each
+decode step. KV bytes never travel through this protocol: workers read and write the shared
+buffers directly (``attach`` describes them); only token ids and indices travel, as int32 /
+int64 numpy arrays.
+
+Sessions and leases: ``attach`` opens a session (id + epoch + lease TTL). A session is kept
+alive by calls and ``heartbeat``; when its lease expires (or ``detach`` is called) every row,
+lock, KV slot and state slot its requests held is reclaimed, and later calls under it raise
+``StaleSessionError``. A session may touch only its own requests.
+
+Errors (all subclasses of ``RadixKVError``): bad input -> ``InvalidArgumentError``; out of
+capacity after eviction -> ``CapacityError`` (with requested/available); stale or unknown
+session -> ``StaleSessionError``; unknown request -> ``NotFoundError``; a request of another
+session -> ``PermissionDeniedError``. A call that raises changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "Session", "AttachInfo", "MatchQuery", "MatchInfo", "ExtendItem", "ExtendResult",
+    "DecodeItem", "DecodeResult", "CacheResult", "EvictResult", "EngineStats",
+    "CacheEngineAPI",
+]
+
+
+class Session(NamedTuple):
+    """A worker's handle: pass it to every call. ``epoch`` changes when the manager restarts."""
+
+    session_id: str
+    epoch: int
+    lease_ttl_s: float
+
+
+class AttachInfo(NamedTuple):
+    """What ``attach`` returns: the session and the layout of the shared buffers.
+
+    ``layout`` is a plain, JSON-able dict: the engine config (model shape, page size, pool
+    sizes, device, dtypes) and, per pool, its arena layout (tensor names, shapes, dtypes,
+    offsets) plus how to map it (``"embedded"`` in-process, a shared-memory file on CPU, CUDA
+    IPC handles on GPU). ``radixkv.engine.buffers.attach_buffers(layout)`` turns it into
+    tensors that alias the manager's memory.
+    """
+
+    session: Session
+    layout: Dict[str, Any]
+
+
+class MatchQuery(NamedTuple):
+    """A read-only probe: how much of ``token_ids`` is cached (no lock, no allocation)."""
+
+    token_ids: np.ndarray  # int32
+    extra_key: Optional[str] = None
+
+
+class MatchInfo(NamedTuple):
+    """``prefix_len``: tokens whose KV rows (and, for hybrid models, state) can be reused.
+    ``kv_prefix_len``: tokens whose KV rows are cached (>= prefix_len; equal for KV-only
+    models)."""
+
+    prefix_len: int
+    kv_prefix_len: int
+
+
+class ExtendItem(NamedTuple):
+    """One request of an extend (prefill) step.
+
+    ``token_ids`` (int32) are appended to the request's tokens: for a new ``rid`` its prompt
+    (or first chunk), for a known one the next chunk. The step gives KV slots to every token
+    of the request that has none yet. ``extra_key`` and ``priority`` are read for new
+    requests only.
+    """
+
+    rid: str
+    token_ids: np.ndarray
+    extra_key: Optional[str] = None
+    priority: int = 0
+
+
+class ExtendResult(NamedTuple):
+    """Where request ``rid`` stands after ``alloc_extend``.
+
+    The worker computes tokens ``start .. seq_len`` (their KV goes to ``out_cache_loc``, which
+    are also written into ``req_to_token[req_pool_idx, start:seq_len]``); tokens before
+    ``start`` already have KV (``prefix_len`` of them reused from the cache by this call, the
+    rest committed by earlier chunks). For hybrid models ``mamba_slot`` holds the recurrent
+    state after ``start`` tokens (a copy-on-write fork of the cached state on a hit, zeros for
+    a fresh start); ``-1`` for KV-only models.
+    """
+
+    rid: str
+    req_pool_idx: int
+    prefix_len: int
+    start: int
+    seq_len: int
+    out_cache_loc: np.ndarray  # int64, seq_len - start entries
+    mamba_slot: int = -1
+
+
+class DecodeItem(NamedTuple):
+    """One request of a decode step: ``token_id`` is the token fed in this step (the one the
+    request generated last); it gets one KV slot."""
+
+    rid: str
+    token_id: int
+
+
+class DecodeResult(NamedTuple):
+    """Per request (in call order): the new token's KV slot and the length after the step."""
+
+    out_cache_loc: np.ndarray  # int64 [B]
+    seq_lens: np.ndarray  # int64 [B]
+    req_pool_indices: np.ndarray  # int64 [B]
+    mamba_slots: np.ndarray  # int64 [B], -1 for KV-only models
+
+
+class CacheResult(NamedTuple):
+    """After ``cache_unfinished`` / ``cache_finished``: ``cached_len`` tokens of ``rid`` are
+    in the tree (page-aligned); for unfinished requests its row now points at the tree's
+    rows for them."""
+
+    rid: str
+    cached_len: int
+
+
+class EvictResult(NamedTuple):
+    tokens: int
+    states: int
+
+
+class EngineStats(NamedTuple):
+    """Counters of the whole engine. ``kv_*`` in tokens, ``state_*`` in Mamba slots.
+
+    Conservation (checked at idle): ``kv_available + kv_evictable + kv_protected + kv_held ==
+    kv_capacity`` and likewise for states.
+    """
+
+    kv_capacity: int
+    kv_available: int
+    kv_evictable: int
+    kv_protected: int
+    kv_held: int
+    state_capacity: int
+    state_available: int
+    state_evictable: int
+    state_protected: int
+    state_held: int
+    rows_capacity: int
+    rows_available: int
+    sessions: int
+    requests: int
+    queries: int
+    queried_tokens: int
+    hit_tokens: int
+    inserted_tokens: int
+    evicted_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@runtime_checkable
+class CacheEngineAPI(Protocol):
+    """The contract both engines implement. Every method validates its input first and
+    changes nothing when it raises."""
+
+    def attach(self, worker_name: str = "") -> AttachInfo: ...
+
+    def heartbeat(self, session: Session) -> float:
+        """Renew the lease; returns the seconds it now has left."""
+
+    def detach(self, session: Session) -> None:
+        """End the session, reclaiming everything its requests hold."""
+
+    def match(self, session: Session, queries: Sequence[MatchQuery]) -> List[MatchInfo]: ...
+
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
+        """All or nothing: new requests are matched and locked, get a row (and a state
+        slot), and every request gets KV slots for its uncommitted tokens, evicting from the
+        tree as needed; ``CapacityError`` when that cannot be done."""
+
+    def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult: ...
+
+    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        """Chunked prefill: put each request's committed tokens into the tree (for hybrid
+        models with a fork of its current state) and move its lock there."""
+
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        """The requests are done: cache their tokens (and final state), free their rows."""
+
+    def release(self, session: Session, rids: Sequence[str]) -> None:
+        """Abort: drop the requests without caching; everything they held is freed."""
+
+    def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult: ...
+
+    def stats(self, session: Optional[Session] = None) -> EngineStats: ...
+
+    def flush(self, session: Session) -> bool:
+        """Empty the tree; refused (False) while any request is running."""
+
+    def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
+        """Drain KV events (``to_dict()`` form of BlockStored / BlockRemoved /
+        AllBlocksCleared); ``max_events=0`` means all."""
+
+    def check_invariants(self) -> None:
+        """Every pool, the tree and the session table agree (raises ``InvariantError``)."""

@@ -1,0 +1,336 @@
+"""The worker side: :func:`connect` returns a :class:`RemoteCacheEngine`, the cache-engine
+protocol (``radixkv.engine.protocol.CacheEngineAPI``) run against a cache-manager server.
+
+Every protocol call is one unary RPC carrying the whole batch (token ids and indices as
+packed int32/int64 bytes). Failed calls raise the same :mod:`radixkv.errors` types the
+embedded engine raises (:func:`radixkv.service.errors.error_from_rpc`).
+
+Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
+str, a token id outside int32, ...) is rejected here with the engine's own validators
+(``radixkv.engine.validation``); before raising, the client sends a ``Heartbeat`` so that a
+stale session still raises ``StaleSessionError`` first and a live one has its lease renewed,
+exactly as a failed embedded call does. (When one call has two defects, the one reported
+may differ from the embedded engine's.)
+
+KV bytes never travel: :meth:`RemoteCacheEngine.worker_buffers` maps the manager's pools
+(once per pool and epoch) and returns ``WorkerBuffers`` aliasing them.
+
+Sessions stay alive through calls, :meth:`~RemoteCacheEngine.heartbeat`, or a keep-alive
+stream (:meth:`~RemoteCacheEngine.start_keepalive`): a background thread that renews the
+lease every ``ttl / 3`` s; if the worker dies the stream drops and the manager reclaims the
+session at once.
+
+The client is thread-safe as gRPC channels are; the engine behind it serializes calls.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+
+from radixkv.engine.protocol import (
+    AttachInfo, CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem,
+    ExtendResult, MatchInfo, MatchQuery, Session,
+)
+from radixkv.engine import validation as V
+from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.service import wire
+from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
+from radixkv.service.auth import Token, resolve_token
+from radixkv.service.errors import ServiceUnavailableError, error_from_rpc
+from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES, unix_socket_path
+from radixkv.service.shm import map_buffer
+
+__all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
+
+
+class KeepAlive:
+    """A keep-alive stream for one session, renewed from a daemon thread.
+
+    ``stop()`` ends the stream (the manager then detaches the session, see the protocol's
+    KeepAlive); ``lease_left_s`` is the last value the manager sent; ``error`` the error that
+    ended it early (e.g. ``StaleSessionError``), else None.
+    """
+
+    def __init__(self, stub: pb_grpc.CacheManagerStub, metadata: Any, session: Session, interval_s: float):
+        self._stop = threading.Event()
+        self._session = wire.session_to_msg(session)
+        self.interval_s = float(interval_s)
+        self.lease_left_s: Optional[float] = None
+        self.error: Optional[RadixKVError] = None
+        self._call = stub.KeepAlive(self._requests(), metadata=metadata)
+        self._thread = threading.Thread(target=self._run, name="radixkv-keepalive", daemon=True)
+        self._thread.start()
+
+    def _requests(self) -> Iterator[pb.HeartbeatRequest]:
+        while not self._stop.is_set():
+            yield pb.HeartbeatRequest(session=self._session)
+            self._stop.wait(self.interval_s)
+
+    def _run(self) -> None:
+        try:
+            for resp in self._call:
+                self.lease_left_s = resp.lease_left_s
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = error_from_rpc(e)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._call.cancel()
+        self._thread.join(timeout_s)
+
+
+class RemoteCacheEngine:
+    """``CacheEngineAPI`` over gRPC (see the module doc). Build it with :func:`connect`.
+
+    Args:
+        channel: a gRPC channel to the manager.
+        token: the auth token.
+        timeout_s: deadline of each call.
+        address: for messages.
+    """
+
+    def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = ""):
+        self._channel = channel
+        self._stub = pb_grpc.CacheManagerStub(channel)
+        self._md = token.metadata()
+        self._timeout = float(timeout_s)
+        self.address = address
+        self._mapped: Dict[Tuple[int, str], Any] = {}
+        self._keepalives: List[KeepAlive] = []
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, metadata=self._md, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def _reject(self, session: Session, error: RadixKVError) -> None:
+        """Input the wire cannot carry: check (and renew) the session first, as the engine
+        does before validating, then raise ``error``."""
+        self.heartbeat(session)
+        raise error
+
+    def _session(self, session: Session) -> pb.SessionRef:
+        return wire.session_to_msg(session)
+
+    # ------------------------------------------------------------------ sessions
+    def attach(self, worker_name: str = "") -> AttachInfo:
+        """Open a session; ``layout`` is the manager's (each pool's ``mapping`` says how to
+        map its bytes: ``{"mode": "shm", ...}`` or ``{"mode": "cuda_ipc", ...}``)."""
+        if not isinstance(worker_name, str) or len(worker_name) > 256:
+            raise InvalidArgumentError("worker_name must be a str of at most 256 characters")
+        resp = self._call(self._stub.Attach, pb.AttachRequest(worker_name=worker_name))
+        layout = json.loads(resp.layout_json)
+        for m in resp.mappings:
+            if m.pool not in layout.get("pools", {}):
+                raise InvalidArgumentError(f"the manager sent a mapping for unknown pool {m.pool!r}")
+            layout["pools"][m.pool]["mapping"] = wire.descriptor_to_dict(wire.mapping_from_msg(m))
+        return AttachInfo(wire.session_from_msg(resp.session), layout)
+
+    def heartbeat(self, session: Session) -> float:
+        return float(self._call(self._stub.Heartbeat, pb.HeartbeatRequest(session=self._session(session))).lease_left_s)
+
+    def detach(self, session: Session) -> None:
+        self._call(self._stub.Detach, pb.DetachRequest(session=self._session(session)))
+
+    def start_keepalive(self, session: Session, interval_s: Optional[float] = None) -> KeepAlive:
+        """Keep ``session`` alive from a background stream (every ``interval_s``, default
+        a third of its lease). The manager detaches the session when the stream ends."""
+        ref = self._session(session)
+        interval = float(interval_s) if interval_s is not None else max(0.05, ref.lease_ttl_s / 3 or 1.0)
+        ka = KeepAlive(self._stub, self._md, session, interval)
+        self._keepalives.append(ka)
+        return ka
+
+    # ------------------------------------------------------------------ the step
+    def match(self, session: Session, queries: Sequence[MatchQuery]) -> List[MatchInfo]:
+        ref = self._session(session)
+        try:
+            qs = V.as_items(queries, MatchQuery, "queries")
+            qs = [MatchQuery(V.check_tokens(q.token_ids, f"queries[{i}]", allow_empty=True),
+                             V.check_extra_key(q.extra_key, f"queries[{i}]")) for i, q in enumerate(qs)]
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        resp = self._call(self._stub.Match, pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
+        return wire.match_infos_from_msg(resp, len(qs))
+
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
+        ref = self._session(session)
+        try:
+            its = V.as_items(items, ExtendItem, "items")
+            V.check_rids([it.rid for it in its])
+            its = [ExtendItem(it.rid, V.check_tokens(it.token_ids, f"items[{i}] ({it.rid!r})"),
+                              V.check_extra_key(it.extra_key, f"items[{i}]"),
+                              V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        resp = self._call(self._stub.AllocExtend,
+                          pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
+        return wire.extend_results_from_msg(resp)
+
+    def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
+        self._session(session)
+        try:
+            its = V.as_items(items, DecodeItem, "items")
+            V.check_rids([it.rid for it in its])
+            its = [DecodeItem(it.rid, V.check_token_id(it.token_id, f"items[{i}] ({it.rid!r})"))
+                   for i, it in enumerate(its)]
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        resp = self._call(self._stub.AllocDecode, wire.decode_items_to_msg(session, its))
+        return wire.decode_result_from_msg(resp, len(its))
+
+    def _rids(self, session: Session, rids: Sequence[str]) -> List[str]:
+        try:
+            return V.check_rids(rids)
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+
+    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
+        return wire.cache_results_from_msg(self._call(self._stub.CacheUnfinished, req))
+
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
+        return wire.cache_results_from_msg(self._call(self._stub.CacheFinished, req))
+
+    def release(self, session: Session, rids: Sequence[str]) -> None:
+        req = pb.ReleaseRequest(session=self._session(session), rids=self._rids(session, rids))
+        self._call(self._stub.Release, req)
+
+    def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult:
+        ref = self._session(session)
+        try:
+            n, s = V.check_count(num_tokens, "num_tokens"), V.check_count(num_states, "num_states")
+            if n >= 1 << 63 or s >= 1 << 63:
+                raise InvalidArgumentError("num_tokens / num_states must fit in int64")
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        return wire.evict_result_from_msg(
+            self._call(self._stub.Evict, pb.EvictRequest(session=ref, num_tokens=n, num_states=s)))
+
+    # ------------------------------------------------------------------ stats / admin
+    def stats(self, session: Optional[Session] = None) -> EngineStats:
+        req = pb.StatsRequest() if session is None else pb.StatsRequest(session=self._session(session))
+        return wire.stats_from_msg(self._call(self._stub.Stats, req))
+
+    def flush(self, session: Session) -> bool:
+        return bool(self._call(self._stub.Flush, pb.FlushRequest(session=self._session(session))).flushed)
+
+    def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
+        ref = self._session(session)
+        try:
+            n = V.check_count(max_events, "max_events")
+            if n >= 1 << 63:
+                raise InvalidArgumentError("max_events must fit in int64")
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        resp = self._call(self._stub.TakeEvents, pb.TakeEventsRequest(session=ref, max_events=n))
+        return [wire.event_from_msg(e) for e in resp.events]
+
+    def watch_events(self, session: Session, poll_interval_s: float = 0.0) -> Iterator[Dict[str, Any]]:
+        """KV events as the manager drains them (a server stream; cancel by closing the
+        iterator or the client). Raises the mapped error when the stream fails."""
+        call = self._stub.WatchEvents(pb.WatchEventsRequest(session=self._session(session),
+                                                            poll_interval_s=float(poll_interval_s)),
+                                      metadata=self._md)
+        try:
+            for msg in call:
+                yield wire.event_from_msg(msg)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise error_from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    def check_invariants(self) -> None:
+        """The manager's engine and shared buffers agree (raises ``InvariantError``)."""
+        self._call(self._stub.CheckInvariants, pb.CheckInvariantsRequest())
+
+    # ------------------------------------------------------------------ buffers
+    def worker_buffers(self, info: AttachInfo) -> Any:
+        """``WorkerBuffers`` aliasing the manager's pools (each pool mapped once per epoch)."""
+        from radixkv.engine.buffers import attach_buffers
+
+        layout = info.layout
+        buffers = {}
+        for name, pool in layout["pools"].items():
+            desc = wire.descriptor_from_dict(pool.get("mapping") or {})
+            if desc is None:
+                raise InvalidArgumentError(f"pool {name!r} has no shared mapping (mode "
+                                           f"{(pool.get('mapping') or {}).get('mode')!r})")
+            key = (int(info.session.epoch), name)
+            if key not in self._mapped:
+                self._mapped[key] = map_buffer(desc)
+            buffers[name] = self._mapped[key]
+        return attach_buffers(layout, buffers)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop keep-alive streams and close the channel (sessions are not detached)."""
+        for ka in self._keepalives:
+            ka.stop()
+        self._keepalives.clear()
+        self._channel.close()
+
+    def __enter__(self) -> "RemoteCacheEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteCacheEngine({self.address!r})"
+
+
+def connect(address: str, token: Optional[str] = None, *, token_file: Optional[str] = None,
+            timeout_s: float = 30.0, wait_s: float = 10.0, tls_ca: Optional[str] = None,
+            tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+            tls_server_name: Optional[str] = None,
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RemoteCacheEngine:
+    """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).
+
+    The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
+    the channel is TLS (``tls_cert``/``tls_key`` for a client certificate). Waits up to
+    ``wait_s`` for the channel to be ready.
+
+    Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
+    ``ServiceUnavailableError`` (nothing answers within ``wait_s``).
+    """
+    tok = resolve_token(token, token_file)
+    n = int(max_message_bytes)
+    options = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
+               ("grpc.enable_retries", 0),
+               # a local manager that is still starting: retry connecting quickly
+               ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+               ("grpc.max_reconnect_backoff_ms", 1000)]
+    path = unix_socket_path(address)
+    target = f"unix:{path}" if path is not None else address
+    if tls_ca:
+        from radixkv.service.server import _read
+
+        creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key) if tls_key else None,
+                                             _read(tls_cert) if tls_cert else None)
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        channel = grpc.secure_channel(target, creds, options=options)
+    else:
+        channel = grpc.insecure_channel(target, options=options)
+    if wait_s and wait_s > 0:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=wait_s)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise ServiceUnavailableError(f"no cache manager answers at {address!r} within {wait_s} s") from None
+    return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address)

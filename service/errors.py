@@ -1,0 +1,146 @@
+"""THE one place radixkv errors map to gRPC status codes, and back.
+
+Server side, :func:`status_of` turns an exception into ``(StatusCode, details, trailing
+metadata)``: the code is the exception's ``code`` attribute (every
+:class:`~radixkv.errors.RadixKVError` subclass names its gRPC status there), the trailing
+metadata names the exact error type (``radixkv-error-type``) and, for a
+:class:`~radixkv.errors.CapacityError`, what was asked and what was free
+(``radixkv-requested`` / ``radixkv-available``). Anything that is not a ``RadixKVError`` is
+an ``INTERNAL`` error.
+
+Client side, :func:`error_from_rpc` rebuilds the same type from a ``grpc.RpcError``: the
+named type when it is one of :mod:`radixkv.errors` (or this module) and its code matches
+the status, else the base type of the status code. So the remote client raises exactly what
+the embedded engine raises. Transport failures get two types of their own:
+:class:`MessageTooLargeError` (a ``CapacityError``: the message size and the limit, in
+bytes) and :class:`ServiceUnavailableError`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, NamedTuple, Optional, Tuple, Type
+
+import grpc
+
+from radixkv import errors as E
+
+ERROR_TYPE_KEY = "radixkv-error-type"
+REQUESTED_KEY = "radixkv-requested"
+AVAILABLE_KEY = "radixkv-available"
+
+
+class MessageTooLargeError(E.CapacityError):
+    """A gRPC message over the configured maximum size (``requested``/``available`` in
+    bytes when the transport said them)."""
+
+
+class ServiceUnavailableError(E.RadixKVError):
+    """The manager cannot be reached (down, restarting, or the call timed out)."""
+
+    code = "UNAVAILABLE"
+
+
+def _all_error_types() -> Dict[str, Type[E.RadixKVError]]:
+    found: Dict[str, Type[E.RadixKVError]] = {}
+    for mod_types in (vars(E).values(), (MessageTooLargeError, ServiceUnavailableError)):
+        for t in mod_types:
+            if isinstance(t, type) and issubclass(t, E.RadixKVError):
+                found[t.__name__] = t
+    return found
+
+
+#: Error types the client may rebuild by name (no other name is ever looked up).
+KNOWN_ERRORS: Dict[str, Type[E.RadixKVError]] = _all_error_types()
+
+#: The type a status code means when the server named none (or an unknown one).
+BASE_BY_CODE: Dict[grpc.StatusCode, Type[E.RadixKVError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: E.InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: E.InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: E.CapacityError,
+    grpc.StatusCode.FAILED_PRECONDITION: E.StaleSessionError,
+    grpc.StatusCode.NOT_FOUND: E.NotFoundError,
+    grpc.StatusCode.PERMISSION_DENIED: E.PermissionDeniedError,
+    grpc.StatusCode.UNAUTHENTICATED: E.UnauthenticatedError,
+    grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ServiceUnavailableError,
+}
+
+
+class RpcStatus(NamedTuple):
+    """What the server aborts a call with."""
+
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: Tuple[Tuple[str, str], ...]
+
+
+def status_code_of(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status for ``exc``: ``StatusCode[exc.code]`` for radixkv errors, else INTERNAL."""
+    if isinstance(exc, E.RadixKVError):
+        code = getattr(grpc.StatusCode, str(type(exc).code), None)
+        if isinstance(code, grpc.StatusCode):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def status_of(exc: BaseException) -> RpcStatus:
+    """Map a server-side exception to the status the call ends with. O(1)."""
+    code = status_code_of(exc)
+    if isinstance(exc, E.RadixKVError):
+        details = str(exc) or type(exc).__name__
+        meta: List[Tuple[str, str]] = [(ERROR_TYPE_KEY, type(exc).__name__)]
+        if isinstance(exc, E.CapacityError):
+            if exc.requested is not None:
+                meta.append((REQUESTED_KEY, str(int(exc.requested))))
+            if exc.available is not None:
+                meta.append((AVAILABLE_KEY, str(int(exc.available))))
+    else:  # a bug in the manager: say what, never how (no traceback on the wire)
+        details = f"internal error: {type(exc).__name__}: {exc}"
+        meta = [(ERROR_TYPE_KEY, "RadixKVError")]
+    return RpcStatus(code, details, tuple(meta))
+
+
+_SIZE_RE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+
+
+def _meta_dict(rpc_error: grpc.RpcError) -> Dict[str, str]:
+    try:
+        md = rpc_error.trailing_metadata() or ()
+    except Exception:  # some RpcErrors (channel-level) carry none
+        md = ()
+    return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in md}
+
+
+def _int_or_none(s: Optional[str]) -> Optional[int]:
+    try:
+        return int(s) if s is not None else None
+    except ValueError:
+        return None
+
+
+def error_from_rpc(rpc_error: grpc.RpcError) -> E.RadixKVError:
+    """The radixkv error a failed call stands for (see the module doc). O(1)."""
+    try:
+        code = rpc_error.code()
+        details = rpc_error.details() or ""
+    except Exception:
+        code, details = grpc.StatusCode.UNKNOWN, str(rpc_error)
+    meta = _meta_dict(rpc_error)
+    cls = KNOWN_ERRORS.get(meta.get(ERROR_TYPE_KEY, ""))
+    if cls is not None and getattr(grpc.StatusCode, cls.code, None) != code:
+        cls = None  # the name and the status disagree: trust the status
+    if cls is None and code == grpc.StatusCode.RESOURCE_EXHAUSTED and _SIZE_RE.search(details):
+        cls = MessageTooLargeError
+    if cls is None:
+        cls = BASE_BY_CODE.get(code, E.RadixKVError)
+    message = details or code.name
+    if issubclass(cls, E.CapacityError):
+        requested = _int_or_none(meta.get(REQUESTED_KEY))
+        available = _int_or_none(meta.get(AVAILABLE_KEY))
+        m = _SIZE_RE.search(details)
+        if m and requested is None and available is None:
+            requested, available = int(m.group(1)), int(m.group(2))
+        return cls(message, requested=requested, available=available)
+    if cls is E.RadixKVError and code != grpc.StatusCode.INTERNAL:
+        message = f"{code.name}: {message}"
+    return cls(message)

@@ -1,0 +1,341 @@
+"""The cache-manager server: one process owns the engine, its shared pools, and the gRPC port.
+
+Start-up (:class:`CacheManagerServer`): pool files left in the shared-memory directory by
+managers that died without cleaning up (SIGKILL) are removed; the pools' sizes come from
+``radixkv.engine.plan_arenas(config)``; each pool's buffer is allocated ONCE as shared memory
+(:class:`~radixkv.service.shm.SharedBuffers`: a 0600 file in ``/dev/shm`` on CPU, CUDA IPC on
+GPU) and handed to the engine (``CacheEngine(buffers=..., mappings=...)``), which builds its
+pools over those bytes. Then the gRPC ``grpc.aio`` server starts with the auth interceptor, the
+``CacheManager`` service, the gRPC health service and (behind a flag) reflection.
+
+Listening: a Unix socket by default (``unix:///dir/name.sock``): the directory is created
+0700 when missing, and refused when it is not ours or allows group/other access; a stale
+socket file (nobody listening) is replaced, a live one refused. TCP (``host:port``) on request:
+with TLS (``tls_cert``/``tls_key``, and ``tls_ca`` to require client certificates), or without
+it on loopback only unless ``allow_insecure_tcp``.
+
+Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
+every ``sweep_interval_s``, refreshes the metrics snapshot, and (``check_idle``) runs every
+``check_invariants()`` when no request is running.
+
+Shutdown (:meth:`CacheManagerServer.stop`, on SIGTERM/SIGINT in :func:`serve`): health goes
+NOT_SERVING, the streams end, in-flight calls drain for ``grace_s``, every session is
+reclaimed (``engine.close()``), the shared-memory files and the socket file are removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import stat
+from typing import Any, Callable, NamedTuple, Optional
+
+import grpc
+
+from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
+from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
+from radixkv.service import wire
+from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
+from radixkv.service.auth import Token, TokenAuthInterceptor
+from radixkv.service.metrics import ServiceMetrics
+from radixkv.service.servicer import CacheManagerServicer
+from radixkv.service.shm import SharedBuffers, remove_stale_files
+
+log = logging.getLogger("radixkv.service")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheManager"].full_name
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+_LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+class ServeOptions(NamedTuple):
+    """How the server listens and behaves (the engine's shape is the ``EngineConfig``)."""
+
+    address: str = "unix:///tmp/radixkv/manager.sock"
+    shm_dir: Optional[str] = None  # default /dev/shm (else the temp dir)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_s: float = 5.0
+    sweep_interval_s: float = 1.0
+    reflection: bool = False
+    metrics_port: Optional[int] = None  # None: no Prometheus endpoint; 0: any free port
+    metrics_addr: str = "127.0.0.1"
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_ca: Optional[str] = None  # given: clients must present a certificate it signed
+    allow_insecure_tcp: bool = False
+    check_idle: bool = False
+
+
+def unix_socket_path(address: str) -> Optional[str]:
+    """The file path of a ``unix:`` address (``unix:///abs``, ``unix:/abs``, ``unix:rel``), or None."""
+    if address.startswith("unix://"):
+        return address[len("unix://"):]
+    if address.startswith("unix:"):
+        return address[len("unix:"):]
+    return None
+
+
+def prepare_unix_socket(path: str) -> str:
+    """Make ``path``'s directory safe for the socket and clear a stale socket file.
+
+    Returns the absolute path. Raises ``PermissionDeniedError`` (the directory is not ours,
+    or group/other may enter it) or ``InvalidArgumentError`` (a live server already listens
+    there, or something else than a socket is in the way).
+    """
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)
+    st = os.stat(directory)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionDeniedError(
+            f"socket directory {directory!r} must be owned by this user with mode 0700, has "
+            f"uid {st.st_uid} mode {oct(st.st_mode & 0o777)}")
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise InvalidArgumentError(f"{path!r} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: nobody listens
+        else:
+            raise InvalidArgumentError(f"a server already listens on {path!r}")
+        finally:
+            probe.close()
+    return path
+
+
+class CacheManagerServer:
+    """One cache manager: engine + shared buffers + gRPC server. Use from one event loop.
+
+    Args:
+        config: the engine config (device, pool sizes, model shape, policies, lease TTL).
+        token: the auth token every RPC but health must present.
+        options: :class:`ServeOptions`.
+        clock, epoch: passed to the engine (tests inject a clock).
+
+    Raises (constructor) ``InvalidArgumentError`` for a bad config, an unusable shared-
+    memory directory, or a CUDA device without CUDA. Nothing is left behind when it raises.
+    """
+
+    def __init__(self, config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(), *,
+                 clock: Optional[Callable[[], float]] = None, epoch: Optional[int] = None):
+        if not isinstance(token, Token):
+            raise InvalidArgumentError("token must be a radixkv.service.auth.Token")
+        _check_options(options)
+        self.config = config
+        self.options = options
+        self.metrics = ServiceMetrics()
+        self.shared = SharedBuffers(config.device, options.shm_dir,
+                                    prefix=f"radixkv-{os.getpid()}-{secrets.token_hex(4)}")
+        if self.shared.device.type == "cpu":
+            stale = remove_stale_files(self.shared.shm_dir)
+            if stale:
+                log.warning("removed %d pool file(s) of managers that are no longer running", len(stale))
+        try:
+            for name, plan in plan_arenas(config).items():
+                self.shared.allocate(name, plan.total_bytes)
+            mappings = {n: wire.descriptor_to_dict(d) for n, d in self.shared.descriptors.items()}
+            self.engine = CacheEngine(config, clock=clock, epoch=epoch, buffers=dict(self.shared.buffers),
+                                      mappings=mappings)
+        except BaseException:
+            self.shared.close()
+            raise
+        self._token = token
+        self._closing: Optional[asyncio.Event] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self._health: Any = None
+        self._sweeper: Optional[asyncio.Task] = None
+        self._socket_path: Optional[str] = None
+        self.servicer: Optional[CacheManagerServicer] = None
+        self.address: Optional[str] = None
+        self.metrics_port: Optional[int] = None
+        self._stopped = False
+
+    # ------------------------------------------------------------------ start
+    async def start(self) -> str:
+        """Bind and start serving; returns the address clients use (the real port for TCP
+        port 0). Must run on the loop that will own the engine."""
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        o = self.options
+        self._closing = asyncio.Event()
+        self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing)
+        n = int(o.max_message_bytes)
+        self._server = grpc.aio.server(
+            interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected)],
+            options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
+                     ("grpc.so_reuseport", 0)])
+        pb_grpc.add_CacheManagerServicer_to_server(self.servicer, self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        if o.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                                self._server)
+        try:
+            self.address = self._bind()
+            await self._server.start()
+        except BaseException:
+            await self._cleanup_files()
+            raise
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if o.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http(int(o.metrics_port), o.metrics_addr)
+        self.metrics.update(self.engine.stats())
+        self._sweeper = asyncio.ensure_future(self._sweep_loop())
+        log.info("radixkv cache manager listening on %s (device %s, %d KV tokens, epoch %d)",
+                 self.address, self.config.device, self.config.kv_tokens, self.engine.epoch)
+        return self.address
+
+    def _rejected(self, method: str) -> None:
+        self.metrics.auth_failed(method)
+        log.info("rejected a call to %s: missing or wrong auth token", method)
+
+    def _bind(self) -> str:
+        o = self.options
+        path = unix_socket_path(o.address)
+        if path is not None:
+            self._socket_path = prepare_unix_socket(path)
+            self._server.add_insecure_port(f"unix:{self._socket_path}")
+            return f"unix://{self._socket_path}"
+        address = o.address[len("tcp://"):] if o.address.startswith("tcp://") else o.address
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(f"address {o.address!r} is neither unix:PATH nor HOST:PORT")
+        if o.tls_cert or o.tls_key:
+            if not (o.tls_cert and o.tls_key):
+                raise InvalidArgumentError("TLS needs both --tls-cert and --tls-key")
+            creds = grpc.ssl_server_credentials(
+                [(_read(o.tls_key), _read(o.tls_cert))],
+                root_certificates=_read(o.tls_ca) if o.tls_ca else None,
+                require_client_auth=bool(o.tls_ca))
+            bound = self._server.add_secure_port(address, creds)
+        else:
+            if host not in _LOOPBACK and not o.allow_insecure_tcp:
+                raise InvalidArgumentError(
+                    f"refusing plaintext TCP on {host!r}: give --tls-cert/--tls-key, bind a loopback "
+                    "address, or pass --allow-insecure-tcp")
+            bound = self._server.add_insecure_port(address)
+        if not bound:
+            raise InvalidArgumentError(f"cannot bind {address!r}")
+        return f"{host}:{bound}"
+
+    # ------------------------------------------------------------------ run
+    async def _sweep_loop(self) -> None:
+        interval = max(0.01, float(self.options.sweep_interval_s))
+        while not self._closing.is_set():
+            try:
+                await asyncio.wait_for(self._closing.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+            if self._closing.is_set():
+                return
+            self.sweep_once()
+
+    def sweep_once(self) -> None:
+        """Reclaim expired leases, refresh the metrics snapshot, check invariants at idle."""
+        expired = self.engine.sweep()
+        if expired:
+            log.info("lease expired for %d session(s); everything they held was reclaimed", len(expired))
+        stats = self.engine.stats()
+        self.metrics.update(stats)
+        if self.options.check_idle and stats.requests == 0 and not self.servicer.idle_failures:
+            try:
+                self.servicer.check_all()
+            except InvariantError as e:
+                self.servicer.idle_failures.append(str(e))
+                log.error("invariant broken at idle: %s", e)
+
+    async def wait_closed(self) -> None:
+        """Until the server has stopped."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # ------------------------------------------------------------------ stop
+    async def stop(self, grace_s: Optional[float] = None) -> None:
+        """Graceful shutdown (idempotent): NOT_SERVING, streams end, calls drain within
+        ``grace_s`` (default the option), every session is reclaimed, files removed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.options.grace_s if grace_s is None else grace_s
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._closing is not None:
+            self._closing.set()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+        n = len(self.engine.sessions)
+        self.engine.close()
+        log.info("shut down: %d session(s) revoked", n)
+        self.metrics.stop_http()
+        await self._cleanup_files()
+
+    async def _cleanup_files(self) -> None:
+        self.shared.close()
+        if self._socket_path is not None:
+            try:
+                os.unlink(self._socket_path)
+            except FileNotFoundError:
+                pass
+
+
+def _check_options(o: ServeOptions) -> None:
+    """Raises ``InvalidArgumentError`` naming the first unusable option."""
+    if isinstance(o.max_message_bytes, bool) or not isinstance(o.max_message_bytes, int) \
+            or o.max_message_bytes < 4096:
+        raise InvalidArgumentError(f"max_message_bytes must be an int >= 4096, got {o.max_message_bytes!r}")
+    for name in ("grace_s", "sweep_interval_s"):
+        v = getattr(o, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6:
+            raise InvalidArgumentError(f"{name} must be a number in [0, 1e6), got {v!r}")
+    if o.sweep_interval_s <= 0:
+        raise InvalidArgumentError("sweep_interval_s must be > 0")
+    if o.metrics_port is not None and not (isinstance(o.metrics_port, int) and 0 <= o.metrics_port < 65536):
+        raise InvalidArgumentError(f"metrics_port must be a port number, got {o.metrics_port!r}")
+    if not isinstance(o.address, str) or not o.address:
+        raise InvalidArgumentError("address must be a non-empty string")
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot read {path!r}: {e.strerror}") from None
+
+
+async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),
+                on_ready: Optional[Callable[[CacheManagerServer], None]] = None) -> int:
+    """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0."""
+    server = CacheManagerServer(config, token, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        if on_ready is not None:
+            on_ready(server)
+        await stop.wait()
+        log.info("signal received: shutting down (grace %.1f s)", options.grace_s)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0
