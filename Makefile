@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.radixkv-installed
 
-.PHONY: all setup demo test test-fast bench clean
+.PHONY: all setup demo test bench soak clean
 
 all: test
 
@@ -27,6 +27,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_allocator.py
+
+# Long reliability run: a mixed workload with worker churn for MINUTES, then 1,000 kill cycles.
+MINUTES ?= 10
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py --minutes $(MINUTES)
+	RADIXKV_KILL_CYCLES=1000 $(PY) -m pytest -q -s -p no:cacheprovider tests/reliability/test_kill_cycles.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -25,7 +25,9 @@ from typing import Any, Dict, List, Optional
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, RadixKVError
 from radixkv.service.auth import TOKEN_ENV, resolve_token
-from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES, ServeOptions, serve
+from radixkv.service.server import (
+    DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_QUARANTINE_S, ServeOptions, serve,
+)
 
 DEFAULT_ADDRESS = ServeOptions().address
 
@@ -48,6 +50,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                      help="allow plaintext TCP on a non-loopback address")
     net.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                      help="largest gRPC message accepted or sent (default %(default)s)")
+    net.add_argument("--max-concurrent-rpcs", type=int, default=DEFAULT_MAX_CONCURRENT_RPCS,
+                     help="calls in flight at once, streams included; beyond it a call gets "
+                          "RESOURCE_EXHAUSTED at once (default %(default)s)")
     net.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     run = parser.add_argument_group("running")
     run.add_argument("--shm-dir", default=None, help="directory of the shared-memory pool files (default /dev/shm)")
@@ -55,6 +60,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     run.add_argument("--sweep-interval-s", type=float, default=1.0,
                      help="lease sweep period (default %(default)s)")
     run.add_argument("--check-idle", action="store_true", help="run check_invariants() at every idle sweep")
+    run.add_argument("--quarantine-s", type=float, default=DEFAULT_QUARANTINE_S,
+                     help="hold what an expired session held (not reused) while its worker process "
+                          "still runs, at most this long; 0 turns quarantine off (default %(default)s)")
     run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     run.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint")
     run.add_argument("--torch-threads", type=int, default=1,
@@ -92,7 +100,8 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         grace_s=args.grace_s, sweep_interval_s=args.sweep_interval_s, reflection=args.reflection,
         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr, tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_ca=args.tls_ca, allow_insecure_tcp=args.allow_insecure_tcp,
-        check_idle=args.check_idle)
+        check_idle=args.check_idle, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        quarantine_s=args.quarantine_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:

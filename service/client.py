@@ -18,14 +18,24 @@ KV bytes never travel: :meth:`RemoteCacheEngine.worker_buffers` maps the manager
 Sessions stay alive through calls, :meth:`~RemoteCacheEngine.heartbeat`, or a keep-alive
 stream (:meth:`~RemoteCacheEngine.start_keepalive`): a background thread that renews the
 lease every ``ttl / 3`` s; if the worker dies the stream drops and the manager reclaims the
-session at once.
+session at once. ``attach`` reports this process's pid, so a session that expires while
+this process still runs (paused) is quarantined rather than handed to others.
+
+Retries: every call but ``Stats`` / ``CheckInvariants`` carries a fresh
+``radixkv-request-id``; with ``retries=N`` a call that failed UNAVAILABLE or
+DEADLINE_EXCEEDED (the reply may have been lost after the manager ran it) is sent again
+with the same id, up to N times, and the manager answers a retry it already ran with the
+reply it kept: a retried ``alloc_extend`` never allocates twice.
 
 The client is thread-safe as gRPC channels are; the engine behind it serializes calls.
 """
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import threading
+import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
@@ -42,6 +52,7 @@ from radixkv.service._gen import cache_manager_pb2 as pb
 from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
 from radixkv.service.auth import Token, resolve_token
 from radixkv.service.errors import ServiceUnavailableError, error_from_rpc
+from radixkv.service.idempotency import REQUEST_ID_KEY
 from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES, unix_socket_path
 from radixkv.service.shm import map_buffer
 
@@ -84,9 +95,13 @@ class KeepAlive:
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Close the stream (the manager then detaches the session at once); cancel it if
+        the manager does not end it within ``timeout_s``."""
         self._stop.set()
-        self._call.cancel()
-        self._thread.join(timeout_s)
+        self._thread.join(min(timeout_s, 2.0))
+        if self._thread.is_alive():
+            self._call.cancel()
+            self._thread.join(timeout_s)
 
 
 class RemoteCacheEngine:
@@ -97,23 +112,45 @@ class RemoteCacheEngine:
         token: the auth token.
         timeout_s: deadline of each call.
         address: for messages.
+        retries: how many times a call that failed UNAVAILABLE / DEADLINE_EXCEEDED is sent
+            again with the same request id (0: never).
+        retry_backoff_s: the first pause between tries (doubled each time, at most 1 s).
     """
 
-    def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = ""):
+    def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = "",
+                 retries: int = 0, retry_backoff_s: float = 0.05):
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidArgumentError(f"retries must be an int >= 0, got {retries!r}")
         self._channel = channel
         self._stub = pb_grpc.CacheManagerStub(channel)
         self._md = token.metadata()
         self._timeout = float(timeout_s)
         self.address = address
+        self.retries = retries
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.retried = 0  # calls sent again (for tests and soak reports)
         self._mapped: Dict[Tuple[int, str], Any] = {}
         self._keepalives: List[KeepAlive] = []
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, metadata=self._md, timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+    def _call(self, method: Any, request: Any, request_id: Optional[str] = None, idempotent: bool = True) -> Any:
+        """One unary call; with ``idempotent`` it carries a request id (``request_id`` or a
+        fresh one) and is retried with it on UNAVAILABLE / DEADLINE_EXCEEDED."""
+        md = self._md
+        if idempotent:
+            md = md + ((REQUEST_ID_KEY, request_id or secrets.token_hex(12)),)
+        pause = self.retry_backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return method(request, metadata=md, timeout=self._timeout)
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if not idempotent or attempt == self.retries or not isinstance(err, ServiceUnavailableError):
+                    raise err from None
+            self.retried += 1
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _reject(self, session: Session, error: RadixKVError) -> None:
         """Input the wire cannot carry: check (and renew) the session first, as the engine
@@ -125,12 +162,18 @@ class RemoteCacheEngine:
         return wire.session_to_msg(session)
 
     # ------------------------------------------------------------------ sessions
-    def attach(self, worker_name: str = "") -> AttachInfo:
+    def attach(self, worker_name: str = "", *, pid: Optional[int] = None) -> AttachInfo:
         """Open a session; ``layout`` is the manager's (each pool's ``mapping`` says how to
-        map its bytes: ``{"mode": "shm", ...}`` or ``{"mode": "cuda_ipc", ...}``)."""
+        map its bytes: ``{"mode": "shm", ...}`` or ``{"mode": "cuda_ipc", ...}``).
+
+        ``pid``: the worker process the manager watches for quarantine (default this
+        process; 0: unknown)."""
         if not isinstance(worker_name, str) or len(worker_name) > 256:
             raise InvalidArgumentError("worker_name must be a str of at most 256 characters")
-        resp = self._call(self._stub.Attach, pb.AttachRequest(worker_name=worker_name))
+        pid = os.getpid() if pid is None else pid
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 31:
+            raise InvalidArgumentError(f"pid must be an int in [0, 2**31), got {pid!r}")
+        resp = self._call(self._stub.Attach, pb.AttachRequest(worker_name=worker_name, pid=pid))
         layout = json.loads(resp.layout_json)
         for m in resp.mappings:
             if m.pool not in layout.get("pools", {}):
@@ -223,7 +266,7 @@ class RemoteCacheEngine:
     # ------------------------------------------------------------------ stats / admin
     def stats(self, session: Optional[Session] = None) -> EngineStats:
         req = pb.StatsRequest() if session is None else pb.StatsRequest(session=self._session(session))
-        return wire.stats_from_msg(self._call(self._stub.Stats, req))
+        return wire.stats_from_msg(self._call(self._stub.Stats, req, idempotent=False))
 
     def flush(self, session: Session) -> bool:
         return bool(self._call(self._stub.Flush, pb.FlushRequest(session=self._session(session))).flushed)
@@ -256,7 +299,7 @@ class RemoteCacheEngine:
 
     def check_invariants(self) -> None:
         """The manager's engine and shared buffers agree (raises ``InvariantError``)."""
-        self._call(self._stub.CheckInvariants, pb.CheckInvariantsRequest())
+        self._call(self._stub.CheckInvariants, pb.CheckInvariantsRequest(), idempotent=False)
 
     # ------------------------------------------------------------------ buffers
     def worker_buffers(self, info: AttachInfo) -> Any:
@@ -264,6 +307,9 @@ class RemoteCacheEngine:
         from radixkv.engine.buffers import attach_buffers
 
         layout = info.layout
+        epoch = int(info.session.epoch)
+        for key in [k for k in self._mapped if k[0] != epoch]:  # an old manager's pools: unmap
+            del self._mapped[key]
         buffers = {}
         for name, pool in layout["pools"].items():
             desc = wire.descriptor_from_dict(pool.get("mapping") or {})
@@ -295,7 +341,7 @@ class RemoteCacheEngine:
 
 
 def connect(address: str, token: Optional[str] = None, *, token_file: Optional[str] = None,
-            timeout_s: float = 30.0, wait_s: float = 10.0, tls_ca: Optional[str] = None,
+            timeout_s: float = 30.0, wait_s: float = 10.0, retries: int = 0, tls_ca: Optional[str] = None,
             tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
             tls_server_name: Optional[str] = None,
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RemoteCacheEngine:
@@ -303,7 +349,7 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
 
     The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
     the channel is TLS (``tls_cert``/``tls_key`` for a client certificate). Waits up to
-    ``wait_s`` for the channel to be ready.
+    ``wait_s`` for the channel to be ready. ``retries``: see :class:`RemoteCacheEngine`.
 
     Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
     ``ServiceUnavailableError`` (nothing answers within ``wait_s``).
@@ -333,4 +379,4 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
         except grpc.FutureTimeoutError:
             channel.close()
             raise ServiceUnavailableError(f"no cache manager answers at {address!r} within {wait_s} s") from None
-    return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address)
+    return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address, retries=retries)

@@ -15,13 +15,15 @@ Exported (prefix ``radixkv_``):
 * ``state_slots{state=...}``, ``state_capacity_slots``; ``rows_available``, ``rows_capacity``;
 * ``sessions``, ``requests``, ``hit_rate``;
 * ``queries_total``, ``queried_tokens_total``, ``hit_tokens_total``, ``inserted_tokens_total``,
-  ``evicted_tokens_total`` (counters, from the engine's cumulative stats).
+  ``evicted_tokens_total`` (counters, from the engine's cumulative stats);
+* ``quarantined_sessions`` (gauge), ``quarantine_released{why=gone|timeout}`` (since start),
+  ``reply_cache_bytes`` and ``reply_cache_hits`` (idempotent retries answered from the cache).
 """
 from __future__ import annotations
 
 from typing import Iterator, Optional, Tuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -71,6 +73,14 @@ class ServiceMetrics:
                                      ["method", "code"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.auth_failures = Counter("radixkv_auth_failures", "calls rejected for a missing or wrong token",
                                      ["method"], registry=self.registry)
+        self.quarantined = Gauge("radixkv_quarantined_sessions", "expired sessions whose holdings are quarantined",
+                                 registry=self.registry)
+        self.quarantine_released = Gauge("radixkv_quarantine_released", "quarantined sessions released since start",
+                                         ["why"], registry=self.registry)
+        self.reply_cache_bytes = Gauge("radixkv_reply_cache_bytes", "bytes of kept replies (idempotent calls)",
+                                       registry=self.registry)
+        self.reply_cache_hits = Gauge("radixkv_reply_cache_hits", "retries answered from the reply cache",
+                                      registry=self.registry)
         self._stats = _StatsCollector()
         self.registry.register(self._stats)
         self._http: Optional[Tuple[object, object]] = None
@@ -84,6 +94,14 @@ class ServiceMetrics:
     def update(self, stats: EngineStats) -> None:
         """Replace the engine snapshot the exporter serves (call from the engine's loop)."""
         self._stats.stats = stats
+
+    def update_reliability(self, quarantine: "object", reply_bytes: int, reply_hits: int) -> None:
+        """Refresh the quarantine and reply-cache gauges (a ``QuarantineStats``)."""
+        self.quarantined.set(quarantine.held)
+        self.quarantine_released.labels("gone").set(quarantine.released_gone)
+        self.quarantine_released.labels("timeout").set(quarantine.released_timeout)
+        self.reply_cache_bytes.set(reply_bytes)
+        self.reply_cache_hits.set(reply_hits)
 
     def exposition(self) -> bytes:
         """The text format a Prometheus scrape gets."""

@@ -15,8 +15,11 @@ with TLS (``tls_cert``/``tls_key``, and ``tls_ca`` to require client certificate
 it on loopback only unless ``allow_insecure_tcp``.
 
 Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
-every ``sweep_interval_s``, refreshes the metrics snapshot, and (``check_idle``) runs every
-``check_invariants()`` when no request is running.
+every ``sweep_interval_s`` (quarantining what a session held while its worker process may
+still run, see :mod:`~radixkv.service.quarantine`), refreshes the metrics snapshot, and
+(``check_idle``) runs every ``check_invariants()`` when no request is running. At most
+``max_concurrent_rpcs`` calls (streams included) are in flight; beyond that a call is
+answered RESOURCE_EXHAUSTED at once (gRPC's own limiter), so overload never builds a queue.
 
 Shutdown (:meth:`CacheManagerServer.stop`, on SIGTERM/SIGINT in :func:`serve`): health goes
 NOT_SERVING, the streams end, in-flight calls drain for ``grace_s``, every session is
@@ -38,17 +41,16 @@ import grpc
 from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
 from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
 from radixkv.service import wire
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
 from radixkv.service.auth import Token, TokenAuthInterceptor
 from radixkv.service.metrics import ServiceMetrics
-from radixkv.service.servicer import CacheManagerServicer
+from radixkv.service.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server
 from radixkv.service.shm import SharedBuffers, remove_stale_files
 
 log = logging.getLogger("radixkv.service")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheManager"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_MAX_CONCURRENT_RPCS = 256
+DEFAULT_QUARANTINE_S = 0.0  # off by default (a lease then means what it says); serve --quarantine-s 30 to enable
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
@@ -68,6 +70,8 @@ class ServeOptions(NamedTuple):
     tls_ca: Optional[str] = None  # given: clients must present a certificate it signed
     allow_insecure_tcp: bool = False
     check_idle: bool = False
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS  # in flight at once, streams included
+    quarantine_s: float = DEFAULT_QUARANTINE_S  # 0: reclaim expired sessions at once
 
 
 def unix_socket_path(address: str) -> Optional[str]:
@@ -166,13 +170,15 @@ class CacheManagerServer:
 
         o = self.options
         self._closing = asyncio.Event()
-        self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing)
+        self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing,
+                                             quarantine_s=float(o.quarantine_s))
         n = int(o.max_message_bytes)
         self._server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected)],
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
-                     ("grpc.so_reuseport", 0)])
-        pb_grpc.add_CacheManagerServicer_to_server(self.servicer, self._server)
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=int(o.max_concurrent_rpcs))
+        add_to_server(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         if o.reflection:
@@ -242,12 +248,17 @@ class CacheManagerServer:
             self.sweep_once()
 
     def sweep_once(self) -> None:
-        """Reclaim expired leases, refresh the metrics snapshot, check invariants at idle."""
-        expired = self.engine.sweep()
+        """Reclaim expired leases (quarantine those whose worker may still run, release the
+        quarantined ones that are safe), refresh the metrics snapshot, check invariants at idle."""
+        expired, released = self.servicer.housekeeping()
         if expired:
             log.info("lease expired for %d session(s); everything they held was reclaimed", len(expired))
+        if released:
+            log.info("released %d quarantined session(s)", len(released))
         stats = self.engine.stats()
         self.metrics.update(stats)
+        sv = self.servicer
+        self.metrics.update_reliability(sv.quarantine.stats(), sv.replies.bytes, sv.replies.hits)
         if self.options.check_idle and stats.requests == 0 and not self.servicer.idle_failures:
             try:
                 self.servicer.check_all()
@@ -282,6 +293,8 @@ class CacheManagerServer:
                 pass
         n = len(self.engine.sessions)
         self.engine.close()
+        if self.servicer is not None:
+            self.servicer.quarantine.close()
         log.info("shut down: %d session(s) revoked", n)
         self.metrics.stop_http()
         await self._cleanup_files()
@@ -306,6 +319,12 @@ def _check_options(o: ServeOptions) -> None:
             raise InvalidArgumentError(f"{name} must be a number in [0, 1e6), got {v!r}")
     if o.sweep_interval_s <= 0:
         raise InvalidArgumentError("sweep_interval_s must be > 0")
+    m = o.max_concurrent_rpcs
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 1 << 20:
+        raise InvalidArgumentError(f"max_concurrent_rpcs must be an int in [1, 2**20], got {m!r}")
+    q = o.quarantine_s
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q < 1e9:
+        raise InvalidArgumentError(f"quarantine_s must be a number in [0, 1e9), got {q!r}")
     if o.metrics_port is not None and not (isinstance(o.metrics_port, int) and 0 <= o.metrics_port < 65536):
         raise InvalidArgumentError(f"metrics_port must be a port number, got {o.metrics_port!r}")
     if not isinstance(o.address, str) or not o.address:

@@ -11,6 +11,10 @@ drive lease expiry by hand.
   first, and the engine reclaims and :meth:`close` s them.
 * Request ids (``rid``) are unique across all live sessions: ``owner(rid)`` is the session
   holding it. A session may touch only its own requests.
+* A session can be *fenced* (:meth:`fence`): from then on every lookup refuses it as stale
+  and :meth:`due` no longer lists it, but it keeps its rids (so nothing it held is freed)
+  until the owner of the table reclaims and :meth:`close` s it. The service uses this to
+  quarantine what an expired session held while its worker process may still be running.
 
 Costs: every lookup / renewal O(1) (a heap entry per renewal, compacted when stale entries
 pile up); :meth:`due` O(k log n) for k entries popped; request bookkeeping O(rids in the
@@ -44,7 +48,8 @@ class SessionRecord:
     """One live session: its id, worker name, lease deadline and the rids it owns
     (insertion-ordered)."""
 
-    __slots__ = ("session_id", "worker_name", "created_at", "expires_at", "rids")
+    __slots__ = ("session_id", "worker_name", "created_at", "expires_at", "rids", "fenced_at",
+                 "fence_reason")
 
     def __init__(self, session_id: str, worker_name: str, now: float, ttl: float):
         self.session_id = session_id
@@ -52,10 +57,13 @@ class SessionRecord:
         self.created_at = now
         self.expires_at = now + ttl
         self.rids: Dict[str, None] = {}
+        self.fenced_at: Optional[float] = None  # set by SessionTable.fence
+        self.fence_reason = ""
 
     def __repr__(self) -> str:
+        fenced = "" if self.fenced_at is None else f", fenced_at={self.fenced_at:.3f}"
         return (f"SessionRecord({self.session_id!r}, worker={self.worker_name!r}, "
-                f"expires_at={self.expires_at:.3f}, rids={len(self.rids)})")
+                f"expires_at={self.expires_at:.3f}, rids={len(self.rids)}{fenced})")
 
 
 class SessionTable:
@@ -130,13 +138,19 @@ class SessionTable:
         if rec is None:
             why = self._ended.get(sid)
             raise StaleSessionError(f"session {sid!r} {why}" if why else f"unknown session {sid!r}")
+        if rec.fenced_at is not None:
+            raise StaleSessionError(f"session {sid!r} {rec.fence_reason}")
         if self.now() >= rec.expires_at:
             raise StaleSessionError(f"session {sid!r}: its lease expired")
         return rec
 
     def renew(self, session_id: str) -> float:
-        """Restart the lease of a live session; returns the seconds it now has. O(log n)."""
+        """Restart the lease of a live session; returns the seconds it now has. O(log n).
+
+        Raises ``StaleSessionError`` for an unknown or fenced session."""
         rec = self._live(session_id)
+        if rec.fenced_at is not None:
+            raise StaleSessionError(f"session {session_id!r} {rec.fence_reason}")
         rec.expires_at = self.now() + self.lease_ttl_s
         self._push(rec)
         return self.lease_ttl_s
@@ -155,8 +169,8 @@ class SessionTable:
         while heap and heap[0][0] <= t:
             exp, _, sid = heap[0]
             rec = self._sessions.get(sid)
-            if rec is None or rec.expires_at != exp:
-                heapq.heappop(heap)  # stale: renewed or closed since
+            if rec is None or rec.expires_at != exp or rec.fenced_at is not None:
+                heapq.heappop(heap)  # stale: renewed, closed or fenced since
                 continue
             if sid in out:  # two entries at one deadline (renewed twice at the same time)
                 heapq.heappop(heap)
@@ -181,6 +195,24 @@ class SessionTable:
         while len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
         return rids
+
+    def fence(self, session_id: str, reason: str = "expired (its lease ran out)") -> None:
+        """Refuse ``session_id`` from now on without freeing anything: lookups raise
+        ``StaleSessionError`` quoting ``reason``, renewals are refused, :meth:`due` skips
+        it; it keeps its rids until :meth:`close`. Idempotent. O(1).
+
+        Raises ``StaleSessionError`` when the session is not live,
+        ``InvalidArgumentError`` when ``reason`` is not a str."""
+        if not isinstance(reason, str):
+            raise InvalidArgumentError("a fence reason must be a str")
+        rec = self._live(session_id)
+        if rec.fenced_at is None:
+            rec.fenced_at = self.now()
+            rec.fence_reason = reason
+
+    def fenced(self) -> List[str]:
+        """Ids of the fenced sessions (not yet closed), in the order they were opened. O(n)."""
+        return [sid for sid, rec in self._sessions.items() if rec.fenced_at is not None]
 
     def session_ids(self) -> List[str]:
         return list(self._sessions)
@@ -278,7 +310,8 @@ class SessionTable:
         if sum(len(r.rids) for r in self._sessions.values()) != len(self._owner):
             raise InvariantError("per-session request counts do not add up to the owner map")
         filed = {(sid, exp) for exp, _, sid in self._heap}
-        missing = [sid for sid, rec in self._sessions.items() if (sid, rec.expires_at) not in filed]
+        missing = [sid for sid, rec in self._sessions.items()
+                   if rec.fenced_at is None and (sid, rec.expires_at) not in filed]
         if missing:
             raise InvariantError(f"live sessions without a lease deadline entry: {missing}")
 

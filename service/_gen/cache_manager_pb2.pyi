@@ -60,10 +60,12 @@ class PoolMapping(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., shm: _Optional[_Union[ShmFile, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("worker_name",)
+    __slots__ = ("worker_name", "pid")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
-    def __init__(self, worker_name: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, worker_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session", "layout_json", "mappings")

@@ -1,0 +1,273 @@
+"""Quarantine: what an expired session held is not reused while its worker may still write.
+
+The remaining risk of leases: a worker that is paused (SIGSTOP, a debugger, a VM freeze, a
+long GC or driver stall) past its lease loses its session, and the manager frees its KV
+slots, rows and state slots; when the worker resumes it may still write into them (KV bytes
+never go through the manager: workers write the shared buffers directly) before its next
+call is refused. Those slots may by then belong to another worker's request.
+
+The mitigation: when a session ends without the worker saying so (its lease ran out, or its
+keep-alive stream was dropped rather than closed) and its process may still run, the session
+is *fenced* (:meth:`radixkv.engine.sessions.SessionTable.fence`): every later call under it is
+refused as stale (``StaleSessionError`` / FAILED_PRECONDITION), but its requests keep what
+they hold (counted as held in the stats, never on a free list). It is reclaimed at the first
+sweep after
+
+* the worker process is confirmed gone: the worker reports its pid at ``Attach``; the
+  manager opens a pidfd on it then (immune to pid reuse) and polls it, a zombie counts as
+  gone; or
+* ``hold_s`` seconds have passed since the fence (the bound on how long a hung worker can
+  pin memory; the risk after that is documented in ``docs/reliability.md``).
+
+No quarantine when ``hold_s`` is 0, for a worker that is the manager's own process (it
+cannot run while the manager reclaims), for a pid that is known to have exited, or for a
+session ended by ``Detach`` or a keep-alive stream the worker closed itself. A session whose
+pid is unknown (0, or not a process the manager can see: another host, another pid
+namespace) is held for the timeout only.
+
+Single-threaded: called from the server's event loop only. Costs: :meth:`fence_due` O(1)
+when nothing is due; :meth:`release_ready` O(fenced sessions); :meth:`forget_ended` O(tracked).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+from typing import Any, Dict, List, NamedTuple, Optional
+
+from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
+
+__all__ = ["ProcessHandle", "Quarantine", "QuarantineStats", "MAX_PID"]
+
+log = logging.getLogger("radixkv.service")
+
+MAX_PID = (1 << 31) - 1
+
+
+class ProcessHandle:
+    """A handle on one process that survives pid reuse (a pidfd where the OS has them).
+
+    ``gone()`` is True once the process has exited (a zombie counts). Without pidfds it
+    falls back to ``kill(pid, 0)`` plus the ``/proc`` state (a reused pid would then read as
+    alive: the quarantine timeout still bounds the hold)."""
+
+    __slots__ = ("pid", "_fd", "_start")
+
+    def __init__(self, pid: int, fd: Optional[int], start: Optional[str]):
+        self.pid = pid
+        self._fd = fd
+        self._start = start
+
+    @classmethod
+    def open(cls, pid: int) -> Optional["ProcessHandle"]:
+        """A handle on running process ``pid``, or None when there is no such process."""
+        if pid <= 0:
+            return None
+        opener = getattr(os, "pidfd_open", None)
+        if opener is not None:
+            try:
+                return cls(pid, opener(pid), None)
+            except ProcessLookupError:
+                return None
+            except OSError:
+                pass  # no pidfds here: fall back
+        start = _proc_start(pid)
+        if start is None and not _kill0(pid):
+            return None
+        return cls(pid, None, start)
+
+    def gone(self) -> bool:
+        if self._fd is not None:
+            p = select.poll()
+            p.register(self._fd, select.POLLIN)
+            return bool(p.poll(0))
+        if not _kill0(self.pid):
+            return True
+        start = _proc_start(self.pid)
+        return start is not None and self._start is not None and start != self._start
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __repr__(self) -> str:
+        return f"ProcessHandle(pid={self.pid}, pidfd={self._fd is not None})"
+
+
+def _kill0(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _proc_start(pid: int) -> Optional[str]:
+    """The start time field of ``/proc/<pid>/stat`` (None: no such process, a zombie, or no
+    /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "r") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields and fields[0] in ("Z", "X"):
+        return None
+    return fields[19] if len(fields) > 19 else None
+
+
+class QuarantineStats(NamedTuple):
+    """``held``: sessions fenced now; ``fenced`` / ``released_gone`` / ``released_timeout``:
+    since start; ``tracked``: sessions with a process handle."""
+
+    held: int
+    fenced: int
+    released_gone: int
+    released_timeout: int
+    tracked: int
+
+
+class Quarantine:
+    """Fences sessions that end behind their worker's back, releases them when safe.
+
+    Args:
+        engine: the ``CacheEngine`` (its ``sessions`` table and ``reclaim``).
+        hold_s: the longest a fenced session is held (0: no quarantine at all).
+        own_pid: the manager's pid (its own in-process workers are never quarantined).
+    """
+
+    def __init__(self, engine: Any, hold_s: float, own_pid: Optional[int] = None):
+        if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 <= hold_s < 1e9:
+            raise InvalidArgumentError(f"quarantine hold_s must be a number in [0, 1e9), got {hold_s!r}")
+        self.engine = engine
+        self.hold_s = float(hold_s)
+        self.own_pid = os.getpid() if own_pid is None else int(own_pid)
+        self._pids: Dict[str, int] = {}  # session id -> reported pid (0 unknown)
+        self._handles: Dict[str, ProcessHandle] = {}
+        self._fenced = 0
+        self._gone = 0
+        self._timeout = 0
+
+    # ------------------------------------------------------------------ attach
+    @staticmethod
+    def check_pid(pid: Any) -> int:
+        """A reported pid: an int in ``[0, 2**31)`` (0: unknown). Raises ``InvalidArgumentError``."""
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid <= MAX_PID:
+            raise InvalidArgumentError(f"pid must be an int in [0, 2**31), got {pid!r}")
+        return pid
+
+    def register(self, session_id: str, pid: int) -> None:
+        """Remember the worker process of a new session (``pid`` checked by :meth:`check_pid`)."""
+        self._pids[session_id] = pid
+        if pid > 0 and pid != self.own_pid:
+            h = ProcessHandle.open(pid)
+            if h is not None:
+                self._handles[session_id] = h
+
+    # ------------------------------------------------------------------ decisions
+    def must_hold(self, session_id: str) -> bool:
+        """Whether what ``session_id`` holds must be quarantined if it ended now."""
+        if self.hold_s <= 0:
+            return False
+        pid = self._pids.get(session_id, 0)
+        if pid == self.own_pid:
+            return False
+        h = self._handles.get(session_id)
+        if h is not None:
+            return not h.gone()
+        return True  # unknown process: held for the timeout
+
+    def fence_due(self) -> List[str]:
+        """Fence every session whose lease ran out and whose worker may still run (the
+        engine's own sweep then reclaims the others). Returns the fenced ids."""
+        if self.hold_s <= 0:
+            return []
+        sessions = self.engine.sessions
+        out = []
+        for sid in sessions.due():
+            if self.must_hold(sid):
+                sessions.fence(sid, "expired (its lease ran out); what it held is quarantined "
+                                    "until its worker process is gone")
+                self._fenced += 1
+                out.append(sid)
+        return out
+
+    def end(self, session_id: str, why: str) -> int:
+        """A session ended behind its worker's back (e.g. its keep-alive stream dropped):
+        fence it when it must be held, else reclaim it now. Returns the requests reclaimed
+        now (0 when fenced or already gone)."""
+        sessions = self.engine.sessions
+        try:
+            rec = sessions.record(session_id)
+        except StaleSessionError:
+            return 0
+        if rec.fenced_at is not None:
+            return 0
+        if self.must_hold(session_id):
+            sessions.fence(session_id, f"{why}; what it held is quarantined until its worker process is gone")
+            self._fenced += 1
+            return 0
+        return self.engine.reclaim(session_id, why)
+
+    def release_ready(self) -> List[str]:
+        """Reclaim every fenced session whose process is gone or whose hold ran out.
+        Returns their ids."""
+        sessions = self.engine.sessions
+        fenced = sessions.fenced()
+        if not fenced:
+            return []
+        now = sessions.now()
+        out = []
+        for sid in fenced:
+            h = self._handles.get(sid)
+            if h is not None and h.gone():
+                self._gone += 1
+                why = "was reclaimed from quarantine: its worker process is gone"
+            elif now - sessions.record(sid).fenced_at >= self.hold_s:
+                self._timeout += 1
+                why = f"was reclaimed from quarantine after {self.hold_s:g} s"
+            else:
+                continue
+            n = self.engine.reclaim(sid, why)
+            log.info("session %s %s (%d request(s))", sid, why, n)
+            self._drop(sid)
+            out.append(sid)
+        return out
+
+    def forget_ended(self) -> None:
+        """Close the process handles of sessions that are no longer live."""
+        live = set(self.engine.sessions.session_ids())
+        for sid in [s for s in self._pids if s not in live]:
+            self._drop(sid)
+
+    def close(self) -> None:
+        for sid in list(self._pids):
+            self._drop(sid)
+
+    def _drop(self, sid: str) -> None:
+        self._pids.pop(sid, None)
+        h = self._handles.pop(sid, None)
+        if h is not None:
+            h.close()
+
+    # ------------------------------------------------------------------ audit
+    def stats(self) -> QuarantineStats:
+        return QuarantineStats(len(self.engine.sessions.fenced()), self._fenced, self._gone, self._timeout,
+                               len(self._handles))
+
+    def pid_of(self, session_id: str) -> int:
+        """The pid ``session_id`` reported at attach (0: unknown or not tracked)."""
+        return self._pids.get(session_id, 0)
+
+    def check_invariants(self) -> None:
+        """Every process handle belongs to a tracked session, and no fenced session is
+        held while quarantine is off. Raises ``InvariantError`` naming the sessions."""
+        orphans = sorted(set(self._handles) - set(self._pids))
+        if orphans:
+            raise InvariantError(f"process handles of untracked sessions (leaked): {orphans}")
+        if self.hold_s <= 0:
+            fenced = self.engine.sessions.fenced()
+            if fenced:
+                raise InvariantError(f"sessions fenced while quarantine is off: {fenced}")

@@ -1,0 +1,224 @@
+"""Bad and malicious input at the wire: Hypothesis-built messages for every RPC, raw garbage
+bytes, oversize messages, missing / wrong tokens.
+
+The server (a real one on a thread, Unix socket) must never crash or answer INTERNAL /
+UNKNOWN: bad input is INVALID_ARGUMENT, other sessions' requests PERMISSION_DENIED, unknown
+ones NOT_FOUND, stale sessions FAILED_PRECONDITION, full pools RESOURCE_EXHAUSTED; and after
+every example its invariants and the conservation law hold.
+"""
+from __future__ import annotations
+
+import os
+import stat
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service.servicer import STREAM_METHODS, UNARY_METHODS
+from radixkv.service.server import ServeOptions
+from radixkv.service.testing import ThreadedServer
+
+from reliability_util import check_law
+
+ALLOWED = {"OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
+MAX_MSG = 1 << 16
+CONFIG = dict(kv_tokens=1024, page_size=4, max_context_len=256, max_sessions=16, max_requests_per_session=8,
+              request_rows=32, lease_ttl_s=600.0, enable_kv_events=True)
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+class Wire:
+    """A raw channel to a fuzzed server, with two sessions A and B holding requests."""
+
+    def __init__(self):
+        opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, max_message_bytes=MAX_MSG)
+        self.srv = ThreadedServer(CONFIG, options=opts)
+        self.srv.start()
+        self.ch = grpc.insecure_channel("unix:" + self.srv.address[len("unix://"):],
+                                        options=[("grpc.max_send_message_length", 4 * MAX_MSG)])
+        self.md = (("authorization", "Bearer " + self.srv.token),)
+        self.a = self._attach("A")
+        self.b = self._attach("B")
+        for ref, rid in ((self.a, "a-1"), (self.b, "b-1")):
+            self.call("AllocExtend", pb.AllocExtendRequest(session=ref, items=[pb.ExtendItem(
+                rid=rid, token_ids_i32=np.arange(1, 9, dtype="<i4").tobytes())]))
+
+    def _attach(self, name):
+        return pb.AttachResponse.FromString(self.call("Attach", pb.AttachRequest(worker_name=name))).session
+
+    def raw(self, method, data, metadata=None):
+        """Send ``data`` bytes; returns the status code name."""
+        fn = self.ch.unary_unary(f"/radixkv.v1.CacheManager/{method}")
+        try:
+            fn(data, metadata=self.md if metadata is None else metadata, timeout=30)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+
+    def call(self, method, msg):
+        return self.ch.unary_unary(f"/radixkv.v1.CacheManager/{method}")(msg.SerializeToString(), metadata=self.md,
+                                                                          timeout=30)
+
+    def audit(self):
+        """Invariants and the conservation law, through the wire."""
+        self.call("CheckInvariants", pb.CheckInvariantsRequest())
+        check_law(pb.StatsResponse.FromString(self.call("Stats", pb.StatsRequest())))
+
+    def close(self):
+        self.ch.close()
+        self.srv.stop()
+
+
+@pytest.fixture(scope="module")
+def wire():
+    w = Wire()
+    yield w
+    w.close()
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def sessions(w):
+    fake = pb.SessionRef(session_id="0123456789abcdef", epoch=w.a.epoch, lease_ttl_s=1.0)
+    return st.sampled_from([w.a, w.b, fake, pb.SessionRef(),
+                            pb.SessionRef(session_id=w.a.session_id, epoch=w.a.epoch + 1),
+                            pb.SessionRef(session_id=w.a.session_id, epoch=-(1 << 63))])
+
+
+RIDS = st.sampled_from(["a-1", "b-1", "nobody", "", "x" * 300, "a-1", "new-1", "new-2", "\u00e9\u4e2d"])
+TOKEN_BYTES = st.one_of(
+    st.binary(max_size=64),  # often not a whole number of int32
+    st.lists(st.integers(-(1 << 31), (1 << 31) - 1), max_size=40).map(lambda v: np.asarray(v, "<i4").tobytes()),
+    st.integers(0, 300).map(lambda n: np.arange(1, n + 1, dtype="<i4").tobytes()),  # up to over max_context_len
+)
+EXTRA = st.one_of(st.none(), st.text(max_size=8), st.just("k" * 2000), st.just(""))
+
+
+def _opt(msg, field, value):
+    if value is not None:
+        setattr(msg, field, value)
+    return msg
+
+
+def requests(w):
+    sess = sessions(w)
+    ext_item = st.builds(lambda rid, tok, ek, pr: _opt(pb.ExtendItem(rid=rid, token_ids_i32=tok, priority=pr),
+                                                       "extra_key", ek), RIDS, TOKEN_BYTES, EXTRA, I64)
+    rids = st.lists(RIDS, max_size=4)
+    return st.one_of(
+        st.builds(lambda n, pid: ("Attach", pb.AttachRequest(worker_name=n, pid=pid)),
+                  st.one_of(st.text(max_size=8), st.just("w" * 300)), I64),
+        st.builds(lambda s: ("Heartbeat", pb.HeartbeatRequest(session=s)), sess),
+        st.builds(lambda s, q: ("Match", pb.MatchRequest(session=s, queries=q)), sess,
+                  st.lists(st.builds(lambda t, ek: _opt(pb.MatchQuery(token_ids_i32=t), "extra_key", ek),
+                                     TOKEN_BYTES, EXTRA), max_size=3)),
+        st.builds(lambda s, it: ("AllocExtend", pb.AllocExtendRequest(session=s, items=it)), sess,
+                  st.lists(ext_item, max_size=3)),
+        st.builds(lambda s, r, t: ("AllocDecode", pb.AllocDecodeRequest(session=s, rids=r, token_ids_i32=t)),
+                  sess, rids, TOKEN_BYTES),
+        st.builds(lambda m, s, r: (m, pb.CacheRequest(session=s, rids=r)),
+                  st.sampled_from(["CacheUnfinished", "CacheFinished"]), sess, rids),
+        st.builds(lambda s, r: ("Release", pb.ReleaseRequest(session=s, rids=r)), sess, rids),
+        st.builds(lambda s, n, k: ("Evict", pb.EvictRequest(session=s, num_tokens=n, num_states=k)), sess, I64, I64),
+        st.builds(lambda s: ("Stats", pb.StatsRequest(session=s)), sess),
+        st.builds(lambda s: ("Flush", pb.FlushRequest(session=s)), sess),
+        st.builds(lambda s, n: ("TakeEvents", pb.TakeEventsRequest(session=s, max_events=n)), sess, I64),
+        st.builds(lambda s: ("Detach", pb.DetachRequest(session=s)),
+                  st.just(pb.SessionRef(session_id="feedfacefeedface", epoch=0))),
+    )
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_hypothesis_messages_for_every_rpc(wire):
+    covered = set()
+
+    @FUZZ
+    @given(data=st.data())
+    def run(data):
+        batch = data.draw(st.lists(requests(wire), min_size=1, max_size=4))
+        rid = data.draw(st.one_of(st.none(), st.sampled_from(["dup-1", "dup-2"])))  # duplicated request ids
+        for method, msg in batch:
+            md = wire.md + ((("radixkv-request-id", rid),) if rid else ())
+            code = wire.raw(method, msg.SerializeToString(), md)
+            assert code in ALLOWED, (method, msg, code)
+            covered.add(method)
+            wire.audit()
+
+    run()
+    assert covered >= set(UNARY_METHODS) - {"CheckInvariants"}, set(UNARY_METHODS) - covered
+    # the seeded requests survive whatever the fuzzer did under other sessions' names
+    assert wire.raw("Heartbeat", pb.HeartbeatRequest(session=wire.a).SerializeToString()) == "OK"
+
+
+@FUZZ
+@given(method=st.sampled_from(UNARY_METHODS), data=st.binary(max_size=256))
+def test_garbage_bytes_never_crash_the_server(wire, method, data):
+    code = wire.raw(method, data)
+    assert code in ALLOWED, (method, data, code)
+    wire.audit()
+
+
+def test_garbage_on_streams_and_bad_utf8(wire):
+    bad_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (a string) holding invalid UTF-8
+    assert wire.raw("Attach", bad_utf8) == "INVALID_ARGUMENT"
+    assert wire.raw("Heartbeat", b"\xff\xff\xff") == "INVALID_ARGUMENT"
+    ka = wire.ch.stream_stream("/radixkv.v1.CacheManager/KeepAlive")
+    with pytest.raises(grpc.RpcError) as ei:
+        list(ka(iter([b"\xff\xff\xff"]), metadata=wire.md, timeout=30))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    watch = wire.ch.unary_stream("/radixkv.v1.CacheManager/WatchEvents")
+    with pytest.raises(grpc.RpcError) as ei:
+        list(watch(b"\x0a\x05\xff", metadata=wire.md, timeout=30))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a keep-alive stream may not switch sessions
+    both = [pb.HeartbeatRequest(session=wire.a).SerializeToString(), pb.HeartbeatRequest(session=wire.b).SerializeToString()]
+    with pytest.raises(grpc.RpcError) as ei:
+        list(ka(iter(both), metadata=wire.md, timeout=30))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    wire.audit()
+
+
+def test_oversize_messages_are_refused(wire):
+    before = wire.call("Stats", pb.StatsRequest())
+    big = pb.AllocExtendRequest(session=wire.a, items=[pb.ExtendItem(
+        rid="big", token_ids_i32=np.ones(MAX_MSG // 4 + 16, dtype="<i4").tobytes())]).SerializeToString()
+    assert len(big) > MAX_MSG
+    assert wire.raw("AllocExtend", big) == "RESOURCE_EXHAUSTED"
+    assert wire.raw("Attach", b"\x0a" + b"\x80\x80\x08" + b"x" * (MAX_MSG + 8)) == "RESOURCE_EXHAUSTED"
+    assert wire.call("Stats", pb.StatsRequest()) == before
+    wire.audit()
+
+
+def test_every_rpc_but_health_needs_the_token(wire):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    methods = [m.name for m in pb.DESCRIPTOR.services_by_name["CacheManager"].methods]
+    assert set(methods) == set(UNARY_METHODS) | set(STREAM_METHODS)
+    for md in ((), (("authorization", "Bearer wrong-token-123"),), (("authorization", wire.srv.token),)):
+        for m in methods:
+            if m in UNARY_METHODS:
+                code = wire.raw(m, b"", md)
+            else:
+                try:
+                    if m == "KeepAlive":
+                        list(wire.ch.stream_stream(f"/radixkv.v1.CacheManager/{m}")(iter([b""]), metadata=md, timeout=30))
+                    else:
+                        list(wire.ch.unary_stream(f"/radixkv.v1.CacheManager/{m}")(b"", metadata=md, timeout=30))
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+            assert code == "UNAUTHENTICATED", (m, md, code)
+    resp = health_pb2_grpc.HealthStub(wire.ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    directory = os.path.dirname(wire.srv.address[len("unix://"):])
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    wire.audit()

@@ -1,0 +1,141 @@
+"""SIGKILL fault injection: hundreds of worker processes killed at random points.
+
+Workers are forked by the chaos zygote (``radixkv.service.chaos_worker``) and run a random
+mix of calls over prompts that share prefixes (so tree nodes are shared and locked). Each is
+killed either by itself at a named point (between alloc and insert, holding locks after
+``cache_unfinished``, mid-call, mid-batch, after decode) or from outside after a random
+delay. About two thirds keep their session alive with a keep-alive stream (reclaimed when it
+drops), the others rely on a 1 s lease. Quarantine is on (what matters in production), so
+reclaiming also goes through the pid check.
+
+After every phase of cycles, at idle: every killed session is gone, invariants hold, the
+conservation law holds, and a survivor worker holding requests through it all finds its
+rows and KV untouched; no victim was ever handed one of its slots. At the end the tree is
+evicted and every KV slot is free again: zero leaks.
+
+``RADIXKV_KILL_CYCLES`` (default 200) sets the number of cycles; ``make soak`` runs 1,000+.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from radixkv.service.chaos import KILL_POINTS
+from radixkv.service.server import ServeOptions
+from radixkv.service.testing import ThreadedServer
+
+from reliability_util import CHAOS_CONFIG, Survivor, check_law, live_sessions, percentiles, wait_until
+
+CYCLES = int(os.environ.get("RADIXKV_KILL_CYCLES", "200"))
+CONCURRENCY = 6
+PHASES = 4
+
+
+def _spec(rng: np.random.Generator, wid: int, srv: ThreadedServer) -> dict:
+    self_kill = rng.random() < 0.6
+    return dict(wid=wid, address=srv.address, token=srv.token, seed=int(rng.integers(1 << 30)),
+                steps=int(rng.integers(3, 12)), keepalive=bool(rng.random() < 0.65), ka_interval_s=0.1,
+                kill_at=str(rng.choice(KILL_POINTS)) if self_kill else None,
+                kill_nth=int(rng.integers(1, 3)), hold=True, hb_interval_s=0.1, marker=float(wid + 1),
+                max_life_s=120)
+
+
+def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(zygote):
+    rng = np.random.default_rng(7)
+    opts = ServeOptions(sweep_interval_s=0.05, grace_s=1.0, quarantine_s=10.0)
+    with ThreadedServer(CHAOS_CONFIG, options=opts) as srv:
+        c = srv.client()
+        survivor = Survivor(c)
+        base = c.stats()
+        survivor_slots = set(survivor.all_locs().tolist())
+        wid = 0
+        killed = {}  # sid -> (kill time, keepalive)
+        gone_at = {}
+        victim_locs = set()
+        points, errors, external, before_attach = {}, [], 0, 0
+        per_phase = -(-CYCLES // PHASES)
+        t_start = time.monotonic()
+        for phase in range(PHASES):
+            target = min(CYCLES, (phase + 1) * per_phase)
+            active = {}  # wid -> [deadline, sid, keepalive]
+            while wid < target or active:
+                while len(active) < CONCURRENCY and wid < target:
+                    spec = _spec(rng, wid, srv)
+                    zygote.spawn(spec)
+                    if spec["kill_at"]:
+                        delay = 5.0  # it kills itself; a fallback if it never gets there
+                    elif rng.random() < 0.1:
+                        delay = float(rng.uniform(0.0, 0.05))  # during start-up / attach
+                    else:
+                        delay = 1.0  # re-armed when it reports its session
+                    active[wid] = [time.monotonic() + delay, None, spec["keepalive"]]
+                    wid += 1
+                for ev in zygote.drain(0.005):
+                    w = ev.get("wid")
+                    if ev["ev"] == "attached" and w in active:
+                        active[w][1] = ev["sid"]
+                        if 0.1 < active[w][0] - time.monotonic() < 1.5:  # external kill: from attach
+                            active[w][0] = time.monotonic() + float(rng.uniform(0.0, 0.06))
+                    elif ev["ev"] == "alloc":
+                        victim_locs.update(ev.get("locs", []))
+                    elif ev["ev"] == "point" and w in active:
+                        points[ev["name"]] = points.get(ev["name"], 0) + 1
+                        active[w][0] = -1.0  # it killed itself: collect it now
+                    elif ev["ev"] == "error":
+                        errors.append(ev)
+                now = time.monotonic()
+                for w in [w for w, a in active.items() if a[0] <= now]:
+                    deadline, sid, ka = active.pop(w)
+                    zygote.kill(w)
+                    external += deadline >= 0
+                    if sid is not None:
+                        killed[sid] = (time.monotonic(), ka)
+                    else:
+                        before_attach += 1  # its session, if the manager made one, must go too
+                for sid in set(killed) - set(gone_at) - live_sessions(srv):
+                    gone_at[sid] = time.monotonic()
+            # idle point: every killed session reclaimed, only the survivor left
+            def all_gone():
+                live = live_sessions(srv)
+                for sid in set(killed) - set(gone_at) - live:
+                    gone_at[sid] = time.monotonic()
+                return len(live) == 1
+            assert wait_until(all_gone, 30), f"phase {phase}: sessions left {live_sessions(srv)}"
+            srv.call(lambda s: s.servicer.check_all())
+            st = c.stats()
+            check_law(st)
+            assert (st.requests, st.kv_held, st.kv_protected, st.rows_available) == \
+                (base.requests, base.kv_held, base.kv_protected, base.rows_available), (phase, st, base)
+            survivor.check_untouched()
+        elapsed = time.monotonic() - t_start
+        assert not errors, errors[:5]
+        assert wid == CYCLES and len(killed) + before_attach == CYCLES, (wid, len(killed), before_attach)
+        assert len(killed) >= CYCLES // 2
+        assert not (victim_locs & survivor_slots), "a victim was handed one of the survivor's slots"
+        assert set(points) == set(KILL_POINTS), points  # every kill point was exercised
+        assert set(killed) <= set(gone_at)
+        survivor.finish()
+        idle = wait_until(lambda: (lambda s: s if s.sessions == 0 else None)(c.stats()), 10)
+        assert idle is not None
+        assert idle.kv_held == 0 and idle.kv_protected == 0 and idle.requests == 0
+        assert idle.rows_available == idle.rows_capacity
+        check_law(idle)
+        s = c.attach("auditor").session
+        c.evict(s, idle.kv_capacity)
+        c.detach(s)
+        final = c.stats()
+        assert final.kv_available == final.kv_capacity, f"leaked KV slots: {final}"
+        srv.call(lambda s: s.servicer.check_all())
+        q = srv.call(lambda s: s.servicer.quarantine.stats())
+        lat_ka = [gone_at[s] - t for s, (t, ka) in killed.items() if ka]
+        lat_lease = [gone_at[s] - t for s, (t, ka) in killed.items() if not ka]
+        print("RELIABILITY kill_cycles " + json.dumps({
+            "cycles": wid, "sessions_killed": len(killed), "killed_before_attach_reply": before_attach,
+            "killed_from_outside": external,
+            "self_kills_by_point": points, "elapsed_s": round(elapsed, 1),
+            "reclaim_latency_ms_keepalive": percentiles(lat_ka),
+            "reclaim_latency_ms_lease_1s": percentiles(lat_lease),
+            "quarantine": q._asdict(), "victim_slots_seen": len(victim_locs)}))
