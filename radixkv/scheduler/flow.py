@@ -19,6 +19,16 @@ Lengths. A request's ``fill_ids`` is its prompt plus its output; ``kv_committed_
 them have KV slots written in its row. Extend brings that to the batch's target
 (``Batch.fill_lens``, default ``req.seq_len``); decode brings it from ``seq_len - 1`` to
 ``seq_len``.
+
+Hybrid models (``HybridReqToTokenPool`` + ``MambaRadixCache``): a request's own Mamba slot
+holds the state after every token whose forward has run (a decode step feeds the token
+generated last, ``fill_ids[seq_len - 1]``, and writes its KV and the state after it), so after
+the forward of the step a flow call prepared, the state is at ``kv_committed_len``: where
+``cache_unfinished_req`` / ``release_kv_cache`` (called after that forward) take it.
+``alloc_for_extend`` matches up to the deepest cached *state*, evicts states when the Mamba
+pool cannot give each new request a slot, and forks the matched state into it
+(``tree.fork_states``; zeros without a hit). Decode takes no slot; the KV it evicts takes the
+evicted leaves' states along. ``release_kv_cache`` leaves the slot to the tree or frees it.
 """
 from __future__ import annotations
 
@@ -56,11 +66,14 @@ def pages_needed(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return int(((_ceil_div(seq_lens, page_size) - _ceil_div(prefix_lens, page_size)) * page_size).sum())
 
 
-def _make_room(tree_cache: Any, allocator: Any, need: int, what: str) -> None:
-    """Evict from the tree until ``need`` slots are available, or raise CapacityError
-    without evicting anything when even evicting all it can would not be enough."""
+def _make_room(tree_cache: Any, allocator: Any, need: int, what: str,
+               state_pool: Any = None, need_states: int = 0) -> None:
+    """Evict from the tree until ``need`` KV slots (and ``need_states`` free slots of the
+    Mamba ``state_pool``) are available, or raise CapacityError without evicting anything
+    when even evicting all it can would not be enough."""
     avail = allocator.available_size()
-    if avail >= need:
+    s_avail = state_pool.available_size() if need_states else 0
+    if avail >= need and s_avail >= need_states:
         return
     evictable = tree_cache.evictable_size()
     if avail + evictable < need:
@@ -68,12 +81,19 @@ def _make_room(tree_cache: Any, allocator: Any, need: int, what: str) -> None:
             f"{what}: need {need} KV slots, {avail} free + {evictable} evictable",
             requested=need, available=avail + evictable,
         )
-    tree_cache.evict(need - avail)
-    if allocator.available_size() < need:  # evict() freed less than it reported evictable
-        raise CapacityError(
-            f"{what}: need {need} KV slots, only {allocator.available_size()} after eviction",
-            requested=need, available=allocator.available_size(),
-        )
+    if s_avail < need_states:
+        s_evictable = tree_cache.mamba_evictable_size() if hasattr(tree_cache, "mamba_evictable_size") else 0
+        if s_avail + s_evictable < need_states:
+            raise CapacityError(f"{what}: need {need_states} Mamba state slots, {s_avail} free + "
+                                f"{s_evictable} evictable", requested=need_states, available=s_avail + s_evictable)
+        tree_cache.evict(max(0, need - avail), need_states - s_avail)
+    else:
+        tree_cache.evict(need - avail)
+    s_avail = state_pool.available_size() if need_states else 0
+    if allocator.available_size() < need or s_avail < need_states:  # evict() freed less than it said
+        raise CapacityError(f"{what}: need {need} KV / {need_states} state slots, only "
+                            f"{allocator.available_size()} / {s_avail} after eviction",
+                            requested=need, available=allocator.available_size())
 
 
 def _check_rows_free(pool: Any, reqs: List[Req]) -> None:
@@ -95,6 +115,10 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
       node, and a fresh row;
     * a request that holds a row (chunked prefill, or more input after decoding): its
       committed tokens are the prefix, its row and locks are kept.
+
+    Hybrid pools: rows and Mamba slots come together (``pool.alloc``), states are evicted
+    first when slots are short, and each new request's matched state is forked into its slot
+    (``tree.fork_states``).
 
     Then the KV slots of tokens ``prefix_len .. T`` are allocated (``alloc`` with page size
     1, else ``alloc_extend`` with each request's ``last_loc``) after evicting the shortfall
@@ -146,13 +170,18 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
         seq = torch.tensor(targets, dtype=torch.int64)
         ext = seq - pre
         need = pages_needed(pre, seq, ps)
-        _make_room(tree, allocator, need, "alloc_for_extend")
+        state_pool = getattr(pool, "mamba_pool", None)
+        need_states = sum(r.mamba_pool_idx is None for r in reqs) if state_pool is not None else 0
+        _make_room(tree, allocator, need, "alloc_for_extend", state_pool, need_states)
 
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         rows = pool.alloc(reqs)
         if rows is None:
             raise CapacityError("request rows ran out", requested=len(new_rows),
                                 available=pool.available_size())
+        forks = [i for i in range(len(reqs)) if matches[i] is not None]
+        if state_pool is not None and forks and hasattr(tree, "fork_states"):
+            tree.fork_states([matches[i].last_node for i in forks], [reqs[i] for i in forks])
         backup = allocator.backup_state()
         if ps == 1:
             out = allocator.alloc(int(ext.sum()))
@@ -260,15 +289,20 @@ def release_kv_cache(req: Req, tree_cache: Any, req_to_token_pool: Any = None) -
     the request's slots, frees the slots the tree already had (duplicates) and any
     unaligned tail, and unlocks ``req.last_node``; then ``req_to_token_pool.free(req)``
     (default ``tree_cache.req_to_token_pool``) frees the row and sets ``req_pool_idx`` to
-    ``None``.
+    ``None``. Hybrid: when the tree took the request's Mamba slot (``cache_finished_req``
+    returned True) the row is freed without it and ``mamba_pool_idx`` becomes ``None``;
+    otherwise the slot is freed with the row.
 
     Raises ``InvalidArgumentError`` (nothing changes) when the request holds no row.
     """
     pool = req_to_token_pool if req_to_token_pool is not None else tree_cache.req_to_token_pool
     if req.req_pool_idx is None:
         raise InvalidArgumentError(f"request {req.rid!r} holds no row (released twice?)")
-    tree_cache.cache_finished_req(req)
-    pool.free(req)
+    if tree_cache.cache_finished_req(req) is True:  # the tree keeps the Mamba slot
+        pool.free(req, free_mamba_cache=False)
+        req.mamba_pool_idx = None
+    else:
+        pool.free(req)
 
 
 class Conservation(NamedTuple):
@@ -360,7 +394,9 @@ def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[R
     """:func:`conservation`, raising ``InvariantError`` unless the pool is exactly accounted
     for: the counts must add up, and (``exact``, the default) the page-level audit must
     find no page leaked, owned twice, or free while referenced; the message names them.
-    ``running_reqs`` are all requests that hold a row. O(pool + tokens) when ``exact``."""
+    ``running_reqs`` are all requests that hold a row. O(pool + tokens) when ``exact``.
+    With a tree that holds Mamba states, also the slot law (free + tree evictable + tree
+    protected + held by ``running_reqs`` == capacity, exactly: ``check_state_conservation``)."""
     reqs = list(running_reqs)
     c = conservation(allocator, tree_cache, reqs)
     ps = int(getattr(allocator, "page_size", 1))
@@ -374,4 +410,7 @@ def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[R
             f"!= pool size {c.pool_size} (off by {c.pool_size - c.accounted}: >0 leaked, <0 counted twice)"
             + (f"; requests with cache_protected_len beyond their pages: {odd}" if odd else "")
         )
+    check_states = getattr(tree_cache, "check_state_conservation", None)
+    if check_states is not None:
+        check_states(reqs)
     return c

@@ -1,0 +1,335 @@
+"""Policies of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` for its Mamba
+states: which states the tree *admits*, and in which order it *evicts* them.
+
+Admission (``admission_policy=``):
+
+* ``every`` -- a state at every request-level insert whose position matches (SGLang's
+  classic MambaRadixCache: every chunk end of a chunked prefill and every request end);
+* ``branch`` -- states only at request ends and at branch-off points (Marconi, MLSys 2025):
+  an unfinished (chunked-prefill) insert keeps its state only when the node it ends at has
+  children, i.e. other cached sequences continue past it. A scheduler reaches such points by
+  ending a chunk at ``MambaMatchResult.kv_prefix_len`` when it exceeds ``prefix_len`` (the KV
+  of the prefix is cached, its state is not): Marconi's speculative checkpoint.
+
+State eviction order (``state_eviction_policy=``), over the unpinned nodes holding a state:
+
+* ``lru`` -- least recently used first (``node.last_access``);
+* ``flop`` -- FLOP-aware (Marconi): utility = the prefill FLOPs the state saves over the
+  nearest state above it (``F(end) - F(ancestor end)``, see :class:`FlopModel`) per byte of
+  state, normalised to [0, 1] over the candidates, plus recency (rank of ``last_access``,
+  normalised to [0, 1]); the lowest ``recency + alpha * utility`` goes first. A deep state on
+  a long shared prefix outlives a shallow one used as recently.
+
+Each order is computed over all S candidates at eviction time: O(S log S) plus, for
+``flop``, O(S x depth) to find each candidate's nearest state ancestor. S is bounded by the
+Mamba pool size (hundreds of slots), and evictions of states are one per admitted state at
+most, so this costs less than keeping a second sorted index up to date on every touch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
+
+import numpy as np
+
+from radixkv.cache.rows import check_count
+from radixkv.errors import InvalidArgumentError
+
+__all__ = [
+    "FlopModel",
+    "StateAdmission",
+    "EveryAdmission",
+    "BranchAdmission",
+    "StateEvictionOrder",
+    "LRUStateOrder",
+    "FlopStateOrder",
+    "make_admission",
+    "make_state_order",
+    "ADMISSION_POLICIES",
+    "STATE_EVICTION_POLICIES",
+    "MambaEvictResult",
+    "evict",
+]
+
+
+class FlopModel(NamedTuple):
+    """Prefill cost of a prefix: ``F(n) = per_token * n + per_pair * n * (n + 1) / 2`` FLOPs
+    (position-independent work per token, plus full attention over every (query, key) pair),
+    and ``state_bytes``, the bytes of one Mamba slot over all layers.
+
+    Only ratios matter to the eviction order, so the estimate counts the dominant matmuls:
+    per KDA layer ``2*d*(5P + H) + 2*P*d`` for its projections, ``6*P*K`` for the conv and
+    ``8*H*D*D`` for the delta rule; per full layer ``8*d*P``; per layer ``6*d*m*d`` for a SwiGLU
+    MLP of width ``m*d``; ``4*P`` per attention pair per full layer (P = H*D, d = hidden).
+    """
+
+    per_token: float
+    per_pair: float
+    state_bytes: int
+
+    @classmethod
+    def hybrid(cls, num_kda_layers: int, num_full_layers: int, num_heads: int, head_dim: int,
+               conv_kernel: int = 4, hidden: Optional[int] = None, mlp_mult: int = 2,
+               state_bytes: int = 1) -> "FlopModel":
+        """The estimate above for a hybrid model of the given shape (``hidden`` defaults to
+        ``num_heads * head_dim``)."""
+        for name, v in (("num_kda_layers", num_kda_layers), ("num_full_layers", num_full_layers),
+                        ("mlp_mult", mlp_mult)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"{name} must be an int >= 0, got {v!r}")
+        for name, v in (("num_heads", num_heads), ("head_dim", head_dim), ("conv_kernel", conv_kernel),
+                        ("state_bytes", state_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
+        p = num_heads * head_dim
+        d = p if hidden is None else int(hidden)
+        kda = 2 * d * (5 * p + num_heads) + 2 * p * d + 6 * p * conv_kernel + 8 * num_heads * head_dim ** 2
+        full = 8 * d * p
+        mlp = 6 * d * mlp_mult * d
+        layers = num_kda_layers + num_full_layers
+        return cls(float(num_kda_layers * kda + num_full_layers * full + layers * mlp),
+                   float(4 * p * num_full_layers), int(state_bytes))
+
+    @classmethod
+    def from_pool(cls, mamba_pool: Any, num_full_layers: Optional[int] = None) -> "FlopModel":
+        """The estimate for a Kimi-Linear-like model whose KDA states ``mamba_pool`` holds:
+        heads and head dim from its temporal state ``(H, D, D)``, the conv kernel from its
+        conv state ``(K - 1, C)``, ``num_full_layers`` defaulting to one per three KDA layers
+        (Kimi Linear's 3:1 ratio)."""
+        t_shape, c_shape = mamba_pool.temporal_state_shape, mamba_pool.conv_state_shape
+        heads, head_dim = int(t_shape[0]), int(t_shape[-1])
+        kda = int(mamba_pool.num_layers)
+        full = max(1, kda // 3) if num_full_layers is None else num_full_layers
+        conv_b, temp_b = mamba_pool.slot_bytes
+        return cls.hybrid(kda, full, heads, head_dim, conv_kernel=int(c_shape[0]) + 1,
+                          state_bytes=int((conv_b + temp_b) * kda))
+
+    def prefix_flops(self, n: np.ndarray) -> np.ndarray:
+        """``F(n)`` for an array of prefix lengths (float64, vectorized)."""
+        n = np.asarray(n, dtype=np.float64)
+        return self.per_token * n + self.per_pair * n * (n + 1.0) * 0.5
+
+
+# ----------------------------------------------------------------------------- admission
+class StateAdmission:
+    """Decides whether the tree keeps a request's state at the node an insert ends at.
+
+    ``admit(cache, node, finished)`` is asked only when a state is available at exactly the
+    node's end and the node holds none yet; ``finished`` tells a request end from a chunk end.
+    """
+
+    name = "base"
+
+    def admit(self, cache: Any, node: Any, finished: bool) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+
+class EveryAdmission(StateAdmission):
+    """Every insert keeps its state (SGLang's MambaRadixCache)."""
+
+    name = "every"
+
+    def admit(self, cache: Any, node: Any, finished: bool) -> bool:
+        return True
+
+
+class BranchAdmission(StateAdmission):
+    """Request ends, and chunk ends at branch-off points (nodes with children) only."""
+
+    name = "branch"
+
+    def admit(self, cache: Any, node: Any, finished: bool) -> bool:
+        return finished or bool(node.children)
+
+
+ADMISSION_POLICIES: Dict[str, Callable[[], StateAdmission]] = {
+    "every": EveryAdmission,
+    "branch": BranchAdmission,
+}
+
+
+def make_admission(policy: Union[str, StateAdmission]) -> StateAdmission:
+    """An admission policy by name (``every``, ``branch``) or the instance itself.
+    Raises InvalidArgumentError for an unknown name."""
+    if isinstance(policy, StateAdmission):
+        return policy
+    factory = ADMISSION_POLICIES.get(policy.strip().lower()) if isinstance(policy, str) else None
+    if factory is None:
+        raise InvalidArgumentError(f"unknown state admission policy {policy!r}; known: "
+                                   f"{', '.join(sorted(ADMISSION_POLICIES))} (and 'none': cache disabled)")
+    return factory()
+
+
+# ----------------------------------------------------------------------------- eviction order
+class StateEvictionOrder:
+    """Orders candidate state nodes for eviction: ``order(cache, nodes)`` returns the
+    positions of ``nodes`` (a list of unpinned nodes holding a state), first to evict first."""
+
+    name = "base"
+
+    def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _last_access(nodes: List[Any]) -> np.ndarray:
+    return np.fromiter((n.last_access for n in nodes), dtype=np.float64, count=len(nodes))
+
+
+class LRUStateOrder(StateEvictionOrder):
+    """Least recently used state first (ties: older node id first)."""
+
+    name = "lru"
+
+    def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:
+        return np.argsort(_last_access(nodes), kind="stable")
+
+
+class FlopStateOrder(StateEvictionOrder):
+    """FLOP-aware order (see the module docstring): lowest ``recency + alpha * utility``
+    first. ``flop_model`` defaults to the cache's (``cache.flop_model``)."""
+
+    name = "flop"
+
+    def __init__(self, alpha: float = 1.0, flop_model: Optional[FlopModel] = None):
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+            raise InvalidArgumentError(f"alpha must be a finite number >= 0, got {alpha!r}")
+        self.alpha = float(alpha)
+        self.flop_model = flop_model
+
+    def utilities(self, cache: Any, nodes: List[Any]) -> np.ndarray:
+        """Prefill FLOPs each state saves over its nearest state ancestor, per state byte."""
+        model = self.flop_model or cache.flop_model
+        ends = cache.state_positions(nodes)
+        above = np.fromiter((cache.nearest_state_ancestor_end(n) for n in nodes), dtype=np.int64,
+                            count=len(nodes))
+        saved = model.prefix_flops(ends) - model.prefix_flops(above)
+        return saved / float(model.state_bytes)
+
+    def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:
+        n = len(nodes)
+        if n <= 1:
+            return np.arange(n)
+        rank = np.empty(n, dtype=np.float64)
+        rank[np.argsort(_last_access(nodes), kind="stable")] = np.arange(n, dtype=np.float64)
+        recency = rank / (n - 1)
+        util = self.utilities(cache, nodes)
+        top = float(util.max())
+        score = recency + (self.alpha * util / top if top > 0 else 0.0)
+        return np.argsort(score, kind="stable")
+
+
+STATE_EVICTION_POLICIES: Dict[str, Callable[[], StateEvictionOrder]] = {
+    "lru": LRUStateOrder,
+    "flop": FlopStateOrder,
+}
+
+
+def make_state_order(policy: Union[str, StateEvictionOrder]) -> StateEvictionOrder:
+    """A state eviction order by name (``lru``, ``flop``) or the instance itself.
+    Raises InvalidArgumentError for an unknown name."""
+    if isinstance(policy, StateEvictionOrder):
+        return policy
+    factory = STATE_EVICTION_POLICIES.get(policy.strip().lower()) if isinstance(policy, str) else None
+    if factory is None:
+        raise InvalidArgumentError(f"unknown state eviction policy {policy!r}; known: "
+                                   f"{', '.join(sorted(STATE_EVICTION_POLICIES))}")
+    return factory()
+
+
+# ----------------------------------------------------------------------------- eviction
+# The mechanics of both orders, bound as ``MambaRadixCache.evict`` (the full order's leaf
+# index is RadixCache's ``_leaves``; the state order comes from ``cache.state_order``).
+class MambaEvictResult(NamedTuple):
+    """What one ``MambaRadixCache.evict`` freed: KV tokens and Mamba state slots."""
+
+    num_tokens: int
+    num_states: int
+
+
+def evict(cache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
+    """Free at least ``num_tokens`` KV tokens (full order: unlocked leaves, tombstones
+    first, each with its state, childless tombstone ancestors after them) and then at least
+    ``num_states`` states (state order: each node becomes a tombstone, its KV stays; states
+    freed by the first part count), or all that can go. Rows go back in ONE allocator
+    call, slots in ONE pool call.
+
+    Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
+    O(evicted nodes x log L) + O(S log S) when states are asked for.
+    """
+    num_tokens = check_count(num_tokens, "num_tokens")
+    num_states = check_count(num_states, "num_states")
+    if cache.disable:
+        return MambaEvictResult(0, 0)
+    rows: List[bytes] = []
+    slots: List[int] = []
+    tokens = _evict_leaves(cache, num_tokens, rows, slots) if num_tokens else 0
+    if len(slots) < num_states and cache._states.evictable:
+        _evict_states(cache, num_states - len(slots), slots)
+    cache._free_rows(rows)
+    if slots:
+        cache.mamba_pool.free(slots)
+    if tokens or slots:
+        cache._metrics.record_evict(tokens)
+    return MambaEvictResult(tokens, len(slots))
+
+
+def _evict_leaves(cache, num_tokens: int, rows: List[bytes], slots: List[int]) -> int:
+    leaves, sort_key, lazy = cache._leaves, cache._sort_key, cache._lazy
+    evicted = 0
+    while evicted < num_tokens and leaves:
+        node = leaves[0]
+        if lazy:
+            k = sort_key(node)
+            if k != node.skey:  # touched since it was filed: re-file, look again
+                leaves.pop(0)
+                node.skey = k
+                leaves.add(node)
+                continue
+        leaves.pop(0)
+        node.skey = None
+        evicted += _remove_leaf(cache, node, rows, slots)
+    return evicted
+
+
+def _evict_states(cache, k: int, slots: List[int]) -> None:
+    """Tombstone the first ``k`` unpinned state nodes of the state order (their KV stays: a
+    tombstone leaf is re-filed at the front of the full order)."""
+    nodes = cache._states.unpinned()
+    for i in cache.state_order.order(cache, nodes)[:k]:
+        node = nodes[int(i)]
+        slots.append(cache._states.detach(node))
+        if node.skey is not None:  # a filed leaf: its full-order key dropped
+            cache._refile(node)
+
+
+def _remove_leaf(cache, node: Any, rows: List[bytes], slots: List[int]) -> int:
+    """Unlink an unlocked, unfiled leaf (and its state), then every tombstone ancestor it
+    leaves childless and unlocked; file a childless parent with a state. Returns tokens."""
+    pb, events, on_evict, states = cache._pb, cache.kv_events, cache._on_evict, cache._states
+    tokens = 0
+    while True:
+        parent = node.parent
+        del parent.children[node.kbuf[:pb]]
+        tokens += len(node.kbuf) >> 2
+        rows.append(node.vbuf)
+        if node in states.slot_of:
+            slots.append(states.detach(node))
+        if on_evict is not None:
+            on_evict(node)
+        if events is not None:
+            events.on_removed(node.block_hashes)
+        if parent.children:
+            break
+        if parent.parent is None:
+            if parent.extra_key is not None:  # an empty namespace goes away
+                del cache._heads[parent.extra_key]
+            break
+        if parent.lock_ref:
+            break
+        if parent in states.slot_of:
+            parent.skey = cache._sort_key(parent)
+            cache._leaves.add(parent)
+            break
+        node = parent  # a childless, unlocked tombstone: useless, remove it too
+    cache._evictable -= tokens
+    return tokens

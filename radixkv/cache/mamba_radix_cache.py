@@ -1,0 +1,414 @@
+"""``MambaRadixCache``: the prefix tree of hybrid models (KDA / Mamba layers mixed with full
+attention). A :class:`~radixkv.cache.RadixCache` whose nodes may also hold a Mamba state slot:
+the recurrent state (conv + delta-rule, every linear layer) after the node's LAST token. A
+node without one is a *tombstone*: its KV is cached, its state is not. A state is valid only
+at the token it was taken at, so a match returns KV only up to the deepest node that has a
+state, and a tombstone never yields a state.
+
+Positions (the convention of :mod:`radixkv.scheduler.flow`): a request's own slot holds the
+state after ALL tokens whose forward has run. Extend to ``T`` tokens runs ``T`` tokens; a
+decode step feeds the token generated last (``fill_ids[seq_len - 1]``), writes its KV and the
+state after it. So once the forward of the step the flow prepared has run, the state is at
+``req.kv_committed_len`` -- the position ``cache_*_req`` assume (``state_len=`` overrides).
+The token a decode step *produces* has neither KV nor state yet.
+
+Ownership of slots: a request never writes into a tree slot. A hit is forked (copied) into
+the request's own slot (:meth:`fork_states`, a step of ``alloc_for_extend``); an unfinished
+request's state is forked into a new tree slot; a finished request hands its slot to the tree
+(no copy) when its state position is the inserted node's end and the node has none -- else
+the slot stays the request's, and the caller frees it.
+
+Locks: ``inc_lock_ref(node)`` locks the KV of the whole path (as RadixCache) and *pins* the
+node's own state (protected from state eviction); states of ancestors stay evictable.
+
+Eviction (:meth:`evict`): ``num_tokens`` in the full order (unlocked leaves in the KV
+policy's order, tombstone leaves first; a leaf takes its state with it, and a tombstone
+parent left childless goes too), then ``num_states`` in the state order (see
+:mod:`radixkv.cache.mamba_policies`): an unpinned node, leaf or internal, becomes a
+tombstone and keeps its KV -- whose match still reports ``kv_prefix_len``, a checkpoint
+hint. Admission of states is a policy as well.
+"""
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from radixkv.cache import mamba_node, mamba_policies, req_cache
+from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.mamba_node import StateTable
+from radixkv.cache.mamba_policies import (
+    FlopModel,
+    MambaEvictResult,
+    StateAdmission,
+    StateEvictionOrder,
+    make_admission,
+    make_state_order,
+)
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.radix_key import RadixKey, as_radix_key
+from radixkv.cache.req_cache import _free, _insert_request, _request_rows
+from radixkv.cache.tree_node import TreeNode
+from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.kernels.state_copy import copy_states
+from radixkv.memory.mamba_pool import MambaPool
+
+__all__ = ["MambaRadixCache", "MambaMatchResult", "MambaInsertResult", "MambaEvictResult"]
+
+_tuple_new = tuple.__new__
+
+
+class MambaMatchResult(NamedTuple):
+    """Result of :meth:`MambaRadixCache.match_prefix` (``MatchResult``'s fields first).
+
+    Attributes:
+        device_indices: int64 KV rows of the longest matched prefix that ends at a node
+            holding a state (length ``prefix_len``).
+        last_node: that node (the one to lock and fork from); a namespace head when none.
+        prefix_len: tokens of that prefix -- what a request may skip.
+        kv_prefix_len: tokens of the full (page-aligned) KV match, ``>= prefix_len``. When
+            larger, the tree has the KV but no state there: a branch point where a scheduler
+            may end a chunk to checkpoint the state (Marconi's speculative insertion).
+    """
+
+    device_indices: torch.Tensor
+    last_node: TreeNode
+    prefix_len: int
+    kv_prefix_len: int
+
+    @property
+    def last_device_node(self) -> TreeNode:
+        """SGLang's name for ``last_node``."""
+        return self.last_node
+
+
+class MambaInsertResult(NamedTuple):
+    """``prefix_len``: tokens already cached; ``node``: where the key ends; ``state_kept``:
+    whether the tree kept the slot handed in (else it freed it)."""
+
+    prefix_len: int
+    node: TreeNode
+    state_kept: bool
+
+
+def _ignore_query(queried: int, hit: int) -> None:
+    """Stands in for RadixCache's query recorder: the hybrid match records its state hit."""
+
+
+class MambaRadixCache(RadixCache):
+    """The radix tree of a hybrid model: KV rows per token, Mamba states at node ends.
+
+    Args:
+        req_to_token_pool: a ``HybridReqToTokenPool`` (its ``mamba_pool`` holds the states),
+            or ``None`` for a tree driven directly (then pass ``mamba_pool``).
+        token_to_kv_pool_allocator, page_size, eviction_policy, enable_kv_events, disable,
+            kv_event_seed, metrics_window: as :class:`RadixCache` (``eviction_policy`` orders
+            the full eviction).
+        admission_policy: ``every`` / ``branch`` / a :class:`StateAdmission`; ``none``
+            disables the cache (as the engine's ``none``).
+        mamba_pool: the ``MambaPool`` (default: ``req_to_token_pool.mamba_pool``).
+        state_eviction_policy: ``lru`` / ``flop`` / a :class:`StateEvictionOrder`.
+        flop_model: the :class:`FlopModel` of the ``flop`` order (default: estimated from
+            the pool's state shapes).
+        checks: look every slot handed in (insert, fork, cache_*_req) up in the pool's free
+            mask, so a free slot raises (one vectorized lookup, ~10 us on CPU). ``False``
+            (trusted callers, benchmarks) keeps the O(1) checks only: type, range, and not
+            already the tree's -- as the pools' own ``checks``.
+
+    Costs on top of RadixCache's: match O(d) more dict probes (walking up to the deepest
+    state); insert / lock / unlock O(1) more; a fork one vectorized copy per batch; evicting
+    states O(S log S) over the S states the tree holds (see ``mamba_policies``).
+    Metrics count a query's hit as ``prefix_len`` (state hit), not the KV match.
+    """
+
+    def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
+                 page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru",
+                 admission_policy: Union[str, StateAdmission] = "every",
+                 enable_kv_events: bool = False, *, mamba_pool: Optional[MambaPool] = None,
+                 state_eviction_policy: Union[str, StateEvictionOrder] = "lru",
+                 flop_model: Optional[FlopModel] = None, disable: bool = False,
+                 kv_event_seed: Any = None, metrics_window: int = 1000, checks: bool = True):
+        own = getattr(req_to_token_pool, "mamba_pool", None)
+        pool = mamba_pool if mamba_pool is not None else own
+        if not isinstance(pool, MambaPool):
+            raise InvalidArgumentError("MambaRadixCache needs a MambaPool: pass a HybridReqToTokenPool "
+                                       "or mamba_pool=")
+        if own is not None and own is not pool:
+            raise InvalidArgumentError("mamba_pool is not the MambaPool of req_to_token_pool")
+        if isinstance(admission_policy, str) and admission_policy.strip().lower() == "none":
+            disable, admission_policy = True, "every"
+        if flop_model is not None and not isinstance(flop_model, FlopModel):
+            raise InvalidArgumentError(f"flop_model must be a FlopModel, got {type(flop_model).__name__}")
+        self.admission = make_admission(admission_policy)
+        self.state_order = make_state_order(state_eviction_policy)
+        self.flop_model = flop_model if flop_model is not None else FlopModel.from_pool(pool)
+        self.mamba_pool = pool
+        self.checks = bool(checks)
+        self._states = StateTable(pool.size)
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
+                         disable, enable_kv_events, kv_event_seed, metrics_window)
+        has_state, base_key = self._states.slot_of.__contains__, self._sort_key
+        # tombstone leaves (False) before leaves with a state: they can never yield a hit
+        self._sort_key = lambda node: (has_state(node), base_key(node))
+        self._record_query = _ignore_query
+
+    # ------------------------------------------------------------------ sizes, lookups
+    def full_evictable_size(self) -> int:
+        """KV tokens in unlocked nodes (= ``evictable_size()``). O(1)."""
+        return self._evictable
+
+    def full_protected_size(self) -> int:
+        """KV tokens in locked nodes (= ``protected_size()``). O(1)."""
+        return self._protected
+
+    def mamba_evictable_size(self) -> int:
+        """States on unpinned nodes. O(1)."""
+        return self._states.evictable
+
+    def mamba_protected_size(self) -> int:
+        """States on pinned nodes (a request locked exactly that node). O(1)."""
+        return self._states.protected
+
+    def mamba_total_size(self) -> int:
+        """States in the tree. O(1)."""
+        return len(self._states)
+
+    def state_slot(self, node: TreeNode) -> Optional[int]:
+        """The slot of ``node``'s state, ``None`` for a tombstone (or a head). O(1)."""
+        return self._states.slot_of.get(node)
+
+    def state_positions(self, nodes: Sequence[TreeNode]) -> np.ndarray:
+        """int64 token position of each node's state (nodes must hold one). O(len)."""
+        slot_of = self._states.slot_of
+        return self._states.end[[slot_of[n] for n in nodes]]
+
+    def nearest_state_ancestor_end(self, node: TreeNode) -> int:
+        """Position of the nearest state strictly above ``node`` (0: none). O(depth)."""
+        slot_of, p = self._states.slot_of, node.parent
+        while p is not None and p.parent is not None and p not in slot_of:
+            p = p.parent
+        return 0 if p is None or p.parent is None else int(self._states.end[slot_of[p]])
+
+    def all_state_slots(self) -> List[int]:
+        """Every slot the tree holds. O(states)."""
+        return list(self._states.slot_of.values())
+
+    # ------------------------------------------------------------------ match, fork
+    def match_prefix(self, key: Union[RadixKey, Any], extra_key: Any = None) -> MambaMatchResult:
+        """The longest cached prefix of ``key`` that ends at a node holding a state, its KV
+        rows, that node, and ``kv_prefix_len`` (see :class:`MambaMatchResult`). Matching
+        splits and touches nodes exactly like :meth:`RadixCache.match_prefix`; nothing is
+        copied here (:meth:`fork_states` does). Raises as RadixCache's."""
+        if type(key) is not RadixKey or extra_key is not None:
+            key = as_radix_key(key, extra_key)
+        idx, node, n = RadixCache.match_prefix(self, key)
+        slot_of, s = self._states.slot_of, n
+        while node.parent is not None and node not in slot_of:
+            s -= len(node.kbuf) >> 2
+            node = node.parent
+        self._metrics.record_query(len(key._buf) >> 2, s)
+        return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n))
+
+    def fork_states(self, nodes: Sequence[TreeNode], reqs: Sequence[Any]) -> int:
+        """Copy-on-fork: request ``reqs[i]``'s own slot (``mamba_pool_idx``) gets the state of
+        ``nodes[i]`` (its matched ``last_node``), or zeros when that node holds none (a
+        request starting from scratch). One copy and one zero fill for the whole batch.
+
+        Returns the number of requests that got a cached state.
+        Raises (nothing written): ``LengthMismatchError``; ``InvalidArgumentError`` /
+        ``InvalidIndexError`` for a node not in this tree, or a request slot that is missing,
+        out of range, free, repeated, or held by the tree.
+        """
+        nodes, reqs = list(nodes), list(reqs)
+        if len(nodes) != len(reqs):
+            raise LengthMismatchError(f"fork_states: {len(nodes)} nodes for {len(reqs)} requests")
+        dst = self._check_slots([r.mamba_pool_idx for r in reqs], "request mamba_pool_idx")
+        for node in nodes:
+            self._check_node(node)
+        slot_of = self._states.slot_of
+        src_hit, dst_hit, miss = [], [], []
+        for node, d in zip(nodes, dst):
+            s = slot_of.get(node)
+            if s is None:
+                miss.append(d)
+            else:
+                src_hit.append(s)
+                dst_hit.append(d)
+        if src_hit:
+            self._copy(src_hit, dst_hit)
+        if miss:
+            pool = self.mamba_pool
+            if len(miss) == 1:
+                pool.conv_state[:, miss[0]].zero_()
+                pool.temporal_state[:, miss[0]].zero_()
+            else:
+                m = torch.tensor(miss, dtype=torch.int64, device=pool.device)
+                pool.conv_state[:, m] = 0
+                pool.temporal_state[:, m] = 0
+        return len(src_hit)
+
+    def fork_state(self, node: TreeNode, req: Any) -> bool:
+        """:meth:`fork_states` for one request; True when it got a cached state."""
+        return self.fork_states([node], [req]) == 1
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, key: Union[RadixKey, Any], value: Any, priority: int = 0, extra_key: Any = None,
+               mamba_value: Any = None) -> int:
+        """RadixCache's insert, plus an optional state handed over with ``mamba_value`` (a
+        slot holding the state after exactly ``len(key)`` tokens): see
+        :meth:`insert_with_state`. Returns the tokens already cached."""
+        return self.insert_with_state(key, value, mamba_value, priority, extra_key).prefix_len
+
+    def insert_with_state(self, key: Union[RadixKey, Any], value: Any, state_slot: Any = None,
+                          priority: int = 0, extra_key: Any = None) -> MambaInsertResult:
+        """Insert ``key`` (whole pages) with its KV rows ``value``; with ``state_slot``, hand
+        that slot (the state after the key's last token) to the tree: kept at the node where
+        the key ends when it holds no state, else freed. Ownership passes either way.
+
+        Raises (the tree and the slot unchanged): as :meth:`RadixCache.insert`, plus
+        ``InvalidArgumentError`` / ``InvalidIndexError`` for a slot out of range, free, or
+        already the tree's. O(RadixCache.insert) + O(1).
+        """
+        key = as_radix_key(key, extra_key)
+        slot = None if state_slot is None else self._check_slots([state_slot], "state_slot")[0]
+        prefix, node, _ = self._insert(key, value, priority)
+        if slot is None:
+            return MambaInsertResult(prefix, node, False)
+        if node.parent is not None and node not in self._states.slot_of:
+            self._attach(node, slot, len(key._buf) >> 2)
+            return MambaInsertResult(prefix, node, True)
+        self.mamba_pool.free(slot)
+        return MambaInsertResult(prefix, node, False)
+
+    # ------------------------------------------------------------------ requests
+    def cache_finished_req(self, req: Any, state_len: Optional[int] = None) -> bool:
+        """RadixCache's ``cache_finished_req`` (insert the page-aligned tokens, free duplicate
+        and tail rows, unlock), and the state: when the request's state position
+        (``state_len``, default ``kv_committed_len``) is the inserted key's end and that
+        node holds no state, the tree takes ``req.mamba_pool_idx`` as it is (no copy).
+
+        Returns True when the tree took the slot: the caller must then free the row with
+        ``free(req, free_mamba_cache=False)`` and drop ``req.mamba_pool_idx`` (as
+        ``release_kv_cache`` does); on False the slot is still the request's to free.
+        Raises (nothing changes) as RadixCache's, plus for a bad slot or ``state_len``.
+        """
+        row, tokens, kv = _request_rows(self, req)
+        slot, pos = self._check_request(req, state_len)
+        if self.disable:
+            _free(self, kv)
+            return False
+        aligned, node, _, dup = _insert_request(self, req, tokens, kv)
+        _free(self, np.concatenate([dup, kv[aligned:]]))
+        took = (slot is not None and pos == aligned and node.parent is not None
+                and node not in self._states.slot_of and self.admission.admit(self, node, True))
+        if took:
+            self._attach(node, slot, aligned)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        return took
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
+        """RadixCache's ``cache_unfinished_req`` (insert, re-point the row, move the lock),
+        and the state: when the state position (``state_len``, default
+        ``kv_committed_len``) is the end of the page-aligned inserted key, that node holds
+        no state and the admission policy agrees, the request's state is forked (copied)
+        into a new tree slot -- evicting one unpinned state if the pool is out; if none can
+        be had the node stays a tombstone. Otherwise (e.g. an unaligned chunk end) the KV
+        goes in without a state. Raises (nothing changes) as :meth:`cache_finished_req`."""
+        if self.disable:
+            return
+        _request_rows(self, req)
+        slot, pos = self._check_request(req, state_len)
+        req_cache.cache_unfinished_req(self, req, chunked)
+        node, aligned = req.last_node, req.cache_protected_len
+        if (slot is None or pos != aligned or node.parent is None or node in self._states.slot_of
+                or not self.admission.admit(self, node, False)):
+            return
+        new = self.mamba_pool.alloc(1)
+        if new is None:
+            self.evict(0, 1)  # node is pinned now: its path and state are safe
+            new = self.mamba_pool.alloc(1)
+            if new is None:
+                return
+        new = int(new[0])
+        self._copy([slot], [new])
+        self._attach(node, new, aligned)
+
+    def _check_request(self, req: Any, state_len: Optional[int]):
+        """Validate the request's slot, state position and lock; returns (slot, position)."""
+        slot = req.mamba_pool_idx
+        if slot is not None:
+            slot = self._check_slots([slot], f"request {req.rid!r} mamba_pool_idx")[0]
+        pos = req.kv_committed_len if state_len is None else state_len
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0:
+            raise InvalidArgumentError(f"state_len must be an int >= 0, got {pos!r}")
+        node = req.last_node
+        if node is not None and node.parent is not None and self._states.pins.get(node, 0) < 1 \
+                and not self.disable:
+            raise InvalidArgumentError(f"request {req.rid!r}: its last_node {node.id} is not locked on itself")
+        return slot, int(pos)
+
+    # ------------------------------------------------------------------ evict
+    evict = mamba_policies.evict
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """RadixCache's lock of the path, plus a pin on ``node`` (its state is protected).
+        Returns the change of ``evictable_size()``. O(depth)."""
+        delta = RadixCache.inc_lock_ref(self, node)
+        if not self.disable and node.parent is not None:
+            self._states.pin(node)
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one :meth:`inc_lock_ref` of ``node``. Raises InvalidArgumentError (nothing
+        changes) for a node not in this tree or not locked on itself. O(depth)."""
+        if self.disable:
+            return 0
+        self._check_node(node)
+        if node.parent is not None and self._states.pins.get(node, 0) < 1:
+            raise InvalidArgumentError(f"dec_lock_ref on node {node.id}, which no inc_lock_ref locked")
+        delta = RadixCache.dec_lock_ref(self, node)
+        if node.parent is not None:
+            self._states.unpin(node)
+        return delta
+
+    # ------------------------------------------------------------------ whole tree
+    def reset(self) -> None:
+        """Drop every node: rows to the allocator, state slots to the pool (one call each)."""
+        slots = self.all_state_slots()
+        if slots:
+            self.mamba_pool.free(slots)
+        RadixCache.reset(self)
+
+    def _clear_tree(self) -> None:
+        RadixCache._clear_tree(self)
+        self._states.clear()
+
+    # ------------------------------------------------------------------ audit
+    check_invariants = mamba_node.check_invariants
+    check_state_conservation = mamba_node.check_state_conservation
+    pretty_print = mamba_node.pretty_print
+
+    # ------------------------------------------------------------------ helpers
+    def _attach(self, node: TreeNode, slot: int, end: int) -> None:
+        self._states.attach(node, slot, end)
+        if not self._lazy and node.skey is not None:
+            self._refile(node)  # its full-eviction key changed (tombstone -> state)
+
+    def _copy(self, src: List[int], dst: List[int]) -> None:
+        """Copy states ``src[i] -> dst[i]`` (validated disjoint by the callers): one pair
+        with two slice copies, more with the state-copy kernel (Triton on CUDA)."""
+        pool = self.mamba_pool
+        if len(src) == 1:
+            pool.conv_state[:, dst[0]].copy_(pool.conv_state[:, src[0]])
+            pool.temporal_state[:, dst[0]].copy_(pool.temporal_state[:, src[0]])
+            return
+        s = torch.tensor(src, dtype=torch.int64, device=pool.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=pool.device)
+        copy_states(pool.conv_state, pool.temporal_state, s, d, backend=pool.copy_backend, checks=False)
+
+    def _check_slots(self, slots: Sequence[Any], what: str) -> List[int]:
+        """See :meth:`StateTable.check_slots` (with this cache's ``checks``)."""
+        return self._states.check_slots(self.mamba_pool, slots, what, self.checks)
