@@ -1,110 +1,392 @@
-"""``radixkv demo``: an embedded walk-through of one scheduler cycle, printing the pools' state.
+"""``radixkv demo``: the main job, end to end.
 
-Two requests share a system prompt. The first is prefilled (extend), decodes a few tokens,
-and is released into the radix tree; the second then finds the shared prefix in the tree,
-reuses those KV rows, and only computes its own tokens. After every step the demo prints
-where every KV slot is (free / in the tree / held by a running request) and checks the
-conservation law and every structure's invariants.
+:func:`run_demo` starts the cache manager (``radixkv serve``) on a Unix socket in a fresh
+0700 temp directory and spawns worker processes (``multiprocessing`` spawn: gRPC does not
+survive fork). Each worker runs the reference hybrid model (KDA + full attention, fp64)
+over its share of the first requests of the bundled Mooncake ``conversation`` trace:
+prefill through ``alloc_extend`` (reusing cached KV and forking cached states straight from
+the manager's shared buffers), a few greedy decode steps, ``cache_finished``; and every
+logit it computed is compared with a from-scratch ``forward_reference``. The parent shows
+a progress bar, then a table (token hit rate, requests/s, RPC p50/p99, pool usage, logits
+checked), checks the manager's invariants and shuts it down (SIGTERM, exit code 0, shared
+memory removed). ``embedded=True`` runs the same requests in one process against
+``CacheEngine``. The return value is non-zero when any check fails.
+
+The trace is scaled to run in seconds on a laptop CPU: each 512-token block becomes
+``tokens_per_block`` pseudo-tokens (the partial last block proportionally fewer), mapped
+into the model's vocabulary by a fixed per-token hash, so equal prefixes stay equal.
+
+:func:`run_walkthrough` is the earlier embedded walk-through of one scheduler cycle (extend
+-> decode -> release -> reuse) that prints where every KV slot is after each step.
 """
 from __future__ import annotations
 
-from typing import List
+import json
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
 import torch
 
-from radixkv.allocator import TokenToKVPoolAllocator
-from radixkv.cache import RadixCache
-from radixkv.memory import MHATokenToKVPool, ReqToTokenPool
-from radixkv.scheduler import (
-    Batch,
-    Req,
-    alloc_for_decode,
-    alloc_for_extend,
-    check_conservation,
-    conservation,
-    release_kv_cache,
+from radixkv.demo_workers import (
+    TOLERANCE, HybridWorker, TimedEngine, demo_model_config, engine_config_for, worker_main,
 )
+from radixkv.errors import InvalidArgumentError, RadixKVError
+
+__all__ = ["run_demo", "run_walkthrough", "scaled_prompts", "token_hash"]
+
+BLOCK = 512  # tokens per Mooncake hash block
 
 
-class _Walkthrough:
-    def __init__(self, device: str, kv_tokens: int = 256, rows: int = 4, max_ctx: int = 128):
-        self.device = torch.device(device)
-        self.req_to_token = ReqToTokenPool(rows, max_ctx, device=self.device)
-        self.kv = MHATokenToKVPool(kv_tokens, 1, torch.float32, head_num=2, head_dim=8,
-                                   layer_num=2, device=self.device)
-        self.allocator = TokenToKVPoolAllocator(kv_tokens, device=self.device, need_sort=True,
-                                                kvcache=self.kv)
-        self.tree = RadixCache(self.req_to_token, self.allocator, page_size=1)
-        self.running: List[Req] = []
-
-    def show(self, title: str) -> None:
-        c = conservation(self.allocator, self.tree, self.running)
-        check_conservation(self.allocator, self.tree, self.running)
-        self.allocator.check_invariants()
-        self.req_to_token.check_invariants()
-        self.tree.check_invariants()
-        print(f"\n== {title}")
-        print(f"   KV slots: {c.available:4d} free | {c.evictable:4d} evictable in tree | "
-              f"{c.protected:4d} protected in tree | {c.held_by_requests:4d} held by requests "
-              f"| {c.pool_size} total  (conservation holds)")
-        print(f"   request rows free: {self.req_to_token.available_size()}/{self.req_to_token.size}")
-        for r in self.running:
-            row = self.req_to_token.req_to_token[r.req_pool_idx, : r.kv_committed_len].tolist()
-            print(f"   {r.rid}: row {r.req_pool_idx}, {r.kv_committed_len} tokens with KV, "
-                  f"{r.prefix_len} reused from the tree; req_to_token[{r.req_pool_idx}, :8] = {row[:8]}")
-
-    def write_kv(self, batch: Batch) -> None:
-        """Stand-in for a forward pass: write each new token's K/V (its token id) into the
-        KV buffers at the slots the step allocated."""
-        toks = torch.cat([torch.as_tensor(r.fill_ids[int(p): int(p) + int(e)])
-                          for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)])
-        val = toks.to(torch.float32).view(-1, 1, 1).expand(-1, 2, 8).to(self.device)
-        for layer in range(2):
-            self.kv.set_kv_buffer(layer, batch.out_cache_loc, val, val)
-
-    def step_extend(self, reqs: List[Req]) -> None:
-        batch = Batch(reqs, self.req_to_token, self.allocator, self.tree, kv_pool=self.kv)
-        alloc_for_extend(batch)
-        self.running += [r for r in reqs if r not in self.running]
-        self.write_kv(batch)
-        self.show(f"extend {[r.rid for r in reqs]}: {batch.extend_num_tokens} new KV slots, "
-                  f"prefix lens {batch.prefix_lens.tolist()}")
-
-    def step_decode(self, reqs: List[Req], rng: np.random.Generator) -> None:
-        for r in reqs:
-            r.append_output(int(rng.integers(1000, 2000)))
-        batch = Batch(reqs, self.req_to_token, self.allocator, self.tree, kv_pool=self.kv)
-        alloc_for_decode(batch)
-        self.write_kv(batch)
-
-    def release(self, req: Req) -> None:
-        release_kv_cache(req, self.tree, self.req_to_token)
-        self.running.remove(req)
-        self.show(f"release {req.rid}: its tokens are cached in the tree")
+def token_hash(pseudo: np.ndarray, vocab: int) -> np.ndarray:
+    """Map pseudo-token ids into ``0..vocab-1`` by a fixed hash (splitmix64), vectorized:
+    equal ids give equal tokens. Returns int32."""
+    x = pseudo.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x % np.uint64(vocab)).astype(np.int32)
 
 
-def run_demo(device: str = "cpu") -> int:
+def scaled_prompts(n: int, tokens_per_block: int, vocab: int,
+                   trace: str = "conversation") -> Tuple[List[np.ndarray], np.ndarray]:
+    """The first ``n`` requests of a bundled Mooncake trace as int32 prompts (see the module
+    docstring), and their ``output_length``. Vectorized over blocks."""
+    from radixkv.bench.traces import load_mooncake
+    from radixkv.data import mooncake_trace
+
+    t = load_mooncake(str(mooncake_trace(trace)), limit=n)
+    k = int(tokens_per_block)
+    off = t.hash_offsets
+    n_blk = np.diff(off)
+    last = t.input_length - t.block_size * (n_blk - 1)
+    lens = (n_blk - 1) * k + np.maximum(1, -(-last * k // t.block_size))
+    tokens = token_hash((t.hash_ids[:, None] * k + np.arange(k)).reshape(-1), vocab)
+    return [tokens[o * k:o * k + ln] for o, ln in zip(off[:-1].tolist(), lens.tolist())], t.output_length
+
+
+# ----------------------------------------------------------------------------- the main job
+def run_demo(embedded: bool = False, requests: int = 120, device: str = "cpu", *, decode_tokens: int = 4,
+             tokens_per_block: int = 16, workers: int = 2, verify_every: int = 1, page_size: int = 1,
+             kv_tokens: int = 32768, state_slots: int = 96, timeout_s: float = 600.0,
+             out: Optional[TextIO] = None) -> int:
+    """Run the demo (see the module docstring) and print its table to ``out`` (stdout).
+
+    ``requests``: how many trace requests, dealt round-robin to ``workers``; each decodes
+    ``min(decode_tokens, output_length)`` tokens; every ``verify_every``-th request of a
+    worker is checked against ``forward_reference`` (1: all). Returns 0 when every check
+    passed, 1 otherwise (a mismatch, a worker error, broken invariants, an unclean stop)."""
+    out = out or sys.stdout
+    if requests < 1 or workers < 1 or decode_tokens < 0 or verify_every < 0:
+        raise InvalidArgumentError("requests and workers must be >= 1, decode_tokens and verify_every >= 0")
+    model = demo_model_config()
+    prompts, outputs = scaled_prompts(requests, tokens_per_block, model.vocab)
+    steps = np.minimum(outputs, decode_tokens).tolist()
+    width = -(-(max(p.size for p in prompts) + decode_tokens + 1) // 64) * 64
+    cfg = engine_config_for(model, device=device, kv_tokens=max(kv_tokens, 4 * width), page_size=page_size,
+                            state_slots=state_slots, request_rows=max(8, 2 * workers), max_context_len=width,
+                            lease_ttl_s=60.0)
+    jobs = [[(f"req-{i:04d}", prompts[i], int(steps[i])) for i in range(w, len(prompts), workers)]
+            for w in range(workers)]
+    mode = "embedded (one process)" if embedded else f"service: manager + {workers} worker processes"
+    print(f"radixkv demo [{mode}] on {device}: {len(prompts)} requests of the Mooncake conversation trace,\n"
+          f"  each 512-token block -> {tokens_per_block} pseudo-tokens, mapped into the model's {model.vocab}-token "
+          f"vocab by a fixed per-token hash (equal prefixes stay equal);\n"
+          f"  model {model.layer_pattern} (KDA + full attention) fp64, hidden {model.hidden}; "
+          f"up to {decode_tokens} greedy decode tokens each", file=out)
+    t0 = time.perf_counter()
+    run = _run_embedded if embedded else _run_service
+    res = run(cfg, model, jobs, verify_every, tokens_per_block, timeout_s)
+    res["wall_s"] = time.perf_counter() - t0
+    res["expected"], res["verify_every"], res["embedded"] = len(prompts), verify_every, embedded
+    res["tol"] = TOLERANCE[model.dtype]
+    from radixkv.bench.traces import BlockTrace
+
+    res["bound"] = BlockTrace.from_token_requests(prompts, 1).infinite_hit_tokens()
+    return _report(res, out)
+
+
+def _progress(total: int):
+    from radixkv.bench.progress import Progress
+
+    return Progress(total, "requests")
+
+
+def _run_embedded(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[str, Any]:
+    from radixkv.engine.embedded import CacheEngine
+    from radixkv.reference import HybridModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: more threads only spin against each other (as in the workers)
+    engine = CacheEngine(cfg)
+    model = HybridModel(model_cfg, cfg.device)
+    res: Dict[str, Any] = {"reports": [], "latencies": [], "errors": [], "peak": (0, 0)}
+    timed = [TimedEngine(engine) for _ in jobs]
+    runners = []
+    for w, t in enumerate(timed):
+        info = t.attach(f"worker-{w}")
+        runners.append((t, info.session, HybridWorker(t, info.session, engine.worker_buffers(), model, block=block,
+                                                      name=f"worker-{w}")))
+    order = sorted((k * len(jobs) + w, w, k) for w, js in enumerate(jobs) for k in range(len(js)))
+    res["window"] = [time.time(), None]
+    try:
+        with _progress(len(order)) as bar:
+            for _, w, k in order:
+                rid, prompt, steps = jobs[w][k]
+                rep = runners[w][2].run_request(rid, prompt, steps, verify=verify_every > 0 and k % verify_every == 0)
+                res["reports"].append(rep._asdict())
+                res["peak"] = _peak(res["peak"], engine.stats())
+                bar.update(1)
+        res["window"][1] = time.time()
+        engine.check_invariants()
+        res["stats"] = engine.stats()
+        for t, s, _ in runners:
+            t.detach(s)
+        res["invariants"] = True
+    except RadixKVError as e:
+        res["errors"].append(f"{type(e).__name__}: {e}")
+    finally:
+        res["latencies"] = [x for t in timed for x in t.latencies]
+        engine.close()
+        torch.set_num_threads(threads)
+    res["shutdown"] = "in-process engine closed"
+    return res
+
+
+def _peak(peak: Tuple[int, int], st: Any) -> Tuple[int, int]:
+    return (max(peak[0], st.kv_capacity - st.kv_available), max(peak[1], st.state_capacity - st.state_available))
+
+
+def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[str, Any]:
+    from radixkv.service.cli import main as serve_main
+    from radixkv.service.client import connect
+
+    ctx = mp.get_context("spawn")
+    res: Dict[str, Any] = {"reports": [], "latencies": [], "errors": [], "peak": (0, 0)}
+    tmp = tempfile.mkdtemp(prefix="radixkv-demo-")  # 0700
+    token = secrets.token_urlsafe(24)
+    token_file, cfg_file, shm = (os.path.join(tmp, n) for n in ("token", "engine.json", "shm"))
+    os.mkdir(shm, 0o700)
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, token.encode())
+    os.close(fd)
+    with open(cfg_file, "w", encoding="utf-8") as f:
+        json.dump(cfg.to_dict(), f)
+    address = f"unix://{tmp}/manager.sock"
+    argv = ["serve", "--address", address, "--token-file", token_file, "--config", cfg_file, "--shm-dir", shm,
+            "--log-level", "WARNING", "--grace-s", "2", "--sweep-interval-s", "0.5"]
+    server = ctx.Process(target=serve_main, args=(argv,), name="radixkv-manager", daemon=True)
+    procs: List[Any] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        server.start()
+        with connect(address, token=token, wait_s=120, timeout_s=60) as mon:
+            q = ctx.Queue()
+            for w, js in enumerate(jobs):
+                p = ctx.Process(target=worker_main, args=(address, token, f"worker-{w}", model_cfg, js, verify_every,
+                                                          block, q), name=f"radixkv-worker-{w}", daemon=True)
+                p.start()
+                procs.append(p)
+            _collect(q, mon, procs, sum(len(j) for j in jobs), res, deadline)
+            if not res["errors"]:
+                mon.check_invariants()
+                res["stats"] = mon.stats()
+                res["invariants"] = True
+    except RadixKVError as e:
+        res["errors"].append(f"{type(e).__name__}: {e}")
+    finally:
+        for p in procs:
+            p.join(max(1.0, min(30.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        res["shutdown"] = _stop_server(server, shm)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+def _collect(q, mon, procs, total, res, deadline) -> None:
+    """Drain worker reports until every worker is done (or failed, or the deadline)."""
+    import queue
+
+    done = 0
+    with _progress(total) as bar:
+        while done < len(procs):
+            if time.monotonic() > deadline:
+                res["errors"].append("timed out waiting for the workers")
+                return
+            try:
+                kind, payload = q.get(timeout=0.5)
+            except queue.Empty:
+                res["peak"] = _peak(res["peak"], mon.stats())
+                if not any(p.is_alive() for p in procs) and q.empty():
+                    res["errors"].append("a worker exited without reporting")
+                    return
+                continue
+            if kind == "request":
+                res["reports"].append(payload)
+                bar.update(1)
+                if len(res["reports"]) % 8 == 0:
+                    res["peak"] = _peak(res["peak"], mon.stats())
+            elif kind == "done":
+                res["latencies"].extend(payload["latencies"])
+                w0, w1 = res.get("window") or (payload["t_start"], payload["t_end"])
+                res["window"] = [min(w0, payload["t_start"]), max(w1, payload["t_end"])]
+                done += 1
+            else:
+                res["errors"].append(payload)
+                return
+
+
+def _stop_server(server, shm: str) -> str:
+    """SIGTERM the manager (graceful: drains, detaches, removes its shared memory); SIGKILL
+    if it hangs. Returns a one-line verdict that starts with ``clean`` only on success."""
+    if server.pid is None:
+        return "not started"
+    if server.is_alive():
+        os.kill(server.pid, signal.SIGTERM)
+        server.join(30)
+    if server.is_alive():
+        server.kill()
+        server.join(10)
+        return "KILLED: the manager did not stop on SIGTERM"
+    left = os.listdir(shm) if os.path.isdir(shm) else []
+    if server.exitcode != 0 or left:
+        return f"UNCLEAN: exit code {server.exitcode}, shared-memory files left: {left}"
+    return "clean (SIGTERM, exit code 0, shared memory removed)"
+
+
+def _report(res: Dict[str, Any], out: TextIO) -> int:
+    reps = res["reports"]
+    n = len(reps)
+    prompt = sum(r["prompt_len"] for r in reps)
+    hit = sum(r["prefix_len"] for r in reps)
+    kv_hit = sum(r["kv_prefix_len"] for r in reps)
+    checked = [r for r in reps if r["verified"]]
+    bad = [r["rid"] for r in checked if not r["ok"]]
+    worst = max((r["max_abs_diff"] for r in checked), default=float("nan"))
+    lat = np.asarray(res["latencies"], dtype=np.float64) * 1e3
+    p50, p99 = (np.percentile(lat, 50), np.percentile(lat, 99)) if lat.size else (float("nan"),) * 2
+    st = res.get("stats")
+    win = res.get("window") or (None, None)
+    serving = (win[1] - win[0]) if win[1] is not None else 0.0
+    rows = [
+        ("requests", f"{n} ({sum(r['decoded'] for r in reps)} tokens decoded)"),
+        ("prompt tokens", f"{prompt} ({sum(r['computed'] for r in reps)} computed)"),
+        ("token hit rate", f"{hit / prompt:.1%} of prompt tokens skipped (state + KV reused; KV alone cached "
+                           f"{kv_hit / prompt:.1%}); an unbounded cache: {res['bound'] / prompt:.1%}" if prompt else "-"),
+        ("state checkpoints", f"{sum(r['checkpoints'] for r in reps)} chunk ends cached with their state"),
+        ("requests/s", (f"{n / serving:.1f} ({serving:.1f} s serving" + ("" if res["embedded"] else
+                        f"; {res['wall_s']:.1f} s in all, with process start-up") + ")") if serving else "-"),
+        ("call latency" if res["embedded"] else "RPC latency",
+         f"p50 {p50:.2f} ms, p99 {p99:.2f} ms over {lat.size} calls" + (" (in-process)" if res["embedded"] else "")),
+    ]
+    if st is not None:
+        rows += [("KV pool", f"{st.kv_capacity - st.kv_available}/{st.kv_capacity} tokens in use at the end "
+                             f"(peak {res['peak'][0]}), {st.evicted_tokens} evicted"),
+                 ("state pool", f"{st.state_capacity - st.state_available}/{st.state_capacity} slots in use at the "
+                                f"end (peak {res['peak'][1]})")]
+    rows += [("logits checked", f"{len(checked) - len(bad)}/{len(checked)} requests equal to forward_reference "
+                                f"(max |diff| {worst:.2e}, tol {res['tol']:g})"),
+             ("invariants", "hold" if res.get("invariants") else "NOT CHECKED"),
+             ("shutdown", res["shutdown"])]
+    w = max(len(k) for k, _ in rows)
+    print("", file=out)
+    for k, v in rows:
+        print(f"  {k:<{w}}  {v}", file=out)
+    for e in res["errors"]:
+        print(f"ERROR: {e}", file=out)
+    if bad:
+        print(f"MISMATCH: requests {bad[:10]} differ from forward_reference", file=out)
+    ok = bool(not res["errors"] and not bad and res.get("invariants") and n == res["expected"]
+              and (checked or not res["verify_every"]) and res["shutdown"].startswith(("clean", "in-process")))
+    print("demo " + ("passed" if ok else "FAILED"), file=out)
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- walk-through
+def run_walkthrough(device: str = "cpu") -> int:
+    """An embedded walk-through of one scheduler cycle on a KV-only model: two requests
+    share a 40-token system prompt; A is prefilled, decodes 6 tokens and is released into
+    the tree; B finds the prefix, reuses A's KV rows (checked on the data: K holds each
+    token's id) and computes only its own tokens. After every step it prints where every KV
+    slot is and checks conservation and every structure's invariants. Returns 0 when B read
+    A's tokens back, else 1."""
+    from radixkv.allocator import TokenToKVPoolAllocator
+    from radixkv.cache import RadixCache
+    from radixkv.memory import MHATokenToKVPool, ReqToTokenPool
+    from radixkv.scheduler import Batch, Req, alloc_for_decode, alloc_for_extend, check_conservation, \
+        conservation, release_kv_cache
+
+    dev = torch.device(device)
+    pool = ReqToTokenPool(4, 128, device=dev)
+    kv = MHATokenToKVPool(256, 1, torch.float32, head_num=2, head_dim=8, layer_num=2, device=dev)
+    alloc = TokenToKVPoolAllocator(256, device=dev, need_sort=True, kvcache=kv)
+    tree = RadixCache(pool, alloc, page_size=1)
+    running: List[Any] = []
     rng = np.random.default_rng(0)
-    w = _Walkthrough(device)
+
+    def show(title: str) -> None:
+        c = conservation(alloc, tree, running)
+        check_conservation(alloc, tree, running)
+        alloc.check_invariants()
+        pool.check_invariants()
+        tree.check_invariants()
+        print(f"\n== {title}")
+        print(f"   KV slots: {c.available:4d} free | {c.evictable:4d} evictable in tree | {c.protected:4d} protected "
+              f"in tree | {c.held_by_requests:4d} held by requests | {c.pool_size} total  (conservation holds)")
+        print(f"   request rows free: {pool.available_size()}/{pool.size}")
+        for r in running:
+            row = pool.req_to_token[r.req_pool_idx, :r.kv_committed_len].tolist()
+            print(f"   {r.rid}: row {r.req_pool_idx}, {r.kv_committed_len} tokens with KV, {r.prefix_len} reused "
+                  f"from the tree; req_to_token[{r.req_pool_idx}, :8] = {row[:8]}")
+
+    def step(reqs: List[Any], decode: bool) -> Any:
+        if decode:
+            for r in reqs:
+                r.append_output(int(rng.integers(1000, 2000)))
+        batch = Batch(reqs, pool, alloc, tree, kv_pool=kv)
+        (alloc_for_decode if decode else alloc_for_extend)(batch)
+        running.extend(r for r in reqs if r not in running)
+        # stand-in for a forward pass: each new token's K/V is its token id
+        new = torch.cat([torch.as_tensor(r.fill_ids[int(p):int(p) + int(e)])
+                         for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)])
+        val = new.to(torch.float32).view(-1, 1, 1).expand(-1, 2, 8).to(dev)
+        for layer in range(2):
+            kv.set_kv_buffer(layer, batch.out_cache_loc, val, val)
+        return batch
+
+    def release(r: Any) -> None:
+        release_kv_cache(r, tree, pool)
+        running.remove(r)
+        show(f"release {r.rid}: its tokens are cached in the tree")
+
     system = rng.integers(0, 1000, 40).astype(np.int32)
     a = Req("req-A", np.concatenate([system, rng.integers(0, 1000, 12).astype(np.int32)]))
     b = Req("req-B", np.concatenate([system, rng.integers(0, 1000, 20).astype(np.int32)]))
-    print(f"radixkv demo on {device}: two requests share a {system.size}-token system prompt")
-    w.show("start")
-    w.step_extend([a])
+    print(f"radixkv walk-through on {device}: two requests share a {system.size}-token system prompt")
+    show("start")
+    batch = step([a], decode=False)
+    show(f"extend ['req-A']: {batch.extend_num_tokens} new KV slots, prefix lens {batch.prefix_lens.tolist()}")
     for _ in range(6):
-        w.step_decode([a], rng)
-    w.show("req-A decoded 6 tokens")
-    w.release(a)
-    w.step_extend([b])
-    reused = w.kv.get_key_buffer(0)[b.prefix_indices][:, 0, 0].to(torch.int64).cpu().numpy()
-    ok = np.array_equal(reused, b.fill_ids[: b.prefix_len])
+        step([a], decode=True)
+    show("req-A decoded 6 tokens")
+    release(a)
+    batch = step([b], decode=False)
+    show(f"extend ['req-B']: {batch.extend_num_tokens} new KV slots, prefix lens {batch.prefix_lens.tolist()}")
+    reused = kv.get_key_buffer(0)[b.prefix_indices][:, 0, 0].to(torch.int64).cpu().numpy()
+    ok = b.prefix_len > 0 and np.array_equal(reused, b.fill_ids[:b.prefix_len])
     print(f"   req-B reads {b.prefix_len} cached K rows written by req-A: "
           f"{'they hold its prompt tokens' if ok else 'MISMATCH'}")
     for _ in range(4):
-        w.step_decode([b], rng)
-    w.release(b)
-    evicted = w.tree.evict(10_000)
-    w.show(f"evict everything unlocked: {evicted} slots back to the allocator")
+        step([b], decode=True)
+    release(b)
+    show(f"evict everything unlocked: {tree.evict(10_000)} slots back to the allocator")
     return 0 if ok else 1

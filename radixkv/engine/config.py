@@ -27,9 +27,11 @@ from radixkv.memory.arena import parse_dtype
 __all__ = ["EngineConfig", "ADMISSION_POLICIES"]
 
 #: ``every``: every finished / chunked request's tokens go into the tree (SGLang's radix
-#: cache). ``none``: nothing is cached, every match is empty (SGLang's
-#: ``--disable-radix-cache``); requests still get rows and KV slots.
-ADMISSION_POLICIES: Tuple[str, ...] = ("every", "none")
+#: cache). ``branch`` (hybrid models): KV is cached as with ``every``, but Mamba states only
+#: at request ends and branch-off points (Marconi, MLSys 2025). ``none``: nothing is cached,
+#: every match is empty (SGLang's ``--disable-radix-cache``); requests still get rows and KV
+#: slots.
+ADMISSION_POLICIES: Tuple[str, ...] = ("every", "branch", "none")
 
 _INT_MIN = {  # field -> smallest allowed value
     "kv_tokens": 1, "page_size": 1, "head_num": 1, "head_dim": 1, "conv_kernel": 2,

@@ -15,6 +15,11 @@ call that raises leaves pools, tree, requests, sessions and the reported counter
 were (the flow is all-or-nothing; appended tokens are rolled back; the tree's query
 counters of a failed call are discounted).
 
+Hybrid models (``K`` layers): the tree is a ``MambaRadixCache``; a new request's state slot
+(``mamba_slot``) gets a fork of the matched state, or zeros. The worker advances it with each
+forward, so when cached the slot holds the state after ``kv_committed_len`` tokens; the tree
+keeps it (a fork for unfinished requests) only at a page-aligned node end.
+
 Thread-safety: none. The engine is single-threaded by design: the service runs it in one
 event loop, and in-process users call it from one thread (or hold their own lock).
 """
@@ -27,6 +32,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from radixkv.cache.mamba_node import StateConservation
 from radixkv.cache.radix_key import RadixKey
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.pools import EnginePools, build_tree
@@ -71,7 +77,8 @@ class CacheEngine:
         mappings: ``{pool name: mapping dict}`` put into the layout ``attach`` returns (how
             workers map those buffers); default ``"embedded"``.
 
-    Attributes: ``config``, ``pools`` (:class:`EnginePools`), ``tree`` (the RadixCache),
+    Attributes: ``config``, ``pools`` (:class:`EnginePools`), ``tree`` (a RadixCache, or a
+    MambaRadixCache for hybrid models),
     ``sessions`` (:class:`SessionTable`). Single-threaded (see the module docstring).
 
     Raises (constructor) ``InvalidArgumentError`` for a bad config or buffers, or a hybrid
@@ -165,18 +172,20 @@ class CacheEngine:
                          check_extra_key(q.extra_key, f"queries[{i}]")) for i, q in enumerate(qs)]
         out = []
         for key in keys:
-            n = self.tree.match_prefix(key).prefix_len
-            out.append(MatchInfo(n, n))
+            m = self.tree.match_prefix(key)
+            out.append(MatchInfo(m.prefix_len, getattr(m, "kv_prefix_len", m.prefix_len)))
         return out
 
     # ------------------------------------------------------------------ extend / decode
     def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
         """All or nothing (see the protocol). New rids are matched and locked and get a
-        row; every request gets KV slots for its new tokens, evicting as needed.
+        row (and, hybrid, a state slot holding the matched state's fork, or zeros); every
+        request gets KV slots for its new tokens, evicting KV and states as needed.
 
         Raises ``InvalidArgumentError`` (bad items, repeated rids, no tokens),
         ``PermissionDeniedError`` (another session's rid), ``CapacityError`` (over
-        ``max_context_len``, ``max_requests_per_session``, rows, or KV even after eviction).
+        ``max_context_len``, ``max_requests_per_session``, rows, or KV or state slots even
+        after eviction).
         Cost: the flow's, O(batch + tokens) vectorized."""
         sid = self._enter(session)
         its = as_items(items, ExtendItem, "items")
@@ -262,7 +271,9 @@ class CacheEngine:
     # ------------------------------------------------------------------ cache / release
     def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
         """Insert each request's committed tokens (page-aligned) into the tree and move its
-        lock there. ``cached_len`` is 0 with admission policy ``none``. O(tokens)."""
+        lock there; hybrid: a fork of its state goes with them when the committed length is
+        page-aligned (and admitted). ``cached_len`` is 0 with admission policy ``none``.
+        O(tokens)."""
         sid = self._enter(session)
         reqs = self._own(sid, rids)
         for r in reqs:
@@ -271,7 +282,8 @@ class CacheEngine:
 
     def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
         """Cache the requests' tokens (page-aligned part), free what the tree does not keep
-        and their rows; the rids are forgotten. O(tokens)."""
+        and their rows; hybrid: the tree takes the request's state slot when its committed
+        length is page-aligned, else the slot is freed. The rids are forgotten. O(tokens)."""
         sid = self._enter(session)
         reqs = self._own(sid, rids)
         ps, disabled = self.config.page_size, self.tree.disable
@@ -293,11 +305,20 @@ class CacheEngine:
 
     def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult:
         """Evict at least ``num_tokens`` unlocked tokens (whole nodes) from the tree, or all
-        it can. ``states`` is 0 for KV-only models. O(evicted nodes x log leaves)."""
+        it can; then, for hybrid models, at least ``num_states`` unpinned Mamba states
+        (states freed with evicted leaves count; an internal or locked node keeps its KV and
+        becomes a tombstone). ``states`` is 0 for KV-only models (``num_states`` is checked
+        and ignored). O(evicted nodes x log leaves) + O(S log S) over the tree's S states
+        when states are asked for."""
         self._enter(session)
         n = check_count(num_tokens, "num_tokens")
-        check_count(num_states, "num_states")
-        return EvictResult(self.tree.evict(n) if n else 0, 0)
+        k = check_count(num_states, "num_states")
+        if not self.config.is_hybrid:
+            return EvictResult(self.tree.evict(n) if n else 0, 0)
+        if not n and not k:
+            return EvictResult(0, 0)
+        res = self.tree.evict(n, k)
+        return EvictResult(int(res.num_tokens), int(res.num_states))
 
     def flush(self, session: Session) -> bool:
         """Empty the tree (records ``AllBlocksCleared``); ``False`` while any request of
@@ -328,10 +349,12 @@ class CacheEngine:
         c = conservation(self.pools.allocator, self.tree, self._reqs.values())
         m = self.tree.metrics.snapshot()
         pool = self.pools.req_to_token_pool
+        s = self._state_counts()
         return EngineStats(
             kv_capacity=c.pool_size, kv_available=c.available, kv_evictable=c.evictable,
             kv_protected=c.protected, kv_held=c.held_by_requests,
-            state_capacity=0, state_available=0, state_evictable=0, state_protected=0, state_held=0,
+            state_capacity=s.capacity, state_available=s.available, state_evictable=s.evictable,
+            state_protected=s.protected, state_held=s.held,
             rows_capacity=pool.size, rows_available=pool.available_size(),
             sessions=len(self.sessions), requests=len(self._reqs),
             queries=m.queries - self._discount[0], queried_tokens=m.queried_tokens - self._discount[1],
@@ -341,11 +364,25 @@ class CacheEngine:
 
     def check_invariants(self) -> None:
         """Every pool, the tree, the KV conservation law (page-exact, with the running
-        requests), the session table, and the engine's own request map agree. Raises
-        ``InvariantError`` naming the offending ids. O(pool + tree + tokens)."""
+        requests), the session table, and the engine's own request map agree; for hybrid
+        models also the state law, slot-exact: every Mamba slot is exactly one of free, a
+        tree state (evictable or protected) or a running request's own slot
+        (``state_available + state_evictable + state_protected + state_held ==
+        state_capacity``), and every running request holds one. Raises ``InvariantError``
+        naming the offending ids. O(pool + tree + tokens)."""
         reqs = list(self._reqs.values())
         self.pools.check_invariants(reqs)
-        self.tree.check_invariants()
+        if self.config.is_hybrid:
+            self.tree.check_invariants(reqs)  # includes the exact slot audit against reqs
+            slotless = sorted(r.rid for r in reqs if r.mamba_pool_idx is None)
+            if slotless:
+                raise InvariantError(f"running requests of a hybrid model without a Mamba slot: {slotless}")
+            s = self._state_counts()
+            if not s.ok:
+                raise InvariantError(f"Mamba slots not conserved: available {s.available} + evictable "
+                                     f"{s.evictable} + protected {s.protected} + held {s.held} != {s.capacity}")
+        else:
+            self.tree.check_invariants()
         self.sessions.check_invariants()
         owned = {rid for sid in self.sessions.session_ids() for rid in self.sessions.rids(sid)}
         if owned != set(self._reqs):
@@ -362,6 +399,15 @@ class CacheEngine:
     def _batch(self, reqs: List[EngineReq]) -> Batch:
         p = self.pools
         return Batch(reqs, p.req_to_token_pool, p.allocator, self.tree, kv_pool=p.kv_pool)
+
+    def _state_counts(self) -> StateConservation:
+        """Where the Mamba slots are (all zeros for KV-only models). O(running requests)."""
+        mp = self.pools.mamba_pool
+        if mp is None:
+            return StateConservation(0, 0, 0, 0, 0)
+        held = sum(1 for r in self._reqs.values() if r.mamba_pool_idx is not None)
+        return StateConservation(int(mp.size), int(mp.available_size()), int(self.tree.mamba_evictable_size()),
+                                 int(self.tree.mamba_protected_size()), held)
 
     @staticmethod
     def _slot(r: EngineReq) -> int:

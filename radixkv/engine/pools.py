@@ -215,16 +215,23 @@ class EnginePools:
 def build_tree(pools: EnginePools) -> RadixCache:
     """The prefix tree over ``pools`` as the config asks (policy, admission, events).
 
-    KV-only models get a :class:`RadixCache`. Hybrid models need the Mamba-aware tree
-    (``radixkv.cache.mamba_radix_cache``): ``InvalidArgumentError(HYBRID_NEEDS_TREE)`` while
-    that module does not exist; once it does, the engine still has to be wired to it (the
-    state fork on match and the state insert on cache), so this raises too, saying so."""
+    KV-only models get a :class:`RadixCache`. Hybrid models get a
+    :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` over the hybrid request pool
+    (its ``mamba_pool`` holds the states): ``eviction_policy`` orders the full (KV) eviction,
+    ``admission_policy`` is passed through (``every``: every cached node end gets a state;
+    ``branch``: states only at request ends and branch-off points; ``none`` disables the
+    cache; KV-only trees treat ``branch`` like ``every``), ``checks`` turns on its free-mask lookups of the slots
+    handed in. ``InvalidArgumentError(HYBRID_NEEDS_TREE)`` when that module is missing.
+    O(1) (empty trees)."""
     c = pools.config
     if c.is_hybrid:
         if not hybrid_tree_available():
             raise InvalidArgumentError(HYBRID_NEEDS_TREE)
-        raise InvalidArgumentError(f"{HYBRID_TREE_MODULE} exists but the engine is not wired to "
-                                   "MambaRadixCache yet (radixkv/engine/pools.py build_tree)")
+        from radixkv.cache.mamba_radix_cache import MambaRadixCache
+
+        return MambaRadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
+                               eviction_policy=c.eviction_policy, admission_policy=c.admission_policy,
+                               enable_kv_events=c.enable_kv_events, checks=c.checks)
     return RadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
                       eviction_policy=c.eviction_policy, disable=c.admission_policy == "none",
                       enable_kv_events=c.enable_kv_events)
