@@ -324,7 +324,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         src = load_source(args.trace, args.workload, args.block_size, args.page_size, args.limit, args.seed)
-        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+        from radixkv.bench import radix_engine  # registers the "radix" engine
+
+        policies = [radix_engine.default_policy_name() if p.strip().lower() == "default" else p.strip()
+                    for p in args.policy.split(",") if p.strip()]
         if args.engine == "blocksim":
             for p in policies:
                 make_policy(p)                               # fail before any work
