@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from radixkv.allocator.id_ring import IdRing
@@ -23,7 +24,7 @@ from radixkv.allocator.validation import (
     check_ids_in_range,
     check_ids_to_free,
 )
-from radixkv.errors import InvariantError
+from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError
 
 
 class FreeSlots:
@@ -92,6 +93,37 @@ class FreeSlots:
         ids = as_id_tensor(ids, self.device)
         check_ids_in_range(ids, 0, self.size)
         return self._free[ids]
+
+    def free_among(self, ids) -> list:
+        """The ids among ``ids`` (a sequence of Python ints in ``0..size``) that are free,
+        in their order, as a list (empty when all are allocated; id 0 is never free).
+
+        A host-side fast path for a few ids (e.g. the Mamba slots a request hands to the
+        tree): on CPU it reads the free mask through a numpy view of the same memory (no
+        torch dispatch, no copy; about a microsecond for one id, against 10-15 us for
+        :meth:`is_free`); on another device it falls back to one :meth:`is_free` lookup
+        (one device sync). O(k).
+
+        Raises (nothing changes):
+            InvalidArgumentError: an id that is not an int (``bool`` included).
+            InvalidIndexError: an id outside ``0..size``.
+        """
+        size = self.size
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                raise InvalidArgumentError(f"ids must be ints, got {i!r}")
+            if not 0 <= i <= size:
+                raise InvalidIndexError(f"id {int(i)} out of range [0, {size}]")
+        if not ids:
+            return []
+        if self.device.type == "cpu":
+            host = self._free.numpy()  # a view, not a copy: always current
+            if len(ids) == 1:
+                return [ids[0]] if host[ids[0]] else []
+            mask = host[np.asarray(ids, dtype=np.int64)]
+        else:
+            mask = self._free[torch.as_tensor(ids, dtype=torch.int64).to(self.device)].cpu().numpy()
+        return [i for i, f in zip(ids, mask.tolist()) if f] if mask.any() else []
 
     def clear(self) -> None:
         """Make every id ``1..size`` free again (in ascending order). O(size)."""

@@ -109,8 +109,9 @@ class StateTable:
 
     def check_slots(self, pool: Any, slots: Iterable[Any], what: str, checks: bool = True) -> List[int]:
         """``slots`` as ints, each in ``1..pool.size``, distinct, not held by the tree and,
-        with ``checks``, allocated in ``pool`` (one vectorized free-mask lookup). Raises
-        ``InvalidArgumentError`` / ``InvalidIndexError`` naming the bad slots. O(len)."""
+        with ``checks``, allocated in ``pool`` (``FreeSlots.free_among``: a host read of the
+        free mask on CPU). Raises ``InvalidArgumentError`` / ``InvalidIndexError`` naming
+        the bad slots. O(len)."""
         size, node_of = pool.size, self.node_of
         out: List[int] = []
         for s in slots:
@@ -127,9 +128,8 @@ class StateTable:
         if len(out) > 1 and len(set(out)) != len(out):
             raise InvalidArgumentError(f"{what} repeated: {describe_ids(out)}")
         if out and checks:
-            free = pool.free_slots.is_free(torch.tensor(out, device=pool.device))
-            if bool(free[0]) if len(out) == 1 else bool(free.any()):
-                bad = [s for s, f in zip(out, free.tolist()) if f]
+            bad = pool.free_slots.free_among(out)  # host-side mask read on CPU
+            if bad:
                 raise InvalidArgumentError(f"{what} not allocated in the Mamba pool: {describe_ids(bad)}")
         return out
 

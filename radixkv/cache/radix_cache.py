@@ -79,7 +79,7 @@ class RadixCache:
             evicted rows are freed to it. ``None``: rows are simply dropped.
         page_size: tokens per page; nodes hold whole pages, keys are matched page-aligned.
         eviction_policy: a registered name (``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``,
-            ``priority``, ``slru``) or an :class:`EvictionPolicy` instance.
+            ``priority``, ``slru``, ``aplru``) or an :class:`EvictionPolicy` instance.
         disable: every match is empty, every insert a no-op.
         enable_kv_events: record KV events (``take_events()``); nodes then keep their
             per-page hashes.
@@ -259,7 +259,9 @@ class RadixCache:
             LengthMismatchError: ``len(value) != len(key)``.
             InvalidArgumentError / InvalidIndexError: bad dtype, shape, priority or rows.
         """
-        return self._insert(as_radix_key(key, extra_key), value, priority)[0]
+        if type(key) is not RadixKey or extra_key is not None:
+            key = as_radix_key(key, extra_key)
+        return self._insert(key, value, priority)[0]
 
     def _insert(self, key: RadixKey, value: Any, priority: int) -> Tuple[int, TreeNode, List[TreeNode]]:
         """Insert; returns (prefix tokens already cached, node where the key ends, the
@@ -270,7 +272,8 @@ class RadixCache:
         if n % pb:
             raise AlignmentError(f"key of {n >> 2} tokens is not a multiple of page_size {self.page_size}")
         value = check_value(value, n >> 2)
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        if type(priority) is not int and (isinstance(priority, bool)
+                                          or not isinstance(priority, (int, np.integer))):
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
         head = self._heads.get(key.extra_key)
         if self.disable or n == 0:
@@ -314,17 +317,19 @@ class RadixCache:
             path.append(node)
         priority = int(priority)
         tick = self._clock
+        eager = not self._lazy
         for x in path:
             tick += 1
             x.last_access = tick
             if x.priority < priority:
                 x.priority = priority
-            if not self._lazy and x.skey is not None:
+            if eager and x.skey is not None:
                 self._refile(x)
         if pos < n:
             tick += 1
             leaf = TreeNode(self._new_id(), node, buf[pos:], tail, tick, priority)
-            leaf.block_hashes = hashes
+            if hashes is not None:
+                leaf.block_hashes = hashes
             if node.skey is not None:  # the parent stops being a leaf
                 self._leaves.remove(node)
                 node.skey = None

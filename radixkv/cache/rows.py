@@ -20,10 +20,19 @@ _I64 = np.dtype(np.int64)
 _U32 = np.dtype(np.uint32)
 _U64 = np.dtype(np.uint64)
 _ROW_LIMIT = 1 << 31
+_umax = np.maximum.reduce  # ndarray.max() without its Python-level wrapper (hot path)
+# integer dtypes the general check accepts, for check_value's fast path (plain tensors)
+_INT_TENSOR_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+_Tensor = torch.Tensor
 
 
 def check_value(value: Any, n_tokens: int) -> Any:
     """Validate an ``insert`` value's type, dtype, shape and length (O(1))."""
+    if type(value) is _Tensor and value.dtype in _INT_TENSOR_DTYPES and value.ndim == 1:
+        size = value.shape[0]  # fast path: a plain 1-D integer tensor (three attribute reads)
+        if size != n_tokens:
+            raise LengthMismatchError(f"key has {n_tokens} tokens but value has {size} rows")
+        return value
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
             raise InvalidArgumentError(f"value must be an integer tensor, got dtype {value.dtype}")
@@ -59,12 +68,12 @@ def rows_bytes(value: Any, start: int) -> bytes:
         return b""
     dtype = tail.dtype
     if dtype is _I32 or dtype == _I32:
-        if int(tail.view(_U32).max()) >= _ROW_LIMIT:
+        if _umax(tail.view(_U32)) >= _ROW_LIMIT:
             raise InvalidIndexError("KV rows must be non-negative")
         return tail.tobytes()
     if dtype is not _I64 and dtype != _I64:
         tail = tail.astype(_I64)
-    if int(tail.view(_U64).max()) >= _ROW_LIMIT:
+    if _umax(tail.view(_U64)) >= _ROW_LIMIT:
         raise InvalidIndexError("KV rows must lie in [0, 2**31)")
     return tail.astype(_I32).tobytes()
 

@@ -1,0 +1,72 @@
+"""FreeSlots.free_among: the host-side lookup of a few ids (used by the Mamba tree's slot
+checks) agrees with ``is_free`` and with a set model, and rejects bad ids unchanged."""
+import numpy as np
+import pytest
+import torch
+
+from radixkv.allocator import FreeSlots
+from radixkv.errors import InvalidArgumentError, InvalidIndexError
+
+
+def _state(fs):
+    return fs.available(), fs._ring.live().tolist(), fs._free.clone()
+
+
+def test_free_among_basic(device):
+    fs = FreeSlots(6, device)
+    ids = fs.alloc(4)  # 1..4 allocated, 5 and 6 free
+    assert ids.tolist() == [1, 2, 3, 4]
+    assert fs.free_among([]) == []
+    assert fs.free_among([2]) == []
+    assert fs.free_among([5]) == [5]
+    assert fs.free_among([0]) == []  # the padding id is never free
+    assert fs.free_among([6, 1, 5, 0]) == [6, 5]
+    assert fs.free_among([np.int64(3), np.int32(6)]) == [6]
+    fs.free(torch.tensor([2], device=device))
+    assert fs.free_among([1, 2, 3]) == [2]  # sees the change (a view, not a stale copy)
+    fs.clear()
+    assert fs.free_among([1, 2, 3, 4, 5, 6]) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("bad, err", [
+    ([7], InvalidIndexError), ([-1], InvalidIndexError), ([1, 99], InvalidIndexError),
+    ([True], InvalidArgumentError), ([1.0], InvalidArgumentError), ([None], InvalidArgumentError),
+    (["1"], InvalidArgumentError),
+])
+def test_free_among_bad_ids_leave_state_unchanged(device, bad, err):
+    fs = FreeSlots(6, device)
+    fs.alloc(3)
+    before = _state(fs)
+    with pytest.raises(err):
+        fs.free_among(bad)
+    after = _state(fs)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2])
+    fs.check_invariants()
+
+
+def test_free_among_matches_model_and_is_free_seeded(device):
+    rng = np.random.default_rng(7)
+    size = 64
+    fs = FreeSlots(size, device)
+    free = set(range(1, size + 1))
+    held = []
+    for _ in range(300):
+        if held and rng.random() < 0.45:
+            k = int(rng.integers(1, len(held) + 1))
+            rng.shuffle(held)
+            back, held = held[:k], held[k:]
+            fs.free(torch.tensor(back, device=device))
+            free.update(back)
+        else:
+            n = int(rng.integers(0, 6))
+            got = fs.alloc(n)
+            if got is not None:
+                ids = got.tolist()
+                held.extend(ids)
+                free.difference_update(ids)
+        query = [int(x) for x in rng.integers(0, size + 1, int(rng.integers(1, 9)))]
+        want = [i for i in query if i in free]
+        assert fs.free_among(query) == want
+        mask = fs.is_free(torch.tensor(query, device=device)).tolist()
+        assert [i for i, f in zip(query, mask) if f] == want
+    fs.check_invariants()
