@@ -12,7 +12,28 @@ from typing import List
 
 from radixkv.cache.rows import check_count
 
-__all__ = ["evict"]
+__all__ = ["evict", "pop_victim"]
+
+
+def pop_victim(cache):
+    """Remove and return the front of ``cache``'s evictable-leaf index (the policy's next
+    victim), or ``None`` when it is empty. A leaf whose key went stale since it was filed
+    (lazy policies) is re-filed first. The one place both trees take a victim.
+    O(log L) amortized."""
+    leaves = cache._leaves
+    while leaves:
+        node = leaves[0]
+        if cache._lazy:
+            k = cache._sort_key(node)
+            if k != node.skey:  # touched since it was filed: re-file, look again
+                leaves.pop(0)
+                node.skey = k
+                leaves.add(node)
+                continue
+        leaves.pop(0)
+        node.skey = None
+        return node
+    return None
 
 
 def evict(cache, num_tokens: int) -> int:
@@ -29,23 +50,15 @@ def evict(cache, num_tokens: int) -> int:
         return 0
     leaves = cache._leaves
     sort_key = cache._sort_key
-    lazy = cache._lazy
     on_evict = cache._on_evict
     events = cache.kv_events
     pb = cache._pb
     freed: List[bytes] = []
     evicted = 0
-    while evicted < num_tokens and leaves:
-        node = leaves[0]
-        if lazy:
-            k = sort_key(node)
-            if k != node.skey:  # touched since it was filed: re-file, look again
-                leaves.pop(0)
-                node.skey = k
-                leaves.add(node)
-                continue
-        leaves.pop(0)
-        node.skey = None
+    while evicted < num_tokens:
+        node = pop_victim(cache)
+        if node is None:
+            break
         kb = node.kbuf
         parent = node.parent
         del parent.children[kb[:pb]]

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 import numpy as np
 
+from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.rows import check_count
 from radixkv.errors import InvalidArgumentError
 
@@ -274,19 +275,11 @@ def evict(cache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
 
 
 def _evict_leaves(cache, num_tokens: int, rows: List[bytes], slots: List[int]) -> int:
-    leaves, sort_key, lazy = cache._leaves, cache._sort_key, cache._lazy
     evicted = 0
-    while evicted < num_tokens and leaves:
-        node = leaves[0]
-        if lazy:
-            k = sort_key(node)
-            if k != node.skey:  # touched since it was filed: re-file, look again
-                leaves.pop(0)
-                node.skey = k
-                leaves.add(node)
-                continue
-        leaves.pop(0)
-        node.skey = None
+    while evicted < num_tokens:
+        node = pop_victim(cache)
+        if node is None:
+            break
         evicted += _remove_leaf(cache, node, rows, slots)
     return evicted
 
