@@ -28,12 +28,14 @@ SCRIPTS: Dict[str, str] = {
     "service": "bench_service.py",
     "mamba": "bench_mamba.py",
 }
-SUBCOMMANDS = ("hitrate",) + tuple(SCRIPTS)
+SUBCOMMANDS = ("hitrate", "cluster") + tuple(SCRIPTS)
 
-_HELP = """usage: radixkv bench {hitrate,radix,allocator,service,mamba} [options]
+_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba} [options]
 
   hitrate    prefix hit rate of eviction policies on traces / workloads (radixkv.bench.hitrate;
              --engine blocksim | radix)
+  cluster    N managers behind a KV-aware router (Dynamo's RadixTree) vs round robin on a
+             Mooncake trace (radixkv.bench.cluster)
   radix      RadixCache per-op latency, hit rate and memory (benchmarks/bench_radix.py)
   allocator  KV allocator alloc/free cost (benchmarks/bench_allocator.py)
   service    gRPC cache-manager service vs the embedded engine (benchmarks/bench_service.py)
@@ -103,6 +105,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     name, rest = argv[0], argv[1:]
     if name == "hitrate":
         return run_hitrate(rest)
+    if name == "cluster":
+        from radixkv.bench import cluster
+
+        return cluster.main(rest)
     if name in SCRIPTS:
         return run_script(name, rest)
     print(f"radixkv bench: unknown benchmark {name!r}; choose from {', '.join(SUBCOMMANDS)}", file=sys.stderr)
