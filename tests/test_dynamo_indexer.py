@@ -145,9 +145,29 @@ def test_radix_caches_overlap_equals_match_prefix_through_evictions_flush_and_de
     check_scores(cluster, wl, match_pages)
 
 
-def test_cache_engines_overlap_equals_engine_match():
+def _managers(kind, cfg, n):
+    """``n`` managers: in-process ``CacheEngine``s, or clients of real gRPC cache managers
+    (events then come over the service's TakeEvents RPC)."""
+    if kind == "embedded":
+        return [CacheEngine(cfg) for _ in range(n)], []
+    from radixkv.service.testing import start_remote_engine
+
+    pairs = [start_remote_engine(cfg) for _ in range(n)]
+    return [c for c, _ in pairs], [close for _, close in pairs]
+
+
+@pytest.mark.parametrize("kind", ["embedded", "remote"])
+def test_cache_engines_overlap_equals_engine_match(kind):
     cfg = EngineConfig(kv_tokens=128, page_size=PS, enable_kv_events=True, max_context_len=512)
-    engines = [CacheEngine(cfg), CacheEngine(cfg)]
+    engines, closers = _managers(kind, cfg, 2)
+    try:
+        _check_engines_against_dynamo(engines)
+    finally:
+        for close in closers:
+            close()
+
+
+def _check_engines_against_dynamo(engines):
     sessions = [e.attach("router-test").session for e in engines]
     cluster = Cluster(engines, sessions)
     wl = Workload(seed=2)
