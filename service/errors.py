@@ -63,6 +63,9 @@ BASE_BY_CODE: Dict[grpc.StatusCode, Type[E.RadixKVError]] = {
     grpc.StatusCode.UNAUTHENTICATED: E.UnauthenticatedError,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ServiceUnavailableError,
+    # The client never cancels its own unary calls, so a CANCELLED status comes from the
+    # server: a manager shutting down cancels the calls still in flight after its grace.
+    grpc.StatusCode.CANCELLED: ServiceUnavailableError,
 }
 
 
