@@ -1,18 +1,20 @@
-"""The worker side of fault injection: a zygote that forks cheap worker processes.
+"""The worker side of fault injection: one standby worker process per victim, never forked.
 
-Run as ``python -m radixkv.service.chaos_worker``. The zygote imports only what a worker
-needs (grpc, numpy and the generated messages: no torch, no engine; ~0.3 s once), then forks
-one child per ``spawn`` command read from stdin, so starting a victim costs a fork (a few
-ms), not an interpreter. gRPC is never initialized in the zygote (no channel before the
-fork), which keeps forking safe; each child builds its own channel.
+Run as ``python -m radixkv.service.chaos_worker`` (by :class:`radixkv.service.chaos.StandbyPool`,
+with ``subprocess.Popen``: a fresh interpreter each time, never ``fork``, since the processes
+share gRPC). A standby imports only what a worker needs (grpc, numpy and the generated
+messages: no torch, no engine), reports ``standby {pid}``, then blocks on stdin until the
+driver hands it its spec. The driver keeps a few standbys started ahead of need, so handing a
+victim its spec never waits for an interpreter start.
 
-Protocol (JSON lines): stdin ``{"cmd": "spawn", "spec": {...}}`` / ``{"cmd": "exit"}``;
-stdout events, each one ``os.write`` of a line shorter than ``PIPE_BUF`` (atomic, children
-share the pipe): ``forked {wid, pid}``, and from the children ``attached {wid, sid, epoch}``,
-``alloc {wid, rid, locs, row}``, ``point {wid, name}`` (just before a planned self-kill),
-``refused {wid, code}``, ``stale_write {wid, n}``, ``holding {wid}``, ``error {wid, msg}``.
+Protocol (JSON lines): stdin one line ``{"spec": {...}}`` (EOF before it: exit quietly; EOF
+after it: the driver is gone, the worker kills itself). stdout is a pipe shared by every
+worker of the driver: each event is one ``os.write`` of a line shorter than ``PIPE_BUF``
+(atomic): ``standby {pid}``, ``attached {wid, sid, epoch}``, ``alloc {wid, rid, locs,
+row}``, ``point {wid, name}`` (just before a planned self-kill), ``refused {wid, code}``,
+``stale_write {wid, n}``, ``holding {wid}``, ``done {wid}``, ``error {wid, msg}``.
 
-A child (:func:`run_worker`) attaches (reporting its pid), maps the KV pool file, and runs
+A worker (:func:`run_worker`) attaches (reporting its pid), maps the KV pool file, and runs
 a random mix of extend / decode / cache_unfinished / cache_finished / release / match calls
 over prompts that share prefixes with other workers (so tree nodes are locked and shared).
 It writes a marker into the K rows of every slot it was given. ``spec["kill_at"]`` names a
@@ -30,8 +32,8 @@ heartbeats every ``hb_interval_s`` until killed; when a heartbeat is refused as 
 was paused past its lease) it reports ``refused`` and writes into the KV slots it held (what
 a resumed worker that has not yet noticed would do), reporting ``stale_write``.
 
-Children die by ``alarm(max_life_s)`` at the latest; the zygote ignores SIGCHLD so they
-never linger as zombies, and exits when its stdin closes.
+A worker dies by ``alarm(max_life_s)`` at the latest, and as soon as its stdin reaches EOF
+(the driver closed it or died): no orphan outlives the driver.
 """
 from __future__ import annotations
 
@@ -45,17 +47,26 @@ import time
 import traceback
 from typing import Any, Dict, List
 
-import grpc
-import numpy as np
+#: Set by the driver: the niceness increment of a standby while it starts and waits, so that
+#: starting interpreters in the background does not take CPU from the manager and the running
+#: workers; the worker returns to its parent's priority when its spec arrives.
+STANDBY_NICE_ENV = "RADIXKV_CHAOS_STANDBY_NICE"
+_BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0)
+if __name__ == "__main__" and os.environ.get(STANDBY_NICE_ENV):
+    os.nice(int(os.environ[STANDBY_NICE_ENV]))  # before the heavy imports below
 
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+
+from radixkv.service._gen import cache_manager_pb2 as pb  # noqa: E402
+from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc  # noqa: E402
 
 KILL_POINTS = ("after_alloc", "after_cache_unfinished", "mid_call", "mid_batch", "after_decode")
 _MAX_LINE = 4000  # < PIPE_BUF: one atomic write
 
 
 def emit(event: Dict[str, Any]) -> None:
+    """Write ``event`` as one JSON line in one atomic ``os.write`` (long lists are dropped)."""
     line = json.dumps(event, separators=(",", ":"))
     if len(line) > _MAX_LINE:  # keep writes atomic: drop the long list, say so
         event = {k: v for k, v in event.items() if not isinstance(v, list)}
@@ -247,23 +258,21 @@ class _Worker:
         emit({"ev": "done", "wid": self.wid})
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this child when the zygote dies (no orphans holding the event pipe)."""
+def _exit_when_driver_goes(stdin: Any) -> None:
+    """Daemon thread: block on stdin until EOF (the driver closed it or died), then die."""
     try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        while stdin.read(4096):
+            pass
+    except (OSError, ValueError):
         pass
+    _die()
 
 
 def run_worker(spec: Dict[str, Any]) -> None:
-    """A forked child: run one worker from ``spec``, never return."""
+    """Run one worker from ``spec`` in this process; never returns (``os._exit``)."""
     code = 0
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.alarm(int(spec.get("max_life_s", 60)))
-        _die_with_parent()
         _Worker(spec).run()
         if spec.get("linger"):
             time.sleep(float(spec["linger"]))
@@ -276,26 +285,42 @@ def run_worker(spec: Dict[str, Any]) -> None:
     os._exit(code)
 
 
-def zygote_main() -> int:
-    """Read commands from stdin, fork a worker per ``spawn``; exit on ``exit`` or EOF."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
-    emit({"ev": "ready", "pid": os.getpid()})
-    for line in sys.stdin:
+def _restore_priority() -> bool:
+    """Give every thread of this process its parent's niceness back (a standby was started
+    nicer). False when not allowed (raising priority needs ``CAP_SYS_NICE`` or a
+    ``RLIMIT_NICE``): the worker then runs at the standby's priority."""
+    ok = True
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
         try:
-            cmd = json.loads(line)
-        except ValueError:
-            continue
-        if cmd.get("cmd") == "exit":
-            break
-        if cmd.get("cmd") == "spawn":
-            spec = cmd["spec"]
-            pid = os.fork()
-            if pid == 0:
-                os.close(0)
-                run_worker(spec)
-            emit({"ev": "forked", "wid": spec["wid"], "pid": pid})
-    return 0
+            if os.getpriority(os.PRIO_PROCESS, tid) != _BASE_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, _BASE_NICE)
+        except OSError:  # EPERM (not allowed), ESRCH (the thread ended)
+            ok = False
+    return ok
+
+
+def standby_main() -> int:
+    """Announce readiness, wait for the spec on stdin, run it. Returns 0 when stdin closes
+    before a spec came (an unused standby being retired)."""
+    emit({"ev": "standby", "pid": os.getpid()})
+    stdin = sys.stdin.buffer
+    line = stdin.readline()
+    if not line:
+        return 0
+    try:
+        spec = json.loads(line)["spec"]
+    except (ValueError, KeyError, TypeError):
+        emit({"ev": "error", "wid": None, "msg": f"bad spec line: {line[:200]!r}"})
+        return 2
+    _restore_priority()
+    threading.Thread(target=_exit_when_driver_goes, args=(stdin,), name="driver-watch", daemon=True).start()
+    run_worker(spec)
+    return 0  # pragma: no cover - run_worker never returns
 
 
 if __name__ == "__main__":
-    sys.exit(zygote_main())
+    sys.exit(standby_main())

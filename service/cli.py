@@ -61,8 +61,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                      help="lease sweep period (default %(default)s)")
     run.add_argument("--check-idle", action="store_true", help="run check_invariants() at every idle sweep")
     run.add_argument("--quarantine-s", type=float, default=DEFAULT_QUARANTINE_S,
-                     help="hold what an expired session held (not reused) while its worker process "
-                          "still runs, at most this long; 0 turns quarantine off (default %(default)s)")
+                     help="hold what an expired session held (not reused: a paused worker may still "
+                          "write it) while its worker process still runs, at most this many seconds; "
+                          "0 turns quarantine off (default %(default)s: on)")
     run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     run.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint")
     run.add_argument("--torch-threads", type=int, default=1,

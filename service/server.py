@@ -16,7 +16,8 @@ it on loopback only unless ``allow_insecure_tcp``.
 
 Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
 every ``sweep_interval_s`` (quarantining what a session held while its worker process may
-still run, see :mod:`~radixkv.service.quarantine`), refreshes the metrics snapshot, and
+still run, for at most ``quarantine_s``, 30 s by default; see
+:mod:`~radixkv.service.quarantine`), refreshes the metrics snapshot, and
 (``check_idle``) runs every ``check_invariants()`` when no request is running. At most
 ``max_concurrent_rpcs`` calls (streams included) are in flight; beyond that a call is
 answered RESOURCE_EXHAUSTED at once (gRPC's own limiter), so overload never builds a queue.
@@ -50,7 +51,11 @@ log = logging.getLogger("radixkv.service")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_MAX_CONCURRENT_RPCS = 256
-DEFAULT_QUARANTINE_S = 0.0  # off by default (a lease then means what it says); serve --quarantine-s 30 to enable
+#: On by default: a session whose lease ran out (or whose keep-alive stream dropped) while its
+#: worker process still runs may still be written by that (paused) worker, so what it held is
+#: not reused until the process is gone, or for at most this long. ``--quarantine-s 0`` turns
+#: it off (a lease then means exactly what it says).
+DEFAULT_QUARANTINE_S = 30.0
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
@@ -71,7 +76,7 @@ class ServeOptions(NamedTuple):
     allow_insecure_tcp: bool = False
     check_idle: bool = False
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS  # in flight at once, streams included
-    quarantine_s: float = DEFAULT_QUARANTINE_S  # 0: reclaim expired sessions at once
+    quarantine_s: float = DEFAULT_QUARANTINE_S  # 0: off, reclaim expired sessions at once
 
 
 def unix_socket_path(address: str) -> Optional[str]:

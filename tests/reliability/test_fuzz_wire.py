@@ -31,6 +31,7 @@ CONFIG = dict(kv_tokens=1024, page_size=4, max_context_len=256, max_sessions=16,
 I64 = st.integers(-(1 << 63), (1 << 63) - 1)
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ_EACH = settings(FUZZ, max_examples=6)  # per-method runs, on top of the mixed one
 
 
 class Wire:
@@ -107,32 +108,41 @@ def _opt(msg, field, value):
     return msg
 
 
-def requests(w):
+def by_method(w):
+    """One strategy of ``(method, message)`` per unary RPC (all but CheckInvariants, which
+    takes no input and runs after every example anyway)."""
     sess = sessions(w)
     ext_item = st.builds(lambda rid, tok, ek, pr: _opt(pb.ExtendItem(rid=rid, token_ids_i32=tok, priority=pr),
                                                        "extra_key", ek), RIDS, TOKEN_BYTES, EXTRA, I64)
     rids = st.lists(RIDS, max_size=4)
-    return st.one_of(
-        st.builds(lambda n, pid: ("Attach", pb.AttachRequest(worker_name=n, pid=pid)),
-                  st.one_of(st.text(max_size=8), st.just("w" * 300)), I64),
-        st.builds(lambda s: ("Heartbeat", pb.HeartbeatRequest(session=s)), sess),
-        st.builds(lambda s, q: ("Match", pb.MatchRequest(session=s, queries=q)), sess,
-                  st.lists(st.builds(lambda t, ek: _opt(pb.MatchQuery(token_ids_i32=t), "extra_key", ek),
-                                     TOKEN_BYTES, EXTRA), max_size=3)),
-        st.builds(lambda s, it: ("AllocExtend", pb.AllocExtendRequest(session=s, items=it)), sess,
-                  st.lists(ext_item, max_size=3)),
-        st.builds(lambda s, r, t: ("AllocDecode", pb.AllocDecodeRequest(session=s, rids=r, token_ids_i32=t)),
-                  sess, rids, TOKEN_BYTES),
-        st.builds(lambda m, s, r: (m, pb.CacheRequest(session=s, rids=r)),
-                  st.sampled_from(["CacheUnfinished", "CacheFinished"]), sess, rids),
-        st.builds(lambda s, r: ("Release", pb.ReleaseRequest(session=s, rids=r)), sess, rids),
-        st.builds(lambda s, n, k: ("Evict", pb.EvictRequest(session=s, num_tokens=n, num_states=k)), sess, I64, I64),
-        st.builds(lambda s: ("Stats", pb.StatsRequest(session=s)), sess),
-        st.builds(lambda s: ("Flush", pb.FlushRequest(session=s)), sess),
-        st.builds(lambda s, n: ("TakeEvents", pb.TakeEventsRequest(session=s, max_events=n)), sess, I64),
-        st.builds(lambda s: ("Detach", pb.DetachRequest(session=s)),
-                  st.just(pb.SessionRef(session_id="feedfacefeedface", epoch=0))),
-    )
+    return {
+        "Attach": st.builds(lambda n, pid: ("Attach", pb.AttachRequest(worker_name=n, pid=pid)),
+                            st.one_of(st.text(max_size=8), st.just("w" * 300)), I64),
+        "Heartbeat": st.builds(lambda s: ("Heartbeat", pb.HeartbeatRequest(session=s)), sess),
+        "Match": st.builds(lambda s, q: ("Match", pb.MatchRequest(session=s, queries=q)), sess,
+                           st.lists(st.builds(lambda t, ek: _opt(pb.MatchQuery(token_ids_i32=t), "extra_key", ek),
+                                              TOKEN_BYTES, EXTRA), max_size=3)),
+        "AllocExtend": st.builds(lambda s, it: ("AllocExtend", pb.AllocExtendRequest(session=s, items=it)), sess,
+                                 st.lists(ext_item, max_size=3)),
+        "AllocDecode": st.builds(lambda s, r, t: ("AllocDecode", pb.AllocDecodeRequest(session=s, rids=r,
+                                                                                       token_ids_i32=t)),
+                                 sess, rids, TOKEN_BYTES),
+        "CacheUnfinished": st.builds(lambda s, r: ("CacheUnfinished", pb.CacheRequest(session=s, rids=r)), sess, rids),
+        "CacheFinished": st.builds(lambda s, r: ("CacheFinished", pb.CacheRequest(session=s, rids=r)), sess, rids),
+        "Release": st.builds(lambda s, r: ("Release", pb.ReleaseRequest(session=s, rids=r)), sess, rids),
+        "Evict": st.builds(lambda s, n, k: ("Evict", pb.EvictRequest(session=s, num_tokens=n, num_states=k)),
+                           sess, I64, I64),
+        "Stats": st.builds(lambda s: ("Stats", pb.StatsRequest(session=s)), sess),
+        "Flush": st.builds(lambda s: ("Flush", pb.FlushRequest(session=s)), sess),
+        "TakeEvents": st.builds(lambda s, n: ("TakeEvents", pb.TakeEventsRequest(session=s, max_events=n)), sess, I64),
+        "Detach": st.builds(lambda s: ("Detach", pb.DetachRequest(session=s)),
+                            st.just(pb.SessionRef(session_id="feedfacefeedface", epoch=0))),
+    }
+
+
+def requests(w):
+    """Any unary RPC's message (mixed in one batch: cross-method interactions)."""
+    return st.one_of(*by_method(w).values())
 
 
 # ----------------------------------------------------------------------------- tests
@@ -141,11 +151,7 @@ def requests(w):
 def test_hypothesis_messages_for_every_rpc(wire):
     covered = set()
 
-    @FUZZ
-    @given(data=st.data())
-    def run(data):
-        batch = data.draw(st.lists(requests(wire), min_size=1, max_size=4))
-        rid = data.draw(st.one_of(st.none(), st.sampled_from(["dup-1", "dup-2"])))  # duplicated request ids
+    def send(batch, rid):
         for method, msg in batch:
             md = wire.md + ((("radixkv-request-id", rid),) if rid else ())
             code = wire.raw(method, msg.SerializeToString(), md)
@@ -153,8 +159,24 @@ def test_hypothesis_messages_for_every_rpc(wire):
             covered.add(method)
             wire.audit()
 
-    run()
-    assert covered >= set(UNARY_METHODS) - {"CheckInvariants"}, set(UNARY_METHODS) - covered
+    @FUZZ
+    @given(data=st.data())
+    def mixed(data):
+        batch = data.draw(st.lists(requests(wire), min_size=1, max_size=4))
+        rid = data.draw(st.one_of(st.none(), st.sampled_from(["dup-1", "dup-2"])))  # duplicated request ids
+        send(batch, rid)
+
+    mixed()
+    # Which methods a mixed run draws depends on Hypothesis's pool of constants, harvested
+    # from whatever project modules are loaded: so every method also gets runs of its own.
+    for strategy in by_method(wire).values():
+        @FUZZ_EACH
+        @given(item=strategy)
+        def each(item):
+            send([item], None)
+
+        each()
+    assert covered == set(UNARY_METHODS) - {"CheckInvariants"}, set(UNARY_METHODS) - covered
     # the seeded requests survive whatever the fuzzer did under other sessions' names
     assert wire.raw("Heartbeat", pb.HeartbeatRequest(session=wire.a).SerializeToString()) == "OK"
 

@@ -1,10 +1,11 @@
 """SIGKILL fault injection: hundreds of worker processes killed at random points.
 
-Workers are forked by the chaos zygote (``radixkv.service.chaos_worker``) and run a random
-mix of calls over prompts that share prefixes (so tree nodes are shared and locked). Each is
-killed either by itself at a named point (between alloc and insert, holding locks after
-``cache_unfinished``, mid-call, mid-batch, after decode) or from outside after a random
-delay. About two thirds keep their session alive with a keep-alive stream (reclaimed when it
+Workers are fresh interpreters (``python -m radixkv.service.chaos_worker``, never forked),
+taken from a pool of standbys started ahead of need (so a cycle does not wait for an
+interpreter start; the pool counts the spawns that did), and run a random mix of calls over
+prompts that share prefixes (so tree nodes are shared and locked). Each is killed either by
+itself at a named point (between alloc and insert, holding locks after ``cache_unfinished``,
+mid-call, mid-batch, after decode) or from outside after a random delay. About two thirds keep their session alive with a keep-alive stream (reclaimed when it
 drops), the others rely on a 1 s lease. Quarantine is on (what matters in production), so
 reclaiming also goes through the pid check.
 
@@ -43,7 +44,7 @@ def _spec(rng: np.random.Generator, wid: int, srv: ThreadedServer) -> dict:
                 max_life_s=120)
 
 
-def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(zygote):
+def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(chaos):
     rng = np.random.default_rng(7)
     opts = ServeOptions(sweep_interval_s=0.05, grace_s=1.0, quarantine_s=10.0)
     with ThreadedServer(CHAOS_CONFIG, options=opts) as srv:
@@ -56,15 +57,24 @@ def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(zygote):
         gone_at = {}
         victim_locs = set()
         points, errors, external, before_attach = {}, [], 0, 0
+        starved_s, starved_since = 0.0, 0.0  # time a victim's place stayed empty: no standby ready
         per_phase = -(-CYCLES // PHASES)
         t_start = time.monotonic()
         for phase in range(PHASES):
             target = min(CYCLES, (phase + 1) * per_phase)
             active = {}  # wid -> [deadline, sid, keepalive]
             while wid < target or active:
+                # never block on an interpreter start: a victim is started only when a
+                # standby is ready, so kills and reclaim timing are never delayed by one
                 while len(active) < CONCURRENCY and wid < target:
+                    if not chaos.ready():
+                        starved_since = starved_since or time.monotonic()
+                        break
+                    if starved_since:
+                        starved_s += time.monotonic() - starved_since
+                        starved_since = 0.0
                     spec = _spec(rng, wid, srv)
-                    zygote.spawn(spec)
+                    chaos.spawn(spec)
                     if spec["kill_at"]:
                         delay = 5.0  # it kills itself; a fallback if it never gets there
                     elif rng.random() < 0.1:
@@ -73,7 +83,7 @@ def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(zygote):
                         delay = 1.0  # re-armed when it reports its session
                     active[wid] = [time.monotonic() + delay, None, spec["keepalive"]]
                     wid += 1
-                for ev in zygote.drain(0.005):
+                for ev in chaos.drain(0.005):
                     w = ev.get("wid")
                     if ev["ev"] == "attached" and w in active:
                         active[w][1] = ev["sid"]
@@ -89,7 +99,7 @@ def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(zygote):
                 now = time.monotonic()
                 for w in [w for w, a in active.items() if a[0] <= now]:
                     deadline, sid, ka = active.pop(w)
-                    zygote.kill(w)
+                    chaos.kill(w)
                     external += deadline >= 0
                     if sid is not None:
                         killed[sid] = (time.monotonic(), ka)
@@ -110,6 +120,7 @@ def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(zygote):
             assert (st.requests, st.kv_held, st.kv_protected, st.rows_available) == \
                 (base.requests, base.kv_held, base.kv_protected, base.rows_available), (phase, st, base)
             survivor.check_untouched()
+            chaos.check_invariants()
         elapsed = time.monotonic() - t_start
         assert not errors, errors[:5]
         assert wid == CYCLES and len(killed) + before_attach == CYCLES, (wid, len(killed), before_attach)
@@ -138,4 +149,5 @@ def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(zygote):
             "self_kills_by_point": points, "elapsed_s": round(elapsed, 1),
             "reclaim_latency_ms_keepalive": percentiles(lat_ka),
             "reclaim_latency_ms_lease_1s": percentiles(lat_lease),
-            "quarantine": q._asdict(), "victim_slots_seen": len(victim_locs)}))
+            "quarantine": q._asdict(), "victim_slots_seen": len(victim_locs),
+            "standby_pool": chaos.stats()._asdict(), "no_standby_ready_s": round(starved_s, 2)}))

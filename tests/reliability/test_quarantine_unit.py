@@ -155,3 +155,20 @@ def test_invariant_names_fenced_sessions_when_quarantine_is_off():
     e.sessions.fence(s.session_id)
     with pytest.raises(InvariantError, match=s.session_id):
         q.check_invariants()
+
+
+def test_quarantine_is_on_by_default_and_can_be_turned_off():
+    """Safety first: ``serve`` holds what an expired session held for up to 30 s unless told
+    ``--quarantine-s 0``; the servicer a server builds gets that value."""
+    import argparse
+
+    from radixkv.service.cli import add_serve_arguments, serve_options_from_args
+    from radixkv.service.server import DEFAULT_QUARANTINE_S, ServeOptions
+    from radixkv.service.testing import ThreadedServer
+
+    assert DEFAULT_QUARANTINE_S == 30.0 and ServeOptions().quarantine_s == 30.0
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    assert serve_options_from_args(parser.parse_args([])).quarantine_s == 30.0
+    assert serve_options_from_args(parser.parse_args(["--quarantine-s", "0"])).quarantine_s == 0.0
+    with ThreadedServer(dict(kv_tokens=256)) as srv:  # default options
+        assert srv.call(lambda s: s.servicer.quarantine.hold_s) == 30.0

@@ -29,13 +29,13 @@ CONFIG = dict(kv_tokens=2048, request_rows=64, max_context_len=256, lease_ttl_s=
 PROBE_MARK = 77.0
 
 
-def _victim(zygote, srv, wid):
-    w = zygote.spawn(dict(wid=wid, address=srv.address, token=srv.token, seed=wid, steps=4, keepalive=False,
+def _victim(chaos, srv, wid):
+    w = chaos.spawn(dict(wid=wid, address=srv.address, token=srv.token, seed=wid, steps=4, keepalive=False,
                           hold=True, hb_interval_s=0.1, marker=-5.0, max_life_s=120))
     sid = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for ev in zygote.drain(0.05):
+        for ev in chaos.drain(0.05):
             if ev.get("wid") != wid:
                 continue
             if ev["ev"] == "attached":
@@ -71,18 +71,18 @@ def _probe_fill(c, s):
     return np.concatenate(got), rids
 
 
-def _await(zygote, wid, kind, timeout_s=30.0):
-    ev = zygote.wait_event(lambda e: e.get("wid") == wid and e["ev"] in (kind, "error"), timeout_s)
+def _await(chaos, wid, kind, timeout_s=30.0):
+    ev = chaos.wait_event(lambda e: e.get("wid") == wid and e["ev"] in (kind, "error"), timeout_s)
     assert ev is not None and ev["ev"] == kind, ev
     return ev
 
 
 @pytest.mark.parametrize("quarantine", [True, False], ids=["quarantine", "control-no-quarantine"])
-def test_sigstop_past_the_lease_then_sigcont(zygote, quarantine):
+def test_sigstop_past_the_lease_then_sigcont(chaos, quarantine):
     opts = ServeOptions(sweep_interval_s=SWEEP, grace_s=1.0, quarantine_s=60.0 if quarantine else 0.0)
     with ThreadedServer(CONFIG, options=opts) as srv:
         c = srv.client()
-        w, sid, victim_locs = _victim(zygote, srv, 1)
+        w, sid, victim_locs = _victim(chaos, srv, 1)
         assert sid and victim_locs
         assert w.signal(signal.SIGSTOP)
         t_stop = time.monotonic()
@@ -110,9 +110,9 @@ def test_sigstop_past_the_lease_then_sigcont(zygote, quarantine):
         k[torch.as_tensor(probe_locs)] = PROBE_MARK
         overlap = set(probe_locs.tolist()) & victim_locs
         assert w.signal(signal.SIGCONT)
-        refused = _await(zygote, 1, "refused")
+        refused = _await(chaos, 1, "refused")
         assert refused["code"] == "FAILED_PRECONDITION"
-        _await(zygote, 1, "stale_write")
+        _await(chaos, 1, "stale_write")
         corrupted = int((k[torch.as_tensor(probe_locs)] != PROBE_MARK).any(dim=(1, 2)).sum())
         if quarantine:
             assert not overlap, "a quarantined slot was handed to another worker"
@@ -122,7 +122,7 @@ def test_sigstop_past_the_lease_then_sigcont(zygote, quarantine):
             assert overlap, "control: without quarantine the freed slots go to the next worker"
             assert corrupted > 0, "control: the resumed worker's stale write lands in another's KV"
         t_kill = time.monotonic()
-        zygote.kill(1)
+        chaos.kill(1)
         assert wait_until(lambda: sid not in live_sessions(srv), 30, every_s=0.005)
         t_released = time.monotonic()
         c.release(s, probe_rids)
@@ -137,12 +137,12 @@ def test_sigstop_past_the_lease_then_sigcont(zygote, quarantine):
                 "kill_to_release_ms": round((t_released - t_kill) * 1000, 1)}))
 
 
-def test_quarantine_timeout_releases_a_worker_that_never_resumes(zygote):
+def test_quarantine_timeout_releases_a_worker_that_never_resumes(chaos):
     hold = 1.0
     opts = ServeOptions(sweep_interval_s=SWEEP, grace_s=1.0, quarantine_s=hold)
     with ThreadedServer(CONFIG, options=opts) as srv:
         c = srv.client()
-        w, sid, _ = _victim(zygote, srv, 2)
+        w, sid, _ = _victim(chaos, srv, 2)
         assert w.signal(signal.SIGSTOP)
         try:
             fenced = wait_until(lambda: srv.call(lambda s: s.engine.sessions.fenced()), 30, every_s=0.005)
@@ -158,4 +158,4 @@ def test_quarantine_timeout_releases_a_worker_that_never_resumes(zygote):
             srv.call(lambda s: s.servicer.check_all())
             print("RELIABILITY quarantine_timeout " + json.dumps({"hold_s": hold, "held_ms": round(held_s * 1000, 1)}))
         finally:
-            zygote.kill(2)
+            chaos.kill(2)

@@ -1,5 +1,6 @@
 """A real ``radixkv serve`` process on a Unix socket, driven by this process and by spawned
-worker processes that share its KV buffers."""
+worker processes that share its KV buffers. The server runs with the default quarantine
+(on, 30 s): dead workers are reclaimed at once, live silent ones are fenced and held."""
 import os
 import signal
 import time
@@ -8,16 +9,19 @@ import grpc
 import numpy as np
 import pytest
 
-from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
+from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery, Session
 from radixkv.errors import (
     CapacityError, InvalidArgumentError, NotFoundError, PermissionDeniedError, StaleSessionError,
     UnauthenticatedError,
 )
 from radixkv.service.client import connect
 from radixkv.service.errors import MessageTooLargeError
+from radixkv.service.server import DEFAULT_QUARANTINE_S
 
 from service_util import SPAWN, START_TIMEOUT_S, run_worker
 import service_workers as workers
+
+QUARANTINE_S = DEFAULT_QUARANTINE_S  # the module's server runs with the default (30 s)
 
 
 def law(s):
@@ -141,26 +145,48 @@ def test_two_workers_share_kv_through_the_shared_buffers(server, client):
     client.check_invariants()
 
 
+def _session_of(client, sid):
+    """A handle on another process's session ``sid`` (the epoch and TTL from a session
+    opened and closed at once: a session left to expire would itself be quarantined)."""
+    probe = client.attach("probe").session
+    client.detach(probe)
+    return Session(sid, probe.epoch, probe.lease_ttl_s)
+
+
 def test_sigkilled_workers_are_reclaimed_and_the_server_runs_on(server, client):
-    """One victim relies on its lease (2 s), the other on a keep-alive stream; both are
-    SIGKILLed holding a running request; afterwards nothing is held."""
+    """One victim relies on its lease (2 s), the other on a keep-alive stream; both hold a
+    running request. The server runs with the default quarantine (30 s): once the lease
+    victim, alive but silent, outlives its lease it is fenced (its calls are refused) and
+    what it held stays held; the keep-alive victim is renewed by its stream. Both are then
+    SIGKILLed: a dead worker's session is not held, so both are reclaimed once their process
+    is gone, long before the quarantine could end, and the server runs on."""
     q = SPAWN.Queue()
     procs = [SPAWN.Process(target=workers.holding_worker, args=(server.address, server.token, ka, q), daemon=True)
              for ka in (False, True)]
     for p in procs:
         p.start()
     try:
+        sids = []
         for _ in procs:
             kind, payload = q.get(timeout=START_TIMEOUT_S)
             assert kind == "holding", payload
+            sids.append(payload)
         st = client.stats()
-        assert st.requests >= 1 and st.kv_held > 0
-        # the keep-alive victim outlives its lease while its stream renews it
-        time.sleep(4.5)
+        assert st.requests == 2 and st.kv_held == 202, st
+        time.sleep(4.5)  # > lease (2 s) + sweeps
         st = client.stats()
-        assert st.sessions == 1 and st.requests == 1 and st.kv_held == 101, st
+        # both still hold: the keep-alive victim renewed, the lease victim quarantined
+        assert st.sessions == 2 and st.requests == 2 and st.kv_held == 202, st
+        refused = []
+        for sid in sids:
+            try:
+                client.heartbeat(_session_of(client, sid))  # renews the keep-alive one: harmless
+            except StaleSessionError as e:
+                refused.append(str(e))
+        assert len(refused) == 1 and "quarantined" in refused[0], refused
         for p in procs:
             os.kill(p.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
         for p in procs:
             p.join(30)
     finally:
@@ -168,10 +194,57 @@ def test_sigkilled_workers_are_reclaimed_and_the_server_runs_on(server, client):
             if p.is_alive():
                 p.kill()
                 p.join(10)
-    law(wait_idle(client))
+    # released because the processes are gone (pidfd), not by the 30 s quarantine timeout
+    law(wait_idle(client, timeout_s=QUARANTINE_S / 2))
+    print(f"RELIABILITY sigkill_default_quarantine kill_to_idle_ms={(time.monotonic() - t_kill) * 1000:.0f}")
     client.check_invariants()
     # the server runs on
     s = client.attach("after").session
     client.alloc_extend(s, [ExtendItem("after", np.arange(1, 5, dtype=np.int32))])
     client.release(s, ["after"])
     client.detach(s)
+
+
+def test_default_quarantine_fences_a_live_silent_worker_until_it_dies(server, client):
+    """The default server quarantines: a worker paused (SIGSTOP) past its 2 s lease is
+    fenced, every call under its session is refused as stale and changes nothing, and what
+    it held (a row, 101 KV slots) stays held, however many sweeps pass, while its process
+    lives; once it is killed, everything is reclaimed at the next sweeps (not after the 30 s
+    hold)."""
+    q = SPAWN.Queue()
+    p = SPAWN.Process(target=workers.holding_worker, args=(server.address, server.token, False, q), daemon=True)
+    p.start()
+    try:
+        kind, sid = q.get(timeout=START_TIMEOUT_S)
+        assert kind == "holding", sid
+        t_last_call = time.monotonic()  # its last call came before it reported
+        os.kill(p.pid, signal.SIGSTOP)  # alive, silent: the lease runs out
+        victim = _session_of(client, sid)
+        # past the lease (2 s) and several sweeps (0.1 s): it must have been fenced by now.
+        # (A call under it before the end of the lease would renew it: none is made until then.)
+        time.sleep(max(0.0, t_last_call + victim.lease_ttl_s + 1.0 - time.monotonic()))
+        held = client.stats()
+        assert held.sessions == 1 and held.requests == 1 and held.kv_held == 101, held
+        with pytest.raises(StaleSessionError, match="quarantined"):
+            client.heartbeat(victim)
+        with pytest.raises(StaleSessionError, match="quarantined"):
+            client.alloc_decode(victim, [DecodeItem("victim-lease", 8)])
+        with pytest.raises(StaleSessionError):
+            client.cache_finished(victim, ["victim-lease"])
+        time.sleep(1.0)  # ten more sweeps: still held, the refused calls changed nothing
+        st = client.stats()
+        assert (st.sessions, st.requests, st.kv_held, st.rows_available) == \
+            (held.sessions, held.requests, held.kv_held, held.rows_available), (st, held)
+        law(st)
+        client.check_invariants()
+        os.kill(p.pid, signal.SIGKILL)  # SIGKILL ends a stopped process too
+        t_kill = time.monotonic()
+        p.join(30)
+        assert not p.is_alive()
+        law(wait_idle(client, timeout_s=QUARANTINE_S / 2))  # well before the hold could end
+        print(f"RELIABILITY default_quarantine kill_to_idle_ms={(time.monotonic() - t_kill) * 1000:.0f}")
+        client.check_invariants()
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
