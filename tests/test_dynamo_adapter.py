@@ -20,6 +20,7 @@ from radixkv.errors import (
     LengthMismatchError,
     NotFoundError,
 )
+from radixkv.bench.cluster import PyRadixIndex  # noqa: E402
 from radixkv.events.dynamo import (
     DynamoEventAdapter,
     DynamoNamespace,
@@ -103,53 +104,20 @@ def test_default_namespace_is_injective_and_router_side_hashes_match():
 # --------------------------------------------------------------------------- a model of Dynamo's indexer
 
 
-class ModelRouter:
-    """Dynamo's RadixTree semantics, in plain Python: nodes keyed by ``tokens_hash`` under
-    their parent; a worker's stored block points at a node; a store under an unknown parent
-    fails; the score of a worker is the number of leading blocks it holds, contiguously."""
+class ModelRouter(PyRadixIndex):
+    """Dynamo's RadixTree semantics in plain Python (the cluster benchmark's fallback index),
+    with the names these tests use: ``apply``, ``lookup`` (worker -> block hash -> node) and
+    ``remove_worker``."""
 
-    def __init__(self):
-        self.root: Dict = {"kids": {}, "workers": set()}
-        self.lookup: Dict[int, Dict[int, dict]] = {}
+    apply = PyRadixIndex.apply_event
 
-    def apply(self, worker: int, raw: bytes) -> None:
-        ev = json.loads(raw)
-        data = ev["data"]
-        table = self.lookup.setdefault(worker, {})
-        if data == "cleared":
-            for node in table.values():
-                node["workers"].discard(worker)
-            table.clear()
-        elif "stored" in data:
-            p = data["stored"]["parent_hash"]
-            if p is not None and p not in table:
-                raise LookupError(f"parent {p} of worker {worker} not found")
-            node = self.root if p is None else table[p]
-            for b in data["stored"]["blocks"]:
-                node = node["kids"].setdefault(b["tokens_hash"], {"kids": {}, "workers": set()})
-                node["workers"].add(worker)
-                table[b["block_hash"]] = node
-        else:
-            for h in data["removed"]["block_hashes"]:
-                table.pop(h)["workers"].discard(worker)
+    @property
+    def lookup(self) -> Dict[int, Dict[int, dict]]:
+        return self._lookup
 
     def remove_worker(self, worker: int) -> None:
         self.apply(worker, b'{"event_id": 0, "data": "cleared"}')
-        self.lookup.pop(worker, None)
-
-    def scores(self, hashes: List[int]) -> Dict[int, int]:
-        out: Dict[int, int] = {}
-        node, alive = self.root, None
-        for depth, h in enumerate(hashes, 1):
-            node = node["kids"].get(h)
-            if node is None:
-                break
-            alive = set(node["workers"]) if alive is None else alive & node["workers"]
-            if not alive:
-                break
-            for w in alive:
-                out[w] = depth
-        return out
+        self._lookup.pop(worker, None)
 
 
 # --------------------------------------------------------------------------- adapter
