@@ -13,11 +13,11 @@ from hypothesis.stateful import (
     rule,
 )
 
+from allocator_model import FreeListModel, FreeListRules, assert_unchanged, state_of
 from radixkv.allocator import (
     AllocatorStats,
     FreeGroupError,
     PagedTokenToKVPoolAllocator,
-    StaleBackupError,
 )
 from radixkv.errors import (
     AlignmentError,
@@ -44,16 +44,6 @@ def make(*args, free_path="sorted", **kw):
     if free_path == "runs":
         a._small_free = 0
     return a
-
-
-def state_of(a):
-    return a.stats(), a.free_pages.tolist(), a.release_pages.tolist(), a._fl._not_in_use.clone()
-
-
-def assert_unchanged(a, before):
-    after = state_of(a)
-    assert after[:3] == before[:3]
-    assert torch.equal(after[3], before[3])
 
 
 # ------------------------------------------------------------------------------- units
@@ -327,65 +317,11 @@ def test_seeded_stress_requests():
 
 
 # ----------------------------------------------------------------------- state machine
-class PagedModel:
-    """SGLang's paged allocator on plain lists of page ids (need_sort merges only when
-    an allocation would otherwise fall short), with the documented backup lifetime."""
-
-    def __init__(self, num_pages, ps, need_sort):
-        self.n, self.ps, self.need_sort = num_pages, ps, need_sort
-        self.free_pages = list(range(1, num_pages + 1))
-        self.release, self.group = [], None
-        self.ring_head, self.ring_hw = 0, num_pages
-        self.rel_head, self.rel_hw = 0, 0
-
-    def available(self):
-        return len(self.free_pages) + len(self.release)
-
-    def take(self, n):
-        """Pages for an allocation of n pages (None when short)."""
-        if n > self.available():
-            return None
-        if n > len(self.free_pages):
-            self.merge()
-        out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        self.ring_head += n
-        return out
-
-    def merge(self):
-        if self.release:
-            merged = sorted(self.free_pages + self.release)
-            self.ring_hw = max(self.ring_hw, self.ring_head + len(self.free_pages) + len(merged))
-            self.ring_head += len(self.free_pages)
-            self.free_pages = merged
-            self.rel_head += len(self.release)
-            self.release = []
-
-    def free(self, pages):
-        if self.group is not None:
-            self.group += pages
-        elif self.need_sort:
-            self.rel_hw = max(self.rel_hw, self.rel_head + len(self.release) + len(pages))
-            self.release += pages
-        else:
-            self.ring_hw = max(self.ring_hw, self.ring_head + len(self.free_pages) + len(pages))
-            self.free_pages += pages
-
-    def backup(self):
-        return (list(self.free_pages), list(self.release), self.ring_head, self.rel_head)
-
-    def restorable(self, b):
-        return self.ring_hw - b[2] <= 2 * self.n and self.rel_hw - b[3] <= self.n
-
-    def restore(self, b):
-        self.free_pages, self.release = list(b[0]), list(b[1])
-        self.ring_head, self.rel_head = b[2], b[3]
-
-
 def expected_extend(model, pre, seq, last):
     """The slots alloc_extend must return, taking pages from the model."""
     ps = model.ps
     need = sum(-(-s // ps) - (-(-p // ps)) for p, s in zip(pre, seq))
-    pages = model.take(need)
+    pages = model.alloc(need)
     if pages is None:
         return None
     out, nxt = [], 0
@@ -401,7 +337,7 @@ def expected_extend(model, pre, seq, last):
     return out
 
 
-class PagedAllocatorMachine(RuleBasedStateMachine):
+class PagedAllocatorMachine(FreeListRules, RuleBasedStateMachine):
     page_size = 4
     num_pages = 8
 
@@ -410,7 +346,8 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
         ps = self.page_size
         self.a = make(self.num_pages * ps + ps - 1, ps, need_sort=need_sort,
                       free_path="runs" if runs else "sorted")
-        self.m = PagedModel(self.num_pages, ps, need_sort)
+        self.m = FreeListModel(self.num_pages, need_sort)
+        self.m.ps = ps
         self.reqs = {}  # rid -> list of slots (token order)
         self.next_rid = 0
         self.freed_slots = []
@@ -464,7 +401,7 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 3))
     def alloc_pages(self, k):
         got = self.a.alloc(k * self.page_size)
-        pages = self.m.take(k)
+        pages = self.m.alloc(k)
         if pages is None:
             assert got is None
             return
@@ -513,60 +450,19 @@ class PagedAllocatorMachine(RuleBasedStateMachine):
                 self.a.alloc_extend(T([p]), T([p + 2]), T([self.reqs[rid][-1]]), 3)
         assert_unchanged(self.a, before)
 
-    @precondition(lambda self: self.m.group is None)
-    @rule()
-    def group_begin(self):
-        self.a.free_group_begin()
-        self.m.group = []
+    def _snapshot_extra(self):
+        return {k: list(v) for k, v in self.reqs.items()}
 
-    @precondition(lambda self: self.m.group is not None)
-    @rule()
-    def group_end(self):
-        self.a.free_group_end()
-        pages, self.m.group = self.m.group, None
-        if pages:
-            self.m.free(pages)
-
-    @precondition(lambda self: self.m.group is None)
-    @rule()
-    def backup(self):
-        snap = (self.a.backup_state(), self.m.backup(), {k: list(v) for k, v in self.reqs.items()})
-        self.backups = (self.backups + [snap])[-3:]
-
-    @precondition(lambda self: self.m.group is None and self.backups)
-    @rule(data=st.data())
-    def restore(self, data):
-        i = data.draw(st.integers(0, len(self.backups) - 1))
-        s, b, reqs = self.backups[i]
-        if not self.m.restorable(b):
-            event("restore: overwritten backup rejected")
-            before = state_of(self.a)
-            with pytest.raises(StaleBackupError):
-                self.a.restore_state(s)
-            assert_unchanged(self.a, before)
-            return
-        self.a.restore_state(s)
-        event("restore: ok")
-        self.m.restore(b)
+    def _restore_extra(self, reqs):
         self.reqs = {k: list(v) for k, v in reqs.items()}
-        self.stale += [x[0] for x in self.backups[i + 1 :]]
-        self.backups = self.backups[: i + 1]
-
-    @precondition(lambda self: self.m.group is None and self.stale)
-    @rule(i=st.integers(0, 3))
-    def restore_stale(self, i):
-        before = state_of(self.a)
-        with pytest.raises(StaleBackupError):
-            self.a.restore_state(self.stale[i % len(self.stale)])
-        assert_unchanged(self.a, before)
 
     @rule()
     def clear(self):
         self.a.clear()
-        self.m = PagedModel(self.num_pages, self.page_size, self.m.need_sort)
+        model = FreeListModel(self.num_pages, self.m.need_sort)
+        model.ps = self.page_size
+        self._cleared(model)
         self.reqs = {}
-        self.stale += [x[0] for x in self.backups]
-        self.backups = []
 
     @invariant()
     def matches_model(self):

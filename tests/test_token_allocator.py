@@ -3,7 +3,7 @@ against a plain-list model of SGLang's allocator, and a seeded stress run."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import event, settings, strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -12,6 +12,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from allocator_model import FreeListModel, FreeListRules, assert_unchanged, state_of
 from radixkv.allocator import (
     AllocatorStats,
     FreeGroupError,
@@ -25,16 +26,6 @@ from radixkv.errors import (
     InvariantError,
     StaleSessionError,
 )
-
-
-def state_of(a):
-    return a.stats(), a.free_pages.tolist(), a.release_pages.tolist(), a._fl._not_in_use.clone()
-
-
-def assert_unchanged(a, before):
-    after = state_of(a)
-    assert after[:3] == before[:3]
-    assert torch.equal(after[3], before[3])
 
 
 def t(ids, device="cpu", dtype=torch.int64):
@@ -366,71 +357,7 @@ def test_seeded_stress_need_sort():
 
 
 # ----------------------------------------------------------------------- state machine
-class SGLangTokenModel:
-    """SGLang's TokenToKVPoolAllocator on plain lists (the reference semantics), plus
-    the documented lifetime of a backup: the free_pages ring holds ``2 * size`` entries
-    and the release_pages ring ``size``, written at ever-growing absolute positions
-    (a restore moves the write position back); a backup survives while nothing was
-    written a whole ring length past its first entry."""
-
-    def __init__(self, size, need_sort):
-        self.size, self.need_sort = size, need_sort
-        self.free_pages = list(range(1, size + 1))
-        self.release = []
-        self.group = None
-        self.ring_head, self.ring_hw = 0, size  # tail == ring_head + len(free_pages)
-        self.rel_head, self.rel_hw = 0, 0
-
-    def available(self):
-        return len(self.free_pages) + len(self.release)
-
-    def _ring_write(self, n):
-        self.ring_hw = max(self.ring_hw, self.ring_head + len(self.free_pages) + n)
-
-    def alloc(self, n):
-        if n > self.available():
-            return None
-        if self.need_sort and n > len(self.free_pages):
-            self.merge()
-        out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        self.ring_head += n
-        return out
-
-    def merge(self):
-        if self.release:
-            merged = sorted(self.free_pages + self.release)
-            self._ring_write(len(merged))
-            self.ring_head += len(self.free_pages)  # the merged list starts at the old tail
-            self.free_pages = merged
-            self.rel_head += len(self.release)
-            self.release = []
-
-    def free(self, ids):
-        if self.group is not None:
-            self.group += ids
-        elif self.need_sort:
-            self.rel_hw = max(self.rel_hw, self.rel_head + len(self.release) + len(ids))
-            self.release += ids
-        else:
-            self._ring_write(len(ids))
-            self.free_pages += ids
-
-    def backup(self):
-        return (list(self.free_pages), list(self.release), self.ring_head, self.rel_head)
-
-    def restorable(self, b):
-        return self.ring_hw - b[2] <= 2 * self.size and self.rel_hw - b[3] <= self.size
-
-    def restore(self, b):
-        self.free_pages, self.release = list(b[0]), list(b[1])
-        self.ring_head, self.rel_head = b[2], b[3]
-
-    def in_use(self):
-        pending = set(self.group or [])
-        return set(range(1, self.size + 1)) - set(self.free_pages) - set(self.release) - pending
-
-
-class TokenAllocatorMachine(RuleBasedStateMachine):
+class TokenAllocatorMachine(FreeListRules, RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.size = 8
@@ -438,7 +365,7 @@ class TokenAllocatorMachine(RuleBasedStateMachine):
     @initialize(need_sort=st.booleans())
     def create(self, need_sort):
         self.a = TokenToKVPoolAllocator(self.size, need_sort=need_sort)
-        self.m = SGLangTokenModel(self.size, need_sort)
+        self.m = FreeListModel(self.size, need_sort)
         self.backups = []
         self.stale = []
 
@@ -482,53 +409,6 @@ class TokenAllocatorMachine(RuleBasedStateMachine):
             self.a.free(torch.tensor(ids))
         assert_unchanged(self.a, before)
 
-    @precondition(lambda self: self.m.group is None)
-    @rule()
-    def group_begin(self):
-        self.a.free_group_begin()
-        self.m.group = []
-
-    @precondition(lambda self: self.m.group is not None)
-    @rule()
-    def group_end(self):
-        self.a.free_group_end()
-        ids, self.m.group = self.m.group, None
-        if ids:
-            self.m.free(ids)
-
-    @precondition(lambda self: self.m.group is None and self.stale)
-    @rule(i=st.integers(0, 2))
-    def restore_stale(self, i):
-        """A backup that predates clear() or a restore of an older one is rejected."""
-        s = self.stale[i % len(self.stale)]
-        before = state_of(self.a)
-        with pytest.raises(StaleBackupError):
-            self.a.restore_state(s)
-        assert_unchanged(self.a, before)
-
-    @precondition(lambda self: self.m.group is None)
-    @rule()
-    def backup(self):
-        self.backups = (self.backups + [(self.a.backup_state(), self.m.backup())])[-3:]
-
-    @precondition(lambda self: self.m.group is None and self.backups)
-    @rule(data=st.data())
-    def restore(self, data):
-        i = data.draw(st.integers(0, len(self.backups) - 1))
-        s, b = self.backups[i]
-        if not self.m.restorable(b):
-            event("restore: overwritten backup rejected")
-            before = state_of(self.a)
-            with pytest.raises(StaleBackupError):
-                self.a.restore_state(s)
-            assert_unchanged(self.a, before)
-            return
-        self.a.restore_state(s)
-        event("restore: ok")
-        self.m.restore(b)
-        self.stale += [x[0] for x in self.backups[i + 1 :]]  # a discarded future
-        self.backups = self.backups[: i + 1]
-
     @precondition(lambda self: self.m.need_sort)
     @rule()
     def merge(self):
@@ -538,9 +418,7 @@ class TokenAllocatorMachine(RuleBasedStateMachine):
     @rule()
     def clear(self):
         self.a.clear()
-        self.m = SGLangTokenModel(self.size, self.m.need_sort)
-        self.stale += [x[0] for x in self.backups]
-        self.backups = []
+        self._cleared(FreeListModel(self.size, self.m.need_sort))
 
     @invariant()
     def matches_model(self):
