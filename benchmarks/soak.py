@@ -2,9 +2,10 @@
 
     python benchmarks/soak.py --minutes 3 [--workers 6] [--out soak.json]
 
-A ``radixkv serve`` process (quarantine on) serves worker processes forked by the chaos
-zygote (``radixkv.service.chaos_worker``). Each worker runs a random mix of extend / decode /
-cache / release / match calls over prompts that share prefixes, then meets one fate:
+A ``radixkv serve`` process (quarantine on) serves worker processes started by the chaos
+pool (fresh interpreters running ``radixkv.service.chaos_worker``, never forked). Each
+worker runs a random mix of extend / decode / cache / release / match calls over prompts
+that share prefixes, then meets one fate:
 
 * ``kill``: SIGKILLed from outside at a random moment;
 * ``self_kill``: kills itself at a named point (between alloc and insert, holding locks,
@@ -39,7 +40,8 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from radixkv.service.chaos import KILL_POINTS, Zygote, drift, proc_sample
+from radixkv.service.chaos import KILL_POINTS, StandbyPool
+from radixkv.service.proc_stats import drift, proc_sample
 from radixkv.service.client import connect
 
 FATES = (("kill", 0.40), ("self_kill", 0.20), ("detach", 0.15), ("vanish", 0.15), ("stop", 0.10))
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="radixkv-soak-")
     srv = start_server(directory, args)
     c, pid = srv["client"], srv["process"].pid
-    zygote = Zygote()
+    pool = StandbyPool()
     counts: Dict[str, int] = {f: 0 for f, _ in FATES}
     events: Dict[str, int] = {}
     errors: List[Dict[str, Any]] = []
@@ -103,12 +105,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                             detach=fate == "detach", marker=float(wid % 1000 + 1), max_life_s=120,
                             kill_at=str(rng.choice(KILL_POINTS)) if fate == "self_kill" else None,
                             kill_nth=int(rng.integers(1, 3)))
-                zygote.spawn(spec)
+                pool.spawn(spec)
                 deadline = now + (float(rng.uniform(0.01, 0.5)) if fate == "kill" else 15.0)
                 active[wid] = {"fate": fate, "deadline": deadline, "phase": 0}
                 counts[fate] += 1
                 wid += 1
-            for ev in zygote.drain(0.01):
+            for ev in pool.drain(0.01):
                 kind, w = ev.get("ev"), ev.get("wid")
                 events[kind] = events.get(kind, 0) + 1
                 a = active.get(w)
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 if kind in ("done", "point", "error"):
                     a["deadline"] = 0.0
                 elif kind == "holding" and a["fate"] == "stop":
-                    zygote.workers[w].signal(signal.SIGSTOP)
+                    pool.workers[w].signal(signal.SIGSTOP)
                     a["phase"], a["deadline"] = 1, time.monotonic() + args.ttl + 0.5
                 elif kind == "stale_write":
                     a["deadline"] = 0.0
@@ -128,10 +130,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                       if a["deadline"] <= now or (pausing and not (a["fate"] == "stop" and a["phase"] >= 1))]:
                 a = active[w]
                 if a["fate"] == "stop" and a["phase"] == 1:
-                    zygote.workers[w].signal(signal.SIGCONT)  # it gets refused, writes stale, then dies
+                    pool.workers[w].signal(signal.SIGCONT)  # it gets refused, writes stale, then dies
                     a["phase"], a["deadline"] = 2, now + 3.0
                     continue
-                zygote.kill(w)
+                pool.kill(w)
                 del active[w]
             if now >= next_sample:
                 samples.append(proc_sample(pid))
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     break
                 next_idle = time.monotonic() + args.idle_every_s
     finally:
-        zygote.close()
+        pool.close()
         c.close()
         srv["process"].send_signal(signal.SIGTERM)
         try:

@@ -36,7 +36,7 @@ from typing import Any, Deque, Dict, List, NamedTuple, Optional
 
 from radixkv.errors import InvalidArgumentError, InvariantError
 
-__all__ = ["StandbyPool", "Zygote", "WorkerProc", "PoolStats", "ProcSample", "proc_sample", "drift", "KILL_POINTS"]
+__all__ = ["StandbyPool", "WorkerProc", "PoolStats", "KILL_POINTS"]
 
 KILL_POINTS = ("after_alloc", "after_cache_unfinished", "mid_call", "mid_batch", "after_decode")
 WORKER_MODULE = "radixkv.service.chaos_worker"
@@ -388,38 +388,3 @@ class StandbyPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-#: The former name (the driver used to ask a zygote to fork workers). Kept so callers that
-#: still say ``Zygote()`` (``benchmarks/soak.py``) run unchanged; it is the spawning pool.
-Zygote = StandbyPool
-
-
-class ProcSample(NamedTuple):
-    """One look at a process: resident memory (KiB), threads, open file descriptors."""
-
-    t: float
-    rss_kib: int
-    threads: int
-    fds: int
-
-
-def proc_sample(pid: int) -> ProcSample:
-    """Read ``/proc/<pid>/status`` and ``/proc/<pid>/fd``. Raises ``OSError`` when gone."""
-    rss = threads = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1])
-            elif line.startswith("Threads:"):
-                threads = int(line.split()[1])
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    return ProcSample(time.monotonic(), rss, threads, fds)
-
-
-def drift(samples: List[ProcSample], field: str) -> Dict[str, float]:
-    """First, last, min, max of ``field`` over ``samples`` and last - first."""
-    vals = [getattr(s, field) for s in samples]
-    if not vals:
-        return {}
-    return {"first": vals[0], "last": vals[-1], "min": min(vals), "max": max(vals), "drift": vals[-1] - vals[0]}
