@@ -51,17 +51,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_radix import _stats, make_workload  # noqa: E402
 
 from radixkv.allocator import TokenToKVPoolAllocator  # noqa: E402
+from radixkv.bench import hybrid_hitrate  # noqa: E402
+from radixkv.bench.hybrid_hitrate import KDA_LAYERS, KIMI, chunk_ends, mamba_pool  # noqa: E402,F401
 from radixkv.bench.traces import load_mooncake  # noqa: E402
-from radixkv.cache import RadixCache, RadixKey  # noqa: E402
+from radixkv.cache import RadixKey  # noqa: E402
 from radixkv.cache.mamba_policies import FlopStateOrder  # noqa: E402
 from radixkv.cache.mamba_radix_cache import MambaRadixCache  # noqa: E402
-from radixkv.memory import HybridReqToTokenPool, KimiLinearStateShape, MambaPool, ReqToTokenPool  # noqa: E402
-from radixkv.scheduler.batch import Batch  # noqa: E402
-from radixkv.scheduler.flow import alloc_for_extend, release_kv_cache  # noqa: E402
-from radixkv.scheduler.req import Req  # noqa: E402
 
-KIMI = KimiLinearStateShape.create(num_heads=2, head_dim=16, conv_kernel_size=4)
-KDA_LAYERS = 4
 OPS = ("match_prefix", "fork_state", "insert", "lock", "unlock", "evict", "evict_states")
 SGLANG_QUOTED_US = {"match_prefix": 356.0, "insert": 131.0}  # SGLang 0.5.9, quoted by the issue
 TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake")
@@ -72,10 +68,6 @@ CONFIGS = [  # name, admission, state eviction, speculative checkpoint
     ("branch+lru+ckpt", "branch", "lru", True),
     ("branch+flop+ckpt (Marconi)", "branch", "flop", True),
 ]
-
-
-def mamba_pool(slots: int) -> MambaPool:
-    return MambaPool.from_state_shape(slots, KIMI, KDA_LAYERS, torch.float32)
 
 
 class _Slot:
@@ -145,119 +137,32 @@ def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks
 
 
 # ----------------------------------------------------------------------------- hit rate
-def chunk_ends(m, size: int, chunk: int, checkpoint: bool) -> list:
-    """Where the prefill of a ``size``-token prompt stops: the checkpoint at ``kv_prefix_len``
-    (when the KV match passes the deepest state), then every ``chunk`` tokens from there."""
-    ends = [m.kv_prefix_len] if checkpoint and m.prefix_len < m.kv_prefix_len else []
-    start = ends[-1] if ends else m.prefix_len
-    while start + chunk < size:
-        start += chunk
-        ends.append(start)
-    return ends + [size]
-
-
-def _tally(stats, model, pre: int, size: int) -> None:
-    stats[0] += pre
-    stats[1] += size
-    if model is not None:
-        stats[2] += float(model.prefix_flops(pre))
-        stats[3] += float(model.prefix_flops(size))
-
-
-def _result(stats, tree, model, t0) -> dict:
-    out = {"hit_rate": round(stats[0] / stats[1], 4), "seconds": round(time.perf_counter() - t0, 1)}
-    if model is not None:
-        out["flop_saved"] = round(stats[2] / stats[3], 4)
-        out["states_in_tree_end"] = tree.mamba_total_size()
-    out["kv_tokens_in_tree_end"] = tree.total_size()
-    tree.check_invariants()
-    return out
-
-
+# The replay lives in radixkv.bench.hybrid_hitrate (also behind `radixkv bench hitrate
+# --hybrid`); these wrappers keep this script's call shape and JSON.
 def replay_tree(trace, n: int, kv_tokens: int, slots: int, chunk: int, admission=None, policy=None,
                 checkpoint=False) -> dict:
-    """The tree's own API with the flow's request semantics, page size 1, KV rows as virtual
-    ids (no allocator: the tree plus the running request hold at most ``kv_tokens``). Chunk
-    ends insert the KV and, when the admission policy agrees, a state (a slot taken, or one
-    evicted for it; cache_unfinished_req); the prompt end hands the request's slot over
-    (cache_finished_req). ``admission None``: a KV-only RadixCache."""
-    mamba = None if admission is None else mamba_pool(slots)
-    tree = (RadixCache(None, None) if mamba is None else
-            MambaRadixCache(None, None, mamba_pool=mamba, admission_policy=admission,
-                            state_eviction_policy=policy, checks=False))
-    model = None if mamba is None else tree.flop_model
-    states = (lambda k: tree.evict(0, k)) if mamba is not None else None
-    stats, next_row, t0 = [0, 0, 0.0, 0.0], 1, time.perf_counter()
-    for i in range(n):
-        toks = trace.tokens(i)
-        size = toks.size
-        if size < 2:
-            continue
-        m = tree.match_prefix(toks[:size - 1])
-        locked, held = m.last_node, m.prefix_len
-        tree.inc_lock_ref(locked)
-        slot = None
-        if mamba is not None:
-            if mamba.available_size() == 0:
-                states(1)
-            slot = int(mamba.alloc(1)[0])  # never None: the request pins at most its own node
-        rows = np.concatenate([m.device_indices.numpy(), np.arange(next_row, next_row + size, dtype=np.int64)])
-        next_row += size
-        for end in chunk_ends(m, size, chunk, checkpoint):
-            short = tree.total_size() + (end - held) - kv_tokens
-            if short > 0:
-                tree.evict(short)
-            if end == size:
-                if slot is None:
-                    tree.insert(toks, rows[:size])
-                else:
-                    tree.insert_with_state(toks, rows[:size], slot)  # kept, or freed
-                break
-            if mamba is None:  # a KV-only tree gains nothing from chunk-end inserts
-                continue
-            node = tree.insert_with_state(toks[:end], rows[:end], None).node
-            tree.inc_lock_ref(node)
-            tree.dec_lock_ref(locked)
-            locked, held = node, end
-            if mamba is not None and tree.state_slot(node) is None and tree.admission.admit(tree, node, False):
-                if mamba.available_size() == 0:
-                    states(1)
-                if mamba.available_size():
-                    tree.insert_with_state(toks[:end], rows[:end], int(mamba.alloc(1)[0]))
-        tree.dec_lock_ref(locked)
-        _tally(stats, model, m.prefix_len, size)
-    return _result(stats, tree, model, t0)
+    """:func:`radixkv.bench.hybrid_hitrate.replay_tree` on the first ``n`` requests of
+    ``trace``; ``slots`` is the pool size (the running request's slot included)."""
+    return hybrid_hitrate.replay_tree((trace.tokens(i) for i in range(n)), kv_tokens, slots, chunk, admission,
+                                      policy or "lru", checkpoint).as_bench_dict()
 
 
 def replay_flow(trace, n: int, kv_tokens: int, slots: int, chunk: int, admission=None, policy=None,
                 checkpoint=False) -> dict:
-    """The same through the real scheduler flow and pools (alloc_for_extend /
-    cache_unfinished_req / release_kv_cache, a TokenToKVPoolAllocator of ``kv_tokens``).
-    Exact but slow at trace scale (the allocator's work grows with the pool): a cross-check."""
-    width = int(trace.input_length[:n].max()) + 1
-    alloc = TokenToKVPoolAllocator(kv_tokens, device="cpu")
-    if admission is None:
-        pool, model = ReqToTokenPool(2, width), None
-        tree = RadixCache(pool, alloc)
-    else:
-        pool = HybridReqToTokenPool(2, width, mamba_pool=mamba_pool(slots))
-        tree = MambaRadixCache(pool, alloc, admission_policy=admission, state_eviction_policy=policy)
-        model = tree.flop_model
-    stats, t0 = [0, 0, 0.0, 0.0], time.perf_counter()
-    for i in range(n):
-        toks = trace.tokens(i)
-        if toks.size < 2:
-            continue
-        r = Req(i, toks)
-        m = tree.match_prefix(toks[:toks.size - 1])  # what alloc_for_extend will find
-        for j, end in enumerate(chunk_ends(m, toks.size, chunk, checkpoint)):
-            alloc_for_extend(Batch([r], pool, alloc, tree, fill_lens=[end]))
-            pre = r.prefix_len if j == 0 else pre
-            if end < toks.size:
-                tree.cache_unfinished_req(r)
-        release_kv_cache(r, tree)
-        _tally(stats, model, pre, toks.size)
-    return _result(stats, tree, model, t0)
+    """:func:`radixkv.bench.hybrid_hitrate.replay_flow` (the full scheduler flow), same shape."""
+    return hybrid_hitrate.replay_flow((trace.tokens(i) for i in range(n)), int(trace.input_length[:n].max()),
+                                      kv_tokens, slots, chunk, admission, policy or "lru",
+                                      checkpoint).as_bench_dict()
+
+
+def _trace_path(name: str) -> str:
+    """The shared copy beside the repo, else the bundled one (radixkv.data)."""
+    path = os.path.join(TRACE_DIR, f"{name}_trace.jsonl")
+    if not os.path.isfile(path):
+        from radixkv.data import mooncake_trace
+
+        path = str(mooncake_trace(name))
+    return path
 
 
 def run_hitrate(trace_names, limit, kv_frac, slot_counts, chunk, mode, alphas) -> dict:
@@ -266,7 +171,7 @@ def run_hitrate(trace_names, limit, kv_frac, slot_counts, chunk, mode, alphas) -
                                for a in alphas for adm in ("every", "branch")]
     out = {}
     for name in trace_names:
-        trace = load_mooncake(os.path.join(TRACE_DIR, f"{name}_trace.jsonl"), limit=limit)
+        trace = load_mooncake(_trace_path(name), limit=limit)
         n = len(trace)
         budget = max(int(trace.unique_tokens * kv_frac), int(trace.input_length.max()) + 1)
         doc = {"replay": mode, "requests": n, "prompt_tokens": int(trace.input_length.sum()),

@@ -17,6 +17,9 @@ checks both paths agree.
 Capacity is a fraction of the stream's unique prompt tokens; token hit rate = matched
 prompt tokens / all prompt tokens. Bounds: infinite capacity and Belady (with bypass) at
 the simulator's block granularity.
+
+``--hybrid`` replays through the MambaRadixCache instead, with a KV-token budget and a
+state-slot budget (:mod:`radixkv.bench.hybrid_report`, :mod:`radixkv.bench.hybrid_hitrate`).
 """
 from __future__ import annotations
 
@@ -311,12 +314,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-frac", type=_floats, default=[0.01, 0.02, 0.05, 0.1, 0.25, 0.5],
                         help="capacities as fractions of unique prompt tokens, comma-separated")
     parser.add_argument("--policy", default="lru", help="eviction policies, comma-separated")
-    parser.add_argument("--engine", default="blocksim", help="blocksim (default) or a registered engine (radix)")
+    parser.add_argument("--engine", default=None,
+                        help="blocksim (default) or a registered engine (radix); with --hybrid: tree (default) or flow")
     parser.add_argument("--json", dest="json_out", help="write the JSON document here ('-' for stdout)")
     parser.add_argument("--plot", help="PNG path (default: the --json path with .png)")
     parser.add_argument("--limit", type=int, default=None, help="first N requests of the trace / workload size")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--no-progress", action="store_true", help="never draw the progress bar")
+    from radixkv.bench.hybrid_report import add_hybrid_arguments
+
+    add_hybrid_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,15 +335,25 @@ def run(args: argparse.Namespace) -> int:
 
         policies = [radix_engine.default_policy_name() if p.strip().lower() == "default" else p.strip()
                     for p in args.policy.split(",") if p.strip()]
-        if args.engine == "blocksim":
-            for p in policies:
-                make_policy(p)                               # fail before any work
-        doc = measure(src, args.capacity_frac, policies, args.engine,
-                      show_progress=False if args.no_progress else None)
+        show = False if args.no_progress else None
+        if getattr(args, "hybrid", False):
+            from radixkv.bench import hybrid_report
+
+            doc = hybrid_report.measure_hybrid(src, args.capacity_frac, policies,
+                                               hybrid_report.hybrid_settings(args), show_progress=show)
+        else:
+            engine = args.engine or "blocksim"
+            if engine == "blocksim":
+                for p in policies:
+                    make_policy(p)                           # fail before any work
+            doc = measure(src, args.capacity_frac, policies, engine, show_progress=show)
     except RadixKVError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(markdown_table(doc))
+    hybrid = doc.get("mode") == "hybrid"
+    if hybrid:
+        from radixkv.bench.hybrid_report import hybrid_tables, plot_hybrid
+    print(hybrid_tables(doc) if hybrid else markdown_table(doc))
     print(f"\n({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.json_out:
         text = json.dumps(doc, indent=2)
@@ -347,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
                 fh.write(text + "\n")
     png = args.plot or (os.path.splitext(args.json_out)[0] + ".png" if args.json_out and args.json_out != "-" else None)
     if png:
-        note = plot(doc, png)
+        note = (plot_hybrid if hybrid else plot)(doc, png)
         if note:
             print(f"note: {note}", file=sys.stderr)
     return 0

@@ -1,0 +1,297 @@
+"""Hybrid (KV + Mamba state) hit-rate replay through the real ``MambaRadixCache``.
+
+A hybrid model can skip a prefix only where the cache holds both its KV *and* the recurrent
+state at its end, so two budgets matter: KV tokens and state slots. Each prompt runs as a
+chunked prefill (prompts only: a request ends at its prompt), page size 1:
+
+    m = match_prefix(prompt[:-1])        # prefix_len: deepest cached state; kv_prefix_len: KV
+    lock m.last_node; take the request's working slot (evict a state if the pool is full)
+    for each chunk end (every ``chunk`` tokens from prefix_len; with ``checkpoint`` first at
+    kv_prefix_len when the KV reaches past the state -- Marconi's speculative checkpoint):
+        evict KV if short; insert the KV; admit a state there when the admission policy
+        agrees (cache_unfinished_req)
+    at the prompt end insert the KV and hand the working slot to the tree (cache_finished_req)
+
+:func:`replay_tree` drives the tree's API with those request semantics (virtual KV rows,
+capacity counted in tokens; fast). :func:`replay_flow` runs the real scheduler flow
+(``alloc_for_extend`` / ``cache_unfinished_req`` / ``release_kv_cache``) over a
+``HybridReqToTokenPool`` and a ``TokenToKVPoolAllocator``: exact, slower, the cross-check.
+``admission=None`` replays a KV-only ``RadixCache`` under the same semantics (the state-free
+reference). The logic comes from ``benchmarks/bench_mamba.py --part hitrate``, which now
+imports it from here.
+
+Slots: ``slots`` is the Mamba pool size, the running request's working slot included
+(``bench_mamba``'s convention). With ``working_slot=True`` (``radixkv bench hitrate
+--hybrid``) ``slots`` counts only the states the cache may *keep*: the pool gets one more
+slot for the running request and the tree is trimmed back to ``slots`` states after each
+request, so ``slots=0`` keeps none (and nothing can hit).
+
+Figures per replay (:class:`HybridReplayResult`): skipped tokens (``prefix_len``, the token
+hit), the KV match (``kv_prefix_len``; minus the hit = tokens lost for lack of a state),
+requests that hit a state, prefill FLOPs saved (the tree's :class:`FlopModel`), tokens and
+states evicted. Cost: one tree replay per configuration, O(prompt tokens) numpy work per
+request plus the tree's own costs.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, List, NamedTuple, Optional, Union
+
+import numpy as np
+import torch
+
+from radixkv.allocator import TokenToKVPoolAllocator
+from radixkv.cache import RadixCache
+from radixkv.cache.mamba_policies import FlopStateOrder, StateEvictionOrder
+from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.errors import InvalidArgumentError
+from radixkv.memory import HybridReqToTokenPool, KimiLinearStateShape, MambaPool, ReqToTokenPool
+from radixkv.scheduler.batch import Batch
+from radixkv.scheduler.flow import alloc_for_extend, release_kv_cache
+from radixkv.scheduler.req import Req
+
+__all__ = ["KIMI", "KDA_LAYERS", "mamba_pool", "chunk_ends", "kv_budget", "HybridReplayResult",
+           "replay_tree", "replay_flow", "parse_state_policy", "state_policy_label"]
+
+#: the Kimi-Linear-shaped state of the benchmarks (2 heads x 16 x 16, conv kernel 4), 4 KDA layers
+KIMI = KimiLinearStateShape.create(num_heads=2, head_dim=16, conv_kernel_size=4)
+KDA_LAYERS = 4
+
+StatePolicy = Union[str, StateEvictionOrder]
+
+
+def mamba_pool(slots: int) -> MambaPool:
+    """A fp32 CPU ``MambaPool`` of ``slots`` Kimi-shaped slots (``KDA_LAYERS`` layers)."""
+    return MambaPool.from_state_shape(slots, KIMI, KDA_LAYERS, torch.float32)
+
+
+def parse_state_policy(text: str) -> StatePolicy:
+    """``lru`` / ``flop`` (a name), or ``flop:ALPHA`` (a :class:`FlopStateOrder` with that
+    alpha). Raises InvalidArgumentError for anything else."""
+    name, _, alpha = text.strip().lower().partition(":")
+    if name not in ("lru", "flop") or (alpha and name != "flop"):
+        raise InvalidArgumentError(f"unknown state eviction policy {text!r}; known: lru, flop, flop:ALPHA")
+    if not alpha:
+        return name
+    try:
+        return FlopStateOrder(alpha=float(alpha))
+    except ValueError:
+        raise InvalidArgumentError(f"bad alpha in {text!r}") from None
+
+
+def state_policy_label(policy: StatePolicy) -> str:
+    """``lru``, ``flop`` or ``flop(alpha=A)`` (alpha 1.0 is plain ``flop``)."""
+    if isinstance(policy, FlopStateOrder):
+        return "flop" if policy.alpha == 1.0 else f"flop(alpha={policy.alpha:g})"
+    return policy if isinstance(policy, str) else policy.name
+
+
+def kv_budget(unique_tokens: int, frac: float, max_prompt: int) -> int:
+    """KV tokens for a capacity fraction: ``int(frac * unique_tokens)``, raised to
+    ``max_prompt + 1`` so that the longest prompt fits (the replay runs one at a time)."""
+    return max(int(unique_tokens * frac), int(max_prompt) + 1)
+
+
+def chunk_ends(m, size: int, chunk: int, checkpoint: bool) -> list:
+    """Where the prefill of a ``size``-token prompt stops: the checkpoint at ``kv_prefix_len``
+    (when the KV match passes the deepest state), then every ``chunk`` tokens from there."""
+    ends = [m.kv_prefix_len] if checkpoint and m.prefix_len < m.kv_prefix_len else []
+    start = ends[-1] if ends else m.prefix_len
+    while start + chunk < size:
+        start += chunk
+        ends.append(start)
+    return ends + [size]
+
+
+class HybridReplayResult(NamedTuple):
+    """Totals of one replay (tokens unless named). ``hit_tokens``: skipped prefill (a state
+    hit's ``prefix_len``); ``kv_hit_tokens``: the KV match (``kv_prefix_len``; for the KV-only
+    tree the hit itself); ``state_hits``: requests that skipped anything."""
+
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    kv_hit_tokens: int
+    state_hits: int
+    flops_saved: float
+    flops_total: float
+    evicted_tokens: int
+    evicted_states: int
+    kv_tokens_end: int
+    states_end: Optional[int]
+    seconds: float
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def lost_tokens(self) -> int:
+        """KV-matched tokens that could not be skipped for lack of a state."""
+        return self.kv_hit_tokens - self.hit_tokens
+
+    def as_bench_dict(self) -> dict:
+        """``bench_mamba.py``'s per-run JSON (rounded; FLOP fields only with states)."""
+        out = {"hit_rate": round(self.token_hit_rate, 4), "seconds": round(self.seconds, 1)}
+        if self.states_end is not None:
+            out["flop_saved"] = round(self.flops_saved / self.flops_total, 4) if self.flops_total else 0.0
+            out["states_in_tree_end"] = self.states_end
+        out["kv_tokens_in_tree_end"] = self.kv_tokens_end
+        return out
+
+
+class _Tally:
+    """Running totals of a replay, and the counting wrapper around ``tree.evict``."""
+
+    def __init__(self, tree, model):
+        self.tree, self.model = tree, model
+        self.n = self.prompt = self.hit = self.kv = self.state_hits = 0
+        self.flops = [0.0, 0.0]
+        self.ev_tok = self.ev_st = 0
+        self.t0 = time.perf_counter()
+        evict = tree.evict
+
+        def counted(num_tokens, num_states=None):
+            r = evict(num_tokens) if num_states is None else evict(num_tokens, num_states)
+            if isinstance(r, tuple):
+                self.ev_tok += int(r[0])
+                self.ev_st += int(r[1])
+            else:
+                self.ev_tok += int(r)
+            return r
+
+        tree.evict = counted  # instance attribute: the flow's evictions are counted too
+
+    def add(self, pre: int, kv: int, size: int) -> None:
+        self.n += 1
+        self.prompt += size
+        self.hit += pre
+        self.kv += kv
+        self.state_hits += pre > 0
+        if self.model is not None:
+            self.flops[0] += float(self.model.prefix_flops(pre))
+            self.flops[1] += float(self.model.prefix_flops(size))
+
+    def result(self, mamba) -> HybridReplayResult:
+        tree = self.tree
+        tree.check_invariants()
+        return HybridReplayResult(self.n, self.prompt, self.hit, self.kv, self.state_hits, self.flops[0],
+                                  self.flops[1], self.ev_tok, self.ev_st, int(tree.total_size()),
+                                  None if mamba is None else int(tree.mamba_total_size()),
+                                  time.perf_counter() - self.t0)
+
+
+def _pool_size(slots: int, working_slot: bool) -> int:
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < (0 if working_slot else 2):
+        raise InvalidArgumentError(f"state slots must be an int >= {0 if working_slot else 2}, got {slots!r}")
+    return int(slots) + (1 if working_slot else 0)
+
+
+def _trim(tree, slots: int) -> None:
+    """Keep at most ``slots`` states between requests (``working_slot`` mode)."""
+    excess = tree.mamba_total_size() - slots
+    if excess > 0:
+        tree.evict(0, excess)
+
+
+def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chunk: int,
+                admission: Optional[str] = None, policy: StatePolicy = "lru", checkpoint: bool = False,
+                kv_policy: str = "lru", working_slot: bool = False, progress=None) -> HybridReplayResult:
+    """The tree's own API with the flow's request semantics (see the module docstring);
+    KV rows are virtual ids (no allocator: the tree plus the running request hold at most
+    ``kv_tokens``, which must exceed the longest prompt). ``admission None``: KV-only tree.
+
+    Raises InvalidArgumentError for bad slots / policy names (before any work).
+    """
+    mamba = None if admission is None else mamba_pool(_pool_size(slots, working_slot))
+    tree = (RadixCache(None, None, eviction_policy=kv_policy) if mamba is None else
+            MambaRadixCache(None, None, eviction_policy=kv_policy, mamba_pool=mamba, admission_policy=admission,
+                            state_eviction_policy=policy, checks=False))
+    tally = _Tally(tree, None if mamba is None else tree.flop_model)
+    next_row = 1
+    for toks in requests:
+        size = toks.size
+        if progress is not None:
+            progress.update(1)
+        if size < 2:
+            continue
+        m = tree.match_prefix(toks[:size - 1])
+        locked, held = m.last_node, m.prefix_len
+        tree.inc_lock_ref(locked)
+        slot = None
+        if mamba is not None:
+            if mamba.available_size() == 0:
+                tree.evict(0, 1)
+            slot = int(mamba.alloc(1)[0])  # never None: the request pins at most its own node
+        rows = np.concatenate([m.device_indices.numpy(), np.arange(next_row, next_row + size, dtype=np.int64)])
+        next_row += size
+        for end in chunk_ends(m, size, chunk, checkpoint):
+            short = tree.total_size() + (end - held) - kv_tokens
+            if short > 0:
+                tree.evict(short)
+            if end == size:
+                if slot is None:
+                    tree.insert(toks, rows[:size])
+                else:
+                    tree.insert_with_state(toks, rows[:size], slot)  # kept, or freed
+                break
+            if mamba is None:  # a KV-only tree gains nothing from chunk-end inserts
+                continue
+            node = tree.insert_with_state(toks[:end], rows[:end], None).node
+            tree.inc_lock_ref(node)
+            tree.dec_lock_ref(locked)
+            locked, held = node, end
+            if tree.state_slot(node) is None and tree.admission.admit(tree, node, False):
+                if mamba.available_size() == 0:
+                    tree.evict(0, 1)
+                if mamba.available_size():
+                    tree.insert_with_state(toks[:end], rows[:end], int(mamba.alloc(1)[0]))
+        tree.dec_lock_ref(locked)
+        if working_slot and mamba is not None:
+            _trim(tree, slots)
+        tally.add(m.prefix_len, getattr(m, "kv_prefix_len", m.prefix_len), size)
+    return tally.result(mamba)
+
+
+def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int, slots: int, chunk: int,
+                admission: Optional[str] = None, policy: StatePolicy = "lru", checkpoint: bool = False,
+                kv_policy: str = "lru", working_slot: bool = False, progress=None) -> HybridReplayResult:
+    """The same through the real scheduler flow and pools (a ``TokenToKVPoolAllocator`` of
+    ``kv_tokens``, request rows ``max_prompt + 1`` wide). Exact but slow at trace scale (the
+    allocator's work grows with the pool): a cross-check of :func:`replay_tree`."""
+    width = int(max_prompt) + 1
+    alloc = TokenToKVPoolAllocator(kv_tokens, device="cpu")
+    mamba = None
+    if admission is None:
+        pool = ReqToTokenPool(2, width)
+        tree = RadixCache(pool, alloc, eviction_policy=kv_policy)
+    else:
+        mamba = mamba_pool(_pool_size(slots, working_slot))
+        pool = HybridReqToTokenPool(2, width, mamba_pool=mamba)
+        tree = MambaRadixCache(pool, alloc, eviction_policy=kv_policy, admission_policy=admission,
+                               state_eviction_policy=policy)
+    tally = _Tally(tree, None if mamba is None else tree.flop_model)
+    for i, toks in enumerate(requests):
+        if progress is not None:
+            progress.update(1)
+        if toks.size < 2:
+            continue
+        r = Req(i, toks)
+        m = tree.match_prefix(toks[:toks.size - 1])  # what alloc_for_extend will find
+        pre = m.prefix_len
+        for j, end in enumerate(chunk_ends(m, toks.size, chunk, checkpoint)):
+            alloc_for_extend(Batch([r], pool, alloc, tree, fill_lens=[end]))
+            if j == 0:
+                pre = r.prefix_len
+            if end < toks.size:
+                tree.cache_unfinished_req(r)
+        release_kv_cache(r, tree)
+        if working_slot and mamba is not None:
+            _trim(tree, slots)
+        tally.add(pre, getattr(m, "kv_prefix_len", m.prefix_len), toks.size)
+    return tally.result(mamba)
+
+
+def configs_of(admissions: List[str], state_policies: List[StatePolicy], checkpoints: List[bool]) -> list:
+    """Every (admission, state policy, checkpoint) combination, in that nesting order."""
+    return [(a, p, c) for a in admissions for p in state_policies for c in checkpoints]

@@ -1,0 +1,216 @@
+"""``radixkv bench hitrate --hybrid``: hit rates of the hybrid (KV + state) cache over a
+grid of KV budgets x state-slot budgets x admission / state-eviction policies, as a JSON
+document, markdown tables and a PNG plot (the replay is :mod:`radixkv.bench.hybrid_hitrate`).
+
+The JSON document keeps ``bench hitrate``'s conventions (``trace``, ``requests``,
+``prompt_tokens``, ``unique_tokens``, ``bounds`` with the block-level infinite-capacity and
+Belady figures, one ``results`` entry per run) and adds ``mode: "hybrid"``, the replay
+settings, and ``kv_only``: the KV-only RadixCache under the same budget and semantics. A
+result adds ``state_slots``, ``admission``, ``state_policy``, ``checkpoint``, the KV match
+(``kv_hit_*``), the tokens it lost for lack of a state (``lost_*``), requests that hit a
+state (``state_hits``, ``state_hit_rate`` = their share of the requests), prefill FLOPs
+saved, evicted tokens and states. ``capacity_tokens`` is ``int(frac * unique_tokens)``
+raised to the longest prompt + 1 (one request must fit).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+from radixkv.bench.belady import belady
+from radixkv.bench.hybrid_hitrate import (
+    configs_of,
+    kv_budget,
+    parse_state_policy,
+    replay_flow,
+    replay_tree,
+    state_policy_label,
+)
+from radixkv.bench.progress import Progress
+from radixkv.errors import InvalidArgumentError
+
+__all__ = ["HYBRID_ENGINES", "add_hybrid_arguments", "hybrid_settings", "measure_hybrid", "hybrid_tables",
+           "plot_hybrid"]
+
+#: ``--engine`` values of the hybrid mode
+HYBRID_ENGINES = ("tree", "flow")
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError("state slots must be integers >= 0")
+    return vals
+
+
+def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
+    """The hybrid mode's options (added to ``bench hitrate``'s)."""
+    g = parser.add_argument_group("hybrid mode (--hybrid): a KV-token budget and a state-slot budget")
+    g.add_argument("--hybrid", action="store_true",
+                   help="replay through the MambaRadixCache (KV + Mamba states); --engine tree (default) or flow")
+    g.add_argument("--state-slots", type=_ints, default=[128, 512],
+                   help="states the cache may keep (the running request's slot comes on top), comma-separated")
+    g.add_argument("--admission", default="every,branch", help="state admission policies: every, branch")
+    g.add_argument("--state-policy", default="lru,flop", help="state eviction orders: lru, flop, flop:ALPHA")
+    g.add_argument("--checkpoint", default="on",
+                   help="Marconi's checkpoint at kv_prefix_len: on, off or on,off")
+    g.add_argument("--chunk", type=int, default=8192, help="chunked-prefill size in tokens (default 8192)")
+
+
+def hybrid_settings(args: argparse.Namespace) -> dict:
+    """Validated hybrid settings from parsed flags. Raises InvalidArgumentError."""
+    from radixkv.cache.mamba_policies import ADMISSION_POLICIES
+
+    engine = args.engine or "tree"
+    if engine not in HYBRID_ENGINES:
+        raise InvalidArgumentError(f"--hybrid runs --engine tree or flow, not {engine!r}")
+    adm = [a.strip().lower() for a in args.admission.split(",") if a.strip()]
+    bad = [a for a in adm if a not in ADMISSION_POLICIES]
+    if not adm or bad:
+        raise InvalidArgumentError(f"unknown admission policy {bad or adm!r}; known: every, branch")
+    states = [parse_state_policy(p) for p in args.state_policy.split(",") if p.strip()]
+    ck = {"on": True, "off": False}
+    cks = [c.strip().lower() for c in args.checkpoint.split(",") if c.strip()]
+    if not cks or any(c not in ck for c in cks):
+        raise InvalidArgumentError(f"--checkpoint takes on, off or on,off; got {args.checkpoint!r}")
+    if not states:
+        raise InvalidArgumentError("--state-policy is empty")
+    if args.chunk < 1:
+        raise InvalidArgumentError(f"--chunk must be >= 1, got {args.chunk}")
+    if args.page_size not in (None, 1):
+        raise InvalidArgumentError("--hybrid replays at page size 1 (token granularity); drop --page-size")
+    return {"engine": engine, "slots": list(args.state_slots), "chunk": int(args.chunk),
+            "configs": configs_of(adm, states, [ck[c] for c in cks])}
+
+
+def _replay(src, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm, pol, ckpt, kv_policy, bar):
+    if engine == "tree":
+        return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar)
+    return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar)
+
+
+def measure_hybrid(src, fracs: List[float], kv_policies: List[str], settings: dict,
+                   show_progress: Optional[bool] = None) -> dict:
+    """Every (KV policy, capacity, state slots, admission, state policy, checkpoint) run and
+    the KV-only reference per (KV policy, capacity), as the JSON document (module docstring)."""
+    from radixkv.cache import RadixCache
+
+    for p in kv_policies:
+        RadixCache(None, None, eviction_policy=p)           # unknown names fail before any work
+    bt, engine, chunk = src.blocks, settings["engine"], settings["chunk"]
+    max_prompt = int(bt.prompt_len.max()) if len(bt.prompt_len) else 1
+    doc = {
+        "mode": "hybrid", "trace": src.name, "requests": src.n_requests, "prompt_tokens": src.prompt_tokens,
+        "unique_tokens": src.unique_tokens, "engine": engine, "chunk": chunk, "page_size": 1,
+        "bounds": {
+            "infinite_capacity": bt.infinite_hit_tokens() / src.prompt_tokens,
+            "belady": {f"{f:g}": belady(bt, int(f * src.unique_tokens)).token_hit_rate for f in fracs},
+        },
+        "kv_only": [], "results": [],
+    }
+    for pol in kv_policies:
+        for f in fracs:
+            cap = kv_budget(src.unique_tokens, f, max_prompt)
+            with Progress(src.n_requests, f"kv-only {pol} @ {f:g}", enabled=show_progress) as bar:
+                r = _replay(src, engine, max_prompt, cap, 0, chunk, None, "lru", False, pol, bar)
+            doc["kv_only"].append({"policy": pol, "capacity_frac": f, "capacity_tokens": cap,
+                                   "hit_tokens": r.hit_tokens, "token_hit_rate": r.hit_tokens / src.prompt_tokens,
+                                   "evicted_tokens": r.evicted_tokens})
+            for slots in settings["slots"]:
+                for adm, spol, ckpt in settings["configs"]:
+                    label = f"{pol} @ {f:g}, {slots} slots, {adm}+{state_policy_label(spol)}"
+                    with Progress(src.n_requests, label, enabled=show_progress) as bar:
+                        r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar)
+                    doc["results"].append(_row(src, r, pol, f, cap, slots, adm, spol, ckpt))
+    return doc
+
+
+def _row(src, r, pol, f, cap, slots, adm, spol, ckpt) -> dict:
+    prompt, n = src.prompt_tokens, max(src.n_requests, 1)
+    return {
+        "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": 1,
+        "state_slots": slots, "admission": adm, "state_policy": state_policy_label(spol), "checkpoint": ckpt,
+        "hit_tokens": r.hit_tokens, "token_hit_rate": r.hit_tokens / prompt,
+        "kv_hit_tokens": r.kv_hit_tokens, "kv_hit_rate": r.kv_hit_tokens / prompt,
+        "lost_tokens": r.lost_tokens, "lost_rate": r.lost_tokens / prompt,
+        "state_hits": r.state_hits, "state_hit_rate": r.state_hits / n,
+        "flop_saved": r.flops_saved / r.flops_total if r.flops_total else 0.0,
+        "evicted_tokens": r.evicted_tokens, "evicted_states": r.evicted_states,
+        "states_end": r.states_end, "kv_tokens_end": r.kv_tokens_end,
+    }
+
+
+def _label(r: dict, many_policies: bool) -> str:
+    s = f"{r['state_slots']} slots, {r['admission']}+{r['state_policy']}{'+ckpt' if r['checkpoint'] else ''}"
+    return f"{r['policy']}: {s}" if many_policies else s
+
+
+def hybrid_tables(doc: dict) -> str:
+    """Two markdown tables, capacities as columns: the token hit rate (with the KV-only
+    reference and the bounds as last rows), then the KV-matched tokens lost for lack of a
+    state, both in % of prompt tokens."""
+    fracs = sorted({r["capacity_frac"] for r in doc["results"]} | {r["capacity_frac"] for r in doc["kv_only"]})
+    many = len({r["policy"] for r in doc["kv_only"]}) > 1
+    head = "| configuration | " + " | ".join(f"{100 * f:g}%" for f in fracs) + " |"
+    rule = "| --- |" + " ---: |" * len(fracs)
+    out = [f"{doc['trace']} (hybrid, {doc['engine']} replay, chunk {doc['chunk']}): {doc['requests']} requests, "
+           f"{doc['prompt_tokens']} prompt tokens, {doc['unique_tokens']} unique", "",
+           "token hit rate (% of prompt tokens skipped)", "", head, rule]
+    for key, title in (("token_hit_rate", None), ("lost_rate", "KV-matched tokens lost for lack of a state (%)")):
+        if title:
+            out += ["", title, "", head, rule]
+        rows = {}
+        for r in doc["results"]:
+            rows.setdefault(_label(r, many), {})[r["capacity_frac"]] = r[key]
+        for lab, row in rows.items():
+            out.append(f"| {lab} | " + " | ".join(f"{100 * row[f]:.2f}" if f in row else "" for f in fracs) + " |")
+    at = out.index(rule) + 1 + len({_label(r, many) for r in doc["results"]})
+    tail = []
+    for pol in dict.fromkeys(r["policy"] for r in doc["kv_only"]):
+        row = {r["capacity_frac"]: r["token_hit_rate"] for r in doc["kv_only"] if r["policy"] == pol}
+        tail.append(f"| kv-only radix{f' ({pol})' if many else ''} | "
+                    + " | ".join(f"{100 * row[f]:.2f}" if f in row else "" for f in fracs) + " |")
+    bel = {float(k): v for k, v in doc["bounds"]["belady"].items()}
+    tail.append("| belady (KV, offline) | " + " | ".join(f"{100 * bel[f]:.2f}" if f in bel else "" for f in fracs) + " |")
+    inf = 100 * doc["bounds"]["infinite_capacity"]
+    tail.append("| infinite capacity | " + " | ".join(f"{inf:.2f}" for _ in fracs) + " |")
+    return "\n".join(out[:at] + tail + out[at:])
+
+
+def plot_hybrid(doc: dict, path: str) -> Optional[str]:
+    """Token hit rate vs capacity, one line per configuration, with the KV-only reference
+    and the bounds; returns a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: plot skipped"
+    many = len({r["policy"] for r in doc["kv_only"]}) > 1
+    fig, ax = plt.subplots(figsize=(10, 5))
+    lines = {}
+    for r in doc["results"]:
+        lines.setdefault(_label(r, many), []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
+    for pol in dict.fromkeys(r["policy"] for r in doc["kv_only"]):
+        lines[f"kv-only radix ({pol})"] = [(r["capacity_frac"], 100 * r["token_hit_rate"])
+                                          for r in doc["kv_only"] if r["policy"] == pol]
+    for lab, pts in lines.items():
+        pts.sort()
+        style = "-." if lab.startswith("kv-only") else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=lab)
+    bel = sorted((float(k), 100 * v) for k, v in doc["bounds"]["belady"].items())
+    ax.plot([b[0] for b in bel], [b[1] for b in bel], "k--", label="belady (KV, offline)")
+    ax.axhline(100 * doc["bounds"]["infinite_capacity"], color="grey", linestyle=":", label="infinite capacity")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV capacity (fraction of unique prompt tokens)")
+    ax.set_ylabel("token hit rate (% of prompt tokens skipped)")
+    ax.set_title(f"{doc['trace']} (hybrid)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
