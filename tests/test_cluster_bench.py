@@ -1,14 +1,25 @@
 """``radixkv bench cluster``: the router's index predicts every manager's real hit exactly
 (Python index; Dynamo's when installed, which must agree), round robin spreads evenly,
-bounded loads stay bounded, and the CLI runs on a bundled trace."""
+bounded loads stay bounded, the CLI runs on a bundled trace, and managers that are real
+``radixkv serve`` processes give exactly the in-process managers' per-request hits, then
+leave no process, socket or pool file behind (also when starting or replaying fails)."""
 import argparse
+import glob
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
 
-from radixkv.bench.cluster import PyRadixIndex, add_arguments, make_index, replay_cluster, run
-from radixkv.errors import InvalidArgumentError
+from radixkv.bench.cluster import (
+    ROUTERS, InprocManager, PyRadixIndex, add_arguments, make_index, replay_cluster, replay_on, run, served_len,
+)
+from radixkv.bench.cluster_procs import ManagerProcesses, ManagerStartError
+from radixkv.bench.hitrate import load_source
+from radixkv.errors import AlignmentError, CapacityError, InvalidArgumentError
+
+PAGE = 64
 
 
 def requests(n=150, seed=0):
@@ -21,11 +32,40 @@ def requests(n=150, seed=0):
     return out
 
 
+def chats(n, cap, seed=0):
+    """Multi-turn prompts that exercise every serving rule: the same prompt again (a
+    page-aligned full match, of which the last page is recomputed), aligned and unaligned
+    growth (a partial last page costs a whole page), prompts longer than a manager."""
+    rng = np.random.default_rng(seed)
+    convs, out = [], []
+    for _ in range(n):
+        if not convs or rng.random() < 0.3:
+            convs.append(rng.integers(0, 5000, int(rng.integers(1, 20)) * PAGE).astype(np.int32))
+        k = int(rng.integers(0, len(convs)))
+        r = rng.random()
+        add = 0 if r < 0.2 else int(rng.integers(1, 10)) * PAGE if r < 0.5 else int(rng.integers(1, 700))
+        if rng.random() < 0.05:
+            add += cap
+        convs[k] = np.concatenate([convs[k], rng.integers(0, 5000, add).astype(np.int32)])
+        out.append(convs[k])
+    return out
+
+
+def gone(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
 @pytest.mark.parametrize("router", ["kv", "kv_bounded"])
 def test_index_predicts_the_real_hit_of_every_routed_request(router):
     r = replay_cluster(requests(), 3, 256, 16, router, "python")
-    assert r.predicted_exact == 1.0 and r.index == "python"
-    assert r.requests == 150 and r.hit_tokens == sum(m["hit_tokens"] for m in r.managers)
+    assert r.predicted_exact == 1.0 and r.index == "python" and r.mode == "inproc"
+    assert r.requests == 150 and r.hit_tokens == sum(m["hit_tokens"] for m in r.managers) == int(r.hits.sum())
     assert all(m["cached_tokens"] <= 256 for m in r.managers)
     assert r.hit_tokens > 0
 
@@ -36,11 +76,13 @@ def test_dynamo_index_gives_the_same_replay_as_the_python_one():
     b = replay_cluster(requests(seed=3), 3, 256, 16, "kv_bounded", "dynamo")
     assert b.index == "dynamo" and b.predicted_exact == 1.0
     assert a.managers == b.managers and a.hit_tokens == b.hit_tokens
+    assert np.array_equal(a.routes, b.routes) and np.array_equal(a.hits, b.hits)
 
 
 def test_round_robin_and_bounded_loads():
     rr = replay_cluster(requests(), 3, 256, 16, "round_robin")
     assert [m["requests"] for m in rr.managers] == [50, 50, 50] and rr.predicted_exact is None
+    assert rr.routes.tolist() == [i % 3 for i in range(150)]
     kb = replay_cluster(requests(), 3, 256, 16, "kv_bounded", "python", slack=0.1)
     comp = [m["computed_tokens"] for m in kb.managers]
     longest = max(int(t.size) for t in requests())
@@ -49,6 +91,10 @@ def test_round_robin_and_bounded_loads():
         replay_cluster(requests(2), 0, 256, 16)
     with pytest.raises(InvalidArgumentError):
         replay_cluster(requests(2), 2, 256, 16, "random")
+    with pytest.raises(AlignmentError):
+        replay_cluster(requests(2), 2, 250, 16)
+    with pytest.raises(InvalidArgumentError):
+        replay_cluster(requests(2), 2, 256, 16, mode="threads")
     with pytest.raises(InvalidArgumentError):
         make_index("redis")
     assert isinstance(make_index("python"), PyRadixIndex)
@@ -63,6 +109,111 @@ def test_cli_on_a_bundled_trace(capsys, tmp_path):
     assert run(args) == 0
     doc = json.loads(out.read_text())
     assert [r["router"] for r in doc["results"]] == ["kv", "kv_bounded", "round_robin"]
-    assert all(r["requests"] == 40 for r in doc["results"])
+    assert all(r["requests"] == 40 and r["mode"] == "inproc" for r in doc["results"])
     assert "hit rate" in capsys.readouterr().out
+    assert p.parse_args(["--router", "kv,round_robin"]).routers == "kv,round_robin"
     assert run(p.parse_args(["--trace", "synthetic", "--routers", "magic"])) == 2
+
+
+
+def test_dynamo_mocker_replays_the_same_requests_with_the_managers_capacity(tmp_path):
+    pytest.importorskip("dynamo._core")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "m.json"
+    assert run(p.parse_args(["--trace", "synthetic", "--limit", "20", "--managers", "2", "--router", "round_robin",
+                             "--mocker", "--capacity-frac", "1", "--json", str(out)])) == 0
+    doc = json.loads(out.read_text())  # capacity >= every prompt: the mocker admits them all
+    mock = doc["dynamo_mocker"]
+    assert mock["extra_engine_args"]["engine"] == {"block_size": PAGE,
+                                                   "num_gpu_blocks": doc["capacity_tokens_each"] // PAGE}
+    for mode in ("kv_router", "round_robin"):
+        assert mock[mode]["total_input_tokens"] == doc["prompt_tokens"] and mock[mode]["completed_requests"] == 20
+        assert 0.0 <= mock[mode]["prefix_cache_reused_ratio"] <= 1.0
+
+def test_process_managers_serve_exactly_the_inproc_hits():
+    cap = 32768  # far below the prompts' tokens: both managers evict throughout
+    conv = list(load_source("conversation", None, 512, PAGE, 40).tokens())
+    syn = chats(80, cap)
+    assert len(conv) == 40 and any(t.size > cap for t in syn)
+    procs = ManagerProcesses(2, cap, PAGE)
+    with procs:
+        assert stat.S_IMODE(os.stat(procs.directory).st_mode) == 0o700
+        files = os.listdir(procs.directory)
+        assert {"m0.sock", "m1.sock", "token"} <= set(files)
+        for pid in procs.pids:  # the pool files live in the directory, none in /dev/shm
+            assert any(f.startswith(f"radixkv-{pid}-") for f in files)
+            assert not glob.glob(f"/dev/shm/radixkv-{pid}-*")
+        for name, reqs in (("conversation", conv), ("chats", syn)):
+            for router in ROUTERS:
+                procs.reset()
+                got = replay_on(procs.managers, reqs, cap, PAGE, router)
+                want = replay_cluster(reqs, 2, cap, PAGE, router, "python")
+                assert (got.mode, want.mode) == ("process", "inproc")
+                assert np.array_equal(got.routes, want.routes), (name, router)
+                assert np.array_equal(got.hits, want.hits), (name, router, np.flatnonzero(got.hits != want.hits))
+                assert got.managers == want.managers, (name, router)
+                assert got.predicted_exact == (None if router == "round_robin" else 1.0), (name, router)
+                for m in procs.managers:
+                    s = m.client.stats(m.session)
+                    assert s.kv_held == 0 and s.requests == 0
+                    assert s.kv_available + s.kv_evictable + s.kv_protected == s.kv_capacity == cap
+                if name == "chats" and router == "round_robin":
+                    served = np.array([served_len(t.size, cap) for t in reqs])
+                    full = (served % PAGE == 0) & (got.hits == served - PAGE)
+                    assert full.any()  # the last page of a cached aligned prompt is recomputed
+        assert min(m.client.stats(m.session).evicted_tokens for m in procs.managers) > 0
+        pids, directory = procs.pids, procs.directory
+    assert procs.returncodes == [0, 0] and gone(pids) and not os.path.exists(directory)
+
+
+def test_processes_are_stopped_when_starting_or_replaying_fails():
+    bad = ManagerProcesses(1, 1024, PAGE, extra_args=["--eviction-policy", "nope"])
+    with pytest.raises(ManagerStartError, match="eviction_policy"):
+        bad.start()
+    assert bad.returncodes == [2] and gone(bad.pids) and not os.path.exists(bad.directory)
+
+    def broken_trace():
+        yield from requests(5, seed=1)
+        raise RuntimeError("trace file truncated")
+
+    procs = ManagerProcesses(1, 1024, PAGE)
+    with pytest.raises(RuntimeError, match="truncated"):
+        with procs:
+            m = procs.managers[0]
+            with pytest.raises(CapacityError):
+                m.serve(np.arange(1025, dtype=np.int32))  # over the manager's context: refused
+            s = m.client.stats(m.session)
+            assert s.kv_held == 0 and s.kv_available == 1024 and s.requests == 0
+            # 16 one-page prompts fill the manager; a 65-token prompt needs two whole pages,
+            # so it evicts the two oldest (the partial page costs a page): r1 + 1 token misses,
+            # r3 + 1 token hits its page, r3 itself does not (one token is always computed)
+            r = [np.arange(k * 64, k * 64 + 64, dtype=np.int32) for k in range(17)]
+            seq = r[:16] + [np.arange(5000, 5065, dtype=np.int32)] + [np.append(r[k], 9).astype(np.int32)
+                                                                       for k in (1, 3)] + [r[3]]
+            local = InprocManager(1024, PAGE)
+            want = [0] * 18 + [64, 0]
+            assert [local.serve(t) for t in seq] == want
+            assert [m.serve(t) for t in seq] == want
+            assert m.cached_tokens() == local.cached_tokens() == 15 * PAGE
+            procs.reset()
+            replay_on(procs.managers, broken_trace(), 1024, PAGE, "kv")
+    assert procs.returncodes == [0] and gone(procs.pids) and not os.path.exists(procs.directory)
+
+
+def test_cli_process_mode_reports_what_inproc_mode_reports(tmp_path):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    docs = {}
+    for mode in ("inproc", "process"):
+        out = tmp_path / f"{mode}.json"
+        assert run(p.parse_args(["--trace", "synthetic", "--limit", "30", "--managers", "1", "--index", "python",
+                                 "--capacity-frac", "0.2", "--router", "kv,round_robin", "--managers-mode", mode,
+                                 "--json", str(out)])) == 0
+        docs[mode] = json.loads(out.read_text())
+    proc = docs["process"]
+    assert proc["managers_mode"] == "process" and len(proc["manager_pids"]) == 1 and gone(proc["manager_pids"])
+    strip = ("mode", "seconds", "requests_per_s")
+    for a, b in zip(docs["inproc"]["results"], proc["results"]):
+        assert b["mode"] == "process" and b["requests"] == 30
+        assert {k: v for k, v in a.items() if k not in strip} == {k: v for k, v in b.items() if k not in strip}

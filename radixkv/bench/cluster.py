@@ -1,18 +1,26 @@
 """``radixkv bench cluster``: N radixkv managers behind a KV-aware router fed by their own
 events, against round robin, on a Mooncake trace.
 
-Each manager is an in-process ``RadixCache`` (KV events on) with a fixed capacity in tokens.
+Each manager has a fixed capacity in tokens (a multiple of the page size). With
+``--managers-mode inproc`` (the default) a manager is an in-process ``RadixCache`` (KV events
+on) driven the way the service drives its tree; with ``--managers-mode process`` it is a
+real ``radixkv serve`` process reached through ``radixkv.connect``
+(:mod:`radixkv.bench.cluster_procs`). Both give the same per-request hits (a test checks it).
 Per request, in trace order:
 
 1. the router picks a manager: ``kv`` asks the index for every manager's overlap with the
-   request (``tokens_hash`` blocks, :mod:`radixkv.events.dynamo`) and takes the largest,
+   part a manager can match (``tokens_hash`` blocks of ``prompt[:L - 1]``,
+   :mod:`radixkv.events.dynamo`) and takes the largest,
    the least loaded on a tie (load = prompt tokens the manager had to compute so far, then
    the lowest id); ``kv_bounded`` does the same among the managers whose load is at most
    ``(1 + slack)`` times the mean (bounded loads: a prefix every request shares, like a
    system prompt, would otherwise send everything to one manager); ``round_robin`` takes
    ``i mod N``;
-2. the manager serves it: ``match_prefix`` (the hit), lock the match, evict what the new
-   pages need, insert the page-aligned prompt (what fits), unlock;
+2. the manager serves it as the service's ``alloc_extend`` -> ``cache_finished`` does: a
+   prompt longer than the capacity is served on its first ``capacity`` tokens (``L``); match
+   ``prompt[:L - 1]`` (at least one token is always computed; its page-aligned match is the
+   hit), lock the match, evict what the new pages ``ceil((L - hit) / page)`` need beyond
+   the free slots, insert the page-aligned ``prompt[:L]``, unlock;
 3. its events go through a :class:`~radixkv.events.dynamo.DynamoEventAdapter` into the
    index (Dynamo's Rust ``RadixTree`` when ai-dynamo-runtime is installed, else
    :class:`PyRadixIndex`, the same semantics in Python).
@@ -21,7 +29,8 @@ Reported: cluster-wide token hit rate (hit tokens / prompt tokens), per-manager 
 prompt tokens, hit tokens and computed tokens, and for the ``kv`` router how often the
 index's predicted overlap equalled the manager's real hit (it must be always). With
 ``--mocker`` it also runs Dynamo's own mocker replay (``run_mocker_trace_replay``, offline,
-its own engine model) on the same requests with ``kv_router`` and ``round_robin``.
+its own engine model, each worker given the managers' capacity) on the same requests with
+``kv_router`` and ``round_robin``.
 Numbers are measured by the run; nothing is asserted about speed.
 """
 from __future__ import annotations
@@ -32,17 +41,19 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from radixkv.cache.radix_cache import RadixCache
-from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
 
-__all__ = ["PyRadixIndex", "make_index", "ClusterResult", "replay_cluster", "add_arguments", "run"]
+__all__ = ["PyRadixIndex", "DynamoIndex", "make_index", "ClusterResult", "InprocManager", "served_len",
+           "replay_on", "replay_cluster", "add_arguments", "run"]
 
 ROUTERS = ("kv", "kv_bounded", "round_robin")
+MODES = ("inproc", "process")
 
 
 class PyRadixIndex:
@@ -124,10 +135,13 @@ def make_index(kind: str = "auto"):
 
 
 class ClusterResult(NamedTuple):
-    """One router's replay: totals, per-manager rows, the prediction check, wall seconds."""
+    """One router's replay: totals, per-manager rows, the prediction check, wall seconds,
+    and per request (trace order) the manager that served it (``routes``) and its hit
+    (``hits``), int64 arrays (left out of the JSON document)."""
 
     router: str
     index: str
+    mode: str
     requests: int
     prompt_tokens: int
     hit_tokens: int
@@ -135,99 +149,159 @@ class ClusterResult(NamedTuple):
     managers: List[Dict[str, Any]]
     predicted_exact: Optional[float]
     seconds: float
+    requests_per_s: float
+    routes: np.ndarray
+    hits: np.ndarray
 
 
-class _Manager:
-    """One manager: a RadixCache of ``capacity`` tokens and its event adapter."""
+def served_len(size: int, capacity: int) -> int:
+    """Tokens of a ``size``-token prompt a manager of ``capacity`` tokens serves: all of
+    them, or its first ``capacity`` (a longer prompt never fits in the pool at once)."""
+    return min(int(size), int(capacity))
+
+
+class InprocManager:
+    """One in-process manager: a ``RadixCache`` of ``capacity`` tokens (pages of
+    ``page_size``) with KV events, driven as the service drives its tree (module doc,
+    step 2), so that its hits equal a ``radixkv serve`` manager's of the same capacity.
+    Single-threaded; O(tokens) per request."""
+
+    mode = "inproc"
 
     def __init__(self, capacity: int, page_size: int):
         self.cache = RadixCache(page_size=page_size, enable_kv_events=True)
-        self.adapter = DynamoEventAdapter(page_size)
         self.capacity = capacity
         self.page = page_size
-        self.stats = np.zeros(4, dtype=np.int64)  # requests, prompt, hit, computed
+        self._rows = np.arange(0, 1 << 16, dtype=np.int64)
 
-    def serve(self, toks: np.ndarray, rows: np.ndarray) -> int:
-        c = self.cache
-        n = toks.size - toks.size % self.page
-        m = c.match_prefix(toks[:n])
+    def serve(self, toks: np.ndarray) -> int:
+        """Serve ``toks`` (int32, at most ``capacity`` tokens); returns the hit in tokens."""
+        c, p, n = self.cache, self.page, int(toks.size)
+        if n > self._rows.size:
+            self._rows = np.arange(n, dtype=np.int64)
+        m = c.match_prefix(toks[:n - 1])
         hit = m.prefix_len
         c.inc_lock_ref(m.last_node)
-        short = (n - hit) - (self.capacity - c.total_size())
-        if short > 0:
-            c.evict(short)
-        room = self.capacity - c.total_size()
-        keep = min(n, hit + max(room, 0))
-        keep -= keep % self.page
-        if keep > hit:
-            c.insert(toks[:keep], rows[:keep])
-        c.dec_lock_ref(m.last_node)
-        self.stats += (1, toks.size, hit, toks.size - hit)
+        try:
+            need = -(-(n - hit) // p) * p
+            short = need - (self.capacity - c.total_size())
+            if short > 0:
+                c.evict(short)
+            if self.capacity - c.total_size() < need:
+                raise InvariantError(f"manager of {self.capacity} tokens: {need} slots for a {n}-token "
+                                     f"prompt do not fit after eviction ({c.total_size()} cached)")
+            keep = n - n % p
+            if keep:
+                c.insert(toks[:keep], self._rows[:keep])
+        finally:
+            c.dec_lock_ref(m.last_node)
         return hit
 
-    def pump(self, index, worker: int) -> None:
-        for ev in self.cache.take_events():
-            raw = self.adapter.encode(ev)
-            if raw is not None:
-                index.apply_event(worker, raw)
+    def take_events(self) -> list:
+        return self.cache.take_events()
+
+    def cached_tokens(self) -> int:
+        return int(self.cache.total_size())
 
 
-def replay_cluster(requests: Iterable[np.ndarray], n_managers: int, capacity: int, page_size: int,
-                   router: str = "kv", index: str = "auto", slack: float = 0.25) -> ClusterResult:
-    """Replay ``requests`` (int32 token arrays) on ``n_managers`` managers of ``capacity``
-    tokens each, routed by ``router`` (``kv`` / ``kv_bounded`` / ``round_robin``; ``slack``
-    for ``kv_bounded``). See the module doc.
-
-    Raises InvalidArgumentError for bad sizes or router. O(tokens) per request."""
+def _check_sizes(n_managers: int, capacity: int, page_size: int) -> None:
     for name, v in (("n_managers", n_managers), ("capacity", capacity), ("page_size", page_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
+    if capacity % page_size:
+        raise AlignmentError(f"capacity {capacity} is not a multiple of page_size {page_size}")
+
+
+def replay_on(managers: Sequence[Any], requests: Iterable[np.ndarray], capacity: int, page_size: int,
+              router: str = "kv", index: str = "auto", slack: float = 0.25) -> ClusterResult:
+    """Replay ``requests`` (int32 token arrays) on ``managers`` (each with ``serve(toks) ->
+    hit``, ``take_events()``, ``cached_tokens()`` and ``mode``; empty caches of
+    ``capacity`` tokens), routed by ``router`` (``kv`` / ``kv_bounded`` / ``round_robin``;
+    ``slack`` for ``kv_bounded``). See the module doc.
+
+    Raises InvalidArgumentError for bad sizes or router; the managers' errors pass through.
+    O(tokens) per request plus the managers' own cost."""
+    n_managers = len(managers)
+    _check_sizes(n_managers, capacity, page_size)
     if router not in ROUTERS:
         raise InvalidArgumentError(f"router must be one of {ROUTERS}, got {router!r}")
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0:
         raise InvalidArgumentError(f"slack must be a number >= 0, got {slack!r}")
     idx = make_index(index) if router != "round_robin" else None
-    managers = [_Manager(capacity, page_size) for _ in range(n_managers)]
-    rows = np.arange(0, 1 << 16, dtype=np.int64)
+    adapters = [DynamoEventAdapter(page_size) for _ in managers]
+    stats = np.zeros((n_managers, 4), dtype=np.int64)  # requests, prompt, hit, computed
+    routes: List[int] = []
+    hits: List[int] = []
     exact = routed = 0
     t0 = time.perf_counter()
     for i, toks in enumerate(requests):
-        if toks.size > rows.size:
-            rows = np.arange(toks.size, dtype=np.int64)
+        served = toks[:served_len(toks.size, capacity)]
         if idx is not None:
-            n = toks.size - toks.size % page_size
-            sc = idx.scores(compute_block_hash_for_seq(toks[:n], page_size))
+            sc = idx.scores(compute_block_hash_for_seq(served[:served.size - 1], page_size))
             cand = range(n_managers)
             if router == "kv_bounded":
-                load = [int(m.stats[3]) for m in managers]
-                bound = (1 + slack) * (sum(load) + toks.size) / n_managers
+                load = stats[:, 3]
+                bound = (1 + slack) * (int(load.sum()) + toks.size) / n_managers
                 cand = [k for k in cand if load[k] + toks.size <= bound] or cand
-            w = max(cand, key=lambda k: (sc.get(k, 0), -managers[k].stats[3], -k))
+            w = max(cand, key=lambda k: (sc.get(k, 0), -stats[k, 3], -k))
         else:
             w = i % n_managers
-        hit = managers[w].serve(toks, rows)
+        hit = managers[w].serve(served)
+        stats[w] += (1, toks.size, hit, toks.size - hit)
+        routes.append(w)
+        hits.append(hit)
         if idx is not None:
             exact += sc.get(w, 0) * page_size == hit
             routed += 1
-            managers[w].pump(idx, w)
+            for ev in managers[w].take_events():
+                raw = adapters[w].encode(ev)
+                if raw is not None:
+                    idx.apply_event(w, raw)
     secs = time.perf_counter() - t0
-    tot = sum(m.stats for m in managers)
-    rows_out = [{"manager": k, "requests": int(m.stats[0]), "prompt_tokens": int(m.stats[1]),
-                 "hit_tokens": int(m.stats[2]), "computed_tokens": int(m.stats[3]),
-                 "hit_rate": float(m.stats[2] / m.stats[1]) if m.stats[1] else 0.0,
-                 "cached_tokens": int(m.cache.total_size())} for k, m in enumerate(managers)]
-    return ClusterResult(router, idx.name if idx is not None else "-", int(tot[0]), int(tot[1]), int(tot[2]),
-                         float(tot[2] / tot[1]) if tot[1] else 0.0, rows_out,
-                         exact / routed if routed else None, secs)
+    tot = stats.sum(axis=0)
+    rows_out = [{"manager": k, "requests": int(s[0]), "prompt_tokens": int(s[1]), "hit_tokens": int(s[2]),
+                 "computed_tokens": int(s[3]), "hit_rate": float(s[2] / s[1]) if s[1] else 0.0,
+                 "cached_tokens": managers[k].cached_tokens()} for k, s in enumerate(stats)]
+    return ClusterResult(router, idx.name if idx is not None else "-", managers[0].mode, int(tot[0]),
+                         int(tot[1]), int(tot[2]), float(tot[2] / tot[1]) if tot[1] else 0.0, rows_out,
+                         exact / routed if routed else None, secs, int(tot[0]) / secs if secs > 0 else 0.0,
+                         np.asarray(routes, dtype=np.int64), np.asarray(hits, dtype=np.int64))
 
 
-def _mocker(trace_path: str, limit: Optional[int], n_managers: int, block_size: int) -> Dict[str, Any]:
-    """Dynamo's offline mocker replay of the same requests, both router modes."""
+def replay_cluster(requests: Iterable[np.ndarray], n_managers: int, capacity: int, page_size: int,
+                   router: str = "kv", index: str = "auto", slack: float = 0.25,
+                   mode: str = "inproc", **process_options: Any) -> ClusterResult:
+    """Replay ``requests`` on ``n_managers`` fresh managers of ``capacity`` tokens each
+    (:func:`replay_on`): in-process (``mode="inproc"``) or ``radixkv serve`` processes
+    (``mode="process"``, started and stopped here; ``process_options`` go to
+    :class:`~radixkv.bench.cluster_procs.ManagerProcesses`).
+
+    Raises InvalidArgumentError for bad sizes, router or mode."""
+    _check_sizes(n_managers, capacity, page_size)
+    if mode not in MODES:
+        raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "inproc":
+        if process_options:
+            raise InvalidArgumentError(f"options {sorted(process_options)} are for mode='process'")
+        return replay_on([InprocManager(capacity, page_size) for _ in range(n_managers)], requests,
+                         capacity, page_size, router, index, slack)
+    from radixkv.bench.cluster_procs import ManagerProcesses
+
+    with ManagerProcesses(n_managers, capacity, page_size, **process_options) as procs:
+        return replay_on(procs.managers, requests, capacity, page_size, router, index, slack)
+
+
+def _mocker(trace_path: str, limit: Optional[int], n_managers: int, block_size: int, page_size: int,
+            capacity: int) -> Dict[str, Any]:
+    """Dynamo's offline mocker replay of the same requests, both router modes, its workers
+    given the managers' KV capacity (``num_gpu_blocks`` pages of ``page_size``)."""
     os.environ.setdefault("DYN_LOG", "error")
     from dynamo._core import run_mocker_trace_replay
 
     keys = ("prefix_cache_reused_ratio", "mean_ttft_ms", "p90_ttft_ms", "duration_ms", "request_throughput_rps",
-            "committed_prefill_tokens", "total_input_tokens")
+            "committed_prefill_tokens", "total_input_tokens", "num_requests", "completed_requests",
+            "kv_eviction_policy")
+    engine = {"engine": {"block_size": page_size, "num_gpu_blocks": capacity // page_size}}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.jsonl")
         with open(trace_path, "r", encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
@@ -235,11 +309,11 @@ def _mocker(trace_path: str, limit: Optional[int], n_managers: int, block_size: 
                 if limit is not None and k >= limit:
                     break
                 dst.write(line)
-        out = {}
+        out: Dict[str, Any] = {"extra_engine_args": engine}
         for mode in ("kv_router", "round_robin"):
             t0 = time.perf_counter()
-            s = run_mocker_trace_replay([path], num_workers=n_managers, router_mode=mode,
-                                        trace_block_size=block_size).summary
+            s = run_mocker_trace_replay([path], extra_engine_args=engine, num_workers=n_managers,
+                                        router_mode=mode, trace_block_size=block_size).summary
             out[mode] = {k: s.get(k) for k in keys}
             out[mode]["wall_s"] = time.perf_counter() - t0
     return out
@@ -255,8 +329,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--managers", type=int, default=4, help="number of managers (4)")
     parser.add_argument("--capacity-frac", type=float, default=0.05,
                         help="each manager's capacity as a fraction of the trace's unique prompt tokens (0.05)")
-    parser.add_argument("--routers", default="kv,kv_bounded,round_robin",
+    parser.add_argument("--routers", "--router", dest="routers", default="kv,kv_bounded,round_robin",
                         help="comma-separated: kv, kv_bounded, round_robin")
+    parser.add_argument("--managers-mode", default="inproc", choices=MODES,
+                        help="inproc: RadixCache objects in this process (default); process: one "
+                             "'radixkv serve' process per manager, driven through radixkv.connect")
+    parser.add_argument("--start-timeout-s", type=float, default=120.0,
+                        help="process mode: how long the managers may take to start (120)")
     parser.add_argument("--slack", type=float, default=0.25,
                         help="kv_bounded: a manager takes a request only while its computed tokens stay "
                              "within (1 + slack) x the mean (0.25)")
@@ -267,6 +346,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_out", help="write the JSON document here ('-' for stdout only)")
 
 
+def _replay_routers(src: Any, routers: List[str], cap: int, args: argparse.Namespace,
+                    doc: Dict[str, Any]) -> List[ClusterResult]:
+    """Each router on fresh managers: new in-process ones, or the same processes flushed."""
+    if args.managers_mode == "inproc":
+        return [replay_cluster(src.tokens(), args.managers, cap, args.page_size, r, args.index, args.slack)
+                for r in routers]
+    from radixkv.bench.cluster_procs import ManagerProcesses, sigterm_raises
+
+    t0 = time.perf_counter()
+    with sigterm_raises(), ManagerProcesses(args.managers, cap, args.page_size,
+                                            start_timeout_s=args.start_timeout_s) as procs:
+        doc["process_start_s"] = time.perf_counter() - t0
+        doc["manager_pids"] = procs.pids
+        out = []
+        for r in routers:
+            procs.reset()
+            out.append(replay_on(procs.managers, src.tokens(), cap, args.page_size, r, args.index, args.slack))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the replay for each router; print the table and the JSON. Returns the exit code."""
     from radixkv.bench.hitrate import load_source
@@ -275,36 +374,39 @@ def run(args: argparse.Namespace) -> int:
         src = load_source(args.trace, None, args.block_size, args.page_size, args.limit)
         routers = [r.strip() for r in args.routers.split(",") if r.strip()]
         bad = [r for r in routers if r not in ROUTERS]
-        if bad:
-            raise InvalidArgumentError(f"unknown routers {bad}; choose from {ROUTERS}")
+        if bad or not routers:
+            raise InvalidArgumentError(f"unknown routers {bad or args.routers!r}; choose from {ROUTERS}")
         if not 0 < args.capacity_frac:
             raise InvalidArgumentError("--capacity-frac must be > 0")
         cap = max(args.page_size, int(src.unique_tokens * args.capacity_frac) // args.page_size * args.page_size)
-        results = [replay_cluster(src.tokens(), args.managers, cap, args.page_size, r, args.index, args.slack)
-                   for r in routers]
         doc: Dict[str, Any] = {
             "trace": src.name, "requests": src.n_requests, "prompt_tokens": src.prompt_tokens,
-            "unique_tokens": src.unique_tokens, "managers": args.managers, "capacity_tokens_each": cap,
-            "page_size": args.page_size, "slack": args.slack, "results": [r._asdict() for r in results],
+            "unique_tokens": src.unique_tokens, "managers": args.managers, "managers_mode": args.managers_mode,
+            "capacity_tokens_each": cap, "page_size": args.page_size, "slack": args.slack,
         }
+        results = _replay_routers(src, routers, cap, args, doc)
+        doc["results"] = [{k: v for k, v in r._asdict().items() if k not in ("routes", "hits")} for r in results]
         if args.mocker:
             trace = args.trace
             if not os.path.isfile(trace):
                 from radixkv.data import mooncake_trace
 
                 trace = str(mooncake_trace(trace))
-            doc["dynamo_mocker"] = _mocker(trace, args.limit, args.managers, args.block_size)
-    except (RadixKVError, ImportError) as e:
+            doc["dynamo_mocker"] = _mocker(trace, args.limit, args.managers, args.block_size, args.page_size, cap)
+    except (RadixKVError, ImportError, OSError) as e:
         print(f"radixkv bench cluster: {e}", file=sys.stderr)
         return 2
     print(f"{src.name}: {src.n_requests} requests, {src.prompt_tokens} prompt tokens, "
-          f"{args.managers} managers x {cap} tokens")
-    print(f"{'router':<12} {'index':<7} {'hit rate':>8} {'exact':>6} {'s':>7}  per-manager requests / hit rate")
+          f"{args.managers} managers ({args.managers_mode}) x {cap} tokens")
+    print(f"{'router':<12} {'index':<7} {'hit rate':>8} {'exact':>6} {'req/s':>8}  "
+          f"per manager: requests / hit rate / computed tokens")
     for r in results:
-        per = "  ".join(f"{m['requests']}/{m['hit_rate']:.3f}" for m in r.managers)
+        per = "  ".join(f"{m['requests']}/{m['hit_rate']:.3f}/{m['computed_tokens']}" for m in r.managers)
         ex = "-" if r.predicted_exact is None else f"{r.predicted_exact:.3f}"
-        print(f"{r.router:<12} {r.index:<7} {r.hit_rate:>8.4f} {ex:>6} {r.seconds:>7.2f}  {per}")
+        print(f"{r.router:<12} {r.index:<7} {r.hit_rate:>8.4f} {ex:>6} {r.requests_per_s:>8.1f}  {per}")
     for mode, s in doc.get("dynamo_mocker", {}).items():
+        if mode == "extra_engine_args":
+            continue
         print(f"mocker {mode:<12} reused {s['prefix_cache_reused_ratio']:.4f}  mean TTFT {s['mean_ttft_ms']:.1f} ms"
               f"  p90 TTFT {s['p90_ttft_ms']:.1f} ms")
     text = json.dumps(doc, indent=2)
