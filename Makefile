@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.radixkv-installed
 
-.PHONY: all setup demo test bench soak clean
+.PHONY: all setup demo test bench bench-sglang soak clean
 
 all: test
 
@@ -28,6 +28,22 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_allocator.py
 
+# radixkv's RadixCache and MambaRadixCache side by side with SGLang's own, in one run. SGLang
+# goes into a private folder (--no-deps, only what its cache modules import), never the venv:
+# 0.5.23 for the RadixCache, 0.5.9 for the MambaRadixCache (0.5.23 no longer has one).
+SGLANG_DEPS := orjson psutil pybase64 requests urllib3 idna certifi charset-normalizer starlette anyio sniffio
+SGLANG_DIR  := .bench/sglang-0.5.23
+SGLANG059_DIR := .bench/sglang-0.5.9
+$(SGLANG_DIR)/.ok:
+	$(PY) -m pip install -q --no-deps --target $(SGLANG_DIR) sglang==0.5.23 $(SGLANG_DEPS)
+	touch $@
+$(SGLANG059_DIR)/.ok:
+	$(PY) -m pip install -q --no-deps --target $(SGLANG059_DIR) sglang==0.5.9 $(SGLANG_DEPS) tqdm safetensors
+	touch $@
+bench-sglang: $(STAMP) $(SGLANG_DIR)/.ok $(SGLANG059_DIR)/.ok
+	$(PY) benchmarks/bench_vs_sglang.py --sglang-path $(SGLANG_DIR)
+	$(PY) benchmarks/bench_vs_sglang.py --part mamba --sglang-path $(SGLANG059_DIR)
+
 # Long reliability run: a mixed workload with worker churn for MINUTES, then 1,000 kill cycles.
 MINUTES ?= 10
 soak: $(STAMP)
@@ -35,4 +51,4 @@ soak: $(STAMP)
 	RADIXKV_KILL_CYCLES=1000 $(PY) -m pytest -q -s -p no:cacheprovider tests/reliability/test_kill_cycles.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .bench
