@@ -125,6 +125,38 @@ class FreeSlots:
             mask = self._free[torch.as_tensor(ids, dtype=torch.int64).to(self.device)].cpu().numpy()
         return [i for i, f in zip(ids, mask.tolist()) if f] if mask.any() else []
 
+    def is_free_one(self, i) -> bool:
+        """Whether the one id ``i`` (an int in ``0..size``) is free; id 0 never is.
+
+        The one-id case of :meth:`free_among` (the slot a request hands to the Mamba tree),
+        without its list handling: on CPU one read of a numpy view of the free mask, made
+        once and kept (the mask tensor is allocated once and only ever written in place, so
+        the view stays current); elsewhere one device lookup. O(1).
+
+        Raises (nothing changes):
+            InvalidArgumentError: ``i`` is not an int (``bool`` included).
+            InvalidIndexError: ``i`` outside ``0..size``.
+        """
+        if type(i) is not int:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                raise InvalidArgumentError(f"ids must be ints, got {i!r}")
+            i = int(i)
+        if not 0 <= i <= self.size:
+            raise InvalidIndexError(f"id {i} out of range [0, {self.size}]")
+        host = self.__dict__.get("_host_free")
+        if host is None:
+            if self.device.type != "cpu":
+                return bool(self._free[i].item())
+            host = self._host_free = self._free.numpy()  # a view of the same memory
+        return bool(host[i])
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles drop the cached host view of the mask (a copied view would no
+        longer share memory with the copied mask); ``is_free_one`` makes a new one."""
+        state = self.__dict__.copy()
+        state.pop("_host_free", None)
+        return state
+
     def clear(self) -> None:
         """Make every id ``1..size`` free again (in ascending order). O(size)."""
         self._ring.reset(torch.arange(1, self.size + 1, dtype=torch.int32, device=self.device))

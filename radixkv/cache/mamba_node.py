@@ -133,6 +133,20 @@ class StateTable:
                 raise InvalidArgumentError(f"{what} not allocated in the Mamba pool: {describe_ids(bad)}")
         return out
 
+    def check_slot(self, pool: Any, slot: Any, what: str, checks: bool = True) -> int:
+        """:meth:`check_slots` for one slot (the hot path of ``insert_with_state`` and
+        ``fork_state``): the same checks, errors and messages, without the list. O(1)."""
+        if type(slot) is not int:
+            return self.check_slots(pool, [slot], what, checks)[0]
+        if not 1 <= slot <= pool.size:
+            raise InvalidIndexError(f"{what} {slot} out of range 1..{pool.size}")
+        node = self.node_of[slot]
+        if node is not None:
+            raise InvalidArgumentError(f"{what} {slot} is the state of tree node {node.id}")
+        if checks and pool.free_slots.is_free_one(slot):
+            raise InvalidArgumentError(f"{what} not allocated in the Mamba pool: {describe_ids([slot])}")
+        return slot
+
     # ---------------------------------------------------------------- pins
     def pin(self, node: Any) -> None:
         c = self.pins.get(node, 0)

@@ -27,6 +27,10 @@ parent left childless goes too), then ``num_states`` in the state order (see
 :mod:`radixkv.cache.mamba_policies`): an unpinned node, leaf or internal, becomes a
 tombstone and keeps its KV -- whose match still reports ``kv_prefix_len``, a checkpoint
 hint. Admission of states is a policy as well.
+
+The request-level entry points (``cache_finished_req`` / ``cache_unfinished_req``) live in
+:mod:`radixkv.cache.mamba_req_cache`; the state table and the audit in
+:mod:`radixkv.cache.mamba_node`.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from radixkv.cache import mamba_node, mamba_policies, req_cache
+from radixkv.cache import mamba_node, mamba_policies, mamba_req_cache
 from radixkv.cache.eviction import EvictionPolicy
 from radixkv.cache.mamba_node import StateTable
 from radixkv.cache.mamba_policies import (
@@ -48,7 +52,6 @@ from radixkv.cache.mamba_policies import (
 )
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
-from radixkv.cache.req_cache import _free, _insert_request, _request_rows
 from radixkv.cache.tree_node import TreeNode
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states
@@ -249,8 +252,19 @@ class MambaRadixCache(RadixCache):
         return len(src_hit)
 
     def fork_state(self, node: TreeNode, req: Any) -> bool:
-        """:meth:`fork_states` for one request; True when it got a cached state."""
-        return self.fork_states([node], [req]) == 1
+        """:meth:`fork_states` for one request (same checks, errors and effect, without the
+        batch lists); True when it got a cached state."""
+        dst = self._states.check_slot(self.mamba_pool, req.mamba_pool_idx, "request mamba_pool_idx",
+                                      self.checks)
+        self._check_node(node)
+        src = self._states.slot_of.get(node)
+        if src is not None:
+            self._copy([src], [dst])
+            return True
+        pool = self.mamba_pool
+        pool.conv_state[:, dst].zero_()
+        pool.temporal_state[:, dst].zero_()
+        return False
 
     # ------------------------------------------------------------------ insert
     def insert(self, key: Union[RadixKey, Any], value: Any, priority: int = 0, extra_key: Any = None,
@@ -270,84 +284,22 @@ class MambaRadixCache(RadixCache):
         ``InvalidArgumentError`` / ``InvalidIndexError`` for a slot out of range, free, or
         already the tree's. O(RadixCache.insert) + O(1).
         """
-        key = as_radix_key(key, extra_key)
-        slot = None if state_slot is None else self._check_slots([state_slot], "state_slot")[0]
+        if type(key) is not RadixKey or extra_key is not None:
+            key = as_radix_key(key, extra_key)
+        slot = None if state_slot is None else self._states.check_slot(self.mamba_pool, state_slot,
+                                                                       "state_slot", self.checks)
         prefix, node, _ = self._insert(key, value, priority)
-        if slot is None:
-            return MambaInsertResult(prefix, node, False)
-        if node.parent is not None and node not in self._states.slot_of:
-            self._attach(node, slot, len(key._buf) >> 2)
-            return MambaInsertResult(prefix, node, True)
-        self.mamba_pool.free(slot)
-        return MambaInsertResult(prefix, node, False)
+        if slot is not None:
+            if node.parent is not None and node not in self._states.slot_of:
+                self._attach(node, slot, len(key._buf) >> 2)
+                return _tuple_new(MambaInsertResult, (prefix, node, True))
+            self.mamba_pool.free(slot)
+        return _tuple_new(MambaInsertResult, (prefix, node, False))
 
     # ------------------------------------------------------------------ requests
-    def cache_finished_req(self, req: Any, state_len: Optional[int] = None) -> bool:
-        """RadixCache's ``cache_finished_req`` (insert the page-aligned tokens, free duplicate
-        and tail rows, unlock), and the state: when the request's state position
-        (``state_len``, default ``kv_committed_len``) is the inserted key's end and that
-        node holds no state, the tree takes ``req.mamba_pool_idx`` as it is (no copy).
-
-        Returns True when the tree took the slot: the caller must then free the row with
-        ``free(req, free_mamba_cache=False)`` and drop ``req.mamba_pool_idx`` (as
-        ``release_kv_cache`` does); on False the slot is still the request's to free.
-        Raises (nothing changes) as RadixCache's, plus for a bad slot or ``state_len``.
-        """
-        row, tokens, kv = _request_rows(self, req)
-        slot, pos = self._check_request(req, state_len)
-        if self.disable:
-            _free(self, kv)
-            return False
-        aligned, node, _, dup = _insert_request(self, req, tokens, kv)
-        _free(self, np.concatenate([dup, kv[aligned:]]))
-        took = (slot is not None and pos == aligned and node.parent is not None
-                and node not in self._states.slot_of and self.admission.admit(self, node, True))
-        if took:
-            self._attach(node, slot, aligned)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        return took
-
-    def cache_unfinished_req(self, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
-        """RadixCache's ``cache_unfinished_req`` (insert, re-point the row, move the lock),
-        and the state: when the state position (``state_len``, default
-        ``kv_committed_len``) is the end of the page-aligned inserted key, that node holds
-        no state and the admission policy agrees, the request's state is forked (copied)
-        into a new tree slot -- evicting one unpinned state if the pool is out; if none can
-        be had the node stays a tombstone. Otherwise (e.g. an unaligned chunk end) the KV
-        goes in without a state. Raises (nothing changes) as :meth:`cache_finished_req`."""
-        if self.disable:
-            return
-        _request_rows(self, req)
-        slot, pos = self._check_request(req, state_len)
-        req_cache.cache_unfinished_req(self, req, chunked)
-        node, aligned = req.last_node, req.cache_protected_len
-        if (slot is None or pos != aligned or node.parent is None or node in self._states.slot_of
-                or not self.admission.admit(self, node, False)):
-            return
-        new = self.mamba_pool.alloc(1)
-        if new is None:
-            self.evict(0, 1)  # node is pinned now: its path and state are safe
-            new = self.mamba_pool.alloc(1)
-            if new is None:
-                return
-        new = int(new[0])
-        self._copy([slot], [new])
-        self._attach(node, new, aligned)
-
-    def _check_request(self, req: Any, state_len: Optional[int]):
-        """Validate the request's slot, state position and lock; returns (slot, position)."""
-        slot = req.mamba_pool_idx
-        if slot is not None:
-            slot = self._check_slots([slot], f"request {req.rid!r} mamba_pool_idx")[0]
-        pos = req.kv_committed_len if state_len is None else state_len
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0:
-            raise InvalidArgumentError(f"state_len must be an int >= 0, got {pos!r}")
-        node = req.last_node
-        if node is not None and node.parent is not None and self._states.pins.get(node, 0) < 1 \
-                and not self.disable:
-            raise InvalidArgumentError(f"request {req.rid!r}: its last_node {node.id} is not locked on itself")
-        return slot, int(pos)
+    cache_finished_req = mamba_req_cache.cache_finished_req
+    cache_unfinished_req = mamba_req_cache.cache_unfinished_req
+    _check_request = mamba_req_cache.check_request
 
     # ------------------------------------------------------------------ evict
     evict = mamba_policies.evict

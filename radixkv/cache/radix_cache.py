@@ -18,26 +18,27 @@ Every call that rejects its input raises a :mod:`radixkv.errors` type and leaves
 exactly as it was: arguments are validated, and the walk is done read-only, before the
 first mutation (a split, a new node, a size change).
 
-The request-level entry points (``cache_finished_req`` / ``cache_unfinished_req``) live in
-:mod:`radixkv.cache.req_cache`; the audit (``check_invariants`` / ``pretty_print``) in
-:mod:`radixkv.cache.tree_audit`.
+The write path (``insert``'s validation, read-only walk and mutation; node splits) lives in
+:mod:`radixkv.cache.radix_insert`; the request-level entry points (``cache_finished_req`` /
+``cache_unfinished_req``) in :mod:`radixkv.cache.req_cache`; the audit
+(``check_invariants`` / ``pretty_print``) in :mod:`radixkv.cache.tree_audit`.
 """
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Any, Iterator, List, NamedTuple, Tuple, Union
+from typing import Any, Iterator, List, NamedTuple, Union
 
 import numpy as np
 import torch
 from sortedcontainers import SortedKeyList
 
-from radixkv.cache import leaf_eviction, req_cache, tree_audit
+from radixkv.cache import leaf_eviction, radix_insert, req_cache, tree_audit
 from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
-from radixkv.cache.rows import check_value, rows_bytes, rows_tensor
+from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
-from radixkv.errors import AlignmentError, InvalidArgumentError
+from radixkv.errors import InvalidArgumentError
 
 __all__ = ["RadixCache", "MatchResult"]
 
@@ -207,32 +208,30 @@ class RadixCache:
             if child is None:
                 break
             kb = child.kbuf
-            end = pos + len(kb)
-            if end <= n and buf.startswith(kb, pos):
-                node = child
-                pos = end
-            else:
+            if buf.startswith(kb, pos, n):  # a memcmp; False when kb runs past the key
+                pos += len(kb)
+            else:  # the key ends or diverges inside child: keep its whole matching pages
                 m = common_prefix_tokens(kb, buf, pos, n)
                 m = (m - m % self.page_size) * 4
-                node = self._split(child, m)
+                child = self._split(child, m)
                 pos += m
+                n = pos  # the walk stops after this node
             tick += 1
-            node.last_access = tick
-            node.hits += 1
+            child.last_access = tick
+            child.hits += 1
             if hit is not None:
-                hit(node)
-            if eager and node.skey is not None:
-                self._refile(node)
-            vals.append(node.vbuf)
-            if node is not child:
-                break
-            children = node.children
+                hit(child)
+            if eager and child.skey is not None:
+                self._refile(child)
+            vals.append(child.vbuf)
+            node = child
+            children = child.children
         self._clock = tick
         self._record_query(nbytes >> 2, pos >> 2)
         if not pos:
             return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device), node, 0))
-        idx = torch.from_numpy(np.frombuffer(vals[0] if len(vals) == 1 else b"".join(vals),
-                                             dtype=_I32).astype(_I64))
+        rows = vals[0] if len(vals) == 1 else b"".join(vals)
+        idx = torch.from_numpy(np.frombuffer(rows, _I32).astype(_I64))
         if self._on_device:
             idx = idx.to(self.device)
         return _tuple_new(MatchResult, (idx, node, pos >> 2))
@@ -263,109 +262,8 @@ class RadixCache:
             key = as_radix_key(key, extra_key)
         return self._insert(key, value, priority)[0]
 
-    def _insert(self, key: RadixKey, value: Any, priority: int) -> Tuple[int, TreeNode, List[TreeNode]]:
-        """Insert; returns (prefix tokens already cached, node where the key ends, the
-        path of nodes covering the already-cached prefix)."""
-        buf = key._buf
-        n = len(buf)
-        pb = self._pb
-        if n % pb:
-            raise AlignmentError(f"key of {n >> 2} tokens is not a multiple of page_size {self.page_size}")
-        value = check_value(value, n >> 2)
-        if type(priority) is not int and (isinstance(priority, bool)
-                                          or not isinstance(priority, (int, np.integer))):
-            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
-        head = self._heads.get(key.extra_key)
-        if self.disable or n == 0:
-            return 0, head if head is not None else self._heads[None], []
-        node = head
-        pos = 0
-        path: List[TreeNode] = []
-        split_child, split_at = None, 0
-        if head is not None:  # read-only walk: nothing changes before validation ends
-            children = head.children
-            while pos < n:
-                child = children.get(buf[pos:pos + pb])
-                if child is None:
-                    break
-                kb = child.kbuf
-                end = pos + len(kb)
-                if end <= n and buf.startswith(kb, pos):
-                    path.append(child)
-                    node = child
-                    pos = end
-                    children = child.children
-                    continue
-                m = common_prefix_tokens(kb, buf, pos, n)
-                split_child, split_at = child, (m - m % self.page_size) * 4
-                pos += split_at
-                break
-        tail = rows_bytes(value, pos >> 2) if pos < n else b""
-        hashes = None
-        if self.kv_events is not None and pos < n:
-            if split_child is not None:
-                parent_hash = split_child.block_hashes[split_at // pb - 1]
-            else:
-                parent_hash = node.block_hashes[-1] if node is not head else None
-            hashes = self.kv_events.on_stored(parent_hash, np.frombuffer(buf, _I32, offset=pos),
-                                              key.extra_key)
-        # ---- mutation (nothing below raises on caller input) ----
-        if head is None:
-            head = node = self._heads[key.extra_key] = NamespaceHead(self._new_id(), key.extra_key)
-        if split_child is not None:
-            node = self._split(split_child, split_at)
-            path.append(node)
-        priority = int(priority)
-        tick = self._clock
-        eager = not self._lazy
-        for x in path:
-            tick += 1
-            x.last_access = tick
-            if x.priority < priority:
-                x.priority = priority
-            if eager and x.skey is not None:
-                self._refile(x)
-        if pos < n:
-            tick += 1
-            leaf = TreeNode(self._new_id(), node, buf[pos:], tail, tick, priority)
-            if hashes is not None:
-                leaf.block_hashes = hashes
-            if node.skey is not None:  # the parent stops being a leaf
-                self._leaves.remove(node)
-                node.skey = None
-            node.children[buf[pos:pos + pb]] = leaf
-            self._evictable += (n - pos) >> 2
-            if self._on_insert is not None:
-                self._on_insert(leaf)
-            leaf.skey = self._sort_key(leaf)
-            self._leaves.add(leaf)
-            node = leaf
-        self._clock = tick
-        self._record_insert((n - pos) >> 2)
-        return pos >> 2, node, path
-
-    def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut the first ``m`` bytes (whole pages, 0 < m < len) of ``child`` into a new
-        parent; returns it. Sizes and leaf status do not change. O(len(child))."""
-        pb = self._pb
-        kb, vb = child.kbuf, child.vbuf
-        parent = child.parent
-        new = TreeNode(self._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)
-        new.last_access = child.last_access
-        new.hits = child.hits
-        new.lock_ref = child.lock_ref
-        child.kbuf = kb[m:]
-        child.vbuf = vb[m:]
-        child.parent = new
-        new.children[child.kbuf[:pb]] = child
-        parent.children[kb[:pb]] = new
-        if child.block_hashes is not None:
-            pages = m // pb
-            new.block_hashes = child.block_hashes[:pages]
-            child.block_hashes = child.block_hashes[pages:]
-        if self._on_split is not None:
-            self._on_split(new, child)
-        return new
+    _insert = radix_insert.insert_path
+    _split = radix_insert.split_node
 
     # ------------------------------------------------------------------ evict
     evict = leaf_eviction.evict

@@ -33,8 +33,10 @@ class TreeNode:
     to pass back to ``inc_lock_ref`` / ``dec_lock_ref``.
     """
 
-    __slots__ = ("children", "parent", "kbuf", "vbuf", "lock_ref", "last_access", "created",
-                 "hits", "priority", "skey", "id", "block_hashes", "pstate")
+    # Slot order is memory order: the fields a match walk reads and writes come first, so
+    # that they share as few cache lines as possible (the walk is memory-bound).
+    __slots__ = ("kbuf", "children", "vbuf", "last_access", "hits", "skey", "lock_ref", "parent",
+                 "priority", "created", "id", "block_hashes", "pstate")
 
     def __init__(self, node_id: int, parent: Optional["TreeNode"], kbuf: bytes, vbuf: bytes,
                  tick: int = 0, priority: int = 0):

@@ -1,0 +1,93 @@
+"""Request-level entry points of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache`
+(bound as its ``cache_finished_req`` / ``cache_unfinished_req``): RadixCache's
+(:mod:`radixkv.cache.req_cache`: insert the page-aligned tokens, free duplicate rows, move
+or release the lock) plus the request's Mamba state.
+
+A finished request hands its own slot to the tree (no copy) when its state position is the
+inserted node's end and that node holds none; an unfinished request's state is forked
+(copied) into a new tree slot. Every argument (row, slot, state position, lock) is
+validated before anything changes. Cost: as RadixCache's, plus O(1) for the state (one
+copy of one slot for an unfinished request).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from radixkv.cache import req_cache
+from radixkv.cache.req_cache import _free, _insert_request, _request_rows
+from radixkv.errors import InvalidArgumentError
+
+__all__ = ["cache_finished_req", "cache_unfinished_req", "check_request"]
+
+
+def cache_finished_req(cache, req: Any, state_len: Optional[int] = None) -> bool:
+    """RadixCache's ``cache_finished_req`` (insert the page-aligned tokens, free duplicate
+    and tail rows, unlock), and the state: when the request's state position
+    (``state_len``, default ``kv_committed_len``) is the inserted key's end and that
+    node holds no state, the tree takes ``req.mamba_pool_idx`` as it is (no copy).
+
+    Returns True when the tree took the slot: the caller must then free the row with
+    ``free(req, free_mamba_cache=False)`` and drop ``req.mamba_pool_idx`` (as
+    ``release_kv_cache`` does); on False the slot is still the request's to free.
+    Raises (nothing changes) as RadixCache's, plus for a bad slot or ``state_len``.
+    """
+    row, tokens, kv = _request_rows(cache, req)
+    slot, pos = check_request(cache, req, state_len)
+    if cache.disable:
+        _free(cache, kv)
+        return False
+    aligned, node, _, dup = _insert_request(cache, req, tokens, kv)
+    _free(cache, np.concatenate([dup, kv[aligned:]]))
+    took = (slot is not None and pos == aligned and node.parent is not None
+            and node not in cache._states.slot_of and cache.admission.admit(cache, node, True))
+    if took:
+        cache._attach(node, slot, aligned)
+    if req.last_node is not None:
+        cache.dec_lock_ref(req.last_node)
+    return took
+
+
+def cache_unfinished_req(cache, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
+    """RadixCache's ``cache_unfinished_req`` (insert, re-point the row, move the lock),
+    and the state: when the state position (``state_len``, default
+    ``kv_committed_len``) is the end of the page-aligned inserted key, that node holds
+    no state and the admission policy agrees, the request's state is forked (copied)
+    into a new tree slot -- evicting one unpinned state if the pool is out; if none can
+    be had the node stays a tombstone. Otherwise (e.g. an unaligned chunk end) the KV
+    goes in without a state. Raises (nothing changes) as :meth:`cache_finished_req`."""
+    if cache.disable:
+        return
+    _request_rows(cache, req)
+    slot, pos = check_request(cache, req, state_len)
+    req_cache.cache_unfinished_req(cache, req, chunked)
+    node, aligned = req.last_node, req.cache_protected_len
+    if (slot is None or pos != aligned or node.parent is None or node in cache._states.slot_of
+            or not cache.admission.admit(cache, node, False)):
+        return
+    new = cache.mamba_pool.alloc(1)
+    if new is None:
+        cache.evict(0, 1)  # node is pinned now: its path and state are safe
+        new = cache.mamba_pool.alloc(1)
+        if new is None:
+            return
+    new = int(new[0])
+    cache._copy([slot], [new])
+    cache._attach(node, new, aligned)
+
+
+def check_request(cache, req: Any, state_len: Optional[int]):
+    """Validate the request's slot, state position and lock; returns (slot, position)."""
+    slot = req.mamba_pool_idx
+    if slot is not None:
+        slot = cache._states.check_slot(cache.mamba_pool, slot, f"request {req.rid!r} mamba_pool_idx",
+                                        cache.checks)
+    pos = req.kv_committed_len if state_len is None else state_len
+    if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0:
+        raise InvalidArgumentError(f"state_len must be an int >= 0, got {pos!r}")
+    node = req.last_node
+    if node is not None and node.parent is not None and cache._states.pins.get(node, 0) < 1 \
+            and not cache.disable:
+        raise InvalidArgumentError(f"request {req.rid!r}: its last_node {node.id} is not locked on itself")
+    return slot, int(pos)
