@@ -11,9 +11,14 @@ the scheduler runs it:
     -> insert_with_state (the request's slot handed to the tree) -> free dup rows -> dec_lock_ref
 
 Timed with ``perf_counter_ns`` (wall; mean/p50/p99) and the thread's CPU time; keys are
-built before timing. ``match_prefix+fork`` is, per request, match plus the state copy. Run
+built before timing. ``match_prefix+fork`` is, per request, match plus the state copy;
+``match_prefix+state`` is, per request, what SGLang 0.5.9's ``match_prefix(cow_mamba=True)``
+does: match, ``evict_states`` (``evict(0, 1)``, only when the Mamba pool has no free slot),
+``state_alloc`` (the request's slot) and ``fork_state`` -- the row to hold against SGLang's
+356 us (its match_prefix evicts a state when its pool is full). Run
 twice: ``checks_on`` (the default cache, every handed-in slot looked up in the pool's free
-mask) and ``checks_off`` (``MambaRadixCache(checks=False)``: type/range/ownership only).
+mask) and ``checks_off`` (``MambaRadixCache(checks=False)``: type/range/ownership only);
+``--state-policy flop`` times the FLOP-aware state order instead of ``lru`` (the default).
 
 Hit rate (``--part hitrate``): each Mooncake trace (``../shared/traces/mooncake``, relative
 to the repo root; block ids expanded to pseudo-tokens), prompts only (a request ends at its
@@ -58,7 +63,8 @@ from radixkv.cache import RadixKey  # noqa: E402
 from radixkv.cache.mamba_policies import FlopStateOrder  # noqa: E402
 from radixkv.cache.mamba_radix_cache import MambaRadixCache  # noqa: E402
 
-OPS = ("match_prefix", "fork_state", "insert", "lock", "unlock", "evict", "evict_states")
+OPS = ("match_prefix", "fork_state", "insert", "lock", "unlock", "evict", "evict_states", "state_alloc")
+STATE_OPS = ("match_prefix", "evict_states", "state_alloc", "fork_state")  # match_prefix+state
 SGLANG_QUOTED_US = {"match_prefix": 356.0, "insert": 131.0}  # SGLang 0.5.9, quoted by the issue
 TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "traces", "mooncake")
 CONFIGS = [  # name, admission, state eviction, speculative checkpoint
@@ -80,12 +86,13 @@ class _Slot:
 
 
 # ----------------------------------------------------------------------------- latency
-def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks: bool = True) -> dict:
+def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks: bool = True,
+                state_policy: str = "lru") -> dict:
     work = make_workload(n_requests, seed)
     keys = [(RadixKey(p), RadixKey(f), p.size, f.size) for p, f in work]
     alloc = TokenToKVPoolAllocator(pool_tokens, device="cpu")
     mamba = mamba_pool(slots)
-    cache = MambaRadixCache(None, alloc, mamba_pool=mamba, checks=checks)
+    cache = MambaRadixCache(None, alloc, mamba_pool=mamba, checks=checks, state_eviction_policy=state_policy)
     req = _Slot()
     wall = {op: [] for op in OPS}
     cpu = {op: [] for op in OPS}
@@ -101,15 +108,19 @@ def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks
         wall[op].append(t1 - t0)
         return out
 
+    state_wall, state_cpu = [], []
     gc.collect()
     gc.freeze()
     for pkey, fkey, plen, flen in keys:
+        marks = [len(wall[op]) for op in STATE_OPS]
         m = timed("match_prefix", cache.match_prefix, pkey)
         timed("lock", cache.inc_lock_ref, m.last_node)
         if mamba.available_size() == 0:
             timed("evict_states", cache.evict, 0, 1)
-        req.mamba_pool_idx = int(mamba.alloc(1)[0])
+        req.mamba_pool_idx = int(timed("state_alloc", mamba.alloc, 1)[0])
         timed("fork_state", cache.fork_state, m.last_node, req)
+        state_wall.append(sum(sum(wall[op][i:]) for op, i in zip(STATE_OPS, marks)))
+        state_cpu.append(sum(sum(cpu[op][i:]) for op, i in zip(STATE_OPS, marks)))
         pre = m.prefix_len
         hit, queried = hit + pre, queried + plen
         need = flen - pre
@@ -127,10 +138,12 @@ def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks
     both = np.asarray(wall["match_prefix"]) + np.asarray(wall["fork_state"])
     both_cpu = np.asarray(cpu["match_prefix"]) + np.asarray(cpu["fork_state"])
     ops["match_prefix+fork"] = _stats(both.tolist(), both_cpu.tolist())
+    ops["match_prefix+state"] = _stats(state_wall, state_cpu)
     cache.check_invariants()
     speedup = {op: round(SGLANG_QUOTED_US[op] / ops[key]["mean_us"], 2)
                for op, key in (("match_prefix", "match_prefix+fork"), ("insert", "insert"))}
-    return {"checks": checks, "requests": n_requests, "pool_tokens": pool_tokens, "state_slots": slots,
+    speedup["match_prefix+state"] = round(SGLANG_QUOTED_US["match_prefix"] / ops["match_prefix+state"]["mean_us"], 2)
+    return {"checks": checks, "state_eviction_policy": state_policy, "requests": n_requests, "pool_tokens": pool_tokens, "state_slots": slots,
             "state_bytes_per_slot": int(sum(mamba.slot_bytes) * KDA_LAYERS), "ops": ops,
             "state_hit_rate": round(hit / queried, 4), "states_kept": int(kept),
             "sglang_quoted_us": SGLANG_QUOTED_US, "speedup_vs_quoted_mean": speedup}
@@ -191,6 +204,8 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--pool", type=int, default=2_000_000)
     ap.add_argument("--slots", type=int, default=512, help="state slots of the latency run")
+    ap.add_argument("--state-policy", default="lru", choices=["lru", "flop"],
+                    help="state eviction order of the latency run")
     ap.add_argument("--hit-slots", type=int, nargs="+", default=[512, 128], help="state slots of the hit-rate runs")
     ap.add_argument("--alphas", type=float, nargs="*", default=[0.3, 3.0],
                     help="extra FLOP-aware runs with these alphas (the 'flop' policy uses 1.0)")
@@ -208,7 +223,7 @@ def main(argv=None):
               "torch": torch.__version__, "machine": platform.machine(), "timings": "provisional"}
     if "latency" in args.part:
         result["latency"] = {f"checks_{'on' if c else 'off'}": run_latency(args.requests, args.pool, args.slots,
-                                                                          args.seed, c)
+                                                                          args.seed, c, args.state_policy)
                              for c in (True, False)}
     if "hitrate" in args.part:
         result["hitrate"] = run_hitrate(args.traces, args.limit, args.kv_frac, args.hit_slots, args.chunk,

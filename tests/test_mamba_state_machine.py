@@ -3,7 +3,9 @@
 The model holds the cached page-aligned prefixes (prefix -> KV rows of its last page) and the
 prefixes that end at a node holding a state (prefix -> slot, and the value written into
 that slot when it was handed over). Inserts (with or without a state), matches, forks,
-locks, unlocks and evictions of both kinds run in random order; after every step:
+locks, unlocks and evictions of both kinds run in random order (a state-only eviction takes
+exactly the states the order ranks first: for ``lru``, a stable sort of every candidate,
+against the tree's incremental heap); after every step:
 ``check_invariants()`` of the cache (both conservation laws), the allocator and the Mamba
 pool, the tree's content equals the model, and every cached state slot still holds the
 value written at insert (nobody wrote into a tree slot).
@@ -141,7 +143,13 @@ class MambaMachine(RuleBasedStateMachine):
     @rule(num_tokens=st.integers(0, 60), num_states=st.integers(0, SLOTS + 1))
     def evict(self, num_tokens, num_states):
         kv_ev, st_ev = self.cache.evictable_size(), self.cache.mamba_evictable_size()
+        before = self.cache._states.unpinned()
+        # the victims of a state-only eviction: the first of the order ranking every candidate
+        # (for lru, the stable sort the LRU heap replaced; flop ranks all of them anyway)
+        expect = {before[int(i)] for i in self.cache.state_order.order(self.cache, before)[:num_states]}
         res = self.cache.evict(num_tokens, num_states)
+        if num_tokens == 0:
+            assert {n for n in before if self.cache.state_slot(n) is None} == expect
         kv, states = tree_content(self.cache)
         assert all(self.kv.get(p) == r for p, r in kv.items()), "evict changed or added KV"
         assert all(self.states.get(p) == s for p, s in states.items()), "evict changed or added a state"

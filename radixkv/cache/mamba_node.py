@@ -13,8 +13,15 @@ node* (the base tree's ``lock_ref`` counts locks through a node). A state is *pr
 while its node is pinned and *evictable* otherwise; a node that gains a state while pinned
 is protected at once. Hence, for every node, ``lock_ref == sum of pins over its subtree``.
 
-All methods are O(1) except :meth:`unpinned` (O(states)), :meth:`check_slots` (O(slots)
-plus one pool lookup) and the audits (O(tree)).
+The LRU order of the states is kept incrementally in ``lru``, a
+:class:`~radixkv.cache.state_order.StateHeap` that :meth:`StateTable.attach` /
+:meth:`StateTable.detach` keep up to date (O(log S) amortized per attach, O(1) per detach);
+for the ``flop`` order, ``anc`` (a :class:`~radixkv.cache.state_order.StateAncestors`) keeps
+each state's nearest state ancestor position (O(tombstones around the node) per attach /
+detach).
+
+All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned`
+(O(states)), :meth:`check_slots` (O(slots) plus one pool lookup) and the audits (O(tree)).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import numpy as np
 import torch
 
 from radixkv.cache import tree_audit
+from radixkv.cache.state_order import StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
 __all__ = ["StateTable", "StateConservation", "audit_slots", "check_invariants", "check_state_conservation",
@@ -54,18 +62,23 @@ class StateTable:
 
     Attributes (read-only outside the cache): ``slot_of`` (node -> slot), ``node_of`` (slot
     -> node or ``None``, ``num_slots + 1`` entries, slot 0 unused), ``end`` (int64 per slot),
-    ``pins`` (node -> count > 0), ``protected`` (states on pinned nodes).
+    ``pins`` (node -> count > 0), ``protected`` (states on pinned nodes), ``lru`` (the
+    :class:`StateHeap` of the states' LRU order; ``slot_of``'s order is the attach order),
+    ``anc`` (with ``track_ancestors``, the :class:`StateAncestors` of the ``flop`` order:
+    each state's nearest state ancestor position; else ``None``).
     """
 
-    __slots__ = ("num_slots", "slot_of", "node_of", "end", "pins", "protected")
+    __slots__ = ("num_slots", "slot_of", "node_of", "end", "pins", "protected", "lru", "anc")
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, track_ancestors: bool = False):
         self.num_slots = int(num_slots)
         self.end = np.zeros(self.num_slots + 1, dtype=np.int64)
         self.slot_of: Dict[Any, int] = {}
         self.node_of: List[Optional[Any]] = [None] * (self.num_slots + 1)
         self.pins: Dict[Any, int] = {}
         self.protected = 0
+        self.lru = StateHeap(self.num_slots)
+        self.anc = StateAncestors(self.num_slots) if track_ancestors else None
 
     def clear(self) -> None:
         """Forget every state and pin (the caller frees the slots). In place: the maps stay
@@ -75,6 +88,9 @@ class StateTable:
         self.end[:] = 0
         self.pins.clear()
         self.protected = 0
+        self.lru.clear()
+        if self.anc is not None:
+            self.anc.clear()
 
     # ---------------------------------------------------------------- counts
     def __len__(self) -> int:
@@ -87,17 +103,24 @@ class StateTable:
     # ---------------------------------------------------------------- states
     def attach(self, node: Any, slot: int, end: int) -> None:
         """``node`` now holds ``slot``, the state after ``end`` tokens (the caller checked
-        that neither is taken)."""
+        that neither is taken). O(log S) amortized (the LRU heap), plus with ``anc`` the
+        tombstones between ``node`` and the states above and below it."""
         self.slot_of[node] = slot
         self.node_of[slot] = node
         self.end[slot] = end
+        if self.anc is not None:
+            self.anc.attach(node, slot, end, self.slot_of, self.end)
         if node in self.pins:
             self.protected += 1
+        self.lru.push(node, slot, self.slot_of)
 
     def detach(self, node: Any) -> int:
         """Drop ``node``'s state; returns its slot (now the caller's to free)."""
         slot = self.slot_of.pop(node)
         self.node_of[slot] = None
+        self.lru.drop(slot)
+        if self.anc is not None:
+            self.anc.detach(node, slot, self.slot_of)
         if node in self.pins:
             self.protected -= 1
         return slot
@@ -169,7 +192,10 @@ class StateTable:
         and pin is on a live node (reachable from ``heads``) and never on a head; the two
         maps are inverse and no slot is held twice; every state's ``end`` is its node's
         depth; every pin count is positive and every node's ``lock_ref`` equals the sum of
-        the pins in its subtree; ``protected`` counts the pinned states. O(tree)."""
+        the pins in its subtree; ``protected`` counts the pinned states; the LRU heap files
+        every state once, under a key ``<= last_access``, within its size bound
+        (:meth:`StateHeap.check`); with ``anc``, every state's nearest state ancestor
+        position is current. O(tree)."""
         depth: Dict[Any, int] = {}
         order: List[Any] = []
         stack = [(h, 0) for h in heads]
@@ -210,6 +236,9 @@ class StateTable:
         if prot != self.protected:
             raise InvariantError(f"MambaRadixCache: protected state count {self.protected} != "
                                  f"{prot} pinned states")
+        self.lru.check(self.slot_of, self.node_of)
+        if self.anc is not None:
+            self.anc.check(self.slot_of, self.end, order)
 
 
 def audit_slots(pool: Any, tree_slots: Dict[int, Any], held_slots: Dict[int, Any],

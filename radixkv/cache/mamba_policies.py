@@ -20,14 +20,20 @@ State eviction order (``state_eviction_policy=``), over the unpinned nodes holdi
   normalised to [0, 1]); the lowest ``recency + alpha * utility`` goes first. A deep state on
   a long shared prefix outlives a shallow one used as recently.
 
-Each order is computed over all S candidates at eviction time: O(S log S) plus, for
-``flop``, O(S x depth) to find each candidate's nearest state ancestor. S is bounded by the
-Mamba pool size (hundreds of slots), and evictions of states are one per admitted state at
-most, so this costs less than keeping a second sorted index up to date on every touch.
+Costs, for S states in the tree: ``lru`` pops its victims off the tree's incremental LRU
+heap (:mod:`radixkv.cache.state_order`): O(log S) amortized per victim, the same victims,
+in the same order, as a stable sort of the unpinned states by ``last_access`` (ties in
+attach order), and nothing added to the match path. ``flop`` normalises recency and utility
+over all candidates, so it ranks all of them at each eviction: O(S log S), vectorized; the
+nearest state ancestor of every state is kept by the tree as states come and go
+(``StateAncestors`` in :mod:`radixkv.cache.state_order`, asked for by the order's
+``needs_ancestors``), so no eviction walks the tree. An order that only defines
+:meth:`StateEvictionOrder.order` gets the full ranking too.
 """
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 import numpy as np
@@ -164,25 +170,46 @@ def make_admission(policy: Union[str, StateAdmission]) -> StateAdmission:
 # ----------------------------------------------------------------------------- eviction order
 class StateEvictionOrder:
     """Orders candidate state nodes for eviction: ``order(cache, nodes)`` returns the
-    positions of ``nodes`` (a list of unpinned nodes holding a state), first to evict first."""
+    positions of ``nodes`` (a list of unpinned nodes holding a state), first to evict first;
+    ``victims(cache, k)`` the first ``k`` of the tree's unpinned states in that order."""
 
     name = "base"
 
     def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:  # pragma: no cover
         raise NotImplementedError
 
+    def victims(self, cache: Any, k: int) -> List[Any]:
+        """The first ``k`` unpinned states of the order (all of them when fewer): ranks the
+        unpinned states (``StateTable.unpinned``, attach order) with :meth:`order`.
+        O(S log S)."""
+        nodes = cache._states.unpinned()
+        return [nodes[int(i)] for i in self.order(cache, nodes)[:k]]
+
 
 def _last_access(nodes: List[Any]) -> np.ndarray:
-    return np.fromiter((n.last_access for n in nodes), dtype=np.float64, count=len(nodes))
+    return np.fromiter(map(_get_last_access, nodes), dtype=np.float64, count=len(nodes))
+
+
+_get_last_access = attrgetter("last_access")
 
 
 class LRUStateOrder(StateEvictionOrder):
-    """Least recently used state first (ties: older node id first)."""
+    """Least recently used state first (ties: the state attached first goes first)."""
 
     name = "lru"
 
     def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:
+        """A stable sort by ``last_access``. O(S log S): the reference of :meth:`victims`."""
         return np.argsort(_last_access(nodes), kind="stable")
+
+    def victims(self, cache: Any, k: int) -> List[Any]:
+        """Off the tree's LRU heap (``StateTable.lru``): what ranking all unpinned states
+        with :meth:`order` gives, in O((k + stale entries) x log S) amortized. A subclass that
+        overrides :meth:`order` gets the full ranking instead."""
+        if type(self).order is not LRUStateOrder.order:
+            return StateEvictionOrder.victims(self, cache, k)
+        states = cache._states
+        return states.lru.pop_victims(k, states.pins)
 
 
 class FlopStateOrder(StateEvictionOrder):
@@ -190,6 +217,7 @@ class FlopStateOrder(StateEvictionOrder):
     first. ``flop_model`` defaults to the cache's (``cache.flop_model``)."""
 
     name = "flop"
+    needs_ancestors = True  # the tree keeps each state's nearest state ancestor (StateAncestors)
 
     def __init__(self, alpha: float = 1.0, flop_model: Optional[FlopModel] = None):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
@@ -198,25 +226,65 @@ class FlopStateOrder(StateEvictionOrder):
         self.flop_model = flop_model
 
     def utilities(self, cache: Any, nodes: List[Any]) -> np.ndarray:
-        """Prefill FLOPs each state saves over its nearest state ancestor, per state byte."""
+        """Prefill FLOPs each state saves over its nearest state ancestor, per state byte.
+        O(len) when the tree keeps the ancestors (built with this order), else
+        O(len x tombstones crossed)."""
+        states = cache._states
+        if states.anc is not None:  # kept up to date by the tree: two gathers
+            slot_of = states.slot_of
+            slots = np.fromiter(map(slot_of.__getitem__, nodes), dtype=np.intp, count=len(nodes))
+            return self._utilities(cache, states.end[slots], states.anc.above[slots])
+        near = cache.nearest_state_ancestor_end  # a tree built for another order: walk up
+        above = np.fromiter(map(near, nodes), dtype=np.int64, count=len(nodes))
+        return self._utilities(cache, cache.state_positions(nodes), above)
+
+    def _utilities(self, cache: Any, ends: np.ndarray, above: np.ndarray) -> np.ndarray:
         model = self.flop_model or cache.flop_model
-        ends = cache.state_positions(nodes)
-        above = np.fromiter((cache.nearest_state_ancestor_end(n) for n in nodes), dtype=np.int64,
-                            count=len(nodes))
         saved = model.prefix_flops(ends) - model.prefix_flops(above)
         return saved / float(model.state_bytes)
+
+    def _rank(self, last_access: np.ndarray, util: np.ndarray) -> np.ndarray:
+        """Positions, first to evict first, of candidates with these ``last_access`` and
+        utilities (n >= 2). O(n log n), vectorized."""
+        n = len(last_access)
+        rank = np.empty(n, dtype=np.float64)
+        rank[np.argsort(last_access, kind="stable")] = np.arange(n, dtype=np.float64)
+        recency = rank / (n - 1)
+        top = float(util.max())
+        score = recency + (self.alpha * util / top if top > 0 else 0.0)
+        return np.argsort(score, kind="stable")
 
     def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:
         n = len(nodes)
         if n <= 1:
             return np.arange(n)
-        rank = np.empty(n, dtype=np.float64)
-        rank[np.argsort(_last_access(nodes), kind="stable")] = np.arange(n, dtype=np.float64)
-        recency = rank / (n - 1)
-        util = self.utilities(cache, nodes)
-        top = float(util.max())
-        score = recency + (self.alpha * util / top if top > 0 else 0.0)
-        return np.argsort(score, kind="stable")
+        return self._rank(_last_access(nodes), self.utilities(cache, nodes))
+
+    def victims(self, cache: Any, k: int) -> List[Any]:
+        """:meth:`order` over the tree's unpinned states (attach order), its first ``k``;
+        with the tree's ancestors (``StateTable.anc``), straight from the state table's
+        arrays: one pass over the states for ``last_access``, the rest vectorized. O(S log S)."""
+        states = cache._states
+        if states.anc is None or type(self).order is not FlopStateOrder.order:
+            return StateEvictionOrder.victims(self, cache, k)
+        slot_of, pins = states.slot_of, states.pins
+        nodes = list(slot_of)
+        slots = np.fromiter(slot_of.values(), dtype=np.intp, count=len(nodes))
+        la = _last_access(nodes)
+        pinned = [slot_of[p] for p in pins if p in slot_of] if pins else None
+        if pinned:  # candidates: the unpinned states, in attach order
+            free = np.ones(len(states.node_of), dtype=bool)
+            free[pinned] = False
+            keep = np.flatnonzero(free[slots])
+            slots, la = slots[keep], la[keep]
+        else:
+            keep = None
+        if len(slots) <= 1:
+            first = np.arange(len(slots))
+        else:
+            first = self._rank(la, self._utilities(cache, states.end[slots], states.anc.above[slots]))
+        first = first[:k] if keep is None else keep[first[:k]]
+        return [nodes[i] for i in first.tolist()]
 
 
 STATE_EVICTION_POLICIES: Dict[str, Callable[[], StateEvictionOrder]] = {
@@ -255,7 +323,8 @@ def evict(cache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
     call, slots in ONE pool call.
 
     Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
-    O(evicted nodes x log L) + O(S log S) when states are asked for.
+    O(evicted nodes x log L) + the state order's victims (``lru``: O(log S) amortized per
+    state; ``flop``: O(S log S)).
     """
     num_tokens = check_count(num_tokens, "num_tokens")
     num_states = check_count(num_states, "num_states")
@@ -266,6 +335,8 @@ def evict(cache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
     tokens = _evict_leaves(cache, num_tokens, rows, slots) if num_tokens else 0
     if len(slots) < num_states and cache._states.evictable:
         _evict_states(cache, num_states - len(slots), slots)
+    if slots:
+        cache._states.lru.maybe_compact(cache._states.slot_of)  # dead entries of the states gone
     cache._free_rows(rows)
     if slots:
         cache.mamba_pool.free(slots)
@@ -287,9 +358,7 @@ def _evict_leaves(cache, num_tokens: int, rows: List[bytes], slots: List[int]) -
 def _evict_states(cache, k: int, slots: List[int]) -> None:
     """Tombstone the first ``k`` unpinned state nodes of the state order (their KV stays: a
     tombstone leaf is re-filed at the front of the full order)."""
-    nodes = cache._states.unpinned()
-    for i in cache.state_order.order(cache, nodes)[:k]:
-        node = nodes[int(i)]
+    for node in cache.state_order.victims(cache, k):
         slots.append(cache._states.detach(node))
         if node.skey is not None:  # a filed leaf: its full-order key dropped
             cache._refile(node)

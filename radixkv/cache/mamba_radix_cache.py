@@ -120,8 +120,10 @@ class MambaRadixCache(RadixCache):
             already the tree's -- as the pools' own ``checks``.
 
     Costs on top of RadixCache's: match O(d) more dict probes (walking up to the deepest
-    state); insert / lock / unlock O(1) more; a fork one vectorized copy per batch; evicting
-    states O(S log S) over the S states the tree holds (see ``mamba_policies``).
+    state); insert / lock / unlock O(1) more (attaching a state O(log S) amortized: the LRU
+    heap); a fork one vectorized copy per batch; evicting states, over the S states the tree
+    holds, O(log S) amortized per state with ``lru``, O(S log S) with ``flop`` (see
+    ``mamba_policies``).
     Metrics count a query's hit as ``prefix_len`` (state hit), not the KV match.
     """
 
@@ -148,7 +150,7 @@ class MambaRadixCache(RadixCache):
         self.flop_model = flop_model if flop_model is not None else FlopModel.from_pool(pool)
         self.mamba_pool = pool
         self.checks = bool(checks)
-        self._states = StateTable(pool.size)
+        self._states = StateTable(pool.size, bool(getattr(self.state_order, "needs_ancestors", False)))
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
                          disable, enable_kv_events, kv_event_seed, metrics_window)
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key

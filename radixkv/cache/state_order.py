@@ -1,0 +1,224 @@
+"""What the state eviction orders of a
+:class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` keep up to date as states come and
+go (pure bookkeeping): ``StateHeap``, the incremental least-recently-used order of the Mamba
+states, and ``StateAncestors``, the position of each state's nearest state ancestor (the
+``flop`` order's marginal utility).
+
+The ``lru`` state eviction order is "lowest ``node.last_access`` first; ties in attach
+order" (what a stable argsort of the states in attach order gives). Sorting every state on
+every eviction costs O(S log S) for S states; this heap gives the same victims in
+O(log S) amortized per victim, with nothing added to the match path:
+
+* :meth:`StateHeap.push` (at ``StateTable.attach``) files ``(last_access, seq, slot, node)``;
+  ``seq`` is a counter that grows with every attach, so it reproduces the attach order of the
+  ties, and ``seq_at[slot]`` remembers the live attach of each slot (0: none);
+* matches and inserts only raise ``node.last_access`` (ticks of a logical clock never go
+  down; a split copies it into a NEW node), so an entry's key is a lower bound of its node's
+  current key. :meth:`StateHeap.pop_victims` looks at the minimum: an entry whose attach is
+  gone (``seq_at[slot] != seq``: detached by a state or full eviction, or re-attached since)
+  is dropped; a stale key is re-filed under the node's current ``last_access``; a pinned
+  node's entry is set aside and filed back afterwards; a fresh entry is the true minimum of
+  the order (every other entry's key bounds its node's key from below) -- a victim;
+* entries of states that left by full (KV) eviction stay in the heap until they surface;
+  :meth:`StateHeap.compact` rebuilds it from the live states once it holds more than
+  ``2 x states + 64`` entries (amortized O(1) per attach).
+
+Invariants (:meth:`StateHeap.check`): each state has exactly one live entry, filed under a
+key ``<= last_access``; no live entry names another node than the slot's; ``seq_at`` is 0
+exactly on the slots no state holds; the heap holds at most ``2 x states + 64`` entries.
+
+``StateAncestors.above[slot]``: the end position of the nearest state strictly above the
+state in ``slot`` (0: none below the namespace head). Only attaching or detaching a state
+changes it (a split inserts a tombstone, a new leaf has no state, a removed leaf has no
+children), and then only for the states just below the node: those reached from it through
+tombstones. So :meth:`StateAncestors.attach` walks up to the nearest state and down to that
+frontier, :meth:`StateAncestors.detach` down to it: O(tombstones crossed), O(1) for a leaf.
+"""
+from __future__ import annotations
+
+from heapq import heapify, heappop, heappush, heapreplace
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+from radixkv.errors import InvariantError, describe_ids
+
+__all__ = ["StateHeap", "StateAncestors", "COMPACT_SLACK"]
+
+COMPACT_SLACK = 64  # the heap is rebuilt once it holds more than 2 x states + COMPACT_SLACK entries
+
+
+class StateHeap:
+    """Lazy min-heap of ``(last_access, seq, slot, node)`` over the states of a tree.
+
+    ``heap`` (the entries), ``seq_at`` (per slot, the ``seq`` of its live attach, 0: free),
+    ``next_seq`` (the last ``seq`` handed out). Keys ``(last_access, seq)`` are unique, so
+    entries never compare their slots or nodes.
+    """
+
+    __slots__ = ("heap", "seq_at", "next_seq")
+
+    def __init__(self, num_slots: int):
+        self.heap: List[tuple] = []
+        self.seq_at: List[int] = [0] * (int(num_slots) + 1)
+        self.next_seq = 0
+
+    def clear(self) -> None:
+        """Forget every entry (``seq`` keeps growing: keys stay unique). O(slots)."""
+        self.heap.clear()
+        self.seq_at[:] = [0] * len(self.seq_at)
+
+    def push(self, node: Any, slot: int, live: Dict[Any, int]) -> None:
+        """``node`` just got ``slot`` (``live``: node -> slot, ``node`` included). O(log S)
+        amortized (a rebuild when the heap outgrew its bound)."""
+        self.next_seq += 1
+        self.seq_at[slot] = seq = self.next_seq
+        heap = self.heap
+        if len(heap) >= 2 * len(live) + COMPACT_SLACK:
+            self.compact(live)  # files ``node`` with the others
+        else:
+            heappush(heap, (node.last_access, seq, slot, node))
+
+    def drop(self, slot: int) -> None:
+        """The state in ``slot`` left the tree: its entry is dead from now on. O(1)."""
+        self.seq_at[slot] = 0
+
+    def compact(self, live: Dict[Any, int]) -> None:
+        """Rebuild the heap from the live states (node -> slot), one entry each, keyed by
+        their current ``last_access``. O(S)."""
+        seq_at = self.seq_at
+        heap = [(n.last_access, seq_at[s], s, n) for n, s in live.items()]
+        heapify(heap)
+        self.heap = heap
+
+    def maybe_compact(self, live: Dict[Any, int]) -> None:
+        """:meth:`compact` when the heap holds more than ``2 x states + 64`` entries. O(1)
+        unless it rebuilds."""
+        if len(self.heap) > 2 * len(live) + COMPACT_SLACK:
+            self.compact(live)
+
+    def pop_victims(self, k: int, pins: Dict[Any, int]) -> List[Any]:
+        """Remove and return the first ``k`` unpinned states of the order (fewer when fewer
+        are unpinned), first victim first; the caller detaches them. Pinned states keep their
+        entries. O((k + stale + pinned entries met) x log S)."""
+        heap, seq_at = self.heap, self.seq_at
+        out: List[Any] = []
+        aside = []
+        while len(out) < k and heap:
+            entry = heap[0]
+            key, seq, slot, node = entry
+            if seq_at[slot] != seq:  # detached (or re-attached since): a dead entry
+                heappop(heap)
+            elif node.last_access != key:  # touched since filed: re-file under its key
+                heapreplace(heap, (node.last_access, seq, slot, node))
+            elif node in pins:
+                aside.append(heappop(heap))
+            else:
+                heappop(heap)
+                out.append(node)
+        for entry in aside:
+            heappush(heap, entry)
+        return out
+
+    # ---------------------------------------------------------------- audit
+    def check(self, live: Dict[Any, int], node_of: Sequence[Any]) -> None:
+        """Raise :class:`InvariantError` naming the node ids / slots unless the invariants
+        of the module docstring hold (``live``: node -> slot; ``node_of``: slot -> node).
+        O(heap + slots)."""
+        seq_at = self.seq_at
+        filed: Dict[int, int] = {}
+        wrong_node, ahead = [], []
+        for key, seq, slot, node in self.heap:
+            if seq_at[slot] != seq:
+                continue
+            filed[slot] = filed.get(slot, 0) + 1
+            if node_of[slot] is not node:
+                wrong_node.append(slot)
+            elif key > node.last_access:
+                ahead.append(node.id)
+        if wrong_node:
+            raise InvariantError(f"StateHeap: live entries naming another node than their slot's: "
+                                 f"slots {describe_ids(wrong_node)}")
+        if ahead:
+            raise InvariantError(f"StateHeap: entries filed under a key above their node's last_access "
+                                 f"(would evict out of order): nodes {describe_ids(ahead)}")
+        missing = [n.id for n, s in live.items() if seq_at[s] == 0 or filed.get(s, 0) == 0]
+        if missing:
+            raise InvariantError(f"StateHeap: states with no entry in the LRU heap (never evictable "
+                                 f"by it): nodes {describe_ids(missing)}")
+        twice = [node_of[s].id for s, c in filed.items() if c > 1]
+        if twice:
+            raise InvariantError(f"StateHeap: states filed twice in the LRU heap (duplicated): "
+                                 f"nodes {describe_ids(twice)}")
+        held = set(live.values())
+        stray = [s for s, q in enumerate(seq_at) if q and s not in held]
+        if stray:
+            raise InvariantError(f"StateHeap: attach marks on slots no state holds (leaked): "
+                                 f"slots {describe_ids(stray)}")
+        bound = 2 * len(live) + COMPACT_SLACK
+        if len(self.heap) > bound:
+            raise InvariantError(f"StateHeap: {len(self.heap)} entries for {len(live)} states "
+                                 f"(bound {bound}): never compacted")
+
+
+class StateAncestors:
+    """``above`` (int64 per slot, slot 0 unused): for each slot holding a state, the end of
+    the nearest state strictly above it, 0 when there is none. Kept by ``StateTable`` when
+    its eviction order needs it (``flop``); see the module docstring."""
+
+    __slots__ = ("above",)
+
+    def __init__(self, num_slots: int):
+        self.above = np.zeros(int(num_slots) + 1, dtype=np.int64)
+
+    def clear(self) -> None:
+        self.above[:] = 0
+
+    @staticmethod
+    def _frontier(node: Any, live: Dict[Any, int]) -> List[int]:
+        """Slots of the states below ``node`` with only tombstones in between."""
+        out: List[int] = []
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            s = live.get(n)
+            if s is None:
+                stack.extend(n.children.values())
+            else:
+                out.append(s)
+        return out
+
+    def attach(self, node: Any, slot: int, end: int, live: Dict[Any, int], ends: np.ndarray) -> None:
+        """``node`` got the state ``slot`` at ``end`` (already in ``live``: node -> slot;
+        ``ends``: end per slot). O(tombstones above and below up to the nearest states)."""
+        p = node.parent
+        while p.parent is not None and p not in live:
+            p = p.parent
+        self.above[slot] = 0 if p.parent is None else ends[live[p]]
+        below = self._frontier(node, live)
+        if below:
+            self.above[below] = end
+
+    def detach(self, node: Any, slot: int, live: Dict[Any, int]) -> None:
+        """``node`` lost the state ``slot``: the states just below it now see the one above
+        it. O(tombstones below up to the nearest states)."""
+        if node.children:
+            below = self._frontier(node, live)
+            if below:
+                self.above[below] = self.above[slot]
+
+    def check(self, live: Dict[Any, int], ends: np.ndarray, nodes: Sequence[Any]) -> None:
+        """Raise :class:`InvariantError` naming the state nodes whose ``above`` is not the
+        end of their nearest state ancestor (``nodes``: every real node, parents first). O(tree)."""
+        near: Dict[Any, int] = {}
+        wrong = []
+        for n in nodes:
+            p = n.parent
+            e = 0 if p.parent is None else (int(ends[live[p]]) if p in live else near[p])
+            near[n] = e
+            s = live.get(n)
+            if s is not None and int(self.above[s]) != e:
+                wrong.append(n.id)
+        if wrong:
+            raise InvariantError(f"StateAncestors: nearest state ancestor position out of date: "
+                                 f"nodes {describe_ids(wrong)}")
