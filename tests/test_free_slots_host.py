@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radixkv.allocator import FreeSlots
-from radixkv.errors import InvalidArgumentError, InvalidIndexError
+from radixkv.errors import DoubleFreeError, InvalidArgumentError, InvalidIndexError
 
 
 def _state(fs):
@@ -69,4 +69,59 @@ def test_free_among_matches_model_and_is_free_seeded(device):
         assert fs.free_among(query) == want
         mask = fs.is_free(torch.tensor(query, device=device)).tolist()
         assert [i for i, f in zip(query, mask) if f] == want
+    fs.check_invariants()
+
+
+# ------------------------------------------------------------------ one-id alloc / free
+def test_one_id_paths_match_the_general_paths(device):
+    """alloc_one / free_one hand out and take back exactly what alloc(1) / free([i]) do,
+    over a seeded random sequence that wraps the ring several times."""
+    fast, ref = FreeSlots(9, device), FreeSlots(9, device)
+    rng = np.random.default_rng(0)
+    held = []
+    for _ in range(400):
+        if held and (rng.random() < 0.5 or fast.available() == 0):
+            i = held.pop(int(rng.integers(len(held))))
+            fast.free_one(i)
+            ref.free(torch.tensor([i], device=device))
+        else:
+            got, want = fast.alloc_one(), ref.alloc(1)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got == int(want[0])
+                held.append(got)
+        assert _state(fast)[0] == _state(ref)[0] and _state(fast)[1] == _state(ref)[1]
+        assert torch.equal(fast._free, ref._free)
+        fast.check_invariants()
+    while fast.alloc_one() is not None:
+        pass
+    assert fast.alloc_one() is None and fast.available() == 0
+
+
+@pytest.mark.parametrize("bad, err", [
+    (0, InvalidIndexError), (10, InvalidIndexError), (-1, InvalidIndexError),
+    (True, InvalidArgumentError), (1.0, InvalidArgumentError), ("1", InvalidArgumentError),
+    (5, DoubleFreeError),  # free, never allocated
+])
+def test_free_one_bad_ids_leave_state_unchanged(device, bad, err):
+    fs = FreeSlots(9, device)
+    fs.alloc(3)
+    before = _state(fs)
+    with pytest.raises(err):
+        fs.free_one(bad)
+    after = _state(fs)
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+    fs.check_invariants()
+
+
+def test_free_one_numpy_int_and_copy_independence():
+    import copy
+
+    fs = FreeSlots(4)
+    a = fs.alloc_one()
+    twin = copy.deepcopy(fs)  # the cached host views must not be shared with the copy
+    fs.free_one(np.int64(a))
+    assert fs.available() == 4 and twin.available() == 3
+    assert not bool(twin.is_free(torch.tensor([a]))[0])
+    twin.check_invariants()
     fs.check_invariants()

@@ -126,6 +126,33 @@ def test_free_validates_unchanged(device):
     assert pool.available_size() == SIZE
 
 
+def test_one_slot_paths_zero_and_validate_like_the_general_ones(device):
+    """alloc(1) / alloc_one zero the slot like alloc(n); free(int) / free([int]) take the
+    one-slot path with the same errors, state unchanged on each."""
+    pool = pool_on(device)
+    ids = pool.alloc(SIZE)
+    pool.conv_state[:, ids] = 1.0
+    pool.temporal_state[:, ids] = 2.0
+    pool.free([int(ids[0])])
+    pool.free(int(ids[1]))
+    one = pool.alloc(1)
+    assert one.dtype == torch.int64 and one.tolist() == [int(ids[0])]
+    i = pool.alloc_one()
+    assert i == int(ids[1])
+    for slot in (int(one[0]), i):
+        assert int(pool.conv_state[:, slot].count_nonzero()) == 0
+        assert int(pool.temporal_state[:, slot].count_nonzero()) == 0
+    assert torch.all(pool.temporal_state[:, ids[2:]] == 2.0)
+    assert pool.alloc_one() is None and pool.alloc(1) is None
+    pool.free(i)
+    snap = snapshot(pool)
+    for bad, error in ((i, DoubleFreeError), ([i], DoubleFreeError), (0, InvalidIndexError),
+                       ([SIZE + 1], InvalidIndexError), (True, InvalidArgumentError)):
+        with pytest.raises(error):
+            pool.free(bad)
+        assert_unchanged(pool, snap)
+
+
 def test_copy_from_forks_state(device):
     pool = pool_on(device)
     src = pool.alloc(2)

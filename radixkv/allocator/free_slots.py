@@ -24,7 +24,7 @@ from radixkv.allocator.validation import (
     check_ids_in_range,
     check_ids_to_free,
 )
-from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError
+from radixkv.errors import DoubleFreeError, InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
 
 class FreeSlots:
@@ -82,6 +82,53 @@ class FreeSlots:
             check_ids_to_free(ids, self._free, 1, self.size)
         self._ring.push(ids)
         self._free[ids] = True
+
+    def _host_mask(self):
+        """The numpy view of the free mask on CPU (made once and kept: the mask is only
+        ever written in place), ``None`` on another device."""
+        host = self.__dict__.get("_host_free")
+        if host is None and self.device.type == "cpu":
+            host = self._host_free = self._free.numpy()
+        return host
+
+    def alloc_one(self) -> Optional[int]:
+        """Take one free id as an int, or ``None`` (state unchanged) when none is free: the
+        one-id case of :meth:`alloc` (same id, same order) without tensor dispatch on CPU.
+        O(1)."""
+        if self._ring.tail == self._ring.head:
+            return None
+        i = self._ring.pop_one()
+        host = self._host_mask()
+        if host is not None:
+            host[i] = False
+        else:
+            self._free[i] = False
+        return i
+
+    def free_one(self, i) -> None:
+        """Return the one id ``i`` (an int): the one-id case of :meth:`free`, with the same
+        checks and errors, on CPU through host views (no torch dispatch). O(1).
+
+        Raises (state unchanged):
+            InvalidArgumentError: ``i`` is not an int (``bool`` included).
+            InvalidIndexError: ``i`` outside ``1..size``.
+            DoubleFreeError: ``i`` is already free.
+        """
+        if type(i) is not int:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                raise InvalidArgumentError(f"ids must be ints, got {i!r}")
+            i = int(i)
+        host = self._host_mask()
+        if self.checks:
+            if not 1 <= i <= self.size:
+                raise InvalidIndexError(f"ids out of range [1, {self.size}]: {describe_ids([i])}")
+            if (host[i] if host is not None else bool(self._free[i].item())):
+                raise DoubleFreeError(f"ids already free: {describe_ids([i])}")
+        self._ring.push_one(i)
+        if host is not None:
+            host[i] = True
+        else:
+            self._free[i] = True
 
     def is_free(self, ids) -> torch.Tensor:
         """A bool tensor (flat, on ``device``): whether each of ``ids`` is free. O(k).
@@ -143,11 +190,9 @@ class FreeSlots:
             i = int(i)
         if not 0 <= i <= self.size:
             raise InvalidIndexError(f"id {i} out of range [0, {self.size}]")
-        host = self.__dict__.get("_host_free")
+        host = self._host_mask()
         if host is None:
-            if self.device.type != "cpu":
-                return bool(self._free[i].item())
-            host = self._host_free = self._free.numpy()  # a view of the same memory
+            return bool(self._free[i].item())
         return bool(host[i])
 
     def __getstate__(self) -> dict:

@@ -66,6 +66,45 @@ class IdRing:
         if self.tail > self.high_water:
             self.high_water = self.tail
 
+    def _host(self):
+        """A numpy view of ``buf`` on CPU (made once: ``buf`` is only written in place),
+        ``None`` on another device."""
+        host = self.__dict__.get("_host_buf")
+        if host is None and self.device.type == "cpu":
+            host = self._host_buf = self.buf.numpy()
+        return host
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles drop the cached host view (a copied view would not share
+        memory with the copied buffer); ``_host`` makes a new one."""
+        state = self.__dict__.copy()
+        state.pop("_host_buf", None)
+        return state
+
+    def push_one(self, i: int) -> None:
+        """Append the one id ``i`` (an int) after the tail: on CPU one write through the
+        host view, no torch dispatch. O(1). Same contract as :meth:`push`."""
+        if self.tail - self.head >= self.capacity:
+            raise InvariantError(f"IdRing.push: {len(self)} + 1 ids exceed the capacity {self.capacity}")
+        p = self.tail % self.capacity
+        host = self._host()
+        if host is not None:
+            host[p] = i
+        else:
+            self.buf[p] = i
+        self.tail += 1
+        if self.tail > self.high_water:
+            self.high_water = self.tail
+
+    def pop_one(self) -> int:
+        """Remove and return the first live id as an int (the owner checked that one is
+        live). O(1)."""
+        p = self.head % self.capacity
+        host = self._host()
+        i = int(host[p]) if host is not None else int(self.buf[p].item())
+        self.head += 1
+        return i
+
     def read(self, start: int, end: int) -> torch.Tensor:
         """The ids at absolute positions ``[start, end)`` in order. O(end - start).
 

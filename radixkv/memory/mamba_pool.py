@@ -179,12 +179,25 @@ class MambaPool:
 
         Raises ``InvalidArgumentError`` when ``n`` is not a non-negative int.
         """
+        if n == 1 and type(n) is int:
+            i = self.alloc_one()
+            return None if i is None else torch.tensor([i], dtype=torch.int64, device=self.device)
         ids = self.free_slots.alloc(n)
         if ids is None or ids.numel() == 0:
             return ids
         self.conv_state[:, ids] = 0
         self.temporal_state[:, ids] = 0
         return ids
+
+    def alloc_one(self) -> Optional[int]:
+        """One slot as an int with its states zeroed in every layer (the slot ``alloc(1)``
+        would give), or ``None`` when none is free. Two in-place slice writes, no index
+        tensors: the per-request case of a scheduler."""
+        i = self.free_slots.alloc_one()
+        if i is not None:
+            self.conv_state[:, i].zero_()
+            self.temporal_state[:, i].zero_()
+        return i
 
     def _slots(self, idx: Any, what: str) -> torch.Tensor:
         if isinstance(idx, torch.Tensor) and idx.device != self.device:
@@ -197,6 +210,11 @@ class MambaPool:
         Raises (nothing changes): ``InvalidIndexError`` (outside ``1..size``),
         ``DoubleFreeError`` (already free, or repeated), ``InvalidArgumentError`` (dtype).
         """
+        if type(indices) is list and len(indices) == 1:  # the tree frees one slot per state
+            indices = indices[0]
+        if type(indices) is int:
+            self.free_slots.free_one(indices)
+            return
         self.free_slots.free(self._slots(indices, "indices"))
 
     def validate_allocated(self, indices: Any, what: str = "slot") -> torch.Tensor:
