@@ -11,7 +11,10 @@ call: the worker takes ``B`` requests, calls ``alloc_extend`` once for all of th
 
 Runs: a real server process (``radixkv serve``, Unix socket, shared-memory pools) and
 ``W`` = 1, 2, 4 worker processes (multiprocessing spawn), each with its own session, at
-``B`` = 1, 8, 32 requests per step. The tree is flushed between runs. The embedded baseline
+``B`` = 1, 8, 32 requests per step (``max(requests // B, min_steps)`` steps per worker). The
+tree is flushed between runs. ``--transport stream`` (default) sends the step calls over
+the client's persistent Step stream (``connect(..., step_stream=True)``), ``unary`` as one
+unary RPC each. The embedded baseline
 replays exactly the same batches (all ``W`` workers' streams, one after the other) on a
 fresh in-process ``CacheEngine`` with the same config and, like the server
 (``--torch-threads 1``), one torch thread. Both sides first run 2 warm-up steps
@@ -20,11 +23,17 @@ per worker (other seeds, untimed) and flush the tree.
 Reported per (W, B): requests/s (all workers together, wall clock), step latency p50/p99
 (each batch call, as the worker sees it), the embedded engine's requests/s and step p50,
 and ``overhead`` = remote seconds per request / embedded seconds per request (remote:
-wall time of the run / requests of all workers). Also the p50 of a single ``heartbeat``
-call (one RPC round trip, W=1). Prints a table, then JSON (``--json FILE`` writes it too).
-Timing is never asserted; on a shared machine the figures are provisional.
+wall time of the run / requests of all workers). CPU time too, which a loaded machine
+distorts less than wall time (every RPC wakes two processes, and on a busy machine each
+wake-up may wait for a core): ``remote cpu`` = CPU seconds of the server process (all its
+threads, ``/proc/PID/task/*/schedstat``) + of every worker process (``time.process_time``)
+during the run, per request; ``embed cpu`` likewise for the embedded replay; ``cpu
+overhead`` their ratio. Also the p50 of a single ``heartbeat`` call (one round trip, W=1).
+Prints a table, then JSON (``--json FILE`` writes it too). Timing is never asserted; on a
+shared machine the figures are provisional.
 
     python benchmarks/bench_service.py [--workers 1 2 4] [--batches 1 8 32] [--requests 256]
+                                       [--min-steps 16] [--transport stream|unary]
 """
 from __future__ import annotations
 
@@ -94,11 +103,31 @@ def run_steps(engine, session, workload: ChatWorkload, b: int, steps: int, tag: 
         lat.append(time.perf_counter() - t)
 
 
-def worker_main(idx: int, address: str, token: str, plan, barrier, results):
-    """One worker process: for each (B, steps) of ``plan``, wait at the barrier, run, report."""
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of every live thread of process ``pid`` (ns resolution from schedstat;
+    clock ticks from /proc/PID/stat where schedstat is missing)."""
+    total, base = 0, f"/proc/{pid}/task"
+    try:
+        for tid in os.listdir(base):
+            try:
+                with open(f"{base}/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # a thread that just ended
+        return total / 1e9
+    except FileNotFoundError:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_main(idx: int, address: str, token: str, plan, barrier, results, stream: bool = True,
+                heartbeat: bool = False):
+    """One worker process: for each (B, steps) of ``plan``, wait at the barrier, run, report
+    (with ``heartbeat``, then time 300 single calls after the last run)."""
     from radixkv.service.client import connect
 
-    c = connect(address, token=token, wait_s=120, timeout_s=120)
+    c = connect(address, token=token, wait_s=120, timeout_s=120, step_stream=stream)
     s = c.attach(f"bench-{idx}").session
     c.start_keepalive(s)
     for run, (b, steps) in enumerate(plan):
@@ -107,10 +136,10 @@ def worker_main(idx: int, address: str, token: str, plan, barrier, results):
         barrier.wait(timeout=600)  # go
         wl = ChatWorkload(seed=1000 * run + idx)
         lat: List[float] = []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run_steps(c, s, wl, b, steps, f"w{idx}r{run}", lat)
-        results.put((idx, run, time.perf_counter() - t0, wl.n, lat))
-        if idx == 0 and run == len(plan) - 1:
+        results.put((idx, run, time.perf_counter() - t0, wl.n, lat, time.process_time() - c0))
+        if heartbeat and run == len(plan) - 1:
             hb = []
             for _ in range(300):
                 t = time.perf_counter()
@@ -131,15 +160,15 @@ def embedded_run(w: int, b: int, steps: int, run: int):
         run_steps(e, sessions[i], ChatWorkload(seed=10**6 + i), b, WARMUP_STEPS, f"warm{i}r{run}", [])
     assert e.flush(sessions[0])
     lat: List[float] = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for i in range(w):
         wl = ChatWorkload(seed=1000 * run + i)
         run_steps(e, sessions[i], wl, b, steps, f"w{i}r{run}", lat)
         n += wl.n
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     e.check_invariants()
-    return wall, n, lat
+    return wall, n, lat, cpu
 
 
 def pct(xs, q):
@@ -151,6 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=256, help="requests per worker per run (rounded to B)")
+    ap.add_argument("--min-steps", type=int, default=16, help="scheduler steps per worker per run, at least")
+    ap.add_argument("--transport", choices=("stream", "unary"), default="stream",
+                    help="step calls over the client's Step stream, or one unary RPC each")
     ap.add_argument("--json", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
 
@@ -160,6 +192,7 @@ def main(argv=None) -> int:
     from radixkv.service.client import connect
 
     torch.set_num_threads(1)  # the embedded baseline runs with the server's --torch-threads 1
+    load0 = os.getloadavg()[0]
 
     ctx = mp.get_context("spawn")
     d = tempfile.mkdtemp(prefix="rkv-bench-")
@@ -180,18 +213,21 @@ def main(argv=None) -> int:
         admin_s = admin.attach("admin").session
         admin.start_keepalive(admin_s)
         for w in args.workers:
-            plan = [(b, max(1, args.requests // b)) for b in args.batches]
+            plan = [(b, max(1, args.requests // b, args.min_steps)) for b in args.batches]
             barrier = ctx.Barrier(w + 1)
             results = ctx.Queue()
-            procs = [ctx.Process(target=worker_main, args=(i, address, token, plan, barrier, results), daemon=True)
+            procs = [ctx.Process(target=worker_main, daemon=True,
+                                 args=(i, address, token, plan, barrier, results, args.transport == "stream", w == 1))
                      for i in range(w)]
             for p in procs:
                 p.start()
             for run, (b, steps) in enumerate(plan):
                 barrier.wait(timeout=600)
                 assert admin.flush(admin_s), "requests still running after the warm-up"
+                s_cpu0 = proc_cpu_s(server.pid)
                 barrier.wait(timeout=600)
                 got = [results.get(timeout=600) for _ in range(w)]
+                s_cpu = proc_cpu_s(server.pid) - s_cpu0
                 if w == 1 and run == len(plan) - 1 and heartbeat_ms is None:
                     hb = results.get(timeout=600)[1]
                     heartbeat_ms = {"p50": pct(hb, 50), "p99": pct(hb, 99)}
@@ -199,7 +235,8 @@ def main(argv=None) -> int:
                 wall = max(g[2] for g in got)
                 n = sum(g[3] for g in got)
                 lat = [x for g in got for x in g[4]]
-                e_wall, e_n, e_lat = embedded_run(w, b, steps, run)
+                e_wall, e_n, e_lat, e_cpu = embedded_run(w, b, steps, run)
+                w_cpu = sum(g[5] for g in got)
                 barrier.wait(timeout=600)
                 assert e_n == n
                 rows.append({
@@ -209,6 +246,10 @@ def main(argv=None) -> int:
                     "embedded_req_per_s": e_n / e_wall, "embedded_step_p50_ms": pct(e_lat, 50),
                     "embedded_step_p99_ms": pct(e_lat, 99),
                     "overhead": (wall / n) / (e_wall / e_n),
+                    "remote_cpu_us_per_req": (s_cpu + w_cpu) / n * 1e6,
+                    "remote_server_cpu_us_per_req": s_cpu / n * 1e6, "remote_worker_cpu_us_per_req": w_cpu / n * 1e6,
+                    "embedded_cpu_us_per_req": e_cpu / e_n * 1e6,
+                    "cpu_overhead": ((s_cpu + w_cpu) / n) / (e_cpu / e_n),
                 })
             for p in procs:
                 p.join(60)
@@ -222,17 +263,23 @@ def main(argv=None) -> int:
             server.kill()
         shutil.rmtree(d, ignore_errors=True)
 
+    print(f"transport: {args.transport}")
     print(f"{'W':>2} {'B':>3} {'req':>5} {'remote req/s':>12} {'step p50 ms':>11} {'step p99 ms':>11} "
-          f"{'embed req/s':>11} {'embed p50 ms':>12} {'overhead':>8}")
+          f"{'embed req/s':>11} {'embed p50 ms':>12} {'overhead':>8} {'remote cpu us/req (srv+wrk)':>27} "
+          f"{'embed cpu us/req':>16} {'cpu overhead':>12}")
     for r in rows:
+        cpu = (f"{r['remote_cpu_us_per_req']:.0f} ({r['remote_server_cpu_us_per_req']:.0f}+"
+               f"{r['remote_worker_cpu_us_per_req']:.0f})")
         print(f"{r['workers']:>2} {r['batch']:>3} {r['requests']:>5} {r['remote_req_per_s']:>12.1f} "
               f"{r['remote_step_p50_ms']:>11.3f} {r['remote_step_p99_ms']:>11.3f} {r['embedded_req_per_s']:>11.1f} "
-              f"{r['embedded_step_p50_ms']:>12.3f} {r['overhead']:>7.2f}x")
+              f"{r['embedded_step_p50_ms']:>12.3f} {r['overhead']:>7.2f}x {cpu:>27} "
+              f"{r['embedded_cpu_us_per_req']:>16.0f} {r['cpu_overhead']:>11.2f}x")
     if heartbeat_ms:
         print(f"single call (heartbeat, W=1): p50 {heartbeat_ms['p50']:.3f} ms, p99 {heartbeat_ms['p99']:.3f} ms")
-    doc = {"benchmark": "bench_service", "config": CONFIG, "gen_tokens": GEN, "runs": rows,
+    doc = {"benchmark": "bench_service", "config": CONFIG, "gen_tokens": GEN, "transport": args.transport,
+           "min_steps": args.min_steps, "runs": rows,
            "heartbeat_ms": heartbeat_ms, "python": sys.version.split()[0], "machine": platform.machine(),
-           "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
+           "cpus": os.cpu_count(), "load_avg_1m_start": load0, "load_avg_1m": os.getloadavg()[0]}
     text = json.dumps(doc, indent=2)
     print(text)
     if args.json:

@@ -12,6 +12,10 @@ two keep it out of ``ps``); it is never logged.
 Example::
 
     python -m radixkv serve --address unix:///run/radixkv/s.sock --token-file tok --device cpu --kv-tokens 65536
+
+KV events: ``--enable-kv-events`` records them; the manager then serves them on its gRPC
+stream, and with ``--kv-events-endpoint`` (``--kv-events-replay-endpoint``,
+``--kv-events-topic``, ...) also on vLLM's ZMQ wire (``docs/events.md``).
 """
 from __future__ import annotations
 
@@ -25,8 +29,11 @@ from typing import Any, Dict, List, Optional
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, RadixKVError
 from radixkv.service.auth import TOKEN_ENV, resolve_token
+from radixkv.events.zmq_publisher import add_arguments as add_kv_event_arguments, config_from_args
+from radixkv.service.event_hub import DEFAULT_RING_SIZE
 from radixkv.service.server import (
-    DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_QUARANTINE_S, ServeOptions, serve,
+    DEFAULT_EVENTS_INTERVAL_S, DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_QUARANTINE_S,
+    ServeOptions, serve,
 )
 
 DEFAULT_ADDRESS = ServeOptions().address
@@ -70,6 +77,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                      help="torch intra-op threads of the manager: its own CPU work is small bookkeeping "
                           "ops, extra threads only contend (default %(default)s)")
     run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_kv_event_arguments(parser)  # --kv-events-endpoint ... (the ZMQ outlet; off without an endpoint)
+    ev = parser.add_argument_group("KV event hub (every event outlet: gRPC streams, TakeEvents, ZMQ)")
+    ev.add_argument("--kv-events-ring-size", type=int, default=DEFAULT_RING_SIZE,
+                    help="events kept for watchers that resume (start_seq) or lag (default %(default)s)")
+    ev.add_argument("--kv-events-interval-s", type=float, default=DEFAULT_EVENTS_INTERVAL_S,
+                    help="how often new events go out on ZMQ (default %(default)s)")
     eng = parser.add_argument_group("engine (EngineConfig; a flag overrides --config)")
     eng.add_argument("--config", default=None, help="EngineConfig file (.json or .toml)")
     for f in _engine_fields():
@@ -102,7 +115,8 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         metrics_port=args.metrics_port, metrics_addr=args.metrics_addr, tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_ca=args.tls_ca, allow_insecure_tcp=args.allow_insecure_tcp,
         check_idle=args.check_idle, max_concurrent_rpcs=args.max_concurrent_rpcs,
-        quarantine_s=args.quarantine_s)
+        quarantine_s=args.quarantine_s, kv_events=config_from_args(args),
+        events_ring_size=args.kv_events_ring_size, events_interval_s=args.kv_events_interval_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:

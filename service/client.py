@@ -2,7 +2,10 @@
 protocol (``radixkv.engine.protocol.CacheEngineAPI``) run against a cache-manager server.
 
 Every protocol call is one unary RPC carrying the whole batch (token ids and indices as
-packed int32/int64 bytes). Failed calls raise the same :mod:`radixkv.errors` types the
+packed int32/int64 bytes); with ``connect(..., step_stream=True)`` the step calls (heartbeat,
+match, alloc_extend, alloc_decode, cache_*, release, evict) are instead messages of one
+persistent ``Step`` stream carrying the same request and reply messages, which saves the
+call set-up of each (:mod:`radixkv.service.step_stream`). Failed calls raise the same :mod:`radixkv.errors` types the
 embedded engine raises (:func:`radixkv.service.errors.error_from_rpc`).
 
 Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
@@ -39,7 +42,6 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
-import numpy as np
 
 from radixkv.engine.protocol import (
     AttachInfo, CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem,
@@ -55,6 +57,7 @@ from radixkv.service.errors import ServiceUnavailableError, error_from_rpc
 from radixkv.service.idempotency import REQUEST_ID_KEY
 from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES, unix_socket_path
 from radixkv.service.shm import map_buffer
+from radixkv.service.step_stream import REPLY_TYPES, StepLane
 
 __all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
 
@@ -115,12 +118,16 @@ class RemoteCacheEngine:
         retries: how many times a call that failed UNAVAILABLE / DEADLINE_EXCEEDED is sent
             again with the same request id (0: never).
         retry_backoff_s: the first pause between tries (doubled each time, at most 1 s).
+        step_stream: send the step calls over one ``Step`` stream (first try; retries and
+            calls made while another thread's call is on the stream go as unary calls).
     """
 
     def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = "",
-                 retries: int = 0, retry_backoff_s: float = 0.05):
+                 retries: int = 0, retry_backoff_s: float = 0.05, step_stream: bool = False):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InvalidArgumentError(f"retries must be an int >= 0, got {retries!r}")
+        if not isinstance(step_stream, bool):
+            raise InvalidArgumentError(f"step_stream must be a bool, got {step_stream!r}")
         self._channel = channel
         self._stub = pb_grpc.CacheManagerStub(channel)
         self._md = token.metadata()
@@ -131,17 +138,30 @@ class RemoteCacheEngine:
         self.retried = 0  # calls sent again (for tests and soak reports)
         self._mapped: Dict[Tuple[int, str], Any] = {}
         self._keepalives: List[KeepAlive] = []
+        #: The Step stream of this client (None: every call is a unary one).
+        self.steps: Optional[StepLane] = StepLane(self._stub, self._md, self._timeout) if step_stream else None
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Any, request: Any, request_id: Optional[str] = None, idempotent: bool = True) -> Any:
-        """One unary call; with ``idempotent`` it carries a request id (``request_id`` or a
-        fresh one) and is retried with it on UNAVAILABLE / DEADLINE_EXCEEDED."""
+        """One call (``method``: a stub method or its name); with ``idempotent`` it carries a
+        request id (``request_id`` or a fresh one) and is retried with it on UNAVAILABLE /
+        DEADLINE_EXCEEDED. With ``step_stream`` a step method's first try goes over the
+        Step stream (see :mod:`radixkv.service.step_stream`), the rest over unary calls."""
+        name = method if isinstance(method, str) else None
+        if name is not None:
+            method = getattr(self._stub, name)
         md = self._md
+        rid = None
         if idempotent:
-            md = md + ((REQUEST_ID_KEY, request_id or secrets.token_hex(12)),)
+            rid = request_id or secrets.token_hex(12)
+            md = md + ((REQUEST_ID_KEY, rid),)
         pause = self.retry_backoff_s
         for attempt in range(self.retries + 1):
             try:
+                if attempt == 0 and self.steps is not None and rid is not None and name in REPLY_TYPES:
+                    reply = self.steps.call(name, request, rid)
+                    if reply is not None:
+                        return reply
                 return method(request, metadata=md, timeout=self._timeout)
             except grpc.RpcError as e:
                 err = error_from_rpc(e)
@@ -182,7 +202,7 @@ class RemoteCacheEngine:
         return AttachInfo(wire.session_from_msg(resp.session), layout)
 
     def heartbeat(self, session: Session) -> float:
-        return float(self._call(self._stub.Heartbeat, pb.HeartbeatRequest(session=self._session(session))).lease_left_s)
+        return float(self._call("Heartbeat", pb.HeartbeatRequest(session=self._session(session))).lease_left_s)
 
     def detach(self, session: Session) -> None:
         self._call(self._stub.Detach, pb.DetachRequest(session=self._session(session)))
@@ -205,7 +225,7 @@ class RemoteCacheEngine:
                              V.check_extra_key(q.extra_key, f"queries[{i}]")) for i, q in enumerate(qs)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._call(self._stub.Match, pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
+        resp = self._call("Match", pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
         return wire.match_infos_from_msg(resp, len(qs))
 
     def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
@@ -218,7 +238,7 @@ class RemoteCacheEngine:
                               V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._call(self._stub.AllocExtend,
+        resp = self._call("AllocExtend",
                           pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
         return wire.extend_results_from_msg(resp)
 
@@ -231,7 +251,7 @@ class RemoteCacheEngine:
                    for i, it in enumerate(its)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._call(self._stub.AllocDecode, wire.decode_items_to_msg(session, its))
+        resp = self._call("AllocDecode", wire.decode_items_to_msg(session, its))
         return wire.decode_result_from_msg(resp, len(its))
 
     def _rids(self, session: Session, rids: Sequence[str]) -> List[str]:
@@ -242,15 +262,15 @@ class RemoteCacheEngine:
 
     def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        return wire.cache_results_from_msg(self._call(self._stub.CacheUnfinished, req))
+        return wire.cache_results_from_msg(self._call("CacheUnfinished", req))
 
     def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        return wire.cache_results_from_msg(self._call(self._stub.CacheFinished, req))
+        return wire.cache_results_from_msg(self._call("CacheFinished", req))
 
     def release(self, session: Session, rids: Sequence[str]) -> None:
         req = pb.ReleaseRequest(session=self._session(session), rids=self._rids(session, rids))
-        self._call(self._stub.Release, req)
+        self._call("Release", req)
 
     def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult:
         ref = self._session(session)
@@ -261,7 +281,7 @@ class RemoteCacheEngine:
         except InvalidArgumentError as e:
             self._reject(session, e)
         return wire.evict_result_from_msg(
-            self._call(self._stub.Evict, pb.EvictRequest(session=ref, num_tokens=n, num_states=s)))
+            self._call("Evict", pb.EvictRequest(session=ref, num_tokens=n, num_states=s)))
 
     # ------------------------------------------------------------------ stats / admin
     def stats(self, session: Optional[Session] = None) -> EngineStats:
@@ -280,17 +300,30 @@ class RemoteCacheEngine:
         except InvalidArgumentError as e:
             self._reject(session, e)
         resp = self._call(self._stub.TakeEvents, pb.TakeEventsRequest(session=ref, max_events=n))
-        return [wire.event_from_msg(e) for e in resp.events]
+        from radixkv.service.event_wire import event_from_msg  # KV, state events and gap markers
 
-    def watch_events(self, session: Session, poll_interval_s: float = 0.0) -> Iterator[Dict[str, Any]]:
-        """KV events as the manager drains them (a server stream; cancel by closing the
-        iterator or the client). Raises the mapped error when the stream fails."""
-        call = self._stub.WatchEvents(pb.WatchEventsRequest(session=self._session(session),
-                                                            poll_interval_s=float(poll_interval_s)),
-                                      metadata=self._md)
+        return [event_from_msg(e) for e in resp.events]
+
+    def watch_events(self, session: Session, poll_interval_s: float = 0.0, start_seq: Optional[int] = 0,
+                     with_seq: bool = False) -> Iterator[Any]:
+        """The manager's events as a server stream (cancel by closing the iterator or the
+        client), dicts as ``take_events`` gives them (hybrid state events and the
+        ``{"type": "EventsLost", "first_seq", "count"}`` gap marker included), or ``(seq,
+        dict)`` pairs with ``with_seq``. ``start_seq``: the first event wanted (0: from the
+        manager's start as far as its ring holds; ``None``: only events after subscribing).
+        The stream has its own cursor: other watchers and ``take_events`` do not take its
+        events. Raises the mapped error when the stream fails."""
+        from radixkv.service.event_wire import event_from_msg  # KV, state events and gap markers
+
+        if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int)
+                                      or not 0 <= start_seq < 1 << 64):
+            raise InvalidArgumentError(f"start_seq must be an int in [0, 2**64) or None, got {start_seq!r}")
+        req = pb.WatchEventsRequest(session=self._session(session), poll_interval_s=float(poll_interval_s),
+                                    start_seq=start_seq or 0, from_now=start_seq is None)
+        call = self._stub.WatchEvents(req, metadata=self._md)
         try:
             for msg in call:
-                yield wire.event_from_msg(msg)
+                yield (int(msg.seq), event_from_msg(msg)) if with_seq else event_from_msg(msg)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 raise error_from_rpc(e) from None
@@ -324,10 +357,13 @@ class RemoteCacheEngine:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stop keep-alive streams and close the channel (sessions are not detached)."""
+        """Stop keep-alive streams and the Step stream, close the channel (sessions are not
+        detached)."""
         for ka in self._keepalives:
             ka.stop()
         self._keepalives.clear()
+        if self.steps is not None:
+            self.steps.close()
         self._channel.close()
 
     def __enter__(self) -> "RemoteCacheEngine":
@@ -344,12 +380,15 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
             timeout_s: float = 30.0, wait_s: float = 10.0, retries: int = 0, tls_ca: Optional[str] = None,
             tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
             tls_server_name: Optional[str] = None,
-            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RemoteCacheEngine:
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = False) -> RemoteCacheEngine:
     """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).
 
     The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
     the channel is TLS (``tls_cert``/``tls_key`` for a client certificate). Waits up to
     ``wait_s`` for the channel to be ready. ``retries``: see :class:`RemoteCacheEngine`.
+    ``step_stream``: send the step calls (heartbeat, match, alloc_extend, alloc_decode,
+    cache_*, release, evict) over one persistent ``Step`` stream instead of one unary call
+    each (:mod:`radixkv.service.step_stream`; cheaper per call, same protocol).
 
     Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
     ``ServiceUnavailableError`` (nothing answers within ``wait_s``).
@@ -379,4 +418,5 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
         except grpc.FutureTimeoutError:
             channel.close()
             raise ServiceUnavailableError(f"no cache manager answers at {address!r} within {wait_s} s") from None
-    return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address, retries=retries)
+    return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address, retries=retries,
+                             step_stream=step_stream)

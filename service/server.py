@@ -22,9 +22,20 @@ still run, for at most ``quarantine_s``, 30 s by default; see
 ``max_concurrent_rpcs`` calls (streams included) are in flight; beyond that a call is
 answered RESOURCE_EXHAUSTED at once (gRPC's own limiter), so overload never builds a queue.
 
+Events (:mod:`~radixkv.service.event_hub`): the server owns the one event hub over the
+engine's tree. It is pumped (drained once, numbered, kept in a ring of
+``events_ring_size``) by every ``TakeEvents`` / ``WatchEvents`` poll, by the sweeper, and,
+when the ZMQ outlet is on (``kv_events``: a
+:class:`~radixkv.events.zmq_publisher.PublisherConfig`), every ``events_interval_s`` by a
+pump task that hands each new batch to the ZMQ publisher (vLLM's wire, with replay).
+
 Shutdown (:meth:`CacheManagerServer.stop`, on SIGTERM/SIGINT in :func:`serve`): health goes
-NOT_SERVING, the streams end, in-flight calls drain for ``grace_s``, every session is
-reclaimed (``engine.close()``), the shared-memory files and the socket file are removed.
+NOT_SERVING, the streams end, in-flight calls drain for ``grace_s`` (no new call is
+accepted), every session is reclaimed (``engine.close()``); then the events left are pumped,
+an ``AllBlocksCleared`` is appended (the pools are about to be removed: a router must forget
+this manager's blocks) and published, the ZMQ sockets are closed after sending what is
+queued (:class:`~radixkv.service.event_outlets.EventOutlets`); last, the shared-memory files
+and the socket file are removed.
 """
 from __future__ import annotations
 
@@ -41,10 +52,13 @@ import grpc
 
 from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
 from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
+from radixkv.events.zmq_flags import PublisherConfig
 from radixkv.service import wire
 from radixkv.service.auth import Token, TokenAuthInterceptor
+from radixkv.service.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
+from radixkv.service.event_outlets import EventOutlets
 from radixkv.service.metrics import ServiceMetrics
-from radixkv.service.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server
+from radixkv.service.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
 from radixkv.service.shm import SharedBuffers, remove_stale_files
 
 log = logging.getLogger("radixkv.service")
@@ -56,6 +70,8 @@ DEFAULT_MAX_CONCURRENT_RPCS = 256
 #: not reused until the process is gone, or for at most this long. ``--quarantine-s 0`` turns
 #: it off (a lease then means exactly what it says).
 DEFAULT_QUARANTINE_S = 30.0
+#: How often the pump task hands new events to the ZMQ outlet (its added latency at most).
+DEFAULT_EVENTS_INTERVAL_S = 0.005
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
@@ -77,6 +93,9 @@ class ServeOptions(NamedTuple):
     check_idle: bool = False
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS  # in flight at once, streams included
     quarantine_s: float = DEFAULT_QUARANTINE_S  # 0: off, reclaim expired sessions at once
+    kv_events: Optional[PublisherConfig] = None  # the ZMQ outlet (vLLM wire); None: off
+    events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
+    events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
 
 
 def unix_socket_path(address: str) -> Optional[str]:
@@ -138,6 +157,8 @@ class CacheManagerServer:
         if not isinstance(token, Token):
             raise InvalidArgumentError("token must be a radixkv.service.auth.Token")
         _check_options(options)
+        if options.kv_events is not None and not config.enable_kv_events:
+            raise InvalidArgumentError("the ZMQ event outlet (--kv-events-endpoint) needs --enable-kv-events")
         self.config = config
         self.options = options
         self.metrics = ServiceMetrics()
@@ -161,6 +182,8 @@ class CacheManagerServer:
         self._server: Optional[grpc.aio.Server] = None
         self._health: Any = None
         self._sweeper: Optional[asyncio.Task] = None
+        self.events: Optional[EventHub] = None
+        self.outlets: Optional[EventOutlets] = None
         self._socket_path: Optional[str] = None
         self.servicer: Optional[CacheManagerServicer] = None
         self.address: Optional[str] = None
@@ -175,8 +198,9 @@ class CacheManagerServer:
 
         o = self.options
         self._closing = asyncio.Event()
+        self.events = EventHub(engine_event_source(self.engine), int(o.events_ring_size), encode=encode_record)
         self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing,
-                                             quarantine_s=float(o.quarantine_s))
+                                             quarantine_s=float(o.quarantine_s), events=self.events)
         n = int(o.max_message_bytes)
         self._server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected)],
@@ -192,9 +216,14 @@ class CacheManagerServer:
             reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                                 self._server)
         try:
+            # the ZMQ sockets open before the port: a bad endpoint fails the start
+            self.outlets = EventOutlets(self.events, o.kv_events, o.events_interval_s,
+                                        clear_at_close=self.config.enable_kv_events)
             self.address = self._bind()
             await self._server.start()
         except BaseException:
+            if self.outlets is not None:
+                self.outlets.close_publisher()
             await self._cleanup_files()
             raise
         for name in ("", SERVICE_NAME):
@@ -203,6 +232,7 @@ class CacheManagerServer:
             self.metrics_port = self.metrics.start_http(int(o.metrics_port), o.metrics_addr)
         self.metrics.update(self.engine.stats())
         self._sweeper = asyncio.ensure_future(self._sweep_loop())
+        self.outlets.start(self._closing)
         log.info("radixkv cache manager listening on %s (device %s, %d KV tokens, epoch %d)",
                  self.address, self.config.device, self.config.kv_tokens, self.engine.epoch)
         return self.address
@@ -260,6 +290,7 @@ class CacheManagerServer:
             log.info("lease expired for %d session(s); everything they held was reclaimed", len(expired))
         if released:
             log.info("released %d quarantined session(s)", len(released))
+        self.events.pump()  # bounds what waits in the tree's queue when nobody reads events
         stats = self.engine.stats()
         self.metrics.update(stats)
         sv = self.servicer
@@ -296,10 +327,14 @@ class CacheManagerServer:
                 await self._sweeper
             except asyncio.CancelledError:
                 pass
+        if self.outlets is not None:
+            await self.outlets.stop_pumping()
         n = len(self.engine.sessions)
         self.engine.close()
         if self.servicer is not None:
             self.servicer.quarantine.close()
+        if self.outlets is not None:
+            self.outlets.close()  # pump what is left, AllBlocksCleared, close the ZMQ sockets
         log.info("shut down: %d session(s) revoked", n)
         self.metrics.stop_http()
         await self._cleanup_files()
@@ -334,6 +369,14 @@ def _check_options(o: ServeOptions) -> None:
         raise InvalidArgumentError(f"metrics_port must be a port number, got {o.metrics_port!r}")
     if not isinstance(o.address, str) or not o.address:
         raise InvalidArgumentError("address must be a non-empty string")
+    r = o.events_ring_size
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= 1 << 26:
+        raise InvalidArgumentError(f"events_ring_size must be an int in [1, 2**26], got {r!r}")
+    e = o.events_interval_s
+    if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 60:
+        raise InvalidArgumentError(f"events_interval_s must be a number in (0, 60], got {e!r}")
+    if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
+        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
 
 
 def _read(path: str) -> bytes:

@@ -21,10 +21,15 @@ Streams:
 * ``KeepAlive``: every message renews the lease (one session per stream). When the worker
   closes the stream the session is detached at once; when the stream drops (the worker was
   killed, its connection broke) it is reclaimed, or quarantined while its process runs.
-* ``WatchEvents``: drains the engine's KV events every poll interval and streams them
-  (one queue for the engine: ``TakeEvents`` callers and other watchers compete for it).
+* ``WatchEvents``: streams the manager's numbered events from its own cursor over the event
+  hub (:mod:`radixkv.service.event_hub`), from ``start_seq`` (default 0: as far back as the
+  ring holds, a gap marker for the rest) or ``from_now``; a watcher that falls behind the ring
+  gets an ``events_lost`` marker. ``TakeEvents`` callers share one cursor of their own (the
+  embedded engine's one queue); watchers, ``TakeEvents`` and the ZMQ outlet never compete.
+* ``Step``: the step calls of one worker as messages of one stream, each run through the
+  same handler body and reply cache as its unary call (:mod:`radixkv.service.step_stream`).
 
-Both end promptly when the server starts shutting down (``closing`` is set).
+All end promptly when the server starts shutting down (``closing`` is set).
 """
 from __future__ import annotations
 
@@ -39,13 +44,15 @@ import grpc
 
 from radixkv.engine.protocol import Session
 from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
-from radixkv.service import wire
+from radixkv.service import event_wire, wire
 from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service.event_hub import EventHub, HubRecord, engine_event_source
 from radixkv.service.errors import status_of
 from radixkv.service.idempotency import REQUEST_ID_KEY, ReplyCache, check_request_id, digest
 from radixkv.service.metrics import ServiceMetrics
 from radixkv.service.quarantine import Quarantine
 from radixkv.service.shm import SharedBuffers
+from radixkv.service.step_stream import serve_step_stream
 
 __all__ = ["CacheManagerServicer", "add_to_server", "SERVICE_NAME", "UNARY_METHODS", "STREAM_METHODS"]
 
@@ -53,6 +60,10 @@ log = logging.getLogger("radixkv.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheManager"].full_name
 DEFAULT_WATCH_POLL_S = 0.05
+#: Events one WatchEvents read hands to the stream before it looks again (bounded work).
+WATCH_CHUNK = 256
+#: Encoded events one TakeEvents reply carries at most (the rest wait for the next call).
+TAKE_MAX_BYTES = 8 << 20
 ATTACH_SCOPE = "attach"  # the reply-cache scope of Attach (no session yet)
 
 
@@ -89,16 +100,7 @@ def _rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
                 request = parse(request_cls, raw, name)
                 self.quarantine.fence_due()
                 rid = request_id_of(context) if idempotent else None
-                if rid is None:
-                    return body(self, request).SerializeToString()
-                scope = ATTACH_SCOPE if name == "Attach" else f"s:{request.session.session_id}"
-                key = digest(name, bytes(raw))
-                kept = self.replies.lookup(scope, rid, key)
-                if kept is not None:
-                    return kept
-                reply = body(self, request).SerializeToString()
-                self.replies.store(scope, rid, key, reply)
-                delay = self.reply_delays.get(name)
+                reply, delay = self.answer(name, body, request, raw, rid)
                 if delay:  # fault injection: the reply is late (the client may time out)
                     await asyncio.sleep(delay)
                 return reply
@@ -112,6 +114,7 @@ def _rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
                 self.metrics.observe(name, code, time.perf_counter() - t0)
 
         handler.request_cls = request_cls
+        handler.body = body  # the Step stream runs the same body (radixkv.service.step_stream)
         return handler
 
     return deco
@@ -128,10 +131,13 @@ class CacheManagerServicer:
         quarantine_s: how long what an expired session held may stay quarantined while its
             worker process runs (0: no quarantine); see :mod:`radixkv.service.quarantine`.
         replies: the reply cache of idempotent calls (default: 64 per session, 64 MiB).
+        events: the event hub over the engine's tree (default: one with the default ring);
+            ``TakeEvents`` and ``WatchEvents`` read it, the server pumps it and adds outlets.
     """
 
     def __init__(self, engine: Any, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,
-                 quarantine_s: float = 0.0, replies: Optional[ReplyCache] = None):
+                 quarantine_s: float = 0.0, replies: Optional[ReplyCache] = None,
+                 events: Optional[EventHub] = None):
         self.engine = engine
         self.shared = shared
         self.metrics = metrics
@@ -147,6 +153,26 @@ class CacheManagerServicer:
         #: held back after the engine ran it, as if the network lost time.
         self.reply_delays: Dict[str, float] = {}
         self.idle_failures: List[str] = []  # invariant checks that failed at an idle sweep
+        self.events = events if events is not None else EventHub(engine_event_source(engine), encode=encode_record)
+        self._take_cursor = self.events.subscribe("TakeEvents", 0)  # one queue for every TakeEvents caller
+
+    def answer(self, name: str, body: Callable[[Any, Any], Any], request: Any, raw: bytes,
+               rid: Optional[str]) -> Tuple[bytes, float]:
+        """Run ``body`` on a parsed request (after the fence) and serialize its reply; with a
+        request id ``rid``, answer a retry from the reply cache and keep a fresh reply.
+        Returns ``(reply bytes, seconds to hold it back)`` (fault injection, else 0). Raises
+        whatever the body raises (nothing kept). Shared by the unary handlers and the Step
+        stream, so both run a call identically."""
+        if rid is None:
+            return body(self, request).SerializeToString(), 0.0
+        scope = ATTACH_SCOPE if name == "Attach" else f"s:{request.session.session_id}"
+        key = digest(name, bytes(raw))
+        kept = self.replies.lookup(scope, rid, key)
+        if kept is not None:
+            return kept, 0.0
+        reply = body(self, request).SerializeToString()
+        self.replies.store(scope, rid, key, reply)
+        return reply, float(self.reply_delays.get(name) or 0.0)
 
     # ------------------------------------------------------------------ sessions
     @_rpc("Attach", pb.AttachRequest)
@@ -233,8 +259,22 @@ class CacheManagerServicer:
 
     @_rpc("TakeEvents", pb.TakeEventsRequest)
     def TakeEvents(self, request: pb.TakeEventsRequest) -> pb.TakeEventsResponse:
-        events = self.engine.take_events(wire.session_from_msg(request.session), int(request.max_events))
-        return pb.TakeEventsResponse(events=[wire.event_to_msg(e) for e in events])
+        """The events no TakeEvents caller has taken, oldest first, up to ``max_events``
+        (0: all, within ``TAKE_MAX_BYTES``); an ``events_lost`` marker first when the ring
+        dropped some before anyone took them."""
+        self.engine.heartbeat(wire.session_from_msg(request.session))
+        n = int(request.max_events)
+        if n < 0:
+            raise InvalidArgumentError(f"max_events must be >= 0, got {n}")
+        hub = self.events
+        hub.pump()
+        res = hub.read(self._take_cursor, n, TAKE_MAX_BYTES)
+        resp = pb.TakeEventsResponse()
+        if res.lost is not None:
+            resp.events.append(event_wire.lost_to_msg(*res.lost))
+        for r in res.records:
+            resp.events.add().MergeFromString(hub.encoded(r))
+        return resp
 
     @_rpc("CheckInvariants", pb.CheckInvariantsRequest, idempotent=False)
     def CheckInvariants(self, request: pb.CheckInvariantsRequest) -> pb.CheckInvariantsResponse:
@@ -242,9 +282,9 @@ class CacheManagerServicer:
         return pb.CheckInvariantsResponse()
 
     def check_all(self) -> None:
-        """The engine's invariants, the shared buffers', the quarantine's and the reply
-        cache's (raises ``InvariantError``), and no earlier idle check (``--check-idle``)
-        failed."""
+        """The engine's invariants, the shared buffers', the quarantine's, the reply
+        cache's and the event hub's (raises ``InvariantError``), and no earlier idle check
+        (``--check-idle``) failed."""
         if self.idle_failures:
             raise InvariantError(f"{len(self.idle_failures)} idle invariant check(s) failed; the first: "
                                  f"{self.idle_failures[0]}")
@@ -252,6 +292,7 @@ class CacheManagerServicer:
         self.shared.check_invariants()
         self.quarantine.check_invariants()
         self.replies.check_invariants()
+        self.events.check_invariants()
 
     def housekeeping(self) -> Tuple[List[str], List[str]]:
         """One sweep: fence due sessions that must be held, reclaim the other expired
@@ -318,32 +359,54 @@ class CacheManagerServicer:
         log.info("session %s: %s; reclaimed %d request(s)", session.session_id, why, n)
 
     async def WatchEvents(self, raw: bytes, context: grpc.aio.ServicerContext):
+        """Stream the hub's events from this watcher's own cursor until the server closes
+        or the watcher cancels. Every poll interval (or as soon as events arrive) the
+        session's lease is renewed (a stale session ends the stream with its error) and the
+        hub pumped. A watcher the ring left behind gets an ``events_lost`` marker."""
+        hub, cursor = self.events, None
         try:
-            request = parse(pb.WatchEventsRequest, raw, "WatchEvents")
-        except InvalidArgumentError as exc:
-            st = status_of(exc)
-            await context.abort(st.code, st.details, st.trailing_metadata)
-        session = wire.session_from_msg(request.session)
-        p = request.poll_interval_s
-        poll = p if 0 < p <= 60 else DEFAULT_WATCH_POLL_S  # NaN, inf, <= 0: the default
-        while not self.closing.is_set():
             try:
+                request = parse(pb.WatchEventsRequest, raw, "WatchEvents")
+                session = wire.session_from_msg(request.session)
                 self.quarantine.fence_due()
-                events = self.engine.take_events(session, 0)
+                self.engine.heartbeat(session)
+                hub.pump()
+                cursor = hub.subscribe("WatchEvents", None if request.from_now else int(request.start_seq))
             except Exception as exc:
                 st = status_of(exc)
                 await context.abort(st.code, st.details, st.trailing_metadata)
-            for e in events:
-                yield wire.event_to_msg(e).SerializeToString()
-            try:
-                await asyncio.wait_for(self.closing.wait(), timeout=poll)
-            except asyncio.TimeoutError:
-                pass
+            p = request.poll_interval_s
+            poll = p if 0 < p <= 60 else DEFAULT_WATCH_POLL_S  # NaN, inf, <= 0: the default
+            while not self.closing.is_set():
+                res = hub.read(cursor, WATCH_CHUNK)
+                if res.lost is not None:
+                    yield event_wire.lost_to_msg(*res.lost).SerializeToString()
+                for r in res.records:
+                    yield hub.encoded(r)
+                if not res.more:
+                    await hub.wait(cursor, poll, self.closing)
+                if self.closing.is_set():
+                    break
+                try:
+                    self.quarantine.fence_due()
+                    self.engine.heartbeat(session)
+                except Exception as exc:
+                    st = status_of(exc)
+                    await context.abort(st.code, st.details, st.trailing_metadata)
+                hub.pump()
+        finally:
+            if cursor is not None:
+                hub.unsubscribe(cursor)
+
+
+def encode_record(record: HubRecord) -> bytes:
+    """A hub record as its serialized ``KVEvent`` (what every event stream sends)."""
+    return event_wire.event_to_msg(record.event, record.seq).SerializeToString()
 
 
 UNARY_METHODS = ("Attach", "Heartbeat", "Detach", "Match", "AllocExtend", "AllocDecode", "CacheUnfinished",
                  "CacheFinished", "Release", "Evict", "Stats", "Flush", "TakeEvents", "CheckInvariants")
-STREAM_METHODS = ("KeepAlive", "WatchEvents")
+STREAM_METHODS = ("KeepAlive", "WatchEvents", "Step")
 
 
 def add_to_server(servicer: CacheManagerServicer, server: Any) -> None:
@@ -353,6 +416,7 @@ def add_to_server(servicer: CacheManagerServicer, server: Any) -> None:
         m: grpc.unary_unary_rpc_method_handler(getattr(servicer, m)) for m in UNARY_METHODS}
     handlers["KeepAlive"] = grpc.stream_stream_rpc_method_handler(servicer.KeepAlive)
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(servicer.WatchEvents)
+    handlers["Step"] = grpc.stream_stream_rpc_method_handler(functools.partial(serve_step_stream, servicer))
     declared = {m.name for m in pb.DESCRIPTOR.services_by_name["CacheManager"].methods}
     if declared != set(handlers):  # pragma: no cover - a proto edit without a handler
         raise InvariantError(f"handlers {sorted(handlers)} do not match the proto's methods {sorted(declared)}")

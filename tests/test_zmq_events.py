@@ -250,6 +250,7 @@ def test_synchronous_mode(ctx, tmp_path):
     pub.close()  # idempotent
     with pytest.raises(InvalidArgumentError, match="closed"):
         pub.publish([])
+    assert not list(tmp_path.iterdir()), "close() left the ipc socket files"  # libzmq does not remove them
 
 
 def test_full_queue_raises_capacity_and_takes_no_number(monkeypatch):
@@ -321,3 +322,19 @@ def test_flags():
         assert pub.endpoint.startswith("tcp://127.0.0.1:") and pub.replay_endpoint is not None
     finally:
         pub.close()
+
+
+def test_serve_flags_carry_the_outlet_into_serve_options():
+    from radixkv.events.zmq_publisher import PublisherConfig, config_from_args
+    from radixkv.service.cli import add_serve_arguments, serve_options_from_args
+    from radixkv.service.server import ServeOptions
+
+    p = add_serve_arguments(argparse.ArgumentParser())
+    off = serve_options_from_args(p.parse_args([]))
+    assert off.kv_events is None and off.events_ring_size == ServeOptions().events_ring_size  # off by default
+    on = serve_options_from_args(p.parse_args([
+        "--kv-events-endpoint", "ipc:///run/kv.sock", "--kv-events-replay-endpoint", "tcp://*:5558",
+        "--kv-events-topic", "kv@m1", "--kv-events-ring-size", "128", "--kv-events-state-events", "inline"]))
+    assert on.kv_events == PublisherConfig("ipc:///run/kv.sock", "tcp://*:5558", "kv@m1", state_events="inline")
+    assert on.events_ring_size == 128
+    assert config_from_args(p.parse_args([])) is None

@@ -23,7 +23,7 @@ _EXPORTS = {
     "DynamoEventAdapter": "dynamo", "DynamoNamespace": "dynamo", "compute_block_hash_for_seq": "dynamo",
     "default_namespace": "dynamo", "dynamo_seed": "dynamo", "tokens_hashes": "dynamo",
     "drain_events": "sources",
-    "ZmqEventPublisher": "zmq_publisher",
+    "ZmqEventPublisher": "zmq_publisher", "PublisherConfig": "zmq_flags",
 }
 
 __all__ = sorted(_EXPORTS)

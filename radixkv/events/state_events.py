@@ -44,6 +44,7 @@ from typing import Any, Dict, Hashable, Iterable, List, NamedTuple, Optional, Se
 
 import numpy as np
 
+from radixkv.cache.block_hash import check_hash as _check_hash
 from radixkv.cache.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -59,16 +60,6 @@ from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, 
 __all__ = ["StateStored", "StateRemoved", "STATE_EVENT_TYPES", "is_state_event", "any_event_from_dict",
            "as_events", "split_state_events", "HybridEventRecorder", "StateIndex", "UsableOverlap"]
 
-_HASH_LIMIT = 1 << 64
-
-
-def _check_hash(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value < _HASH_LIMIT:
-        raise InvalidArgumentError(f"{what} must lie in [0, 2**64), got {value}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ drops them unless ``state_events="inline"``.
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import msgpack
 import numpy as np

@@ -25,13 +25,14 @@ batch in the caller, takes the next sequence number and queues it, so a bad batc
 the caller and takes no number. With ``background=False`` the caller's thread owns the
 sockets: :meth:`publish` sends at once and :meth:`serve_replay` answers waiting requests.
 
-Flags: :func:`add_arguments` / :func:`from_args` give the CLI switches (endpoint, replay
-endpoint, topic, buffer, layout).
+Flags: :func:`add_arguments` / :func:`from_args` (or :func:`config_from_args`, a picklable
+:class:`PublisherConfig`) give the CLI switches (endpoint, replay endpoint, topic, buffer,
+layout); ``radixkv serve`` takes them and publishes its events itself (``service/server.py``).
 """
 from __future__ import annotations
 
-import argparse
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,7 +44,8 @@ import zmq
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
 
-__all__ = ["ZmqEventPublisher", "PublisherStats", "END_SEQ", "add_arguments", "from_args", "should_bind"]
+__all__ = ["ZmqEventPublisher", "PublisherStats", "PublisherConfig", "END_SEQ", "add_arguments", "from_args",
+           "config_from_args", "should_bind"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,7 @@ class ZmqEventPublisher:
         self._bad_replays = 0
         self._closed = False
         self._pub: Optional[zmq.Socket] = None
+        self._ipc_files: List[str] = []  # socket files of bound ipc:// endpoints, removed at close
         self._replay: Optional[zmq.Socket] = None
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=max_queue_size)
         self._thread: Optional[threading.Thread] = None
@@ -178,6 +181,7 @@ class ZmqEventPublisher:
             if should_bind(endpoint):
                 pub.bind(endpoint)
                 self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._note_ipc(self.endpoint)
             else:
                 pub.connect(endpoint)
                 self.endpoint = endpoint
@@ -187,15 +191,27 @@ class ZmqEventPublisher:
                 self._replay = rep
                 rep.bind(replay_endpoint)
                 self.replay_endpoint = rep.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._note_ipc(self.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise InvalidArgumentError(f"cannot open KV event endpoints {self._want}: {e}") from None
+
+    def _note_ipc(self, endpoint: str) -> None:
+        path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
+        if path and not path.startswith("@"):  # "@name": Linux abstract namespace, no file
+            self._ipc_files.append(path)
 
     def _close_sockets(self) -> None:
         for s in (self._pub, self._replay):
             if s is not None:
                 s.close(linger=self._linger)
         self._pub = self._replay = None
+        for path in self._ipc_files:  # libzmq leaves the socket files of bound ipc endpoints
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._ipc_files = []
 
     def _term(self) -> None:
         if self._own_ctx:
@@ -321,8 +337,9 @@ class ZmqEventPublisher:
         return False
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued (up to ``timeout_s``), close the sockets and, when private,
-        the context. Idempotent; ``publish`` raises afterwards."""
+        """Send what is queued (up to ``timeout_s``), close the sockets (removing the files
+        of bound ``ipc://`` endpoints) and, when private, the context. Idempotent;
+        ``publish`` raises afterwards."""
         with self._seq_lock:  # no publish is half done past this point
             if self._closed:
                 return
@@ -384,32 +401,5 @@ class ZmqEventPublisher:
 
 # --------------------------------------------------------------------------- flags
 
-
-def add_arguments(parser: argparse.ArgumentParser, prefix: str = "kv-events") -> None:
-    """Add ``--{prefix}-endpoint``, ``-replay-endpoint``, ``-topic``, ``-buffer-steps``,
-    ``-hwm``, ``-layout`` and ``-state-events`` to ``parser`` (endpoint unset: no ZMQ outlet)."""
-    g = parser.add_argument_group("KV events (vLLM ZMQ wire)")
-    g.add_argument(f"--{prefix}-endpoint", default=None,
-                   help="PUB endpoint, e.g. tcp://*:5557 (unset: do not publish on ZMQ)")
-    g.add_argument(f"--{prefix}-replay-endpoint", default=None,
-                   help="ROUTER endpoint answering replay requests, e.g. tcp://*:5558")
-    g.add_argument(f"--{prefix}-topic", default="", help="topic frame of every message (default: empty)")
-    g.add_argument(f"--{prefix}-buffer-steps", type=int, default=10_000, help="batches kept for replay")
-    g.add_argument(f"--{prefix}-hwm", type=int, default=100_000, help="PUB send high-water mark")
-    g.add_argument(f"--{prefix}-layout", choices=LAYOUTS, default="array",
-                   help="event layout: array (array_like structs) or map")
-    g.add_argument(f"--{prefix}-state-events", choices=STATE_POLICIES, default="drop",
-                   help="hybrid state events on this stream: drop (vLLM-safe), inline, error")
-
-
-def from_args(args: argparse.Namespace, prefix: str = "kv-events", **kwargs: Any) -> Optional[ZmqEventPublisher]:
-    """The publisher the flags of :func:`add_arguments` describe, ``None`` without an endpoint."""
-    a = prefix.replace("-", "_")
-    endpoint = getattr(args, f"{a}_endpoint")
-    if not endpoint:
-        return None
-    return ZmqEventPublisher(endpoint, getattr(args, f"{a}_replay_endpoint"), getattr(args, f"{a}_topic"),
-                             buffer_steps=getattr(args, f"{a}_buffer_steps"), hwm=getattr(args, f"{a}_hwm"),
-                             layout=getattr(args, f"{a}_layout"), state_events=getattr(args, f"{a}_state_events"),
-                             **kwargs)
-
+# The command-line switches live in their own module; their names stay importable from here.
+from radixkv.events.zmq_flags import PublisherConfig, add_arguments, config_from_args, from_args  # noqa: E402

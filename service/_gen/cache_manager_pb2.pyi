@@ -341,15 +341,49 @@ class AllBlocksCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StateStored(_message.Message):
+    __slots__ = ("block_hash", "position", "medium")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hash: int
+    position: int
+    medium: str
+    def __init__(self, block_hash: _Optional[int] = ..., position: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class StateRemoved(_message.Message):
+    __slots__ = ("block_hashes_u64", "medium")
+    BLOCK_HASHES_U64_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes_u64: bytes
+    medium: str
+    def __init__(self, block_hashes_u64: _Optional[bytes] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class EventsLost(_message.Message):
+    __slots__ = ("first_seq", "count")
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    first_seq: int
+    count: int
+    def __init__(self, first_seq: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
 class KVEvent(_message.Message):
-    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared", "state_stored", "state_removed", "events_lost", "seq")
     BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
     ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    STATE_STORED_FIELD_NUMBER: _ClassVar[int]
+    STATE_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_LOST_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     block_stored: BlockStored
     block_removed: BlockRemoved
     all_blocks_cleared: AllBlocksCleared
-    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+    state_stored: StateStored
+    state_removed: StateRemoved
+    events_lost: EventsLost
+    seq: int
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., state_stored: _Optional[_Union[StateStored, _Mapping]] = ..., state_removed: _Optional[_Union[StateRemoved, _Mapping]] = ..., events_lost: _Optional[_Union[EventsLost, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class TakeEventsRequest(_message.Message):
     __slots__ = ("session", "max_events")
@@ -366,9 +400,43 @@ class TakeEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("session", "poll_interval_s")
+    __slots__ = ("session", "poll_interval_s", "start_seq", "from_now")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     POLL_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    START_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FROM_NOW_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     poll_interval_s: float
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., poll_interval_s: _Optional[float] = ...) -> None: ...
+    start_seq: int
+    from_now: bool
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., poll_interval_s: _Optional[float] = ..., start_seq: _Optional[int] = ..., from_now: _Optional[bool] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("method", "request", "request_id")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    request: bytes
+    request_id: str
+    def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "details", "trailing_keys", "trailing_values")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_VALUES_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailing_keys: _containers.RepeatedScalarFieldContainer[str]
+    trailing_values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_keys: _Optional[_Iterable[str]] = ..., trailing_values: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("reply", "error")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reply: bytes
+    error: StepError
+    def __init__(self, reply: _Optional[bytes] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...

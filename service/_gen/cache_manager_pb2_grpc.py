@@ -115,6 +115,11 @@ class CacheManagerStub:
                 request_serializer=radixkv_dot_v1_dot_cache__manager__pb2.CheckInvariantsRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.CheckInvariantsResponse.FromString,
                 _registered_method=True)
+        self.Step = channel.stream_stream(
+                '/radixkv.v1.CacheManager/Step',
+                request_serializer=radixkv_dot_v1_dot_cache__manager__pb2.StepRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.StepResponse.FromString,
+                _registered_method=True)
 
 
 class CacheManagerServicer:
@@ -202,14 +207,17 @@ class CacheManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TakeEvents(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The events no TakeEvents caller has taken yet, oldest first (one shared cursor for all
+        TakeEvents callers, as the embedded engine's one queue; watchers and ZMQ do not take them).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """Server stream of KV events as the tree changes (drained from the engine; a second
-        consumer of events, TakeEvents or another watcher, competes for the same queue).
+        """Server stream of KV (and hybrid state) events, numbered by seq. Every stream has its own
+        cursor over the manager's event ring: watchers, TakeEvents and the ZMQ outlet never
+        compete for events.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -217,6 +225,16 @@ class CacheManagerServicer:
 
     def CheckInvariants(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request_iterator, context):
+        """A persistent stream of step calls (StepRequest in, StepResponse out, one for one, in
+        order): the unary calls without a call set-up each, for schedulers that call every
+        step. Errors travel in the StepResponse; the stream ends when the worker closes it or
+        the manager shuts down.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -303,6 +321,11 @@ def add_CacheManagerServicer_to_server(servicer, server):
                     servicer.CheckInvariants,
                     request_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.CheckInvariantsRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_cache__manager__pb2.CheckInvariantsResponse.SerializeToString,
+            ),
+            'Step': grpc.stream_stream_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.StepRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_cache__manager__pb2.StepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -737,6 +760,33 @@ class CacheManager:
             '/radixkv.v1.CacheManager/CheckInvariants',
             radixkv_dot_v1_dot_cache__manager__pb2.CheckInvariantsRequest.SerializeToString,
             radixkv_dot_v1_dot_cache__manager__pb2.CheckInvariantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/radixkv.v1.CacheManager/Step',
+            radixkv_dot_v1_dot_cache__manager__pb2.StepRequest.SerializeToString,
+            radixkv_dot_v1_dot_cache__manager__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

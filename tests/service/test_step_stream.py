@@ -1,0 +1,263 @@
+"""The Step stream (``connect(..., step_stream=True)``): step calls as messages of one
+persistent stream, run exactly as the unary calls (same errors, same reply cache), with
+deadlines, fallback to unary calls when the stream breaks, and a prompt end at shutdown.
+
+The protocol behaviour of a stream client is also covered call for call by the conformance
+suite (``tests/conformance/test_conformance_stream.py``)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from radixkv import errors as E
+from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
+from radixkv.service import step_stream as S
+from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service.client import connect
+from radixkv.service.errors import ServiceUnavailableError
+from radixkv.service.server import ServeOptions
+from radixkv.service.testing import ThreadedServer
+
+CONFIG = {"kv_tokens": 2048, "page_size": 1, "request_rows": 32, "max_context_len": 256}
+
+
+def toks(n, start=1):
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+@pytest.fixture
+def srv():
+    s = ThreadedServer(CONFIG, options=ServeOptions(sweep_interval_s=0.2, grace_s=5.0))
+    s.start()
+    yield s
+    s.stop()
+
+
+def stream_client(srv, **kw):
+    c = srv.client(step_stream=True, **kw)
+    return c, c.attach("w").session
+
+
+def _sequence(eng):
+    """Every step call once; returns what they answered (plain values)."""
+    sess = eng.attach("w").session
+    out = []
+    res = eng.alloc_extend(sess, [ExtendItem("a", toks(40)), ExtendItem("b", toks(20, 500))])
+    out.append([(r.rid, r.req_pool_idx, r.prefix_len, r.start, r.seq_len, r.out_cache_loc.tolist()) for r in res])
+    d = eng.alloc_decode(sess, [DecodeItem("a", 7), DecodeItem("b", 8)])
+    out.append([x.tolist() for x in d])
+    out.append(eng.cache_unfinished(sess, ["b"]))
+    out.append(eng.cache_finished(sess, ["a"]))
+    out.append(eng.match(sess, [MatchQuery(toks(41)), MatchQuery(toks(3, 900))]))
+    res = eng.alloc_extend(sess, [ExtendItem("c", toks(30))])
+    out.append([(r.prefix_len, r.start, r.seq_len) for r in res])
+    eng.release(sess, ["c", "b"])
+    out.append(eng.evict(sess, 10))
+    out.append(eng.heartbeat(sess) > 0)
+    eng.check_invariants()
+    return out
+
+
+def test_step_calls_go_over_one_stream_and_answer_as_unary_calls(srv):
+    c = srv.client(step_stream=True)
+    got = _sequence(c)
+    assert c.steps.stream is not None and c.steps.stream.calls == 9 and c.steps.fallbacks == 0
+    with ThreadedServer(CONFIG) as other:  # the same calls as unary calls on a fresh manager
+        u = other.client()
+        assert _sequence(u) == got
+        assert u.steps is None
+
+
+def test_errors_arrive_in_the_stream_as_the_same_types(srv):
+    c, s = stream_client(srv)
+    other, so = stream_client(srv)
+    other.alloc_extend(so, [ExtendItem("theirs", toks(8))])
+    with pytest.raises(E.NotFoundError, match="nope"):
+        c.alloc_decode(s, [DecodeItem("nope", 1)])
+    step = c.steps.stream
+    with pytest.raises(E.PermissionDeniedError):
+        c.cache_finished(s, ["theirs"])
+    with pytest.raises(E.CapacityError) as ei:
+        c.alloc_extend(s, [ExtendItem("big", toks(300))])
+    assert (ei.value.requested, ei.value.available) == (300, 256)
+    with pytest.raises(E.CapacityError) as ei:
+        c.alloc_extend(s, [ExtendItem(f"m{i}", toks(200)) for i in range(12)])  # 2400 > 2048 KV slots
+    assert ei.value.requested is not None and ei.value.available is not None
+    assert c.steps.stream is step and step.calls == 4 and not step.broken  # failed calls keep the stream
+    c.detach(s)
+    with pytest.raises(E.StaleSessionError):
+        c.heartbeat(s)
+    assert c.steps.fallbacks == 0
+    c.check_invariants()
+
+
+def test_a_request_id_means_the_same_call_on_both_paths(srv):
+    c, s = stream_client(srv)
+    u = srv.client()
+    req = pb.AllocExtendRequest(session=pb.SessionRef(session_id=s.session_id, epoch=s.epoch),
+                                items=[pb.ExtendItem(rid="once", token_ids_i32=toks(16).tobytes())])
+    first = c._call("AllocExtend", req, request_id="req-1")  # over the stream
+    assert c.steps.stream.calls == 1
+    held = c.stats().kv_held
+    again = u._call("AllocExtend", req, request_id="req-1")  # a unary retry: the kept reply
+    assert again == first and c.stats().kv_held == held == 16
+    # and a stream retry of a unary call
+    req2 = pb.CacheRequest(session=req.session, rids=["once"])
+    done = u._call("CacheFinished", req2, request_id="req-2")
+    assert c._call("CacheFinished", req2, request_id="req-2") == done
+    # the same id with other bytes is refused, in the stream as over unary
+    with pytest.raises(E.InvalidArgumentError):
+        c._call("CacheFinished", pb.CacheRequest(session=req.session, rids=["x"]), request_id="req-2")
+    assert c.steps.stream.calls == 3 and c.steps.fallbacks == 0
+    c.check_invariants()
+
+
+def raw_stream(srv, messages):
+    ch = grpc.insecure_channel(f"unix:{srv.address[len('unix://'):]}")
+    try:
+        call = ch.stream_stream("/radixkv.v1.CacheManager/Step")
+        md = (("authorization", f"Bearer {srv.token}"),)
+        return [pb.StepResponse.FromString(r) for r in call(iter(messages), metadata=md, timeout=30)]
+    finally:
+        ch.close()
+
+
+def test_hostile_stream_messages_are_answered_invalid_argument_in_the_stream(srv):
+    c, s = stream_client(srv)
+    ref = pb.SessionRef(session_id=s.session_id, epoch=s.epoch)
+    ok = pb.StepRequest(method="Heartbeat", request=pb.HeartbeatRequest(session=ref).SerializeToString())
+    msgs = [b"\xff\xff\xff",  # not a StepRequest
+            pb.StepRequest(method="Attach", request=pb.AttachRequest().SerializeToString()).SerializeToString(),
+            pb.StepRequest(method="Stats", request=b"").SerializeToString(),
+            pb.StepRequest(method="AllocDecode", request=b"\x0a\x05\xff").SerializeToString(),  # bad inner bytes
+            pb.StepRequest(method="Heartbeat", request=ok.request, request_id="bad id\x01").SerializeToString(),
+            pb.StepRequest(method="AllocDecode", request=pb.AllocDecodeRequest(
+                session=ref, rids=["a", "b"], token_ids_i32=toks(1).tobytes()).SerializeToString()).SerializeToString(),
+            ok.SerializeToString()]
+    out = raw_stream(srv, msgs)
+    assert len(out) == len(msgs)
+    for r in out[:-1]:
+        assert r.WhichOneof("result") == "error" and r.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], r
+    assert pb.HeartbeatResponse.FromString(out[-1].reply).lease_left_s > 0  # the stream went on
+    c.check_invariants()
+
+
+def test_the_stream_needs_the_token(srv):
+    ch = grpc.insecure_channel(f"unix:{srv.address[len('unix://'):]}")
+    try:
+        call = ch.stream_stream("/radixkv.v1.CacheManager/Step")
+        with pytest.raises(grpc.RpcError) as ei:
+            list(call(iter([b""]), metadata=(("authorization", "Bearer wrong-token-123"),), timeout=30))
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        ch.close()
+
+
+def test_a_late_reply_is_a_deadline_and_the_retry_gets_the_kept_reply(srv):
+    c, s = stream_client(srv, timeout_s=0.3)
+    c.alloc_extend(s, [ExtendItem("a", toks(8))])
+    srv.call(lambda server: server.servicer.reply_delays.update(AllocDecode=5.0))
+    t = time.monotonic()
+    with pytest.raises(ServiceUnavailableError, match="Deadline"):
+        c.alloc_decode(s, [DecodeItem("a", 3)])  # it ran (9 tokens), but the reply is late
+    assert time.monotonic() - t < 4.0  # the watchdog ended the wait, not the 5 s late reply
+    assert c.steps.stream is None  # the timed-out stream is dropped
+    r = srv.client(retries=1, timeout_s=0.3, step_stream=True)
+    d = r.alloc_decode(s, [DecodeItem("a", 4)])  # the stream try times out; the unary retry
+    assert d.seq_lens.tolist() == [10] and r.retried == 1  # (same id) gets the kept reply
+    srv.call(lambda server: server.servicer.reply_delays.clear())
+    assert c.stats(s).kv_held == 10
+    c.check_invariants()
+
+
+def test_a_broken_stream_falls_back_to_unary_calls(srv):
+    c, s = stream_client(srv)
+    c.alloc_extend(s, [ExtendItem("a", toks(8))])
+    c.steps.stream._call.cancel()  # the stream breaks (as when a connection drops)
+    d = c.alloc_decode(s, [DecodeItem("a", 3)])  # sent again over a unary call
+    assert d.seq_lens.tolist() == [9] and c.steps.fallbacks == 1 and c.steps.stream is None
+    c.steps.reopen_at = 0.0
+    c.heartbeat(s)
+    assert c.steps.stream is not None and c.steps.stream.calls == 1  # a fresh stream
+    c.check_invariants()
+
+
+def test_concurrent_callers_share_the_client(srv):
+    c, s = stream_client(srv)
+    errors = []
+
+    def worker(k):
+        try:
+            for i in range(20):
+                rid = f"t{k}-{i}"
+                c.alloc_extend(s, [ExtendItem(rid, toks(4, 100 * k + i))])
+                c.cache_finished(s, [rid])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert c.stats(s).requests == 0 and c.steps.fallbacks == 0
+    c.check_invariants()
+
+
+def test_shutdown_ends_idle_streams_promptly():
+    srv = ThreadedServer(CONFIG, options=ServeOptions(sweep_interval_s=0.2, grace_s=5.0))
+    srv.start()
+    c = connect(srv.address, token=srv.token, step_stream=True, timeout_s=5)
+    try:
+        s = c.attach("w").session
+        c.heartbeat(s)
+        assert c.steps.stream is not None
+        t = time.monotonic()
+        srv.stop()
+        assert time.monotonic() - t < 4.0  # not held for the 5 s grace by the open stream
+        with pytest.raises(ServiceUnavailableError):
+            c.heartbeat(s)
+    finally:
+        c.close()
+        srv.stop()
+
+
+def test_step_error_round_trips_the_status():
+    from radixkv.service.errors import error_from_rpc, status_of
+
+    exc = E.CapacityError("no room", requested=5, available=2)
+    msg = pb.StepResponse.FromString(S.error_to_msg(status_of(exc)).SerializeToString())
+    back = error_from_rpc(S.StepRpcError.from_msg(msg.error))
+    assert type(back) is E.CapacityError and (back.requested, back.available) == (5, 2) and "no room" in str(back)
+    odd = error_from_rpc(S.StepRpcError.from_msg(pb.StepError(code=999, details="?")))
+    assert isinstance(odd, E.RadixKVError)
+    with pytest.raises(E.InvalidArgumentError):
+        connect("unix:///nonexistent/x.sock", token="t" * 24, wait_s=0, step_stream="yes")
+
+
+def test_a_manager_without_the_step_method_gets_unary_calls(tmp_path):
+    """An older manager answers the stream UNIMPLEMENTED: the lane gives up on it."""
+    from concurrent import futures
+
+    from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
+
+    old = grpc.server(futures.ThreadPoolExecutor(max_workers=2))  # serves no method at all
+    sock = tmp_path / "old.sock"
+    old.add_insecure_port(f"unix:{sock}")
+    old.start()
+    ch = grpc.insecure_channel(f"unix:{sock}")
+    try:
+        lane = S.StepLane(pb_grpc.CacheManagerStub(ch), (), 5.0)
+        req = pb.HeartbeatRequest(session=pb.SessionRef(session_id="s", epoch=1))
+        assert lane.call("Heartbeat", req, "id-1") is None  # send it as a unary call
+        assert not lane.enabled and lane.fallbacks == 1 and lane.stream is None
+        assert lane.call("Heartbeat", req, "id-2") is None and lane.fallbacks == 1  # no new stream
+        lane.close()
+    finally:
+        ch.close()
+        old.stop(0)
