@@ -79,6 +79,18 @@ def check_ids_to_free(
     k = ids.numel()
     if k == 0:
         return
+    if ids.device.type == "cpu" and free_mask.device.type == "cpu":
+        # The same checks on numpy views of the same memory: no torch dispatch, and numpy's
+        # gather / sort are ~2x cheaper for the few-thousand-id frees of an eviction.
+        a = ids.numpy()
+        if int(a.min()) >= lo and int(a.max()) <= hi:
+            if not free_mask.numpy()[a].any():
+                if not check_duplicates or k == 1:
+                    return
+                s = np.sort(a)
+                if not (s[1:] == s[:-1]).any():
+                    return
+        # else: fall through; the torch path below finds and names the bad ids
     mn, mx = torch.aminmax(ids)
     parts = [mn, mx, free_mask[ids.clamp(0, free_mask.numel() - 1)].any()]
     if check_duplicates and k > 1:
