@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from radixkv.allocator.base import BaseKVAllocator
@@ -227,6 +228,9 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
 
     def _free_runs(self, slots: torch.Tensor) -> None:
         """Free the pages of ``slots`` sorting one entry per run of same-page slots."""
+        if self.checks and self._shift is not None and self.device.type == "cpu":
+            if self._free_runs_host(slots):
+                return
         k = slots.numel()
         pages = self._page_of(slots)
         same = pages[1:] == pages[:-1]
@@ -250,6 +254,26 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         self._raise_if_bad(slots, sorted_runs, flags[0] < lo or flags[1] > hi, flags[2],
                            repeats, lo, hi)
         self._fl.free(sorted_runs, known_unique=True, validated=True)
+
+    def _free_runs_host(self, slots: torch.Tensor) -> bool:
+        """The common case of :meth:`_free_runs` on CPU through numpy views: valid slots,
+        each page's slots one ascending run. Frees and returns True; returns False (nothing
+        changed) when any check fails, so the torch path finds and names the bad slots."""
+        a = slots.numpy()
+        lo, hi = self.page_size, (self.num_pages + 1) * self.page_size - 1
+        if int(a.min()) < lo or int(a.max()) > hi:
+            return False
+        pages = a >> self._shift
+        same = pages[1:] == pages[:-1]
+        if (same & (a[1:] <= a[:-1])).any():  # unordered within a run: maybe repeats
+            return False
+        starts = np.ones(a.size, dtype=bool)
+        starts[1:] = ~same
+        runs = np.sort(pages[starts])
+        if (runs[1:] == runs[:-1]).any() or self._fl._not_in_use.numpy()[runs].any():
+            return False
+        self._fl.free(torch.from_numpy(runs), known_unique=True, validated=True)
+        return True
 
     def _raise_if_bad(self, slots, pages, out_of_range, already_free, repeats, lo, hi) -> None:
         if out_of_range:
