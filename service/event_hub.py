@@ -128,12 +128,10 @@ def _kind(event: Any) -> Optional[str]:
 
 
 def engine_event_source(engine: Any) -> Callable[[], List[Any]]:
-    """The source of a ``CacheEngine``'s events for the hub: drains its tree's queue (the
-    engine's own ``take_events`` needs a session and must no longer be called: the hub is
-    the one consumer)."""
-    from radixkv.events.sources import drain_events
-
-    return lambda: drain_events(engine.tree)
+    """The source of a ``CacheEngine``'s events for the hub: its session-less
+    ``drain_events`` (the hub is the engine queue's one consumer: nobody else may call
+    ``take_events`` on it)."""
+    return engine.drain_events
 
 
 def _check_seq(name: str, v: Any) -> int:
@@ -147,7 +145,7 @@ class EventHub:
 
     Args:
         source: called by :meth:`pump`; returns the events recorded since its last call
-            (event objects, oldest first), e.g. ``lambda: drain_events(engine.tree)``.
+            (event objects, oldest first), e.g. ``engine.drain_events``.
         capacity: events the ring keeps (>= 1).
         encode: ``encode(record) -> wire form``, computed once per record by :meth:`encoded`.
 

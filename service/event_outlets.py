@@ -7,8 +7,10 @@
   outlet of the hub, so every pump's new events go out as one numbered batch. The publisher
   never blocks the event loop (``put_timeout_s=0``): when its queue is full the hub hands it
   the same events again at the next pump;
-* the pump task, while the ZMQ outlet is on: pumps every ``interval_s`` (the outlet's added
-  latency at most; ``TakeEvents`` / ``WatchEvents`` pump on their own);
+* the pump task, while the ZMQ outlet is on: pumps every ``interval_s``. The servicer pumps
+  right after every call that recorded events (``CacheManagerServicer.pump_events``), and
+  ``TakeEvents`` / ``WatchEvents`` on their own, so the task only catches what no call
+  pumped (events recorded outside a call, e.g. by a lease reclaim);
 * the shutdown flush (:meth:`EventOutlets.close`): pump what is left, append
   ``AllBlocksCleared`` (the pools are about to be removed: routers must forget this
   manager's blocks), hand it to the outlets, close the hub, close the publisher after it sent

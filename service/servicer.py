@@ -3,18 +3,17 @@
 The engine (``radixkv.engine.CacheEngine``) is single-threaded; every handler runs on the
 one asyncio event loop of the server and calls the engine synchronously (no ``await``
 between decoding a request and answering it), so calls never interleave and no lock is
-needed. Errors map to status codes in one place (:mod:`radixkv.service.errors`); every RPC's
-latency goes to the metrics histogram labelled with its status code.
+needed. How a unary call runs around its body (raw-bytes parsing: hostile bytes are
+INVALID_ARGUMENT, never INTERNAL; the fence of sessions whose lease ran out while their
+worker may still run, :class:`~radixkv.service.quarantine.Quarantine`; status mapping and
+latency metrics) is :mod:`radixkv.service.unary_rpc`. A unary call carrying
+``radixkv-request-id`` metadata is idempotent (:class:`~radixkv.service.idempotency.ReplyCache`):
+a retry gets the kept reply.
 
-Hostile input: the handlers are registered with raw-bytes (de)serializers
-(:func:`add_to_server`) and parse requests themselves, so bytes that are not a valid message
-(garbage, truncated, invalid UTF-8 in a string) are answered INVALID_ARGUMENT, never
-INTERNAL; everything else is validated by the wire decoders and the engine.
-
-Before every call, sessions whose lease ran out while their worker may still run are fenced
-(:class:`~radixkv.service.quarantine.Quarantine`), then the engine's own sweep reclaims the
-others. A unary call carrying ``radixkv-request-id`` metadata is idempotent
-(:class:`~radixkv.service.idempotency.ReplyCache`): a retry gets the kept reply.
+Events: right after each call (unary or ``Step``, in :meth:`CacheManagerServicer.answer`)
+the engine's new events, if any, are appended to the event hub and handed to its outlets
+(the ZMQ publisher), so an outlet sees a call's events before its reply leaves. With
+events off this costs one attribute test per call.
 
 Streams:
 
@@ -38,23 +37,25 @@ import functools
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import grpc
 
 from radixkv.engine.protocol import Session
-from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
+from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
 from radixkv.service import event_wire, wire
 from radixkv.service._gen import cache_manager_pb2 as pb
 from radixkv.service.event_hub import EventHub, HubRecord, engine_event_source
 from radixkv.service.errors import status_of
-from radixkv.service.idempotency import REQUEST_ID_KEY, ReplyCache, check_request_id, digest
+from radixkv.service.idempotency import ReplyCache, digest
 from radixkv.service.metrics import ServiceMetrics
 from radixkv.service.quarantine import Quarantine
 from radixkv.service.shm import SharedBuffers
 from radixkv.service.step_stream import serve_step_stream
+from radixkv.service.unary_rpc import parse, request_id_of, unary_rpc as _rpc  # re-exported
 
-__all__ = ["CacheManagerServicer", "add_to_server", "SERVICE_NAME", "UNARY_METHODS", "STREAM_METHODS"]
+__all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
+           "UNARY_METHODS", "STREAM_METHODS"]
 
 log = logging.getLogger("radixkv.service")
 
@@ -65,59 +66,6 @@ WATCH_CHUNK = 256
 #: Encoded events one TakeEvents reply carries at most (the rest wait for the next call).
 TAKE_MAX_BYTES = 8 << 20
 ATTACH_SCOPE = "attach"  # the reply-cache scope of Attach (no session yet)
-
-
-def parse(cls: Any, raw: Any, method: str) -> Any:
-    """``raw`` bytes as a ``cls`` message. Raises ``InvalidArgumentError`` when they are not one."""
-    if not isinstance(raw, (bytes, bytearray, memoryview)):
-        raise InvalidArgumentError(f"{method}: expected serialized bytes")
-    try:
-        return cls.FromString(bytes(raw))
-    except Exception as e:  # DecodeError, invalid UTF-8, recursion limit ...
-        raise InvalidArgumentError(f"{method}: the request is not a valid {cls.DESCRIPTOR.name} "
-                                   f"({type(e).__name__})") from None
-
-
-def request_id_of(context: Any) -> Optional[str]:
-    """The ``radixkv-request-id`` of a call, checked, or None."""
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_KEY:
-            return check_request_id(value)
-    return None
-
-
-def _rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
-    """Wrap a synchronous ``body(self, request) -> response message`` as a unary aio handler
-    over raw bytes: parse, fence due sessions, answer a retried request id from the reply
-    cache, time the call, map any exception to its status (see ``errors.status_of``)."""
-
-    def deco(body: Callable[[Any, Any], Any]) -> Callable[..., Awaitable[bytes]]:
-        @functools.wraps(body)
-        async def handler(self: "CacheManagerServicer", raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            t0 = time.perf_counter()
-            code = "OK"
-            try:
-                request = parse(request_cls, raw, name)
-                self.quarantine.fence_due()
-                rid = request_id_of(context) if idempotent else None
-                reply, delay = self.answer(name, body, request, raw, rid)
-                if delay:  # fault injection: the reply is late (the client may time out)
-                    await asyncio.sleep(delay)
-                return reply
-            except Exception as exc:  # mapped, never leaked as a traceback
-                st = status_of(exc)
-                code = st.code.name
-                if not isinstance(exc, RadixKVError):
-                    log.exception("internal error in %s", name)
-                await context.abort(st.code, st.details, st.trailing_metadata)
-            finally:
-                self.metrics.observe(name, code, time.perf_counter() - t0)
-
-        handler.request_cls = request_cls
-        handler.body = body  # the Step stream runs the same body (radixkv.service.step_stream)
-        return handler
-
-    return deco
 
 
 class CacheManagerServicer:
@@ -155,6 +103,8 @@ class CacheManagerServicer:
         self.idle_failures: List[str] = []  # invariant checks that failed at an idle sweep
         self.events = events if events is not None else EventHub(engine_event_source(engine), encode=encode_record)
         self._take_cursor = self.events.subscribe("TakeEvents", 0)  # one queue for every TakeEvents caller
+        #: Pump the hub after each call (False when the engine records no events: no work then).
+        self.pump_after_calls = bool(getattr(engine, "events_enabled", False))
 
     def answer(self, name: str, body: Callable[[Any, Any], Any], request: Any, raw: bytes,
                rid: Optional[str]) -> Tuple[bytes, float]:
@@ -162,17 +112,29 @@ class CacheManagerServicer:
         request id ``rid``, answer a retry from the reply cache and keep a fresh reply.
         Returns ``(reply bytes, seconds to hold it back)`` (fault injection, else 0). Raises
         whatever the body raises (nothing kept). Shared by the unary handlers and the Step
-        stream, so both run a call identically."""
-        if rid is None:
-            return body(self, request).SerializeToString(), 0.0
-        scope = ATTACH_SCOPE if name == "Attach" else f"s:{request.session.session_id}"
-        key = digest(name, bytes(raw))
-        kept = self.replies.lookup(scope, rid, key)
-        if kept is not None:
-            return kept, 0.0
-        reply = body(self, request).SerializeToString()
-        self.replies.store(scope, rid, key, reply)
-        return reply, float(self.reply_delays.get(name) or 0.0)
+        stream, so both run a call identically. Afterwards (also when the body raised) the
+        engine's new events, if any, are pumped into the hub (:meth:`pump_events`)."""
+        try:
+            if rid is None:
+                return body(self, request).SerializeToString(), 0.0
+            scope = ATTACH_SCOPE if name == "Attach" else f"s:{request.session.session_id}"
+            key = digest(name, bytes(raw))
+            kept = self.replies.lookup(scope, rid, key)
+            if kept is not None:
+                return kept, 0.0
+            reply = body(self, request).SerializeToString()
+            self.replies.store(scope, rid, key, reply)
+            return reply, float(self.reply_delays.get(name) or 0.0)
+        finally:
+            if self.pump_after_calls:
+                self.pump_events()
+
+    def pump_events(self) -> int:
+        """Append the engine's pending events to the hub and run its outlets, when there
+        are any (one O(1) test otherwise). Returns how many were appended."""
+        if self.engine.pending_events() and not self.events.closed:
+            return self.events.pump()
+        return 0
 
     # ------------------------------------------------------------------ sessions
     @_rpc("Attach", pb.AttachRequest)

@@ -302,7 +302,7 @@ def test_invariant_audit_names_the_broken_sequence():
     try:
         for _ in range(3):
             pub.publish([])
-        pub._buffer[1] = (7, pub._buffer[1][1])
+        pub._kept._buffer[1] = (7, pub._kept._buffer[1][1])  # corrupt the replay buffer
         with pytest.raises(InvariantError, match=r"missing seqs \[1\]"):
             pub.check_invariants()
     finally:
@@ -318,7 +318,7 @@ def test_flags():
                          "--kv-events-layout", "map"])
     pub = from_args(args, background=False)
     try:
-        assert pub.topic == "kv" and pub.layout == "map" and pub._buffer.maxlen == 5
+        assert pub.topic == "kv" and pub.layout == "map" and pub.buffer_steps == 5
         assert pub.endpoint.startswith("tcp://127.0.0.1:") and pub.replay_endpoint is not None
     finally:
         pub.close()

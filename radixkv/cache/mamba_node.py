@@ -34,7 +34,7 @@ from radixkv.cache import tree_audit
 from radixkv.cache.state_order import StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
-__all__ = ["StateTable", "StateConservation", "audit_slots", "check_invariants", "check_state_conservation",
+__all__ = ["StateTable", "EventStateTable", "StateConservation", "audit_slots", "check_invariants", "check_state_conservation",
            "pretty_print"]
 
 
@@ -65,10 +65,14 @@ class StateTable:
     ``pins`` (node -> count > 0), ``protected`` (states on pinned nodes), ``lru`` (the
     :class:`StateHeap` of the states' LRU order; ``slot_of``'s order is the attach order),
     ``anc`` (with ``track_ancestors``, the :class:`StateAncestors` of the ``flop`` order:
-    each state's nearest state ancestor position; else ``None``).
+    each state's nearest state ancestor position; else ``None``). A cache that records
+    events uses :class:`EventStateTable` instead, so this one does no event work at all.
     """
 
     __slots__ = ("num_slots", "slot_of", "node_of", "end", "pins", "protected", "lru", "anc")
+
+    #: The event recorder (:class:`EventStateTable` only); ``None`` here: no event work.
+    events: Optional[Any] = None
 
     def __init__(self, num_slots: int, track_ancestors: bool = False):
         self.num_slots = int(num_slots)
@@ -239,6 +243,43 @@ class StateTable:
         self.lru.check(self.slot_of, self.node_of)
         if self.anc is not None:
             self.anc.check(self.slot_of, self.end, order)
+        if self.events is not None:
+            self._check_events()
+
+    def _check_events(self) -> None:
+        """The recorder's live states are exactly the table's: block hash of each state
+        node's last page -> its end."""
+        mine = {n.block_hashes[-1]: int(self.end[s]) for n, s in self.slot_of.items()}
+        theirs = self.events.live_states()
+        bad = sorted(h for h in mine.keys() | theirs.keys() if mine.get(h) != theirs.get(h))
+        if bad:
+            nodes = [n.id for n in self.slot_of if n.block_hashes[-1] in set(bad)]
+            raise InvariantError(f"MambaRadixCache: the event recorder's live states differ from the "
+                                 f"tree's at blocks {describe_ids(bad)} (tree nodes {describe_ids(nodes)})")
+        self.events.check_invariants()
+
+
+class EventStateTable(StateTable):
+    """A :class:`StateTable` that reports every state gained or lost to ``events`` (a
+    :class:`~radixkv.events.state_events.HybridEventRecorder`): :meth:`attach` records
+    ``StateStored(node.block_hashes[-1], end)``, :meth:`detach` ``StateRemoved([node.block_hashes[-1]])``
+    (before the ``BlockRemoved`` of a node that goes too), each before the table changes (the
+    recorder validates before it records, so a refusal leaves both as they were). The cache
+    uses it only when it records events. O(1) more per attach / detach."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, num_slots: int, track_ancestors: bool = False, events: Any = None):
+        super().__init__(num_slots, track_ancestors)
+        self.events = events  # the cache sets it once its recorder exists
+
+    def attach(self, node: Any, slot: int, end: int) -> None:
+        self.events.on_state_stored(node.block_hashes[-1], end)
+        StateTable.attach(self, node, slot, end)
+
+    def detach(self, node: Any) -> int:
+        self.events.on_state_removed((node.block_hashes[-1],))
+        return StateTable.detach(self, node)
 
 
 def audit_slots(pool: Any, tree_slots: Dict[int, Any], held_slots: Dict[int, Any],

@@ -41,7 +41,7 @@ import torch
 
 from radixkv.cache import mamba_node, mamba_policies, mamba_req_cache
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.mamba_node import StateTable
+from radixkv.cache.mamba_node import EventStateTable, StateTable
 from radixkv.cache.mamba_policies import (
     FlopModel,
     MambaEvictResult,
@@ -107,7 +107,11 @@ class MambaRadixCache(RadixCache):
             or ``None`` for a tree driven directly (then pass ``mamba_pool``).
         token_to_kv_pool_allocator, page_size, eviction_policy, enable_kv_events, disable,
             kv_event_seed, metrics_window: as :class:`RadixCache` (``eviction_policy`` orders
-            the full eviction).
+            the full eviction). With ``enable_kv_events`` the recorder is a
+            :class:`~radixkv.events.state_events.HybridEventRecorder`: ``take_events()``
+            returns the KV events and the state events (``StateStored`` when a node gets a
+            state, ``StateRemoved`` when it loses it: tombstoned, evicted, or reset) in the
+            order they happened.
         admission_policy: ``every`` / ``branch`` / a :class:`StateAdmission`; ``none``
             disables the cache (as the engine's ``none``).
         mamba_pool: the ``MambaPool`` (default: ``req_to_token_pool.mamba_pool``).
@@ -150,9 +154,14 @@ class MambaRadixCache(RadixCache):
         self.flop_model = flop_model if flop_model is not None else FlopModel.from_pool(pool)
         self.mamba_pool = pool
         self.checks = bool(checks)
-        self._states = StateTable(pool.size, bool(getattr(self.state_order, "needs_ancestors", False)))
+        table = EventStateTable if enable_kv_events else StateTable  # no event work without events
+        self._states = table(pool.size, bool(getattr(self.state_order, "needs_ancestors", False)))
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
                          disable, enable_kv_events, kv_event_seed, metrics_window)
+        if self.kv_events is not None:  # one queue for KV and state events, in their order
+            from radixkv.events.state_events import HybridEventRecorder
+
+            self.kv_events = self._states.events = HybridEventRecorder(page_size, seed=self.kv_events.seed)
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key
         # tombstone leaves (False) before leaves with a state: they can never yield a hit
         self._sort_key = lambda node: (has_state(node), base_key(node))
@@ -330,8 +339,12 @@ class MambaRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ whole tree
     def reset(self) -> None:
-        """Drop every node: rows to the allocator, state slots to the pool (one call each)."""
+        """Drop every node: rows to the allocator, state slots to the pool (one call each).
+        With events: one ``StateRemoved`` naming every state, then ``AllBlocksCleared``."""
         slots = self.all_state_slots()
+        events = self._states.events
+        if events is not None and slots:
+            events.on_state_removed([n.block_hashes[-1] for n in self._states.slot_of])
         if slots:
             self.mamba_pool.free(slots)
         RadixCache.reset(self)

@@ -20,6 +20,10 @@ Hybrid models (``K`` layers): the tree is a ``MambaRadixCache``; a new request's
 forward, so when cached the slot holds the state after ``kv_committed_len`` tokens; the tree
 keeps it (a fork for unfinished requests) only at a page-aligned node end.
 
+Events: one queue, KV and (hybrid) state events in the tree's order, read by ``take_events``
+(dicts) or ``drain_events`` (objects, no session). ``stats`` / ``check_invariants`` live in
+:mod:`radixkv.engine.engine_audit`.
+
 Thread-safety: none. The engine is single-threaded by design: the service runs it in one
 event loop, and in-process users call it from one thread (or hold their own lock).
 """
@@ -32,12 +36,12 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from radixkv.cache.mamba_node import StateConservation
 from radixkv.cache.radix_key import RadixKey
+from radixkv.engine import engine_audit
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.pools import EnginePools, build_tree
 from radixkv.engine.protocol import (
-    AttachInfo, CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem,
+    AttachInfo, CacheResult, DecodeItem, DecodeResult, EvictResult, ExtendItem,
     ExtendResult, MatchInfo, MatchQuery, Session,
 )
 from radixkv.engine.requests import EngineReq
@@ -45,10 +49,9 @@ from radixkv.engine.sessions import SessionTable
 from radixkv.engine.validation import (
     as_items, check_count, check_extra_key, check_priority, check_rids, check_token_id, check_tokens,
 )
-from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
+from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.scheduler.batch import Batch
-from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, check_conservation, conservation, \
-    release_kv_cache
+from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
 
 __all__ = ["CacheEngine"]
 
@@ -78,8 +81,7 @@ class CacheEngine:
             workers map those buffers); default ``"embedded"``.
 
     Attributes: ``config``, ``pools`` (:class:`EnginePools`), ``tree`` (a RadixCache, or a
-    MambaRadixCache for hybrid models),
-    ``sessions`` (:class:`SessionTable`). Single-threaded (see the module docstring).
+    MambaRadixCache for hybrid models), ``sessions`` (:class:`SessionTable`).
 
     Raises (constructor) ``InvalidArgumentError`` for a bad config or buffers, or a hybrid
     config while the Mamba-aware tree is missing.
@@ -330,84 +332,44 @@ class CacheEngine:
         return True
 
     def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
-        """Drain up to ``max_events`` KV events (0: all), oldest first, as ``to_dict()``
-        dicts. One queue for the whole engine: events go to whoever takes them."""
+        """Drain up to ``max_events`` events (0: all), oldest first, as ``to_dict()`` dicts:
+        KV events and, for hybrid models, state events, in the order the tree recorded them.
+        One queue for the whole engine: events go to whoever takes them."""
         self._enter(session)
         n = check_count(max_events, "max_events")
         self._events.extend(self.tree.take_events())
         k = len(self._events) if n == 0 else min(n, len(self._events))
         return [self._events.popleft().to_dict() for _ in range(k)]
 
-    # ------------------------------------------------------------------ stats / audit
-    def stats(self, session: Optional[Session] = None) -> EngineStats:
-        """Counters of the whole engine (``session`` optional; checked and renewed when
-        given). O(running requests)."""
-        if session is not None:
-            self._enter(session)
-        else:
-            self.sweep()
-        c = conservation(self.pools.allocator, self.tree, self._reqs.values())
-        m = self.tree.metrics.snapshot()
-        pool = self.pools.req_to_token_pool
-        s = self._state_counts()
-        return EngineStats(
-            kv_capacity=c.pool_size, kv_available=c.available, kv_evictable=c.evictable,
-            kv_protected=c.protected, kv_held=c.held_by_requests,
-            state_capacity=s.capacity, state_available=s.available, state_evictable=s.evictable,
-            state_protected=s.protected, state_held=s.held,
-            rows_capacity=pool.size, rows_available=pool.available_size(),
-            sessions=len(self.sessions), requests=len(self._reqs),
-            queries=m.queries - self._discount[0], queried_tokens=m.queried_tokens - self._discount[1],
-            hit_tokens=m.hit_tokens - self._discount[2], inserted_tokens=m.inserted_tokens,
-            evicted_tokens=m.evicted_tokens,
-        )
+    @property
+    def events_enabled(self) -> bool:
+        """Whether the tree records events (``enable_kv_events``). O(1)."""
+        return self.tree.kv_events is not None
 
-    def check_invariants(self) -> None:
-        """Every pool, the tree, the KV conservation law (page-exact, with the running
-        requests), the session table, and the engine's own request map agree; for hybrid
-        models also the state law, slot-exact: every Mamba slot is exactly one of free, a
-        tree state (evictable or protected) or a running request's own slot
-        (``state_available + state_evictable + state_protected + state_held ==
-        state_capacity``), and every running request holds one. Raises ``InvariantError``
-        naming the offending ids. O(pool + tree + tokens)."""
-        reqs = list(self._reqs.values())
-        self.pools.check_invariants(reqs)
-        if self.config.is_hybrid:
-            self.tree.check_invariants(reqs)  # includes the exact slot audit against reqs
-            slotless = sorted(r.rid for r in reqs if r.mamba_pool_idx is None)
-            if slotless:
-                raise InvariantError(f"running requests of a hybrid model without a Mamba slot: {slotless}")
-            s = self._state_counts()
-            if not s.ok:
-                raise InvariantError(f"Mamba slots not conserved: available {s.available} + evictable "
-                                     f"{s.evictable} + protected {s.protected} + held {s.held} != {s.capacity}")
-        else:
-            self.tree.check_invariants()
-        self.sessions.check_invariants()
-        owned = {rid for sid in self.sessions.session_ids() for rid in self.sessions.rids(sid)}
-        if owned != set(self._reqs):
-            raise InvariantError(f"requests without a session (leaked): {sorted(set(self._reqs) - owned)}; "
-                                 f"session rids without a request: {sorted(owned - set(self._reqs))}")
-        bad = [rid for rid, r in self._reqs.items()
-               if r.rid != rid or r.req_pool_idx is None or r.kv_committed_len != r.seq_len]
-        if bad:
-            raise InvariantError(f"running requests without a row or with uncommitted tokens: {bad}")
-        self._batch(reqs).check_invariants()
-        check_conservation(self.pools.allocator, self.tree, reqs)
+    def pending_events(self) -> int:
+        """Events recorded and not yet taken (0 when events are off). O(1)."""
+        rec = self.tree.kv_events
+        return len(self._events) + rec.pending() if rec is not None else 0
+
+    def drain_events(self) -> List[Any]:
+        """Take every pending event as event objects (KV and state kinds), oldest first,
+        without a session (no sweep, no lease renewal): :meth:`take_events`'s queue, for
+        the one consumer that owns it (the service's event hub). O(events)."""
+        rec = self.tree.kv_events
+        out = list(self._events)
+        self._events.clear()
+        return out + rec.take_events() if rec is not None else out
+
+    # ------------------------------------------------------------------ stats / audit
+    stats = engine_audit.stats
+    check_invariants = engine_audit.check_invariants
+    _state_counts = engine_audit.state_counts
+    _discount_since = engine_audit.discount_since
 
     # ------------------------------------------------------------------ helpers
     def _batch(self, reqs: List[EngineReq]) -> Batch:
         p = self.pools
         return Batch(reqs, p.req_to_token_pool, p.allocator, self.tree, kv_pool=p.kv_pool)
-
-    def _state_counts(self) -> StateConservation:
-        """Where the Mamba slots are (all zeros for KV-only models). O(running requests)."""
-        mp = self.pools.mamba_pool
-        if mp is None:
-            return StateConservation(0, 0, 0, 0, 0)
-        held = sum(1 for r in self._reqs.values() if r.mamba_pool_idx is not None)
-        return StateConservation(int(mp.size), int(mp.available_size()), int(self.tree.mamba_evictable_size()),
-                                 int(self.tree.mamba_protected_size()), held)
 
     @staticmethod
     def _slot(r: EngineReq) -> int:
@@ -434,9 +396,3 @@ class CacheEngine:
         self.sessions.remove_requests(sid, [r.rid for r in reqs])
         for r in reqs:
             del self._reqs[r.rid]
-
-    def _discount_since(self, before: Any) -> None:
-        m = self.tree.metrics.snapshot()
-        self._discount[0] += m.queries - before.queries
-        self._discount[1] += m.queried_tokens - before.queried_tokens
-        self._discount[2] += m.hit_tokens - before.hit_tokens

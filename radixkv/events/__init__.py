@@ -4,6 +4,8 @@
 * :mod:`~radixkv.events.zmq_publisher`: vLLM's ZMQ outlet (PUB + replay ROUTER);
 * :mod:`~radixkv.events.dynamo`: NVIDIA Dynamo ``KvCacheEvent`` JSON and its ``tokens_hash``;
 * :mod:`~radixkv.events.state_events`: state events of hybrid models and their index;
+* :mod:`~radixkv.events.state_router`: a router index crediting only reusable (state-backed)
+  prefixes of hybrid managers;
 * :mod:`~radixkv.events.sources`: draining a cache, recorder or engine.
 
 The names below load their module on first use, so one outlet's dependency (``pyzmq``,
@@ -18,7 +20,7 @@ from typing import Any
 _EXPORTS = {
     "HybridEventRecorder": "state_events", "StateIndex": "state_events", "StateRemoved": "state_events",
     "StateStored": "state_events", "UsableOverlap": "state_events", "any_event_from_dict": "state_events",
-    "split_state_events": "state_events",
+    "split_state_events": "state_events", "StateAwareIndex": "state_router", "StateAwareScore": "state_router",
     "decode_batch": "vllm_wire", "encode_batch": "vllm_wire",
     "DynamoEventAdapter": "dynamo", "DynamoNamespace": "dynamo", "compute_block_hash_for_seq": "dynamo",
     "default_namespace": "dynamo", "dynamo_seed": "dynamo", "tokens_hashes": "dynamo",

@@ -293,6 +293,10 @@ class DynamoEventAdapter:
         """Blocks stored and not removed."""
         return len(self._blocks)
 
+    def holds(self, block_hash: int) -> bool:
+        """Whether ``block_hash`` is stored and not removed. O(1)."""
+        return int(block_hash) in self._blocks
+
     def tokens_hash_of(self, block_hash: int) -> int:
         """The ``tokens_hash`` sent for a live block. Raises NotFoundError."""
         try:

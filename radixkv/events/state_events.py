@@ -290,6 +290,10 @@ class StateIndex:
     def num_states(self, worker: Hashable) -> int:
         return len(self._states.get(worker, ()))
 
+    def live(self, worker: Hashable) -> Dict[int, int]:
+        """A copy of ``worker``'s live states: block hash -> position."""
+        return dict(self._states.get(worker, {}))
+
     def usable(self, worker: Hashable, chain_hashes: Sequence[int], kv_blocks: int) -> UsableOverlap:
         """The deepest ``i <= kv_blocks`` with a state after block ``chain_hashes[i-1]`` on
         ``worker``. O(kv_blocks) dict probes, scanning from the deep end."""

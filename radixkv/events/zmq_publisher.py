@@ -7,13 +7,8 @@ Wire protocol (vLLM's ``ZmqEventPublisher``, reproduced):
   the batch's sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher), ``payload``
   the msgpack batch of :mod:`radixkv.events.vllm_wire`.
 * **Replay ROUTER** (``replay_endpoint``, optional): a subscriber that sees a gap in ``seq``
-  (or joins late) sends one request, ``[start_seq]`` (8 bytes big-endian) from a REQ socket
-  (or ``[b"", start_seq]`` from a DEALER); the ROUTER answers with one message ``[seq,
-  payload]`` per buffered batch whose ``seq >= start_seq``, oldest first, then the end marker
-  ``[(-1).to_bytes(8, "big", signed=True), b""]`` (8 bytes 0xff and an empty payload). Only the
-  last ``buffer_steps`` batches are kept; older ones are gone (the reply then starts later than
-  asked: the subscriber sees it from the first ``seq``). A malformed request gets the end
-  marker alone.
+  (or joins late) asks for the batches from a ``start_seq``; the last ``buffer_steps`` batches
+  are kept for it. The protocol and the buffer are :mod:`radixkv.events.zmq_replay`.
 
 Endpoints: like vLLM, the PUB socket binds when the endpoint has a ``*`` / ``::`` or is
 ``ipc://`` / ``inproc://``, and connects otherwise (to a proxy); the replay socket binds.
@@ -36,21 +31,19 @@ import os
 import queue
 import threading
 import time
-from collections import deque
-from typing import Any, Deque, List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import zmq
 
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
+from radixkv.events.zmq_replay import END_SEQ, ReplayBuffer  # END_SEQ re-exported
 
 __all__ = ["ZmqEventPublisher", "PublisherStats", "PublisherConfig", "END_SEQ", "add_arguments", "from_args",
            "config_from_args", "should_bind"]
 
 log = logging.getLogger(__name__)
 
-#: The replay stream's end marker (the ``seq`` frame of the last reply).
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = object()
 
 
@@ -139,13 +132,9 @@ class ZmqEventPublisher:
         self.replay_endpoint: Optional[str] = None
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
-        self._buffer: Deque[Tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._buf_lock = threading.Lock()
+        self._kept = ReplayBuffer(buffer_steps)
         self._seq_lock = threading.Lock()
         self._next_seq = 0
-        self._published = 0
-        self._replays = 0
-        self._bad_replays = 0
         self._closed = False
         self._pub: Optional[zmq.Socket] = None
         self._ipc_files: List[str] = []  # socket files of bound ipc:// endpoints, removed at close
@@ -253,32 +242,20 @@ class ZmqEventPublisher:
 
     def _send(self, seq: int, payload: bytes) -> None:
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        with self._buf_lock:
-            self._buffer.append((seq, payload))
-            self._published += 1
+        self._kept.record(seq, payload)
 
     # ------------------------------------------------------------------ replay
+    @property
+    def buffer_steps(self) -> int:
+        """Batches kept for replay at most."""
+        return self._kept.capacity
+
     def buffered_since(self, start_seq: int) -> List[Tuple[int, bytes]]:
         """The kept ``(seq, payload)`` pairs with ``seq >= start_seq``, oldest first."""
-        with self._buf_lock:
-            return [(s, p) for s, p in self._buffer if s >= start_seq]
+        return self._kept.since(start_seq)
 
     def _serve_one(self) -> None:
-        frames = self._replay.recv_multipart()
-        self._replays += 1
-        if len(frames) < 2:
-            self._bad_replays += 1
-            return  # no envelope to answer
-        ident = frames[0]
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-            self._bad_replays += 1
-            log.warning("malformed KV event replay request (%d frames)", len(frames))
-            self._replay.send_multipart((ident, b"", END_SEQ, b""))
-            return
-        start = int.from_bytes(frames[2], "big")
-        for seq, payload in self.buffered_since(start):
-            self._replay.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((ident, b"", END_SEQ, b""))
+        self._kept.serve_one(self._replay)
 
     def serve_replay(self, timeout_ms: int = 0) -> int:
         """Answer the replay requests waiting (waiting up to ``timeout_ms`` for the first);
@@ -330,9 +307,8 @@ class ZmqEventPublisher:
             return True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self._buf_lock:
-                if self._published >= self._next_seq:
-                    return True
+            if self._kept.published >= self._next_seq:
+                return True
             time.sleep(0.002)
         return False
 
@@ -376,27 +352,17 @@ class ZmqEventPublisher:
 
     # ------------------------------------------------------------------ audit
     def stats(self) -> PublisherStats:
-        with self._buf_lock:
-            return PublisherStats(self._published, self._next_seq, len(self._buffer),
-                                  self._buffer[0][0] if self._buffer else None, self._queue.qsize(),
-                                  self._replays, self._bad_replays)
+        k = self._kept.stats()
+        return PublisherStats(k.published, self._next_seq, k.buffered, k.oldest_seq, self._queue.qsize(),
+                              k.requests, k.bad_requests)
 
     def check_invariants(self) -> None:
         """Buffered numbers are consecutive and end at the last sent one; nothing sent that
         was not numbered; the buffer holds at most ``buffer_steps``."""
-        with self._buf_lock:
-            seqs = [s for s, _ in self._buffer]
-            published = self._published
-        if seqs and seqs != list(range(seqs[0], seqs[0] + len(seqs))):
-            gaps = sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs))
-            raise InvariantError(f"replay buffer not consecutive; missing seqs {gaps[:16]}, "
-                                 f"duplicated {sorted({s for s in seqs if seqs.count(s) > 1})[:16]}")
-        if seqs and seqs[-1] != published - 1:
-            raise InvariantError(f"replay buffer ends at seq {seqs[-1]}, but {published} batches were sent")
+        self._kept.check_invariants()
+        published = self._kept.published
         if published > self._next_seq:
             raise InvariantError(f"{published} batches sent but only {self._next_seq} numbered")
-        if len(seqs) > (self._buffer.maxlen or 0):
-            raise InvariantError(f"replay buffer holds {len(seqs)} > {self._buffer.maxlen}")
 
 
 # --------------------------------------------------------------------------- flags

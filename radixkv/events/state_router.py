@@ -1,0 +1,200 @@
+"""A state-aware router index: credits a hybrid manager only with the prefix it can reuse.
+
+A hybrid model (full attention mixed with Mamba / KDA layers) resumes a prefix only where
+its tree holds the recurrent state after that prefix's last token. A plain KV index (vLLM /
+Dynamo style) credits a manager with every cached KV block of a request, so after a
+manager evicted states (tombstones: KV kept, state gone) it overstates what that manager
+can reuse. :class:`StateAwareIndex` consumes the same event streams (KV events and the
+state events of :mod:`radixkv.events.state_events`) and scores a manager by the deepest
+matched block that ALSO has a live state -- exactly the manager's own hybrid
+``match_prefix(tokens).prefix_len // page_size``.
+
+It is two indexes fed by one stream per manager:
+
+* the KV index: Dynamo's ``RadixTree`` or the Python fallback
+  (:func:`radixkv.bench.router_index.make_index`), fed the Dynamo JSON of the KV events
+  (:class:`~radixkv.events.dynamo.DynamoEventAdapter`, one per manager). It gives, per
+  manager, the KV overlap ``kv_blocks`` of a request;
+* a :class:`~radixkv.events.state_events.StateIndex`: the live states per manager. Within the
+  KV overlap, the deepest block of the request's radixkv hash chain
+  (:func:`radixkv.cache.block_hash.block_hashes`, the hashes the events name) holding a
+  state is ``blocks``.
+
+Lost events (a ``{"type": "EventsLost"}`` gap marker of the gRPC stream): the manager's
+mirror is incomplete, so its blocks and states are forgotten at once and its later events
+are ignored until its next ``AllBlocksCleared`` (a ``Flush``, or the manager's shutdown), from
+which the mirror is exact again (:meth:`StateAwareIndex.desynced`). A consumer that wants it
+back sooner resubscribes from the oldest kept seq and calls :meth:`remove_worker` first.
+
+Costs: :meth:`apply` O(tokens) for a stored event (one XXH3 call per page), O(blocks)
+otherwise; :meth:`scores` O(pages of the request) hashes (one XXH3 and one SHA-256 per page)
+plus O(kv_blocks) dict probes per manager that matched.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Hashable, Iterable, List, NamedTuple, Optional, Set, Union
+
+import numpy as np
+
+from radixkv.cache.block_hash import DEFAULT_SEED, Seed, block_hashes, chain_root
+from radixkv.cache.events import AllBlocksCleared
+from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
+from radixkv.events.dynamo import DynamoEventAdapter, DynamoNamespace, default_namespace, tokens_hashes
+from radixkv.events.state_events import StateIndex, any_event_from_dict
+
+__all__ = ["StateAwareIndex", "StateAwareScore", "EVENTS_LOST"]
+
+#: ``type`` of the gRPC stream's gap marker (``radixkv.service.event_wire.EVENTS_LOST``).
+EVENTS_LOST = "EventsLost"
+_U64 = 1 << 64
+
+
+class StateAwareScore(NamedTuple):
+    """One manager's score for a request: ``kv_blocks``, the leading blocks whose KV it holds
+    (what a plain KV index credits); ``blocks``, the deepest of those with a live state (what
+    a hybrid engine can actually reuse, ``<= kv_blocks``)."""
+
+    kv_blocks: int
+    blocks: int
+
+
+def _check_worker(worker: Any) -> int:
+    if isinstance(worker, bool) or not isinstance(worker, (int, np.integer)) or not 0 <= int(worker) < _U64:
+        raise InvalidArgumentError(f"worker must be an int in [0, 2**64) (Dynamo worker id), got {worker!r}")
+    return int(worker)
+
+
+def _aligned_tokens(tokens: Any, page_size: int) -> np.ndarray:
+    if hasattr(tokens, "detach"):  # torch
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"tokens must be 1-D, got shape {arr.shape}")
+    return arr[:arr.size - arr.size % page_size]
+
+
+class StateAwareIndex:
+    """Router index over many managers' event streams, scoring what each can really reuse.
+
+    Args:
+        page_size: the managers' page size (one block = one page).
+        index: the KV index: ``"auto"`` (Dynamo's ``RadixTree`` when ai-dynamo-runtime is
+            installed, else Python), ``"python"``, ``"dynamo"``, or an object with
+            ``apply_event(worker, raw_json)`` and ``scores(tokens_hashes) -> {worker: blocks}``.
+        seed: the managers' block-hash seed (``kv_event_seed``; default
+            :data:`~radixkv.cache.block_hash.DEFAULT_SEED`).
+        namespace_fn: ``extra_key -> DynamoNamespace`` for the KV index (as the adapter's).
+
+    Workers are Dynamo worker ids (ints in ``[0, 2**64)``). Raises ``InvalidArgumentError``
+    for a bad argument; an event the KV adapter refuses raises its typed error, and the
+    state index is then left as it was.
+    """
+
+    def __init__(self, page_size: int, index: Union[str, Any] = "auto", seed: Seed = DEFAULT_SEED,
+                 namespace_fn: Callable[[Any], DynamoNamespace] = default_namespace):
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise InvalidArgumentError(f"page_size must be an int >= 1, got {page_size!r}")
+        if not callable(namespace_fn):
+            raise InvalidArgumentError("namespace_fn must be callable")
+        chain_root(seed)  # validates the seed
+        if isinstance(index, str):
+            from radixkv.bench.router_index import make_index
+
+            index = make_index(index)
+        elif not (callable(getattr(index, "apply_event", None)) and callable(getattr(index, "scores", None))):
+            raise InvalidArgumentError("index must be 'auto', 'python', 'dynamo' or have apply_event() and scores()")
+        self.page_size = page_size
+        self.seed = seed
+        self.namespace_fn = namespace_fn
+        self.kv_index = index
+        self.states = StateIndex()
+        self._adapters: Dict[int, DynamoEventAdapter] = {}
+        self._desynced: Set[int] = set()
+
+    # ------------------------------------------------------------------ feeding
+    def apply(self, worker: int, event: Any) -> None:
+        """Apply one event of ``worker``: an event object or its ``to_dict()`` dict (KV or
+        state kind), or the gap marker dict ``{"type": "EventsLost", ...}``."""
+        w = _check_worker(worker)
+        if isinstance(event, dict):
+            if event.get("type") == EVENTS_LOST:
+                self._lose(w)
+                return
+            event = any_event_from_dict(event)
+        if w in self._desynced:
+            if not isinstance(event, AllBlocksCleared):
+                return
+            self._desynced.discard(w)
+        adapter = self._adapters.get(w)
+        if adapter is None:
+            adapter = self._adapters[w] = DynamoEventAdapter(self.page_size, self.namespace_fn)
+        raw = adapter.encode(event)  # validates first; None for a state event
+        if raw is not None:
+            self.kv_index.apply_event(w, raw)
+        self.states.apply(w, event)
+
+    def apply_all(self, worker: int, events: Iterable[Any]) -> None:
+        """:meth:`apply` of each event, in order."""
+        for e in events:
+            self.apply(worker, e)
+
+    def _lose(self, w: int) -> None:
+        self._forget(w)
+        self._desynced.add(w)
+
+    def _forget(self, w: int) -> None:
+        adapter = self._adapters.pop(w, None)
+        if adapter is not None:
+            self.kv_index.apply_event(w, adapter.encode(AllBlocksCleared()))
+        self.states.remove_worker(w)
+
+    def remove_worker(self, worker: int) -> None:
+        """Forget ``worker`` (it died, or the caller resubscribes it from scratch)."""
+        w = _check_worker(worker)
+        self._forget(w)
+        self._desynced.discard(w)
+
+    # ------------------------------------------------------------------ queries
+    def scores(self, tokens: Any, extra_key: Any = None) -> Dict[int, StateAwareScore]:
+        """Per manager with a KV overlap, its :class:`StateAwareScore` for a request of
+        ``tokens`` (the full blocks of them) in namespace ``extra_key``."""
+        toks = _aligned_tokens(tokens, self.page_size)
+        if not toks.size:
+            return {}
+        kv = self.kv_index.scores(tokens_hashes(toks, self.page_size, extra_key, self.namespace_fn))
+        if not kv:
+            return {}
+        chain = block_hashes(toks, self.page_size, None, extra_key, self.seed)
+        return {w: StateAwareScore(n, self.states.usable(w, chain, n).blocks) for w, n in kv.items() if n}
+
+    def best(self, tokens: Any, extra_key: Any = None) -> Optional[int]:
+        """The manager with the most reusable blocks (ties: the lowest id), ``None`` when no
+        manager can reuse any."""
+        sc = self.scores(tokens, extra_key)
+        top = max((s.blocks for s in sc.values()), default=0)
+        return min(w for w, s in sc.items() if s.blocks == top) if top else None
+
+    def workers(self) -> List[Hashable]:
+        """Managers with a live mirror (events applied since their last loss)."""
+        return sorted(self._adapters)
+
+    def desynced(self, worker: int) -> bool:
+        """Whether ``worker`` lost events and waits for its next ``AllBlocksCleared``."""
+        return _check_worker(worker) in self._desynced
+
+    def check_invariants(self) -> None:
+        """Every adapter's and the state index's own audit; no desynced manager keeps blocks
+        or states; every live state sits on a block its manager's adapter holds. Raises
+        ``InvariantError`` naming the managers / block hashes."""
+        for a in self._adapters.values():
+            a.check_invariants()
+        self.states.check_invariants()
+        stale = sorted(w for w in self._desynced if w in self._adapters or self.states.num_states(w))
+        if stale:
+            raise InvariantError(f"desynced managers {describe_ids(stale)} still hold blocks or states")
+        for w in self.states.workers():
+            a = self._adapters.get(w)
+            held = self.states.live(w)
+            orphans = [h for h in held if a is None or not a.holds(h)]
+            if orphans:
+                raise InvariantError(f"manager {w}: states on blocks it does not hold: {describe_ids(orphans)}")
