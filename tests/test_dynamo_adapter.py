@@ -324,32 +324,17 @@ def test_state_index_credits_only_prefixes_that_end_at_a_state():
 
 
 def hooked_mamba(page_size=2, slots=8):
-    """A MambaRadixCache whose state table calls the HybridEventRecorder hooks -- the wiring
-    the Mamba cache needs (see radixkv.events.state_events)."""
+    """A MambaRadixCache with KV events on: it emits state events (StateStored / StateRemoved)
+    in order with the KV events."""
     mrc = pytest.importorskip("radixkv.cache.mamba_radix_cache")
     from radixkv.allocator import PagedTokenToKVPoolAllocator
-    from radixkv.cache.mamba_node import StateTable
     from radixkv.memory import HybridReqToTokenPool, MambaPool
 
     mamba = MambaPool(slots, (3, 12), (2, 4, 4), 2)
     pool = HybridReqToTokenPool(4, 64, mamba_pool=mamba)
     alloc = PagedTokenToKVPoolAllocator(256, page_size)
     tree = mrc.MambaRadixCache(pool, alloc, page_size=page_size, enable_kv_events=True)
-    rec = tree.kv_events = HybridEventRecorder(page_size)
-
-    class HookedStates(StateTable):
-        def attach(self, node, slot, end):
-            super().attach(node, slot, end)
-            rec.on_state_stored(node.block_hashes[-1], end)
-
-        def detach(self, node):
-            rec.on_state_removed([node.block_hashes[-1]])
-            return super().detach(node)
-
-    old = tree._states
-    new = HookedStates(old.num_slots)
-    new.slot_of, new.node_of, new.end, new.pins = old.slot_of, old.node_of, old.end, old.pins
-    tree._states = new
+    assert isinstance(tree.kv_events, HybridEventRecorder)
     return tree, alloc, mamba
 
 
