@@ -4,7 +4,7 @@
   its flags), with the RadixCache engine registered (``--engine radix``) and
   ``--policy default`` naming the RadixCache's default policy; torch runs single-threaded
   (the engine's per-request tensors are small, extra threads only contend);
-* ``radixkv bench radix | allocator | service | mamba [...]``: the scripts
+* ``radixkv bench radix | allocator | service | mamba | vs-sglang [...]``: the scripts
   ``benchmarks/bench_<name>.py`` of a source checkout, run as they are (their own
   ``main``, flags, tables and JSON output), in a child interpreter: the service
   benchmark spawns worker processes that must be able to import the script's functions.
@@ -27,10 +27,11 @@ SCRIPTS: Dict[str, str] = {
     "allocator": "bench_allocator.py",
     "service": "bench_service.py",
     "mamba": "bench_mamba.py",
+    "vs-sglang": "bench_vs_sglang.py",
 }
 SUBCOMMANDS = ("hitrate", "cluster") + tuple(SCRIPTS)
 
-_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba} [options]
+_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang} [options]
 
   hitrate    prefix hit rate of eviction policies on traces / workloads (radixkv.bench.hitrate;
              --engine blocksim | radix)
@@ -40,6 +41,8 @@ _HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba} 
   allocator  KV allocator alloc/free cost (benchmarks/bench_allocator.py)
   service    gRPC cache-manager service vs the embedded engine (benchmarks/bench_service.py)
   mamba      MambaRadixCache latency and state-hit rates (benchmarks/bench_mamba.py)
+  vs-sglang  SGLang's own RadixCache / MambaRadixCache beside radixkv's in one run
+             (benchmarks/bench_vs_sglang.py; --sglang-path DIR, see `make bench-sglang`)
 
 'radixkv bench NAME --help' shows the options of NAME.
 """
