@@ -28,7 +28,9 @@ distorts less than wall time (every RPC wakes two processes, and on a busy machi
 wake-up may wait for a core): ``remote cpu`` = CPU seconds of the server process (all its
 threads, ``/proc/PID/task/*/schedstat``) + of every worker process (``time.process_time``)
 during the run, per request; ``embed cpu`` likewise for the embedded replay; ``cpu
-overhead`` their ratio. Also the p50 of a single ``heartbeat`` call (one round trip, W=1).
+overhead`` their ratio; ``main thr`` = the part of the server's and the workers' CPU spent
+in their main threads (the server's event loop, which makes every engine call; the rest is
+gRPC's own threads). Also the p50 of a single ``heartbeat`` call (one round trip, W=1).
 Prints a table, then JSON (``--json FILE`` writes it too). Timing is never asserted; on a
 shared machine the figures are provisional.
 
@@ -121,6 +123,13 @@ def proc_cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """CPU seconds of one thread (``tid == pid``: the process's main thread, which runs the
+    server's event loop and so every engine call)."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
 def worker_main(idx: int, address: str, token: str, plan, barrier, results, stream: bool = True,
                 heartbeat: bool = False):
     """One worker process: for each (B, steps) of ``plan``, wait at the barrier, run, report
@@ -136,9 +145,10 @@ def worker_main(idx: int, address: str, token: str, plan, barrier, results, stre
         barrier.wait(timeout=600)  # go
         wl = ChatWorkload(seed=1000 * run + idx)
         lat: List[float] = []
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         run_steps(c, s, wl, b, steps, f"w{idx}r{run}", lat)
-        results.put((idx, run, time.perf_counter() - t0, wl.n, lat, time.process_time() - c0))
+        results.put((idx, run, time.perf_counter() - t0, wl.n, lat, time.process_time() - c0,
+                     time.thread_time() - m0))
         if heartbeat and run == len(plan) - 1:
             hb = []
             for _ in range(300):
@@ -224,10 +234,11 @@ def main(argv=None) -> int:
             for run, (b, steps) in enumerate(plan):
                 barrier.wait(timeout=600)
                 assert admin.flush(admin_s), "requests still running after the warm-up"
-                s_cpu0 = proc_cpu_s(server.pid)
+                s_cpu0, s_main0 = proc_cpu_s(server.pid), thread_cpu_s(server.pid, server.pid)
                 barrier.wait(timeout=600)
                 got = [results.get(timeout=600) for _ in range(w)]
                 s_cpu = proc_cpu_s(server.pid) - s_cpu0
+                s_main = thread_cpu_s(server.pid, server.pid) - s_main0
                 if w == 1 and run == len(plan) - 1 and heartbeat_ms is None:
                     hb = results.get(timeout=600)[1]
                     heartbeat_ms = {"p50": pct(hb, 50), "p99": pct(hb, 99)}
@@ -237,6 +248,7 @@ def main(argv=None) -> int:
                 lat = [x for g in got for x in g[4]]
                 e_wall, e_n, e_lat, e_cpu = embedded_run(w, b, steps, run)
                 w_cpu = sum(g[5] for g in got)
+                w_main = sum(g[6] for g in got)
                 barrier.wait(timeout=600)
                 assert e_n == n
                 rows.append({
@@ -248,6 +260,8 @@ def main(argv=None) -> int:
                     "overhead": (wall / n) / (e_wall / e_n),
                     "remote_cpu_us_per_req": (s_cpu + w_cpu) / n * 1e6,
                     "remote_server_cpu_us_per_req": s_cpu / n * 1e6, "remote_worker_cpu_us_per_req": w_cpu / n * 1e6,
+                    "remote_server_main_cpu_us_per_req": s_main / n * 1e6,
+                    "remote_worker_main_cpu_us_per_req": w_main / n * 1e6,
                     "embedded_cpu_us_per_req": e_cpu / e_n * 1e6,
                     "cpu_overhead": ((s_cpu + w_cpu) / n) / (e_cpu / e_n),
                 })
@@ -266,14 +280,15 @@ def main(argv=None) -> int:
     print(f"transport: {args.transport}")
     print(f"{'W':>2} {'B':>3} {'req':>5} {'remote req/s':>12} {'step p50 ms':>11} {'step p99 ms':>11} "
           f"{'embed req/s':>11} {'embed p50 ms':>12} {'overhead':>8} {'remote cpu us/req (srv+wrk)':>27} "
-          f"{'embed cpu us/req':>16} {'cpu overhead':>12}")
+          f"{'main thr srv+wrk':>16} {'embed cpu us/req':>16} {'cpu overhead':>12}")
     for r in rows:
         cpu = (f"{r['remote_cpu_us_per_req']:.0f} ({r['remote_server_cpu_us_per_req']:.0f}+"
                f"{r['remote_worker_cpu_us_per_req']:.0f})")
+        main = f"{r['remote_server_main_cpu_us_per_req']:.0f}+{r['remote_worker_main_cpu_us_per_req']:.0f}"
         print(f"{r['workers']:>2} {r['batch']:>3} {r['requests']:>5} {r['remote_req_per_s']:>12.1f} "
               f"{r['remote_step_p50_ms']:>11.3f} {r['remote_step_p99_ms']:>11.3f} {r['embedded_req_per_s']:>11.1f} "
               f"{r['embedded_step_p50_ms']:>12.3f} {r['overhead']:>7.2f}x {cpu:>27} "
-              f"{r['embedded_cpu_us_per_req']:>16.0f} {r['cpu_overhead']:>11.2f}x")
+              f"{main:>16} {r['embedded_cpu_us_per_req']:>16.0f} {r['cpu_overhead']:>11.2f}x")
     if heartbeat_ms:
         print(f"single call (heartbeat, W=1): p50 {heartbeat_ms['p50']:.3f} ms, p99 {heartbeat_ms['p99']:.3f} ms")
     doc = {"benchmark": "bench_service", "config": CONFIG, "gen_tokens": GEN, "transport": args.transport,

@@ -58,8 +58,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     net.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                      help="largest gRPC message accepted or sent (default %(default)s)")
     net.add_argument("--max-concurrent-rpcs", type=int, default=DEFAULT_MAX_CONCURRENT_RPCS,
-                     help="calls in flight at once, streams included; beyond it a call gets "
-                          "RESOURCE_EXHAUSTED at once (default %(default)s)")
+                     help="calls in flight at once, open streams included (a worker holds two: "
+                          "keep-alive and Step); beyond it a call gets RESOURCE_EXHAUSTED at once "
+                          "(default %(default)s)")
     net.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     run = parser.add_argument_group("running")
     run.add_argument("--shm-dir", default=None, help="directory of the shared-memory pool files (default /dev/shm)")

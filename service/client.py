@@ -1,12 +1,15 @@
 """The worker side: :func:`connect` returns a :class:`RemoteCacheEngine`, the cache-engine
 protocol (``radixkv.engine.protocol.CacheEngineAPI``) run against a cache-manager server.
 
-Every protocol call is one unary RPC carrying the whole batch (token ids and indices as
-packed int32/int64 bytes); with ``connect(..., step_stream=True)`` the step calls (heartbeat,
-match, alloc_extend, alloc_decode, cache_*, release, evict) are instead messages of one
-persistent ``Step`` stream carrying the same request and reply messages, which saves the
-call set-up of each (:mod:`radixkv.service.step_stream`). Failed calls raise the same :mod:`radixkv.errors` types the
-embedded engine raises (:func:`radixkv.service.errors.error_from_rpc`).
+Every protocol call carries the whole batch (token ids and indices as packed int32/int64
+bytes). The step calls (heartbeat, match, alloc_extend, alloc_decode, cache_*, release,
+evict) are by default messages of one persistent ``Step`` stream per client, opened on the
+first step call, carrying the same request and reply messages as the unary RPCs and saving
+the call set-up of each (:mod:`radixkv.service.step_stream`; measured in ``docs/service.md``,
+"Benchmark": 7-39% less CPU per request than unary calls, under half the round trip);
+``connect(..., step_stream=False)`` makes every call a unary RPC (the other calls always
+are). Failed calls raise the same :mod:`radixkv.errors` types the embedded engine raises
+(:func:`radixkv.service.errors.error_from_rpc`).
 
 Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
 str, a token id outside int32, ...) is rejected here with the engine's own validators
@@ -19,10 +22,11 @@ KV bytes never travel: :meth:`RemoteCacheEngine.worker_buffers` maps the manager
 (once per pool and epoch) and returns ``WorkerBuffers`` aliasing them.
 
 Sessions stay alive through calls, :meth:`~RemoteCacheEngine.heartbeat`, or a keep-alive
-stream (:meth:`~RemoteCacheEngine.start_keepalive`): a background thread that renews the
-lease every ``ttl / 3`` s; if the worker dies the stream drops and the manager reclaims the
-session at once. ``attach`` reports this process's pid, so a session that expires while
-this process still runs (paused) is quarantined rather than handed to others.
+stream (:meth:`~RemoteCacheEngine.start_keepalive`, :mod:`~radixkv.service.keepalive`): a
+background thread that renews the lease every ``ttl / 3`` s; if the worker dies the stream
+drops and the manager reclaims the session at once. ``attach`` reports this process's pid, so
+a session that expires while this process still runs (paused) is quarantined rather than
+handed to others.
 
 Retries: every call but ``Stats`` / ``CheckInvariants`` carries a fresh
 ``radixkv-request-id``; with ``retries=N`` a call that failed UNAVAILABLE or
@@ -37,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -55,56 +58,13 @@ from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
 from radixkv.service.auth import Token, resolve_token
 from radixkv.service.errors import ServiceUnavailableError, error_from_rpc
 from radixkv.service.idempotency import REQUEST_ID_KEY
-from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES, unix_socket_path
+from radixkv.service.keepalive import KeepAlive
+from radixkv.service.listen import read_file, unix_socket_path
+from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES
 from radixkv.service.shm import map_buffer
 from radixkv.service.step_stream import REPLY_TYPES, StepLane
 
 __all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
-
-
-class KeepAlive:
-    """A keep-alive stream for one session, renewed from a daemon thread.
-
-    ``stop()`` ends the stream (the manager then detaches the session, see the protocol's
-    KeepAlive); ``lease_left_s`` is the last value the manager sent; ``error`` the error that
-    ended it early (e.g. ``StaleSessionError``), else None.
-    """
-
-    def __init__(self, stub: pb_grpc.CacheManagerStub, metadata: Any, session: Session, interval_s: float):
-        self._stop = threading.Event()
-        self._session = wire.session_to_msg(session)
-        self.interval_s = float(interval_s)
-        self.lease_left_s: Optional[float] = None
-        self.error: Optional[RadixKVError] = None
-        self._call = stub.KeepAlive(self._requests(), metadata=metadata)
-        self._thread = threading.Thread(target=self._run, name="radixkv-keepalive", daemon=True)
-        self._thread.start()
-
-    def _requests(self) -> Iterator[pb.HeartbeatRequest]:
-        while not self._stop.is_set():
-            yield pb.HeartbeatRequest(session=self._session)
-            self._stop.wait(self.interval_s)
-
-    def _run(self) -> None:
-        try:
-            for resp in self._call:
-                self.lease_left_s = resp.lease_left_s
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                self.error = error_from_rpc(e)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Close the stream (the manager then detaches the session at once); cancel it if
-        the manager does not end it within ``timeout_s``."""
-        self._stop.set()
-        self._thread.join(min(timeout_s, 2.0))
-        if self._thread.is_alive():
-            self._call.cancel()
-            self._thread.join(timeout_s)
 
 
 class RemoteCacheEngine:
@@ -118,12 +78,13 @@ class RemoteCacheEngine:
         retries: how many times a call that failed UNAVAILABLE / DEADLINE_EXCEEDED is sent
             again with the same request id (0: never).
         retry_backoff_s: the first pause between tries (doubled each time, at most 1 s).
-        step_stream: send the step calls over one ``Step`` stream (first try; retries and
-            calls made while another thread's call is on the stream go as unary calls).
+        step_stream: send the step calls over one ``Step`` stream (default; first try only:
+            retries, and calls made while another thread's call is on the stream, go as
+            unary calls). The open stream holds one of the manager's ``max_concurrent_rpcs``.
     """
 
     def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = "",
-                 retries: int = 0, retry_backoff_s: float = 0.05, step_stream: bool = False):
+                 retries: int = 0, retry_backoff_s: float = 0.05, step_stream: bool = True):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InvalidArgumentError(f"retries must be an int >= 0, got {retries!r}")
         if not isinstance(step_stream, bool):
@@ -380,15 +341,16 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
             timeout_s: float = 30.0, wait_s: float = 10.0, retries: int = 0, tls_ca: Optional[str] = None,
             tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
             tls_server_name: Optional[str] = None,
-            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = False) -> RemoteCacheEngine:
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = True) -> RemoteCacheEngine:
     """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).
 
     The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
     the channel is TLS (``tls_cert``/``tls_key`` for a client certificate). Waits up to
     ``wait_s`` for the channel to be ready. ``retries``: see :class:`RemoteCacheEngine`.
-    ``step_stream``: send the step calls (heartbeat, match, alloc_extend, alloc_decode,
-    cache_*, release, evict) over one persistent ``Step`` stream instead of one unary call
-    each (:mod:`radixkv.service.step_stream`; cheaper per call, same protocol).
+    ``step_stream`` (default True): send the step calls (heartbeat, match, alloc_extend,
+    alloc_decode, cache_*, release, evict) over one persistent ``Step`` stream, opened on the
+    first step call, instead of one unary call each (:mod:`radixkv.service.step_stream`;
+    cheaper per call, same protocol; False: unary calls only).
 
     Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
     ``ServiceUnavailableError`` (nothing answers within ``wait_s``).
@@ -403,10 +365,8 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
     path = unix_socket_path(address)
     target = f"unix:{path}" if path is not None else address
     if tls_ca:
-        from radixkv.service.server import _read
-
-        creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key) if tls_key else None,
-                                             _read(tls_cert) if tls_cert else None)
+        creds = grpc.ssl_channel_credentials(read_file(tls_ca), read_file(tls_key) if tls_key else None,
+                                             read_file(tls_cert) if tls_cert else None)
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         channel = grpc.secure_channel(target, creds, options=options)

@@ -8,11 +8,9 @@ GPU) and handed to the engine (``CacheEngine(buffers=..., mappings=...)``), whic
 pools over those bytes. Then the gRPC ``grpc.aio`` server starts with the auth interceptor, the
 ``CacheManager`` service, the gRPC health service and (behind a flag) reflection.
 
-Listening: a Unix socket by default (``unix:///dir/name.sock``): the directory is created
-0700 when missing, and refused when it is not ours or allows group/other access; a stale
-socket file (nobody listening) is replaced, a live one refused. TCP (``host:port``) on request:
-with TLS (``tls_cert``/``tls_key``, and ``tls_ca`` to require client certificates), or without
-it on loopback only unless ``allow_insecure_tcp``.
+Listening (:mod:`~radixkv.service.listen`): a Unix socket by default (``unix:///dir/name.sock``,
+the directory 0700, a stale socket file replaced, a live one refused); TCP (``host:port``) with
+TLS, or plaintext on loopback only unless ``allow_insecure_tcp``.
 
 Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
 every ``sweep_interval_s`` (quarantining what a session held while its worker process may
@@ -21,6 +19,11 @@ still run, for at most ``quarantine_s``, 30 s by default; see
 (``check_idle``) runs every ``check_invariants()`` when no request is running. At most
 ``max_concurrent_rpcs`` calls (streams included) are in flight; beyond that a call is
 answered RESOURCE_EXHAUSTED at once (gRPC's own limiter), so overload never builds a queue.
+An open stream holds its slot while idle: a worker holds two (its keep-alive stream and its
+Step stream, which carries its step calls one at a time, so it takes the slot its unary calls
+would take while in flight), a watcher one; size the limit as 2 x workers + watchers + the
+unary calls you allow in flight at once (the default, 256, fits ~100 workers). A Step stream
+the limit refuses falls back to the unary call, which the limit then refuses the same way.
 
 Events (:mod:`~radixkv.service.event_hub`): the server owns the one event hub over the
 engine's tree. It is pumped (drained once, numbered, kept in a ring of
@@ -44,24 +47,29 @@ import logging
 import os
 import secrets
 import signal
-import socket
-import stat
 from typing import Any, Callable, NamedTuple, Optional
 
 import grpc
 
 from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
-from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
+from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.zmq_flags import PublisherConfig
 from radixkv.service import wire
 from radixkv.service.auth import Token, TokenAuthInterceptor
 from radixkv.service.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.event_outlets import EventOutlets
+from radixkv.service.listen import bind, prepare_unix_socket, read_file, unix_socket_path
 from radixkv.service.metrics import ServiceMetrics
 from radixkv.service.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
 from radixkv.service.shm import SharedBuffers, remove_stale_files
 
+__all__ = ["CacheManagerServer", "ServeOptions", "serve", "unix_socket_path", "prepare_unix_socket",
+           "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
+           "DEFAULT_EVENTS_INTERVAL_S"]
+
 log = logging.getLogger("radixkv.service")
+
+_read = read_file  # the old private name (kept for importers)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_MAX_CONCURRENT_RPCS = 256
@@ -72,7 +80,6 @@ DEFAULT_MAX_CONCURRENT_RPCS = 256
 DEFAULT_QUARANTINE_S = 30.0
 #: How often the pump task hands new events to the ZMQ outlet (its added latency at most).
 DEFAULT_EVENTS_INTERVAL_S = 0.005
-_LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 class ServeOptions(NamedTuple):
@@ -96,47 +103,6 @@ class ServeOptions(NamedTuple):
     kv_events: Optional[PublisherConfig] = None  # the ZMQ outlet (vLLM wire); None: off
     events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
     events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
-
-
-def unix_socket_path(address: str) -> Optional[str]:
-    """The file path of a ``unix:`` address (``unix:///abs``, ``unix:/abs``, ``unix:rel``), or None."""
-    if address.startswith("unix://"):
-        return address[len("unix://"):]
-    if address.startswith("unix:"):
-        return address[len("unix:"):]
-    return None
-
-
-def prepare_unix_socket(path: str) -> str:
-    """Make ``path``'s directory safe for the socket and clear a stale socket file.
-
-    Returns the absolute path. Raises ``PermissionDeniedError`` (the directory is not ours,
-    or group/other may enter it) or ``InvalidArgumentError`` (a live server already listens
-    there, or something else than a socket is in the way).
-    """
-    path = os.path.abspath(path)
-    directory = os.path.dirname(path)
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        os.chmod(directory, 0o700)
-    st = os.stat(directory)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionDeniedError(
-            f"socket directory {directory!r} must be owned by this user with mode 0700, has "
-            f"uid {st.st_uid} mode {oct(st.st_mode & 0o777)}")
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise InvalidArgumentError(f"{path!r} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale: nobody listens
-        else:
-            raise InvalidArgumentError(f"a server already listens on {path!r}")
-        finally:
-            probe.close()
-    return path
 
 
 class CacheManagerServer:
@@ -219,7 +185,9 @@ class CacheManagerServer:
             # the ZMQ sockets open before the port: a bad endpoint fails the start
             self.outlets = EventOutlets(self.events, o.kv_events, o.events_interval_s,
                                         clear_at_close=self.config.enable_kv_events)
-            self.address = self._bind()
+            bound = bind(self._server, o)
+            self._socket_path = bound.socket_path
+            self.address = bound.address
             await self._server.start()
         except BaseException:
             if self.outlets is not None:
@@ -240,35 +208,6 @@ class CacheManagerServer:
     def _rejected(self, method: str) -> None:
         self.metrics.auth_failed(method)
         log.info("rejected a call to %s: missing or wrong auth token", method)
-
-    def _bind(self) -> str:
-        o = self.options
-        path = unix_socket_path(o.address)
-        if path is not None:
-            self._socket_path = prepare_unix_socket(path)
-            self._server.add_insecure_port(f"unix:{self._socket_path}")
-            return f"unix://{self._socket_path}"
-        address = o.address[len("tcp://"):] if o.address.startswith("tcp://") else o.address
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgumentError(f"address {o.address!r} is neither unix:PATH nor HOST:PORT")
-        if o.tls_cert or o.tls_key:
-            if not (o.tls_cert and o.tls_key):
-                raise InvalidArgumentError("TLS needs both --tls-cert and --tls-key")
-            creds = grpc.ssl_server_credentials(
-                [(_read(o.tls_key), _read(o.tls_cert))],
-                root_certificates=_read(o.tls_ca) if o.tls_ca else None,
-                require_client_auth=bool(o.tls_ca))
-            bound = self._server.add_secure_port(address, creds)
-        else:
-            if host not in _LOOPBACK and not o.allow_insecure_tcp:
-                raise InvalidArgumentError(
-                    f"refusing plaintext TCP on {host!r}: give --tls-cert/--tls-key, bind a loopback "
-                    "address, or pass --allow-insecure-tcp")
-            bound = self._server.add_insecure_port(address)
-        if not bound:
-            raise InvalidArgumentError(f"cannot bind {address!r}")
-        return f"{host}:{bound}"
 
     # ------------------------------------------------------------------ run
     async def _sweep_loop(self) -> None:
@@ -377,14 +316,6 @@ def _check_options(o: ServeOptions) -> None:
         raise InvalidArgumentError(f"events_interval_s must be a number in (0, 60], got {e!r}")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
         raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
-
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot read {path!r}: {e.strerror}") from None
 
 
 async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),

@@ -117,12 +117,15 @@ class ThreadedServer:
 
 
 def start_remote_engine(config: Union[EngineConfig, Dict[str, Any], None] = None,
-                        clock: Optional[Callable[[], float]] = None) -> Tuple[RemoteCacheEngine, Callable[[], None]]:
-    """A remote engine over a fresh threaded server: ``(client, close)``."""
+                        clock: Optional[Callable[[], float]] = None, *,
+                        step_stream: bool = False) -> Tuple[RemoteCacheEngine, Callable[[], None]]:
+    """A remote engine over a fresh threaded server: ``(client, close)``. Unary calls only
+    unless ``step_stream`` (the conformance suite runs the unary client through this and the
+    stream client separately, so both paths stay covered whatever ``connect``'s default)."""
     server = ThreadedServer(config, clock=clock)
     server.start()
     try:
-        return server.client(), server.stop
+        return server.client(step_stream=step_stream), server.stop
     except RadixKVError:
         server.stop()
         raise

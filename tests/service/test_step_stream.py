@@ -1,4 +1,4 @@
-"""The Step stream (``connect(..., step_stream=True)``): step calls as messages of one
+"""The Step stream (``connect()``'s default, ``step_stream=True``): step calls as messages of one
 persistent stream, run exactly as the unary calls (same errors, same reply cache), with
 deadlines, fallback to unary calls when the stream breaks, and a prompt end at shutdown.
 
@@ -67,9 +67,12 @@ def test_step_calls_go_over_one_stream_and_answer_as_unary_calls(srv):
     got = _sequence(c)
     assert c.steps.stream is not None and c.steps.stream.calls == 9 and c.steps.fallbacks == 0
     with ThreadedServer(CONFIG) as other:  # the same calls as unary calls on a fresh manager
-        u = other.client()
+        u = other.client(step_stream=False)
         assert _sequence(u) == got
         assert u.steps is None
+    d = srv.client()  # the default client sends its step calls over the stream too
+    d.heartbeat(d.attach("default").session)
+    assert d.steps is not None and d.steps.stream.calls == 1
 
 
 def test_errors_arrive_in_the_stream_as_the_same_types(srv):
@@ -261,3 +264,37 @@ def test_a_manager_without_the_step_method_gets_unary_calls(tmp_path):
     finally:
         ch.close()
         old.stop(0)
+
+
+def test_open_streams_count_against_the_concurrent_rpc_limit():
+    """Each open stream holds one of ``max_concurrent_rpcs`` (gRPC's limiter counts RPCs in
+    flight, idle streams included); a Step stream the limit refuses falls back to the unary
+    call, which the limit refuses the same way (``CapacityError``, at once); a closed stream
+    frees its slot and the next step call opens a fresh stream."""
+    opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, max_concurrent_rpcs=2)
+    with ThreadedServer(CONFIG, options=opts) as srv:
+        a, sa = stream_client(srv)
+        a.heartbeat(sa)  # a's Step stream: one slot, held while idle
+        b, sb = stream_client(srv)
+        ka = b.start_keepalive(sb)  # the second slot
+        deadline = time.monotonic() + 10
+        while ka.lease_left_s is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ka.lease_left_s is not None
+        t = time.monotonic()
+        with pytest.raises(E.CapacityError):
+            b.heartbeat(sb)  # b's stream is refused, then its unary retry of the call too
+        assert time.monotonic() - t < 5.0  # refused, not queued
+        assert b.steps.fallbacks == 1 and b.steps.stream is None
+        a.close()  # a's stream ends: its slot is free again
+        while True:  # until the manager has seen a's stream end
+            b.steps.reopen_at = 0.0
+            try:
+                left = b.heartbeat(sb)
+                if b.steps.stream is not None:
+                    break
+            except E.CapacityError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert left > 0 and b.steps.stream.calls == 1
