@@ -47,13 +47,13 @@ import json
 import os
 import platform
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_radix import _stats, make_workload  # noqa: E402
+from op_timer import op_timer  # noqa: E402
 
 from radixkv.allocator import TokenToKVPoolAllocator  # noqa: E402
 from radixkv.bench import hybrid_hitrate  # noqa: E402
@@ -94,19 +94,8 @@ def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks
     mamba = mamba_pool(slots)
     cache = MambaRadixCache(None, alloc, mamba_pool=mamba, checks=checks, state_eviction_policy=state_policy)
     req = _Slot()
-    wall = {op: [] for op in OPS}
-    cpu = {op: [] for op in OPS}
-    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    wall, cpu, timed = op_timer(OPS)
     hit = queried = kept = 0
-
-    def timed(op, fn, *args):
-        c0 = cpu_clock()
-        t0 = clock()
-        out = fn(*args)
-        t1 = clock()
-        cpu[op].append(cpu_clock() - c0)
-        wall[op].append(t1 - t0)
-        return out
 
     state_wall, state_cpu = [], []
     gc.collect()

@@ -32,15 +32,20 @@ import argparse
 import gc
 import heapq
 import json
+import os
 import platform
+import sys
 import time
 import tracemalloc
 
 import numpy as np
 import torch
 
-from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from radixkv.cache import RadixCache, RadixKey
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from op_timer import op_timer  # noqa: E402
+
+from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
+from radixkv.cache import RadixCache, RadixKey  # noqa: E402
 
 OPS = ("match_prefix", "insert", "lock", "unlock", "evict")
 
@@ -241,20 +246,9 @@ def run_cycle(cache, alloc, keys, page_size, naive: bool, timer: _FreeTimer):
     Each op is timed with ``perf_counter_ns`` (wall) and, around that, the thread's CPU
     time (``thread_time_ns``, ~0.4 us per call of its own), which is not inflated when the
     process is descheduled on a busy machine."""
-    wall = {op: [] for op in OPS}
-    cpu = {op: [] for op in OPS}
-    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    wall, cpu, timed = op_timer(OPS)
     hit = queried = evicted = 0
     free_in_evict = []
-
-    def timed(op, fn, *args):
-        c0 = cpu_clock()
-        t0 = clock()
-        out = fn(*args)
-        t1 = clock()
-        cpu[op].append(cpu_clock() - c0)
-        wall[op].append(t1 - t0)
-        return out
 
     gc.collect()
     gc.freeze()  # the prebuilt keys are not the cache's: keep them out of GC passes
@@ -302,7 +296,7 @@ def build_keys(work, page_size, naive):
 
 def measure_memory(work, page_size, pool, naive):
     """Traced bytes (+ torch storage) per cached token of a tree grown to ~``pool`` tokens."""
-    seqs, vals, start, total = [], [], 1, 0
+    seqs, vals, start = [], [], 1
     for _, full in work:
         aligned = full.size - full.size % page_size
         seqs.append(full[:aligned].tolist() if naive else RadixKey(full[:aligned]))

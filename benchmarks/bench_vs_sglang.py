@@ -90,6 +90,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_radix import _stats, make_workload  # noqa: E402
+from op_timer import op_timer  # noqa: E402
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from radixkv.cache import RadixCache, RadixKey  # noqa: E402
@@ -196,22 +197,11 @@ def build_keys(work, page_size: int, impl: str, sg: Optional[SGLang] = None) -> 
 def run_cycle(drv: Driver, keys, page_size: int) -> dict:
     """Every request through the cycle; per-op wall (``perf_counter_ns``) and thread-CPU
     times, the hit rate and eviction counters."""
-    wall = {op: [] for op in OPS}
-    cpu = {op: [] for op in OPS}
-    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    wall, cpu, timed = op_timer(OPS)
     hit = queried = evicted = 0
     hits: List[int] = []
     free_in_evict: List[int] = []
     alloc, timer = drv.alloc, drv.timer
-
-    def timed(op, fn, *args):
-        c0 = cpu_clock()
-        t0 = clock()
-        out = fn(*args)
-        t1 = clock()
-        cpu[op].append(cpu_clock() - c0)
-        wall[op].append(t1 - t0)
-        return out
 
     gc.collect()
     gc.freeze()  # the prebuilt keys are not the cache's: keep them out of GC passes

@@ -4,7 +4,6 @@ repetition (see ``bench_vs_sglang.py``'s docstring for the cycle and the shims).
 from __future__ import annotations
 
 import gc
-import time
 import types
 from typing import List, Optional
 
@@ -12,6 +11,7 @@ import numpy as np
 import torch
 
 from bench_radix import _stats
+from op_timer import op_timer
 from sglang_loader import SGLang
 
 from radixkv.allocator import TokenToKVPoolAllocator
@@ -73,21 +73,10 @@ def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: Optional[SGLang]) -
         cache = m.mamba_radix_cache.MambaRadixCache(m.params.CacheInitParams(
             disable=False, req_to_token_pool=holder, token_to_kv_pool_allocator=alloc, page_size=1))
         mp, ip, ep = m.base.MatchPrefixParams, m.base.InsertParams, m.base.EvictParams
-    wall = {op: [] for op in M_OPS}
-    cpu = {op: [] for op in M_OPS}
+    wall, cpu, timed = op_timer(M_OPS)
     state = []
-    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     hits: List[int] = []
     queried = kept = 0
-
-    def timed(op, fn, *args):
-        c0 = cpu_clock()
-        t0 = clock()
-        out = fn(*args)
-        t1 = clock()
-        cpu[op].append(cpu_clock() - c0)
-        wall[op].append(t1 - t0)
-        return out
 
     gc.collect()
     gc.freeze()
