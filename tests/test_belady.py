@@ -1,6 +1,5 @@
 """Belady's offline bound: next-use indices, optimality against exhaustive search on tiny
 traces, dominance over every online policy, and the Mooncake README figures."""
-import os
 from itertools import combinations
 
 import numpy as np
@@ -13,22 +12,14 @@ from radixkv.bench.blocksim import available_policies, make_policy, simulate
 from radixkv.bench.traces import BlockTrace
 from radixkv.bench.workloads import random_block_trace
 from radixkv.errors import InvalidArgumentError
-
-def _mooncake(name):
-    """The bundled trace (radixkv.data), else the shared copy beside the repo, else None."""
-    try:
-        from radixkv.data import mooncake_trace
-
-        p = str(mooncake_trace(name))
-        if os.path.isfile(p):
-            return p
-    except ImportError:
-        pass
-    p = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake", f"{name}_trace.jsonl")
-    return p if os.path.isfile(p) else None
+from trace_fixtures import bundled_trace
 
 
-HAVE_MOONCAKE = _mooncake("conversation") is not None and _mooncake("synthetic") is not None
+def _trace_path(name):
+    return bundled_trace(name, shared_fallback=True)
+
+
+HAVE_MOONCAKE = _trace_path("conversation") is not None and _trace_path("synthetic") is not None
 
 
 def _requests(bt):
@@ -132,7 +123,7 @@ def test_bypass_skips_blocks_never_reused():
 def test_readme_belady_figures(name, expected):
     from radixkv.bench.traces import load_mooncake
 
-    bt = load_mooncake(_mooncake(name)).block_trace()
+    bt = load_mooncake(_trace_path(name)).block_trace()
     for frac, pct in expected.items():
         got = belady(bt, int(frac * bt.unique_tokens)).token_hit_rate
         assert round(100 * got, 1) == pct, (frac, got)

@@ -1,7 +1,6 @@
 """The block simulator: LRU against a brute-force model (Hypothesis state machine), every
 policy's structural invariants under seeded stress, typed errors that leave state alone,
 the token-driven adapter against the fast path, and the README's LRU figures."""
-import os
 
 import numpy as np
 import pytest
@@ -20,22 +19,14 @@ from radixkv.errors import (
     InvariantError,
     LengthMismatchError,
 )
-
-def _mooncake(name):
-    """The bundled trace (radixkv.data), else the shared copy beside the repo, else None."""
-    try:
-        from radixkv.data import mooncake_trace
-
-        p = str(mooncake_trace(name))
-        if os.path.isfile(p):
-            return p
-    except ImportError:
-        pass
-    p = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake", f"{name}_trace.jsonl")
-    return p if os.path.isfile(p) else None
+from trace_fixtures import bundled_trace
 
 
-HAVE_MOONCAKE = _mooncake("conversation") is not None and _mooncake("synthetic") is not None
+def _trace_path(name):
+    return bundled_trace(name, shared_fallback=True)
+
+
+HAVE_MOONCAKE = _trace_path("conversation") is not None and _trace_path("synthetic") is not None
 ALL_POLICIES = available_policies()
 
 
@@ -339,7 +330,7 @@ def test_leaf_heap():
 def test_readme_lru_figures_and_aplru_claim(name, expected):
     from radixkv.bench.traces import load_mooncake
 
-    bt = load_mooncake(_mooncake(name)).block_trace()
+    bt = load_mooncake(_trace_path(name)).block_trace()
     for frac, pct in expected.items():
         cap = int(frac * bt.unique_tokens)
         lru = simulate(bt, cap, "lru").token_hit_rate

@@ -9,15 +9,9 @@ import pytest
 from radixkv.bench import hitrate
 from radixkv.bench.hitrate import BlockSimAdapter, add_arguments, main, run
 from radixkv.bench.progress import Progress
+from trace_fixtures import ROWS
 
-ROWS = [
-    {"timestamp": 0, "input_length": 10, "output_length": 3, "hash_ids": [0, 1, 2]},
-    {"timestamp": 1, "input_length": 12, "output_length": 1, "hash_ids": [0, 1, 3]},
-    {"timestamp": 2, "input_length": 5, "output_length": 2, "hash_ids": [4, 5]},
-    {"timestamp": 3, "input_length": 9, "output_length": 2, "hash_ids": [0, 1, 6]},
-    {"timestamp": 4, "input_length": 16, "output_length": 2, "hash_ids": [0, 1, 3, 7]},
-    {"timestamp": 5, "input_length": 6, "output_length": 2, "hash_ids": [4, 8]},
-]
+
 TOP_KEYS = {"trace", "requests", "prompt_tokens", "unique_tokens", "bounds", "results"}
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "hit_tokens",
                "token_hit_rate", "evicted_tokens"}

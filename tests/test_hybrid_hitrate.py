@@ -2,7 +2,6 @@
 computation (unlimited slots with ``every`` = the plain KV hit; no slots = no hit), the tree
 replay against the scheduler flow, the JSON schema / tables / plot, and usage errors."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -19,6 +18,8 @@ from radixkv.bench.hybrid_hitrate import (
 from radixkv.bench.workloads import make_workload
 from radixkv.cache.mamba_policies import FlopStateOrder
 from radixkv.errors import InvalidArgumentError
+from trace_fixtures import ROWS, bundled_trace
+
 
 B = 8  # tokens per block of the synthetic chains
 
@@ -133,14 +134,6 @@ def test_helpers_and_bad_arguments():
 
 
 # ---------------------------------------------------------------------- the CLI
-ROWS = [
-    {"timestamp": 0, "input_length": 10, "output_length": 3, "hash_ids": [0, 1, 2]},
-    {"timestamp": 1, "input_length": 12, "output_length": 1, "hash_ids": [0, 1, 3]},
-    {"timestamp": 2, "input_length": 5, "output_length": 2, "hash_ids": [4, 5]},
-    {"timestamp": 3, "input_length": 9, "output_length": 2, "hash_ids": [0, 1, 6]},
-    {"timestamp": 4, "input_length": 16, "output_length": 2, "hash_ids": [0, 1, 3, 7]},
-    {"timestamp": 5, "input_length": 6, "output_length": 2, "hash_ids": [4, 8]},
-]
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "state_slots", "admission",
                "state_policy", "checkpoint", "hit_tokens", "token_hit_rate", "kv_hit_tokens", "kv_hit_rate",
                "lost_tokens", "lost_rate", "state_hits", "state_hit_rate", "flop_saved", "evicted_tokens",
@@ -212,17 +205,7 @@ def test_cli_hybrid_usage_errors(trace_file, extra, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def _bundled(name):
-    try:
-        from radixkv.data import mooncake_trace
-
-        p = str(mooncake_trace(name))
-        return p if os.path.isfile(p) else None
-    except ImportError:
-        return None
-
-
-@pytest.mark.skipif(_bundled("conversation") is None, reason="bundled Mooncake trace absent")
+@pytest.mark.skipif(bundled_trace("conversation") is None, reason="bundled Mooncake trace absent")
 def test_cli_hybrid_on_a_prefix_of_the_conversation_trace(tmp_path):
     out = tmp_path / "c.json"
     assert main(["--trace", "conversation", "--limit", "60", "--hybrid", "--capacity-frac", "0.05,1",

@@ -3,7 +3,6 @@
 than the pool keeps its head), the padding of partial pages with virtual rows, the
 pool/tree conservation audit under seeded stress for several policies, typed errors that
 leave everything unchanged, and the Mooncake infinite-capacity figures."""
-import os
 
 import numpy as np
 import pytest
@@ -27,16 +26,7 @@ from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
 )
-
-
-def _bundled(name):
-    try:
-        from radixkv.data import mooncake_trace
-
-        p = str(mooncake_trace(name))
-        return p if os.path.isfile(p) else None
-    except ImportError:
-        return None
+from trace_fixtures import bundled_trace
 
 
 def chains_as_tokens(bt):
@@ -232,7 +222,7 @@ def test_engine_audit_catches_a_leaked_slot():
         eng.check_invariants()
 
 
-@pytest.mark.skipif(_bundled("conversation") is None or _bundled("synthetic") is None,
+@pytest.mark.skipif(bundled_trace("conversation") is None or bundled_trace("synthetic") is None,
                     reason="bundled Mooncake traces absent")
 @pytest.mark.parametrize("name, pct", [("conversation", 37.36), ("synthetic", 65.12)])
 def test_mooncake_infinite_capacity_matches(name, pct):
@@ -242,7 +232,7 @@ def test_mooncake_infinite_capacity_matches(name, pct):
     assert round(100 * r.token_hit_rate, 2) == pct
 
 
-@pytest.mark.skipif(_bundled("conversation") is None, reason="bundled Mooncake trace absent")
+@pytest.mark.skipif(bundled_trace("conversation") is None, reason="bundled Mooncake trace absent")
 def test_mooncake_prefix_lru_close_to_the_simulator():
     src = load_source(trace="conversation", page_size=512, limit=1500)
     cap = int(0.05 * src.unique_tokens)

@@ -1,6 +1,5 @@
 """Trace loading and expansion, the block view, rechunking, and the synthetic generators."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -10,22 +9,14 @@ from hypothesis import strategies as st
 from radixkv.bench.traces import BlockTrace, load_mooncake
 from radixkv.bench.workloads import WORKLOADS, make_workload, random_block_trace, unique_prefix_tokens
 from radixkv.errors import AlignmentError, InvalidArgumentError
-
-def _mooncake(name):
-    """The bundled trace (radixkv.data), else the shared copy beside the repo, else None."""
-    try:
-        from radixkv.data import mooncake_trace
-
-        p = str(mooncake_trace(name))
-        if os.path.isfile(p):
-            return p
-    except ImportError:
-        pass
-    p = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake", f"{name}_trace.jsonl")
-    return p if os.path.isfile(p) else None
+from trace_fixtures import bundled_trace
 
 
-HAVE_MOONCAKE = _mooncake("conversation") is not None and _mooncake("synthetic") is not None
+def _trace_path(name):
+    return bundled_trace(name, shared_fallback=True)
+
+
+HAVE_MOONCAKE = _trace_path("conversation") is not None and _trace_path("synthetic") is not None
 
 
 def _write(tmp_path, rows, name="t.jsonl"):
@@ -134,7 +125,7 @@ def test_rechunk_equals_chunking_expanded_tokens(seed, page):
 @pytest.mark.skipif(not HAVE_MOONCAKE, reason="Mooncake traces not present")
 @pytest.mark.parametrize("name,n,inf", [("conversation", 12031, 37.4), ("synthetic", 3993, 65.1)])
 def test_mooncake_infinite_capacity_matches_readme(name, n, inf):
-    tr = load_mooncake(_mooncake(name))
+    tr = load_mooncake(_trace_path(name))
     bt = tr.block_trace()
     assert len(tr) == n
     assert round(100 * bt.infinite_hit_tokens() / tr.prompt_tokens, 1) == inf
