@@ -210,8 +210,9 @@ class MambaPool:
         Raises (nothing changes): ``InvalidIndexError`` (outside ``1..size``),
         ``DoubleFreeError`` (already free, or repeated), ``InvalidArgumentError`` (dtype).
         """
-        if type(indices) is list and len(indices) == 1:  # the tree frees one slot per state
-            indices = indices[0]
+        if type(indices) is list and len(indices) == 1 and type(indices[0]) is int:
+            self.free_slots.free_one(indices[0])  # the tree frees one slot per state
+            return
         if type(indices) is int:
             self.free_slots.free_one(indices)
             return
