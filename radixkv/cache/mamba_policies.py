@@ -155,16 +155,24 @@ ADMISSION_POLICIES: Dict[str, Callable[[], StateAdmission]] = {
 }
 
 
+def _from_registry(policy: Any, base: type, registry: Dict[str, Callable[[], Any]], what: str,
+                   also: str = "") -> Any:
+    """``policy`` itself when it is a ``base`` instance, else a new instance of the entry of
+    ``registry`` it names (case and surrounding blanks ignored). Raises InvalidArgumentError
+    for an unknown name."""
+    if isinstance(policy, base):
+        return policy
+    factory = registry.get(policy.strip().lower()) if isinstance(policy, str) else None
+    if factory is None:
+        raise InvalidArgumentError(f"unknown {what} {policy!r}; known: {', '.join(sorted(registry))}{also}")
+    return factory()
+
+
 def make_admission(policy: Union[str, StateAdmission]) -> StateAdmission:
     """An admission policy by name (``every``, ``branch``) or the instance itself.
     Raises InvalidArgumentError for an unknown name."""
-    if isinstance(policy, StateAdmission):
-        return policy
-    factory = ADMISSION_POLICIES.get(policy.strip().lower()) if isinstance(policy, str) else None
-    if factory is None:
-        raise InvalidArgumentError(f"unknown state admission policy {policy!r}; known: "
-                                   f"{', '.join(sorted(ADMISSION_POLICIES))} (and 'none': cache disabled)")
-    return factory()
+    return _from_registry(policy, StateAdmission, ADMISSION_POLICIES, "state admission policy",
+                          " (and 'none': cache disabled)")
 
 
 # ----------------------------------------------------------------------------- eviction order
@@ -296,13 +304,7 @@ STATE_EVICTION_POLICIES: Dict[str, Callable[[], StateEvictionOrder]] = {
 def make_state_order(policy: Union[str, StateEvictionOrder]) -> StateEvictionOrder:
     """A state eviction order by name (``lru``, ``flop``) or the instance itself.
     Raises InvalidArgumentError for an unknown name."""
-    if isinstance(policy, StateEvictionOrder):
-        return policy
-    factory = STATE_EVICTION_POLICIES.get(policy.strip().lower()) if isinstance(policy, str) else None
-    if factory is None:
-        raise InvalidArgumentError(f"unknown state eviction policy {policy!r}; known: "
-                                   f"{', '.join(sorted(STATE_EVICTION_POLICIES))}")
-    return factory()
+    return _from_registry(policy, StateEvictionOrder, STATE_EVICTION_POLICIES, "state eviction policy")
 
 
 # ----------------------------------------------------------------------------- eviction
