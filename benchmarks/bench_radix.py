@@ -224,9 +224,10 @@ def _stats(ns, cpu_ns=None):
     return out
 
 
-class _FreeTimer:
-    """Wraps an allocator and accumulates the wall time of its ``free`` calls, so the
-    evict figure can be split into tree work and the allocator's own work."""
+class FreeTimer:
+    """Wraps an allocator and accumulates the wall time of its ``free`` (and SGLang's
+    ``free_segment``) calls, so the evict figure can be split into tree work and the
+    allocator's own work."""
 
     def __init__(self, alloc):
         self._alloc, self.ns = alloc, 0
@@ -239,47 +240,68 @@ class _FreeTimer:
         self._alloc.free(idx)
         self.ns += time.perf_counter_ns() - t0
 
+    def free_segment(self, idx, *, start_pos):
+        t0 = time.perf_counter_ns()
+        self._alloc.free_segment(idx, start_pos=start_pos)
+        self.ns += time.perf_counter_ns() - t0
 
-def run_cycle(cache, alloc, keys, page_size, naive: bool, timer: _FreeTimer):
-    """Drive every request through the cycle; return per-op timings and counters.
 
-    Each op is timed with ``perf_counter_ns`` (wall) and, around that, the thread's CPU
-    time (``thread_time_ns``, ~0.4 us per call of its own), which is not inflated when the
-    process is descheduled on a busy machine."""
-    wall, cpu, timed = op_timer(OPS)
+def cycle(keys, page_size, alloc, timer, match, split, lock, unlock, evict, insert, indices=None, ops=OPS):
+    """Drive every request through match -> lock -> evict-if-short -> alloc -> insert ->
+    free duplicates -> unlock, timing the cache's calls (``op_timer``: wall and thread CPU).
+
+    ``match(key)``'s result goes through ``split`` (untimed) to ``(prefix_len, node, rows)``;
+    when ``rows`` is None, ``indices(node, prefix_len)`` fetches them, timed as
+    ``prefix_indices``. Returns the per-op nanoseconds, the allocator time inside each evict,
+    every request's hit, the hit rate and the evicted tokens."""
+    wall, cpu, timed = op_timer(ops)
     hit = queried = evicted = 0
-    free_in_evict = []
-
+    hits, free_in_evict = [], []
     gc.collect()
     gc.freeze()  # the prebuilt keys are not the cache's: keep them out of GC passes
     for pkey, fkey, plen, flen in keys:
-        if naive:
-            idx, node = timed("match_prefix", cache.match_prefix, pkey)
-        else:
-            m = timed("match_prefix", cache.match_prefix, pkey)
-            idx, node = m.device_indices, m.last_node
-        timed("lock", cache.inc_lock_ref, node)
-        pre = idx.numel()
+        pre, node, idx = split(timed("match_prefix", match, pkey))
+        timed("lock", lock, node)
+        if idx is None:
+            idx = timed("prefix_indices", indices, node, pre)
+        hits.append(pre)
         hit, queried = hit + pre, queried + plen
         need = flen - pre
         want = -(-need // page_size) * page_size
         avail = alloc.available_size()
         if avail < want:
             before = timer.ns
-            evicted += timed("evict", cache.evict, want - avail)
+            evicted += timed("evict", evict, want - avail)
             free_in_evict.append(timer.ns - before)
         rows = alloc.alloc(want)
         value = torch.cat([idx, rows[:need]])
         aligned = flen - flen % page_size
-        done = timed("insert", cache.insert, fkey, value[:aligned])
+        done = timed("insert", insert, fkey, value[:aligned])
         spare = torch.cat([value[pre:done], rows[aligned - pre:]])
         if spare.numel():
             alloc.free(spare)
-        timed("unlock", cache.dec_lock_ref, node)
+        timed("unlock", unlock, node)
     gc.unfreeze()
+    return {"wall": wall, "cpu": cpu, "free_in_evict": free_in_evict, "hits": hits,
+            "hit_rate": hit / queried, "evicted_tokens": int(evicted)}
+
+
+def _split_radixkv(m):
+    return m.prefix_len, m.last_node, m.device_indices
+
+
+def _split_naive(r):
+    return r[0].numel(), r[1], r[0]
+
+
+def run_cycle(cache, alloc, keys, page_size, naive: bool, timer: FreeTimer):
+    """:func:`cycle` over radixkv's RadixCache or the naive reference; per-op stats."""
+    raw = cycle(keys, page_size, alloc, timer, cache.match_prefix, _split_naive if naive else _split_radixkv,
+                cache.inc_lock_ref, cache.dec_lock_ref, cache.evict, cache.insert)
+    wall, cpu = raw["wall"], raw["cpu"]
     ops = {op: _stats(wall[op], cpu[op]) for op in OPS}
-    ops["evict_tree_only"] = _stats([w - f for w, f in zip(wall["evict"], free_in_evict)])
-    return {"ops": ops, "hit_rate": round(hit / queried, 4), "evicted_tokens": int(evicted),
+    ops["evict_tree_only"] = _stats([w - f for w, f in zip(wall["evict"], raw["free_in_evict"])])
+    return {"ops": ops, "hit_rate": round(raw["hit_rate"], 4), "evicted_tokens": raw["evicted_tokens"],
             "cached_tokens_end": int(cache.total_size())}
 
 
@@ -354,7 +376,7 @@ def main(argv=None):
         for impl in impls:
             naive = impl == "naive"
             alloc = _allocator(args.pool, ps)
-            timer = _FreeTimer(alloc)
+            timer = FreeTimer(alloc)
             cache = NaiveRadixCache(timer, ps) if naive else RadixCache(None, timer, page_size=ps)
             keys = build_keys(work, ps, naive)
             run = run_cycle(cache, alloc, keys, ps, naive, timer)

@@ -80,7 +80,6 @@ import json
 import os
 import platform
 import sys
-import time
 import tracemalloc
 from array import array
 from typing import Any, Callable, List, NamedTuple, Optional
@@ -89,8 +88,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_radix import _stats, make_workload  # noqa: E402
-from op_timer import op_timer  # noqa: E402
+from bench_radix import FreeTimer, _stats, cycle, make_workload  # noqa: E402
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from radixkv.cache import RadixCache, RadixKey  # noqa: E402
@@ -102,58 +100,32 @@ OPS = ("match_prefix", "prefix_indices", "lock", "evict", "insert", "unlock")
 
 
 # ----------------------------------------------------------------------------- the two drivers
-class _FreeTimer:
-    """Wraps an allocator; adds up the wall time of its ``free`` / ``free_segment`` calls."""
-
-    def __init__(self, alloc):
-        self._alloc, self.ns = alloc, 0
-
-    def __getattr__(self, name):
-        return getattr(self._alloc, name)
-
-    def free(self, idx):
-        t0 = time.perf_counter_ns()
-        self._alloc.free(idx)
-        self.ns += time.perf_counter_ns() - t0
-
-    def free_segment(self, idx, *, start_pos):
-        t0 = time.perf_counter_ns()
-        self._alloc.free_segment(idx, start_pos=start_pos)
-        self.ns += time.perf_counter_ns() - t0
-
-
 class Driver(NamedTuple):
-    """One cache behind a uniform cycle interface (built by ``radixkv_driver`` /
-    ``sglang_driver``): ``match(key) -> (prefix_len, node)``, ``indices(node, n)`` -> the
-    prefix's KV rows (``None`` when ``match`` already returned them: see ``last_rows``)."""
+    """One cache behind the cycle of ``bench_radix.cycle`` (built by ``radixkv_driver`` /
+    ``sglang_driver``): ``split(match(key)) -> (prefix_len, node, rows or None)``, and
+    ``indices(node, n)`` -> the prefix's KV rows when ``match`` does not return them."""
 
     name: str
     cache: Any
     alloc: Any
-    timer: _FreeTimer
+    timer: FreeTimer
     match: Callable
+    split: Callable
     indices: Optional[Callable]
     lock: Callable
     unlock: Callable
     evict: Callable
     insert: Callable
-    last_rows: Callable
 
 
 def radixkv_driver(pool: int, page_size: int) -> Driver:
     alloc = (TokenToKVPoolAllocator(pool, device="cpu") if page_size == 1
              else PagedTokenToKVPoolAllocator(pool, page_size, device="cpu"))
-    timer = _FreeTimer(alloc)
+    timer = FreeTimer(alloc)
     cache = RadixCache(None, timer, page_size=page_size)
-    box = [None]
-
-    def match(key):
-        m = cache.match_prefix(key)
-        box[0] = m.device_indices
-        return m.prefix_len, m.last_node
-
-    return Driver("radixkv", cache, alloc, timer, match, None, cache.inc_lock_ref, cache.dec_lock_ref,
-                  cache.evict, cache.insert, lambda: box[0])
+    return Driver("radixkv", cache, alloc, timer, cache.match_prefix,
+                  lambda m: (m.prefix_len, m.last_node, m.device_indices), None,
+                  cache.inc_lock_ref, cache.dec_lock_ref, cache.evict, cache.insert)
 
 
 def sglang_driver(sg: SGLang, pool: int, page_size: int) -> Driver:
@@ -162,21 +134,19 @@ def sglang_driver(sg: SGLang, pool: int, page_size: int) -> Driver:
         alloc = m.alloc.TokenToKVPoolAllocator(pool, torch.float16, "cpu", None, False)
     else:
         alloc = m.alloc.PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu", None, False)
-    timer = _FreeTimer(alloc)
+    timer = FreeTimer(alloc)
     cache = m.radix_cache.RadixCache(m.params.CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=timer, page_size=page_size))
     mp, ip, ep = m.base.MatchPrefixParams, m.base.InsertParams, m.base.EvictParams
 
-    def match(key):
-        m = cache.match_prefix(mp(key=key))
-        return m.device_prefix_len, m.last_device_node
-
     def indices(node, n):
         return cache.path_device_indices(node)[:n]
 
-    return Driver("sglang", cache, alloc, timer, match, indices, cache.inc_lock_ref, cache.dec_lock_ref,
+    return Driver("sglang", cache, alloc, timer, lambda key: cache.match_prefix(mp(key=key)),
+                  lambda r: (r.device_prefix_len, r.last_device_node, None), indices,
+                  cache.inc_lock_ref, cache.dec_lock_ref,
                   lambda n: cache.evict(ep(num_tokens=n)).num_tokens_evicted,
-                  lambda k, v: cache.insert(ip(key=k, value=v)).prefix_len, None)
+                  lambda k, v: cache.insert(ip(key=k, value=v)).prefix_len)
 
 
 def build_keys(work, page_size: int, impl: str, sg: Optional[SGLang] = None) -> list:
@@ -195,40 +165,10 @@ def build_keys(work, page_size: int, impl: str, sg: Optional[SGLang] = None) -> 
 
 
 def run_cycle(drv: Driver, keys, page_size: int) -> dict:
-    """Every request through the cycle; per-op wall (``perf_counter_ns``) and thread-CPU
-    times, the hit rate and eviction counters."""
-    wall, cpu, timed = op_timer(OPS)
-    hit = queried = evicted = 0
-    hits: List[int] = []
-    free_in_evict: List[int] = []
-    alloc, timer = drv.alloc, drv.timer
-
-    gc.collect()
-    gc.freeze()  # the prebuilt keys are not the cache's: keep them out of GC passes
-    for pkey, fkey, plen, flen in keys:
-        pre, node = timed("match_prefix", drv.match, pkey)
-        timed("lock", drv.lock, node)
-        idx = drv.last_rows() if drv.indices is None else timed("prefix_indices", drv.indices, node, pre)
-        hits.append(pre)
-        hit, queried = hit + pre, queried + plen
-        need = flen - pre
-        want = -(-need // page_size) * page_size
-        avail = alloc.available_size()
-        if avail < want:
-            before = timer.ns
-            evicted += timed("evict", drv.evict, want - avail)
-            free_in_evict.append(timer.ns - before)
-        rows = alloc.alloc(want)
-        value = torch.cat([idx, rows[:need]])
-        aligned = flen - flen % page_size
-        done = timed("insert", drv.insert, fkey, value[:aligned])
-        spare = torch.cat([value[pre:done], rows[aligned - pre:]])
-        if spare.numel():
-            alloc.free(spare)
-        timed("unlock", drv.unlock, node)
-    gc.unfreeze()
-    return {"wall": wall, "cpu": cpu, "free_in_evict": free_in_evict, "hits": hits,
-            "hit_rate": hit / queried, "evicted_tokens": int(evicted)}
+    """Every request through ``bench_radix.cycle``; per-op wall and thread-CPU times, every
+    request's hit, the hit rate and eviction counters."""
+    return cycle(keys, page_size, drv.alloc, drv.timer, drv.match, drv.split, drv.lock, drv.unlock,
+                 drv.evict, drv.insert, indices=drv.indices, ops=OPS)
 
 
 def summarize(reps: List[dict]) -> dict:
