@@ -4,7 +4,7 @@ audit, a state machine driving a RadixCache whose events feed a plain-Python mod
 Dynamo's indexer, and the state events of hybrid models (recorder, index, and a real
 MambaRadixCache wired through the hook)."""
 import json
-from typing import Dict, List
+from typing import Dict
 
 import numpy as np
 import pytest
@@ -338,6 +338,18 @@ def hooked_mamba(page_size=2, slots=8):
     return tree, alloc, mamba
 
 
+def insert_random_state(tree, alloc, mamba, rng, toks):
+    """Insert ``toks`` with fresh rows and, 70% of the time, a fresh state slot; free the
+    caller's duplicates (rows already cached, a slot the tree did not keep)."""
+    rows = alloc.alloc(toks.size)
+    slot = int(mamba.alloc(1)[0]) if rng.random() < 0.7 and mamba.available_size() else None
+    res = tree.insert_with_state(toks, rows, slot)
+    if res.prefix_len:
+        alloc.free(rows[:res.prefix_len])
+    if slot is not None and not res.state_kept:
+        mamba.free([slot])
+
+
 def test_mamba_cache_events_let_a_router_credit_only_reusable_prefixes():
     ps = 2
     tree, alloc, mamba = hooked_mamba(ps)
@@ -346,13 +358,7 @@ def test_mamba_cache_events_let_a_router_credit_only_reusable_prefixes():
     for step in range(120):
         toks = rng.integers(0, 3, 2 * int(rng.integers(1, 6))).astype(np.int32)
         if rng.random() < 0.6:
-            rows = alloc.alloc(toks.size)
-            slot = int(mamba.alloc(1)[0]) if rng.random() < 0.7 and mamba.available_size() else None
-            res = tree.insert_with_state(toks, rows, slot)
-            if res.prefix_len:
-                alloc.free(rows[:res.prefix_len])
-            if slot is not None and not res.state_kept:
-                mamba.free([slot])
+            insert_random_state(tree, alloc, mamba, rng, toks)
         elif rng.random() < 0.5:
             tree.evict(int(rng.integers(1, 8)), int(rng.integers(0, 3)))
         elif step % 40 == 39:

@@ -197,7 +197,7 @@ def _check_engines_against_dynamo(engines):
 
 
 def test_hybrid_router_credits_kv_by_dynamo_and_states_by_the_state_index():
-    from test_dynamo_adapter import hooked_mamba  # tests/ is on sys.path under pytest
+    from test_dynamo_adapter import hooked_mamba, insert_random_state  # tests/ is on sys.path
 
     ps = 2
     tree, alloc, mamba = hooked_mamba(ps)
@@ -207,13 +207,7 @@ def test_hybrid_router_credits_kv_by_dynamo_and_states_by_the_state_index():
     for step in range(100):
         toks = rng.integers(0, 3, 2 * int(rng.integers(1, 6))).astype(np.int32)
         if rng.random() < 0.6:
-            rows = alloc.alloc(toks.size)
-            slot = int(mamba.alloc(1)[0]) if rng.random() < 0.7 and mamba.available_size() else None
-            res = tree.insert_with_state(toks, rows, slot)
-            if res.prefix_len:
-                alloc.free(rows[:res.prefix_len])
-            if slot is not None and not res.state_kept:
-                mamba.free([slot])
+            insert_random_state(tree, alloc, mamba, rng, toks)
         else:
             tree.evict(int(rng.integers(1, 8)), int(rng.integers(0, 3)))
         for ev in drain_events(tree):

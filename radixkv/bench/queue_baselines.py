@@ -21,6 +21,18 @@ from radixkv.bench.queue_policies import Ghost, QueuePolicy
 __all__ = ["SLRU", "TwoQ", "S3FIFO", "ARC", "WTinyLFU"]
 
 
+
+def _admit_by_ghost(policy, ids) -> None:
+    """New blocks go to queue 1 when the ghost history remembers them (their ghost entry is
+    dropped), else to queue 0."""
+    g = policy.ghost.contains(ids)
+    for b in ids[g]:
+        policy.ghost.discard(int(b))
+    if g.any():
+        policy.place(ids[g], 1)
+    if (~g).any():
+        policy.place(ids[~g], 0)
+
 class SLRU(QueuePolicy):
     """Segmented LRU: new blocks on probation (0); a hit promotes to protected (1), capped at
     ``protected_frac`` of capacity by demoting its LRU leaf back to probation's MRU end."""
@@ -73,13 +85,7 @@ class TwoQ(QueuePolicy):
 
     def on_insert(self, ids):
         self.hit[ids] = False
-        g = self.ghost.contains(ids)
-        for b in ids[g]:
-            self.ghost.discard(int(b))
-        if g.any():
-            self.place(ids[g], 1)
-        if (~g).any():
-            self.place(ids[~g], 0)
+        _admit_by_ghost(self, ids)
 
     def on_hit(self, ids):
         self.hit[ids] = True
@@ -132,13 +138,7 @@ class S3FIFO(QueuePolicy):
 
     def on_insert(self, ids):
         self.freq[ids] = 0
-        g = self.ghost.contains(ids)
-        for b in ids[g]:
-            self.ghost.discard(int(b))
-        if g.any():
-            self.place(ids[g], 1)
-        if (~g).any():
-            self.place(ids[~g], 0)
+        _admit_by_ghost(self, ids)
 
     def on_hit(self, ids):
         self.freq[ids] = np.minimum(self.freq[ids] + 1, 3)
