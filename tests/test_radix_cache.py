@@ -279,6 +279,30 @@ def test_metrics_count_hits_and_window():
     assert cache.metrics.snapshot().queries == 0
 
 
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_metrics_window_against_brute_force(window):
+    """Many queries (the log folds several times): every snapshot equals sums over the
+    whole history and over its last ``window`` queries."""
+    from radixkv.cache.metrics import CacheMetrics
+
+    m = CacheMetrics(window)
+    rng = np.random.default_rng(window)
+    hist = []
+    for i in range(10 * window + 5):
+        q = int(rng.integers(0, 50))
+        h = int(rng.integers(0, q + 1))
+        m.record_query(q, h)
+        hist.append((q, h))
+        s = m.snapshot()
+        tq, th = sum(x for x, _ in hist), sum(y for _, y in hist)
+        wq, wh = sum(x for x, _ in hist[-window:]), sum(y for _, y in hist[-window:])
+        assert (s.queries, s.queried_tokens, s.hit_tokens) == (len(hist), tq, th)
+        assert (m.queries, m.queried_tokens, m.hit_tokens) == (len(hist), tq, th)
+        assert s.window_queries == min(window, len(hist))
+        assert s.hit_rate == (th / tq if tq else 0.0)
+        assert s.window_hit_rate == (wh / wq if wq else 0.0)
+
+
 def test_matched_rows_are_never_free():
     cache, alloc = make(size=64)
     rng = np.random.default_rng(0)

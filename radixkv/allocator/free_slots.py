@@ -63,8 +63,16 @@ class FreeSlots:
             return None
         ids = self._ring.pop(n)
         if n:
-            self._free[ids] = False
+            self._set_free(ids, False)
         return ids
+
+    def _set_free(self, ids: torch.Tensor, value: bool) -> None:
+        """``free_mask[ids] = value``; on CPU through the numpy view (no torch dispatch)."""
+        host = self._host_mask()
+        if host is not None and ids.device.type == "cpu":
+            host[ids.numpy()] = value
+        else:
+            self._free[ids] = value
 
     def free(self, ids) -> None:
         """Return ``ids`` (an int32/int64 tensor or numpy array, any shape) to the free list.
@@ -81,7 +89,7 @@ class FreeSlots:
         if self.checks:
             check_ids_to_free(ids, self._free, 1, self.size)
         self._ring.push(ids)
-        self._free[ids] = True
+        self._set_free(ids, True)
 
     def _host_mask(self):
         """The numpy view of the free mask on CPU (made once and kept: the mask is only

@@ -10,6 +10,7 @@ Every operation costs O(number of ids moved); nothing is O(capacity) except ``re
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from radixkv.errors import InvariantError
@@ -59,9 +60,16 @@ class IdRing:
             )
         p = self.tail % self.capacity
         first = min(n, self.capacity - p)
-        self.buf[p : p + first] = ids[:first]
-        if n > first:
-            self.buf[: n - first] = ids[first:]
+        host = self._host()
+        if host is not None and ids.device.type == "cpu":  # numpy copy: no torch dispatch
+            src = ids.numpy()
+            host[p : p + first] = src[:first]
+            if n > first:
+                host[: n - first] = src[first:]
+        else:
+            self.buf[p : p + first] = ids[:first]
+            if n > first:
+                self.buf[: n - first] = ids[first:]
         self.tail += n
         if self.tail > self.high_water:
             self.high_water = self.tail
@@ -125,7 +133,12 @@ class IdRing:
 
     def pop(self, n: int) -> torch.Tensor:
         """Remove and return the first ``n`` live ids as a fresh int64 tensor. O(n)."""
-        out = self.peek(n).to(torch.int64, copy=True)
+        host = self._host() if n else None
+        p = self.head % self.capacity if host is not None else 0
+        if host is not None and p + n <= self.capacity:  # one numpy cast-copy on CPU
+            out = torch.from_numpy(host[p : p + n].astype(np.int64))
+        else:
+            out = self.peek(n).to(torch.int64, copy=True)
         self.head += n
         return out
 

@@ -152,8 +152,31 @@ class PageFreeList:
         """Take the first ``n`` ids of ``free_pages`` (after ``ensure(n)``): int64. O(n)."""
         ids = self._ring.pop(n)
         if n:
-            self._not_in_use[ids] = False
+            self._mark(ids, False)
         return ids
+
+    def host_mask(self):
+        """The numpy view of ``not_in_use`` on CPU (made once and kept: the mask is only
+        written in place), ``None`` on another device."""
+        host = self.__dict__.get("_host_mask")
+        if host is None and self.device.type == "cpu":
+            host = self._host_mask = self._not_in_use.numpy()
+        return host
+
+    def _mark(self, ids: torch.Tensor, value: bool) -> None:
+        """``not_in_use[ids] = value``; on CPU through a numpy view (no torch dispatch)."""
+        host = self.host_mask()
+        if host is not None and ids.device.type == "cpu":
+            host[ids.numpy()] = value
+        else:
+            self._not_in_use[ids] = value
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles drop the cached host view of the mask (a copied view would no
+        longer share memory with the copied mask); ``host_mask`` makes a new one."""
+        state = self.__dict__.copy()
+        state.pop("_host_mask", None)
+        return state
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         """``n`` ids (int64, on device) or None when fewer are available (unchanged)."""
@@ -196,7 +219,7 @@ class PageFreeList:
             self._rel.push(ids)
         else:
             self._ring.push(ids)
-        self._not_in_use[ids] = True
+        self._mark(ids, True)
 
     def group_begin(self) -> None:
         """Open a free group: frees until ``group_end`` are released together."""

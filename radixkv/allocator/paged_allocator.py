@@ -35,6 +35,8 @@ from radixkv.kernels.paged_alloc import alloc_decode_indices, alloc_extend_indic
 # Frees of up to this many slots sort them outright (fewest ops); larger ones sort one
 # entry per run of same-page slots instead.
 _SMALL_FREE = 1024
+# ufunc reductions without ndarray.min/max/any's Python-level wrappers (small-free hot path)
+_umin, _umax, _uany = np.minimum.reduce, np.maximum.reduce, np.logical_or.reduce
 
 
 class PagedTokenToKVPoolAllocator(BaseKVAllocator):
@@ -56,12 +58,16 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
                  kvcache: Any = None, checks: bool = True):
         super().__init__(size, page_size, device, need_sort, kvcache, checks, kind="page")
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        self._offsets_host = np.arange(self.page_size, dtype=np.int64)
         ps = self.page_size
         self._shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else None
         self._small_free = _SMALL_FREE  # tests lower it to drive the run-based path
 
     # ------------------------------------------------------------------ alloc
     def _slots_of(self, pages: torch.Tensor) -> torch.Tensor:
+        if pages.device.type == "cpu":  # numpy: one broadcast, no torch dispatch
+            host = pages.numpy()
+            return torch.from_numpy((host[:, None] * self.page_size + self._offsets_host).reshape(-1))
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
@@ -206,6 +212,9 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         k = slots.numel()
         if k == 0:
             return
+        if self.checks and self._shift is not None and self.device.type == "cpu":
+            if self._free_runs_host(slots):  # the common case, through numpy views
+                return
         if k <= self._small_free:
             self._free_sorted(sort_ids(slots))
         else:
@@ -228,9 +237,6 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
 
     def _free_runs(self, slots: torch.Tensor) -> None:
         """Free the pages of ``slots`` sorting one entry per run of same-page slots."""
-        if self.checks and self._shift is not None and self.device.type == "cpu":
-            if self._free_runs_host(slots):
-                return
         k = slots.numel()
         pages = self._page_of(slots)
         same = pages[1:] == pages[:-1]
@@ -261,16 +267,24 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         changed) when any check fails, so the torch path finds and names the bad slots."""
         a = slots.numpy()
         lo, hi = self.page_size, (self.num_pages + 1) * self.page_size - 1
-        if int(a.min()) < lo or int(a.max()) > hi:
+        if _umin(a) < lo or _umax(a) > hi:
             return False
         pages = a >> self._shift
-        same = pages[1:] == pages[:-1]
-        if (same & (a[1:] <= a[:-1])).any():  # unordered within a run: maybe repeats
-            return False
-        starts = np.ones(a.size, dtype=bool)
-        starts[1:] = ~same
-        runs = np.sort(pages[starts])
-        if (runs[1:] == runs[:-1]).any() or self._fl._not_in_use.numpy()[runs].any():
+        if a.size == 1:
+            runs = pages
+        else:
+            same = pages[1:] == pages[:-1]
+            if _uany(same & (a[1:] <= a[:-1])):  # unordered within a run: maybe repeats
+                return False
+            starts = np.empty(a.size, dtype=bool)
+            starts[0] = True
+            np.logical_not(same, out=starts[1:])
+            runs = pages[starts]
+            if runs.size > 1:
+                runs.sort()
+                if _uany(runs[1:] == runs[:-1]):
+                    return False
+        if _uany(self._fl.host_mask()[runs]):
             return False
         self._fl.free(torch.from_numpy(runs), known_unique=True, validated=True)
         return True

@@ -2,11 +2,10 @@
 
 The hit rate is token-weighted: ``hit_tokens / queried_tokens`` over every query, and over
 a rolling window of the last ``window`` queries (one ``match_prefix`` call each). Recording
-a query is O(1) (a deque append and a few integer additions).
+a query is one list append (amortized O(1)); reading the counters is O(window).
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import NamedTuple
 
 from radixkv.errors import InvalidArgumentError
@@ -32,45 +31,73 @@ class MetricsSnapshot(NamedTuple):
 class CacheMetrics:
     """Counters updated by the cache; read them with :meth:`snapshot`.
 
+    Queries are logged as ``(queried, hit)`` pairs: recording one is a list append (O(1),
+    the match hot path); once the log holds ``2 * window`` pairs, all but the last
+    ``window`` are folded into running totals (amortized O(1) per query). Reading the
+    query counters or a snapshot sums the log: O(window).
+
     Args:
         window: number of most recent queries the rolling hit rate covers (>= 1).
     """
 
-    __slots__ = ("window", "queries", "queried_tokens", "hit_tokens", "inserts",
-                 "inserted_tokens", "evictions", "evicted_tokens", "_win", "_win_q", "_win_h")
+    __slots__ = ("window", "inserts", "inserted_tokens", "evictions", "evicted_tokens",
+                 "_log", "_fold_at", "_folded")
 
     def __init__(self, window: int = 1000):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InvalidArgumentError(f"metrics window must be an int >= 1, got {window!r}")
         self.window = window
+        self._fold_at = 2 * window
         self.reset()
 
     def reset(self) -> None:
         """Zero every counter and empty the window."""
-        self.queries = 0
-        self.queried_tokens = 0
-        self.hit_tokens = 0
         self.inserts = 0
         self.inserted_tokens = 0
         self.evictions = 0
         self.evicted_tokens = 0
-        self._win: deque = deque()
-        self._win_q = 0
-        self._win_h = 0
+        self._log: list = []
+        self._folded = (0, 0, 0)  # queries, queried tokens, hit tokens folded out of the log
 
     def record_query(self, queried: int, hit: int) -> None:
         """One ``match_prefix`` of ``queried`` tokens that matched ``hit`` of them."""
-        self.queries += 1
-        self.queried_tokens += queried
-        self.hit_tokens += hit
-        win = self._win
-        win.append((queried, hit))
-        self._win_q += queried
-        self._win_h += hit
-        if len(win) > self.window:
-            q, h = win.popleft()
-            self._win_q -= q
-            self._win_h -= h
+        log = self._log
+        log.append((queried, hit))
+        if len(log) >= self._fold_at:
+            self._fold()
+
+    def _fold(self) -> None:
+        log = self._log
+        cut = len(log) - self.window
+        if cut <= 0:
+            return
+        n, q, h = self._folded
+        old_q, old_h = zip(*log[:cut])
+        self._folded = (n + cut, q + sum(old_q), h + sum(old_h))
+        del log[:cut]
+
+    def _totals(self):
+        n, q, h = self._folded
+        log = self._log
+        if log:
+            qs, hs = zip(*log)
+            return n + len(log), q + sum(qs), h + sum(hs)
+        return n, q, h
+
+    @property
+    def queries(self) -> int:
+        """``match_prefix`` calls recorded. O(window)."""
+        return self._folded[0] + len(self._log)
+
+    @property
+    def queried_tokens(self) -> int:
+        """Tokens queried in all. O(window)."""
+        return self._totals()[1]
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens matched in all. O(window)."""
+        return self._totals()[2]
 
     def record_insert(self, new_tokens: int) -> None:
         """One ``insert`` that stored ``new_tokens`` tokens not cached before."""
@@ -83,16 +110,22 @@ class CacheMetrics:
         self.evicted_tokens += tokens
 
     def snapshot(self) -> MetricsSnapshot:
-        """The counters and both hit rates (0.0 when nothing was queried)."""
+        """The counters and both hit rates (0.0 when nothing was queried). O(window)."""
+        queries, queried, hit = self._totals()
+        win = self._log[-self.window:]
+        win_q = win_h = 0
+        if win:
+            qs, hs = zip(*win)
+            win_q, win_h = sum(qs), sum(hs)
         return MetricsSnapshot(
-            queries=self.queries,
-            queried_tokens=self.queried_tokens,
-            hit_tokens=self.hit_tokens,
+            queries=queries,
+            queried_tokens=queried,
+            hit_tokens=hit,
             inserts=self.inserts,
             inserted_tokens=self.inserted_tokens,
             evictions=self.evictions,
             evicted_tokens=self.evicted_tokens,
-            hit_rate=self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
-            window_queries=len(self._win),
-            window_hit_rate=self._win_h / self._win_q if self._win_q else 0.0,
+            hit_rate=hit / queried if queried else 0.0,
+            window_queries=len(win),
+            window_hit_rate=win_h / win_q if win_q else 0.0,
         )
