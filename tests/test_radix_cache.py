@@ -288,11 +288,13 @@ def test_metrics_window_against_brute_force(window):
     m = CacheMetrics(window)
     rng = np.random.default_rng(window)
     hist = []
-    for i in range(10 * window + 5):
+    for i in range(12 * window + 5):
         q = int(rng.integers(0, 50))
         h = int(rng.integers(0, q + 1))
         m.record_query(q, h)
         hist.append((q, h))
+        if rng.random() < 0.7:  # reads at random distances, some longer than the window
+            continue
         s = m.snapshot()
         tq, th = sum(x for x, _ in hist), sum(y for _, y in hist)
         wq, wh = sum(x for x, _ in hist[-window:]), sum(y for _, y in hist[-window:])

@@ -2,7 +2,7 @@
 
 The hit rate is token-weighted: ``hit_tokens / queried_tokens`` over every query, and over
 a rolling window of the last ``window`` queries (one ``match_prefix`` call each). Recording
-a query is one list append (amortized O(1)); reading the counters is O(window).
+a query is one list append; reading the counters folds the new ones in (amortized O(1)).
 """
 from __future__ import annotations
 
@@ -31,23 +31,22 @@ class MetricsSnapshot(NamedTuple):
 class CacheMetrics:
     """Counters updated by the cache; read them with :meth:`snapshot`.
 
-    Queries are logged as ``(queried, hit)`` pairs: recording one is a list append (O(1),
-    the match hot path); once the log holds ``2 * window`` pairs, all but the last
-    ``window`` are folded into running totals (amortized O(1) per query). Reading the
-    query counters or a snapshot sums the log: O(window).
+    Queries are logged as ``(queried, hit)`` pairs: recording one is a list append (the
+    match hot path). Reading a counter or a snapshot first adds the pairs logged since the
+    last read to the totals and to the window's sums (each pair enters once and leaves the
+    window once); the log keeps at most ``2 * window`` pairs. Amortized O(1) per query.
 
     Args:
         window: number of most recent queries the rolling hit rate covers (>= 1).
     """
 
     __slots__ = ("window", "inserts", "inserted_tokens", "evictions", "evicted_tokens",
-                 "_log", "_fold_at", "_folded")
+                 "_log", "_seen", "_n", "_q", "_h", "_wq", "_wh")
 
     def __init__(self, window: int = 1000):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InvalidArgumentError(f"metrics window must be an int >= 1, got {window!r}")
         self.window = window
-        self._fold_at = 2 * window
         self.reset()
 
     def reset(self) -> None:
@@ -57,47 +56,56 @@ class CacheMetrics:
         self.evictions = 0
         self.evicted_tokens = 0
         self._log: list = []
-        self._folded = (0, 0, 0)  # queries, queried tokens, hit tokens folded out of the log
+        self._seen = 0  # pairs of the log already in the sums below
+        self._n = self._q = self._h = 0  # totals: queries, queried tokens, hit tokens
+        self._wq = self._wh = 0  # sums over the last ``window`` pairs of log[:_seen]
 
     def record_query(self, queried: int, hit: int) -> None:
         """One ``match_prefix`` of ``queried`` tokens that matched ``hit`` of them."""
         log = self._log
         log.append((queried, hit))
-        if len(log) >= self._fold_at:
-            self._fold()
+        if len(log) >= 2 * self.window:
+            self._sync()
+            cut = len(log) - self.window
+            del log[:cut]
+            self._seen -= cut
 
-    def _fold(self) -> None:
-        log = self._log
-        cut = len(log) - self.window
-        if cut <= 0:
+    def _sync(self) -> None:
+        """Add the pairs logged since the last read to the totals and the window sums."""
+        log, seen, end, w = self._log, self._seen, len(self._log), self.window
+        if seen == end:
             return
-        n, q, h = self._folded
-        old_q, old_h = zip(*log[:cut])
-        self._folded = (n + cut, q + sum(old_q), h + sum(old_h))
-        del log[:cut]
-
-    def _totals(self):
-        n, q, h = self._folded
-        log = self._log
-        if log:
-            qs, hs = zip(*log)
-            return n + len(log), q + sum(qs), h + sum(hs)
-        return n, q, h
+        qs, hs = zip(*log[seen:end])
+        q, h = sum(qs), sum(hs)
+        self._n += end - seen
+        self._q += q
+        self._h += h
+        self._wq += q
+        self._wh += h
+        old_start, new_start = max(0, seen - w), max(0, end - w)
+        if new_start > old_start:  # pairs that left the window
+            oq, oh = zip(*log[old_start:new_start])
+            self._wq -= sum(oq)
+            self._wh -= sum(oh)
+        self._seen = end
 
     @property
     def queries(self) -> int:
-        """``match_prefix`` calls recorded. O(window)."""
-        return self._folded[0] + len(self._log)
+        """``match_prefix`` calls recorded."""
+        self._sync()
+        return self._n
 
     @property
     def queried_tokens(self) -> int:
-        """Tokens queried in all. O(window)."""
-        return self._totals()[1]
+        """Tokens queried in all."""
+        self._sync()
+        return self._q
 
     @property
     def hit_tokens(self) -> int:
-        """Tokens matched in all. O(window)."""
-        return self._totals()[2]
+        """Tokens matched in all."""
+        self._sync()
+        return self._h
 
     def record_insert(self, new_tokens: int) -> None:
         """One ``insert`` that stored ``new_tokens`` tokens not cached before."""
@@ -110,15 +118,11 @@ class CacheMetrics:
         self.evicted_tokens += tokens
 
     def snapshot(self) -> MetricsSnapshot:
-        """The counters and both hit rates (0.0 when nothing was queried). O(window)."""
-        queries, queried, hit = self._totals()
-        win = self._log[-self.window:]
-        win_q = win_h = 0
-        if win:
-            qs, hs = zip(*win)
-            win_q, win_h = sum(qs), sum(hs)
+        """The counters and both hit rates (0.0 when nothing was queried)."""
+        self._sync()
+        queried, hit = self._q, self._h
         return MetricsSnapshot(
-            queries=queries,
+            queries=self._n,
             queried_tokens=queried,
             hit_tokens=hit,
             inserts=self.inserts,
@@ -126,6 +130,6 @@ class CacheMetrics:
             evictions=self.evictions,
             evicted_tokens=self.evicted_tokens,
             hit_rate=hit / queried if queried else 0.0,
-            window_queries=len(win),
-            window_hit_rate=win_h / win_q if win_q else 0.0,
+            window_queries=min(self._n, self.window),
+            window_hit_rate=self._wh / self._wq if self._wq else 0.0,
         )
