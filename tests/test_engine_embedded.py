@@ -9,17 +9,7 @@ from radixkv.engine import CacheEngine, EngineConfig, attach_buffers, plan_arena
 from radixkv.engine.protocol import CacheEngineAPI, DecodeItem, ExtendItem
 from radixkv.engine.requests import EngineReq
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, StaleSessionError
-
-
-class Clock:
-    t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def toks(x):
-    return np.asarray(x, dtype=np.int32)
+from engine_fixtures import ManualClock, toks
 
 
 def test_engine_req_buffer_growth_order_and_rollback():
@@ -99,7 +89,7 @@ def test_audit_catches_leaks_and_orphans():
 
 
 def test_sweep_close_and_reclaim():
-    clock = Clock()
+    clock = ManualClock()
     e = CacheEngine(EngineConfig(kv_tokens=64, lease_ttl_s=2.0), clock=clock, epoch=11)
     assert e.epoch == 11
     s1, s2 = e.attach().session, e.attach().session

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from engine_fixtures import ManualClock
 
 from radixkv.engine.protocol import Session
 from radixkv.engine.sessions import SessionTable
@@ -15,21 +16,13 @@ from radixkv.errors import (
 TTL = 10.0
 
 
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
 class SessionTableMachine(RuleBasedStateMachine):
     """Model: sid -> (deadline, set of rids); rid -> sid. Expired-but-not-closed sessions are
     refused by lookup and listed by due()."""
 
     def __init__(self):
         super().__init__()
-        self.clock = Clock()
+        self.clock = ManualClock()
         self.table = SessionTable(TTL, max_sessions=4, max_requests_per_session=3, clock=self.clock, epoch=7)
         self.deadline = {}
         self.rids = {}
@@ -159,7 +152,7 @@ TestSessionTable.settings = settings(max_examples=40, stateful_step_count=40, de
 
 
 def test_invariants_name_the_leak():
-    t = SessionTable(1.0, 2, 2, clock=Clock(), epoch=1)
+    t = SessionTable(1.0, 2, 2, clock=ManualClock(), epoch=1)
     s = t.open()
     t.add_requests(s.session_id, ["a"])
     t._owner["ghost"] = s.session_id  # corrupt on purpose
@@ -186,7 +179,7 @@ def test_bad_arguments():
 
 
 def test_heap_stays_bounded_under_many_renewals():
-    clock = Clock()
+    clock = ManualClock()
     t = SessionTable(5.0, 2, 1, clock=clock)
     a = t.open()
     for i in range(1000):
@@ -199,7 +192,7 @@ def test_heap_stays_bounded_under_many_renewals():
 
 
 def test_lease_boundary_is_exclusive():
-    clock = Clock()
+    clock = ManualClock()
     t = SessionTable(10.0, 2, 1, clock=clock, epoch=3)
     s = t.open()
     clock.t = 9.5

@@ -36,7 +36,7 @@ ADMISSION_POLICIES: Tuple[str, ...] = ("every", "branch", "none")
 _INT_MIN = {  # field -> smallest allowed value
     "kv_tokens": 1, "page_size": 1, "head_num": 1, "head_dim": 1, "conv_kernel": 2,
     "kda_num_heads": 1, "kda_head_dim": 1, "state_slots": 1, "request_rows": 1,
-    "max_context_len": 1, "max_sessions": 1, "max_requests_per_session": 1,
+    "max_context_len": 1, "max_sessions": 1, "max_requests_per_session": 1, "decode_reserve": 0,
 }
 
 
@@ -65,6 +65,10 @@ class EngineConfig:
         max_requests_per_session: running requests of one session at once.
         checks: range / double-free validation inside the pools and allocators (turn off
             only for benchmarks; the engine validates its own inputs either way).
+        decode_reserve: KV slots each running request keeps allocated ahead for its next
+            decode steps (0: none). A decode step of requests that all have reserved slots
+            makes no allocator call, so a remote client can answer it locally
+            (:mod:`radixkv.scheduler.decode_reserve`). Page size 1 only.
 
     Raises ``InvalidArgumentError`` naming the field for any bad value.
     """
@@ -90,6 +94,7 @@ class EngineConfig:
     max_sessions: int = 64
     max_requests_per_session: int = 64
     checks: bool = True
+    decode_reserve: int = 0
 
     def __post_init__(self) -> None:
         for name, lo in _INT_MIN.items():
@@ -97,6 +102,9 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise InvalidArgumentError(f"EngineConfig.{name} must be an int >= {lo}, got {v!r}")
         self._check_device()
+        if self.decode_reserve and self.page_size != 1:
+            raise InvalidArgumentError(
+                f"EngineConfig.decode_reserve ({self.decode_reserve}) needs page_size 1, got {self.page_size}")
         if self.kv_tokens % self.page_size:
             raise InvalidArgumentError(
                 f"EngineConfig.kv_tokens ({self.kv_tokens}) must be a multiple of page_size "

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from radixkv.cache.radix_key import RadixKey
-from radixkv.engine import engine_audit
+from radixkv.engine import engine_audit, engine_events
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.pools import EnginePools, build_tree
 from radixkv.engine.protocol import (
@@ -51,6 +51,7 @@ from radixkv.engine.validation import (
 )
 from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.scheduler.batch import Batch
+from radixkv.scheduler.decode_reserve import free_reserves, reserved_slots, top_up
 from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
 
 __all__ = ["CacheEngine"]
@@ -228,18 +229,26 @@ class CacheEngine:
         self.sessions.add_requests(sid, [r.rid for r in new])
         for r in new:
             self._reqs[r.rid] = r
+        self._top_up(reqs)
         out = batch.out_cache_loc.to("cpu", torch.int64).numpy()
         pre, seq = batch.prefix_lens.tolist(), batch.seq_lens_cpu.tolist()
         results, pos = [], 0
         for i, r in enumerate(reqs):
             n = seq[i] - pre[i]
             results.append(ExtendResult(r.rid, int(r.req_pool_idx), 0 if known[i] else pre[i], pre[i],
-                                        seq[i], out[pos:pos + n].copy(), self._slot(r)))
+                                        seq[i], out[pos:pos + n].copy(), self._slot(r),
+                                        r.decode_reserve.copy()))
             pos += n
         return results
 
     def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
         """One KV slot per request for the token fed this step (appended to its tokens).
+
+        With ``decode_reserve`` a request takes the front slot of its reserve (no allocator
+        call); afterwards every request of the call whose reserve ran out gets a new one when
+        the allocator has it free (``radixkv.scheduler.decode_reserve``; ``alloc_extend``
+        applies the same top-up). A call whose requests all held >= 2 reserved slots is
+        therefore computable from earlier results, which remote clients rely on.
 
         Raises ``InvalidArgumentError`` / ``NotFoundError`` / ``PermissionDeniedError`` for
         bad items or rids, ``CapacityError`` (``max_context_len``, or KV even after
@@ -254,7 +263,8 @@ class CacheEngine:
                 raise CapacityError(f"request {r.rid!r}: {r.seq_len + 1} tokens exceed max_context_len "
                                     f"{limit}", requested=r.seq_len + 1, available=limit)
         if not its:
-            return DecodeResult(_EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy())
+            return DecodeResult(_EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy(), _EMPTY.copy(),
+                                _EMPTY.copy())
         marks = [r.mark() for r in reqs]
         for r, t in zip(reqs, tids):
             r.append_output(t)
@@ -265,10 +275,13 @@ class CacheEngine:
             for r, m in zip(reqs, marks):
                 r.rollback(m)
             raise
+        self._top_up(reqs)
         return DecodeResult(batch.out_cache_loc.to("cpu", torch.int64).numpy().copy(),
                             batch.seq_lens_cpu.to(torch.int64).numpy().copy(),
                             np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
-                            np.array([self._slot(r) for r in reqs], dtype=np.int64))
+                            np.array([self._slot(r) for r in reqs], dtype=np.int64),
+                            reserved_slots(reqs).copy(),
+                            np.array([r.decode_reserve.size for r in reqs], dtype=np.int64))
 
     # ------------------------------------------------------------------ cache / release
     def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
@@ -289,6 +302,7 @@ class CacheEngine:
         sid = self._enter(session)
         reqs = self._own(sid, rids)
         ps, disabled = self.config.page_size, self.tree.disable
+        free_reserves(reqs, self.pools.allocator)  # one allocator call for the whole batch
         results = []
         for r in reqs:
             n = r.kv_committed_len
@@ -331,34 +345,10 @@ class CacheEngine:
         self.tree.reset()
         return True
 
-    def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
-        """Drain up to ``max_events`` events (0: all), oldest first, as ``to_dict()`` dicts:
-        KV events and, for hybrid models, state events, in the order the tree recorded them.
-        One queue for the whole engine: events go to whoever takes them."""
-        self._enter(session)
-        n = check_count(max_events, "max_events")
-        self._events.extend(self.tree.take_events())
-        k = len(self._events) if n == 0 else min(n, len(self._events))
-        return [self._events.popleft().to_dict() for _ in range(k)]
-
-    @property
-    def events_enabled(self) -> bool:
-        """Whether the tree records events (``enable_kv_events``). O(1)."""
-        return self.tree.kv_events is not None
-
-    def pending_events(self) -> int:
-        """Events recorded and not yet taken (0 when events are off). O(1)."""
-        rec = self.tree.kv_events
-        return len(self._events) + rec.pending() if rec is not None else 0
-
-    def drain_events(self) -> List[Any]:
-        """Take every pending event as event objects (KV and state kinds), oldest first,
-        without a session (no sweep, no lease renewal): :meth:`take_events`'s queue, for
-        the one consumer that owns it (the service's event hub). O(events)."""
-        rec = self.tree.kv_events
-        out = list(self._events)
-        self._events.clear()
-        return out + rec.take_events() if rec is not None else out
+    take_events = engine_events.take_events
+    events_enabled = property(engine_events.events_enabled)
+    pending_events = engine_events.pending_events
+    drain_events = engine_events.drain_events
 
     # ------------------------------------------------------------------ stats / audit
     stats = engine_audit.stats
@@ -382,6 +372,11 @@ class CacheEngine:
         pool = self.pools.req_to_token_pool
         private = [pool.req_to_token[r.req_pool_idx, r.cache_protected_len:r.kv_committed_len]
                    for r in reqs if r.req_pool_idx is not None]
+        held = reserved_slots(reqs)
+        if held.size:  # decode reserves go back in the same allocator call
+            private.append(torch.from_numpy(held).to(pool.req_to_token.device))
+            for r in reqs:
+                r.decode_reserve = _EMPTY
         slots = torch.cat(private).to(torch.int64) if private else None
         if slots is not None and slots.numel():
             self.pools.allocator.free(slots)
@@ -391,6 +386,13 @@ class CacheEngine:
                 r.last_node = None
             if r.req_pool_idx is not None:
                 pool.free(r)
+
+    def _top_up(self, reqs: List[EngineReq]) -> None:
+        """Decode reserves for the call's requests that have none (no eviction)."""
+        n = self.config.decode_reserve
+        if n:
+            width = self.pools.req_to_token_pool.req_to_token.shape[1]
+            top_up(reqs, self.pools.allocator, n, min(self.config.max_context_len, width))
 
     def _forget(self, sid: str, reqs: List[EngineReq]) -> None:
         self.sessions.remove_requests(sid, [r.rid for r in reqs])

@@ -34,6 +34,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, ru
 
 import numpy as np
 
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+_NO_SLOTS.flags.writeable = False  # the shared default of the result fields below
+
 __all__ = [
     "Session", "AttachInfo", "MatchQuery", "MatchInfo", "ExtendItem", "ExtendResult",
     "DecodeItem", "DecodeResult", "CacheResult", "EvictResult", "EngineStats",
@@ -112,6 +115,7 @@ class ExtendResult(NamedTuple):
     seq_len: int
     out_cache_loc: np.ndarray  # int64, seq_len - start entries
     mamba_slot: int = -1
+    reserved: np.ndarray = _NO_SLOTS  # int64: its decode reserve after the call, front first
 
 
 class DecodeItem(NamedTuple):
@@ -123,12 +127,15 @@ class DecodeItem(NamedTuple):
 
 
 class DecodeResult(NamedTuple):
-    """Per request (in call order): the new token's KV slot and the length after the step."""
+    """Per request (in call order): the new token's KV slot and the length after the step;
+    and each request's decode reserve after the step (``EngineConfig.decode_reserve``)."""
 
     out_cache_loc: np.ndarray  # int64 [B]
     seq_lens: np.ndarray  # int64 [B]
     req_pool_indices: np.ndarray  # int64 [B]
     mamba_slots: np.ndarray  # int64 [B], -1 for KV-only models
+    reserved: np.ndarray = _NO_SLOTS  # int64: the requests' decode reserves after the call, concatenated
+    reserved_lens: np.ndarray = _NO_SLOTS  # int64 [B]: each request's share of ``reserved``
 
 
 class CacheResult(NamedTuple):

@@ -5,7 +5,8 @@
   tree when the allocator falls short), and write prefix + new slots into the rows.
 * :func:`alloc_for_decode`: one KV slot per request for the token it just generated.
 * :func:`release_kv_cache`: a finished request's KV goes into the tree, its row is freed.
-* :func:`conservation` / :func:`check_conservation`: every KV slot of the pool is exactly
+* :func:`conservation` / :func:`check_conservation` (from
+  :mod:`radixkv.scheduler.conservation`, re-exported): every KV slot of the pool is exactly
   one of: free, in the tree (evictable or protected), or held by a running request and not
   yet in the tree.
 
@@ -32,14 +33,16 @@ evicted leaves' states along. ``release_kv_cache`` leaves the slot to the tree o
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, NamedTuple, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from radixkv.cache.radix_key import RadixKey
-from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
+from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.kernels.write_cache_indices import write_cache_indices
+from radixkv.scheduler.decode_reserve import free_reserves
 from radixkv.scheduler.batch import Batch, ForwardMode
+from radixkv.scheduler.conservation import Conservation, check_conservation, conservation  # noqa: F401
 from radixkv.scheduler.req import Req
 
 __all__ = [
@@ -228,7 +231,9 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
     and the new token takes the column right after them. Afterwards
     ``batch.seq_lens == seq_len`` and ``kv_committed_len == seq_len``.
 
-    With page size 1 it allocates ``bs`` slots; with pages, ``alloc_decode`` takes a fresh
+    With page size 1 it allocates one slot for each request without a decode reserve; a
+    request with one takes the front slot of ``req.decode_reserve`` (no allocator call, see
+    :mod:`radixkv.scheduler.decode_reserve`). With pages, ``alloc_decode`` takes a fresh
     page only for requests whose new token starts a page (``(seq_len - 1) % ps == 0``) and
     otherwise uses the next slot of the request's last page (``last_loc + 1``).
 
@@ -252,13 +257,23 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
                                 requested=r.seq_len, available=width)
     pos = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64)
     rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-    need = len(reqs) if ps == 1 else ps * int((pos % ps == 0).sum())
+    res = [i for i, r in enumerate(reqs) if r.decode_reserve.size] if ps == 1 else []
+    need = len(reqs) - len(res) if ps == 1 else ps * int((pos % ps == 0).sum())
     _make_room(tree, allocator, need, "alloc_for_decode")
 
     rows_d, pos_d = rows.to(dev), pos.to(dev)
-    backup = allocator.backup_state()
-    if ps == 1:
-        out = allocator.alloc(len(reqs))
+    backup = allocator.backup_state() if need or ps != 1 else None
+    if ps == 1 and not need:  # every request decodes into its reserve: no allocator call
+        out = torch.tensor([int(r.decode_reserve[0]) for r in reqs], dtype=torch.int64).to(dev)
+    elif ps == 1:
+        out = allocator.alloc(need)
+        if res and out is not None:  # reserved slots first, fresh ones for the others
+            fresh, out = out, torch.empty(len(reqs), dtype=torch.int64, device=dev)
+            mask = torch.zeros(len(reqs), dtype=torch.bool, device=dev)
+            mask[res] = True
+            out[mask] = torch.tensor([int(reqs[i].decode_reserve[0]) for i in res], dtype=torch.int64,
+                                     device=dev)
+            out[~mask] = fresh.to(dev, torch.int64)
     else:
         last_loc = pool.req_to_token[rows_d, (pos_d - 1).clamp(min=0)].to(torch.int64)
         out = allocator.alloc_decode(pos_d + 1, last_loc)
@@ -269,11 +284,14 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
         if len(reqs):
             pool.write((rows_d, pos_d), out)
     except BaseException:
-        allocator.restore_state(backup)
+        if backup is not None:
+            allocator.restore_state(backup)
         raise
 
     for r in reqs:
         r.kv_committed_len = r.seq_len
+    for i in res:
+        reqs[i].decode_reserve = reqs[i].decode_reserve[1:]
     batch.req_pool_indices = rows_d
     batch.prefix_lens, batch.extend_lens = pos, torch.ones_like(pos)
     batch.seq_lens_cpu, batch.seq_lens = pos + 1, pos_d + 1
@@ -298,119 +316,10 @@ def release_kv_cache(req: Req, tree_cache: Any, req_to_token_pool: Any = None) -
     pool = req_to_token_pool if req_to_token_pool is not None else tree_cache.req_to_token_pool
     if req.req_pool_idx is None:
         raise InvalidArgumentError(f"request {req.rid!r} holds no row (released twice?)")
+    if req.decode_reserve.size:
+        free_reserves([req], tree_cache.token_to_kv_pool_allocator)
     if tree_cache.cache_finished_req(req) is True:  # the tree keeps the Mamba slot
         pool.free(req, free_mamba_cache=False)
         req.mamba_pool_idx = None
     else:
         pool.free(req)
-
-
-class Conservation(NamedTuple):
-    """Where the pool's KV slots are (all counts in slots).
-
-    ``available + evictable + protected + held_by_requests == pool_size`` when nothing leaks.
-    ``held_by_requests`` counts, per running request, the slots of the pages its committed
-    tokens touch beyond its ``cache_protected_len`` (the tree owns those first tokens).
-    """
-
-    pool_size: int
-    available: int
-    evictable: int
-    protected: int
-    held_by_requests: int
-
-    @property
-    def accounted(self) -> int:
-        return self.available + self.evictable + self.protected + self.held_by_requests
-
-    @property
-    def ok(self) -> bool:
-        return self.accounted == self.pool_size
-
-
-def _held(req: Req, page_size: int) -> int:
-    if req.req_pool_idx is None:
-        return 0
-    pages = -(-req.kv_committed_len // page_size)
-    return pages * page_size - req.cache_protected_len
-
-
-def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req]) -> Conservation:
-    """Count where the slots are (see :class:`Conservation`). O(requests)."""
-    ps = int(getattr(allocator, "page_size", 1))
-    return Conservation(
-        pool_size=int(allocator.size),
-        available=int(allocator.available_size()),
-        evictable=int(tree_cache.evictable_size()),
-        protected=int(tree_cache.protected_size()),
-        held_by_requests=sum(_held(r, ps) for r in running_reqs),
-    )
-
-
-def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Req]) -> None:
-    """Exact audit, in pages (slots when ``page_size == 1``): every page in use is owned
-    by exactly one of the tree and the running requests (their columns
-    ``cache_protected_len .. kv_committed_len``), no owned page is free, and every slot of a
-    request's protected prefix is in the tree. Raises ``InvariantError`` naming the leaked /
-    double-owned / freed-but-referenced pages. O(pool size + total tokens), vectorized."""
-    ps = int(getattr(allocator, "page_size", 1))
-    n_pages = int(allocator.size) // ps
-    dev = allocator.device
-    tree_slots = torch.as_tensor(tree_cache.all_values()).to(dev, torch.int64)
-    owners = [torch.unique(torch.div(tree_slots, ps, rounding_mode="floor"))]
-    heads = []
-    for r in reqs:
-        if r.req_pool_idx is None:
-            continue
-        row = tree_cache.req_to_token_pool.req_to_token[r.req_pool_idx, : r.kv_committed_len]
-        row = row.to(dev, torch.int64)
-        owners.append(torch.unique(torch.div(row[r.cache_protected_len:], ps, rounding_mode="floor")))
-        heads.append(row[: r.cache_protected_len])
-    owned = torch.cat(owners)
-    oob = (owned < 1) | (owned > n_pages)
-    if bool(oob.any()):
-        raise InvariantError(f"KV pages outside 1..{n_pages} (or the padding page 0) referenced: "
-                             f"{describe_ids(owned[oob].tolist())}")
-    counts = torch.bincount(owned, minlength=n_pages + 1)[1:]
-    pages = torch.arange(1, n_pages + 1, device=dev)
-    in_use = ~torch.as_tensor(allocator.is_free(pages * ps)).to(dev)
-    for what, mask in (
-        ("owned by two of tree/requests (duplicated)", counts > 1),
-        ("in use but owned by neither the tree nor a request (leaked)", in_use & (counts == 0)),
-        ("free in the allocator but still referenced (double-freed)", ~in_use & (counts > 0)),
-    ):
-        if bool(mask.any()):
-            raise InvariantError(f"KV pages {what}: {describe_ids(pages[mask].tolist())}")
-    head = torch.cat(heads) if heads else tree_slots[:0]
-    stray = head[~torch.isin(head, tree_slots)]
-    if stray.numel():
-        raise InvariantError(
-            f"slots in requests' protected prefixes that the tree does not hold: {describe_ids(stray.tolist())}"
-        )
-
-
-def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req],
-                       exact: bool = True) -> Conservation:
-    """:func:`conservation`, raising ``InvariantError`` unless the pool is exactly accounted
-    for: the counts must add up, and (``exact``, the default) the page-level audit must
-    find no page leaked, owned twice, or free while referenced; the message names them.
-    ``running_reqs`` are all requests that hold a row. O(pool + tokens) when ``exact``.
-    With a tree that holds Mamba states, also the slot law (free + tree evictable + tree
-    protected + held by ``running_reqs`` == capacity, exactly: ``check_state_conservation``)."""
-    reqs = list(running_reqs)
-    c = conservation(allocator, tree_cache, reqs)
-    ps = int(getattr(allocator, "page_size", 1))
-    odd = [r.rid for r in reqs if _held(r, ps) < 0]
-    if exact:
-        _audit_pages(allocator, tree_cache, reqs)
-    if not c.ok or odd:
-        raise InvariantError(
-            f"KV slots not conserved: available {c.available} + evictable {c.evictable} + "
-            f"protected {c.protected} + held by requests {c.held_by_requests} = {c.accounted} "
-            f"!= pool size {c.pool_size} (off by {c.pool_size - c.accounted}: >0 leaked, <0 counted twice)"
-            + (f"; requests with cache_protected_len beyond their pages: {odd}" if odd else "")
-        )
-    check_states = getattr(tree_cache, "check_state_conservation", None)
-    if check_states is not None:
-        check_states(reqs)
-    return c

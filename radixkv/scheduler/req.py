@@ -44,6 +44,9 @@ class Req:
         mamba_pool_idx: its Mamba state slot (hybrid models), else ``None``.
         kv_committed_len: tokens of ``fill_ids`` whose KV rows are written in its row.
         cache_protected_len: tokens at the head of its row that belong to the tree (locked).
+        decode_reserve: int64 KV slots (page size 1) allocated ahead for its next decode
+            tokens, used front first (:mod:`radixkv.scheduler.decode_reserve`); empty by
+            default. They are held by the request, in no row column and not in the tree.
     """
 
     rid: Any
@@ -58,6 +61,7 @@ class Req:
     kv_committed_len: int = 0
     cache_protected_len: int = 0
     finished: bool = False
+    decode_reserve: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
         self.origin_input_ids = as_token_array(self.origin_input_ids)

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from engine_fixtures import ManualClock
 
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import ExtendItem
@@ -15,16 +16,8 @@ from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionErr
 from radixkv.service.quarantine import ProcessHandle, Quarantine
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
-
-
 def test_a_fenced_session_is_refused_but_keeps_its_requests():
-    clock = Clock()
+    clock = ManualClock(100.0)
     t = SessionTable(5.0, 4, 4, clock=clock)
     s = t.open("w")
     t.add_requests(s.session_id, ["r1", "r2"])
@@ -65,7 +58,7 @@ def sleeper():
 
 
 def test_held_while_the_process_runs_released_when_it_is_gone(sleeper):
-    clock = Clock()
+    clock = ManualClock(100.0)
     e, s = _engine(clock)
     q = Quarantine(e, hold_s=60.0)
     q.register(s.session_id, sleeper.pid)
@@ -88,7 +81,7 @@ def test_held_while_the_process_runs_released_when_it_is_gone(sleeper):
 
 
 def test_the_hold_times_out_even_while_the_process_runs(sleeper):
-    clock = Clock()
+    clock = ManualClock(100.0)
     e, s = _engine(clock)
     q = Quarantine(e, hold_s=10.0)
     q.register(s.session_id, sleeper.pid)
@@ -103,7 +96,7 @@ def test_the_hold_times_out_even_while_the_process_runs(sleeper):
 
 @pytest.mark.parametrize("who", ["own", "dead", "unknown", "off"])
 def test_who_is_held(who, sleeper):
-    clock = Clock()
+    clock = ManualClock(100.0)
     e, s = _engine(clock)
     q = Quarantine(e, hold_s=0.0 if who == "off" else 10.0)
     pid = {"own": q.own_pid, "dead": sleeper.pid, "unknown": 0, "off": sleeper.pid}[who]
@@ -127,7 +120,7 @@ def test_who_is_held(who, sleeper):
 
 
 def test_a_dropped_stream_of_a_live_process_is_quarantined(sleeper):
-    clock = Clock()
+    clock = ManualClock(100.0)
     e, s = _engine(clock)
     q = Quarantine(e, hold_s=10.0)
     q.register(s.session_id, sleeper.pid)
@@ -149,7 +142,7 @@ def test_bad_pids_and_options_are_refused():
 
 
 def test_invariant_names_fenced_sessions_when_quarantine_is_off():
-    clock = Clock()
+    clock = ManualClock(100.0)
     e, s = _engine(clock)
     q = Quarantine(e, hold_s=0.0)
     e.sessions.fence(s.session_id)

@@ -1,0 +1,77 @@
+"""Decode reserves: KV slots a running request holds ahead for its next decode tokens.
+
+With a reserve, a decode step takes the new token's slot from the front of the request's
+reserve instead of the allocator (:func:`radixkv.scheduler.flow.alloc_for_decode`), so a
+step whose requests all have reserved slots makes no allocator call and evicts nothing.
+That makes such a step's result a function of the earlier results alone, which is what lets
+a remote client of the cache manager answer it locally and tell the manager later (see
+``radixkv.service.local_decode``).
+
+Rules (deterministic, the same in every engine):
+
+* :func:`top_up` gives every request of a batch whose reserve is empty a new reserve of
+  ``min(n, limit - seq_len)`` slots, from ONE allocator call, only when the allocator has
+  them all free (never by eviction: a reserve must not cost the cache its prefixes); else
+  nobody in the batch gets one.
+* the reserve is held by the request: it counts in the conservation law as held by
+  requests and in the page audit as the request's (``Req.decode_reserve``), and goes back
+  to the allocator when the request is finished or aborted (:func:`free_reserves`).
+
+Only with page size 1 (a paged decode takes a new page only at page boundaries already).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List
+
+import numpy as np
+import torch
+
+from radixkv.errors import InvalidArgumentError
+
+__all__ = ["top_up", "free_reserves", "reserved_slots"]
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+def top_up(reqs: List[Any], allocator: Any, n: int, limit: int) -> int:
+    """Give each request of ``reqs`` (holding a row) with an empty reserve
+    ``min(n, limit - seq_len)`` slots when the allocator has them all; returns the slots
+    handed out (0 when nothing was needed or they were not all free). O(batch + slots).
+
+    Raises InvalidArgumentError for a paged allocator (page size > 1) when ``n > 0``."""
+    if n <= 0:
+        return 0
+    if int(getattr(allocator, "page_size", 1)) != 1:
+        raise InvalidArgumentError("decode reserves need page_size 1")
+    wants = [(r, min(n, limit - r.seq_len)) for r in reqs
+             if r.req_pool_idx is not None and r.decode_reserve.size == 0]
+    wants = [(r, k) for r, k in wants if k > 0]
+    total = sum(k for _, k in wants)
+    if total == 0 or allocator.available_size() < total:
+        return 0
+    slots = allocator.alloc(total)
+    if slots is None:
+        return 0
+    host = slots.to("cpu", torch.int64).numpy()
+    pos = 0
+    for r, k in wants:
+        r.decode_reserve = host[pos:pos + k].copy()
+        pos += k
+    return total
+
+
+def reserved_slots(reqs: Iterable[Any]) -> np.ndarray:
+    """The reserves of ``reqs`` concatenated (int64). O(slots)."""
+    parts = [r.decode_reserve for r in reqs if r.decode_reserve.size]
+    return np.concatenate(parts) if parts else _EMPTY
+
+
+def free_reserves(reqs: Iterable[Any], allocator: Any) -> None:
+    """Give the reserves of ``reqs`` back to the allocator in one call and empty them."""
+    reqs = list(reqs)
+    slots = reserved_slots(reqs)
+    if slots.size:
+        allocator.free(torch.from_numpy(slots).to(allocator.device))
+    for r in reqs:
+        if r.decode_reserve.size:
+            r.decode_reserve = _EMPTY
