@@ -34,8 +34,18 @@ gRPC's own threads). Also the p50 of a single ``heartbeat`` call (one round trip
 Prints a table, then JSON (``--json FILE`` writes it too). Timing is never asserted; on a
 shared machine the figures are provisional.
 
+Decode reserves: ``--decode-reserve N`` (default 16) sets ``EngineConfig.decode_reserve`` of
+BOTH the server and the embedded engine (the same work on each side): every running request
+holds N KV slots ahead, so a decode step whose requests all hold >= 2 needs no allocator
+call and the client answers it locally, replaying it on the manager before the session's
+next call (``radixkv.service.local_decode``; ``--no-local-decode``: every decode is an RPC).
+With 8 decode steps per request and N >= 9, a scheduler step is 3 RPCs (AllocExtend,
+ApplyDecodes, CacheFinished) instead of 10; ``rpcs_per_step`` is what the workers sent
+(their clients' counters over the timed run) per scheduler step.
+
     python benchmarks/bench_service.py [--workers 1 2 4] [--batches 1 8 32] [--requests 256]
                                        [--min-steps 16] [--transport stream|unary]
+                                       [--decode-reserve 16] [--no-local-decode]
 """
 from __future__ import annotations
 
@@ -131,12 +141,12 @@ def thread_cpu_s(pid: int, tid: int) -> float:
 
 
 def worker_main(idx: int, address: str, token: str, plan, barrier, results, stream: bool = True,
-                heartbeat: bool = False):
+                heartbeat: bool = False, local_decode: bool = True):
     """One worker process: for each (B, steps) of ``plan``, wait at the barrier, run, report
     (with ``heartbeat``, then time 300 single calls after the last run)."""
     from radixkv.service.client import connect
 
-    c = connect(address, token=token, wait_s=120, timeout_s=120, step_stream=stream)
+    c = connect(address, token=token, wait_s=120, timeout_s=120, step_stream=stream, local_decode=local_decode)
     s = c.attach(f"bench-{idx}").session
     c.start_keepalive(s)
     for run, (b, steps) in enumerate(plan):
@@ -145,10 +155,11 @@ def worker_main(idx: int, address: str, token: str, plan, barrier, results, stre
         barrier.wait(timeout=600)  # go
         wl = ChatWorkload(seed=1000 * run + idx)
         lat: List[float] = []
+        rpcs0 = sum(c.rpc_counts.values())
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
-        run_steps(c, s, wl, b, steps, f"w{idx}r{run}", lat)
+        run_steps(c, s, wl, b, steps, f"w{idx}r{run}", lat)  # each step's last call replays its decodes
         results.put((idx, run, time.perf_counter() - t0, wl.n, lat, time.process_time() - c0,
-                     time.thread_time() - m0))
+                     time.thread_time() - m0, sum(c.rpc_counts.values()) - rpcs0))
         if heartbeat and run == len(plan) - 1:
             hb = []
             for _ in range(300):
@@ -161,10 +172,10 @@ def worker_main(idx: int, address: str, token: str, plan, barrier, results, stre
     c.close()
 
 
-def embedded_run(w: int, b: int, steps: int, run: int):
+def embedded_run(w: int, b: int, steps: int, run: int, config: Dict):
     from radixkv.engine import CacheEngine, EngineConfig
 
-    e = CacheEngine(EngineConfig(**CONFIG))
+    e = CacheEngine(EngineConfig(**config))
     sessions = [e.attach(f"e{i}").session for i in range(w)]
     for i in range(w):
         run_steps(e, sessions[i], ChatWorkload(seed=10**6 + i), b, WARMUP_STEPS, f"warm{i}r{run}", [])
@@ -193,8 +204,13 @@ def main(argv=None) -> int:
     ap.add_argument("--min-steps", type=int, default=16, help="scheduler steps per worker per run, at least")
     ap.add_argument("--transport", choices=("stream", "unary"), default="stream",
                     help="step calls over the client's Step stream, or one unary RPC each")
+    ap.add_argument("--decode-reserve", type=int, default=16,
+                    help="EngineConfig.decode_reserve of the server AND the embedded engine (default %(default)s)")
+    ap.add_argument("--no-local-decode", action="store_true",
+                    help="clients send every alloc_decode as an RPC (connect(..., local_decode=False))")
     ap.add_argument("--json", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    config = dict(CONFIG, decode_reserve=args.decode_reserve)
 
     import torch
 
@@ -211,7 +227,7 @@ def main(argv=None) -> int:
     with open(os.open(tok_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write(token)
     address = f"unix://{d}/s.sock"
-    flags = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in CONFIG.items()), [])
+    flags = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in config.items()), [])
     server = ctx.Process(target=serve_main, args=(["serve", "--address", address, "--token-file", tok_file,
                                                    "--log-level", "WARNING", "--sweep-interval-s", "1"] + flags,),
                          daemon=True)
@@ -227,7 +243,8 @@ def main(argv=None) -> int:
             barrier = ctx.Barrier(w + 1)
             results = ctx.Queue()
             procs = [ctx.Process(target=worker_main, daemon=True,
-                                 args=(i, address, token, plan, barrier, results, args.transport == "stream", w == 1))
+                                 args=(i, address, token, plan, barrier, results, args.transport == "stream", w == 1,
+                                       not args.no_local_decode))
                      for i in range(w)]
             for p in procs:
                 p.start()
@@ -246,7 +263,7 @@ def main(argv=None) -> int:
                 wall = max(g[2] for g in got)
                 n = sum(g[3] for g in got)
                 lat = [x for g in got for x in g[4]]
-                e_wall, e_n, e_lat, e_cpu = embedded_run(w, b, steps, run)
+                e_wall, e_n, e_lat, e_cpu = embedded_run(w, b, steps, run, config)
                 w_cpu = sum(g[5] for g in got)
                 w_main = sum(g[6] for g in got)
                 barrier.wait(timeout=600)
@@ -264,6 +281,7 @@ def main(argv=None) -> int:
                     "remote_worker_main_cpu_us_per_req": w_main / n * 1e6,
                     "embedded_cpu_us_per_req": e_cpu / e_n * 1e6,
                     "cpu_overhead": ((s_cpu + w_cpu) / n) / (e_cpu / e_n),
+                    "rpcs_per_step": sum(g[7] for g in got) / (w * steps),
                 })
             for p in procs:
                 p.join(60)
@@ -277,10 +295,11 @@ def main(argv=None) -> int:
             server.kill()
         shutil.rmtree(d, ignore_errors=True)
 
-    print(f"transport: {args.transport}")
+    print(f"transport: {args.transport}, decode_reserve: {args.decode_reserve}, "
+          f"local decode: {not args.no_local_decode}")
     print(f"{'W':>2} {'B':>3} {'req':>5} {'remote req/s':>12} {'step p50 ms':>11} {'step p99 ms':>11} "
           f"{'embed req/s':>11} {'embed p50 ms':>12} {'overhead':>8} {'remote cpu us/req (srv+wrk)':>27} "
-          f"{'main thr srv+wrk':>16} {'embed cpu us/req':>16} {'cpu overhead':>12}")
+          f"{'main thr srv+wrk':>16} {'embed cpu us/req':>16} {'cpu overhead':>12} {'rpc/step':>8}")
     for r in rows:
         cpu = (f"{r['remote_cpu_us_per_req']:.0f} ({r['remote_server_cpu_us_per_req']:.0f}+"
                f"{r['remote_worker_cpu_us_per_req']:.0f})")
@@ -288,10 +307,11 @@ def main(argv=None) -> int:
         print(f"{r['workers']:>2} {r['batch']:>3} {r['requests']:>5} {r['remote_req_per_s']:>12.1f} "
               f"{r['remote_step_p50_ms']:>11.3f} {r['remote_step_p99_ms']:>11.3f} {r['embedded_req_per_s']:>11.1f} "
               f"{r['embedded_step_p50_ms']:>12.3f} {r['overhead']:>7.2f}x {cpu:>27} "
-              f"{main:>16} {r['embedded_cpu_us_per_req']:>16.0f} {r['cpu_overhead']:>11.2f}x")
+              f"{main:>16} {r['embedded_cpu_us_per_req']:>16.0f} {r['cpu_overhead']:>11.2f}x {r['rpcs_per_step']:>8.2f}")
     if heartbeat_ms:
         print(f"single call (heartbeat, W=1): p50 {heartbeat_ms['p50']:.3f} ms, p99 {heartbeat_ms['p99']:.3f} ms")
-    doc = {"benchmark": "bench_service", "config": CONFIG, "gen_tokens": GEN, "transport": args.transport,
+    doc = {"benchmark": "bench_service", "config": config, "gen_tokens": GEN, "transport": args.transport,
+           "decode_reserve": args.decode_reserve, "local_decode": not args.no_local_decode,
            "min_steps": args.min_steps, "runs": rows,
            "heartbeat_ms": heartbeat_ms, "python": sys.version.split()[0], "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_avg_1m_start": load0, "load_avg_1m": os.getloadavg()[0]}

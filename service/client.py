@@ -34,6 +34,11 @@ DEADLINE_EXCEEDED (the reply may have been lost after the manager ran it) is sen
 with the same id, up to N times, and the manager answers a retry it already ran with the
 reply it kept: a retried ``alloc_extend`` never allocates twice.
 
+Local decode (default; ``connect(..., local_decode=False)``: off): a decode step whose
+requests all hold >= 2 reserved KV slots (``EngineConfig.decode_reserve``) is answered here
+without an RPC and replayed on the manager (``ApplyDecodes``) before the session's next
+other call (:mod:`radixkv.service.local_decode`). ``rpc_counts``: calls sent, by method.
+
 The client is thread-safe as gRPC channels are; the engine behind it serializes calls.
 """
 from __future__ import annotations
@@ -59,7 +64,8 @@ from radixkv.service.auth import Token, resolve_token
 from radixkv.service.errors import ServiceUnavailableError, error_from_rpc
 from radixkv.service.idempotency import REQUEST_ID_KEY
 from radixkv.service.keepalive import KeepAlive
-from radixkv.service.listen import read_file, unix_socket_path
+from radixkv.service.channel import open_channel
+from radixkv.service.local_decode import LocalDecodes, PendingCall, replay_request
 from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES
 from radixkv.service.shm import map_buffer
 from radixkv.service.step_stream import REPLY_TYPES, StepLane
@@ -81,14 +87,18 @@ class RemoteCacheEngine:
         step_stream: send the step calls over one ``Step`` stream (default; first try only:
             retries, and calls made while another thread's call is on the stream, go as
             unary calls). The open stream holds one of the manager's ``max_concurrent_rpcs``.
+        local_decode: answer decode steps from the requests' reserves locally (see the
+            module doc; False: every ``alloc_decode`` is an RPC).
     """
 
     def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = "",
-                 retries: int = 0, retry_backoff_s: float = 0.05, step_stream: bool = True):
+                 retries: int = 0, retry_backoff_s: float = 0.05, step_stream: bool = True,
+                 local_decode: bool = True):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InvalidArgumentError(f"retries must be an int >= 0, got {retries!r}")
-        if not isinstance(step_stream, bool):
-            raise InvalidArgumentError(f"step_stream must be a bool, got {step_stream!r}")
+        for name, flag in (("step_stream", step_stream), ("local_decode", local_decode)):
+            if not isinstance(flag, bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
         self._channel = channel
         self._stub = pb_grpc.CacheManagerStub(channel)
         self._md = token.metadata()
@@ -101,16 +111,18 @@ class RemoteCacheEngine:
         self._keepalives: List[KeepAlive] = []
         #: The Step stream of this client (None: every call is a unary one).
         self.steps: Optional[StepLane] = StepLane(self._stub, self._md, self._timeout) if step_stream else None
+        self.local = LocalDecodes(local_decode)  # the per-session tables of local decode steps
+        self.rpc_counts: Dict[str, int] = {}  # calls sent (retries not counted), by method name
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: Any, request: Any, request_id: Optional[str] = None, idempotent: bool = True) -> Any:
-        """One call (``method``: a stub method or its name); with ``idempotent`` it carries a
+    def _call(self, method: str, request: Any, request_id: Optional[str] = None, idempotent: bool = True) -> Any:
+        """One call (``method``: its name); with ``idempotent`` it carries a
         request id (``request_id`` or a fresh one) and is retried with it on UNAVAILABLE /
         DEADLINE_EXCEEDED. With ``step_stream`` a step method's first try goes over the
         Step stream (see :mod:`radixkv.service.step_stream`), the rest over unary calls."""
-        name = method if isinstance(method, str) else None
-        if name is not None:
-            method = getattr(self._stub, name)
+        name = method
+        method = getattr(self._stub, name)
+        self.rpc_counts[name] = self.rpc_counts.get(name, 0) + 1
         md = self._md
         rid = None
         if idempotent:
@@ -142,6 +154,14 @@ class RemoteCacheEngine:
     def _session(self, session: Session) -> pb.SessionRef:
         return wire.session_to_msg(session)
 
+    def _scall(self, session: Session, method: str, request: Any) -> Any:
+        """A call of ``session``, after the replay of its pending local decodes."""
+        with self.local.guard(session, self._apply):
+            return self._call(method, request)
+
+    def _apply(self, session: Session, calls: List[PendingCall]) -> None:
+        self._call("ApplyDecodes", replay_request(session, calls))
+
     # ------------------------------------------------------------------ sessions
     def attach(self, worker_name: str = "", *, pid: Optional[int] = None) -> AttachInfo:
         """Open a session; ``layout`` is the manager's (each pool's ``mapping`` says how to
@@ -154,7 +174,7 @@ class RemoteCacheEngine:
         pid = os.getpid() if pid is None else pid
         if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 31:
             raise InvalidArgumentError(f"pid must be an int in [0, 2**31), got {pid!r}")
-        resp = self._call(self._stub.Attach, pb.AttachRequest(worker_name=worker_name, pid=pid))
+        resp = self._call("Attach", pb.AttachRequest(worker_name=worker_name, pid=pid))
         layout = json.loads(resp.layout_json)
         for m in resp.mappings:
             if m.pool not in layout.get("pools", {}):
@@ -163,10 +183,17 @@ class RemoteCacheEngine:
         return AttachInfo(wire.session_from_msg(resp.session), layout)
 
     def heartbeat(self, session: Session) -> float:
-        return float(self._call("Heartbeat", pb.HeartbeatRequest(session=self._session(session))).lease_left_s)
+        """Renew the lease (pending local decodes stay pending)."""
+        req = pb.HeartbeatRequest(session=self._session(session))
+        with self.local.guard(session, None):
+            return float(self._call("Heartbeat", req).lease_left_s)
 
     def detach(self, session: Session) -> None:
-        self._call(self._stub.Detach, pb.DetachRequest(session=self._session(session)))
+        """End the session; its pending local decodes are dropped, not replayed (the
+        manager reclaims its requests, reserves included, either way)."""
+        req = pb.DetachRequest(session=self._session(session))
+        self.local.drop(session)
+        self._call("Detach", req)
 
     def start_keepalive(self, session: Session, interval_s: Optional[float] = None) -> KeepAlive:
         """Keep ``session`` alive from a background stream (every ``interval_s``, default
@@ -186,7 +213,7 @@ class RemoteCacheEngine:
                              V.check_extra_key(q.extra_key, f"queries[{i}]")) for i, q in enumerate(qs)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._call("Match", pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
+        resp = self._scall(session, "Match", pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
         return wire.match_infos_from_msg(resp, len(qs))
 
     def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
@@ -199,9 +226,11 @@ class RemoteCacheEngine:
                               V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._call("AllocExtend",
-                          pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
-        return wire.extend_results_from_msg(resp)
+        resp = self._scall(session, "AllocExtend",
+                           pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
+        results = wire.extend_results_from_msg(resp)
+        self.local.observe_extend(session, results)
+        return results
 
     def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
         self._session(session)
@@ -212,8 +241,13 @@ class RemoteCacheEngine:
                    for i, it in enumerate(its)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._call("AllocDecode", wire.decode_items_to_msg(session, its))
-        return wire.decode_result_from_msg(resp, len(its))
+        local = self.local.try_local(session, its)
+        if local is not None:
+            return local
+        resp = self._scall(session, "AllocDecode", wire.decode_items_to_msg(session, its))
+        result = wire.decode_result_from_msg(resp, len(its))
+        self.local.observe_decode(session, [it.rid for it in its], result)
+        return result
 
     def _rids(self, session: Session, rids: Sequence[str]) -> List[str]:
         try:
@@ -223,15 +257,18 @@ class RemoteCacheEngine:
 
     def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        return wire.cache_results_from_msg(self._call("CacheUnfinished", req))
+        return wire.cache_results_from_msg(self._scall(session, "CacheUnfinished", req))
 
     def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        return wire.cache_results_from_msg(self._call("CacheFinished", req))
+        results = wire.cache_results_from_msg(self._scall(session, "CacheFinished", req))
+        self.local.forget(session, req.rids)
+        return results
 
     def release(self, session: Session, rids: Sequence[str]) -> None:
         req = pb.ReleaseRequest(session=self._session(session), rids=self._rids(session, rids))
-        self._call("Release", req)
+        self._scall(session, "Release", req)
+        self.local.forget(session, req.rids)
 
     def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult:
         ref = self._session(session)
@@ -242,15 +279,17 @@ class RemoteCacheEngine:
         except InvalidArgumentError as e:
             self._reject(session, e)
         return wire.evict_result_from_msg(
-            self._call("Evict", pb.EvictRequest(session=ref, num_tokens=n, num_states=s)))
+            self._scall(session, "Evict", pb.EvictRequest(session=ref, num_tokens=n, num_states=s)))
 
     # ------------------------------------------------------------------ stats / admin
     def stats(self, session: Optional[Session] = None) -> EngineStats:
-        req = pb.StatsRequest() if session is None else pb.StatsRequest(session=self._session(session))
-        return wire.stats_from_msg(self._call(self._stub.Stats, req, idempotent=False))
+        if session is None:  # the whole engine: every session's replay first
+            self.local.flush_all(self._apply)
+            return wire.stats_from_msg(self._call("Stats", pb.StatsRequest(), idempotent=False))
+        return wire.stats_from_msg(self._scall(session, "Stats", pb.StatsRequest(session=self._session(session))))
 
     def flush(self, session: Session) -> bool:
-        return bool(self._call(self._stub.Flush, pb.FlushRequest(session=self._session(session))).flushed)
+        return bool(self._scall(session, "Flush", pb.FlushRequest(session=self._session(session))).flushed)
 
     def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
         ref = self._session(session)
@@ -260,7 +299,7 @@ class RemoteCacheEngine:
                 raise InvalidArgumentError("max_events must fit in int64")
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._call(self._stub.TakeEvents, pb.TakeEventsRequest(session=ref, max_events=n))
+        resp = self._scall(session, "TakeEvents", pb.TakeEventsRequest(session=ref, max_events=n))
         from radixkv.service.event_wire import event_from_msg  # KV, state events and gap markers
 
         return [event_from_msg(e) for e in resp.events]
@@ -281,6 +320,7 @@ class RemoteCacheEngine:
             raise InvalidArgumentError(f"start_seq must be an int in [0, 2**64) or None, got {start_seq!r}")
         req = pb.WatchEventsRequest(session=self._session(session), poll_interval_s=float(poll_interval_s),
                                     start_seq=start_seq or 0, from_now=start_seq is None)
+        self.local.flush(session, self._apply)
         call = self._stub.WatchEvents(req, metadata=self._md)
         try:
             for msg in call:
@@ -293,7 +333,8 @@ class RemoteCacheEngine:
 
     def check_invariants(self) -> None:
         """The manager's engine and shared buffers agree (raises ``InvariantError``)."""
-        self._call(self._stub.CheckInvariants, pb.CheckInvariantsRequest(), idempotent=False)
+        self.local.flush_all(self._apply)
+        self._call("CheckInvariants", pb.CheckInvariantsRequest(), idempotent=False)
 
     # ------------------------------------------------------------------ buffers
     def worker_buffers(self, info: AttachInfo) -> Any:
@@ -314,12 +355,15 @@ class RemoteCacheEngine:
             if key not in self._mapped:
                 self._mapped[key] = map_buffer(desc)
             buffers[name] = self._mapped[key]
-        return attach_buffers(layout, buffers)
+        wb = attach_buffers(layout, buffers)
+        self.local.map_req_to_token(epoch, wb.req_to_token)  # local decodes write their rows there
+        return wb
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Stop keep-alive streams and the Step stream, close the channel (sessions are not
-        detached)."""
+        detached). Pending local decodes are replayed first (best effort: logged on failure)."""
+        self.local.close(self._apply)
         for ka in self._keepalives:
             ka.stop()
         self._keepalives.clear()
@@ -341,7 +385,8 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
             timeout_s: float = 30.0, wait_s: float = 10.0, retries: int = 0, tls_ca: Optional[str] = None,
             tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
             tls_server_name: Optional[str] = None,
-            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = True) -> RemoteCacheEngine:
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = True,
+            local_decode: bool = True) -> RemoteCacheEngine:
     """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).
 
     The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
@@ -350,33 +395,14 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
     ``step_stream`` (default True): send the step calls (heartbeat, match, alloc_extend,
     alloc_decode, cache_*, release, evict) over one persistent ``Step`` stream, opened on the
     first step call, instead of one unary call each (:mod:`radixkv.service.step_stream`;
-    cheaper per call, same protocol; False: unary calls only).
+    cheaper per call, same protocol; False: unary calls only). ``local_decode`` (default
+    True): answer decode steps from reserved slots locally (:mod:`radixkv.service.local_decode`).
 
     Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
     ``ServiceUnavailableError`` (nothing answers within ``wait_s``).
     """
     tok = resolve_token(token, token_file)
-    n = int(max_message_bytes)
-    options = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
-               ("grpc.enable_retries", 0),
-               # a local manager that is still starting: retry connecting quickly
-               ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-               ("grpc.max_reconnect_backoff_ms", 1000)]
-    path = unix_socket_path(address)
-    target = f"unix:{path}" if path is not None else address
-    if tls_ca:
-        creds = grpc.ssl_channel_credentials(read_file(tls_ca), read_file(tls_key) if tls_key else None,
-                                             read_file(tls_cert) if tls_cert else None)
-        if tls_server_name:
-            options.append(("grpc.ssl_target_name_override", tls_server_name))
-        channel = grpc.secure_channel(target, creds, options=options)
-    else:
-        channel = grpc.insecure_channel(target, options=options)
-    if wait_s and wait_s > 0:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=wait_s)
-        except grpc.FutureTimeoutError:
-            channel.close()
-            raise ServiceUnavailableError(f"no cache manager answers at {address!r} within {wait_s} s") from None
+    channel = open_channel(address, wait_s=wait_s, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                           tls_server_name=tls_server_name, max_message_bytes=max_message_bytes)
     return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address, retries=retries,
-                             step_stream=step_stream)
+                             step_stream=step_stream, local_decode=local_decode)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import grpc
 
 from radixkv.engine.protocol import Session
-from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
+from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
 from radixkv.service import event_wire, wire
 from radixkv.service._gen import cache_manager_pb2 as pb
 from radixkv.service.event_hub import EventHub, HubRecord, engine_event_source
@@ -185,6 +185,31 @@ class CacheManagerServicer:
             self.engine.heartbeat(session)
             raise
         return wire.decode_result_to_msg(self.engine.alloc_decode(session, items))
+
+    @_rpc("ApplyDecodes", pb.ApplyDecodesRequest)
+    def ApplyDecodes(self, request: pb.ApplyDecodesRequest) -> pb.ApplyDecodesResponse:
+        """Replay decode steps a client answered from its reserves: ``alloc_decode`` for
+        each call in order (see ``radixkv.service.local_decode``). An error at call ``k``
+        leaves calls ``0 .. k-1`` applied and is raised with ``ApplyDecodes call k`` in its
+        message. O(total items)."""
+        session = wire.session_from_msg(request.session)
+        if not request.calls:
+            self.engine.heartbeat(session)  # a stale session still reports that
+        for k, call in enumerate(request.calls):
+            try:
+                if call.HasField("session") and (call.session.session_id, call.session.epoch) != \
+                        (request.session.session_id, request.session.epoch):
+                    raise InvalidArgumentError("a replayed call names another session")
+                try:
+                    items = wire.decode_items_from_msg(call)
+                except InvalidArgumentError:
+                    self.engine.heartbeat(session)
+                    raise
+                self.engine.alloc_decode(session, items)
+            except RadixKVError as e:
+                e.args = (f"ApplyDecodes call {k} of {len(request.calls)}: {e}",) + e.args[1:]
+                raise
+        return pb.ApplyDecodesResponse(applied=len(request.calls))
 
     @_rpc("CacheUnfinished", pb.CacheRequest)
     def CacheUnfinished(self, request: pb.CacheRequest) -> pb.CacheResponse:
@@ -366,8 +391,9 @@ def encode_record(record: HubRecord) -> bytes:
     return event_wire.event_to_msg(record.event, record.seq).SerializeToString()
 
 
-UNARY_METHODS = ("Attach", "Heartbeat", "Detach", "Match", "AllocExtend", "AllocDecode", "CacheUnfinished",
-                 "CacheFinished", "Release", "Evict", "Stats", "Flush", "TakeEvents", "CheckInvariants")
+UNARY_METHODS = ("Attach", "Heartbeat", "Detach", "Match", "AllocExtend", "AllocDecode", "ApplyDecodes",
+                 "CacheUnfinished", "CacheFinished", "Release", "Evict", "Stats", "Flush", "TakeEvents",
+                 "CheckInvariants")
 STREAM_METHODS = ("KeepAlive", "WatchEvents", "Step")
 
 

@@ -53,7 +53,8 @@ log = logging.getLogger("radixkv.service")
 #: The methods a Step stream carries, with the reply message type of each.
 REPLY_TYPES: Dict[str, Any] = {
     "Heartbeat": pb.HeartbeatResponse, "Match": pb.MatchResponse, "AllocExtend": pb.AllocExtendResponse,
-    "AllocDecode": pb.AllocDecodeResponse, "CacheUnfinished": pb.CacheResponse,
+    "AllocDecode": pb.AllocDecodeResponse, "ApplyDecodes": pb.ApplyDecodesResponse,
+    "CacheUnfinished": pb.CacheResponse,
     "CacheFinished": pb.CacheResponse, "Release": pb.ReleaseResponse, "Evict": pb.EvictResponse,
 }
 STEP_METHODS = tuple(REPLY_TYPES)

@@ -138,13 +138,15 @@ def extend_results_to_msg(results: Sequence[ExtendResult]) -> pb.AllocExtendResp
     return pb.AllocExtendResponse(results=[
         pb.ExtendResult(rid=r.rid, req_pool_idx=int(r.req_pool_idx), prefix_len=int(r.prefix_len),
                         start=int(r.start), seq_len=int(r.seq_len),
-                        out_cache_loc_i64=pack(r.out_cache_loc, I64), mamba_slot=int(r.mamba_slot))
+                        out_cache_loc_i64=pack(r.out_cache_loc, I64), mamba_slot=int(r.mamba_slot),
+                        reserved_i64=pack(r.reserved, I64))
         for r in results])
 
 
 def extend_results_from_msg(msg: pb.AllocExtendResponse) -> List[ExtendResult]:
     return [ExtendResult(m.rid, int(m.req_pool_idx), int(m.prefix_len), int(m.start), int(m.seq_len),
-                         unpack_i64(m.out_cache_loc_i64, "out_cache_loc"), int(m.mamba_slot))
+                         unpack_i64(m.out_cache_loc_i64, "out_cache_loc"), int(m.mamba_slot),
+                         unpack_i64(m.reserved_i64, "reserved"))
             for m in msg.results]
 
 
@@ -164,12 +166,27 @@ def decode_items_from_msg(msg: pb.AllocDecodeRequest) -> List[DecodeItem]:
 def decode_result_to_msg(r: DecodeResult) -> pb.AllocDecodeResponse:
     return pb.AllocDecodeResponse(out_cache_loc_i64=pack(r.out_cache_loc, I64), seq_lens_i64=pack(r.seq_lens, I64),
                                   req_pool_indices_i64=pack(r.req_pool_indices, I64),
-                                  mamba_slots_i64=pack(r.mamba_slots, I64))
+                                  mamba_slots_i64=pack(r.mamba_slots, I64), reserved_i64=pack(r.reserved, I64),
+                                  reserved_lens_i64=pack(r.reserved_lens, I64))
 
 
 def decode_result_from_msg(msg: pb.AllocDecodeResponse, n: int) -> DecodeResult:
-    return DecodeResult(*(_count(unpack_i64(getattr(msg, f + "_i64"), f), n, f)
-                          for f in ("out_cache_loc", "seq_lens", "req_pool_indices", "mamba_slots")))
+    """Raises ``LengthMismatchError`` when a per-request array does not have ``n`` values,
+    ``reserved_lens`` has neither 0 nor ``n``, or the lengths do not add up to ``reserved``."""
+    arrays = [_count(unpack_i64(getattr(msg, f + "_i64"), f), n, f)
+              for f in ("out_cache_loc", "seq_lens", "req_pool_indices", "mamba_slots")]
+    reserved = unpack_i64(msg.reserved_i64, "reserved")
+    lens = unpack_i64(msg.reserved_lens_i64, "reserved_lens")
+    if lens.size and lens.size != n:
+        raise LengthMismatchError(f"reserved_lens: {lens.size} values for {n} entries")
+    if int(lens.sum()) != reserved.size or (lens.size and int(lens.min()) < 0):
+        raise LengthMismatchError(f"reserved_lens add up to {int(lens.sum())}, reserved has {reserved.size}")
+    return DecodeResult(*arrays, reserved, lens)
+
+
+def apply_decodes_to_msg(session: Session, calls: Sequence[pb.AllocDecodeRequest]) -> pb.ApplyDecodesRequest:
+    """The replay of ``calls`` (AllocDecodeRequests with no session of their own)."""
+    return pb.ApplyDecodesRequest(session=session_to_msg(session), calls=calls)
 
 
 # --------------------------------------------------------------------------- cache / evict / stats

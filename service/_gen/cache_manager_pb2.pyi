@@ -144,7 +144,7 @@ class AllocExtendRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
 
 class ExtendResult(_message.Message):
-    __slots__ = ("rid", "req_pool_idx", "prefix_len", "start", "seq_len", "out_cache_loc_i64", "mamba_slot")
+    __slots__ = ("rid", "req_pool_idx", "prefix_len", "start", "seq_len", "out_cache_loc_i64", "mamba_slot", "reserved_i64")
     RID_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_IDX_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class ExtendResult(_message.Message):
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     OUT_CACHE_LOC_I64_FIELD_NUMBER: _ClassVar[int]
     MAMBA_SLOT_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_I64_FIELD_NUMBER: _ClassVar[int]
     rid: str
     req_pool_idx: int
     prefix_len: int
@@ -159,7 +160,8 @@ class ExtendResult(_message.Message):
     seq_len: int
     out_cache_loc_i64: bytes
     mamba_slot: int
-    def __init__(self, rid: _Optional[str] = ..., req_pool_idx: _Optional[int] = ..., prefix_len: _Optional[int] = ..., start: _Optional[int] = ..., seq_len: _Optional[int] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot: _Optional[int] = ...) -> None: ...
+    reserved_i64: bytes
+    def __init__(self, rid: _Optional[str] = ..., req_pool_idx: _Optional[int] = ..., prefix_len: _Optional[int] = ..., start: _Optional[int] = ..., seq_len: _Optional[int] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot: _Optional[int] = ..., reserved_i64: _Optional[bytes] = ...) -> None: ...
 
 class AllocExtendResponse(_message.Message):
     __slots__ = ("results",)
@@ -178,16 +180,34 @@ class AllocDecodeRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids_i32: _Optional[bytes] = ...) -> None: ...
 
 class AllocDecodeResponse(_message.Message):
-    __slots__ = ("out_cache_loc_i64", "seq_lens_i64", "req_pool_indices_i64", "mamba_slots_i64")
+    __slots__ = ("out_cache_loc_i64", "seq_lens_i64", "req_pool_indices_i64", "mamba_slots_i64", "reserved_i64", "reserved_lens_i64")
     OUT_CACHE_LOC_I64_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_I64_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_INDICES_I64_FIELD_NUMBER: _ClassVar[int]
     MAMBA_SLOTS_I64_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_I64_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_LENS_I64_FIELD_NUMBER: _ClassVar[int]
     out_cache_loc_i64: bytes
     seq_lens_i64: bytes
     req_pool_indices_i64: bytes
     mamba_slots_i64: bytes
-    def __init__(self, out_cache_loc_i64: _Optional[bytes] = ..., seq_lens_i64: _Optional[bytes] = ..., req_pool_indices_i64: _Optional[bytes] = ..., mamba_slots_i64: _Optional[bytes] = ...) -> None: ...
+    reserved_i64: bytes
+    reserved_lens_i64: bytes
+    def __init__(self, out_cache_loc_i64: _Optional[bytes] = ..., seq_lens_i64: _Optional[bytes] = ..., req_pool_indices_i64: _Optional[bytes] = ..., mamba_slots_i64: _Optional[bytes] = ..., reserved_i64: _Optional[bytes] = ..., reserved_lens_i64: _Optional[bytes] = ...) -> None: ...
+
+class ApplyDecodesRequest(_message.Message):
+    __slots__ = ("session", "calls")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    session: SessionRef
+    calls: _containers.RepeatedCompositeFieldContainer[AllocDecodeRequest]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., calls: _Optional[_Iterable[_Union[AllocDecodeRequest, _Mapping]]] = ...) -> None: ...
+
+class ApplyDecodesResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    def __init__(self, applied: _Optional[int] = ...) -> None: ...
 
 class CacheRequest(_message.Message):
     __slots__ = ("session", "rids")

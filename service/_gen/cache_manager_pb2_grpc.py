@@ -70,6 +70,11 @@ class CacheManagerStub:
                 request_serializer=radixkv_dot_v1_dot_cache__manager__pb2.AllocDecodeRequest.SerializeToString,
                 response_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.AllocDecodeResponse.FromString,
                 _registered_method=True)
+        self.ApplyDecodes = channel.unary_unary(
+                '/radixkv.v1.CacheManager/ApplyDecodes',
+                request_serializer=radixkv_dot_v1_dot_cache__manager__pb2.ApplyDecodesRequest.SerializeToString,
+                response_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.ApplyDecodesResponse.FromString,
+                _registered_method=True)
         self.CacheUnfinished = channel.unary_unary(
                 '/radixkv.v1.CacheManager/CacheUnfinished',
                 request_serializer=radixkv_dot_v1_dot_cache__manager__pb2.CacheRequest.SerializeToString,
@@ -166,6 +171,13 @@ class CacheManagerServicer:
 
     def AllocDecode(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ApplyDecodes(self, request, context):
+        """Replay decode steps the client answered locally (see ApplyDecodesRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -276,6 +288,11 @@ def add_CacheManagerServicer_to_server(servicer, server):
                     servicer.AllocDecode,
                     request_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.AllocDecodeRequest.FromString,
                     response_serializer=radixkv_dot_v1_dot_cache__manager__pb2.AllocDecodeResponse.SerializeToString,
+            ),
+            'ApplyDecodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyDecodes,
+                    request_deserializer=radixkv_dot_v1_dot_cache__manager__pb2.ApplyDecodesRequest.FromString,
+                    response_serializer=radixkv_dot_v1_dot_cache__manager__pb2.ApplyDecodesResponse.SerializeToString,
             ),
             'CacheUnfinished': grpc.unary_unary_rpc_method_handler(
                     servicer.CacheUnfinished,
@@ -517,6 +534,33 @@ class CacheManager:
             '/radixkv.v1.CacheManager/AllocDecode',
             radixkv_dot_v1_dot_cache__manager__pb2.AllocDecodeRequest.SerializeToString,
             radixkv_dot_v1_dot_cache__manager__pb2.AllocDecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyDecodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixkv.v1.CacheManager/ApplyDecodes',
+            radixkv_dot_v1_dot_cache__manager__pb2.ApplyDecodesRequest.SerializeToString,
+            radixkv_dot_v1_dot_cache__manager__pb2.ApplyDecodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

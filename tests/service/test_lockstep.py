@@ -7,10 +7,10 @@ included: the engines are deterministic) or raise the same error type; their sta
 both pass ``check_invariants()``; the model's request count matches.
 """
 import numpy as np
-import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from engine_fixtures import comparable
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import RadixKVError
@@ -21,15 +21,7 @@ CONFIG = dict(kv_tokens=96, page_size=1, request_rows=6, max_context_len=64, max
 PREFIXES = [np.array([1, 2, 3, 4, 5, 6], np.int32), np.array([7, 8, 9], np.int32), np.array([], np.int32)]
 
 
-def _norm(x):
-    """Results as comparable plain data (arrays to lists)."""
-    if isinstance(x, np.ndarray):
-        return ("nd", str(x.dtype), x.tolist())
-    if isinstance(x, tuple):
-        return tuple(_norm(v) for v in x)
-    if isinstance(x, list):
-        return [_norm(v) for v in x]
-    return x
+_norm = comparable
 
 
 class Lockstep(RuleBasedStateMachine):
