@@ -101,7 +101,10 @@ class ThreadedServer:
             c.close()
         self._clients.clear()
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop_event.set)
+            try:
+                self._loop.call_soon_threadsafe(self._stop_event.set)
+            except RuntimeError:  # the loop already ended (a failed start returns at once)
+                pass
             self._thread.join(self._timeout)
         self._cleanup_dir()
 

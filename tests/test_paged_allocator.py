@@ -126,6 +126,32 @@ def test_free_accepts_any_slot_order_and_split_runs(device, free_path):
     assert x.numel() == 12
 
 
+@pytest.mark.parametrize("need_sort", [False, True])
+@pytest.mark.parametrize("group", [False, True])
+def test_free_of_a_partial_page_the_one_page_path(device, need_sort, group):
+    """A request's unaligned tail: a few ascending slots of one page (the host fast path on
+    CPU) frees the page once, wherever frees go (ring, release list, open group); a second
+    free of any slot of that page, a repeated slot or a slot of page 0 is refused unchanged."""
+    a = make(32, 4, device, need_sort=need_sort)
+    x = a.alloc(12)  # pages 1, 2, 3
+    if group:
+        a.free_group_begin()
+    a.free(x[4:7])  # slots 8, 9, 10 of page 2
+    if group:
+        a.free_group_end()
+    assert a.available_size() == 6 * 4 and bool(a.is_free(T([11], device))[0])
+    a.check_invariants()
+    before = state_of(a)
+    for slots, err in (([11], DoubleFreeError), ([9, 10], DoubleFreeError), ([13, 13], DoubleFreeError),
+                       ([2, 3], InvalidIndexError)):
+        with pytest.raises(err):
+            a.free(T(slots, device))
+        assert_unchanged(a, before)
+    a.free(T([12, 13], device))  # page 3: ascending, one page
+    assert a.available_size() == 7 * 4
+    a.check_invariants()
+
+
 def test_free_non_power_of_two_page_size(free_path):
     a = make(30, 3, free_path=free_path)
     x = a.alloc(9)  # pages 1..3 = slots 3..11

@@ -221,6 +221,16 @@ class PageFreeList:
             self._ring.push(ids)
         self._mark(ids, True)
 
+    def free_one(self, i: int) -> None:
+        """Return the one id ``i`` (an int the caller validated: in range and in use): the
+        one-id case of ``free(..., validated=True)``, on CPU without torch dispatch. O(1)."""
+        if self._group is not None or self.device.type != "cpu":
+            self.free(torch.tensor([i], dtype=torch.int64, device=self.device), known_unique=True,
+                      validated=True)
+            return
+        (self._rel if self.need_sort else self._ring).push_one(i)
+        self.host_mask()[i] = True
+
     def group_begin(self) -> None:
         """Open a free group: frees until ``group_end`` are released together."""
         if self._group is not None:

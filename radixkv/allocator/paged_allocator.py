@@ -267,6 +267,15 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         changed) when any check fails, so the torch path finds and names the bad slots."""
         a = slots.numpy()
         lo, hi = self.page_size, (self.num_pages + 1) * self.page_size - 1
+        if a.size <= self.page_size:  # a few slots, maybe of one page (a request's tail)
+            first, last = int(a[0]), int(a[-1])
+            page = first >> self._shift
+            if (last >> self._shift == page and lo <= first and last <= hi
+                    and (a.size == 1 or not _uany(a[1:] <= a[:-1]))):
+                if self._fl.host_mask()[page]:
+                    return False
+                self._fl.free_one(page)
+                return True
         if _umin(a) < lo or _umax(a) > hi:
             return False
         pages = a >> self._shift
