@@ -84,11 +84,14 @@ def test_serve_flag_and_config_file_key(tmp_path):
 # ----------------------------------------------------------------------------- the table alone
 
 
-def test_table_answers_exactly_what_the_engine_answers():
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_table_answers_exactly_what_the_engine_answers(hybrid):
     """Seeded: the engine decides; the table, fed only the engine's replies, answers every
-    call it can and each answer equals the engine's, field for field."""
+    call it can and each answer equals the engine's, field for field (hybrid: the state
+    slot included)."""
     rng = np.random.default_rng(5)
-    e = CacheEngine(EngineConfig(**CONFIG))
+    cfg = dict(CONFIG, layer_types="FK", state_slots=16) if hybrid else CONFIG
+    e = CacheEngine(EngineConfig(**cfg))
     s = e.attach("w").session
     t = LocalDecodes()
     live, answered, n = [], 0, 0
