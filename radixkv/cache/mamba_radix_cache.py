@@ -95,10 +95,6 @@ class MambaInsertResult(NamedTuple):
     state_kept: bool
 
 
-def _ignore_query(queried: int, hit: int) -> None:
-    """Stands in for RadixCache's query recorder: the hybrid match records its state hit."""
-
-
 class MambaRadixCache(RadixCache):
     """The radix tree of a hybrid model: KV rows per token, Mamba states at node ends.
 
@@ -165,7 +161,7 @@ class MambaRadixCache(RadixCache):
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key
         # tombstone leaves (False) before leaves with a state: they can never yield a hit
         self._sort_key = lambda node: (has_state(node), base_key(node))
-        self._record_query = _ignore_query
+        self._qlog = None  # the hybrid match records its state hit itself
 
     # ------------------------------------------------------------------ sizes, lookups
     def full_evictable_size(self) -> int:

@@ -47,6 +47,7 @@ class CacheMetrics:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InvalidArgumentError(f"metrics window must be an int >= 1, got {window!r}")
         self.window = window
+        self._log: list = []
         self.reset()
 
     def reset(self) -> None:
@@ -55,7 +56,7 @@ class CacheMetrics:
         self.inserted_tokens = 0
         self.evictions = 0
         self.evicted_tokens = 0
-        self._log: list = []
+        self._log.clear()  # in place: ``query_log`` keeps its identity
         self._seen = 0  # pairs of the log already in the sums below
         self._n = self._q = self._h = 0  # totals: queries, queried tokens, hit tokens
         self._wq = self._wh = 0  # sums over the last ``window`` pairs of log[:_seen]
@@ -65,8 +66,21 @@ class CacheMetrics:
         log = self._log
         log.append((queried, hit))
         if len(log) >= 2 * self.window:
-            self._sync()
-            cut = len(log) - self.window
+            self.compact()
+
+    @property
+    def query_log(self) -> list:
+        """The list :meth:`record_query` appends ``(queried, hit)`` pairs to; its identity
+        never changes. A hot caller may append to it directly (no call frame), and must call
+        :meth:`compact` once it holds ``2 * window`` pairs."""
+        return self._log
+
+    def compact(self) -> None:
+        """Fold the logged pairs into the sums and keep only the last ``window``. O(log)."""
+        log = self._log
+        self._sync()
+        cut = len(log) - self.window
+        if cut > 0:
             del log[:cut]
             self._seen -= cut
 

@@ -120,7 +120,10 @@ class RadixCache:
             self.kv_events = KVEventRecorder(page_size, seed=DEFAULT_SEED if kv_event_seed is None
                                              else kv_event_seed)
         self._metrics = CacheMetrics(metrics_window)
-        self._record_query = self._metrics.record_query
+        # match_prefix appends (queried, hit) to the metrics' log itself: a method call
+        # there cost ~0.8 µs in the bench's cycle (cold frame); None: the subclass records
+        self._qlog = self._metrics.query_log
+        self._qfold = 2 * metrics_window
         self._record_insert = self._metrics.record_insert
         self._leaves = SortedKeyList(key=attrgetter("skey"))
         self._next_id = 0
@@ -193,7 +196,8 @@ class RadixCache:
         n = nbytes - nbytes % pb if pb != 4 else nbytes
         head = self._heads.get(key.extra_key)
         if n == 0 or head is None or self.disable:
-            self._record_query(nbytes >> 2, 0)
+            if self._qlog is not None:
+                self._metrics.record_query(nbytes >> 2, 0)
             return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
                                head if head is not None else self._heads[None], 0))
         hit = self._on_hit
@@ -227,7 +231,11 @@ class RadixCache:
             node = child
             children = child.children
         self._clock = tick
-        self._record_query(nbytes >> 2, pos >> 2)
+        log = self._qlog
+        if log is not None:
+            log.append((nbytes >> 2, pos >> 2))
+            if len(log) >= self._qfold:
+                self._metrics.compact()
         if not pos:
             return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device), node, 0))
         rows = vals[0] if len(vals) == 1 else b"".join(vals)
