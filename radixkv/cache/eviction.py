@@ -42,6 +42,8 @@ Cost per hook call is O(1) for every policy here; SLRU's ghost lookup is one dic
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 from typing import Callable, Dict, Iterable, List, Union
 
 from radixkv.errors import InvalidArgumentError
@@ -108,9 +110,8 @@ class LRUPolicy(EvictionPolicy):
     """Least recently used first (the default)."""
 
     name = "lru"
-
-    def sort_key(self, node):
-        return node.last_access
+    # a C attrgetter, not a method: no Python frame per filing (the insert hot path)
+    sort_key = attrgetter("last_access")
 
 
 class LFUPolicy(EvictionPolicy):
@@ -126,9 +127,7 @@ class FIFOPolicy(EvictionPolicy):
     """Oldest inserted first, whatever its use."""
 
     name = "fifo"
-
-    def sort_key(self, node):
-        return node.created
+    sort_key = attrgetter("created")
 
 
 class FILOPolicy(EvictionPolicy):

@@ -124,7 +124,6 @@ class RadixCache:
         # there cost ~0.8 µs in the bench's cycle (cold frame); None: the subclass records
         self._qlog = self._metrics.query_log
         self._qfold = 2 * metrics_window
-        self._record_insert = self._metrics.record_insert
         self._leaves = SortedKeyList(key=attrgetter("skey"))
         self._next_id = 0
         self._clock = 0
@@ -245,32 +244,14 @@ class RadixCache:
         return _tuple_new(MatchResult, (idx, node, pos >> 2))
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: Union[RadixKey, Any], value: Any, priority: int = 0,
-               extra_key: Any = None) -> int:
-        """Insert ``key`` (a whole number of pages) with its KV rows ``value``.
+    # insert(key, value, priority=0, extra_key=None) -> int: see radix_insert.insert (the
+    # contract is there; bound as a plain function so a call costs one Python frame)
+    insert = radix_insert.insert
 
-        Args:
-            key: a :class:`RadixKey` or token ids (``extra_key`` then names the namespace).
-            value: KV rows, an integer tensor (any device) or numpy array, one per token.
-                The rows the tree stores (those after the already-cached prefix) must lie
-                in ``[0, 2**31)``; the others are the caller's duplicates, never read.
-            priority: for the ``priority`` policy; every node on the path keeps the max.
+    def _insert(self, key: RadixKey, value: Any, priority: int) -> Any:
+        """``insert`` returning ``(prefix, node, path)`` (the cache's own callers)."""
+        return radix_insert.insert(self, key, value, priority, None, True)
 
-        Returns:
-            The number of leading tokens that were already cached: the tree keeps its own
-            rows for them, and the caller frees its duplicate rows ``value[:returned]``
-            that differ from the tree's.
-
-        Raises (the tree unchanged):
-            AlignmentError: the key length is not a multiple of ``page_size``.
-            LengthMismatchError: ``len(value) != len(key)``.
-            InvalidArgumentError / InvalidIndexError: bad dtype, shape, priority or rows.
-        """
-        if type(key) is not RadixKey or extra_key is not None:
-            key = as_radix_key(key, extra_key)
-        return self._insert(key, value, priority)[0]
-
-    _insert = radix_insert.insert_path
     _split = radix_insert.split_node
 
     # ------------------------------------------------------------------ evict
