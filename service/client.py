@@ -68,7 +68,7 @@ from radixkv.service.channel import open_channel
 from radixkv.service.local_decode import LocalDecodes, PendingCall, replay_request
 from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES
 from radixkv.service.shm import map_buffer
-from radixkv.service.step_stream import REPLY_TYPES, StepLane
+from radixkv.service.step_stream import REPLY_TYPES, StepLane, StepRpcError
 
 __all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
 
@@ -160,7 +160,9 @@ class RemoteCacheEngine:
             return self._call(method, request)
 
     def _apply(self, session: Session, calls: List[PendingCall]) -> None:
-        self._call("ApplyDecodes", replay_request(session, calls))
+        resp = self._call("ApplyDecodes", replay_request(session, calls))
+        if resp.HasField("error"):  # call k >= 1 failed, calls before it stay applied
+            raise error_from_rpc(StepRpcError.from_msg(resp.error))
 
     # ------------------------------------------------------------------ sessions
     def attach(self, worker_name: str = "", *, pid: Optional[int] = None) -> AttachInfo:

@@ -51,7 +51,7 @@ from radixkv.service.idempotency import ReplyCache, digest
 from radixkv.service.metrics import ServiceMetrics
 from radixkv.service.quarantine import Quarantine
 from radixkv.service.shm import SharedBuffers
-from radixkv.service.step_stream import serve_step_stream
+from radixkv.service.step_stream import error_to_msg, serve_step_stream
 from radixkv.service.unary_rpc import parse, request_id_of, unary_rpc as _rpc  # re-exported
 
 __all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
@@ -190,8 +190,10 @@ class CacheManagerServicer:
     def ApplyDecodes(self, request: pb.ApplyDecodesRequest) -> pb.ApplyDecodesResponse:
         """Replay decode steps a client answered from its reserves: ``alloc_decode`` for
         each call in order (see ``radixkv.service.local_decode``). An error at call ``k``
-        leaves calls ``0 .. k-1`` applied and is raised with ``ApplyDecodes call k`` in its
-        message. O(total items)."""
+        names ``ApplyDecodes call k`` in its message; at ``k == 0`` (nothing changed) it
+        fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k`` and
+        ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``
+        twice. O(total items)."""
         session = wire.session_from_msg(request.session)
         if not request.calls:
             self.engine.heartbeat(session)  # a stale session still reports that
@@ -208,7 +210,9 @@ class CacheManagerServicer:
                 self.engine.alloc_decode(session, items)
             except RadixKVError as e:
                 e.args = (f"ApplyDecodes call {k} of {len(request.calls)}: {e}",) + e.args[1:]
-                raise
+                if k == 0:
+                    raise
+                return pb.ApplyDecodesResponse(applied=k, error=error_to_msg(status_of(e)).error)
         return pb.ApplyDecodesResponse(applied=len(request.calls))
 
     @_rpc("CacheUnfinished", pb.CacheRequest)

@@ -204,10 +204,12 @@ class ApplyDecodesRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., calls: _Optional[_Iterable[_Union[AllocDecodeRequest, _Mapping]]] = ...) -> None: ...
 
 class ApplyDecodesResponse(_message.Message):
-    __slots__ = ("applied",)
+    __slots__ = ("applied", "error")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     applied: int
-    def __init__(self, applied: _Optional[int] = ...) -> None: ...
+    error: StepError
+    def __init__(self, applied: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
 
 class CacheRequest(_message.Message):
     __slots__ = ("session", "rids")

@@ -424,6 +424,14 @@ def test_apply_decodes_error_names_the_call_and_keeps_the_calls_before(pair):
     with pytest.raises(NotFoundError, match="ApplyDecodes call 1 of 2"):
         d.c._apply(r_s, calls)
     pair.emb.alloc_decode(e_s, [DecodeItem("y1", 3)])  # call 0 stays applied
+    # the failure after an applied call is a reply, kept by the reply cache: a retry with
+    # the same request id gets it again and does not apply call 0 a second time
+    req = replay_request(r_s, calls)
+    first = d.c._call("ApplyDecodes", req, request_id="retry-1")
+    again = d.c._call("ApplyDecodes", req, request_id="retry-1")
+    assert first.applied == again.applied == 1 and first.error.code == again.error.code != 0
+    assert "ApplyDecodes call 1 of 2" in again.error.details
+    pair.emb.alloc_decode(e_s, [DecodeItem("y1", 3)])  # once, as the manager did
     empty = pb.ApplyDecodesRequest(session=wire.session_to_msg(r_s))
     assert d.c._call("ApplyDecodes", empty).applied == 0
     other = pb.AllocDecodeRequest(session=pb.SessionRef(session_id="else", epoch=r_s.epoch), rids=["y1"],
