@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from radixkv.allocator.host_view import HostViews, set_mask
 from radixkv.allocator.id_ring import IdRing
 from radixkv.allocator.invariants import check_free_lists
 from radixkv.allocator.validation import (
@@ -27,7 +28,7 @@ from radixkv.allocator.validation import (
 from radixkv.errors import DoubleFreeError, InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
 
-class FreeSlots:
+class FreeSlots(HostViews):
     """A free list of ids ``1..size`` on ``device``.
 
     Args:
@@ -68,11 +69,7 @@ class FreeSlots:
 
     def _set_free(self, ids: torch.Tensor, value: bool) -> None:
         """``free_mask[ids] = value``; on CPU through the numpy view (no torch dispatch)."""
-        host = self._host_mask()
-        if host is not None and ids.device.type == "cpu":
-            host[ids.numpy()] = value
-        else:
-            self._free[ids] = value
+        set_mask(self._free, self._host_mask(), ids, value)
 
     def free(self, ids) -> None:
         """Return ``ids`` (an int32/int64 tensor or numpy array, any shape) to the free list.
@@ -92,12 +89,9 @@ class FreeSlots:
         self._set_free(ids, True)
 
     def _host_mask(self):
-        """The numpy view of the free mask on CPU (made once and kept: the mask is only
-        ever written in place), ``None`` on another device."""
-        host = self.__dict__.get("_host_free")
-        if host is None and self.device.type == "cpu":
-            host = self._host_free = self._free.numpy()
-        return host
+        """The numpy view of the free mask on CPU (cached, see :mod:`.host_view`), else
+        ``None``."""
+        return self.host_view("_free")
 
     def alloc_one(self) -> Optional[int]:
         """Take one free id as an int, or ``None`` (state unchanged) when none is free: the
@@ -202,13 +196,6 @@ class FreeSlots:
         if host is None:
             return bool(self._free[i].item())
         return bool(host[i])
-
-    def __getstate__(self) -> dict:
-        """Copies and pickles drop the cached host view of the mask (a copied view would no
-        longer share memory with the copied mask); ``is_free_one`` makes a new one."""
-        state = self.__dict__.copy()
-        state.pop("_host_free", None)
-        return state
 
     def clear(self) -> None:
         """Make every id ``1..size`` free again (in ascending order). O(size)."""

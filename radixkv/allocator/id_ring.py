@@ -13,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from radixkv.allocator.host_view import HostViews
 from radixkv.errors import InvariantError
 
 
-class IdRing:
+class IdRing(HostViews):
     """A FIFO of ids held in ``capacity`` preallocated slots on ``device``.
 
     Attributes:
@@ -75,19 +76,8 @@ class IdRing:
             self.high_water = self.tail
 
     def _host(self):
-        """A numpy view of ``buf`` on CPU (made once: ``buf`` is only written in place),
-        ``None`` on another device."""
-        host = self.__dict__.get("_host_buf")
-        if host is None and self.device.type == "cpu":
-            host = self._host_buf = self.buf.numpy()
-        return host
-
-    def __getstate__(self) -> dict:
-        """Copies and pickles drop the cached host view (a copied view would not share
-        memory with the copied buffer); ``_host`` makes a new one."""
-        state = self.__dict__.copy()
-        state.pop("_host_buf", None)
-        return state
+        """The numpy view of ``buf`` on CPU (cached, see :mod:`.host_view`), else ``None``."""
+        return self.host_view("buf")
 
     def push_one(self, i: int) -> None:
         """Append the one id ``i`` (an int) after the tail: on CPU one write through the

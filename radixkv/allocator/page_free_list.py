@@ -41,6 +41,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from radixkv.allocator.host_view import HostViews, set_mask
 from radixkv.allocator.id_ring import IdRing
 from radixkv.allocator.invariants import check_free_lists
 from radixkv.allocator.validation import check_count, check_ids_to_free, sort_ids
@@ -86,7 +87,7 @@ class FreeListCounts(NamedTuple):
     in_use: int
 
 
-class PageFreeList:
+class PageFreeList(HostViews):
     """Free list of ids ``1..num_ids`` on ``device`` (see the module docstring).
 
     Args:
@@ -156,27 +157,13 @@ class PageFreeList:
         return ids
 
     def host_mask(self):
-        """The numpy view of ``not_in_use`` on CPU (made once and kept: the mask is only
-        written in place), ``None`` on another device."""
-        host = self.__dict__.get("_host_mask")
-        if host is None and self.device.type == "cpu":
-            host = self._host_mask = self._not_in_use.numpy()
-        return host
+        """The numpy view of ``not_in_use`` on CPU (cached, see :mod:`.host_view`), else
+        ``None``."""
+        return self.host_view("_not_in_use")
 
     def _mark(self, ids: torch.Tensor, value: bool) -> None:
         """``not_in_use[ids] = value``; on CPU through a numpy view (no torch dispatch)."""
-        host = self.host_mask()
-        if host is not None and ids.device.type == "cpu":
-            host[ids.numpy()] = value
-        else:
-            self._not_in_use[ids] = value
-
-    def __getstate__(self) -> dict:
-        """Copies and pickles drop the cached host view of the mask (a copied view would no
-        longer share memory with the copied mask); ``host_mask`` makes a new one."""
-        state = self.__dict__.copy()
-        state.pop("_host_mask", None)
-        return state
+        set_mask(self._not_in_use, self.host_mask(), ids, value)
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         """``n`` ids (int64, on device) or None when fewer are available (unchanged)."""
