@@ -40,9 +40,9 @@ import torch
 from radixkv.cache.radix_key import RadixKey
 from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.kernels.write_cache_indices import write_cache_indices
-from radixkv.scheduler.decode_reserve import free_reserves
 from radixkv.scheduler.batch import Batch, ForwardMode
 from radixkv.scheduler.conservation import Conservation, check_conservation, conservation  # noqa: F401
+from radixkv.scheduler.decode_reserve import free_reserves
 from radixkv.scheduler.req import Req
 
 __all__ = [
