@@ -12,6 +12,16 @@ def _state(fs):
     return fs.available(), fs._ring.live().tolist(), fs._free.clone()
 
 
+def _refused_unchanged(fs, call, err):
+    """``call()`` raises ``err`` and leaves the free list exactly as it was."""
+    before = _state(fs)
+    with pytest.raises(err):
+        call()
+    after = _state(fs)
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
+    fs.check_invariants()
+
+
 def test_free_among_basic(device):
     fs = FreeSlots(6, device)
     ids = fs.alloc(4)  # 1..4 allocated, 5 and 6 free
@@ -36,12 +46,7 @@ def test_free_among_basic(device):
 def test_free_among_bad_ids_leave_state_unchanged(device, bad, err):
     fs = FreeSlots(6, device)
     fs.alloc(3)
-    before = _state(fs)
-    with pytest.raises(err):
-        fs.free_among(bad)
-    after = _state(fs)
-    assert before[:2] == after[:2] and torch.equal(before[2], after[2])
-    fs.check_invariants()
+    _refused_unchanged(fs, lambda: fs.free_among(bad), err)
 
 
 def test_free_among_matches_model_and_is_free_seeded(device):
@@ -106,12 +111,7 @@ def test_one_id_paths_match_the_general_paths(device):
 def test_free_one_bad_ids_leave_state_unchanged(device, bad, err):
     fs = FreeSlots(9, device)
     fs.alloc(3)
-    before = _state(fs)
-    with pytest.raises(err):
-        fs.free_one(bad)
-    after = _state(fs)
-    assert after[:2] == before[:2] and torch.equal(after[2], before[2])
-    fs.check_invariants()
+    _refused_unchanged(fs, lambda: fs.free_one(bad), err)
 
 
 def test_free_one_numpy_int_and_copy_independence():

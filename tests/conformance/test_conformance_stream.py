@@ -21,16 +21,9 @@ from test_conformance_hybrid import *  # noqa: F401,F403
 
 
 def _make_stream(config: Dict[str, Any], clock: Optional[FakeClock]) -> Tuple[Any, Callable[[], None]]:
-    from radixkv.errors import RadixKVError
-    from radixkv.service.testing import ThreadedServer
+    from radixkv.service.testing import start_remote_engine
 
-    server = ThreadedServer(config, clock=clock)
-    server.start()
-    try:
-        return server.client(step_stream=True), server.stop
-    except RadixKVError:
-        server.stop()
-        raise
+    return start_remote_engine(config, clock, step_stream=True)
 
 
 class _StreamFactory:
