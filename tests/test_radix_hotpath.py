@@ -2,7 +2,8 @@
 with ``is_free``/``free_among``, ``StateTable.check_slot`` with ``check_slots`` (same result or
 the same error, nothing changed), ``MambaRadixCache.fork_state`` with ``fork_states``, and the
 RadixCache walk (``startswith`` bounded by the page-aligned key end) with a brute-force model on
-keys whose unaligned tails and divergences fall inside nodes."""
+keys whose unaligned tails and divergences fall inside nodes, and the lone-child shortcut
+(``TreeNode.only``) through inserts, splits and evictions."""
 import copy
 
 import numpy as np
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from radixkv.allocator import FreeSlots
 from radixkv.cache import RadixCache, RadixKey
 from radixkv.cache.mamba_radix_cache import MambaRadixCache
-from radixkv.errors import InvalidArgumentError, InvalidIndexError, RadixKVError
+from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, RadixKVError
 from radixkv.memory import MambaPool
 
 
@@ -152,4 +153,35 @@ def test_walk_bounds_match_a_brute_force_model(ps, data):
             rows_of[tuple(aligned[:i + 1])] = int(value[i])
         next_row += len(aligned)
         seqs.append(aligned)
+        tree.check_invariants()
+
+
+@pytest.mark.parametrize("ps", [1, 2])
+def test_lone_child_shortcut_follows_every_change_of_children(ps):
+    """``TreeNode.only`` (the walk's way past the children dict) is the lone child through
+    inserts, splits and evictions, and a lone child that differs in its first page matches
+    nothing; a wrong ``only`` fails the audit with the node's id."""
+    tree = RadixCache(page_size=ps)
+    k = lambda *t: RadixKey(np.asarray(t, dtype=np.int32))  # noqa: E731
+    tree.insert(k(1, 1, 2, 2), torch.arange(4))
+    head = tree._heads[None]
+    (a,) = head.children.values()
+    assert head.only is a and a.only is None
+    assert tree.match_prefix(k(3, 3, 2, 2)).prefix_len == 0  # lone child, first page differs
+    tree.insert(k(1, 1, 3, 3), torch.arange(10, 14))  # splits a: head -> [1 1] -> {[2 2], [3 3]}
+    parent = head.only
+    assert parent is not None and parent.num_tokens == 2 and parent.only is None
+    assert len(parent.children) == 2
+    tree.check_invariants()
+    m = tree.match_prefix(k(1, 1, 3, 3))
+    assert m.device_indices.tolist() == [0, 1, 12, 13]
+    tree.inc_lock_ref(m.last_node)
+    assert tree.evict(2) == 2  # the unlocked [2 2] leaf goes; [3 3] is the lone child now
+    tree.dec_lock_ref(m.last_node)
+    assert parent.only is m.last_node
+    tree.check_invariants()
+    assert tree.match_prefix(k(1, 1, 2, 2)).prefix_len == 2
+    assert tree.match_prefix(k(1, 1, 3, 3, 4, 4)).prefix_len == 4
+    parent.only = None
+    with pytest.raises(InvariantError, match=rf"nodes \[{parent.id}\]"):
         tree.check_invariants()

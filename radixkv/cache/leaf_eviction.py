@@ -61,7 +61,9 @@ def evict(cache, num_tokens: int) -> int:
             break
         kb = node.kbuf
         parent = node.parent
-        del parent.children[kb[:pb]]
+        ch = parent.children
+        del ch[kb[:pb]]
+        parent.only = next(iter(ch.values())) if len(ch) == 1 else None
         evicted += len(kb) >> 2
         freed.append(node.vbuf)
         if on_evict is not None:

@@ -40,6 +40,7 @@ import numpy as np
 
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.rows import check_count
+from radixkv.cache.tree_node import sync_only
 from radixkv.errors import InvalidArgumentError
 
 __all__ = [
@@ -374,6 +375,7 @@ def _remove_leaf(cache, node: Any, rows: List[bytes], slots: List[int]) -> int:
     while True:
         parent = node.parent
         del parent.children[node.kbuf[:pb]]
+        sync_only(parent)
         tokens += len(node.kbuf) >> 2
         rows.append(node.vbuf)
         if node in states.slot_of:

@@ -203,17 +203,21 @@ class RadixCache:
         eager = not self._lazy
         tick = self._clock
         node = head
-        children = head.children
+        only = head.only
         pos = 0
         vals = []
         while pos < n:
-            child = children.get(buf[pos:pos + pb])
+            child = only  # a lone child needs no dict lookup: its kbuf is compared anyway
             if child is None:
-                break
+                child = node.children.get(buf[pos:pos + pb])
+                if child is None:
+                    break
             kb = child.kbuf
             if buf.startswith(kb, pos, n):  # a memcmp; False when kb runs past the key
                 pos += len(kb)
             else:  # the key ends or diverges inside child: keep its whole matching pages
+                if not buf.startswith(kb[:pb], pos, n):
+                    break  # a lone child that differs in its first page
                 m = common_prefix_tokens(kb, buf, pos, n)
                 m = (m - m % self.page_size) * 4
                 child = self._split(child, m)
@@ -228,7 +232,7 @@ class RadixCache:
                 self._refile(child)
             vals.append(child.vbuf)
             node = child
-            children = child.children
+            only = child.only
         self._clock = tick
         log = self._qlog
         if log is not None:

@@ -88,18 +88,20 @@ def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None
     path: List[TreeNode] = []
     split_child, split_at = None, 0
     if head is not None:  # read-only walk: nothing changes before validation ends
-        children = head.children
         while pos < n:
-            child = children.get(buf[pos:pos + pb])
+            child = node.only  # a lone child needs no dict lookup (see TreeNode.only)
             if child is None:
-                break
+                child = node.children.get(buf[pos:pos + pb])
+                if child is None:
+                    break
             kb = child.kbuf
             if buf.startswith(kb, pos):  # a memcmp; False when kb runs past the key
                 path.append(child)
                 node = child
                 pos += len(kb)
-                children = child.children
                 continue
+            if not buf.startswith(kb[:pb], pos):
+                break  # a lone child that differs in its first page
             m = common_prefix_tokens(kb, buf, pos, n)
             split_child, split_at = child, (m - m % cache.page_size) * 4
             pos += split_at
@@ -148,7 +150,9 @@ def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None
         if node.skey is not None:  # the parent stops being a leaf
             leaves.remove(node)
             node.skey = None
-        node.children[buf[pos:pos + pb]] = leaf
+        ch = node.children
+        ch[buf[pos:pos + pb]] = leaf
+        node.only = leaf if len(ch) == 1 else None
         cache._evictable += (n - pos) >> 2
         if cache._on_insert is not None:
             cache._on_insert(leaf)
@@ -177,7 +181,10 @@ def split_node(cache, child: TreeNode, m: int) -> TreeNode:
     child.vbuf = vb[m:]
     child.parent = new
     new.children[child.kbuf[:pb]] = child
+    new.only = child
     parent.children[kb[:pb]] = new
+    if parent.only is child:
+        parent.only = new
     if child.block_hashes is not None:
         pages = m // pb
         new.block_hashes = child.block_hashes[:pages]

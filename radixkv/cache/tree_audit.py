@@ -25,7 +25,8 @@ def check_invariants(cache) -> None:
     """Raise :class:`InvariantError` naming the offending node ids / rows unless:
 
     * every namespace head is registered, empty, locked once, and (but the ``None`` one)
-      has children; every child's ``parent`` and dict key (its first page) are right;
+      has children; every child's ``parent`` and dict key (its first page) are right, and
+      ``only`` is the lone child (``None`` unless there is exactly one);
     * every node holds a non-empty whole number of pages, as many rows as tokens;
     * lock counts are >= 0 and a node's parent is locked at least as often as the node;
     * ``evictable_size() + protected_size() == total_size()`` == the sum of node lengths,
@@ -56,6 +57,10 @@ def check_invariants(cache) -> None:
     while stack:
         node = stack.pop()
         is_head = node.parent is None
+        lone = next(iter(node.children.values())) if len(node.children) == 1 else None
+        if node.only is not lone:
+            _fail(f"'only' is {getattr(node.only, 'id', None)}, expected {getattr(lone, 'id', None)}",
+                  [node.id])
         for ck, child in node.children.items():
             if id(child) in seen:
                 _fail("node reachable twice (duplicated)", [child.id])

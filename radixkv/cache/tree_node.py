@@ -7,6 +7,10 @@ Memory layout (the tree holds millions of tokens, so this is what the cache cost
   arrays: smaller headers, ``startswith`` compares without copying, and ``b"".join`` builds
   a match result in one copy. ``key`` / ``value`` give read-only int32 numpy views.
 * ``children``: a dict keyed by the child's first page as bytes (4 bytes per token).
+* ``only``: the child when there is exactly one, else ``None``. Most nodes on a path (the
+  turns of a conversation) have one child, and a walk that follows ``only`` skips the dict
+  lookup (hashing the page, and two to three cold lines of dict and key). The cache keeps it
+  in step with ``children`` (:func:`sync_only`); ``check_invariants`` checks it.
 * ``__slots__`` only, no per-node tensors.
 
 Bookkeeping fields the cache maintains for every policy: ``lock_ref`` (requests holding the
@@ -22,7 +26,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["TreeNode", "NamespaceHead"]
+__all__ = ["TreeNode", "NamespaceHead", "sync_only"]
 
 
 class TreeNode:
@@ -35,12 +39,13 @@ class TreeNode:
 
     # Slot order is memory order: the fields a match walk reads and writes come first, so
     # that they share as few cache lines as possible (the walk is memory-bound).
-    __slots__ = ("kbuf", "children", "vbuf", "last_access", "hits", "skey", "lock_ref", "parent",
+    __slots__ = ("kbuf", "only", "children", "vbuf", "last_access", "hits", "skey", "lock_ref", "parent",
                  "priority", "created", "id", "block_hashes", "pstate")
 
     def __init__(self, node_id: int, parent: Optional["TreeNode"], kbuf: bytes, vbuf: bytes,
                  tick: int = 0, priority: int = 0):
         self.children: Dict[bytes, TreeNode] = {}
+        self.only: Optional[TreeNode] = None
         self.parent = parent
         self.kbuf = kbuf
         self.vbuf = vbuf
@@ -82,6 +87,12 @@ class TreeNode:
         more = ", ..." if self.num_tokens > 6 else ""
         return (f"TreeNode(id={self.id}, tokens={self.num_tokens} {head}{more}, "
                 f"lock_ref={self.lock_ref}, children={len(self.children)})")
+
+
+def sync_only(node: TreeNode) -> None:
+    """Set ``node.only`` from ``node.children`` (after adding or removing a child). O(1)."""
+    ch = node.children
+    node.only = next(iter(ch.values())) if len(ch) == 1 else None
 
 
 class NamespaceHead(TreeNode):
