@@ -246,15 +246,17 @@ class FreeTimer:
         self.ns += time.perf_counter_ns() - t0
 
 
-def cycle(keys, page_size, alloc, timer, match, split, lock, unlock, evict, insert, indices=None, ops=OPS):
+def cycle(keys, page_size, alloc, timer, match, split, lock, unlock, evict, insert, indices=None, ops=OPS,
+          timing=op_timer):
     """Drive every request through match -> lock -> evict-if-short -> alloc -> insert ->
-    free duplicates -> unlock, timing the cache's calls (``op_timer``: wall and thread CPU).
+    free duplicates -> unlock, timing the cache's calls (``timing``, by default ``op_timer``:
+    wall and thread CPU; ``count_radix.py`` passes one that only routes a call).
 
     ``match(key)``'s result goes through ``split`` (untimed) to ``(prefix_len, node, rows)``;
     when ``rows`` is None, ``indices(node, prefix_len)`` fetches them, timed as
     ``prefix_indices``. Returns the per-op nanoseconds, the allocator time inside each evict,
     every request's hit, the hit rate and the evicted tokens."""
-    wall, cpu, timed = op_timer(ops)
+    wall, cpu, timed = timing(ops)
     hit = queried = evicted = 0
     hits, free_in_evict = [], []
     gc.collect()
