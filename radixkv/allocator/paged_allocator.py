@@ -36,7 +36,9 @@ from radixkv.kernels.paged_alloc import alloc_decode_indices, alloc_extend_indic
 # entry per run of same-page slots instead.
 _SMALL_FREE = 1024
 # ufunc reductions without ndarray.min/max/any's Python-level wrappers (small-free hot path)
-_umin, _umax, _uany = np.minimum.reduce, np.maximum.reduce, np.logical_or.reduce
+# count_nonzero / argmin / argmax are single typed loops; ufunc reductions (np.any, .min,
+# .max) go through far more code (see radixkv.cache.rows.row_max)
+_count = np.count_nonzero
 
 
 class PagedTokenToKVPoolAllocator(BaseKVAllocator):
@@ -271,19 +273,19 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
             first, last = int(a[0]), int(a[-1])
             page = first >> self._shift
             if (last >> self._shift == page and lo <= first and last <= hi
-                    and (a.size == 1 or not _uany(a[1:] <= a[:-1]))):
+                    and (a.size == 1 or not _count(a[1:] <= a[:-1]))):
                 if self._fl.host_mask()[page]:
                     return False
                 self._fl.free_one(page)
                 return True
-        if _umin(a) < lo or _umax(a) > hi:
+        if a[a.argmin()] < lo or a[a.argmax()] > hi:
             return False
         pages = a >> self._shift
         if a.size == 1:
             runs = pages
         else:
             same = pages[1:] == pages[:-1]
-            if _uany(same & (a[1:] <= a[:-1])):  # unordered within a run: maybe repeats
+            if _count(same & (a[1:] <= a[:-1])):  # unordered within a run: maybe repeats
                 return False
             starts = np.empty(a.size, dtype=bool)
             starts[0] = True
@@ -291,9 +293,9 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
             runs = pages[starts]
             if runs.size > 1:
                 runs.sort()
-                if _uany(runs[1:] == runs[:-1]):
+                if _count(runs[1:] == runs[:-1]):
                     return False
-        if _uany(self._fl.host_mask()[runs]):
+        if _count(self._fl.host_mask()[runs]):
             return False
         self._fl.free(torch.from_numpy(runs), known_unique=True, validated=True)
         return True

@@ -32,7 +32,6 @@ _U64 = np.dtype(np.uint64)
 _I64T = torch.int64
 _Tensor = torch.Tensor
 _ROW_LIMIT = 1 << 31
-_umax = np.maximum.reduce
 
 
 def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None, _path: bool = False) -> Any:
@@ -110,7 +109,8 @@ def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None
         tail = b""
     elif plain:  # rows_bytes inlined: one range check over the new rows, one int32 copy
         t = value.numpy()[pos >> 2:]
-        if _umax(t.view(_U64)) >= _ROW_LIMIT:
+        u = t.view(_U64)  # one max over the uint view checks both bounds (rows.row_max)
+        if u[u.argmax()] >= _ROW_LIMIT:
             raise InvalidIndexError("KV rows must lie in [0, 2**31)")
         tail = t.astype(_I32).tobytes()
     else:
