@@ -47,7 +47,7 @@ def _token_bytes(token_ids: Any) -> bytes:
             return b""
         if arr.dtype.kind not in "iu":
             raise InvalidArgumentError(f"token ids must be integers, got dtype {arr.dtype}")
-        if int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX:
+        if int(arr[arr.argmin()]) < _I32_MIN or int(arr[arr.argmax()]) > _I32_MAX:  # rows.row_max
             raise InvalidArgumentError("token ids do not fit in int32")
         arr = arr.astype(_I32)
     return arr.tobytes()
