@@ -35,7 +35,6 @@ from radixkv.kernels.paged_alloc import alloc_decode_indices, alloc_extend_indic
 # Frees of up to this many slots sort them outright (fewest ops); larger ones sort one
 # entry per run of same-page slots instead.
 _SMALL_FREE = 1024
-# ufunc reductions without ndarray.min/max/any's Python-level wrappers (small-free hot path)
 # count_nonzero / argmin / argmax are single typed loops; ufunc reductions (np.any, .min,
 # .max) go through far more code (see radixkv.cache.rows.row_max)
 _count = np.count_nonzero

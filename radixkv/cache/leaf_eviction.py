@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import List
 
 from radixkv.cache.rows import check_count
+from radixkv.cache.tree_node import sync_only
 
 __all__ = ["evict", "pop_victim"]
 
@@ -61,9 +62,8 @@ def evict(cache, num_tokens: int) -> int:
             break
         kb = node.kbuf
         parent = node.parent
-        ch = parent.children
-        del ch[kb[:pb]]
-        parent.only = next(iter(ch.values())) if len(ch) == 1 else None
+        del parent.children[kb[:pb]]
+        sync_only(parent)
         evicted += len(kb) >> 2
         freed.append(node.vbuf)
         if on_evict is not None:
