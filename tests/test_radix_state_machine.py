@@ -42,6 +42,7 @@ class RadixMachine(RuleBasedStateMachine):
     page_size = 1
     policy = "lru"
     events = False
+    native = None  # the compiled walks when built (radixkv.cache.native); False: pure Python
 
     def __init__(self):
         super().__init__()
@@ -49,7 +50,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.alloc = (TokenToKVPoolAllocator(POOL, device="cpu") if ps == 1
                       else PagedTokenToKVPoolAllocator(POOL, ps, device="cpu"))
         self.cache = RadixCache(None, self.alloc, page_size=ps, eviction_policy=self.policy,
-                                enable_kv_events=self.events)
+                                enable_kv_events=self.events, native=self.native)
         self.model = {}
         self.locks = []  # (node, extra, matched prefix tuple)
 
@@ -181,3 +182,5 @@ TestRadixPagedSLRU = _variant("PagedSLRUMachine", page_size=2, policy="slru")
 TestRadixPagedPriority = _variant("PagedPriorityMachine", page_size=4, policy="priority", events=True)
 TestRadixMRU = _variant("MRUMachine", policy="mru")
 TestRadixLFU = _variant("LFUMachine", policy="lfu")
+TestRadixPagedLRU = _variant("PagedLRUMachine", page_size=4, policy="lru")
+TestRadixPurePython = _variant("PureLRUMachine", policy="lru", events=True, native=False)

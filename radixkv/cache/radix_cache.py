@@ -28,12 +28,12 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any, Iterator, List, NamedTuple, Union
 
-import numpy as np
 import torch
 from sortedcontainers import SortedKeyList
 
 from radixkv.cache import leaf_eviction, radix_insert, req_cache, tree_audit
 from radixkv.cache.eviction import EvictionPolicy, make_policy
+from radixkv.cache import native as native_mod
 from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import rows_tensor
@@ -41,9 +41,6 @@ from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvalidArgumentError
 
 __all__ = ["RadixCache", "MatchResult"]
-
-_I32 = np.dtype(np.int32)
-_I64 = np.dtype(np.int64)
 
 
 class MatchResult(NamedTuple):
@@ -86,6 +83,9 @@ class RadixCache:
             per-page hashes.
         kv_event_seed: seed of the event hash chain (see ``radixkv.cache.events``).
         metrics_window: queries covered by the rolling hit rate.
+        native: use the compiled walks (``radixkv.cache.native``): ``None`` when they are
+            built, ``False`` never (the pure-Python reference), ``True`` or raise
+            ``InvalidArgumentError`` when they are not built. Same results either way.
 
     The device (of ``MatchResult.device_indices``) is the allocator's device, else CPU.
     """
@@ -93,7 +93,7 @@ class RadixCache:
     def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
                  page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru",
                  disable: bool = False, enable_kv_events: bool = False,
-                 kv_event_seed: Any = None, metrics_window: int = 1000):
+                 kv_event_seed: Any = None, metrics_window: int = 1000, native: Any = None):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidArgumentError(f"page_size must be an int >= 1, got {page_size!r}")
         self.req_to_token_pool = req_to_token_pool
@@ -125,6 +125,15 @@ class RadixCache:
         self._qlog = self._metrics.query_log
         self._qfold = 2 * metrics_window
         self._leaves = SortedKeyList(key=attrgetter("skey"))
+        if native and not native_mod.available():
+            raise InvalidArgumentError(f"native=True but {native_mod.unavailable_reason}")
+        use = native_mod.available() if native is None else bool(native)
+        self.native = use
+        # the compiled match walk touches nodes itself (last_access, hits): only for
+        # policies with no on_hit hook whose order needs no re-filing on a touch
+        self._cwalk = native_mod.walk if use and self._on_hit is None and self._lazy else None
+        self._cfind = native_mod.find if use else None
+        self._cnarrow = native_mod.narrow if use else None
         self._next_id = 0
         self._clock = 0
         self._clear_tree()
@@ -199,30 +208,34 @@ class RadixCache:
                 self._metrics.record_query(nbytes >> 2, 0)
             return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
                                head if head is not None else self._heads[None], 0))
+        cwalk = self._cwalk
+        if cwalk is not None:  # the compiled walk (radixkv.cache.native): same steps, in C
+            pos, node, tick, rows, split = cwalk(head, buf, n, pb, self._clock)
+            if split is not None:
+                pos, node, tick, rows = self._split_end(split, buf, pos, n, tick, rows)
+            elif self._on_device:
+                rows = rows.to(self.device)
+        else:
+            pos, node, tick, rows = self._walk(head, buf, n, pb)
+        self._clock = tick
+        log = self._qlog
+        if log is not None:
+            log.append((nbytes >> 2, pos >> 2))
+            if len(log) >= self._qfold:
+                self._metrics.compact()
+        return _tuple_new(MatchResult, (rows, node, pos >> 2))
+
+    def _walk(self, head: TreeNode, buf: bytes, n: int, pb: int) -> Any:
+        """``match_prefix``'s walk in Python (the reference of ``native.walk``): the nodes
+        whose keys match ``buf[:n]`` whole (``radix_insert.find_path``), each touched
+        (recency, hits, the policy's ``on_hit``, re-filing), then the split of the node the
+        key ends or diverges in. Returns ``(pos, node, tick, rows)``: bytes matched, last
+        node, the clock, and the rows as an int64 tensor on the device."""
+        pos, node, path, split = radix_insert.find_path(head, buf, n, pb)
         hit = self._on_hit
         eager = not self._lazy
         tick = self._clock
-        node = head
-        only = head.only
-        pos = 0
-        vals = []
-        while pos < n:
-            child = only  # a lone child needs no dict lookup: its kbuf is compared anyway
-            if child is None:
-                child = node.children.get(buf[pos:pos + pb])
-                if child is None:
-                    break
-            kb = child.kbuf
-            if buf.startswith(kb, pos, n):  # a memcmp; False when kb runs past the key
-                pos += len(kb)
-            else:  # the key ends or diverges inside child: keep its whole matching pages
-                if not buf.startswith(kb[:pb], pos, n):
-                    break  # a lone child that differs in its first page
-                m = common_prefix_tokens(kb, buf, pos, n)
-                m = (m - m % self.page_size) * 4
-                child = self._split(child, m)
-                pos += m
-                n = pos  # the walk stops after this node
+        for child in path:
             tick += 1
             child.last_access = tick
             child.hits += 1
@@ -230,22 +243,28 @@ class RadixCache:
                 hit(child)
             if eager and child.skey is not None:
                 self._refile(child)
-            vals.append(child.vbuf)
-            node = child
-            only = child.only
-        self._clock = tick
-        log = self._qlog
-        if log is not None:
-            log.append((nbytes >> 2, pos >> 2))
-            if len(log) >= self._qfold:
-                self._metrics.compact()
+        vals = [child.vbuf for child in path]
+        if split is not None:
+            return self._split_end(split, buf, pos, n, tick, vals)
         if not pos:
-            return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device), node, 0))
-        rows = vals[0] if len(vals) == 1 else b"".join(vals)
-        idx = torch.from_numpy(np.frombuffer(rows, _I32).astype(_I64))
-        if self._on_device:
-            idx = idx.to(self.device)
-        return _tuple_new(MatchResult, (idx, node, pos >> 2))
+            return 0, node, tick, torch.empty(0, dtype=torch.int64, device=self.device)
+        return pos, node, tick, rows_tensor(vals[0] if len(vals) == 1 else b"".join(vals), self.device)
+
+    def _split_end(self, child: TreeNode, buf: bytes, pos: int, n: int, tick: int, vals: list) -> Any:
+        """The end of a match inside ``child`` (its first page matches ``buf[pos:]``): split
+        off its matching whole pages, touch that new node, append its rows to ``vals`` (the
+        path's int32 row bytes). Returns ``(pos, node, tick, rows tensor)``."""
+        m = common_prefix_tokens(child.kbuf, buf, pos, n)
+        node = self._split(child, (m - m % self.page_size) * 4)
+        tick += 1
+        node.last_access = tick
+        node.hits += 1
+        if self._on_hit is not None:
+            self._on_hit(node)
+        if not self._lazy and node.skey is not None:
+            self._refile(node)
+        vals.append(node.vbuf)
+        return pos + len(node.kbuf), node, tick, rows_tensor(b"".join(vals), self.device)
 
     # ------------------------------------------------------------------ insert
     # insert(key, value, priority=0, extra_key=None) -> int: see radix_insert.insert (the

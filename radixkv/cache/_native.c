@@ -1,0 +1,367 @@
+/* radixkv.cache._native: the RadixCache's two hot walks and its row narrowing, compiled.
+ *
+ * Optional: setup.py builds it when a C compiler is present, and radixkv.cache.native
+ * falls back to the pure-Python paths (which stay the reference) when it is absent or
+ * RADIXKV_PURE_PYTHON is set. Each function does exactly what the Python code it
+ * replaces does (radix_cache.match_prefix's walk, radix_insert.insert's read-only walk,
+ * rows.rows_bytes for a contiguous int64 array); tests/test_native_walk.py checks that
+ * both paths agree on random trees.
+ *
+ * Nodes are radixkv.cache.tree_node.TreeNode objects (__slots__): bind() looks up the
+ * slots' offsets once, and the walks read and write those slots directly. Nothing in a
+ * walk runs Python code until the node loop is over, so the borrowed references it
+ * follows stay valid; the rows it keeps are owned references.
+ *
+ * Costs: walk and find O(d) dict probes / memcmp over the matched bytes (d = nodes on the
+ * path); the int32 -> int64 widening and the range check + narrowing are single passes
+ * the compiler vectorises.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+static PyTypeObject *node_type = NULL;
+static Py_ssize_t off_kbuf, off_only, off_children, off_vbuf, off_last, off_hits;
+static PyObject *np_empty = NULL, *i64_dtype = NULL, *from_numpy = NULL;
+
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+static int slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off) {
+    PyObject *d = PyDict_GetItemString(t->tp_dict, name);
+    if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type ||
+        ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not an object slot", t->tp_name, name);
+        return -1;
+    }
+    *off = ((PyMemberDescrObject *)d)->d_member->offset;
+    return 0;
+}
+
+PyDoc_STRVAR(bind_doc, "bind(node_type, np_empty, int64_dtype, from_numpy): set the node class and the "
+                       "callables that build a match's int64 tensor. Call once, before any walk.");
+
+static PyObject *bind(PyObject *self, PyObject *args) {
+    PyObject *nt, *emp, *dt, *fnp;
+    if (!PyArg_ParseTuple(args, "O!OOO", &PyType_Type, &nt, &emp, &dt, &fnp))
+        return NULL;
+    Py_ssize_t offs[6];
+    PyTypeObject *t = (PyTypeObject *)nt;
+    if (slot_offset(t, "kbuf", &offs[0]) || slot_offset(t, "only", &offs[1]) ||
+        slot_offset(t, "children", &offs[2]) || slot_offset(t, "vbuf", &offs[3]) ||
+        slot_offset(t, "last_access", &offs[4]) || slot_offset(t, "hits", &offs[5]))
+        return NULL;
+    off_kbuf = offs[0]; off_only = offs[1]; off_children = offs[2];
+    off_vbuf = offs[3]; off_last = offs[4]; off_hits = offs[5];
+    Py_INCREF(nt); Py_XSETREF(node_type, t);
+    Py_INCREF(emp); Py_XSETREF(np_empty, emp);
+    Py_INCREF(dt); Py_XSETREF(i64_dtype, dt);
+    Py_INCREF(fnp); Py_XSETREF(from_numpy, fnp);
+    Py_RETURN_NONE;
+}
+
+/* Shared argument checks of walk/find: head, buf, n, pb. */
+static int walk_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t *n, Py_ssize_t *pb) {
+    if (node_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "radixkv.cache._native: bind() was not called");
+        return -1;
+    }
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    if (!PyObject_TypeCheck(args[0], node_type) || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "walk: head must be a TreeNode and buf bytes");
+        return -1;
+    }
+    *n = PyLong_AsSsize_t(args[2]);
+    *pb = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred())
+        return -1;
+    if (*pb < 4 || (*pb & 3) || *n < 0 || *n > PyBytes_GET_SIZE(args[1]) || *n % *pb) {
+        PyErr_SetString(PyExc_ValueError, "walk: need 0 <= n <= len(buf), n a multiple of pb, pb a multiple of 4");
+        return -1;
+    }
+    return 0;
+}
+
+/* The child of node whose key starts with buf[pos:pos+pb] (borrowed), or NULL: none
+ * (no error set) or an error (set). */
+static PyObject *child_at(PyObject *node, const char *buf, Py_ssize_t pos, Py_ssize_t pb) {
+    PyObject *child = SLOT(node, off_only);
+    if (child == NULL || child == Py_None) {
+        PyObject *ch = SLOT(node, off_children);
+        if (ch == NULL || !PyDict_CheckExact(ch)) {
+            PyErr_SetString(PyExc_TypeError, "walk: a node's children is not a dict");
+            return NULL;
+        }
+        if (PyDict_GET_SIZE(ch) == 0)
+            return NULL;
+        PyObject *k = PyBytes_FromStringAndSize(buf + pos, pb);
+        if (k == NULL)
+            return NULL;
+        child = PyDict_GetItemWithError(ch, k);
+        Py_DECREF(k);
+        if (child == NULL)
+            return NULL;
+    }
+    if (Py_TYPE(child) != node_type || SLOT(child, off_kbuf) == NULL || !PyBytes_CheckExact(SLOT(child, off_kbuf))) {
+        PyErr_SetString(PyExc_TypeError, "walk: a child is not a TreeNode with bytes kbuf");
+        return NULL;
+    }
+    return child;
+}
+
+/* 1: child's whole key matches buf[pos:n]; 0: it does not (*split set when its first page
+ * matches, so the caller splits it). */
+static int key_matches(PyObject *child, const char *buf, Py_ssize_t pos, Py_ssize_t n, Py_ssize_t pb,
+                       PyObject **split) {
+    PyObject *kb = SLOT(child, off_kbuf);
+    Py_ssize_t kl = PyBytes_GET_SIZE(kb);
+    const char *kd = PyBytes_AS_STRING(kb);
+    if (kl <= n - pos && memcmp(buf + pos, kd, (size_t)kl) == 0)
+        return 1;
+    if (kl >= pb && memcmp(buf + pos, kd, (size_t)pb) == 0)
+        *split = child;
+    return 0;
+}
+
+static int set_int_slot(PyObject *o, Py_ssize_t off, long long v) {
+    PyObject *x = PyLong_FromLongLong(v);
+    if (x == NULL)
+        return -1;
+    PyObject *old = SLOT(o, off);
+    SLOT(o, off) = x;
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* The matched rows as an int64 tensor: torch.from_numpy(np.empty(ntok, int64)) filled
+ * from the int32 vbufs. */
+static PyObject *widen(PyObject **vals, Py_ssize_t nv, Py_ssize_t ntok) {
+    PyObject *a[2];
+    a[0] = PyLong_FromSsize_t(ntok);
+    if (a[0] == NULL)
+        return NULL;
+    a[1] = i64_dtype;
+    PyObject *arr = PyObject_Vectorcall(np_empty, a, 2, NULL);
+    Py_DECREF(a[0]);
+    if (arr == NULL)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (view.len != ntok * 8) {
+        PyBuffer_Release(&view);
+        Py_DECREF(arr);
+        PyErr_SetString(PyExc_RuntimeError, "walk: np.empty returned a buffer of the wrong size");
+        return NULL;
+    }
+    int64_t *out = (int64_t *)view.buf;
+    for (Py_ssize_t i = 0; i < nv; i++) {
+        const int32_t *src = (const int32_t *)PyBytes_AS_STRING(vals[i]);
+        Py_ssize_t m = PyBytes_GET_SIZE(vals[i]) >> 2;
+        for (Py_ssize_t j = 0; j < m; j++)
+            out[j] = src[j];
+        out += m;
+    }
+    PyBuffer_Release(&view);
+    PyObject *t = PyObject_Vectorcall(from_numpy, &arr, 1, NULL);
+    Py_DECREF(arr);
+    return t;
+}
+
+/* The descent both walks share: from head, follow the child whose whole key matches
+ * buf[pos:n] (child_at + key_matches), calling visit(child, ctx) on each. Sets the bytes
+ * matched, the last matched node (borrowed; head if none) and the split candidate
+ * (borrowed, or Py_None). 0, or -1 with an error set. */
+typedef int (*visit_fn)(PyObject *child, void *ctx);
+
+static int descend(PyObject *head, const char *buf, Py_ssize_t n, Py_ssize_t pb, visit_fn visit, void *ctx,
+                   Py_ssize_t *pos_out, PyObject **node_out, PyObject **split) {
+    PyObject *node = head;
+    Py_ssize_t pos = 0;
+    *split = Py_None;
+    while (pos < n) {
+        PyObject *child = child_at(node, buf, pos, pb);
+        if (child == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            break;
+        }
+        if (!key_matches(child, buf, pos, n, pb, split))
+            break;
+        if (visit(child, ctx) < 0)
+            return -1;
+        pos += PyBytes_GET_SIZE(SLOT(child, off_kbuf));
+        node = child;
+    }
+    *pos_out = pos;
+    *node_out = node;
+    return 0;
+}
+
+typedef struct {
+    long long tick;
+    PyObject **vals;  /* owned references to the touched nodes' vbufs */
+    Py_ssize_t nv, cap;
+    PyObject *stack[32];
+} touch_ctx;
+
+/* walk's visit: touch the node (last_access = ++tick, hits += 1), keep its vbuf. */
+static int touch(PyObject *child, void *p) {
+    touch_ctx *c = (touch_ctx *)p;
+    PyObject *hits = SLOT(child, off_hits), *vb = SLOT(child, off_vbuf);
+    if (hits == NULL || !PyLong_CheckExact(hits) || vb == NULL || !PyBytes_CheckExact(vb)) {
+        PyErr_SetString(PyExc_TypeError, "walk: a node's hits is not an int or its vbuf not bytes");
+        return -1;
+    }
+    long long h = PyLong_AsLongLong(hits);
+    if ((h == -1 && PyErr_Occurred()) || set_int_slot(child, off_last, c->tick + 1) < 0 ||
+        set_int_slot(child, off_hits, h + 1) < 0)
+        return -1;
+    c->tick++;
+    if (c->nv == c->cap) {
+        PyObject **grown = PyMem_Malloc(sizeof(PyObject *) * (size_t)c->cap * 2);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(grown, c->vals, sizeof(PyObject *) * (size_t)c->nv);
+        if (c->vals != c->stack)
+            PyMem_Free(c->vals);
+        c->vals = grown;
+        c->cap *= 2;
+    }
+    Py_INCREF(vb);
+    c->vals[c->nv++] = vb;
+    return 0;
+}
+
+PyDoc_STRVAR(walk_doc,
+"walk(head, buf, n, pb, tick) -> (pos, node, tick, rows, split)\n\n"
+"match_prefix's walk: from head, follow the child whose key matches buf[pos:n] whole\n"
+"(node.only, else children[buf[pos:pos+pb]]), touching each (tick += 1; last_access =\n"
+"tick; hits += 1). Stops at a missing child, a child that differs, or one that runs past\n"
+"n; split is that child when its first page matches (the caller splits it), else None.\n"
+"pos: bytes matched; node: the last matched node (head if none); rows: with split None,\n"
+"an int64 tensor of the matched nodes' rows, else the list of their vbufs.");
+
+static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, pb, pos;
+    if (walk_args(args, nargs, 5, &n, &pb) < 0)
+        return NULL;
+    touch_ctx c;
+    c.tick = PyLong_AsLongLong(args[4]);
+    if (c.tick == -1 && PyErr_Occurred())
+        return NULL;
+    c.vals = c.stack;
+    c.nv = 0;
+    c.cap = 32;
+    PyObject *node, *split, *rows = NULL, *res = NULL;
+    if (descend(args[0], PyBytes_AS_STRING(args[1]), n, pb, touch, &c, &pos, &node, &split) == 0) {
+        Py_INCREF(node);  /* owned from here: widen() may run Python code (a GC pass) */
+        Py_INCREF(split);
+        if (split == Py_None) {
+            rows = widen(c.vals, c.nv, pos >> 2);
+        } else if ((rows = PyList_New(c.nv)) != NULL) {
+            for (Py_ssize_t i = 0; i < c.nv; i++) {
+                Py_INCREF(c.vals[i]);
+                PyList_SET_ITEM(rows, i, c.vals[i]);
+            }
+        }
+        if (rows != NULL) {
+            res = Py_BuildValue("(nNLNN)", pos, node, c.tick, rows, split);
+        } else {
+            Py_DECREF(node);
+            Py_DECREF(split);
+        }
+    }
+    for (Py_ssize_t i = 0; i < c.nv; i++)
+        Py_DECREF(c.vals[i]);
+    if (c.vals != c.stack)
+        PyMem_Free(c.vals);
+    return res;
+}
+
+static int append_path(PyObject *child, void *path) { return PyList_Append((PyObject *)path, child); }
+
+PyDoc_STRVAR(find_doc,
+"find(head, buf, n, pb) -> (pos, node, path, split)\n\n"
+"insert's read-only walk: walk's descent without touching anything. path: the fully\n"
+"matched nodes in order.");
+
+static PyObject *find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, pb, pos;
+    if (walk_args(args, nargs, 4, &n, &pb) < 0)
+        return NULL;
+    PyObject *node, *split, *path = PyList_New(0);
+    if (path == NULL)
+        return NULL;
+    if (descend(args[0], PyBytes_AS_STRING(args[1]), n, pb, append_path, path, &pos, &node, &split) < 0) {
+        Py_DECREF(path);
+        return NULL;
+    }
+    return Py_BuildValue("(nONO)", pos, node, path, split);
+}
+
+PyDoc_STRVAR(narrow_doc,
+"narrow(arr, start) -> bytes | None\n\n"
+"arr[start:] (a C-contiguous int64 buffer) as int32 bytes when every element lies in\n"
+"[0, 2**31); None when one does not, or arr is not such a buffer (the caller then takes\n"
+"the general path, which raises the right error).");
+
+static PyObject *narrow(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "narrow(arr, start)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(args[0], &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    const char *f = v.format ? v.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (v.itemsize != 8 || (strcmp(f, "l") && strcmp(f, "q")) || start < 0 || start > v.len / 8) {
+        PyBuffer_Release(&v);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t m = v.len / 8 - start;
+    const int64_t *src = (const int64_t *)v.buf + start;
+    uint64_t acc = 0;  /* all in [0, 2**31) <=> no bit >= 31 set in any (negatives set bit 63) */
+    for (Py_ssize_t i = 0; i < m; i++)
+        acc |= (uint64_t)src[i];
+    if (acc >> 31) {
+        PyBuffer_Release(&v);
+        Py_RETURN_NONE;
+    }
+    PyObject *b = PyBytes_FromStringAndSize(NULL, m * 4);
+    if (b != NULL) {
+        int32_t *dst = (int32_t *)PyBytes_AS_STRING(b);
+        for (Py_ssize_t i = 0; i < m; i++)
+            dst[i] = (int32_t)src[i];
+    }
+    PyBuffer_Release(&v);
+    return b;
+}
+
+static PyMethodDef methods[] = {
+    {"bind", bind, METH_VARARGS, bind_doc},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
+    {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL, find_doc},
+    {"narrow", (PyCFunction)(void (*)(void))narrow, METH_FASTCALL, narrow_doc},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "radixkv.cache._native",
+                                    "Compiled hot walks of the RadixCache (see radixkv.cache.native).",
+                                    -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,52 @@
+"""The RadixCache's compiled hot paths, when they are built (``_native.c``).
+
+``setup.py`` builds ``radixkv.cache._native`` as an *optional* C extension: without a C
+compiler the install still succeeds and every path runs in Python. The Python code in
+``radix_cache`` / ``radix_insert`` / ``rows`` stays the reference; the compiled functions
+replace three of its pieces one for one (``tests/test_native_walk.py`` runs both on the
+same random trees and compares every result and every touched field):
+
+* ``walk``: ``match_prefix``'s walk plus the int32 -> int64 widening of the matched rows;
+* ``find``: ``insert``'s read-only walk;
+* ``narrow``: the range check and int32 copy of a contiguous int64 value.
+
+Why compiled: the issue's target (mean ``match_prefix`` <= 10 µs, ``insert`` <= 15 µs on
+``benchmarks/bench_radix.py``) is below what the Python walk reaches on a 2-core VM, where
+about half of a match is interpreter work around the ``memcmp`` and the copies
+(``docs/bench_radix.md``).
+
+``RADIXKV_PURE_PYTHON=1`` in the environment (read at import) disables the compiled paths
+for the whole process; ``RadixCache(..., native=False)`` for one cache.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from radixkv.cache.tree_node import TreeNode
+
+__all__ = ["available", "walk", "find", "narrow", "unavailable_reason"]
+
+_mod: Optional[Any] = None
+unavailable_reason: Optional[str] = None
+if os.environ.get("RADIXKV_PURE_PYTHON", "") not in ("", "0"):
+    unavailable_reason = "RADIXKV_PURE_PYTHON is set"
+else:
+    try:
+        from radixkv.cache import _native as _mod  # type: ignore[attr-defined,no-redef]
+    except ImportError as e:  # not built (no compiler at install time)
+        unavailable_reason = f"radixkv.cache._native is not built ({e})"
+    else:
+        _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
+
+walk = _mod.walk if _mod is not None else None
+find = _mod.find if _mod is not None else None
+narrow = _mod.narrow if _mod is not None else None
+
+
+def available() -> bool:
+    """True when the compiled paths are built and enabled in this process."""
+    return _mod is not None

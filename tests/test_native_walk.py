@@ -1,0 +1,215 @@
+"""The compiled walks (``radixkv.cache.native``) against the pure-Python reference.
+
+Two caches, one with ``native=True`` and one with ``native=False``, get the same seeded
+operations (inserts that extend, branch and split; matches that end on, inside and past
+nodes; locks; evictions; namespaces; page sizes 1, 4, 16). After every operation both
+return the same results and hold identical trees: every node's tokens, rows,
+``last_access``, ``hits``, ``lock_ref`` and ``only``, and both pass ``check_invariants``.
+The C functions' own contracts (argument checks, ``narrow``'s refusals) are tested
+directly. Skipped when the extension is not built.
+"""
+import numpy as np
+import pytest
+import torch
+
+from radixkv.cache import RadixCache, RadixKey, native
+from radixkv.cache.tree_node import NamespaceHead, TreeNode
+from radixkv.errors import InvalidArgumentError, InvalidIndexError
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"{native.unavailable_reason}")
+
+
+def snapshot(cache):
+    """Every node's fields, in a canonical order (children sorted by first page)."""
+    out = []
+    for extra, head in sorted(cache._heads.items(), key=lambda kv: repr(kv[0])):
+        stack = [(head, ())]
+        while stack:
+            node, path = stack.pop()
+            out.append((repr(extra), path, node.kbuf, node.vbuf, node.last_access, node.hits,
+                        node.lock_ref, node.only is not None, node.skey))
+            for k in sorted(node.children, reverse=True):
+                stack.append((node.children[k], path + (k,)))
+    return out
+
+
+def result(m):
+    return m.prefix_len, m.device_indices.dtype, m.device_indices.tolist(), m.last_node.kbuf
+
+
+class Twin:
+    """A native and a pure-Python cache driven in lockstep."""
+
+    def __init__(self, page_size, policy="lru"):
+        self.ps = page_size
+        self.c = RadixCache(page_size=page_size, eviction_policy=policy, native=True)
+        self.p = RadixCache(page_size=page_size, eviction_policy=policy, native=False)
+        self.next_row = 0
+        self.locked = []  # (native node, python node)
+        self.match_splits = 0  # matches that ended inside a node (the split path)
+
+    def both(self, name, *args):
+        a = getattr(self.c, name)(*args)
+        b = getattr(self.p, name)(*args)
+        return a, b
+
+    def check(self):
+        self.c.check_invariants()
+        self.p.check_invariants()
+        assert snapshot(self.c) == snapshot(self.p)
+        assert self.c._clock == self.p._clock
+
+    def insert(self, tokens, extra=None):
+        n = len(tokens) - len(tokens) % self.ps
+        rows = torch.arange(self.next_row, self.next_row + n, dtype=torch.int64)
+        self.next_row += n
+        a = self.c.insert(RadixKey(tokens[:n], extra), rows)
+        b = self.p.insert(RadixKey(tokens[:n], extra), rows.clone())
+        assert a == b
+        return a
+
+    def match(self, tokens, extra=None, lock=False):
+        nodes = self.c._next_id
+        a = self.c.match_prefix(RadixKey(tokens, extra))
+        self.match_splits += self.c._next_id != nodes
+        b = self.p.match_prefix(RadixKey(tokens, extra))
+        assert result(a) == result(b)
+        if lock:
+            self.c.inc_lock_ref(a.last_node)
+            self.p.inc_lock_ref(b.last_node)
+            self.locked.append((a.last_node, b.last_node))
+        return a
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru"])
+def test_native_and_python_walks_agree_on_random_operations(page_size, policy):
+    rng = np.random.default_rng(page_size * 7 + len(policy))
+    t = Twin(page_size, policy)
+    assert t.c._cfind is not None and t.p._cfind is None
+    assert (t.c._cwalk is not None) == (policy != "slru")  # slru has an on_hit hook
+    seqs = []
+    for step in range(400):
+        op = rng.random()
+        extra = None if rng.random() < 0.8 else "ns"
+        if op < 0.35 or not seqs:
+            if seqs and rng.random() < 0.7:  # extend or branch off a known sequence
+                base = seqs[rng.integers(len(seqs))][1]
+                cut = int(rng.integers(0, len(base) + 1))
+                tokens = np.concatenate([base[:cut], rng.integers(0, 3, int(rng.integers(1, 40)))])
+            else:
+                tokens = rng.integers(0, 3, int(rng.integers(1, 80)))
+            tokens = tokens.astype(np.int32)
+            t.insert(tokens, extra)
+            seqs.append((extra, tokens))
+        elif op < 0.8:
+            extra, base = seqs[rng.integers(len(seqs))]
+            cut = int(rng.integers(0, len(base) + 1))
+            tokens = np.concatenate([base[:cut], rng.integers(0, 3, int(rng.integers(0, 6)))]).astype(np.int32)
+            t.match(tokens, extra, lock=rng.random() < 0.2)
+        elif op < 0.9 and t.locked:
+            a, b = t.locked.pop(int(rng.integers(len(t.locked))))
+            t.c.dec_lock_ref(a)
+            t.p.dec_lock_ref(b)
+        else:
+            a, b = t.both("evict", int(rng.integers(1, 60)))
+            assert a == b
+        t.check()
+    assert t.match_splits > 5
+
+
+def test_long_paths_and_many_children():
+    """Paths of more than 32 nodes (the walk's row buffer grows) and nodes with many
+    children (the dict probe instead of ``only``)."""
+    t = Twin(1)
+    base = np.arange(200, dtype=np.int32)
+    for cut in range(1, 200, 3):  # each insert splits the chain once more
+        t.insert(np.concatenate([base[:cut], np.array([1000 + cut], np.int32)]))
+        t.check()
+    m = t.match(base)
+    assert m.prefix_len == 199  # the longest inserted cut; its path has 67 nodes
+    depth, node = 0, m.last_node
+    while node.parent is not None:
+        depth, node = depth + 1, node.parent
+    assert depth > 32
+    t.check()
+    for k in range(50):  # 50 children under one node
+        t.insert(np.array([5000, k, k + 1], np.int32))
+    for k in range(50):
+        assert t.match(np.array([5000, k, k + 1, 7], np.int32)).prefix_len == 3
+    t.check()
+
+
+def test_match_of_nothing_and_device_result_types():
+    t = Twin(4)
+    t.insert(np.arange(8, dtype=np.int32))
+    for tokens in ([], [9, 9, 9, 9], [0, 1, 2], [0, 1, 2, 3, 4, 5, 6]):
+        m = t.match(np.array(tokens, np.int32))
+        assert m.device_indices.dtype == torch.int64 and m.device_indices.dim() == 1
+    t.check()
+
+
+def test_narrow_contract():
+    a = np.array([0, 5, 2**31 - 1], np.int64)
+    assert native.narrow(a, 0) == np.array([0, 5, 2**31 - 1], np.int32).tobytes()
+    assert native.narrow(a, 1) == np.array([5, 2**31 - 1], np.int32).tobytes()
+    assert native.narrow(a, 3) == b""
+    assert native.narrow(np.array([1, -1], np.int64), 0) is None
+    assert native.narrow(np.array([1, 2**31], np.int64), 0) is None
+    assert native.narrow(np.array([2**31, 1], np.int64), 1) == np.array([1], np.int32).tobytes()
+    assert native.narrow(np.arange(10, dtype=np.int64)[::2], 0) is None  # strided
+    assert native.narrow(np.arange(4, dtype=np.int32), 0) is None  # not int64
+    assert native.narrow(np.arange(4, dtype=np.uint64), 0) is None  # unsigned
+    assert native.narrow(a, 4) is None and native.narrow(a, -1) is None
+    assert native.narrow(b"12345678", 0) is None  # bytes: format 'B'
+
+
+def test_insert_falls_back_and_raises_like_python():
+    """Bad rows, strided values: the native insert raises the same errors and leaves the
+    tree as it was."""
+    for nat in (True, False):
+        c = RadixCache(page_size=1, native=nat)
+        c.insert(RadixKey([1, 2, 3]), torch.tensor([0, 1, 2]))
+        before = c.pretty_print()
+        with pytest.raises(InvalidIndexError):
+            c.insert(RadixKey([1, 2, 3, 4]), torch.tensor([0, 1, 2, -5]))
+        with pytest.raises(InvalidIndexError):
+            c.insert(RadixKey([1, 2, 3, 4]), torch.tensor([0, 1, 2, 2**31]))
+        assert c.pretty_print() == before
+        c.check_invariants()
+        strided = torch.arange(0, 20, dtype=torch.int64)[::2][:5]
+        assert c.insert(RadixKey([1, 2, 9, 9, 9]), strided) == 2
+        assert c.match_prefix(RadixKey([1, 2, 9, 9, 9])).device_indices.tolist() == [0, 1, 4, 6, 8]
+        c.check_invariants()
+
+
+def test_walk_rejects_bad_arguments_without_crashing():
+    head = NamespaceHead(0, None)
+    for args in [(object(), b"", 0, 4, 0), (head, "abc", 0, 4, 0), (head, b"\0" * 8, 12, 4, 0),
+                 (head, b"\0" * 8, 4, 3, 0), (head, b"\0" * 8, 6, 4, 0), (head, b"", 0, 4)]:
+        with pytest.raises((TypeError, ValueError)):
+            native.walk(*args)
+    with pytest.raises((TypeError, ValueError)):
+        native.find(head, b"\0" * 8, 12, 4)
+    bad = TreeNode(1, head, b"\0" * 4, b"\0" * 4)
+    head.children[b"\0" * 4] = bad
+    head.only = bad
+    bad.hits = "many"
+    with pytest.raises(TypeError):
+        native.walk(head, b"\0" * 4, 4, 4, 0)
+    head.only = "not a node"
+    with pytest.raises(TypeError):
+        native.find(head, b"\0" * 4, 4, 4)
+    empty = NamespaceHead(2, None)
+    pos, node, tick, rows, split = native.walk(empty, b"\0" * 8, 8, 4, 7)
+    assert (pos, node, tick, split) == (0, empty, 7, None)
+    assert rows.dtype == torch.int64 and rows.shape == (0,)
+
+
+def test_native_true_needs_the_extension(monkeypatch):
+    monkeypatch.setattr(native, "_mod", None)
+    monkeypatch.setattr(native, "unavailable_reason", "not built (test)")
+    with pytest.raises(InvalidArgumentError, match="not built"):
+        RadixCache(native=True)
+    assert RadixCache().native is False
+    assert RadixCache(native=False).native is False
