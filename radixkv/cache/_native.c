@@ -28,6 +28,31 @@ static PyObject *np_empty = NULL, *i64_dtype = NULL, *from_numpy = NULL;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
+/* The two bulk loops get an AVX2 clone next to the baseline one (x86-64's baseline has no
+ * packed int32 <-> int64 conversion); the loader picks one per CPU (GNU ifunc). */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__)
+#define BULK_LOOP __attribute__((target_clones("avx2", "default")))
+#else
+#define BULK_LOOP
+#endif
+
+/* out[i] = src[i] for i < m (int32 -> int64). */
+BULK_LOOP static void widen_rows(int64_t *restrict out, const int32_t *restrict src, Py_ssize_t m) {
+    for (Py_ssize_t i = 0; i < m; i++)
+        out[i] = src[i];
+}
+
+/* dst[i] = (int32)src[i] for i < m; returns the OR of every src[i] (as unsigned), whose
+ * bits >= 31 are all clear exactly when every src[i] lies in [0, 2**31). */
+BULK_LOOP static uint64_t narrow_rows(int32_t *restrict dst, const int64_t *restrict src, Py_ssize_t m) {
+    uint64_t acc = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        acc |= (uint64_t)src[i];
+        dst[i] = (int32_t)src[i];
+    }
+    return acc;
+}
+
 static int slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off) {
     PyObject *d = PyDict_GetItemString(t->tp_dict, name);
     if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type ||
@@ -162,10 +187,8 @@ static PyObject *widen(PyObject **vals, Py_ssize_t nv, Py_ssize_t ntok) {
     }
     int64_t *out = (int64_t *)view.buf;
     for (Py_ssize_t i = 0; i < nv; i++) {
-        const int32_t *src = (const int32_t *)PyBytes_AS_STRING(vals[i]);
         Py_ssize_t m = PyBytes_GET_SIZE(vals[i]) >> 2;
-        for (Py_ssize_t j = 0; j < m; j++)
-            out[j] = src[j];
+        widen_rows(out, (const int32_t *)PyBytes_AS_STRING(vals[i]), m);
         out += m;
     }
     PyBuffer_Release(&view);
@@ -335,19 +358,11 @@ static PyObject *narrow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     Py_ssize_t m = v.len / 8 - start;
-    const int64_t *src = (const int64_t *)v.buf + start;
-    uint64_t acc = 0;  /* all in [0, 2**31) <=> no bit >= 31 set in any (negatives set bit 63) */
-    for (Py_ssize_t i = 0; i < m; i++)
-        acc |= (uint64_t)src[i];
-    if (acc >> 31) {
-        PyBuffer_Release(&v);
-        Py_RETURN_NONE;
-    }
     PyObject *b = PyBytes_FromStringAndSize(NULL, m * 4);
-    if (b != NULL) {
-        int32_t *dst = (int32_t *)PyBytes_AS_STRING(b);
-        for (Py_ssize_t i = 0; i < m; i++)
-            dst[i] = (int32_t)src[i];
+    if (b != NULL && narrow_rows((int32_t *)PyBytes_AS_STRING(b), (const int64_t *)v.buf + start, m) >> 31) {
+        Py_DECREF(b);  /* a row outside [0, 2**31): the caller's general path raises */
+        b = Py_None;
+        Py_INCREF(b);
     }
     PyBuffer_Release(&v);
     return b;

@@ -28,12 +28,13 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any, Iterator, List, NamedTuple, Union
 
+import numpy as np
 import torch
 from sortedcontainers import SortedKeyList
 
 from radixkv.cache import leaf_eviction, radix_insert, req_cache, tree_audit
-from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache import native as native_mod
+from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import rows_tensor
@@ -41,6 +42,9 @@ from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvalidArgumentError
 
 __all__ = ["RadixCache", "MatchResult"]
+
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
 
 
 class MatchResult(NamedTuple):
@@ -209,14 +213,54 @@ class RadixCache:
             return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
                                head if head is not None else self._heads[None], 0))
         cwalk = self._cwalk
-        if cwalk is not None:  # the compiled walk (radixkv.cache.native): same steps, in C
+        if cwalk is not None:  # the compiled walk (radixkv.cache.native): the loop below, in C
             pos, node, tick, rows, split = cwalk(head, buf, n, pb, self._clock)
             if split is not None:
                 pos, node, tick, rows = self._split_end(split, buf, pos, n, tick, rows)
             elif self._on_device:
                 rows = rows.to(self.device)
         else:
-            pos, node, tick, rows = self._walk(head, buf, n, pb)
+            hit = self._on_hit
+            eager = not self._lazy
+            tick = self._clock
+            node = head
+            only = head.only
+            pos = 0
+            vals = []
+            while pos < n:
+                child = only  # a lone child needs no dict lookup: its kbuf is compared anyway
+                if child is None:
+                    child = node.children.get(buf[pos:pos + pb])
+                    if child is None:
+                        break
+                kb = child.kbuf
+                if buf.startswith(kb, pos, n):  # a memcmp; False when kb runs past the key
+                    pos += len(kb)
+                else:  # the key ends or diverges inside child: keep its whole matching pages
+                    if not buf.startswith(kb[:pb], pos, n):
+                        break  # a lone child that differs in its first page
+                    m = common_prefix_tokens(kb, buf, pos, n)
+                    m = (m - m % self.page_size) * 4
+                    child = self._split(child, m)
+                    pos += m
+                    n = pos  # the walk stops after this node
+                tick += 1
+                child.last_access = tick
+                child.hits += 1
+                if hit is not None:
+                    hit(child)
+                if eager and child.skey is not None:
+                    self._refile(child)
+                vals.append(child.vbuf)
+                node = child
+                only = child.only
+            if not pos:
+                rows = torch.empty(0, dtype=torch.int64, device=self.device)
+            else:  # rows_tensor inlined (a cold frame costs ~0.5-1 µs in a scheduler loop)
+                rows = torch.from_numpy(np.frombuffer(vals[0] if len(vals) == 1 else b"".join(vals),
+                                                      _I32).astype(_I64))
+                if self._on_device:
+                    rows = rows.to(self.device)
         self._clock = tick
         log = self._qlog
         if log is not None:
@@ -224,31 +268,6 @@ class RadixCache:
             if len(log) >= self._qfold:
                 self._metrics.compact()
         return _tuple_new(MatchResult, (rows, node, pos >> 2))
-
-    def _walk(self, head: TreeNode, buf: bytes, n: int, pb: int) -> Any:
-        """``match_prefix``'s walk in Python (the reference of ``native.walk``): the nodes
-        whose keys match ``buf[:n]`` whole (``radix_insert.find_path``), each touched
-        (recency, hits, the policy's ``on_hit``, re-filing), then the split of the node the
-        key ends or diverges in. Returns ``(pos, node, tick, rows)``: bytes matched, last
-        node, the clock, and the rows as an int64 tensor on the device."""
-        pos, node, path, split = radix_insert.find_path(head, buf, n, pb)
-        hit = self._on_hit
-        eager = not self._lazy
-        tick = self._clock
-        for child in path:
-            tick += 1
-            child.last_access = tick
-            child.hits += 1
-            if hit is not None:
-                hit(child)
-            if eager and child.skey is not None:
-                self._refile(child)
-        vals = [child.vbuf for child in path]
-        if split is not None:
-            return self._split_end(split, buf, pos, n, tick, vals)
-        if not pos:
-            return 0, node, tick, torch.empty(0, dtype=torch.int64, device=self.device)
-        return pos, node, tick, rows_tensor(vals[0] if len(vals) == 1 else b"".join(vals), self.device)
 
     def _split_end(self, child: TreeNode, buf: bytes, pos: int, n: int, tick: int, vals: list) -> Any:
         """The end of a match inside ``child`` (its first page matches ``buf[pos:]``): split

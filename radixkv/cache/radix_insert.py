@@ -25,7 +25,7 @@ from radixkv.cache.rows import check_value, rows_bytes
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError, LengthMismatchError
 
-__all__ = ["insert", "split_node", "find_path"]
+__all__ = ["insert", "split_node"]
 
 _I32 = np.dtype(np.int32)
 _U64 = np.dtype(np.uint64)
@@ -88,14 +88,31 @@ def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None
     split_child, split_at = None, 0
     if head is not None:  # read-only walk: nothing changes before validation ends
         cfind = cache._cfind
-        if cfind is not None:  # the compiled walk (radixkv.cache.native): same steps, in C
+        if cfind is not None:  # the compiled walk (radixkv.cache.native): the loop below, in C
             pos, node, path, split_child = cfind(head, buf, n, pb)
+            if split_child is not None:  # the cached prefix ends inside split_child
+                m = common_prefix_tokens(split_child.kbuf, buf, pos, n)
+                split_at = (m - m % cache.page_size) * 4
+                pos += split_at
         else:
-            pos, node, path, split_child = find_path(head, buf, n, pb)
-        if split_child is not None:  # the cached prefix ends inside split_child
-            m = common_prefix_tokens(split_child.kbuf, buf, pos, n)
-            split_at = (m - m % cache.page_size) * 4
-            pos += split_at
+            while pos < n:
+                child = node.only  # a lone child needs no dict lookup (see TreeNode.only)
+                if child is None:
+                    child = node.children.get(buf[pos:pos + pb])
+                    if child is None:
+                        break
+                kb = child.kbuf
+                if buf.startswith(kb, pos):  # a memcmp; False when kb runs past the key
+                    path.append(child)
+                    node = child
+                    pos += len(kb)
+                    continue
+                if not buf.startswith(kb[:pb], pos):
+                    break  # a lone child that differs in its first page
+                m = common_prefix_tokens(kb, buf, pos, n)
+                split_child, split_at = child, (m - m % cache.page_size) * 4
+                pos += split_at
+                break
     if pos >= n:
         tail = b""
     elif plain:  # rows_bytes inlined: one range check over the new rows, one int32 copy
@@ -161,33 +178,6 @@ def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None
     m.inserts += 1
     m.inserted_tokens += (n - pos) >> 2
     return (pos >> 2, node, path) if _path else pos >> 2
-
-
-def find_path(head: TreeNode, buf: bytes, n: int, pb: int) -> Any:
-    """``insert``'s read-only walk in Python (the reference of ``native.find``).
-
-    Returns ``(pos, node, path, split_child)``: bytes of ``buf[:n]`` cached on whole nodes,
-    the last such node (``head`` if none), those nodes in order, and the child the cached
-    prefix continues into without covering it whole (its first page matches), else None."""
-    node = head
-    pos = 0
-    path: List[TreeNode] = []
-    while pos < n:
-        child = node.only  # a lone child needs no dict lookup (see TreeNode.only)
-        if child is None:
-            child = node.children.get(buf[pos:pos + pb])
-            if child is None:
-                break
-        kb = child.kbuf
-        if buf.startswith(kb, pos, n):  # a memcmp; False when kb runs past the key
-            path.append(child)
-            node = child
-            pos += len(kb)
-            continue
-        if buf.startswith(kb[:pb], pos, n):
-            return pos, node, path, child
-        break  # a lone child that differs in its first page
-    return pos, node, path, None
 
 
 def split_node(cache, child: TreeNode, m: int) -> TreeNode:
