@@ -27,7 +27,9 @@ def snapshot(cache):
         while stack:
             node, path = stack.pop()
             out.append((repr(extra), path, node.kbuf, node.vbuf, node.last_access, node.hits,
-                        node.lock_ref, node.only is not None, node.skey))
+                        node.lock_ref, node.only is not None, node.skey, node.created, node.id,
+                        node.priority, node.block_hashes, node.pstate,
+                        None if node.parent is None else node.parent.id))
             for k in sorted(node.children, reverse=True):
                 stack.append((node.children[k], path + (k,)))
     return out
@@ -204,6 +206,21 @@ def test_walk_rejects_bad_arguments_without_crashing():
     pos, node, tick, rows, split = native.walk(empty, b"\0" * 8, 8, 4, 7)
     assert (pos, node, tick, split) == (0, empty, 7, None)
     assert rows.dtype == torch.int64 and rows.shape == (0,)
+
+
+def test_new_node_sets_what_init_sets():
+    parent = NamespaceHead(0, None)
+    a = native.new_node(7, parent, b"\1\0\0\0", b"\2\0\0\0", 11, 3)
+    b = TreeNode(7, parent, b"\1\0\0\0", b"\2\0\0\0", 11, 3)
+    assert type(a) is TreeNode
+    for name in TreeNode.__slots__:
+        assert getattr(a, name) == getattr(b, name), name
+    assert a.children is not b.children and a.children == {}
+    a.children[b"x"] = b  # its own dict, a full node: usable like one made by __init__
+    a.only = b
+    assert repr(a).startswith("TreeNode(id=7")
+    with pytest.raises(TypeError):
+        native.new_node(1, parent, b"", b"")
 
 
 def test_native_true_needs_the_extension(monkeypatch):

@@ -24,6 +24,7 @@
 
 static PyTypeObject *node_type = NULL;
 static Py_ssize_t off_kbuf, off_only, off_children, off_vbuf, off_last, off_hits;
+static Py_ssize_t off_skey, off_lock, off_parent, off_prio, off_created, off_id, off_hashes, off_pstate;
 static PyObject *np_empty = NULL, *i64_dtype = NULL, *from_numpy = NULL;
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
@@ -71,14 +72,21 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     PyObject *nt, *emp, *dt, *fnp;
     if (!PyArg_ParseTuple(args, "O!OOO", &PyType_Type, &nt, &emp, &dt, &fnp))
         return NULL;
-    Py_ssize_t offs[6];
+    static const char *names[14] = {"kbuf", "only", "children", "vbuf", "last_access", "hits", "skey",
+                                    "lock_ref", "parent", "priority", "created", "id", "block_hashes", "pstate"};
+    Py_ssize_t offs[14];
     PyTypeObject *t = (PyTypeObject *)nt;
-    if (slot_offset(t, "kbuf", &offs[0]) || slot_offset(t, "only", &offs[1]) ||
-        slot_offset(t, "children", &offs[2]) || slot_offset(t, "vbuf", &offs[3]) ||
-        slot_offset(t, "last_access", &offs[4]) || slot_offset(t, "hits", &offs[5]))
+    for (int i = 0; i < 14; i++)
+        if (slot_offset(t, names[i], &offs[i]))
+            return NULL;
+    if (t->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + 14 * sizeof(PyObject *))) {
+        PyErr_Format(PyExc_TypeError, "%s has other fields than its 14 slots", t->tp_name);
         return NULL;
-    off_kbuf = offs[0]; off_only = offs[1]; off_children = offs[2];
-    off_vbuf = offs[3]; off_last = offs[4]; off_hits = offs[5];
+    }
+    off_kbuf = offs[0]; off_only = offs[1]; off_children = offs[2]; off_vbuf = offs[3];
+    off_last = offs[4]; off_hits = offs[5]; off_skey = offs[6]; off_lock = offs[7];
+    off_parent = offs[8]; off_prio = offs[9]; off_created = offs[10]; off_id = offs[11];
+    off_hashes = offs[12]; off_pstate = offs[13];
     Py_INCREF(nt); Py_XSETREF(node_type, t);
     Py_INCREF(emp); Py_XSETREF(np_empty, emp);
     Py_INCREF(dt); Py_XSETREF(i64_dtype, dt);
@@ -368,7 +376,45 @@ static PyObject *narrow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return b;
 }
 
+PyDoc_STRVAR(new_node_doc,
+"new_node(node_id, parent, kbuf, vbuf, tick, priority) -> TreeNode\n\n"
+"TreeNode(node_id, parent, kbuf, vbuf, tick, priority) without running __init__ in Python:\n"
+"the same fields (children {}, only None, lock_ref 0, last_access = created = tick, hits 0,\n"
+"skey / block_hashes / pstate None).");
+
+static PyObject *new_node(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (node_type == NULL || nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "new_node(node_id, parent, kbuf, vbuf, tick, priority) after bind()");
+        return NULL;
+    }
+    PyObject *children = PyDict_New();
+    if (children == NULL)
+        return NULL;
+    PyObject *node = node_type->tp_alloc(node_type, 0);
+    if (node == NULL) {
+        Py_DECREF(children);
+        return NULL;
+    }
+    PyObject *zero = PyLong_FromLong(0);
+    SLOT(node, off_children) = children;
+    SLOT(node, off_only) = Py_NewRef(Py_None);
+    SLOT(node, off_parent) = Py_NewRef(args[1]);
+    SLOT(node, off_kbuf) = Py_NewRef(args[2]);
+    SLOT(node, off_vbuf) = Py_NewRef(args[3]);
+    SLOT(node, off_lock) = Py_NewRef(zero);
+    SLOT(node, off_last) = Py_NewRef(args[4]);
+    SLOT(node, off_created) = Py_NewRef(args[4]);
+    SLOT(node, off_hits) = zero;
+    SLOT(node, off_prio) = Py_NewRef(args[5]);
+    SLOT(node, off_skey) = Py_NewRef(Py_None);
+    SLOT(node, off_id) = Py_NewRef(args[0]);
+    SLOT(node, off_hashes) = Py_NewRef(Py_None);
+    SLOT(node, off_pstate) = Py_NewRef(Py_None);
+    return node;
+}
+
 static PyMethodDef methods[] = {
+    {"new_node", (PyCFunction)(void (*)(void))new_node, METH_FASTCALL, new_node_doc},
     {"bind", bind, METH_VARARGS, bind_doc},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {"find", (PyCFunction)(void (*)(void))find, METH_FASTCALL, find_doc},

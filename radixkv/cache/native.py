@@ -8,7 +8,8 @@ same random trees and compares every result and every touched field):
 
 * ``walk``: ``match_prefix``'s walk plus the int32 -> int64 widening of the matched rows;
 * ``find``: ``insert``'s read-only walk;
-* ``narrow``: the range check and int32 copy of a contiguous int64 value.
+* ``narrow``: the range check and int32 copy of a contiguous int64 value;
+* ``new_node``: ``TreeNode(...)`` with its fields set in C (no ``__init__`` frame).
 
 Why compiled: the issue's target (mean ``match_prefix`` <= 10 µs, ``insert`` <= 15 µs on
 ``benchmarks/bench_radix.py``) is below what the Python walk reaches on a 2-core VM, where
@@ -28,7 +29,7 @@ import torch
 
 from radixkv.cache.tree_node import TreeNode
 
-__all__ = ["available", "walk", "find", "narrow", "unavailable_reason"]
+__all__ = ["available", "walk", "find", "narrow", "new_node", "unavailable_reason"]
 
 _mod: Optional[Any] = None
 unavailable_reason: Optional[str] = None
@@ -45,6 +46,7 @@ else:
 walk = _mod.walk if _mod is not None else None
 find = _mod.find if _mod is not None else None
 narrow = _mod.narrow if _mod is not None else None
+new_node = _mod.new_node if _mod is not None else None
 
 
 def available() -> bool:

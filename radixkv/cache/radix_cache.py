@@ -138,6 +138,7 @@ class RadixCache:
         self._cwalk = native_mod.walk if use and self._on_hit is None and self._lazy else None
         self._cfind = native_mod.find if use else None
         self._cnarrow = native_mod.narrow if use else None
+        self._new_node = native_mod.new_node if use else TreeNode
         self._next_id = 0
         self._clock = 0
         self._clear_tree()

@@ -157,7 +157,7 @@ def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None
     if pos < n:
         tick += 1
         cache._next_id += 1
-        leaf = TreeNode(cache._next_id, node, buf[pos:], tail, tick, int(priority))
+        leaf = cache._new_node(cache._next_id, node, buf[pos:], tail, tick, int(priority))
         if hashes is not None:
             leaf.block_hashes = hashes
         leaves = cache._leaves
@@ -187,7 +187,7 @@ def split_node(cache, child: TreeNode, m: int) -> TreeNode:
     pb = cache._pb
     kb, vb = child.kbuf, child.vbuf
     parent = child.parent
-    new = TreeNode(cache._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)
+    new = cache._new_node(cache._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)
     new.last_access = child.last_access
     new.hits = child.hits
     new.lock_ref = child.lock_ref
