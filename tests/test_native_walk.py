@@ -152,18 +152,28 @@ def test_match_of_nothing_and_device_result_types():
 
 
 def test_narrow_contract():
+    def narrow(arr, start):
+        return native.narrow(arr.ctypes.data, arr.size, start)
+
     a = np.array([0, 5, 2**31 - 1], np.int64)
-    assert native.narrow(a, 0) == np.array([0, 5, 2**31 - 1], np.int32).tobytes()
-    assert native.narrow(a, 1) == np.array([5, 2**31 - 1], np.int32).tobytes()
-    assert native.narrow(a, 3) == b""
-    assert native.narrow(np.array([1, -1], np.int64), 0) is None
-    assert native.narrow(np.array([1, 2**31], np.int64), 0) is None
-    assert native.narrow(np.array([2**31, 1], np.int64), 1) == np.array([1], np.int32).tobytes()
-    assert native.narrow(np.arange(10, dtype=np.int64)[::2], 0) is None  # strided
-    assert native.narrow(np.arange(4, dtype=np.int32), 0) is None  # not int64
-    assert native.narrow(np.arange(4, dtype=np.uint64), 0) is None  # unsigned
-    assert native.narrow(a, 4) is None and native.narrow(a, -1) is None
-    assert native.narrow(b"12345678", 0) is None  # bytes: format 'B'
+    assert narrow(a, 0) == np.array([0, 5, 2**31 - 1], np.int32).tobytes()
+    assert narrow(a, 1) == np.array([5, 2**31 - 1], np.int32).tobytes()
+    assert narrow(a, 3) == b""
+    assert native.narrow(0, 0, 0) == b""
+    assert narrow(np.array([1, -1], np.int64), 0) is None
+    assert narrow(np.array([1, 2**31], np.int64), 0) is None
+    assert narrow(np.array([-(2**63), 1], np.int64), 0) is None
+    assert narrow(np.array([2**31, 1], np.int64), 1) == np.array([1], np.int32).tobytes()
+    big = np.arange(10_000, dtype=np.int64)  # the vector loop and its remainder
+    for start in (0, 1, 7, 9_999):
+        assert narrow(big, start) == big[start:].astype(np.int32).tobytes()
+    big[5_003] = -2
+    assert narrow(big, 0) is None and narrow(big, 5_004) is not None
+    for args in [(a.ctypes.data, 3, 4), (a.ctypes.data, 3, -1), (a.ctypes.data, -1, 0), (0, 3, 0)]:
+        with pytest.raises(ValueError):
+            native.narrow(*args)
+    with pytest.raises(TypeError):
+        native.narrow(a.ctypes.data, 3)
 
 
 def test_insert_falls_back_and_raises_like_python():
@@ -182,6 +192,13 @@ def test_insert_falls_back_and_raises_like_python():
         strided = torch.arange(0, 20, dtype=torch.int64)[::2][:5]
         assert c.insert(RadixKey([1, 2, 9, 9, 9]), strided) == 2
         assert c.match_prefix(RadixKey([1, 2, 9, 9, 9])).device_indices.tolist() == [0, 1, 4, 6, 8]
+        offset = torch.arange(100, 120, dtype=torch.int64)[10:14]  # a view with a storage offset
+        assert c.insert(RadixKey([1, 2, 3, 7]), offset) == 3
+        assert c.match_prefix(RadixKey([1, 2, 3, 7])).device_indices.tolist() == [0, 1, 2, 113]
+        bad = torch.arange(100, 120, dtype=torch.int64)
+        bad[15] = -1
+        with pytest.raises(InvalidIndexError):
+            c.insert(RadixKey([1, 2, 3, 8, 8]), bad[12:17])
         c.check_invariants()
 
 

@@ -340,39 +340,32 @@ static PyObject *find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 PyDoc_STRVAR(narrow_doc,
-"narrow(arr, start) -> bytes | None\n\n"
-"arr[start:] (a C-contiguous int64 buffer) as int32 bytes when every element lies in\n"
-"[0, 2**31); None when one does not, or arr is not such a buffer (the caller then takes\n"
-"the general path, which raises the right error).");
+"narrow(address, count, start) -> bytes | None\n\n"
+"Elements [start, count) of the contiguous int64 array of count elements at address (the\n"
+"caller's live CPU tensor: data_ptr(), after checking dtype, contiguity and no neg bit) as\n"
+"int32 bytes when each lies in [0, 2**31); None when one does not (the caller's general path\n"
+"then raises the right error). No copy of the tensor, no numpy view: .numpy() costs ~0.6 us.");
 
 static PyObject *narrow(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "narrow(arr, start)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "narrow(address, count, start)");
         return NULL;
     }
-    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
-    if (start == -1 && PyErr_Occurred())
+    void *addr = PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
         return NULL;
-    Py_buffer v;
-    if (PyObject_GetBuffer(args[0], &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
+    if (count < 0 || start < 0 || start > count || (addr == NULL && count > 0)) {
+        PyErr_SetString(PyExc_ValueError, "narrow: need 0 <= start <= count and an address");
+        return NULL;
     }
-    const char *f = v.format ? v.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@')
-        f++;
-    if (v.itemsize != 8 || (strcmp(f, "l") && strcmp(f, "q")) || start < 0 || start > v.len / 8) {
-        PyBuffer_Release(&v);
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t m = v.len / 8 - start;
+    Py_ssize_t m = count - start;
     PyObject *b = PyBytes_FromStringAndSize(NULL, m * 4);
-    if (b != NULL && narrow_rows((int32_t *)PyBytes_AS_STRING(b), (const int64_t *)v.buf + start, m) >> 31) {
-        Py_DECREF(b);  /* a row outside [0, 2**31): the caller's general path raises */
-        b = Py_None;
-        Py_INCREF(b);
+    if (b != NULL && m && narrow_rows((int32_t *)PyBytes_AS_STRING(b), (const int64_t *)addr + start, m) >> 31) {
+        Py_DECREF(b);  /* a row outside [0, 2**31) */
+        Py_RETURN_NONE;
     }
-    PyBuffer_Release(&v);
     return b;
 }
 

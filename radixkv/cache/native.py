@@ -8,7 +8,8 @@ same random trees and compares every result and every touched field):
 
 * ``walk``: ``match_prefix``'s walk plus the int32 -> int64 widening of the matched rows;
 * ``find``: ``insert``'s read-only walk;
-* ``narrow``: the range check and int32 copy of a contiguous int64 value;
+* ``narrow``: the range check and int32 copy of a contiguous int64 tensor's rows (read
+  at its ``data_ptr()``: no ``.numpy()`` view);
 * ``new_node``: ``TreeNode(...)`` with its fields set in C (no ``__init__`` frame).
 
 Why compiled: the issue's target (mean ``match_prefix`` <= 10 µs, ``insert`` <= 15 µs on

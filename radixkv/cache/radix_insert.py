@@ -117,10 +117,12 @@ def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None
         tail = b""
     elif plain:  # rows_bytes inlined: one range check over the new rows, one int32 copy
         cnarrow = cache._cnarrow
-        if cnarrow is not None:  # compiled: one pass; None for a bad row or a strided value
-            tail = cnarrow(value.numpy(), pos >> 2)
+        if cnarrow is not None:  # compiled: one pass over the tensor's own memory
+            tail = None
+            if value.is_contiguous() and not value.is_neg():
+                tail = cnarrow(value.data_ptr(), n >> 2, pos >> 2)  # None: a row out of range
             if tail is None:
-                tail = rows_bytes(value, pos >> 2)  # raises on the bad row
+                tail = rows_bytes(value, pos >> 2)  # strided, or raises naming the bad row
         else:
             t = value.numpy()[pos >> 2:]
             u = t.view(_U64)  # one max over the uint view checks both bounds (rows.row_max)
