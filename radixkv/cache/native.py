@@ -10,7 +10,9 @@ same random trees and compares every result and every touched field):
 * ``find``: ``insert``'s read-only walk;
 * ``narrow``: the range check and int32 copy of a contiguous int64 tensor's rows (read
   at its ``data_ptr()``: no ``.numpy()`` view);
-* ``new_node``: ``TreeNode(...)`` with its fields set in C (no ``__init__`` frame).
+* ``new_node``: ``TreeNode(...)`` with its fields set in C (no ``__init__`` frame);
+* ``match``: ``RadixCache.match_prefix`` whole for its common case (bound as the method, it
+  hands every other call to the Python method, ``RadixCache._match_prefix_py``).
 
 Why compiled: the issue's target (mean ``match_prefix`` <= 10 µs, ``insert`` <= 15 µs on
 ``benchmarks/bench_radix.py``) is below what the Python walk reaches on a 2-core VM, where
@@ -30,7 +32,7 @@ import torch
 
 from radixkv.cache.tree_node import TreeNode
 
-__all__ = ["available", "walk", "find", "narrow", "new_node", "unavailable_reason"]
+__all__ = ["available", "walk", "find", "narrow", "new_node", "match", "unavailable_reason"]
 
 _mod: Optional[Any] = None
 unavailable_reason: Optional[str] = None
@@ -48,6 +50,9 @@ walk = _mod.walk if _mod is not None else None
 find = _mod.find if _mod is not None else None
 narrow = _mod.narrow if _mod is not None else None
 new_node = _mod.new_node if _mod is not None else None
+match = _mod.match_prefix if _mod is not None else None
+bind_match = _mod.bind_match if _mod is not None else None
+method = _mod.method if _mod is not None else None
 
 
 def available() -> bool:
