@@ -292,23 +292,56 @@ def test_compiled_paths_leak_no_references():
     c.insert(RadixKey(np.r_[np.arange(30), [99, 98]].astype(np.int32)), torch.arange(100, 132))
     short = RadixKey(np.arange(20, dtype=np.int32))
     c.match_prefix(short)  # splits once; later calls end on that node
+    big = RadixKey(np.arange(10**6, 10**6 + 3000, dtype=np.int32))  # a pooled result
+    c.insert(big, torch.arange(1000, 4000))
+    big_leaf = c.match_prefix(big).last_node
     leaf = c.match_prefix(key).last_node
     head = c._heads[None]
     objs = [key, key._buf, short._buf, c._heads, head, leaf, leaf.vbuf, leaf.kbuf, leaf.parent,
-            leaf.parent.vbuf, leaf.parent.parent, c.metrics.query_log]
+            leaf.parent.vbuf, leaf.parent.parent, c.metrics.query_log, big_leaf, big_leaf.vbuf]
     value = torch.arange(50)
     arr = np.arange(40, dtype=np.int64)
     before = [sys.getrefcount(o) for o in objs] + [sys.getrefcount(value), sys.getrefcount(arr)]
     for i in range(1000):
         m = c.match_prefix(key)
         m2 = c.match_prefix(short)
+        m3 = c.match_prefix(big)
         c.insert(key, value)
         native.narrow(arr.ctypes.data, arr.size, i % 40)
         node = native.new_node(i, leaf, leaf.kbuf, leaf.vbuf, i, 0)
-        del m, m2, node
+        del m, m2, m3, node
     after = [sys.getrefcount(o) for o in objs] + [sys.getrefcount(value), sys.getrefcount(arr)]
     assert after == before
+    assert all(used == 0 for _, _, used in native.pool_stats())
     c.check_invariants()
+
+
+def test_pooled_results_are_never_shared_while_alive():
+    """Results of 1,024+ rows are views into pooled buffers: a live result keeps its buffer
+    (later matches of the same size class get another one, or a fresh array when the class's
+    buffers are all taken), and a buffer is reused only after its result is gone."""
+    c = RadixCache(page_size=1, native=True)
+    keys = [RadixKey(np.arange(k * 10_000, k * 10_000 + 1500, dtype=np.int32)) for k in range(7)]
+    for k, key in enumerate(keys):
+        c.insert(key, torch.arange(k * 2000, k * 2000 + 1500))
+
+    def in_use():
+        return {cls: used for cls, have, used in native.pool_stats() if have}
+
+    live = [c.match_prefix(key).device_indices for key in keys]  # 7 live, 4 pooled per class
+    for k, t in enumerate(live):
+        assert t.tolist() == list(range(k * 2000, k * 2000 + 1500))
+    assert in_use()[2048] == 4
+    as_np = live[0].numpy()  # a numpy view of a pooled result keeps it alive too
+    view = live[1][10:20]  # so does a tensor view
+    del live
+    assert in_use()[2048] == 2
+    again = [c.match_prefix(key).device_indices for key in reversed(keys)]
+    assert as_np.tolist() == list(range(0, 1500)) and view.tolist() == list(range(2010, 2020))
+    for k, t in zip(reversed(range(7)), again):
+        assert t.tolist() == list(range(k * 2000, k * 2000 + 1500))
+    del again, as_np, view
+    assert in_use()[2048] == 0
 
 
 def test_native_true_needs_the_extension(monkeypatch):
