@@ -8,6 +8,7 @@ return the same results and hold identical trees: every node's tokens, rows,
 The C functions' own contracts (argument checks, ``narrow``'s refusals) are tested
 directly. Skipped when the extension is not built.
 """
+import gc
 import sys
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 
 from radixkv.cache import RadixCache, RadixKey, native
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
-from radixkv.errors import InvalidArgumentError, InvalidIndexError
+from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError, LengthMismatchError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"{native.unavailable_reason}")
 
@@ -314,6 +315,25 @@ def test_compiled_paths_leak_no_references():
     assert after == before
     assert all(used == 0 for _, _, used in native.pool_stats())
     c.check_invariants()
+    # new leaves under a locked node, then evicted: the node, the value, the tree's
+    # structures hold what they held before
+    c.inc_lock_ref(leaf)
+    c.evict(10**6)  # the other branches go first (a parent left with one child points 'only' at it)
+    base = np.arange(50, dtype=np.int32)
+    values = [torch.arange(10**4 + 52 * i, 10**4 + 52 * (i + 1)) for i in range(300)]
+    objs = [leaf, leaf.kbuf, leaf.vbuf, head, c._heads, c._leaves, c.metrics]
+    gc.collect()
+    before = [sys.getrefcount(o) for o in objs]
+    for i, v in enumerate(values):
+        assert c.insert(RadixKey(np.r_[base, [i + 10**5, i + 2 * 10**5]].astype(np.int32)), v) == 50
+    c.check_invariants()
+    assert c.evict(10**6) >= 600
+    gc.collect()
+    assert [sys.getrefcount(o) for o in objs] == before
+    del v
+    assert {sys.getrefcount(x) for x in values} == {3}  # the list, the loop name, the call
+    c.dec_lock_ref(leaf)
+    c.check_invariants()
 
 
 def test_pooled_results_are_never_shared_while_alive():
@@ -342,6 +362,57 @@ def test_pooled_results_are_never_shared_while_alive():
         assert t.tolist() == list(range(k * 2000, k * 2000 + 1500))
     del again, as_np, view
     assert in_use()[2048] == 0
+
+
+def test_compiled_insert_entry_takes_or_hands_over_every_call_form():
+    """RadixCache.insert is the compiled entry; every form of call returns and raises what
+    the Python insert does and leaves the same tree (a compiled cache against a pure one)."""
+    assert RadixCache.insert is not RadixCache._insert_py
+    t = Twin(2)
+    t.insert(np.arange(12, dtype=np.int32))
+    rows = lambda n, at=500: torch.arange(at, at + n)  # noqa: E731
+    calls = [
+        ((RadixKey(np.arange(16, dtype=np.int32)), rows(16)), {}),  # extends a leaf
+        ((RadixKey(np.r_[np.arange(8), [70, 71]].astype(np.int32)), rows(10, 600)), {}),  # a split
+        ((RadixKey(np.arange(16, dtype=np.int32)), rows(16, 700)), {}),  # all cached
+        ((RadixKey([9, 9, 9, 9], "ns"), rows(4, 800)), {}),  # a new namespace
+        ((RadixKey([9, 9, 8, 8], "ns"), rows(4, 810), 5), {}),  # priority, positional
+        ((RadixKey([9, 9, 7, 7], "ns"), rows(4, 820)), {"priority": 3}),
+        ((RadixKey([9, 9, 6, 6], "ns"), rows(4, 830), np.int64(2)), {}),
+        (([5, 5, 5, 5], rows(4, 840)), {}),  # token list
+        (([5, 5, 4, 4], rows(4, 850), 0, "ns"), {}),  # extra_key positional
+        ((RadixKey([5, 5, 3, 3]), np.arange(860, 864)), {}),  # numpy value
+        ((RadixKey([5, 5, 2, 2]), torch.arange(870, 874, dtype=torch.int32)), {}),
+        ((RadixKey([5, 5, 1, 1]), torch.arange(880, 888)[::2]), {}),  # strided
+        ((RadixKey([5, 6, 1, 1]), [890, 891, 892, 893]), {}),  # list value
+    ]
+    for args, kwargs in calls:
+        a = t.c.insert(*args, **kwargs)
+        b = t.p.insert(*args, **kwargs)
+        assert a == b, (args, kwargs)
+        t.check()
+    bad = [
+        ((RadixKey([1, 2, 3]), rows(3)), AlignmentError),
+        ((RadixKey([1, 2]), rows(3)), LengthMismatchError),
+        ((RadixKey([1, 2]), torch.tensor([1, -1])), InvalidIndexError),
+        ((RadixKey([1, 2]), torch.tensor([1, 2**31])), InvalidIndexError),
+        ((RadixKey([1, 2]), rows(2), 1.5), InvalidArgumentError),
+        ((RadixKey([1, 2]), torch.tensor([1.0, 2.0])), InvalidArgumentError),
+        ((RadixKey([1, 2]), rows(2).reshape(1, 2)), InvalidArgumentError),
+    ]
+    for args, err in bad:
+        for cache in (t.c, t.p):
+            with pytest.raises(err):
+                cache.insert(*args)
+        t.check()
+    assert t.c.insert(RadixKey([]), rows(0)) == t.p.insert(RadixKey([]), rows(0)) == 0
+    off = RadixCache(page_size=1, disable=True)
+    assert off.insert(RadixKey([1]), rows(1)) == 0 and off.total_size() == 0
+    pc, pn = (t.c._insert(RadixKey([4, 4, 4, 4]), rows(4, 900), 0), t.p._insert(RadixKey([4, 4, 4, 4]),
+                                                                              rows(4, 900), 0))
+    assert pc[0] == pn[0] and pc[1].kbuf == pn[1].kbuf
+    t.check()
+    assert t.c.metrics.snapshot() == t.p.metrics.snapshot()
 
 
 def test_native_true_needs_the_extension(monkeypatch):

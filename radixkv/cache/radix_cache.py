@@ -413,11 +413,15 @@ class RadixCache:
             alloc.free(rows_tensor(joined, self.device))
 
 
-# match_prefix's common case runs whole in C when the extension is built (one call, no Python
-# frame: about a third of a match's time in the benchmark's cycle was the frame around the
-# compiled walk). The Python method stays the contract and the reference, and takes every
-# call the compiled entry does not (native=False, hooks, devices, other key types).
+# match_prefix's and insert's common cases run whole in C when the extension is built (one
+# call, no Python frame: about a third of a match's time in the benchmark's cycle was the
+# frame around the compiled walk). The Python functions stay the contract and the reference,
+# and take every call the compiled entries do not (native=False, hooks, events, devices,
+# other key or value types, splits, errors).
 RadixCache._match_prefix_py = RadixCache.match_prefix
+RadixCache._insert_py = radix_insert.insert
 if native_mod.match is not None:
     native_mod.bind_match(RadixCache._match_prefix_py, RadixKey, MatchResult)
     RadixCache.match_prefix = native_mod.method(native_mod.match)
+    native_mod.bind_insert(radix_insert.insert, torch.Tensor, torch.int64)
+    RadixCache.insert = native_mod.method(native_mod.insert)
