@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.radixkv-installed
 
 all: test
 
-$(STAMP): pyproject.toml setup.py radixkv/cache/_native.c
+$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch])
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[dev,dynamo]"

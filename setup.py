@@ -4,6 +4,8 @@ install goes on without it when no C compiler is present, see radixkv/cache/nati
 
 Everything else is declared in pyproject.toml.
 """
+from pathlib import Path
+
 from setuptools import Extension, find_packages, setup
 
 _lib = [p for p in find_packages(include=["radixkv", "radixkv.*"])]
@@ -15,6 +17,7 @@ setup(
     packages=_lib + _svc,
     package_dir={"radixkv": "radixkv", "radixkv.service": "service"},
     package_data={"radixkv": ["data/**/*", "py.typed"], "radixkv.service": ["*.proto"]},
-    ext_modules=[Extension("radixkv.cache._native", ["radixkv/cache/_native.c"],
+    ext_modules=[Extension("radixkv.cache._native", ["radixkv/cache/csrc/module.c"],
+                           depends=[str(p) for p in Path("radixkv/cache/csrc").glob("*.[ch]")],
                            extra_compile_args=["-O3"], optional=True)],
 )

@@ -1,4 +1,4 @@
-"""The RadixCache's compiled hot paths, when they are built (``_native.c``).
+"""The RadixCache's compiled hot paths, when they are built (``csrc/``, built as ``radixkv.cache._native``).
 
 ``setup.py`` builds ``radixkv.cache._native`` as an *optional* C extension: without a C
 compiler the install still succeeds and every path runs in Python. The Python code in

@@ -1,0 +1,248 @@
+/* radixkv.cache._native, insert.c: RadixCache.insert, whole, for its common case.
+ * (part of one translation unit: module.c includes it; see module.c) */
+
+/* ---------------------------------------------------------------- insert, whole */
+
+static PyObject *py_insert = NULL;  /* radix_insert.insert (the reference) */
+static PyObject *t_int64 = NULL, *t_tensor = NULL;
+static PyObject *s_kv_events, *s_on_insert, *s_lazy, *s_dtype, *s_ndim, *s_is_cpu, *s_is_contiguous,
+    *s_is_neg, *s_data_ptr, *s_next_id, *s_leaves, *s_remove, *s_add, *s_evictable, *s_sort_key, *s_inserts,
+    *s_inserted_tokens;
+
+PyDoc_STRVAR(bind_insert_doc, "bind_insert(py_insert, torch.Tensor, torch.int64): the Python insert "
+                              "that insert() hands every case it does not take itself.");
+
+static PyObject *bind_insert(PyObject *self, PyObject *args) {
+    PyObject *f, *tt, *i64;
+    if (!PyArg_ParseTuple(args, "OO!O", &f, &PyType_Type, &tt, &i64))
+        return NULL;
+#define INTERN(v, s) if ((v = PyUnicode_InternFromString(s)) == NULL) return NULL
+    INTERN(s_kv_events, "kv_events"); INTERN(s_on_insert, "_on_insert"); INTERN(s_lazy, "_lazy");
+    INTERN(s_dtype, "dtype"); INTERN(s_ndim, "ndim"); INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_is_contiguous, "is_contiguous"); INTERN(s_is_neg, "is_neg"); INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_next_id, "_next_id"); INTERN(s_leaves, "_leaves"); INTERN(s_remove, "remove");
+    INTERN(s_add, "add"); INTERN(s_evictable, "_evictable"); INTERN(s_sort_key, "_sort_key");
+    INTERN(s_inserts, "inserts"); INTERN(s_inserted_tokens, "inserted_tokens");
+#undef INTERN
+    Py_INCREF(f); Py_XSETREF(py_insert, f);
+    Py_INCREF(tt); Py_XSETREF(t_tensor, tt);
+    Py_INCREF(i64); Py_XSETREF(t_int64, i64);
+    Py_RETURN_NONE;
+}
+
+/* o.name += delta for an int attribute. */
+static int add_to_attr(PyObject *o, PyObject *name, Py_ssize_t delta) {
+    PyObject *v = PyObject_GetAttr(o, name), *d = NULL, *r = NULL;
+    if (v != NULL && (d = PyLong_FromSsize_t(delta)) != NULL)
+        r = PyNumber_Add(v, d);
+    Py_XDECREF(v);
+    Py_XDECREF(d);
+    if (r == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(o, name, r);
+    Py_DECREF(r);
+    return rc;
+}
+
+/* Consumes v (a new reference, or NULL after an error): 1 when v is want, 0 when it is not,
+ * -1 for NULL (the error stays set). */
+static int is(PyObject *v, PyObject *want) {
+    if (v == NULL)
+        return -1;
+    int r = v == want;
+    Py_DECREF(v);
+    return r;
+}
+#define attr_is(o, name, want) is(PyObject_GetAttr((o), (name)), (want))
+#define call_is_true(o, name) is(PyObject_CallMethodNoArgs((o), (name)), Py_True)
+
+PyDoc_STRVAR(insert_doc,
+"insert(key, value, priority=0, extra_key=None) -> int\n\n"
+"Insert key (whole pages) with its KV rows; returns the tokens already cached: see\n"
+"radixkv.cache.radix_insert.insert, the contract and the reference. This compiled entry\n"
+"takes the common case whole (a RadixKey, a contiguous 1-D CPU int64 tensor, an int\n"
+"priority, an existing namespace, no split, no KV events, a policy without hooks) and hands\n"
+"every other call to it unchanged, before changing anything.");
+
+static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    PyObject *self, *key, *value, *prio, *res = NULL;
+    PyObject *buf = NULL, *ek = NULL, *pbo = NULL, *heads = NULL, *head = NULL, *found = NULL, *tail = NULL,
+        *leaf = NULL, *clock = NULL, *v = NULL;
+    long long p = 0;
+    if (py_insert == NULL || node_type == NULL || key_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "radixkv.cache._native: bind()/bind_match()/bind_insert() not called");
+        return NULL;
+    }
+    if (kwnames != NULL || nargs < 3 || nargs > 4 || Py_TYPE(args[1]) != key_type ||
+        Py_TYPE(args[2]) != (PyTypeObject *)t_tensor || (nargs == 4 && !PyLong_CheckExact(args[3])))
+        return PyObject_Vectorcall(py_insert, args, nargs, kwnames);
+    self = args[0];
+    key = args[1];
+    value = args[2];
+    prio = nargs == 4 ? args[3] : NULL;
+    if (prio != NULL) {
+        int overflow;
+        p = PyLong_AsLongLongAndOverflow(prio, &overflow);
+        if (overflow || (p == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            goto python;
+        }
+    }
+    /* the cache: compiled walks on (set only for lazily ordered policies without on_hit), no
+     * KV events, no on_insert hook, not disabled; the value: a 1-D CPU int64 tensor */
+    int r;
+    if ((r = attr_is(self, s_cwalk, Py_None)) != 0 || (r = attr_is(self, s_kv_events, Py_None)) != 1 ||
+        (r = attr_is(self, s_on_insert, Py_None)) != 1 || (r = attr_is(self, s_disable, Py_False)) != 1 ||
+        (r = attr_is(value, s_dtype, t_int64)) != 1 || (r = attr_is(value, s_is_cpu, Py_True)) != 1) {
+        if (r < 0)
+            return NULL;
+        goto python;
+    }
+    if ((v = PyObject_GetAttr(value, s_ndim)) == NULL)
+        return NULL;
+    r = PyLong_CheckExact(v) && PyLong_AsLong(v) == 1;
+    Py_CLEAR(v);
+    if (!r)
+        goto python;
+    if ((buf = PyObject_GetAttr(key, s_buf)) == NULL || (ek = PyObject_GetAttr(key, s_extra_key)) == NULL ||
+        (pbo = PyObject_GetAttr(self, s_pb)) == NULL || (heads = PyObject_GetAttr(self, s_heads)) == NULL)
+        goto done;
+    if (!PyBytes_CheckExact(buf) || !PyDict_CheckExact(heads))
+        goto python;
+    Py_ssize_t n = PyBytes_GET_SIZE(buf), pb = PyLong_AsSsize_t(pbo);
+    if (pb == -1 && PyErr_Occurred())
+        goto done;
+    Py_ssize_t rows = PyObject_Size(value);
+    if (rows < 0)
+        goto done;
+    if (n == 0 || n % pb || rows != n >> 2)
+        goto python;  /* Python raises AlignmentError / LengthMismatchError, or returns 0 */
+    head = PyDict_GetItemWithError(heads, ek);
+    if (head == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        goto python;  /* a new namespace */
+    }
+    Py_INCREF(head);
+    PyObject *fargs[4];
+    fargs[0] = head;
+    fargs[1] = buf;
+    fargs[2] = PyLong_FromSsize_t(n);
+    fargs[3] = pbo;
+    if (fargs[2] == NULL)
+        goto done;
+    found = find(NULL, fargs, 4);
+    Py_DECREF(fargs[2]);
+    if (found == NULL)
+        goto done;
+    if (PyTuple_GET_ITEM(found, 3) != Py_None)
+        goto python;  /* the cached prefix ends inside a node: a split */
+    Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(found, 0));
+    PyObject *node = PyTuple_GET_ITEM(found, 1), *path = PyTuple_GET_ITEM(found, 2);
+    if (pos < n) {  /* the new rows: contiguous, no neg bit, all in [0, 2**31) */
+        int ok = call_is_true(value, s_is_contiguous), neg = ok == 1 ? call_is_true(value, s_is_neg) : 0;
+        if (ok < 0 || neg < 0)
+            goto done;
+        if (!ok || neg)
+            goto python;
+        if ((v = PyObject_CallMethodNoArgs(value, s_data_ptr)) == NULL)
+            goto done;
+        PyObject *nargs3[3];
+        nargs3[0] = v;
+        nargs3[1] = PyLong_FromSsize_t(n >> 2);
+        nargs3[2] = PyLong_FromSsize_t(pos >> 2);
+        if (nargs3[1] != NULL && nargs3[2] != NULL)
+            tail = narrow(NULL, nargs3, 3);
+        Py_XDECREF(nargs3[1]);
+        Py_XDECREF(nargs3[2]);
+        Py_CLEAR(v);
+        if (tail == NULL)
+            goto done;
+        if (tail == Py_None)
+            goto python;  /* a row out of range: Python raises */
+    }
+    /* ---- mutation (nothing below goes back to Python's insert) ---- */
+    if ((clock = PyObject_GetAttr(self, s_clock)) == NULL)
+        goto done;
+    long long tick = PyLong_AsLongLong(clock);
+    if (tick == -1 && PyErr_Occurred())
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {
+        PyObject *x = PyList_GET_ITEM(path, i), *xp = SLOT(x, off_prio);
+        if (set_int_slot(x, off_last, ++tick) < 0)
+            goto done;
+        long long xv = PyLong_AsLongLong(xp);
+        if (xv == -1 && PyErr_Occurred())
+            goto done;
+        if (xv < p && set_int_slot(x, off_prio, p) < 0)
+            goto done;
+    }
+    if (pos < n) {
+        PyObject *ptail = NULL, *page = NULL, *idobj = NULL, *tk = NULL, *pr = NULL, *leaves = NULL, *r = NULL;
+        int bad = add_to_attr(self, s_next_id, 1) < 0 || (idobj = PyObject_GetAttr(self, s_next_id)) == NULL ||
+                  (ptail = PyBytes_FromStringAndSize(PyBytes_AS_STRING(buf) + pos, n - pos)) == NULL ||
+                  (tk = PyLong_FromLongLong(++tick)) == NULL || (pr = PyLong_FromLongLong(p)) == NULL;
+        if (!bad) {
+            PyObject *nn[6] = {idobj, node, ptail, tail, tk, pr};
+            bad = (leaf = new_node(NULL, nn, 6)) == NULL;
+        }
+        Py_XDECREF(ptail); Py_XDECREF(idobj); Py_XDECREF(tk); Py_XDECREF(pr);
+        if (bad || (leaves = PyObject_GetAttr(self, s_leaves)) == NULL)
+            goto done;
+        if (SLOT(node, off_skey) != Py_None) {  /* the parent stops being a leaf */
+            r = PyObject_CallMethodOneArg(leaves, s_remove, node);
+            if (r == NULL) {
+                Py_DECREF(leaves);
+                goto done;
+            }
+            Py_CLEAR(r);
+            Py_SETREF(SLOT(node, off_skey), Py_NewRef(Py_None));
+        }
+        PyObject *ch = SLOT(node, off_children);
+        bad = (page = PyBytes_FromStringAndSize(PyBytes_AS_STRING(buf) + pos, pb)) == NULL ||
+              PyDict_SetItem(ch, page, leaf) < 0;
+        Py_XDECREF(page);
+        if (!bad) {
+            Py_SETREF(SLOT(node, off_only), Py_NewRef(PyDict_GET_SIZE(ch) == 1 ? leaf : Py_None));
+            bad = add_to_attr(self, s_evictable, (n - pos) >> 2) < 0;
+        }
+        if (!bad) {  /* leaf.skey = cache._sort_key(leaf); leaves.add(leaf) */
+            PyObject *sk = PyObject_GetAttr(self, s_sort_key), *kv = NULL;
+            if (sk != NULL)
+                kv = PyObject_CallOneArg(sk, leaf);
+            Py_XDECREF(sk);
+            if (kv == NULL)
+                bad = 1;
+            else
+                Py_SETREF(SLOT(leaf, off_skey), kv);
+        }
+        if (!bad && (r = PyObject_CallMethodOneArg(leaves, s_add, leaf)) == NULL)
+            bad = 1;
+        Py_XDECREF(r);
+        Py_DECREF(leaves);
+        if (bad)
+            goto done;
+    }
+    PyObject *tko = PyLong_FromLongLong(tick), *m = NULL;
+    if (tko == NULL || PyObject_SetAttr(self, s_clock, tko) < 0) {
+        Py_XDECREF(tko);
+        goto done;
+    }
+    Py_DECREF(tko);
+    if ((m = PyObject_GetAttr(self, s_metrics)) == NULL)
+        goto done;
+    if (add_to_attr(m, s_inserts, 1) < 0 || add_to_attr(m, s_inserted_tokens, (n - pos) >> 2) < 0) {
+        Py_DECREF(m);
+        goto done;
+    }
+    Py_DECREF(m);
+    res = PyLong_FromSsize_t(pos >> 2);
+    goto done;
+python:
+    res = PyObject_Vectorcall(py_insert, args, nargs, NULL);
+done:
+    Py_XDECREF(buf); Py_XDECREF(ek); Py_XDECREF(pbo); Py_XDECREF(heads); Py_XDECREF(head);
+    Py_XDECREF(found); Py_XDECREF(tail); Py_XDECREF(leaf); Py_XDECREF(clock); Py_XDECREF(v);
+    return res;
+}
+

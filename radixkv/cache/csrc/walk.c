@@ -1,0 +1,203 @@
+/* radixkv.cache._native, walk.c: the descent shared by match_prefix's walk and insert's find.
+ * (part of one translation unit: module.c includes it; see module.c) */
+
+/* Shared argument checks of walk/find: head, buf, n, pb. */
+static int walk_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t *n, Py_ssize_t *pb) {
+    if (node_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "radixkv.cache._native: bind() was not called");
+        return -1;
+    }
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    if (!PyObject_TypeCheck(args[0], node_type) || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "walk: head must be a TreeNode and buf bytes");
+        return -1;
+    }
+    *n = PyLong_AsSsize_t(args[2]);
+    *pb = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred())
+        return -1;
+    if (*pb < 4 || (*pb & 3) || *n < 0 || *n > PyBytes_GET_SIZE(args[1]) || *n % *pb) {
+        PyErr_SetString(PyExc_ValueError, "walk: need 0 <= n <= len(buf), n a multiple of pb, pb a multiple of 4");
+        return -1;
+    }
+    return 0;
+}
+
+/* The child of node whose key starts with buf[pos:pos+pb] (borrowed), or NULL: none
+ * (no error set) or an error (set). */
+static PyObject *child_at(PyObject *node, const char *buf, Py_ssize_t pos, Py_ssize_t pb) {
+    PyObject *child = SLOT(node, off_only);
+    if (child == NULL || child == Py_None) {
+        PyObject *ch = SLOT(node, off_children);
+        if (ch == NULL || !PyDict_CheckExact(ch)) {
+            PyErr_SetString(PyExc_TypeError, "walk: a node's children is not a dict");
+            return NULL;
+        }
+        if (PyDict_GET_SIZE(ch) == 0)
+            return NULL;
+        PyObject *k = PyBytes_FromStringAndSize(buf + pos, pb);
+        if (k == NULL)
+            return NULL;
+        child = PyDict_GetItemWithError(ch, k);
+        Py_DECREF(k);
+        if (child == NULL)
+            return NULL;
+    }
+    if (Py_TYPE(child) != node_type || SLOT(child, off_kbuf) == NULL || !PyBytes_CheckExact(SLOT(child, off_kbuf))) {
+        PyErr_SetString(PyExc_TypeError, "walk: a child is not a TreeNode with bytes kbuf");
+        return NULL;
+    }
+    return child;
+}
+
+/* 1: child's whole key matches buf[pos:n]; 0: it does not (*split set when its first page
+ * matches, so the caller splits it). */
+static int key_matches(PyObject *child, const char *buf, Py_ssize_t pos, Py_ssize_t n, Py_ssize_t pb,
+                       PyObject **split) {
+    PyObject *kb = SLOT(child, off_kbuf);
+    Py_ssize_t kl = PyBytes_GET_SIZE(kb);
+    const char *kd = PyBytes_AS_STRING(kb);
+    if (kl <= n - pos && memcmp(buf + pos, kd, (size_t)kl) == 0)
+        return 1;
+    if (kl >= pb && memcmp(buf + pos, kd, (size_t)pb) == 0)
+        *split = child;
+    return 0;
+}
+
+/* The descent both walks share: from head, follow the child whose whole key matches
+ * buf[pos:n] (child_at + key_matches), calling visit(child, ctx) on each. Sets the bytes
+ * matched, the last matched node (borrowed; head if none) and the split candidate
+ * (borrowed, or Py_None). 0, or -1 with an error set. */
+typedef int (*visit_fn)(PyObject *child, void *ctx);
+
+static int descend(PyObject *head, const char *buf, Py_ssize_t n, Py_ssize_t pb, visit_fn visit, void *ctx,
+                   Py_ssize_t *pos_out, PyObject **node_out, PyObject **split) {
+    PyObject *node = head;
+    Py_ssize_t pos = 0;
+    *split = Py_None;
+    while (pos < n) {
+        PyObject *child = child_at(node, buf, pos, pb);
+        if (child == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            break;
+        }
+        if (!key_matches(child, buf, pos, n, pb, split))
+            break;
+        if (visit(child, ctx) < 0)
+            return -1;
+        pos += PyBytes_GET_SIZE(SLOT(child, off_kbuf));
+        node = child;
+    }
+    *pos_out = pos;
+    *node_out = node;
+    return 0;
+}
+
+typedef struct {
+    long long tick;
+    PyObject **vals;  /* owned references to the touched nodes' vbufs */
+    Py_ssize_t nv, cap;
+    PyObject *stack[32];
+} touch_ctx;
+
+/* walk's visit: touch the node (last_access = ++tick, hits += 1), keep its vbuf. */
+static int touch(PyObject *child, void *p) {
+    touch_ctx *c = (touch_ctx *)p;
+    PyObject *hits = SLOT(child, off_hits), *vb = SLOT(child, off_vbuf);
+    if (hits == NULL || !PyLong_CheckExact(hits) || vb == NULL || !PyBytes_CheckExact(vb)) {
+        PyErr_SetString(PyExc_TypeError, "walk: a node's hits is not an int or its vbuf not bytes");
+        return -1;
+    }
+    long long h = PyLong_AsLongLong(hits);
+    if ((h == -1 && PyErr_Occurred()) || set_int_slot(child, off_last, c->tick + 1) < 0 ||
+        set_int_slot(child, off_hits, h + 1) < 0)
+        return -1;
+    c->tick++;
+    if (c->nv == c->cap) {
+        PyObject **grown = PyMem_Malloc(sizeof(PyObject *) * (size_t)c->cap * 2);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(grown, c->vals, sizeof(PyObject *) * (size_t)c->nv);
+        if (c->vals != c->stack)
+            PyMem_Free(c->vals);
+        c->vals = grown;
+        c->cap *= 2;
+    }
+    Py_INCREF(vb);
+    c->vals[c->nv++] = vb;
+    return 0;
+}
+
+PyDoc_STRVAR(walk_doc,
+"walk(head, buf, n, pb, tick) -> (pos, node, tick, rows, split)\n\n"
+"match_prefix's walk: from head, follow the child whose key matches buf[pos:n] whole\n"
+"(node.only, else children[buf[pos:pos+pb]]), touching each (tick += 1; last_access =\n"
+"tick; hits += 1). Stops at a missing child, a child that differs, or one that runs past\n"
+"n; split is that child when its first page matches (the caller splits it), else None.\n"
+"pos: bytes matched; node: the last matched node (head if none); rows: with split None,\n"
+"an int64 tensor of the matched nodes' rows, else the list of their vbufs.");
+
+static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, pb, pos;
+    if (walk_args(args, nargs, 5, &n, &pb) < 0)
+        return NULL;
+    touch_ctx c;
+    c.tick = PyLong_AsLongLong(args[4]);
+    if (c.tick == -1 && PyErr_Occurred())
+        return NULL;
+    c.vals = c.stack;
+    c.nv = 0;
+    c.cap = 32;
+    PyObject *node, *split, *rows = NULL, *res = NULL;
+    if (descend(args[0], PyBytes_AS_STRING(args[1]), n, pb, touch, &c, &pos, &node, &split) == 0) {
+        Py_INCREF(node);  /* owned from here: widen() may run Python code (a GC pass) */
+        Py_INCREF(split);
+        if (split == Py_None) {
+            rows = widen(c.vals, c.nv, pos >> 2);
+        } else if ((rows = PyList_New(c.nv)) != NULL) {
+            for (Py_ssize_t i = 0; i < c.nv; i++) {
+                Py_INCREF(c.vals[i]);
+                PyList_SET_ITEM(rows, i, c.vals[i]);
+            }
+        }
+        if (rows != NULL) {
+            res = Py_BuildValue("(nNLNN)", pos, node, c.tick, rows, split);
+        } else {
+            Py_DECREF(node);
+            Py_DECREF(split);
+        }
+    }
+    for (Py_ssize_t i = 0; i < c.nv; i++)
+        Py_DECREF(c.vals[i]);
+    if (c.vals != c.stack)
+        PyMem_Free(c.vals);
+    return res;
+}
+
+static int append_path(PyObject *child, void *path) { return PyList_Append((PyObject *)path, child); }
+
+PyDoc_STRVAR(find_doc,
+"find(head, buf, n, pb) -> (pos, node, path, split)\n\n"
+"insert's read-only walk: walk's descent without touching anything. path: the fully\n"
+"matched nodes in order.");
+
+static PyObject *find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, pb, pos;
+    if (walk_args(args, nargs, 4, &n, &pb) < 0)
+        return NULL;
+    PyObject *node, *split, *path = PyList_New(0);
+    if (path == NULL)
+        return NULL;
+    if (descend(args[0], PyBytes_AS_STRING(args[1]), n, pb, append_path, path, &pos, &node, &split) < 0) {
+        Py_DECREF(path);
+        return NULL;
+    }
+    return Py_BuildValue("(nONO)", pos, node, path, split);
+}
+
