@@ -28,6 +28,7 @@ for the whole process; ``RadixCache(..., native=False)`` for one cache.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Optional
 
@@ -44,8 +45,8 @@ if os.environ.get("RADIXKV_PURE_PYTHON", "") not in ("", "0"):
     unavailable_reason = "RADIXKV_PURE_PYTHON is set"
 else:
     try:
-        from radixkv.cache import _native as _mod  # type: ignore[attr-defined,no-redef]
-    except ImportError as e:  # not built (no compiler at install time)
+        _mod = importlib.import_module("radixkv.cache._native")
+    except ImportError as e:  # not built (no C compiler at install time)
         unavailable_reason = f"radixkv.cache._native is not built ({e})"
     else:
         _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
