@@ -87,7 +87,7 @@ class RadixCache:
             per-page hashes.
         kv_event_seed: seed of the event hash chain (see ``radixkv.cache.events``).
         metrics_window: queries covered by the rolling hit rate.
-        native: use the compiled walks (``radixkv.cache.native``): ``None`` when they are
+        native: use the compiled paths (``radixkv.cache.native``): ``None`` when they are
             built, ``False`` never (the pure-Python reference), ``True`` or raise
             ``InvalidArgumentError`` when they are not built. Same results either way.
 

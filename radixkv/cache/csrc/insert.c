@@ -112,6 +112,10 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t n = PyBytes_GET_SIZE(buf), pb = PyLong_AsSsize_t(pbo);
     if (pb == -1 && PyErr_Occurred())
         goto done;
+    if (pb < 4 || pb % 4) {
+        PyErr_SetString(PyExc_ValueError, "cache._pb must be 4 x page_size");
+        goto done;
+    }
     Py_ssize_t rows = PyObject_Size(value);
     if (rows < 0)
         goto done;

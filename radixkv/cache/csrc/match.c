@@ -78,6 +78,10 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t pb = PyLong_AsSsize_t(pbo), nbytes = PyBytes_GET_SIZE(buf);
     if (pb == -1 && PyErr_Occurred())
         goto done;
+    if (pb < 4 || pb % 4) {
+        PyErr_SetString(PyExc_ValueError, "cache._pb must be 4 x page_size");
+        goto done;
+    }
     Py_ssize_t n = nbytes - nbytes % pb;
     head = PyDict_GetItemWithError(heads, ek);
     if (head == NULL && PyErr_Occurred())
