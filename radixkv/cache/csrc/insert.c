@@ -109,13 +109,9 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
         goto done;
     if (!PyBytes_CheckExact(buf) || !PyDict_CheckExact(heads))
         goto python;
-    Py_ssize_t n = PyBytes_GET_SIZE(buf), pb = PyLong_AsSsize_t(pbo);
-    if (pb == -1 && PyErr_Occurred())
+    Py_ssize_t pb, n = PyBytes_GET_SIZE(buf);
+    if (page_bytes(pbo, &pb) < 0)
         goto done;
-    if (pb < 4 || pb % 4) {
-        PyErr_SetString(PyExc_ValueError, "cache._pb must be 4 x page_size");
-        goto done;
-    }
     Py_ssize_t rows = PyObject_Size(value);
     if (rows < 0)
         goto done;
@@ -128,15 +124,11 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
         goto python;  /* a new namespace */
     }
     Py_INCREF(head);
-    PyObject *fargs[4];
-    fargs[0] = head;
-    fargs[1] = buf;
-    fargs[2] = PyLong_FromSsize_t(n);
-    fargs[3] = pbo;
-    if (fargs[2] == NULL)
+    if (!PyObject_TypeCheck(head, node_type)) {
+        PyErr_SetString(PyExc_TypeError, "insert: a namespace head is not a TreeNode");
         goto done;
-    found = find(NULL, fargs, 4);
-    Py_DECREF(fargs[2]);
+    }
+    found = find_at(head, buf, n, pb);
     if (found == NULL)
         goto done;
     if (PyTuple_GET_ITEM(found, 3) != Py_None)

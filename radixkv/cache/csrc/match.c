@@ -75,13 +75,9 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_TypeError, "match: unexpected RadixKey._buf or cache._heads");
         goto done;
     }
-    Py_ssize_t pb = PyLong_AsSsize_t(pbo), nbytes = PyBytes_GET_SIZE(buf);
-    if (pb == -1 && PyErr_Occurred())
+    Py_ssize_t pb, nbytes = PyBytes_GET_SIZE(buf);
+    if (page_bytes(pbo, &pb) < 0)
         goto done;
-    if (pb < 4 || pb % 4) {
-        PyErr_SetString(PyExc_ValueError, "cache._pb must be 4 x page_size");
-        goto done;
-    }
     Py_ssize_t n = nbytes - nbytes % pb;
     head = PyDict_GetItemWithError(heads, ek);
     if (head == NULL && PyErr_Occurred())
@@ -96,16 +92,14 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     }
     if (get(self, s_clock, &clock) < 0)
         goto done;
-    PyObject *wargs[5];
-    wargs[0] = head;
-    wargs[1] = buf;
-    wargs[2] = PyLong_FromSsize_t(n);
-    wargs[3] = pbo;
-    wargs[4] = clock;
-    if (wargs[2] == NULL)
+    long long tick = PyLong_AsLongLong(clock);
+    if (tick == -1 && PyErr_Occurred())
         goto done;
-    w = walk(NULL, wargs, 5);
-    Py_DECREF(wargs[2]);
+    if (!PyObject_TypeCheck(head, node_type)) {
+        PyErr_SetString(PyExc_TypeError, "match: a namespace head is not a TreeNode");
+        goto done;
+    }
+    w = walk_at(head, buf, n, pb, tick);
     if (w == NULL)
         goto done;
     if (PyTuple_GET_ITEM(w, 4) != Py_None) {  /* ended inside a node: cache._split_end splits it */

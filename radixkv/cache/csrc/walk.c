@@ -1,6 +1,19 @@
 /* radixkv.cache._native, walk.c: the descent shared by match_prefix's walk and insert's find.
  * (part of one translation unit: module.c includes it; see module.c) */
 
+/* *pb = int(o), the bytes of a page: a positive multiple of 4 (cache._pb = 4 x page_size).
+ * 0, or -1 with an error set. */
+static int page_bytes(PyObject *o, Py_ssize_t *pb) {
+    *pb = PyLong_AsSsize_t(o);
+    if (*pb == -1 && PyErr_Occurred())
+        return -1;
+    if (*pb < 4 || *pb % 4) {
+        PyErr_SetString(PyExc_ValueError, "the bytes of a page must be 4 x page_size");
+        return -1;
+    }
+    return 0;
+}
+
 /* Shared argument checks of walk/find: head, buf, n, pb. */
 static int walk_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t *n, Py_ssize_t *pb) {
     if (node_type == NULL) {
@@ -16,11 +29,10 @@ static int walk_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, P
         return -1;
     }
     *n = PyLong_AsSsize_t(args[2]);
-    *pb = PyLong_AsSsize_t(args[3]);
-    if (PyErr_Occurred())
+    if ((*n == -1 && PyErr_Occurred()) || page_bytes(args[3], pb) < 0)
         return -1;
-    if (*pb < 4 || (*pb & 3) || *n < 0 || *n > PyBytes_GET_SIZE(args[1]) || *n % *pb) {
-        PyErr_SetString(PyExc_ValueError, "walk: need 0 <= n <= len(buf), n a multiple of pb, pb a multiple of 4");
+    if (*n < 0 || *n > PyBytes_GET_SIZE(args[1]) || *n % *pb) {
+        PyErr_SetString(PyExc_ValueError, "walk: need 0 <= n <= len(buf), n a multiple of pb");
         return -1;
     }
     return 0;
@@ -143,19 +155,16 @@ PyDoc_STRVAR(walk_doc,
 "pos: bytes matched; node: the last matched node (head if none); rows: with split None,\n"
 "an int64 tensor of the matched nodes' rows, else the list of their vbufs.");
 
-static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t n, pb, pos;
-    if (walk_args(args, nargs, 5, &n, &pb) < 0)
-        return NULL;
+/* walk() on checked C arguments (match.c calls it directly). */
+static PyObject *walk_at(PyObject *head, PyObject *buf, Py_ssize_t n, Py_ssize_t pb, long long tick) {
+    Py_ssize_t pos;
     touch_ctx c;
-    c.tick = PyLong_AsLongLong(args[4]);
-    if (c.tick == -1 && PyErr_Occurred())
-        return NULL;
+    c.tick = tick;
     c.vals = c.stack;
     c.nv = 0;
     c.cap = 32;
     PyObject *node, *split, *rows = NULL, *res = NULL;
-    if (descend(args[0], PyBytes_AS_STRING(args[1]), n, pb, touch, &c, &pos, &node, &split) == 0) {
+    if (descend(head, PyBytes_AS_STRING(buf), n, pb, touch, &c, &pos, &node, &split) == 0) {
         Py_INCREF(node);  /* owned from here: widen() may run Python code (a GC pass) */
         Py_INCREF(split);
         if (split == Py_None) {
@@ -180,6 +189,16 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return res;
 }
 
+static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, pb;
+    if (walk_args(args, nargs, 5, &n, &pb) < 0)
+        return NULL;
+    long long tick = PyLong_AsLongLong(args[4]);
+    if (tick == -1 && PyErr_Occurred())
+        return NULL;
+    return walk_at(args[0], args[1], n, pb, tick);
+}
+
 static int append_path(PyObject *child, void *path) { return PyList_Append((PyObject *)path, child); }
 
 PyDoc_STRVAR(find_doc,
@@ -187,17 +206,22 @@ PyDoc_STRVAR(find_doc,
 "insert's read-only walk: walk's descent without touching anything. path: the fully\n"
 "matched nodes in order.");
 
-static PyObject *find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t n, pb, pos;
-    if (walk_args(args, nargs, 4, &n, &pb) < 0)
-        return NULL;
+/* find() on checked C arguments (insert.c calls it directly). */
+static PyObject *find_at(PyObject *head, PyObject *buf, Py_ssize_t n, Py_ssize_t pb) {
+    Py_ssize_t pos;
     PyObject *node, *split, *path = PyList_New(0);
     if (path == NULL)
         return NULL;
-    if (descend(args[0], PyBytes_AS_STRING(args[1]), n, pb, append_path, path, &pos, &node, &split) < 0) {
+    if (descend(head, PyBytes_AS_STRING(buf), n, pb, append_path, path, &pos, &node, &split) < 0) {
         Py_DECREF(path);
         return NULL;
     }
     return Py_BuildValue("(nONO)", pos, node, path, split);
 }
 
+static PyObject *find(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, pb;
+    if (walk_args(args, nargs, 4, &n, &pb) < 0)
+        return NULL;
+    return find_at(args[0], args[1], n, pb);
+}
