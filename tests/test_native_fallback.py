@@ -7,10 +7,13 @@ import sys
 SCRIPT = r"""
 import numpy as np, torch
 from radixkv.cache import RadixCache, RadixKey, native
+from radixkv.cache.radix_cache import NativeRadixCache
+from radixkv.cache.radix_insert import InsertMixin
 assert not native.available() and native.unavailable_reason == "RADIXKV_PURE_PYTHON is set"
-assert RadixCache.match_prefix is RadixCache._match_prefix_py
-assert RadixCache.insert is RadixCache._insert_py
+assert NativeRadixCache.match_prefix is RadixCache.match_prefix  # no compiled entries bound
+assert NativeRadixCache.insert is RadixCache.insert is InsertMixin.insert
 c = RadixCache(page_size=2)
+assert type(c) is RadixCache  # never a NativeRadixCache without the compiled paths
 assert c.native is False and c._cwalk is None and c._cfind is None
 c.insert(RadixKey(np.arange(8, dtype=np.int32)), torch.arange(8))
 m = c.match_prefix(RadixKey(np.r_[np.arange(6), [9, 9]].astype(np.int32)))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from radixkv.cache import RadixCache, RadixKey, native
+from radixkv.cache.radix_cache import NativeRadixCache
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError, LengthMismatchError
 
@@ -246,8 +247,10 @@ def test_new_node_sets_what_init_sets():
 def test_compiled_match_prefix_entry_takes_or_hands_over_every_call_form():
     """RadixCache.match_prefix is the compiled entry; every form of call gives what the
     Python method gives (the compiled cache against a pure one, same state)."""
-    assert RadixCache.match_prefix is not RadixCache._match_prefix_py
-    assert "_match_prefix_py" in RadixCache.match_prefix.__doc__
+    assert NativeRadixCache.match_prefix is not RadixCache.match_prefix
+    assert "RadixCache.match_prefix (Python)" in NativeRadixCache.match_prefix.__doc__
+    assert type(RadixCache()) is NativeRadixCache and type(RadixCache(native=None)) is NativeRadixCache
+    assert type(RadixCache(native=False)) is RadixCache
     t = Twin(2)
     t.insert(np.arange(12, dtype=np.int32))
     t.insert(np.arange(12, dtype=np.int32), extra="ns")
@@ -367,7 +370,7 @@ def test_pooled_results_are_never_shared_while_alive():
 def test_compiled_insert_entry_takes_or_hands_over_every_call_form():
     """RadixCache.insert is the compiled entry; every form of call returns and raises what
     the Python insert does and leaves the same tree (a compiled cache against a pure one)."""
-    assert RadixCache.insert is not RadixCache._insert_py
+    assert NativeRadixCache.insert is not RadixCache.insert
     t = Twin(2)
     t.insert(np.arange(12, dtype=np.int32))
     rows = lambda n, at=500: torch.arange(at, at + n)  # noqa: E731

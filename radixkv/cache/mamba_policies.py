@@ -309,7 +309,7 @@ def make_state_order(policy: Union[str, StateEvictionOrder]) -> StateEvictionOrd
 
 
 # ----------------------------------------------------------------------------- eviction
-# The mechanics of both orders, bound as ``MambaRadixCache.evict`` (the full order's leaf
+# The mechanics of both orders, run by ``MambaRadixCache.evict`` (the full order's leaf
 # index is RadixCache's ``_leaves``; the state order comes from ``cache.state_order``).
 class MambaEvictResult(NamedTuple):
     """What one ``MambaRadixCache.evict`` freed: KV tokens and Mamba state slots."""

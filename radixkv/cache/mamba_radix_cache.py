@@ -28,8 +28,9 @@ parent left childless goes too), then ``num_states`` in the state order (see
 tombstone and keeps its KV -- whose match still reports ``kv_prefix_len``, a checkpoint
 hint. Admission of states is a policy as well.
 
-The request-level entry points (``cache_finished_req`` / ``cache_unfinished_req``) live in
-:mod:`radixkv.cache.mamba_req_cache`; the state table and the audit in
+The bodies of the request-level entry points (``cache_finished_req`` /
+``cache_unfinished_req``) are in :mod:`radixkv.cache.mamba_req_cache`, of ``evict`` in
+:mod:`radixkv.cache.mamba_policies`; the state table and the audit in
 :mod:`radixkv.cache.mamba_node`.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from radixkv.cache import mamba_node, mamba_policies, mamba_req_cache
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.mamba_node import EventStateTable, StateTable
+from radixkv.cache.mamba_node import EventStateTable, StateConservation, StateTable
 from radixkv.cache.mamba_policies import (
     FlopModel,
     MambaEvictResult,
@@ -50,7 +51,7 @@ from radixkv.cache.mamba_policies import (
     make_admission,
     make_state_order,
 )
-from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
 from radixkv.cache.tree_node import TreeNode
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
@@ -162,6 +163,10 @@ class MambaRadixCache(RadixCache):
         # tombstone leaves (False) before leaves with a state: they can never yield a hit
         self._sort_key = lambda node: (has_state(node), base_key(node))
         self._qlog = None  # the hybrid match records its state hit itself
+        # RadixCache's match, which match_prefix extends: the compiled entry of
+        # NativeRadixCache when this cache uses the compiled paths (a plain function: called
+        # with self)
+        self._kv_match = NativeRadixCache.match_prefix if self.native else RadixCache.match_prefix
 
     # ------------------------------------------------------------------ sizes, lookups
     def full_evictable_size(self) -> int:
@@ -212,7 +217,7 @@ class MambaRadixCache(RadixCache):
         copied here (:meth:`fork_states` does). Raises as RadixCache's."""
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
-        idx, node, n = RadixCache.match_prefix(self, key)
+        idx, node, n = self._kv_match(self, key)
         slot_of, s = self._states.slot_of, n
         while node.parent is not None and node not in slot_of:
             s -= len(node.kbuf) >> 2
@@ -304,12 +309,24 @@ class MambaRadixCache(RadixCache):
         return _tuple_new(MambaInsertResult, (prefix, node, False))
 
     # ------------------------------------------------------------------ requests
-    cache_finished_req = mamba_req_cache.cache_finished_req
-    cache_unfinished_req = mamba_req_cache.cache_unfinished_req
-    _check_request = mamba_req_cache.check_request
+    def cache_finished_req(self, req: Any, state_len: Optional[int] = None) -> bool:
+        """RadixCache's ``cache_finished_req``, and the tree takes the request's state slot
+        when it ends at the inserted key's end; True when it did (contract:
+        :func:`radixkv.cache.mamba_req_cache.cache_finished_req`)."""
+        return mamba_req_cache.cache_finished_req(self, req, state_len)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
+        """RadixCache's ``cache_unfinished_req``, and the request's state is forked into a
+        tree slot when admitted (contract: :func:`radixkv.cache.mamba_req_cache.cache_unfinished_req`)."""
+        mamba_req_cache.cache_unfinished_req(self, req, chunked, state_len)
 
     # ------------------------------------------------------------------ evict
-    evict = mamba_policies.evict
+    def evict(self, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
+        """Free at least ``num_tokens`` KV tokens (full order) and then at least
+        ``num_states`` states (state order), or all that can go; rows and slots each go back
+        in ONE call. Raises InvalidArgumentError (nothing evicted) for a bad count
+        (contract and costs: :func:`radixkv.cache.mamba_policies.evict`)."""
+        return mamba_policies.evict(self, num_tokens, num_states)
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> int:
@@ -350,9 +367,19 @@ class MambaRadixCache(RadixCache):
         self._states.clear()
 
     # ------------------------------------------------------------------ audit
-    check_invariants = mamba_node.check_invariants
-    check_state_conservation = mamba_node.check_state_conservation
-    pretty_print = mamba_node.pretty_print
+    def check_invariants(self, running_reqs: Optional[Sequence[Any]] = None) -> None:
+        """RadixCache's audit, the state table's, and both conservation laws (KV slots given
+        ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
+        :func:`radixkv.cache.mamba_node.check_invariants`)."""
+        mamba_node.check_invariants(self, running_reqs)
+
+    def check_state_conservation(self, running_reqs: Optional[Sequence[Any]] = None) -> StateConservation:
+        """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_node.check_state_conservation`)."""
+        return mamba_node.check_state_conservation(self, running_reqs)
+
+    def pretty_print(self, max_tokens: int = 8) -> str:
+        """RadixCache's print, each node's state slot, the counts (:func:`radixkv.cache.mamba_node.pretty_print`)."""
+        return mamba_node.pretty_print(self, max_tokens)
 
     # ------------------------------------------------------------------ helpers
     def _attach(self, node: TreeNode, slot: int, end: int) -> None:

@@ -1,5 +1,5 @@
 """Request-level entry points of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache`
-(bound as its ``cache_finished_req`` / ``cache_unfinished_req``): RadixCache's
+(the bodies of its ``cache_finished_req`` / ``cache_unfinished_req``): RadixCache's
 (:mod:`radixkv.cache.req_cache`: insert the page-aligned tokens, free duplicate rows, move
 or release the lock) plus the request's Mamba state.
 

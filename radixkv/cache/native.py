@@ -13,10 +13,15 @@ on the same random operations and compares every result and every node's fields)
 * ``narrow``: the range check and int32 copy of a contiguous int64 tensor's rows (read
   at its ``data_ptr()``: no ``.numpy()`` view);
 * ``new_node``: ``TreeNode(...)`` with its fields set in C (no ``__init__`` frame);
-* ``match``: ``RadixCache.match_prefix`` whole for its common case (bound as the method, it
-  hands every other call to the Python method, ``RadixCache._match_prefix_py``);
-* ``insert``: ``RadixCache.insert`` likewise (the reference: ``radix_insert.insert``); it
-  hands a call over before changing anything.
+* ``match``: ``RadixCache.match_prefix`` whole for its common case (``NativeRadixCache``'s
+  method; it hands every other call to the Python method ``RadixCache.match_prefix``);
+* ``insert``: ``RadixCache.insert`` likewise (the reference: ``InsertMixin.insert`` in
+  ``radix_insert``); it hands a call over before changing anything.
+
+Where they are used: ``radixkv.cache.radix_cache`` binds ``match`` and ``insert`` as the
+methods of its ``NativeRadixCache`` subclass, which ``RadixCache(...)`` is when the
+compiled paths are used; ``RadixCache.__init__`` sets the walks (``_cwalk``, ``_cfind``,
+``_cnarrow``, ``_new_node``) that the Python methods call.
 
 Why compiled: the issue's target (mean ``match_prefix`` <= 10 µs, ``insert`` <= 15 µs on
 ``benchmarks/bench_radix.py``) is below what the Python walk reaches on a 2-core VM, where

@@ -18,10 +18,18 @@ Every call that rejects its input raises a :mod:`radixkv.errors` type and leaves
 exactly as it was: arguments are validated, and the walk is done read-only, before the
 first mutation (a split, a new node, a size change).
 
-The write path (``insert``'s validation, read-only walk and mutation; node splits) lives in
-:mod:`radixkv.cache.radix_insert`; the request-level entry points (``cache_finished_req`` /
-``cache_unfinished_req``) in :mod:`radixkv.cache.req_cache`; the audit
-(``check_invariants`` / ``pretty_print``) in :mod:`radixkv.cache.tree_audit`.
+The write path (``insert``'s validation, read-only walk and mutation; node splits) is the
+base class :class:`~radixkv.cache.radix_insert.InsertMixin`; the bodies of the request-level
+entry points (``cache_finished_req`` / ``cache_unfinished_req``), of ``evict`` and of the
+audit (``check_invariants`` / ``pretty_print``) are functions in :mod:`radixkv.cache.req_cache`,
+:mod:`radixkv.cache.leaf_eviction` and :mod:`radixkv.cache.tree_audit`, called by the methods
+here.
+
+Compiled paths: ``RadixCache(...)`` is a :class:`NativeRadixCache` (the subclass at the bottom
+of this module; ``__init__`` sets the class) when the compiled paths are used (``native``, see
+:mod:`radixkv.cache.native`): its ``match_prefix`` and ``insert`` run whole in C for their
+common case and hand every other call to the Python methods defined here, the contract and
+the reference. Either class gives the same results.
 """
 from __future__ import annotations
 
@@ -32,16 +40,17 @@ import numpy as np
 import torch
 from sortedcontainers import SortedKeyList
 
-from radixkv.cache import leaf_eviction, radix_insert, req_cache, tree_audit
+from radixkv.cache import leaf_eviction, req_cache, tree_audit
 from radixkv.cache import native as native_mod
 from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache.metrics import CacheMetrics
+from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvalidArgumentError
 
-__all__ = ["RadixCache", "MatchResult"]
+__all__ = ["RadixCache", "NativeRadixCache", "MatchResult"]
 
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
@@ -71,7 +80,7 @@ class MatchResult(NamedTuple):
 _tuple_new = tuple.__new__  # MatchResult(...) without its Python-level __new__ (hot path)
 
 
-class RadixCache:
+class RadixCache(InsertMixin):
     """A radix tree mapping token prefixes (per namespace) to KV rows of a token pool.
 
     Args:
@@ -89,7 +98,8 @@ class RadixCache:
         metrics_window: queries covered by the rolling hit rate.
         native: use the compiled paths (``radixkv.cache.native``): ``None`` when they are
             built, ``False`` never (the pure-Python reference), ``True`` or raise
-            ``InvalidArgumentError`` when they are not built. Same results either way.
+            ``InvalidArgumentError`` when they are not built. Same results either way. With
+            them, ``RadixCache(...)`` is a :class:`NativeRadixCache` (``__init__`` chooses).
 
     The device (of ``MatchResult.device_indices``) is the allocator's device, else CPU.
     """
@@ -139,6 +149,10 @@ class RadixCache:
         self._cfind = native_mod.find if use else None
         self._cnarrow = native_mod.narrow if use else None
         self._new_node = native_mod.new_node if use else TreeNode
+        if use and type(self) is RadixCache:
+            # the one place the class is chosen: match_prefix and insert become the compiled
+            # entries (NativeRadixCache, below); subclasses (MambaRadixCache) keep their own
+            self.__class__ = NativeRadixCache
         self._next_id = 0
         self._clock = 0
         self._clear_tree()
@@ -287,18 +301,20 @@ class RadixCache:
         return pos + len(node.kbuf), node, tick, rows_tensor(b"".join(vals), self.device)
 
     # ------------------------------------------------------------------ insert
-    # insert(key, value, priority=0, extra_key=None) -> int: see radix_insert.insert (the
-    # contract is there; bound as a plain function so a call costs one Python frame)
-    insert = radix_insert.insert
-
-    def _insert(self, key: RadixKey, value: Any, priority: int) -> Any:
-        """``insert`` returning ``(prefix, node, path)`` (the cache's own callers)."""
-        return radix_insert.insert(self, key, value, priority, None, True)
-
-    _split = radix_insert.split_node
+    # insert(key, value, priority=0, extra_key=None) -> int, _insert and _split: inherited
+    # from InsertMixin (radixkv.cache.radix_insert), where their contract is
 
     # ------------------------------------------------------------------ evict
-    evict = leaf_eviction.evict
+    def evict(self, num_tokens: int) -> int:
+        """Evict unlocked leaves in the policy's order until ``num_tokens`` tokens are freed
+        (or nothing evictable is left); a parent whose last child goes becomes a candidate.
+        All evicted rows go back to the allocator in ONE ``free`` call.
+
+        Returns the number of tokens freed (whole nodes, so possibly more than asked).
+        Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
+        O(evicted nodes x log L) (:func:`radixkv.cache.leaf_eviction.evict`).
+        """
+        return leaf_eviction.evict(self, num_tokens)
 
     def _refile(self, node: TreeNode) -> None:
         """Re-file a filed leaf under its current sort key (policies' ``rekey``)."""
@@ -392,12 +408,25 @@ class RadixCache:
         return self.kv_events.take_events() if self.kv_events is not None else []
 
     # ------------------------------------------------------------------ requests
-    cache_finished_req = req_cache.cache_finished_req
-    cache_unfinished_req = req_cache.cache_unfinished_req
+    def cache_finished_req(self, req: Any) -> None:
+        """Cache a finished request's tokens and release its lock and its own rows
+        (contract: :func:`radixkv.cache.req_cache.cache_finished_req`)."""
+        req_cache.cache_finished_req(self, req)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        """Cache a running request's tokens so far and move its lock to where they end
+        (contract: :func:`radixkv.cache.req_cache.cache_unfinished_req`)."""
+        req_cache.cache_unfinished_req(self, req, chunked)
 
     # ------------------------------------------------------------------ audit
-    check_invariants = tree_audit.check_invariants
-    pretty_print = tree_audit.pretty_print
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the node ids / rows unless the tree, its sizes,
+        its leaf index, its rows and its events agree (:func:`radixkv.cache.tree_audit.check_invariants`)."""
+        tree_audit.check_invariants(self)
+
+    def pretty_print(self, max_tokens: int = 8) -> str:
+        """The tree as text, one node a line (:func:`radixkv.cache.tree_audit.pretty_print`)."""
+        return tree_audit.pretty_print(self, max_tokens)
 
     # ------------------------------------------------------------------ helpers
     def _new_id(self) -> int:
@@ -413,15 +442,23 @@ class RadixCache:
             alloc.free(rows_tensor(joined, self.device))
 
 
-# match_prefix's and insert's common cases run whole in C when the extension is built (one
-# call, no Python frame: about a third of a match's time in the benchmark's cycle was the
-# frame around the compiled walk). The Python functions stay the contract and the reference,
-# and take every call the compiled entries do not (native=False, hooks, events, devices,
-# other key or value types, splits, errors).
-RadixCache._match_prefix_py = RadixCache.match_prefix
-RadixCache._insert_py = radix_insert.insert
-if native_mod.match is not None:
-    native_mod.bind_match(RadixCache._match_prefix_py, RadixKey, MatchResult)
-    RadixCache.match_prefix = native_mod.method(native_mod.match)
-    native_mod.bind_insert(radix_insert.insert, torch.Tensor, torch.int64)
-    RadixCache.insert = native_mod.method(native_mod.insert)
+# ---------------------------------------------------------------------- compiled paths
+if native_mod.available():  # every call the compiled entries do not take goes to these
+    native_mod.bind_match(RadixCache.match_prefix, RadixKey, MatchResult)
+    native_mod.bind_insert(InsertMixin.insert, torch.Tensor, torch.int64)
+
+
+class NativeRadixCache(RadixCache):
+    """A :class:`RadixCache` whose ``match_prefix`` and ``insert`` are compiled entries
+    (``radixkv.cache.native``); ``RadixCache.__init__`` makes a cache one when it uses the
+    compiled paths (never when they are not built). Everything else, and every call those entries do not take whole
+    (``native=False`` caches, hooks, events, devices, other key or value types, splits,
+    errors), is RadixCache's Python, the contract and the reference.
+
+    Why: one call with no Python frame; about a third of a match's time in the benchmark's
+    cycle was the frame around the compiled walk (``docs/bench_radix.md``).
+    """
+
+    if native_mod.available():
+        match_prefix = native_mod.method(native_mod.match)
+        insert = native_mod.method(native_mod.insert)

@@ -1,6 +1,6 @@
-"""The write path of the RadixCache: :func:`insert` (bound as ``RadixCache.insert``; the
-cache's own callers pass ``_path=True`` for the path) and :func:`split_node`
-(``RadixCache._split``, also used by ``match_prefix``).
+"""The write path of the RadixCache: :class:`InsertMixin`, a base class of
+:class:`~radixkv.cache.radix_cache.RadixCache` holding its methods ``insert`` (the cache's
+own callers use ``_insert`` for the path) and ``_split`` (also used by ``match_prefix``).
 
 ``insert`` runs in two phases so that a rejected call leaves the tree exactly as it
 was: first every check and a *read-only* walk (the node where the cached prefix ends, the
@@ -25,7 +25,7 @@ from radixkv.cache.rows import check_value, rows_bytes
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError, LengthMismatchError
 
-__all__ = ["insert", "split_node"]
+__all__ = ["InsertMixin"]
 
 _I32 = np.dtype(np.int32)
 _U64 = np.dtype(np.uint64)
@@ -34,177 +34,189 @@ _Tensor = torch.Tensor
 _ROW_LIMIT = 1 << 31
 
 
-def insert(cache, key: Any, value: Any, priority: int = 0, extra_key: Any = None, _path: bool = False) -> Any:
-    """``RadixCache.insert(key, value, priority=0, extra_key=None)``: insert ``key`` (a whole
-    number of pages) with its KV rows ``value``.
+class InsertMixin:
+    """``RadixCache``'s write path (a base class of it, so the methods run as its own).
 
-    Args:
-        key: a :class:`RadixKey` or token ids (``extra_key`` then names the namespace).
-        value: KV rows, an integer tensor (any device) or numpy array, one per token.
-            The rows the tree stores (those after the already-cached prefix) must lie
-            in ``[0, 2**31)``; the others are the caller's duplicates, never read.
-        priority: for the ``priority`` policy; every node on the path keeps the max.
-        _path: (the cache's own callers) return ``(prefix, node, path)``: also the node
-            where the key ends (the namespace head for an empty key) and the nodes covering
-            the cached prefix (the split-off upper half last when the prefix ends inside a
-            node).
-
-    Returns:
-        The number of leading tokens that were already cached: the tree keeps its own
-        rows for them, and the caller frees its duplicate rows ``value[:returned]``
-        that differ from the tree's.
-
-    Raises (the tree unchanged):
-        AlignmentError: the key length is not a multiple of ``page_size``.
-        LengthMismatchError: ``len(value) != len(key)``.
-        InvalidArgumentError / InvalidIndexError: bad dtype, shape, priority or rows.
-
-    One Python frame on the common path (a RadixKey, a plain 1-D CPU int64 tensor): the
-    checks and the int32 copy of the new rows are inlined (a cold frame costs ~0.5-1 µs in
-    a scheduler loop); other inputs go through ``check_value`` / ``rows_bytes``.
+    The attributes it uses (``_heads``, ``_pb``, ``_leaves``, ``_clock``, the policy hooks,
+    the compiled walks ``_cfind`` / ``_cnarrow`` / ``_new_node``, ...) are set by
+    ``RadixCache.__init__``.
     """
-    if type(key) is not RadixKey or extra_key is not None:
-        key = as_radix_key(key, extra_key)
-    buf = key._buf
-    n = len(buf)
-    pb = cache._pb
-    if n % pb:
-        raise AlignmentError(f"key of {n >> 2} tokens is not a multiple of page_size {cache.page_size}")
-    plain = type(value) is _Tensor and value.dtype is _I64T and value.ndim == 1 and value.is_cpu
-    if plain:
-        if value.shape[0] != n >> 2:
-            raise LengthMismatchError(f"key has {n >> 2} tokens but value has {value.shape[0]} rows")
-    else:
-        value = check_value(value, n >> 2)
-    if type(priority) is not int and (isinstance(priority, bool)
-                                      or not isinstance(priority, (int, np.integer))):
-        raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
-    head = cache._heads.get(key.extra_key)
-    if cache.disable or n == 0:
-        return (0, head if head is not None else cache._heads[None], []) if _path else 0
-    node = head
-    pos = 0
-    path: List[TreeNode] = []
-    split_child, split_at = None, 0
-    if head is not None:  # read-only walk: nothing changes before validation ends
-        cfind = cache._cfind
-        if cfind is not None:  # the compiled walk (radixkv.cache.native): the loop below, in C
-            pos, node, path, split_child = cfind(head, buf, n, pb)
-            if split_child is not None:  # the cached prefix ends inside split_child
-                m = common_prefix_tokens(split_child.kbuf, buf, pos, n)
-                split_at = (m - m % cache.page_size) * 4
-                pos += split_at
+
+    def insert(self, key: Any, value: Any, priority: int = 0, extra_key: Any = None, _path: bool = False) -> Any:
+        """``RadixCache.insert(key, value, priority=0, extra_key=None)``: insert ``key`` (a whole
+        number of pages) with its KV rows ``value``.
+
+        Args:
+            key: a :class:`RadixKey` or token ids (``extra_key`` then names the namespace).
+            value: KV rows, an integer tensor (any device) or numpy array, one per token.
+                The rows the tree stores (those after the already-cached prefix) must lie
+                in ``[0, 2**31)``; the others are the caller's duplicates, never read.
+            priority: for the ``priority`` policy; every node on the path keeps the max.
+            _path: (the cache's own callers) return ``(prefix, node, path)``: also the node
+                where the key ends (the namespace head for an empty key) and the nodes covering
+                the cached prefix (the split-off upper half last when the prefix ends inside a
+                node).
+
+        Returns:
+            The number of leading tokens that were already cached: the tree keeps its own
+            rows for them, and the caller frees its duplicate rows ``value[:returned]``
+            that differ from the tree's.
+
+        Raises (the tree unchanged):
+            AlignmentError: the key length is not a multiple of ``page_size``.
+            LengthMismatchError: ``len(value) != len(key)``.
+            InvalidArgumentError / InvalidIndexError: bad dtype, shape, priority or rows.
+
+        One Python frame on the common path (a RadixKey, a plain 1-D CPU int64 tensor): the
+        checks and the int32 copy of the new rows are inlined (a cold frame costs ~0.5-1 µs in
+        a scheduler loop); other inputs go through ``check_value`` / ``rows_bytes``.
+        """
+        if type(key) is not RadixKey or extra_key is not None:
+            key = as_radix_key(key, extra_key)
+        buf = key._buf
+        n = len(buf)
+        pb = self._pb
+        if n % pb:
+            raise AlignmentError(f"key of {n >> 2} tokens is not a multiple of page_size {self.page_size}")
+        plain = type(value) is _Tensor and value.dtype is _I64T and value.ndim == 1 and value.is_cpu
+        if plain:
+            if value.shape[0] != n >> 2:
+                raise LengthMismatchError(f"key has {n >> 2} tokens but value has {value.shape[0]} rows")
         else:
-            while pos < n:
-                child = node.only  # a lone child needs no dict lookup (see TreeNode.only)
-                if child is None:
-                    child = node.children.get(buf[pos:pos + pb])
+            value = check_value(value, n >> 2)
+        if type(priority) is not int and (isinstance(priority, bool)
+                                          or not isinstance(priority, (int, np.integer))):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        head = self._heads.get(key.extra_key)
+        if self.disable or n == 0:
+            return (0, head if head is not None else self._heads[None], []) if _path else 0
+        node = head
+        pos = 0
+        path: List[TreeNode] = []
+        split_child, split_at = None, 0
+        if head is not None:  # read-only walk: nothing changes before validation ends
+            cfind = self._cfind
+            if cfind is not None:  # the compiled walk (radixkv.self.native): the loop below, in C
+                pos, node, path, split_child = cfind(head, buf, n, pb)
+                if split_child is not None:  # the cached prefix ends inside split_child
+                    m = common_prefix_tokens(split_child.kbuf, buf, pos, n)
+                    split_at = (m - m % self.page_size) * 4
+                    pos += split_at
+            else:
+                while pos < n:
+                    child = node.only  # a lone child needs no dict lookup (see TreeNode.only)
                     if child is None:
-                        break
-                kb = child.kbuf
-                if buf.startswith(kb, pos):  # a memcmp; False when kb runs past the key
-                    path.append(child)
-                    node = child
-                    pos += len(kb)
-                    continue
-                if not buf.startswith(kb[:pb], pos):
-                    break  # a lone child that differs in its first page
-                m = common_prefix_tokens(kb, buf, pos, n)
-                split_child, split_at = child, (m - m % cache.page_size) * 4
-                pos += split_at
-                break
-    if pos >= n:
-        tail = b""
-    elif plain:  # rows_bytes inlined: one range check over the new rows, one int32 copy
-        cnarrow = cache._cnarrow
-        if cnarrow is not None:  # compiled: one pass over the tensor's own memory
-            tail = None
-            if value.is_contiguous() and not value.is_neg():
-                tail = cnarrow(value.data_ptr(), n >> 2, pos >> 2)  # None: a row out of range
-            if tail is None:
-                tail = rows_bytes(value, pos >> 2)  # strided, or raises naming the bad row
+                        child = node.children.get(buf[pos:pos + pb])
+                        if child is None:
+                            break
+                    kb = child.kbuf
+                    if buf.startswith(kb, pos):  # a memcmp; False when kb runs past the key
+                        path.append(child)
+                        node = child
+                        pos += len(kb)
+                        continue
+                    if not buf.startswith(kb[:pb], pos):
+                        break  # a lone child that differs in its first page
+                    m = common_prefix_tokens(kb, buf, pos, n)
+                    split_child, split_at = child, (m - m % self.page_size) * 4
+                    pos += split_at
+                    break
+        if pos >= n:
+            tail = b""
+        elif plain:  # rows_bytes inlined: one range check over the new rows, one int32 copy
+            cnarrow = self._cnarrow
+            if cnarrow is not None:  # compiled: one pass over the tensor's own memory
+                tail = None
+                if value.is_contiguous() and not value.is_neg():
+                    tail = cnarrow(value.data_ptr(), n >> 2, pos >> 2)  # None: a row out of range
+                if tail is None:
+                    tail = rows_bytes(value, pos >> 2)  # strided, or raises naming the bad row
+            else:
+                t = value.numpy()[pos >> 2:]
+                u = t.view(_U64)  # one max over the uint view checks both bounds (rows.row_max)
+                if u[u.argmax()] >= _ROW_LIMIT:
+                    raise InvalidIndexError("KV rows must lie in [0, 2**31)")
+                tail = t.astype(_I32).tobytes()
         else:
-            t = value.numpy()[pos >> 2:]
-            u = t.view(_U64)  # one max over the uint view checks both bounds (rows.row_max)
-            if u[u.argmax()] >= _ROW_LIMIT:
-                raise InvalidIndexError("KV rows must lie in [0, 2**31)")
-            tail = t.astype(_I32).tobytes()
-    else:
-        tail = rows_bytes(value, pos >> 2)
-    hashes = None
-    if cache.kv_events is not None and pos < n:
+            tail = rows_bytes(value, pos >> 2)
+        hashes = None
+        if self.kv_events is not None and pos < n:
+            if split_child is not None:
+                parent_hash = split_child.block_hashes[split_at // pb - 1]
+            else:
+                parent_hash = node.block_hashes[-1] if node is not head else None
+            hashes = self.kv_events.on_stored(parent_hash, np.frombuffer(buf, _I32, offset=pos),
+                                               key.extra_key)
+        # ---- mutation (nothing below raises on caller input) ----
+        if head is None:
+            head = node = self._heads[key.extra_key] = NamespaceHead(self._new_id(), key.extra_key)
         if split_child is not None:
-            parent_hash = split_child.block_hashes[split_at // pb - 1]
-        else:
-            parent_hash = node.block_hashes[-1] if node is not head else None
-        hashes = cache.kv_events.on_stored(parent_hash, np.frombuffer(buf, _I32, offset=pos),
-                                           key.extra_key)
-    # ---- mutation (nothing below raises on caller input) ----
-    if head is None:
-        head = node = cache._heads[key.extra_key] = NamespaceHead(cache._new_id(), key.extra_key)
-    if split_child is not None:
-        node = split_node(cache, split_child, split_at)
-        path.append(node)
-    tick = cache._clock
-    if path:
-        priority = int(priority)
-        eager = not cache._lazy
-        for x in path:
+            node = self._split(split_child, split_at)
+            path.append(node)
+        tick = self._clock
+        if path:
+            priority = int(priority)
+            eager = not self._lazy
+            for x in path:
+                tick += 1
+                x.last_access = tick
+                if x.priority < priority:
+                    x.priority = priority
+                if eager and x.skey is not None:
+                    self._refile(x)
+        if pos < n:
             tick += 1
-            x.last_access = tick
-            if x.priority < priority:
-                x.priority = priority
-            if eager and x.skey is not None:
-                cache._refile(x)
-    if pos < n:
-        tick += 1
-        cache._next_id += 1
-        leaf = cache._new_node(cache._next_id, node, buf[pos:], tail, tick, int(priority))
-        if hashes is not None:
-            leaf.block_hashes = hashes
-        leaves = cache._leaves
-        if node.skey is not None:  # the parent stops being a leaf
-            leaves.remove(node)
-            node.skey = None
-        ch = node.children
-        ch[buf[pos:pos + pb]] = leaf
-        node.only = leaf if len(ch) == 1 else None
-        cache._evictable += (n - pos) >> 2
-        if cache._on_insert is not None:
-            cache._on_insert(leaf)
-        leaf.skey = cache._sort_key(leaf)
-        leaves.add(leaf)
-        node = leaf
-    cache._clock = tick
-    m = cache._metrics  # record_insert inlined
-    m.inserts += 1
-    m.inserted_tokens += (n - pos) >> 2
-    return (pos >> 2, node, path) if _path else pos >> 2
+            self._next_id += 1
+            leaf = self._new_node(self._next_id, node, buf[pos:], tail, tick, int(priority))
+            if hashes is not None:
+                leaf.block_hashes = hashes
+            leaves = self._leaves
+            if node.skey is not None:  # the parent stops being a leaf
+                leaves.remove(node)
+                node.skey = None
+            ch = node.children
+            ch[buf[pos:pos + pb]] = leaf
+            node.only = leaf if len(ch) == 1 else None
+            self._evictable += (n - pos) >> 2
+            if self._on_insert is not None:
+                self._on_insert(leaf)
+            leaf.skey = self._sort_key(leaf)
+            leaves.add(leaf)
+            node = leaf
+        self._clock = tick
+        m = self._metrics  # record_insert inlined
+        m.inserts += 1
+        m.inserted_tokens += (n - pos) >> 2
+        return (pos >> 2, node, path) if _path else pos >> 2
 
 
-def split_node(cache, child: TreeNode, m: int) -> TreeNode:
-    """Cut the first ``m`` bytes (whole pages, 0 < m < len) of ``child`` into a new parent
-    and return it. The new node copies child's bookkeeping (lock count, recency, hits,
-    priority); sizes and leaf status do not change. O(len(child))."""
-    pb = cache._pb
-    kb, vb = child.kbuf, child.vbuf
-    parent = child.parent
-    new = cache._new_node(cache._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)
-    new.last_access = child.last_access
-    new.hits = child.hits
-    new.lock_ref = child.lock_ref
-    child.kbuf = kb[m:]
-    child.vbuf = vb[m:]
-    child.parent = new
-    new.children[child.kbuf[:pb]] = child
-    new.only = child
-    parent.children[kb[:pb]] = new
-    if parent.only is child:
-        parent.only = new
-    if child.block_hashes is not None:
-        pages = m // pb
-        new.block_hashes = child.block_hashes[:pages]
-        child.block_hashes = child.block_hashes[pages:]
-    if cache._on_split is not None:
-        cache._on_split(new, child)
-    return new
+    def _insert(self, key: RadixKey, value: Any, priority: int) -> Any:
+        """``insert`` returning ``(prefix, node, path)`` (the cache's own callers)."""
+        return InsertMixin.insert(self, key, value, priority, None, True)
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Cut the first ``m`` bytes (whole pages, 0 < m < len) of ``child`` into a new parent
+        and return it. The new node copies child's bookkeeping (lock count, recency, hits,
+        priority); sizes and leaf status do not change. O(len(child))."""
+        pb = self._pb
+        kb, vb = child.kbuf, child.vbuf
+        parent = child.parent
+        new = self._new_node(self._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)
+        new.last_access = child.last_access
+        new.hits = child.hits
+        new.lock_ref = child.lock_ref
+        child.kbuf = kb[m:]
+        child.vbuf = vb[m:]
+        child.parent = new
+        new.children[child.kbuf[:pb]] = child
+        new.only = child
+        parent.children[kb[:pb]] = new
+        if parent.only is child:
+            parent.only = new
+        if child.block_hashes is not None:
+            pages = m // pb
+            new.block_hashes = child.block_hashes[:pages]
+            child.block_hashes = child.block_hashes[pages:]
+        if self._on_split is not None:
+            self._on_split(new, child)
+        return new

@@ -1,5 +1,5 @@
 """Request-level entry points of the RadixCache (SGLang's ``cache_finished_req`` /
-``cache_unfinished_req``), bound as methods of :class:`~radixkv.cache.RadixCache`.
+``cache_unfinished_req``), the bodies of those methods of :class:`~radixkv.cache.RadixCache`.
 
 Row ownership, the contract these functions keep: a request's ``req_to_token`` row holds,
 for its tokens ``[0, cache_protected_len)``, rows owned by the tree (locked through

@@ -1,4 +1,4 @@
-"""Audit of a RadixCache: ``check_invariants`` and ``pretty_print`` (bound as methods).
+"""Audit of a RadixCache: ``check_invariants`` and ``pretty_print`` (the bodies of those methods).
 
 Both walk the whole tree (O(nodes + tokens)); they are for tests and debugging, never on a
 hot path.

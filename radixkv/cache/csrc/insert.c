@@ -3,7 +3,7 @@
 
 /* ---------------------------------------------------------------- insert, whole */
 
-static PyObject *py_insert = NULL;  /* radix_insert.insert (the reference) */
+static PyObject *py_insert = NULL;  /* InsertMixin.insert, radix_insert.py (the reference) */
 static PyObject *t_int64 = NULL, *t_tensor = NULL;
 static PyObject *s_kv_events, *s_on_insert, *s_lazy, *s_dtype, *s_ndim, *s_is_cpu, *s_is_contiguous,
     *s_is_neg, *s_data_ptr, *s_next_id, *s_leaves, *s_remove, *s_add, *s_evictable, *s_sort_key, *s_inserts,
@@ -59,7 +59,7 @@ static int is(PyObject *v, PyObject *want) {
 PyDoc_STRVAR(insert_doc,
 "insert(key, value, priority=0, extra_key=None) -> int\n\n"
 "Insert key (whole pages) with its KV rows; returns the tokens already cached: see\n"
-"radixkv.cache.radix_insert.insert, the contract and the reference. This compiled entry\n"
+"radixkv.cache.radix_insert.InsertMixin.insert, the contract and the reference. This compiled entry\n"
 "takes the common case whole (a RadixKey, a contiguous 1-D CPU int64 tensor, an int\n"
 "priority, an existing namespace, no split, no KV events, a policy without hooks) and hands\n"
 "every other call to it unchanged, before changing anything.");

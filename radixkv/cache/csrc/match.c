@@ -41,7 +41,7 @@ static int get(PyObject *o, PyObject *name, PyObject **out) {
 PyDoc_STRVAR(match_doc,
 "match_prefix(key, extra_key=None) -> MatchResult\n\n"
 "The longest cached page-aligned prefix of key and its KV rows: see\n"
-"RadixCache._match_prefix_py, the contract and the reference. This compiled entry takes the\n"
+"RadixCache.match_prefix (Python), the contract and the reference. This compiled entry takes the\n"
 "common case whole (a RadixKey, a cache whose compiled walk is on, a CPU result, a key with a\n"
 "whole page in an existing namespace) and hands every other call to it unchanged.");
 
