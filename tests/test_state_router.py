@@ -12,7 +12,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from radixkv.cache.events import block_hashes
-from radixkv.cache.mamba_node import StateTable
+from radixkv.cache.state_table import StateTable
 from radixkv.engine import CacheEngine, EngineConfig, ExtendItem, MatchQuery
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.sources import drain_events

@@ -30,8 +30,8 @@ hint. Admission of states is a policy as well.
 
 The bodies of the request-level entry points (``cache_finished_req`` /
 ``cache_unfinished_req``) are in :mod:`radixkv.cache.mamba_req_cache`, of ``evict`` in
-:mod:`radixkv.cache.mamba_policies`; the state table and the audit in
-:mod:`radixkv.cache.mamba_node`.
+:mod:`radixkv.cache.mamba_policies`, of the audit in :mod:`radixkv.cache.mamba_audit`; the
+state table is :mod:`radixkv.cache.state_table`.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from radixkv.cache import mamba_node, mamba_policies, mamba_req_cache
+from radixkv.cache import mamba_audit, mamba_policies, mamba_req_cache
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.mamba_node import EventStateTable, StateConservation, StateTable
+from radixkv.cache.mamba_audit import StateConservation
 from radixkv.cache.mamba_policies import (
     FlopModel,
     MambaEvictResult,
@@ -53,6 +53,7 @@ from radixkv.cache.mamba_policies import (
 )
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
+from radixkv.cache.state_table import EventStateTable, StateTable
 from radixkv.cache.tree_node import TreeNode
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states
@@ -370,16 +371,16 @@ class MambaRadixCache(RadixCache):
     def check_invariants(self, running_reqs: Optional[Sequence[Any]] = None) -> None:
         """RadixCache's audit, the state table's, and both conservation laws (KV slots given
         ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
-        :func:`radixkv.cache.mamba_node.check_invariants`)."""
-        mamba_node.check_invariants(self, running_reqs)
+        :func:`radixkv.cache.mamba_audit.check_invariants`)."""
+        mamba_audit.check_invariants(self, running_reqs)
 
     def check_state_conservation(self, running_reqs: Optional[Sequence[Any]] = None) -> StateConservation:
-        """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_node.check_state_conservation`)."""
-        return mamba_node.check_state_conservation(self, running_reqs)
+        """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_audit.check_state_conservation`)."""
+        return mamba_audit.check_state_conservation(self, running_reqs)
 
     def pretty_print(self, max_tokens: int = 8) -> str:
-        """RadixCache's print, each node's state slot, the counts (:func:`radixkv.cache.mamba_node.pretty_print`)."""
-        return mamba_node.pretty_print(self, max_tokens)
+        """RadixCache's print, each node's state slot, the counts (:func:`radixkv.cache.mamba_audit.pretty_print`)."""
+        return mamba_audit.pretty_print(self, max_tokens)
 
     # ------------------------------------------------------------------ helpers
     def _attach(self, node: TreeNode, slot: int, end: int) -> None:

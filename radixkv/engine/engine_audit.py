@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from radixkv.cache.mamba_node import StateConservation
+from radixkv.cache.mamba_audit import StateConservation
 from radixkv.engine.protocol import EngineStats, Session
 from radixkv.errors import InvariantError
 from radixkv.scheduler.flow import check_conservation, conservation

@@ -6,7 +6,7 @@
 * :func:`alloc_for_decode`: one KV slot per request for the token it just generated.
 * :func:`release_kv_cache`: a finished request's KV goes into the tree, its row is freed.
 * :func:`conservation` / :func:`check_conservation` (from
-  :mod:`radixkv.scheduler.conservation`, re-exported): every KV slot of the pool is exactly
+  :mod:`radixkv.cache.kv_conservation`, re-exported): every KV slot of the pool is exactly
   one of: free, in the tree (evictable or protected), or held by a running request and not
   yet in the tree.
 
@@ -37,11 +37,11 @@ from typing import Any, List, Optional
 
 import torch
 
+from radixkv.cache.kv_conservation import Conservation, check_conservation, conservation  # noqa: F401
 from radixkv.cache.radix_key import RadixKey
 from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.kernels.write_cache_indices import write_cache_indices
 from radixkv.scheduler.batch import Batch, ForwardMode
-from radixkv.scheduler.conservation import Conservation, check_conservation, conservation  # noqa: F401
 from radixkv.scheduler.decode_reserve import free_reserves
 from radixkv.scheduler.req import Req
 

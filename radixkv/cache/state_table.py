@@ -1,7 +1,8 @@
 """``StateTable``: which radix-tree nodes hold a Mamba state, in which slot, and at which
 token position; which nodes requests pin; the validation of slots handed to the tree; and
-the audit of all that (pure bookkeeping: no state tensor is touched here, only the pool's
-free mask is read).
+the table's own audit (pure bookkeeping: no state tensor is touched here, only the pool's
+free mask is read). The hybrid tree's audit and the slot conservation law are in
+:mod:`radixkv.cache.mamba_audit`.
 
 A node's state is the recurrent state after the node's LAST token: ``end[slot]`` is that
 position, counted from the start of the sequence (the node's depth in tokens). It never
@@ -25,36 +26,15 @@ All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
 import torch
 
-from radixkv.cache import tree_audit
 from radixkv.cache.state_order import StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
-__all__ = ["StateTable", "EventStateTable", "StateConservation", "audit_slots", "check_invariants", "check_state_conservation",
-           "pretty_print"]
-
-
-class StateConservation(NamedTuple):
-    """Where the Mamba pool's slots are. ``available + evictable + protected + held ==
-    capacity`` when nothing leaks (``held``: slots of running requests)."""
-
-    capacity: int
-    available: int
-    evictable: int
-    protected: int
-    held: int
-
-    @property
-    def accounted(self) -> int:
-        return self.available + self.evictable + self.protected + self.held
-
-    @property
-    def ok(self) -> bool:
-        return self.accounted == self.capacity
+__all__ = ["StateTable", "EventStateTable"]
 
 
 class StateTable:
@@ -280,105 +260,3 @@ class EventStateTable(StateTable):
     def detach(self, node: Any) -> int:
         self.events.on_state_removed((node.block_hashes[-1],))
         return StateTable.detach(self, node)
-
-
-def audit_slots(pool: Any, tree_slots: Dict[int, Any], held_slots: Dict[int, Any],
-                evictable: int, protected: int) -> StateConservation:
-    """The Mamba slot conservation law, exact: every slot ``1..size`` is exactly one of free
-    in ``pool``, held by the tree (``tree_slots``: slot -> node) or held by a running
-    request (``held_slots``: slot -> request id). Raises :class:`InvariantError` naming the
-    leaked, doubly-owned and freed-but-referenced slots. O(size), vectorized."""
-    size = int(pool.size)
-    free = pool.free_slots.is_free(torch.arange(1, size + 1, device=pool.device)).cpu().numpy()
-    count = np.zeros(size + 1, dtype=np.int64)
-    tree = np.fromiter(tree_slots, dtype=np.int64, count=len(tree_slots))
-    held = np.fromiter(held_slots, dtype=np.int64, count=len(held_slots))
-    for arr in (tree, held):
-        oob = arr[(arr < 1) | (arr > size)]
-        if oob.size:
-            raise InvariantError(f"Mamba slots outside 1..{size} referenced: {describe_ids(oob.tolist())}")
-        np.add.at(count, arr, 1)
-    count = count[1:]
-    slots = np.arange(1, size + 1)
-    for what, mask in (
-        ("owned twice among tree / running requests (duplicated)", count > 1),
-        ("allocated but owned by neither the tree nor a request (leaked)", ~free & (count == 0)),
-        ("free in the pool but still referenced (double-freed)", free & (count > 0)),
-    ):
-        if mask.any():
-            bad = slots[mask].tolist()
-            who = [f"node {tree_slots[s].id}" for s in bad[:4] if s in tree_slots] + \
-                  [f"request {held_slots[s]!r}" for s in bad[:4] if s in held_slots]
-            raise InvariantError(f"Mamba slots {what}: {describe_ids(bad)}"
-                                 + (f" ({', '.join(who)})" if who else ""))
-    c = StateConservation(size, int(free.sum()), evictable, protected, len(held_slots))
-    if not c.ok:
-        raise InvariantError(f"Mamba slots not conserved: available {c.available} + evictable {c.evictable} "
-                             f"+ protected {c.protected} + held {c.held} = {c.accounted} != {size}")
-    return c
-
-
-# ----------------------------------------------------------------------------- audit
-# Bound as MambaRadixCache methods (check_invariants, check_state_conservation, pretty_print).
-def check_invariants(cache, running_reqs: Optional[Sequence[Any]] = None) -> None:
-    """RadixCache's audit (no KV row held twice or free in the allocator), the state
-    table's (states on live nodes at their nodes' ends, maps inverse, pins consistent with
-    every ``lock_ref``), and both conservation laws: Mamba slots
-    (:meth:`check_state_conservation`) and, given ``running_reqs`` (every request holding
-    a row) and a request pool and allocator, KV slots (allocator available + tree evictable
-    + tree protected + held by the requests == pool size, audited page by page:
-    ``radixkv.scheduler.flow.check_conservation``). Raises ``InvariantError`` naming ids."""
-    tree_audit.check_invariants(cache)
-    cache._states.check(cache._heads.values())
-    if running_reqs is not None and cache.token_to_kv_pool_allocator is not None \
-            and cache.req_to_token_pool is not None:
-        from radixkv.scheduler.flow import check_conservation  # the flow owns the KV audit
-
-        check_conservation(cache.token_to_kv_pool_allocator, cache, list(running_reqs))  # + slots
-    else:
-        cache.check_state_conservation(running_reqs)
-
-
-def check_state_conservation(cache, running_reqs: Optional[Sequence[Any]] = None) -> StateConservation:
-    """Mamba pool available + tree evictable + tree protected + held by running requests
-    == capacity, exactly (no slot leaked, owned twice, or free while referenced).
-    ``running_reqs``: every request holding a slot; default: the slots the request pool
-    maps to rows in use. O(pool size). Raises ``InvariantError``."""
-    tree = {s: n for n, s in cache._states.slot_of.items()}
-    if running_reqs is not None:
-        held = {}
-        for r in running_reqs:
-            if r.mamba_pool_idx is not None:
-                s = int(r.mamba_pool_idx)
-                if s in held:
-                    raise InvariantError(f"Mamba slot {s} held by two running requests "
-                                         f"(duplicated): {held[s]!r} and {r.rid!r}")
-                held[s] = r.rid
-    else:
-        held = _mapped_slots(cache)
-    return audit_slots(cache.mamba_pool, tree, held, cache._states.evictable, cache._states.protected)
-
-
-def _mapped_slots(cache) -> dict:
-    pool = cache.req_to_token_pool
-    mapping = getattr(pool, "req_index_to_mamba_index_mapping", None)
-    if mapping is None:
-        return {}
-    rows = torch.arange(1, pool.size + 1)
-    used = ~pool.free_slots.is_free(rows).cpu()
-    slots = mapping.cpu()[1:][used].tolist()
-    return {int(s): f"row {int(r)}" for s, r in zip(slots, rows[used].tolist())}
-
-
-def pretty_print(cache, max_tokens: int = 8) -> str:
-    """RadixCache's print, each node's state slot (``-`` for a tombstone), the counts."""
-    lines = tree_audit.pretty_print(cache, max_tokens).split("\n")
-    by_id = {n.id: s for n, s in cache._states.slot_of.items()}
-    for i, line in enumerate(lines):
-        head = line.lstrip()
-        if head.startswith("#") and " len=" in head:
-            nid = int(head[1:head.index(" ")])
-            lines[i] = f"{line} state={by_id.get(nid, '-')}"
-    lines.append(f"#states: {len(cache._states)} (evictable {cache.mamba_evictable_size()}, "
-                 f"protected {cache.mamba_protected_size()})")
-    return "\n".join(lines)

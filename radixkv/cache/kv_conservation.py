@@ -1,10 +1,16 @@
-"""The KV conservation law of the scheduler flow, counted and audited.
+"""The KV conservation law of the pool, the tree and the running requests, counted and audited.
 
 Every KV slot of the pool is exactly one of: free (the allocator's), in the tree
 (evictable or protected), or held by a running request and not yet in the tree (the
 columns ``cache_protected_len .. kv_committed_len`` of its row, page-rounded, plus its
 decode reserve). :func:`conservation` counts, :func:`check_conservation` also audits page
 by page and names what leaked, is owned twice, or is free while referenced.
+
+It lives in the cache layer so the trees' own audits (``MambaRadixCache.check_invariants``)
+can run it; the scheduler re-exports it (``radixkv.scheduler.flow``). A request is read
+through the fields the cache's request entry points read (``req_pool_idx``,
+``cache_protected_len``, ``kv_committed_len``, ``rid``) plus ``decode_reserve`` (the int64
+slots it holds ahead for decoding; empty when none).
 """
 from __future__ import annotations
 
@@ -13,7 +19,6 @@ from typing import Any, Iterable, List, NamedTuple
 import torch
 
 from radixkv.errors import InvariantError, describe_ids
-from radixkv.scheduler.req import Req
 
 __all__ = ["Conservation", "conservation", "check_conservation"]
 
@@ -42,14 +47,14 @@ class Conservation(NamedTuple):
         return self.accounted == self.pool_size
 
 
-def _held(req: Req, page_size: int) -> int:
+def _held(req: Any, page_size: int) -> int:
     if req.req_pool_idx is None:
         return 0
     pages = -(-req.kv_committed_len // page_size)
     return pages * page_size - req.cache_protected_len + int(req.decode_reserve.size)
 
 
-def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req]) -> Conservation:
+def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Any]) -> Conservation:
     """Count where the slots are (see :class:`Conservation`). O(requests)."""
     ps = int(getattr(allocator, "page_size", 1))
     return Conservation(
@@ -61,7 +66,7 @@ def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req]) -
     )
 
 
-def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Req]) -> None:
+def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Any]) -> None:
     """Exact audit, in pages (slots when ``page_size == 1``): every page in use is owned
     by exactly one of the tree and the running requests (their columns
     ``cache_protected_len .. kv_committed_len`` and their decode reserves), no owned page is free, and every slot of a
@@ -106,7 +111,7 @@ def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Req]) -> None:
         )
 
 
-def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req],
+def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Any],
                        exact: bool = True) -> Conservation:
     """:func:`conservation`, raising ``InvariantError`` unless the pool is exactly accounted
     for: the counts must add up, and (``exact``, the default) the page-level audit must
