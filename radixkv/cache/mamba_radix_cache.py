@@ -53,6 +53,7 @@ from radixkv.cache.mamba_policies import (
 )
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
+from radixkv.cache.state_events import HybridEventRecorder
 from radixkv.cache.state_table import EventStateTable, StateTable
 from radixkv.cache.tree_node import TreeNode
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
@@ -106,7 +107,7 @@ class MambaRadixCache(RadixCache):
         token_to_kv_pool_allocator, page_size, eviction_policy, enable_kv_events, disable,
             kv_event_seed, metrics_window: as :class:`RadixCache` (``eviction_policy`` orders
             the full eviction). With ``enable_kv_events`` the recorder is a
-            :class:`~radixkv.events.state_events.HybridEventRecorder`: ``take_events()``
+            :class:`~radixkv.cache.state_events.HybridEventRecorder`: ``take_events()``
             returns the KV events and the state events (``StateStored`` when a node gets a
             state, ``StateRemoved`` when it loses it: tombstoned, evicted, or reset) in the
             order they happened.
@@ -157,8 +158,6 @@ class MambaRadixCache(RadixCache):
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
                          disable, enable_kv_events, kv_event_seed, metrics_window)
         if self.kv_events is not None:  # one queue for KV and state events, in their order
-            from radixkv.events.state_events import HybridEventRecorder
-
             self.kv_events = self._states.events = HybridEventRecorder(page_size, seed=self.kv_events.seed)
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key
         # tombstone leaves (False) before leaves with a state: they can never yield a hit

@@ -241,7 +241,7 @@ class StateTable:
 
 class EventStateTable(StateTable):
     """A :class:`StateTable` that reports every state gained or lost to ``events`` (a
-    :class:`~radixkv.events.state_events.HybridEventRecorder`): :meth:`attach` records
+    :class:`~radixkv.cache.state_events.HybridEventRecorder`): :meth:`attach` records
     ``StateStored(node.block_hashes[-1], end)``, :meth:`detach` ``StateRemoved([node.block_hashes[-1]])``
     (before the ``BlockRemoved`` of a node that goes too), each before the table changes (the
     recorder validates before it records, so a refusal leaves both as they were). The cache

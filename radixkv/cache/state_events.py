@@ -1,0 +1,238 @@
+"""State events of hybrid models: which recurrent (Mamba / KDA) states the cache holds.
+
+A hybrid model's prefix is reusable only up to a position where the tree also holds the
+recurrent state taken after that position's last token: KV without its state cannot resume
+the linear layers. A router that credits a worker with the whole KV prefix overstates what
+the worker can reuse. State events tell it where the states are.
+
+No existing router indexes these yet, so the format is radixkv's own, kept in the style of
+vLLM's KV events (tagged structs, same envelope):
+
+* :class:`StateStored` ``(block_hash, position, medium)``: the tree now holds the state after
+  the page whose block hash is ``block_hash`` (a page a ``BlockStored`` announced, still
+  live). ``position`` is the number of tokens the state covers (the end of that page).
+* :class:`StateRemoved` ``(block_hashes, medium)``: those states are gone (the node became a
+  *tombstone*, or was evicted).
+
+Rules a consumer relies on (the recorder enforces them on the producer side):
+
+1. A ``StateStored`` names a live block; at most one live state per block.
+2. A ``BlockRemoved`` drops the states of the blocks it removes as well (a producer may send
+   ``StateRemoved`` first; it need not).
+3. ``AllBlocksCleared`` drops every state.
+
+On the vLLM ZMQ wire the two kinds are tagged ``"StateStored"`` / ``"StateRemoved"`` (see
+:mod:`radixkv.events.vllm_wire`); vLLM's own decoders reject unknown tags, so publishers
+keep them off the standard stream unless asked (``state_events="inline"``).
+
+:class:`HybridEventRecorder` is the producer: a ``KVEventRecorder`` whose queue also takes
+state events, so KV and state events stay in one order. The hook a hybrid cache calls:
+
+* after a node gets a state (``StateTable.attach``): ``on_state_stored(node.block_hashes[-1],
+  end)``;
+* when a node loses its state (``StateTable.detach``, tombstoning or eviction):
+  ``on_state_removed([node.block_hashes[-1]])``.
+
+The consumer side, :class:`~radixkv.events.state_events.StateIndex` (per worker, the live
+states; it turns a KV overlap from any KV index, e.g. Dynamo's, into the overlap the worker
+can actually reuse), is in the events package, which imports this module: the cache records
+events, their consumers sit above it.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from radixkv.cache.block_hash import check_hash as _check_hash
+from radixkv.cache.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DEFAULT_SEED,
+    KVEventRecorder,
+    Seed,
+    event_from_dict,
+)
+from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids
+
+__all__ = ["StateStored", "StateRemoved", "STATE_EVENT_TYPES", "is_state_event", "any_event_from_dict",
+           "as_events", "split_state_events", "HybridEventRecorder"]
+
+
+
+@dataclass(frozen=True)
+class StateStored:
+    """The recurrent state after block ``block_hash`` (``position`` tokens) is cached."""
+
+    block_hash: int
+    position: int
+    medium: Optional[str] = MEDIUM_GPU
+
+    def to_dict(self) -> dict:
+        """JSON-able form, tagged like the KV events' ``to_dict``."""
+        return {"type": "StateStored", "block_hash": self.block_hash, "position": self.position,
+                "medium": self.medium}
+
+
+@dataclass(frozen=True)
+class StateRemoved:
+    """The states after the blocks ``block_hashes`` are gone."""
+
+    block_hashes: tuple
+    medium: Optional[str] = MEDIUM_GPU
+
+    def to_dict(self) -> dict:
+        """JSON-able form, tagged like the KV events' ``to_dict``."""
+        return {"type": "StateRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
+
+
+STATE_EVENT_TYPES = (StateStored, StateRemoved)
+
+
+def is_state_event(event: Any) -> bool:
+    """Whether ``event`` is a :class:`StateStored` / :class:`StateRemoved`."""
+    return isinstance(event, STATE_EVENT_TYPES)
+
+
+def _check_position(position: Any) -> int:
+    if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 1:
+        raise InvalidArgumentError(f"position must be an int >= 1, got {position!r}")
+    return int(position)
+
+
+def any_event_from_dict(d: dict) -> Any:
+    """Inverse of ``to_dict()`` for the KV events and the two state events.
+
+    Raises InvalidArgumentError for an unknown ``type`` or malformed fields."""
+    if not isinstance(d, dict):
+        raise InvalidArgumentError(f"an event dict is expected, got {type(d).__name__}")
+    kind = d.get("type")
+    try:
+        if kind == "StateStored":
+            return StateStored(_check_hash(d["block_hash"], "block_hash"), _check_position(d["position"]),
+                               d.get("medium"))
+        if kind == "StateRemoved":
+            return StateRemoved(tuple(_check_hash(h, "block hash") for h in d["block_hashes"]), d.get("medium"))
+        return event_from_dict(d)
+    except InvalidArgumentError:
+        raise
+    except KeyError as e:
+        raise InvalidArgumentError(f"{kind} event lacks field {e.args[0]!r}") from None
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidArgumentError(f"malformed {kind} event: {e}") from None
+
+
+def as_events(events: Iterable[Any]) -> List[Any]:
+    """Event objects from events or their ``to_dict()`` dicts (a CacheEngine's
+    ``take_events``). Raises InvalidArgumentError for anything else."""
+    out = []
+    for i, e in enumerate(events):
+        if isinstance(e, dict):
+            e = any_event_from_dict(e)
+        elif not isinstance(e, (BlockStored, BlockRemoved, AllBlocksCleared, StateStored, StateRemoved)):
+            raise InvalidArgumentError(f"events[{i}] is not a KV event: {type(e).__name__}")
+        out.append(e)
+    return out
+
+
+def split_state_events(events: Iterable[Any]) -> tuple:
+    """``(kv_events, state_events)``, each in its original order."""
+    kv, st = [], []
+    for e in events:
+        (st if is_state_event(e) else kv).append(e)
+    return kv, st
+
+
+# --------------------------------------------------------------------------- producer
+
+
+class HybridEventRecorder(KVEventRecorder):
+    """A :class:`KVEventRecorder` that also records state events, in the same queue.
+
+    Besides the live block multiset of its base, it keeps the live states (block hash ->
+    position), so a state on a block that is not stored, a second state on one block, or the
+    removal of a state that is not there is refused at once (typed error, nothing recorded).
+
+    Args: as :class:`KVEventRecorder` (``page_size``, ``seed``, ``medium``).
+    """
+
+    def __init__(self, page_size: int, seed: Seed = DEFAULT_SEED, medium: str = MEDIUM_GPU):
+        super().__init__(page_size, seed=seed, medium=medium)
+        self._states: Dict[int, int] = {}
+
+    # -- the hooks of a hybrid cache
+
+    def on_state_stored(self, block_hash: int, position: int) -> None:
+        """Record a :class:`StateStored`: the state after the page ``block_hash`` (which ends
+        at token ``position``, a multiple of the page size). O(1).
+
+        Raises NotFoundError when the block is not live, InvalidArgumentError for a bad
+        hash / position or a block that already has a state (nothing recorded)."""
+        h = _check_hash(block_hash, "block_hash")
+        pos = _check_position(position)
+        if pos % self.page_size:
+            raise InvalidArgumentError(f"state position {pos} is not a multiple of page_size {self.page_size}")
+        if not self.is_live(h):
+            raise NotFoundError(f"StateStored for block {h}, which is not stored")
+        if h in self._states:
+            raise InvalidArgumentError(f"block {h} already has a state (at {self._states[h]})")
+        self._states[h] = pos
+        self._events.append(StateStored(h, pos, self.medium))
+
+    def on_state_removed(self, block_hashes: Sequence[int]) -> None:
+        """Record a :class:`StateRemoved` for blocks that have a state. O(len).
+
+        Raises NotFoundError naming the blocks without one (nothing recorded)."""
+        hs = [_check_hash(h, "block hash") for h in block_hashes]
+        if not hs:
+            return
+        dup = [h for h, n in Counter(hs).items() if n > 1]
+        if dup:
+            raise InvalidArgumentError(f"StateRemoved names blocks twice: {describe_ids(dup)}")
+        missing = [h for h in hs if h not in self._states]
+        if missing:
+            raise NotFoundError(f"StateRemoved for blocks without a state: {describe_ids(missing)}")
+        for h in hs:
+            del self._states[h]
+        self._events.append(StateRemoved(tuple(hs), self.medium))
+
+    # -- the KV hooks keep the states consistent (rules 2 and 3)
+
+    def on_removed(self, block_hashes: Sequence[int]) -> None:
+        """The base's ``BlockRemoved``; the removed blocks' states go with them (rule 2)."""
+        super().on_removed(block_hashes)  # validates; raises before any change
+        for h in block_hashes:
+            h = int(h)
+            if h in self._states and not self.is_live(h):
+                del self._states[h]
+
+    def on_cleared(self) -> None:
+        """The base's ``AllBlocksCleared``; every state goes too (rule 3)."""
+        super().on_cleared()
+        self._states.clear()
+
+    # -- queries
+
+    def live_states(self) -> Dict[int, int]:
+        """A copy of block hash -> position of every live state."""
+        return dict(self._states)
+
+    def check_invariants(self) -> None:
+        """The base's checks (state events accepted in the queue), and every live state sits
+        on a live block at a page-aligned position."""
+        pending = self._events
+        self._events = [e for e in pending if not is_state_event(e)]
+        try:
+            super().check_invariants()
+        finally:
+            self._events = pending
+        orphans = [h for h in self._states if not self.is_live(h)]
+        if orphans:
+            raise InvariantError(f"states on blocks that are not stored: {describe_ids(orphans)}")
+        bad = [h for h, p in self._states.items() if p < 1 or p % self.page_size]
+        if bad:
+            raise InvariantError(f"states at positions that are not page ends: {describe_ids(bad)}")
