@@ -46,7 +46,7 @@ from radixkv.engine.protocol import (
 )
 from radixkv.engine.requests import EngineReq
 from radixkv.engine.sessions import SessionTable
-from radixkv.engine.validation import (
+from radixkv.validation import (
     as_items, check_count, check_extra_key, check_priority, check_rids, check_token_id, check_tokens,
 )
 from radixkv.errors import CapacityError, InvalidArgumentError

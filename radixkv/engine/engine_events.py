@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from radixkv.engine.protocol import Session
-from radixkv.engine.validation import check_count
+from radixkv.validation import check_count
 
 __all__ = ["take_events", "events_enabled", "pending_events", "drain_events"]
 

@@ -39,7 +39,7 @@ from radixkv.kernels.state_copy import resolve_backend, validate_slot_indices
 from radixkv.reference.attention import FullAttentionLayer
 from radixkv.reference.config import HybridConfig
 from radixkv.reference.kda import KDALayer
-from radixkv.scheduler.req import as_token_array
+from radixkv.validation import as_token_array
 
 LAYER_ID_MODES = ("global", "local")
 

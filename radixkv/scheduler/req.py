@@ -12,20 +12,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-
-def as_token_array(tokens) -> np.ndarray:
-    """Tokens (list, numpy array or torch tensor) as a contiguous int32 numpy array (no copy
-    when they already are one)."""
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.dtype != np.int32:
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            from radixkv.errors import InvalidArgumentError
-
-            raise InvalidArgumentError(f"token ids must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int32)
-    return np.ascontiguousarray(arr.reshape(-1))
+from radixkv.validation import as_token_array
 
 
 @dataclass(eq=False)
