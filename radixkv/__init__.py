@@ -10,14 +10,14 @@ Layers (bottom up), following SGLang's memory pool:
 * ``radixkv.service``    the gRPC cache manager and ``connect()`` (service mode)
 """
 from radixkv.errors import (  # noqa: F401
-    RadixKVError,
+    CapacityError,
+    DoubleFreeError,
     InvalidArgumentError,
     InvalidIndexError,
-    DoubleFreeError,
-    CapacityError,
     InvariantError,
     NotFoundError,
     PermissionDeniedError,
+    RadixKVError,
     StaleSessionError,
     UnauthenticatedError,
 )

@@ -17,6 +17,8 @@ Protocol                   Implemented by (SGLang names)
 :class:`StatePool`         ``MambaPool``: linear-attention (conv + temporal) state slots
 :class:`PoolRequest`       ``Req``: the fields of a request the pools and the tree use
 :class:`CacheRequest`      ``Req``: what the tree reads and writes when caching a request
+:class:`PrefixCache`       ``RadixCache``: the tree as the scheduler drives it
+:class:`HybridPrefixCache` ``MambaRadixCache``: the tree with Mamba states
 =========================  ===================================================================
 
 Conventions every implementation keeps: ids are int64 tensors on the object's ``device``
@@ -38,7 +40,7 @@ __all__ = [
     "IndexLike", "LayerLike", "HasLayerId", "Scale", "TableIndex",
     "KVAllocator", "PagedKVAllocator",
     "PoolRequest", "CacheRequest", "ReqToTokenTable", "HybridReqTable",
-    "KVPool", "StatePool",
+    "KVPool", "StatePool", "Event", "PrefixMatch", "PrefixCache", "HybridPrefixCache",
 ]
 
 #: Ids as the pools and allocators accept them: an integer tensor or numpy array (any
@@ -183,6 +185,63 @@ class HybridReqTable(ReqToTokenTable, Protocol):
         """Free the row; its state slot too unless ``free_mamba_cache`` is False (the tree
         took it)."""
     def get_mamba_indices(self, req_pool_indices: IndexLike) -> torch.Tensor: ...
+
+
+# --------------------------------------------------------------------------- the tree (as the scheduler sees it)
+
+
+class PrefixMatch(Protocol):
+    """What ``match_prefix`` returns (``MatchResult``): the KV slots of the longest cached
+    prefix and the node to lock for it."""
+
+    @property
+    def device_indices(self) -> torch.Tensor: ...
+    @property
+    def last_node(self) -> Any: ...  # the tree's node type: the tree layer names it
+
+
+class PrefixCache(Protocol):
+    """The radix tree over the pools, as the scheduler flow uses it: match and lock a
+    request's prefix, evict unlocked leaves, take a finished request's KV."""
+
+    # A tree can run without pools (a hit-rate replay); the scheduler's tree has both.
+    @property
+    def req_to_token_pool(self) -> ReqToTokenTable: ...
+    @property
+    def token_to_kv_pool_allocator(self) -> KVAllocator: ...
+
+    def match_prefix(self, key: Any) -> PrefixMatch:
+        """The longest cached page-aligned prefix of ``key`` (a ``RadixKey``)."""
+    def inc_lock_ref(self, node: Any) -> int: ...
+    def dec_lock_ref(self, node: Any) -> int: ...
+    def evict(self, num_tokens: int) -> object:
+        """Free at least ``num_tokens`` KV slots of unlocked leaves (fewer when it runs out)."""
+    def evictable_size(self) -> int: ...
+    def protected_size(self) -> int: ...
+    def all_values(self) -> torch.Tensor:
+        """Every KV slot the tree holds (int64)."""
+    def cache_finished_req(self, req: CacheRequest) -> bool | None:
+        """Insert a finished request's KV, free duplicates, unlock; True when the tree kept
+        its Mamba slot (hybrid trees)."""
+
+
+class HybridPrefixCache(PrefixCache, Protocol):
+    """A :class:`PrefixCache` that also holds Mamba states at its nodes."""
+
+    def evict(self, num_tokens: int, num_states: int = 0) -> object: ...
+    def mamba_evictable_size(self) -> int: ...
+    def fork_states(self, nodes: Sequence[Any], reqs: Sequence[PoolRequest]) -> int:
+        """Copy each node's state into its request's own slot."""
+
+
+# --------------------------------------------------------------------------- events
+
+
+class Event(Protocol):
+    """A KV or state event the tree records (``BlockStored``, ``StateRemoved``, ...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as a JSON-able dict (its ``type`` names the kind)."""
 
 
 # --------------------------------------------------------------------------- pools (device memory)

@@ -8,10 +8,12 @@ by page and names what leaked, is owned twice, or is free while referenced.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
+from radixkv.contracts import KVAllocator, PrefixCache
 from radixkv.errors import InvariantError, describe_ids
 from radixkv.scheduler.req import Req
 
@@ -49,7 +51,7 @@ def _held(req: Req, page_size: int) -> int:
     return pages * page_size - req.cache_protected_len + int(req.decode_reserve.size)
 
 
-def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req]) -> Conservation:
+def conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Req]) -> Conservation:
     """Count where the slots are (see :class:`Conservation`). O(requests)."""
     ps = int(getattr(allocator, "page_size", 1))
     return Conservation(
@@ -61,7 +63,7 @@ def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req]) -
     )
 
 
-def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Req]) -> None:
+def _audit_pages(allocator: KVAllocator, tree_cache: PrefixCache, reqs: list[Req]) -> None:
     """Exact audit, in pages (slots when ``page_size == 1``): every page in use is owned
     by exactly one of the tree and the running requests (their columns
     ``cache_protected_len .. kv_committed_len`` and their decode reserves), no owned page is free, and every slot of a
@@ -106,7 +108,7 @@ def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Req]) -> None:
         )
 
 
-def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Req],
+def check_conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Req],
                        exact: bool = True) -> Conservation:
     """:func:`conservation`, raising ``InvariantError`` unless the pool is exactly accounted
     for: the counts must add up, and (``exact``, the default) the page-level audit must

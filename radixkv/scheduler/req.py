@@ -7,12 +7,15 @@ output generated so far, i.e. every token whose KV row the request holds or will
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from radixkv.validation import as_token_array
+
+if TYPE_CHECKING:
+    from radixkv.cache.tree_node import TreeNode
 
 
 @dataclass(eq=False)
@@ -36,15 +39,15 @@ class Req:
             default. They are held by the request, in no row column and not in the tree.
     """
 
-    rid: Any
+    rid: str
     origin_input_ids: np.ndarray
     output_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    req_pool_idx: Optional[int] = None
-    prefix_indices: Optional[torch.Tensor] = None
-    last_node: Any = None
-    extra_key: Optional[str] = None
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor | None = None
+    last_node: TreeNode | None = None
+    extra_key: str | None = None
     priority: int = 0
-    mamba_pool_idx: Optional[int] = None
+    mamba_pool_idx: int | None = None
     kv_committed_len: int = 0
     cache_protected_len: int = 0
     finished: bool = False
