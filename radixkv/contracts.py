@@ -285,6 +285,16 @@ class StatePool(Protocol):
     @property
     def temporal_state(self) -> torch.Tensor:
         """``[num_layers, size + 1, *temporal_state_shape]``."""
+    @property
+    def conv_state_shape(self) -> tuple[int, ...]: ...
+    @property
+    def temporal_state_shape(self) -> tuple[int, ...]: ...
+    @property
+    def slot_bytes(self) -> tuple[int, int]:
+        """Bytes of one slot's ``(conv, temporal)`` states in one layer."""
+    @property
+    def copy_backend(self) -> str:
+        """How state copies run: ``"torch"`` or ``"triton"``."""
 
     def available_size(self) -> int: ...
     def alloc(self, n: int) -> torch.Tensor | None: ...
