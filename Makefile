@@ -23,6 +23,8 @@ demo: $(STAMP)
 	$(PY) -m radixkv demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)

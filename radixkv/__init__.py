@@ -2,6 +2,8 @@
 
 Layers (bottom up), following SGLang's memory pool:
 
+* ``radixkv.contracts``  the Protocols between the layers below (read it first), beside
+  ``radixkv.errors`` (the one error hierarchy) and ``radixkv.validation`` (input checks)
 * ``radixkv.allocator``  index allocators for KV rows (token and paged)
 * ``radixkv.memory``     request-to-token table, KV buffers, Mamba state pool, hybrid pools
 * ``radixkv.cache``      the RadixCache (token prefix -> KV rows)
@@ -10,14 +12,14 @@ Layers (bottom up), following SGLang's memory pool:
 * ``radixkv.service``    the gRPC cache manager and ``connect()`` (service mode)
 """
 from radixkv.errors import (  # noqa: F401
-    RadixKVError,
+    CapacityError,
+    DoubleFreeError,
     InvalidArgumentError,
     InvalidIndexError,
-    DoubleFreeError,
-    CapacityError,
     InvariantError,
     NotFoundError,
     PermissionDeniedError,
+    RadixKVError,
     StaleSessionError,
     UnauthenticatedError,
 )

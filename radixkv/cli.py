@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_serve(argv: list[str]) -> int:
     """``radixkv serve``: the service's own flags (``add_serve_arguments``) and runner."""
-    from radixkv.service.cli import add_serve_arguments, run_serve as _run
+    from radixkv.service.cli import add_serve_arguments
+    from radixkv.service.cli import run_serve as _run
 
     parser = argparse.ArgumentParser(prog="radixkv serve", description="run the cache-manager gRPC service")
     add_serve_arguments(parser)

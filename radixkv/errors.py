@@ -9,6 +9,9 @@ operation leaves the state it was called on unchanged.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import SupportsInt
+
 
 class RadixKVError(Exception):
     """Base of every error radixkv raises on purpose."""
@@ -82,9 +85,9 @@ class InvariantError(RadixKVError, AssertionError):
     code = "INTERNAL"
 
 
-def describe_ids(ids, limit: int = 16) -> str:
+def describe_ids(ids: Iterable[SupportsInt], limit: int = 16) -> str:
     """Format a collection of ids for an error message (first ``limit`` of them, sorted)."""
-    ids = sorted(int(i) for i in ids)
-    head = ", ".join(str(i) for i in ids[:limit])
-    more = f", ... ({len(ids)} in all)" if len(ids) > limit else ""
+    srt = sorted(int(i) for i in ids)
+    head = ", ".join(str(i) for i in srt[:limit])
+    more = f", ... ({len(srt)} in all)" if len(srt) > limit else ""
     return f"[{head}{more}]"

@@ -440,7 +440,7 @@ TestTokenAllocatorMachine.settings = settings(max_examples=150)
 
 def test_large_batches_free_and_merge():
     """Batches above the numpy-sort threshold: duplicate detection and the merge."""
-    from radixkv.allocator.validation import _NUMPY_SORT_MIN, sort_ids
+    from radixkv.validation import _NUMPY_SORT_MIN, sort_ids
 
     n = 4 * _NUMPY_SORT_MIN
     x = torch.randperm(n)[: n // 2]

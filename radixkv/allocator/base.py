@@ -5,13 +5,14 @@ speaks in KV slots: ``available_size()`` is in tokens, states and stats are Name
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from radixkv.allocator.page_free_list import FreeListState, PageFreeList
-from radixkv.allocator.validation import check_count
+from radixkv.contracts import KVPool
 from radixkv.errors import InvalidArgumentError
+from radixkv.validation import check_count
 
 
 class AllocatorStats(NamedTuple):
@@ -42,7 +43,8 @@ class BaseKVAllocator:
 
     page_size: int = 1
 
-    def __init__(self, size: int, page_size: int, device, need_sort: bool, kvcache: Any,
+    def __init__(self, size: int, page_size: int, device: torch.device | str, need_sort: bool,
+                 kvcache: KVPool | None,
                  checks: bool, kind: str):
         size = check_count(size, "size")
         page_size = check_count(page_size, "page_size")
@@ -65,7 +67,7 @@ class BaseKVAllocator:
         group). O(1)."""
         return self._fl.available() * self.page_size
 
-    def get_kvcache(self) -> Any:
+    def get_kvcache(self) -> KVPool | None:
         """The KV buffer object this allocator was built for (stored as given)."""
         return self._kvcache
 

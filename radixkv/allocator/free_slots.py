@@ -11,7 +11,7 @@ vectorized double-free check. Memory: 5 bytes per id.
 """
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -19,13 +19,14 @@ import torch
 from radixkv.allocator.host_view import HostViews, set_mask
 from radixkv.allocator.id_ring import IdRing
 from radixkv.allocator.invariants import check_free_lists
-from radixkv.allocator.validation import (
-    as_id_tensor,
-    check_count,
-    check_ids_in_range,
-    check_ids_to_free,
-)
+from radixkv.contracts import IndexLike
 from radixkv.errors import DoubleFreeError, InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
+from radixkv.validation import (
+    check_count,
+    check_ids_to_free,
+    check_range,
+    index_tensor,
+)
 
 
 class FreeSlots(HostViews):
@@ -40,7 +41,7 @@ class FreeSlots(HostViews):
     Every raising call leaves the state exactly unchanged.
     """
 
-    def __init__(self, size: int, device="cpu", *, checks: bool = True):
+    def __init__(self, size: int, device: torch.device | str = "cpu", *, checks: bool = True):
         self.size = check_count(size, "size")
         self.device = torch.device(device)
         self.checks = bool(checks)
@@ -52,7 +53,7 @@ class FreeSlots(HostViews):
         """Number of free ids. O(1)."""
         return len(self._ring)
 
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
+    def alloc(self, n: int) -> torch.Tensor | None:
         """Take ``n`` free ids: an int64 tensor of ``n`` distinct ids on ``device``, or
         ``None`` (state unchanged) when fewer than ``n`` are free. O(n).
 
@@ -71,7 +72,7 @@ class FreeSlots(HostViews):
         """``free_mask[ids] = value``; on CPU through the numpy view (no torch dispatch)."""
         set_mask(self._free, self._host_mask(), ids, value)
 
-    def free(self, ids) -> None:
+    def free(self, ids: IndexLike) -> None:
         """Return ``ids`` (an int32/int64 tensor or numpy array, any shape) to the free list.
         O(k log k) with checks, O(k) without.
 
@@ -80,7 +81,7 @@ class FreeSlots(HostViews):
             InvalidIndexError: ids outside ``1..size`` (0 is the reserved padding id).
             DoubleFreeError: ids already free, or repeated within ``ids``.
         """
-        ids = as_id_tensor(ids, self.device)
+        ids = index_tensor(ids, self.device, "ids", sequences=False)
         if ids.numel() == 0:
             return
         if self.checks:
@@ -88,12 +89,12 @@ class FreeSlots(HostViews):
         self._ring.push(ids)
         self._set_free(ids, True)
 
-    def _host_mask(self):
+    def _host_mask(self) -> np.ndarray | None:
         """The numpy view of the free mask on CPU (cached, see :mod:`.host_view`), else
         ``None``."""
         return self.host_view("_free")
 
-    def alloc_one(self) -> Optional[int]:
+    def alloc_one(self) -> int | None:
         """Take one free id as an int, or ``None`` (state unchanged) when none is free: the
         one-id case of :meth:`alloc` (same id, same order) without tensor dispatch on CPU.
         O(1)."""
@@ -107,7 +108,7 @@ class FreeSlots(HostViews):
             self._free[i] = False
         return i
 
-    def free_one(self, i) -> None:
+    def free_one(self, i: int) -> None:
         """Return the one id ``i`` (an int): the one-id case of :meth:`free`, with the same
         checks and errors, on CPU through host views (no torch dispatch). O(1).
 
@@ -132,18 +133,18 @@ class FreeSlots(HostViews):
         else:
             self._free[i] = True
 
-    def is_free(self, ids) -> torch.Tensor:
+    def is_free(self, ids: IndexLike) -> torch.Tensor:
         """A bool tensor (flat, on ``device``): whether each of ``ids`` is free. O(k).
 
         Raises:
             InvalidArgumentError / InvalidIndexError: non-integer dtype / ids outside
                 ``0..size`` (id 0 is reported as not free).
         """
-        ids = as_id_tensor(ids, self.device)
-        check_ids_in_range(ids, 0, self.size)
+        ids = index_tensor(ids, self.device, "ids", sequences=False)
+        check_range(ids, 0, self.size + 1, "ids")
         return self._free[ids]
 
-    def free_among(self, ids) -> list:
+    def free_among(self, ids: Sequence[int]) -> list[int]:
         """The ids among ``ids`` (a sequence of Python ints in ``0..size``) that are free,
         in their order, as a list (empty when all are allocated; id 0 is never free).
 
@@ -174,7 +175,7 @@ class FreeSlots(HostViews):
             mask = self._free[torch.as_tensor(ids, dtype=torch.int64).to(self.device)].cpu().numpy()
         return [i for i, f in zip(ids, mask.tolist()) if f] if mask.any() else []
 
-    def is_free_one(self, i) -> bool:
+    def is_free_one(self, i: int) -> bool:
         """Whether the one id ``i`` (an int in ``0..size``) is free; id 0 never is.
 
         The one-id case of :meth:`free_among` (the slot a request hands to the Mamba tree),

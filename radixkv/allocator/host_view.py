@@ -8,8 +8,6 @@ callers use torch ops.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import numpy as np
 import torch
 
@@ -19,7 +17,7 @@ __all__ = ["HostViews", "set_mask"]
 class HostViews:
     """Mixin for objects with a ``__dict__`` holding CPU-or-device tensors."""
 
-    def host_view(self, name: str) -> Optional[np.ndarray]:
+    def host_view(self, name: str) -> np.ndarray | None:
         """The numpy view of tensor attribute ``name`` on CPU (cached), else ``None``. O(1)."""
         views = self.__dict__.get("_host_views")
         if views is None:
@@ -31,13 +29,13 @@ class HostViews:
                 view = views[name] = t.numpy()
         return view
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
         state.pop("_host_views", None)
         return state
 
 
-def set_mask(mask: torch.Tensor, host: Optional[np.ndarray], ids: torch.Tensor, value: Any) -> None:
+def set_mask(mask: torch.Tensor, host: np.ndarray | None, ids: torch.Tensor, value: bool) -> None:
     """``mask[ids] = value``: through ``host`` (the mask's numpy view) when there is one
     and ``ids`` are on CPU, else one torch index_put. O(len(ids))."""
     if host is not None and ids.device.type == "cpu":

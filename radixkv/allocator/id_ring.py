@@ -27,7 +27,7 @@ class IdRing(HostViews):
             rollbacks of ``head``/``tail`` by the owner.
     """
 
-    def __init__(self, capacity: int, device, dtype: torch.dtype = torch.int32):
+    def __init__(self, capacity: int, device: torch.device | str, dtype: torch.dtype = torch.int32):
         self.capacity = int(capacity)
         self.device = torch.device(device)
         self.buf = torch.zeros(max(self.capacity, 1), dtype=dtype, device=self.device)
@@ -75,7 +75,7 @@ class IdRing(HostViews):
         if self.tail > self.high_water:
             self.high_water = self.tail
 
-    def _host(self):
+    def _host(self) -> np.ndarray | None:
         """The numpy view of ``buf`` on CPU (cached, see :mod:`.host_view`), else ``None``."""
         return self.host_view("buf")
 

@@ -1,7 +1,7 @@
 """Invariant checks shared by the free lists (O(pool size); for tests and debugging)."""
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

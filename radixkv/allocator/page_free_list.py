@@ -37,19 +37,20 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, cast
 
+import numpy as np
 import torch
 
 from radixkv.allocator.host_view import HostViews, set_mask
 from radixkv.allocator.id_ring import IdRing
 from radixkv.allocator.invariants import check_free_lists
-from radixkv.allocator.validation import check_count, check_ids_to_free, sort_ids
 from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
     StaleSessionError,
 )
+from radixkv.validation import check_count, check_ids_to_free, sort_ids
 
 _OWNER_IDS = itertools.count(1)
 _MAX_LIVE_BACKUPS = 1024
@@ -98,7 +99,7 @@ class PageFreeList(HostViews):
         kind: the word used for ids in error messages ("slot" or "page").
     """
 
-    def __init__(self, num_ids: int, device, *, need_sort: bool, checks: bool, kind: str):
+    def __init__(self, num_ids: int, device: torch.device | str, *, need_sort: bool, checks: bool, kind: str):
         self.num_ids = check_count(num_ids, "num_ids")
         self.device = torch.device(device)
         self.need_sort = bool(need_sort)
@@ -108,6 +109,8 @@ class PageFreeList(HostViews):
         self._rel = IdRing(self.num_ids if self.need_sort else 0, self.device)
         self._not_in_use = torch.zeros(self.num_ids + 1, dtype=torch.bool, device=self.device)
         self._owner = next(_OWNER_IDS)
+        self._group: list[torch.Tensor] | None = None
+        self._merges = 0
         self._stamps = 0
         self.clear()
 
@@ -156,7 +159,7 @@ class PageFreeList(HostViews):
             self._mark(ids, False)
         return ids
 
-    def host_mask(self):
+    def host_mask(self) -> np.ndarray | None:
         """The numpy view of ``not_in_use`` on CPU (cached, see :mod:`.host_view`), else
         ``None``."""
         return self.host_view("_not_in_use")
@@ -165,7 +168,7 @@ class PageFreeList(HostViews):
         """``not_in_use[ids] = value``; on CPU through a numpy view (no torch dispatch)."""
         set_mask(self._not_in_use, self.host_mask(), ids, value)
 
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
+    def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` ids (int64, on device) or None when fewer are available (unchanged)."""
         if not self.ensure(n):
             return None
@@ -216,7 +219,7 @@ class PageFreeList(HostViews):
                       validated=True)
             return
         (self._rel if self.need_sort else self._ring).push_one(i)
-        self.host_mask()[i] = True
+        cast(np.ndarray, self.host_mask())[i] = True  # CPU: the view exists
 
     def group_begin(self) -> None:
         """Open a free group: frees until ``group_end`` are released together."""
@@ -261,7 +264,7 @@ class PageFreeList(HostViews):
             self._rel.head, self._rel.tail, self._merges,
         )
 
-    def _check_restorable(self, s) -> None:
+    def _check_restorable(self, s: object) -> None:
         if not isinstance(s, FreeListState) or s.owner != self._owner:
             raise InvalidArgumentError(
                 f"restore_state takes a state from this allocator's backup_state, "
@@ -309,12 +312,12 @@ class PageFreeList(HostViews):
         self._rel.reset(self._rel.buf[:0])
         self._not_in_use.fill_(True)
         self._not_in_use[0] = False
-        self._group: Optional[List[torch.Tensor]] = None
+        self._group = None
         self._group_count = 0
         self._merges = 0
         # (stamp, ring head, release head) of the backups that are ancestors of the
         # current state, oldest first: the only ones restore() accepts.
-        self._lineage: List[Tuple[int, int, int]] = []
+        self._lineage: list[tuple[int, int, int]] = []
 
     def check_invariants(self, owner: str) -> None:
         """InvariantError naming the ids unless free_pages, release_pages and the open

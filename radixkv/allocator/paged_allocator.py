@@ -8,19 +8,13 @@ torch elsewhere).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import cast
 
 import numpy as np
 import torch
 
 from radixkv.allocator.base import BaseKVAllocator
-from radixkv.allocator.validation import (
-    as_id_tensor,
-    check_count,
-    check_ids_in_range,
-    repeated,
-    sort_ids,
-)
+from radixkv.contracts import IndexLike, KVPool
 from radixkv.errors import (
     AlignmentError,
     DoubleFreeError,
@@ -30,7 +24,13 @@ from radixkv.errors import (
     describe_ids,
 )
 from radixkv.kernels.paged_alloc import alloc_decode_indices, alloc_extend_indices, page_layout
-
+from radixkv.validation import (
+    check_count,
+    check_range,
+    index_tensor,
+    repeated,
+    sort_ids,
+)
 
 # Frees of up to this many slots sort them outright (fewest ops); larger ones sort one
 # entry per run of same-page slots instead.
@@ -55,8 +55,8 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
     otherwise. Nothing is O(pool size) except ``clear`` and ``check_invariants``.
     """
 
-    def __init__(self, size: int, page_size: int, device="cpu", need_sort: bool = False,
-                 kvcache: Any = None, checks: bool = True):
+    def __init__(self, size: int, page_size: int, device: torch.device | str = "cpu",
+                 need_sort: bool = False, kvcache: KVPool | None = None, checks: bool = True):
         super().__init__(size, page_size, device, need_sort, kvcache, checks, kind="page")
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         self._offsets_host = np.arange(self.page_size, dtype=np.int64)
@@ -71,7 +71,7 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
             return torch.from_numpy((host[:, None] * self.page_size + self._offsets_host).reshape(-1))
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
-    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+    def alloc(self, need_size: int) -> torch.Tensor | None:
         """The slots (int64, page after page) of ``need_size // page_size`` fresh pages, or
         None (unchanged) when too few pages are available. O(need_size).
 
@@ -85,8 +85,8 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         pages = self._fl.alloc(need_size // self.page_size)
         return None if pages is None else self._slots_of(pages)
 
-    def _lens(self, t, what: str) -> torch.Tensor:
-        return as_id_tensor(t, self.device, what)
+    def _lens(self, t: IndexLike, what: str) -> torch.Tensor:
+        return index_tensor(t, self.device, what, sequences=False)
 
     def _check_last_loc(self, prefix: torch.Tensor, last: torch.Tensor, what: str) -> None:
         """Rows with a prefix: ``last_loc`` inside a page in use, at the prefix's offset."""
@@ -114,8 +114,8 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
                 f"{describe_ids(torch.nonzero(on_free).reshape(-1).tolist())}"
             )
 
-    def alloc_extend(self, prefix_lens, seq_lens, last_loc,
-                     extend_num_tokens: int) -> Optional[torch.Tensor]:
+    def alloc_extend(self, prefix_lens: IndexLike, seq_lens: IndexLike, last_loc: IndexLike,
+                     extend_num_tokens: int) -> torch.Tensor | None:
         """Slots for the new tokens of a batch of requests.
 
         Request ``i`` extends from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens; its last
@@ -162,7 +162,7 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         self._fl.commit(num_new)
         return out
 
-    def alloc_decode(self, seq_lens, last_loc) -> Optional[torch.Tensor]:
+    def alloc_decode(self, seq_lens: IndexLike, last_loc: IndexLike) -> torch.Tensor | None:
         """One slot per request for its next token: ``seq_lens`` include the new token and
         ``last_loc`` is the slot of the token before it (ignored when ``seq_lens == 1``).
         A fresh page is taken only when a request crosses a page boundary. Returns int64
@@ -199,7 +199,7 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
             return slots >> self._shift  # floor division, also for negative slots
         return torch.div(slots, self.page_size, rounding_mode="floor")
 
-    def free(self, free_index) -> None:
+    def free(self, free_index: IndexLike) -> None:
         """Free the pages the slots ``free_index`` (int32/int64 tensor or numpy array)
         belong to. Inside a free group they are released at ``free_group_end()``.
 
@@ -209,7 +209,7 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         Raises (state unchanged): InvalidArgumentError (dtype), InvalidIndexError (a slot
         of page 0 or beyond the last page), DoubleFreeError (a page already free, pending
         release or in the open group, or a slot repeated in the call)."""
-        slots = as_id_tensor(free_index, self.device, "free_index")
+        slots = index_tensor(free_index, self.device, "free_index", sequences=False)
         k = slots.numel()
         if k == 0:
             return
@@ -267,19 +267,21 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         each page's slots one ascending run. Frees and returns True; returns False (nothing
         changed) when any check fails, so the torch path finds and names the bad slots."""
         a = slots.numpy()
+        shift = cast(int, self._shift)  # the caller checked: a power-of-two page size
+        host_mask = cast(np.ndarray, self._fl.host_mask())  # on CPU the view exists
         lo, hi = self.page_size, (self.num_pages + 1) * self.page_size - 1
         if a.size <= self.page_size:  # a few slots, maybe of one page (a request's tail)
             first, last = int(a[0]), int(a[-1])
-            page = first >> self._shift
-            if (last >> self._shift == page and lo <= first and last <= hi
+            page = first >> shift
+            if (last >> shift == page and lo <= first and last <= hi
                     and (a.size == 1 or not _count(a[1:] <= a[:-1]))):
-                if self._fl.host_mask()[page]:
+                if host_mask[page]:
                     return False
                 self._fl.free_one(page)
                 return True
         if a[a.argmin()] < lo or a[a.argmax()] > hi:
             return False
-        pages = a >> self._shift
+        pages = a >> shift
         if a.size == 1:
             runs = pages
         else:
@@ -294,14 +296,15 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
                 runs.sort()
                 if _count(runs[1:] == runs[:-1]):
                     return False
-        if _count(self._fl.host_mask()[runs]):
+        if _count(host_mask[runs]):
             return False
         self._fl.free(torch.from_numpy(runs), known_unique=True, validated=True)
         return True
 
-    def _raise_if_bad(self, slots, pages, out_of_range, already_free, repeats, lo, hi) -> None:
+    def _raise_if_bad(self, slots: torch.Tensor, pages: torch.Tensor, out_of_range: bool, already_free: bool,
+                      repeats: bool, lo: int, hi: int) -> None:
         if out_of_range:
-            check_ids_in_range(slots, lo, hi, "slot")
+            check_range(slots, lo, hi + 1, "slots")
         if repeats:
             raise DoubleFreeError(
                 f"slots repeated in one free call: {describe_ids(repeated(slots).tolist())}"
@@ -310,9 +313,9 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
             bad = pages[self._fl.is_free(pages)]
             raise DoubleFreeError(f"pages already free: {describe_ids(bad.tolist())}")
 
-    def is_free(self, indices) -> torch.Tensor:
+    def is_free(self, indices: IndexLike) -> torch.Tensor:
         """Bool tensor: whether the page of each slot is not in use. Raises
         InvalidIndexError for slots beyond the last page. O(k)."""
-        slots = as_id_tensor(indices, self.device, "indices")
-        check_ids_in_range(slots, 0, (self.num_pages + 1) * self.page_size - 1, "slot")
+        slots = index_tensor(indices, self.device, "indices", sequences=False)
+        check_range(slots, 0, (self.num_pages + 1) * self.page_size, "slots")
         return self._fl.is_free(self._page_of(slots))

@@ -5,12 +5,11 @@ Slots are ``1..size``; slot 0 is the padding slot and is never handed out. Costs
 """
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import torch
 
 from radixkv.allocator.base import BaseKVAllocator
-from radixkv.allocator.validation import as_id_tensor, check_count, check_ids_in_range
+from radixkv.contracts import IndexLike, KVPool
+from radixkv.validation import check_count, check_range, index_tensor
 
 
 class TokenToKVPoolAllocator(BaseKVAllocator):
@@ -25,29 +24,30 @@ class TokenToKVPoolAllocator(BaseKVAllocator):
         checks: validate ``free`` (off only for benchmarks: bad frees then corrupt state).
     """
 
-    def __init__(self, size: int, device="cpu", need_sort: bool = False, kvcache: Any = None,
+    def __init__(self, size: int, device: torch.device | str = "cpu", need_sort: bool = False,
+                 kvcache: KVPool | None = None,
                  checks: bool = True):
         super().__init__(size, 1, device, need_sort, kvcache, checks, kind="slot")
 
-    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+    def alloc(self, need_size: int) -> torch.Tensor | None:
         """``need_size`` free slots (int64 on ``device``), or None (state unchanged) when
         fewer are available. O(need_size), plus a merge under need_sort when needed.
 
         Raises InvalidArgumentError for a negative or non-int ``need_size``."""
         return self._fl.alloc(check_count(need_size, "need_size"))
 
-    def free(self, free_index) -> None:
+    def free(self, free_index: IndexLike) -> None:
         """Return slots (int32/int64 tensor or numpy array, any shape). Inside a free group
         they are released at ``free_group_end()``. O(k log k) with checks.
 
         Raises (state unchanged): InvalidArgumentError (non-integer dtype),
         InvalidIndexError (slot 0 or > size), DoubleFreeError (already free, pending
         release, in the open group, or repeated in the call)."""
-        self._fl.free(as_id_tensor(free_index, self.device, "free_index"))
+        self._fl.free(index_tensor(free_index, self.device, "free_index", sequences=False))
 
-    def is_free(self, indices) -> torch.Tensor:
+    def is_free(self, indices: IndexLike) -> torch.Tensor:
         """Bool tensor: whether each slot is not in use (free, pending or in a group).
         Raises InvalidIndexError for slots outside ``0..size``. O(k)."""
-        ids = as_id_tensor(indices, self.device, "indices")
-        check_ids_in_range(ids, 0, self.size, "slot")
+        ids = index_tensor(indices, self.device, "indices", sequences=False)
+        check_range(ids, 0, self.size + 1, "slots")
         return self._fl.is_free(ids)

@@ -14,10 +14,12 @@ slots it holds ahead for decoding; empty when none).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
+from radixkv.contracts import KVAllocator, PrefixCache
 from radixkv.errors import InvariantError, describe_ids
 
 __all__ = ["Conservation", "conservation", "check_conservation"]
@@ -54,7 +56,7 @@ def _held(req: Any, page_size: int) -> int:
     return pages * page_size - req.cache_protected_len + int(req.decode_reserve.size)
 
 
-def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Any]) -> Conservation:
+def conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Any]) -> Conservation:
     """Count where the slots are (see :class:`Conservation`). O(requests)."""
     ps = int(getattr(allocator, "page_size", 1))
     return Conservation(
@@ -66,7 +68,7 @@ def conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Any]) -
     )
 
 
-def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Any]) -> None:
+def _audit_pages(allocator: KVAllocator, tree_cache: PrefixCache, reqs: list[Any]) -> None:
     """Exact audit, in pages (slots when ``page_size == 1``): every page in use is owned
     by exactly one of the tree and the running requests (their columns
     ``cache_protected_len .. kv_committed_len`` and their decode reserves), no owned page is free, and every slot of a
@@ -111,7 +113,7 @@ def _audit_pages(allocator: Any, tree_cache: Any, reqs: List[Any]) -> None:
         )
 
 
-def check_conservation(allocator: Any, tree_cache: Any, running_reqs: Iterable[Any],
+def check_conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Any],
                        exact: bool = True) -> Conservation:
     """:func:`conservation`, raising ``InvariantError`` unless the pool is exactly accounted
     for: the counts must add up, and (``exact``, the default) the page-level audit must

@@ -27,22 +27,29 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixkv.contracts import IndexLike, LayerLike, Scale
+from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.memory import Arena, ArenaLayout, HybridLinearKVPool, MambaPool, MHATokenToKVPool
 from radixkv.memory.mamba_pool import Mamba2LayerCache
 from radixkv.memory.req_to_token import ReqToTokenPool
 
+if TYPE_CHECKING:
+    from radixkv.engine.pools import EnginePools
+    from radixkv.reference.model import ModelCache
+
 __all__ = ["WorkerBuffers", "attach_buffers", "register_embedded"]
 
-_EMBEDDED: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_EMBEDDED: weakref.WeakValueDictionary[str, EnginePools] = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
 
 
-def register_embedded(pools: Any) -> str:
+def register_embedded(pools: EnginePools) -> str:
     """Register in-process pools so ``attach_buffers`` can find them from a layout whose
     mapping is ``{"mode": "embedded", "key": key}``; returns the key. Held weakly."""
     key = f"embedded-{next(_KEYS)}"
@@ -63,50 +70,51 @@ class WorkerBuffers:
     free lists stay with the engine.
     """
 
-    def __init__(self, config: Any, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor,
-                 mamba_pool: Optional[MambaPool] = None):
+    def __init__(self, config: EngineConfig, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor,
+                 mamba_pool: MambaPool | None = None):
         self.config = config
         self.req_to_token = req_to_token
         self.mamba_pool = mamba_pool
         self._mha = kv_pool
         if mamba_pool is not None:
-            self.kv_pool: Any = HybridLinearKVPool(kv_pool, list(config.full_layer_ids), mamba_pool,
-                                                   linear_layer_ids=list(config.kda_layer_ids))
+            self.kv_pool: MHATokenToKVPool | HybridLinearKVPool = HybridLinearKVPool(
+                kv_pool, list(config.full_layer_ids), mamba_pool, linear_layer_ids=list(config.kda_layer_ids))
         else:
             self.kv_pool = kv_pool
         self.device = kv_pool.device
 
     @classmethod
-    def from_pools(cls, pools: Any) -> "WorkerBuffers":
+    def from_pools(cls, pools: EnginePools) -> WorkerBuffers:
         """Over an ``EnginePools``' own pools (in-process)."""
         return cls(pools.config, pools.kv_pool, pools.req_to_token_pool.req_to_token, pools.mamba_pool)
 
     # -- the pools' API ------------------------------------------------------------------
-    def get_kv_buffer(self, layer_id: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def get_kv_buffer(self, layer_id: LayerLike) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K, V)`` views ``[kv_tokens + page_size, head_num, head_dim]`` of full layer
         ``layer_id``. Raises ``InvalidArgumentError`` for a KDA layer, ``InvalidIndexError``
         for an unknown one."""
         return self.kv_pool.get_kv_buffer(layer_id)
 
-    def set_kv_buffer(self, layer_id: Any, loc: Any, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                      k_scale: Optional[Any] = None, v_scale: Optional[Any] = None) -> None:
+    def set_kv_buffer(self, layer_id: LayerLike, loc: IndexLike, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                      k_scale: Scale | None = None, v_scale: Scale | None = None) -> None:
         """Write ``cache_k[i]`` / ``cache_v[i]`` into slot ``loc[i]`` of full layer
         ``layer_id`` (validated first; nothing written when it raises)."""
         self.kv_pool.set_kv_buffer(layer_id, loc, cache_k, cache_v, k_scale, v_scale)
 
-    def mamba2_layer_cache(self, layer_id: Any) -> Mamba2LayerCache:
+    def mamba2_layer_cache(self, layer_id: LayerLike) -> Mamba2LayerCache:
         """``.conv[0]`` ``[state_slots + 1, conv_kernel - 1, C]`` and ``.temporal``
         ``[state_slots + 1, H, D, D]`` of KDA layer ``layer_id``. Raises
         ``InvalidArgumentError`` for a full-attention layer or a KV-only model."""
-        if self.mamba_pool is None:
+        if self.mamba_pool is None or not isinstance(self.kv_pool, HybridLinearKVPool):
             raise InvalidArgumentError("this engine's model has no KDA layers (no Mamba states)")
         return self.kv_pool.mamba2_layer_cache(layer_id)
 
-    def model_cache(self):
+    def model_cache(self) -> ModelCache:
         """The reference model's ``ModelCache`` over these buffers (global layer ids)."""
         from radixkv.reference.model import ModelCache
 
-        mamba = self.mamba2_layer_cache if self.mamba_pool is not None else None
+        mamba: Callable[[int], Mamba2LayerCache] | None = \
+            self.mamba2_layer_cache if self.mamba_pool is not None else None
         return ModelCache(self, mamba, self.req_to_token)
 
     def check_invariants(self) -> None:
@@ -121,7 +129,7 @@ class WorkerBuffers:
                                  f"{self.req_to_token.dtype}, want {want} / int32")
 
 
-def attach_buffers(layout: Dict[str, Any], buffers_by_pool_name: Optional[Dict[str, torch.Tensor]] = None,
+def attach_buffers(layout: dict[str, Any], buffers_by_pool_name: dict[str, torch.Tensor] | None = None,
                    ) -> WorkerBuffers:
     """Views over an engine's memory, described by ``layout`` (``AttachInfo.layout``).
 
@@ -133,14 +141,13 @@ def attach_buffers(layout: Dict[str, Any], buffers_by_pool_name: Optional[Dict[s
     small / misaligned, a buffer for an unknown pool, or an arena that does not match the
     layout's config (the worker and the manager disagree on the model shape).
     """
-    from radixkv.engine.config import EngineConfig
     from radixkv.engine.pools import LAYOUT_FORMAT, build_kv_pool, build_mamba_pool
 
     if not isinstance(layout, dict) or layout.get("format") != LAYOUT_FORMAT:
         raise InvalidArgumentError(f"not an engine layout (format {LAYOUT_FORMAT!r} expected)")
     try:
         config = EngineConfig.from_dict(layout["config"])
-        pools: Dict[str, Any] = layout["pools"]
+        pools: dict[str, Any] = layout["pools"]
         arenas = {name: ArenaLayout.from_dict(p["arena"]) for name, p in pools.items()}
         mappings = {name: dict(p.get("mapping") or {}) for name, p in pools.items()}
     except (KeyError, TypeError, AttributeError) as e:
@@ -158,7 +165,8 @@ def attach_buffers(layout: Dict[str, Any], buffers_by_pool_name: Optional[Dict[s
         modes = {mappings[n].get("mode") for n in missing}
         if modes != {"embedded"} or len(keys) != 1:
             raise InvalidArgumentError(f"no buffer given for pools {missing} (mapped {sorted(map(str, modes))})")
-        engine_pools = _EMBEDDED.get(next(iter(keys)))
+        key = next(iter(keys))
+        engine_pools = _EMBEDDED.get(key) if isinstance(key, str) else None
         if engine_pools is None:
             raise InvalidArgumentError(f"embedded pools {next(iter(keys))!r} are not in this process")
         own = engine_pools.buffers()

@@ -16,8 +16,9 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ __all__ = ["EngineConfig", "ADMISSION_POLICIES"]
 #: at request ends and branch-off points (Marconi, MLSys 2025). ``none``: nothing is cached,
 #: every match is empty (SGLang's ``--disable-radix-cache``); requests still get rows and KV
 #: slots.
-ADMISSION_POLICIES: Tuple[str, ...] = ("every", "branch", "none")
+ADMISSION_POLICIES: tuple[str, ...] = ("every", "branch", "none")
 
 _INT_MIN = {  # field -> smallest allowed value
     "kv_tokens": 1, "page_size": 1, "head_num": 1, "head_dim": 1, "conv_kernel": 2,
@@ -162,33 +163,33 @@ class EngineConfig:
         return len(self.layer_types)
 
     @property
-    def full_layer_ids(self) -> Tuple[int, ...]:
+    def full_layer_ids(self) -> tuple[int, ...]:
         """Global ids of the full-attention layers (KV layer ``i`` is the ``i``-th)."""
         return tuple(i for i, c in enumerate(self.layer_types) if c == "F")
 
     @property
-    def kda_layer_ids(self) -> Tuple[int, ...]:
+    def kda_layer_ids(self) -> tuple[int, ...]:
         """Global ids of the KDA layers (Mamba layer ``i`` is the ``i``-th)."""
         return tuple(i for i, c in enumerate(self.layer_types) if c == "K")
 
     @property
-    def conv_state_shape(self) -> Tuple[int, int]:
+    def conv_state_shape(self) -> tuple[int, int]:
         """Per-slot conv state of one KDA layer: ``(conv_kernel - 1, 3 * heads * head_dim)``
         (q|k|v channels concatenated, as ``KimiLinearStateShape`` and the reference model)."""
         return (self.conv_kernel - 1, 3 * self.kda_num_heads * self.kda_head_dim)
 
     @property
-    def temporal_state_shape(self) -> Tuple[int, int, int]:
+    def temporal_state_shape(self) -> tuple[int, int, int]:
         """Per-slot recurrent state of one KDA layer: ``(heads, head_dim, head_dim)``."""
         return (self.kda_num_heads, self.kda_head_dim, self.kda_head_dim)
 
     # ------------------------------------------------------------------ plain data
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Every field as plain JSON-able data."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "EngineConfig":
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
         """A config from plain data; missing fields take their defaults.
 
         Raises ``InvalidArgumentError`` for a non-dict, unknown field names (listed) or a
@@ -202,7 +203,7 @@ class EngineConfig:
         return cls(**d)
 
     @classmethod
-    def from_file(cls, path: "str | os.PathLike") -> "EngineConfig":
+    def from_file(cls, path: str | os.PathLike[str]) -> EngineConfig:
         """Load a ``.json`` or ``.toml`` file: the fields at top level, or under an
         ``engine`` table/object. Raises ``InvalidArgumentError`` for an unreadable or
         malformed file, another extension, or bad fields."""
@@ -210,13 +211,16 @@ class EngineConfig:
         ext = os.path.splitext(p)[1].lower()
         try:
             if ext == ".json":
-                with open(p, "r", encoding="utf-8") as f:
+                with open(p, encoding="utf-8") as f:
                     data = json.load(f)
             elif ext == ".toml":
-                import tomllib
+                if sys.version_info >= (3, 11):
+                    import tomllib
 
-                with open(p, "rb") as f:
-                    data = tomllib.load(f)
+                    with open(p, "rb") as f:
+                        data = tomllib.load(f)
+                else:
+                    raise InvalidArgumentError(f"reading {p!r} needs Python 3.11 (tomllib); use a .json config")
             else:
                 raise InvalidArgumentError(f"config file must end in .json or .toml, got {p!r}")
         except (OSError, ValueError) as e:
@@ -227,7 +231,7 @@ class EngineConfig:
             data = data["engine"]
         return cls.from_dict(data)
 
-    def replace(self, **changes: Any) -> "EngineConfig":
+    def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated; unknown names raise)."""
         names = {f.name for f in fields(self)}
         unknown = sorted(k for k in changes if k not in names)

@@ -31,35 +31,69 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from radixkv.cache.radix_key import RadixKey
+from radixkv.contracts import Event
 from radixkv.engine import engine_audit, engine_events
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.pools import EnginePools, build_tree
 from radixkv.engine.protocol import (
-    AttachInfo, CacheResult, DecodeItem, DecodeResult, EvictResult, ExtendItem,
-    ExtendResult, MatchInfo, MatchQuery, Session,
+    AttachInfo,
+    CacheResult,
+    DecodeItem,
+    DecodeResult,
+    EvictResult,
+    ExtendItem,
+    ExtendResult,
+    MatchInfo,
+    MatchQuery,
+    Session,
 )
 from radixkv.engine.requests import EngineReq
 from radixkv.engine.sessions import SessionTable
-from radixkv.engine.validation import (
-    as_items, check_count, check_extra_key, check_priority, check_rids, check_token_id, check_tokens,
-)
-from radixkv.errors import CapacityError, InvalidArgumentError
+from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.scheduler.batch import Batch
 from radixkv.scheduler.decode_reserve import free_reserves, reserved_slots, top_up
 from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
+from radixkv.validation import (
+    as_items,
+    check_count,
+    check_extra_key,
+    check_priority,
+    check_rids,
+    check_token_id,
+    check_tokens,
+)
+
+if TYPE_CHECKING:
+    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.engine.buffers import WorkerBuffers
 
 __all__ = ["CacheEngine"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-def _as_config(config: Union[EngineConfig, Dict[str, Any], None]) -> EngineConfig:
+def _filled(t: torch.Tensor | None) -> torch.Tensor:
+    """A batch tensor the scheduler flow call just set."""
+    if t is None:
+        raise InvariantError("the scheduler flow left a batch tensor unset")
+    return t
+
+
+def _row(r: EngineReq) -> int:
+    """The row of a request the scheduler flow call just gave one."""
+    if r.req_pool_idx is None:
+        raise InvariantError(f"request {r.rid!r} holds no row after the flow call")
+    return int(r.req_pool_idx)
+
+
+def _as_config(config: EngineConfig | dict[str, Any] | None) -> EngineConfig:
     if config is None:
         return EngineConfig()
     if isinstance(config, dict):
@@ -88,18 +122,18 @@ class CacheEngine:
     config while the Mamba-aware tree is missing.
     """
 
-    def __init__(self, config: Union[EngineConfig, Dict[str, Any], None] = None, *,
-                 clock: Optional[Callable[[], float]] = None, epoch: Optional[int] = None,
-                 buffers: Optional[Dict[str, torch.Tensor]] = None,
-                 mappings: Optional[Dict[str, Dict[str, Any]]] = None):
+    def __init__(self, config: EngineConfig | dict[str, Any] | None = None, *,
+                 clock: Callable[[], float] | None = None, epoch: int | None = None,
+                 buffers: dict[str, torch.Tensor] | None = None,
+                 mappings: dict[str, dict[str, Any]] | None = None):
         self.config = _as_config(config)
         self.pools = EnginePools(self.config, buffers)
         self.tree = build_tree(self.pools)
         self.sessions = SessionTable(self.config.lease_ttl_s, self.config.max_sessions,
                                      self.config.max_requests_per_session, clock=clock, epoch=epoch)
         self._layout = self.pools.layout(mappings)
-        self._reqs: Dict[str, EngineReq] = {}
-        self._events: Deque[Any] = deque()
+        self._reqs: dict[str, EngineReq] = {}
+        self._events: deque[Event] = deque()
         self._discount = [0, 0, 0]  # queries, queried tokens, hit tokens of calls that raised
 
     # ------------------------------------------------------------------ sessions
@@ -107,11 +141,11 @@ class CacheEngine:
     def epoch(self) -> int:
         return self.sessions.epoch
 
-    def layout(self) -> Dict[str, Any]:
+    def layout(self) -> dict[str, Any]:
         """A copy of the JSON-able layout of the pools (what ``attach`` returns)."""
         return copy.deepcopy(self._layout)
 
-    def worker_buffers(self):
+    def worker_buffers(self) -> WorkerBuffers:
         """In-process :class:`~radixkv.engine.buffers.WorkerBuffers` over the pools."""
         return self.pools.worker_buffers()
 
@@ -141,7 +175,7 @@ class CacheEngine:
             del self._reqs[r]
         return len(rids)
 
-    def sweep(self, now: Optional[float] = None) -> List[str]:
+    def sweep(self, now: float | None = None) -> list[str]:
         """Reclaim every session whose lease ran out at ``now`` (default: the clock);
         returns their ids. Every call runs it first; the service also runs it periodically.
         O(1) when none is due."""
@@ -161,13 +195,13 @@ class CacheEngine:
         self.sessions.renew(sid)
         return sid
 
-    def _own(self, sid: str, rids: Any) -> List[EngineReq]:
-        rids = check_rids(rids)
-        self.sessions.classify(sid, rids, must_exist=True)
-        return [self._reqs[r] for r in rids]
+    def _own(self, sid: str, rids: object) -> list[EngineReq]:
+        ids = check_rids(rids)
+        self.sessions.classify(sid, ids, must_exist=True)
+        return [self._reqs[r] for r in ids]
 
     # ------------------------------------------------------------------ queries
-    def match(self, session: Session, queries: Sequence[MatchQuery]) -> List[MatchInfo]:
+    def match(self, session: Session, queries: Sequence[MatchQuery]) -> list[MatchInfo]:
         """How much of each query is cached (no lock, no allocation). O(sum of lengths)."""
         self._enter(session)
         qs = as_items(queries, MatchQuery, "queries")
@@ -180,7 +214,7 @@ class CacheEngine:
         return out
 
     # ------------------------------------------------------------------ extend / decode
-    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> list[ExtendResult]:
         """All or nothing (see the protocol). New rids are matched and locked and get a
         row (and, hybrid, a state slot holding the matched state's fork, or zeros); every
         request gets KV slots for its new tokens, evicting KV and states as needed.
@@ -230,12 +264,12 @@ class CacheEngine:
         for r in new:
             self._reqs[r.rid] = r
         self._top_up(reqs)
-        out = batch.out_cache_loc.to("cpu", torch.int64).numpy()
-        pre, seq = batch.prefix_lens.tolist(), batch.seq_lens_cpu.tolist()
+        out = _filled(batch.out_cache_loc).to("cpu", torch.int64).numpy()
+        pre, seq = _filled(batch.prefix_lens).tolist(), _filled(batch.seq_lens_cpu).tolist()
         results, pos = [], 0
         for i, r in enumerate(reqs):
             n = seq[i] - pre[i]
-            results.append(ExtendResult(r.rid, int(r.req_pool_idx), 0 if known[i] else pre[i], pre[i],
+            results.append(ExtendResult(r.rid, _row(r), 0 if known[i] else pre[i], pre[i],
                                         seq[i], out[pos:pos + n].copy(), self._slot(r),
                                         r.decode_reserve.copy()))
             pos += n
@@ -276,15 +310,15 @@ class CacheEngine:
                 r.rollback(m)
             raise
         self._top_up(reqs)
-        return DecodeResult(batch.out_cache_loc.to("cpu", torch.int64).numpy().copy(),
-                            batch.seq_lens_cpu.to(torch.int64).numpy().copy(),
+        return DecodeResult(_filled(batch.out_cache_loc).to("cpu", torch.int64).numpy().copy(),
+                            _filled(batch.seq_lens_cpu).to(torch.int64).numpy().copy(),
                             np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
                             np.array([self._slot(r) for r in reqs], dtype=np.int64),
                             reserved_slots(reqs).copy(),
                             np.array([r.decode_reserve.size for r in reqs], dtype=np.int64))
 
     # ------------------------------------------------------------------ cache / release
-    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         """Insert each request's committed tokens (page-aligned) into the tree and move its
         lock there; hybrid: a fork of its state goes with them when the committed length is
         page-aligned (and admitted). ``cached_len`` is 0 with admission policy ``none``.
@@ -295,7 +329,7 @@ class CacheEngine:
             self.tree.cache_unfinished_req(r)
         return [CacheResult(r.rid, int(r.cache_protected_len)) for r in reqs]
 
-    def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         """Cache the requests' tokens (page-aligned part), free what the tree does not keep
         and their rows; hybrid: the tree takes the request's state slot when its committed
         length is page-aligned, else the slot is freed. The rids are forgotten. O(tokens)."""
@@ -333,7 +367,7 @@ class CacheEngine:
             return EvictResult(self.tree.evict(n) if n else 0, 0)
         if not n and not k:
             return EvictResult(0, 0)
-        res = self.tree.evict(n, k)
+        res = cast("MambaRadixCache", self.tree).evict(n, k)
         return EvictResult(int(res.num_tokens), int(res.num_states))
 
     def flush(self, session: Session) -> bool:
@@ -357,15 +391,15 @@ class CacheEngine:
     _discount_since = engine_audit.discount_since
 
     # ------------------------------------------------------------------ helpers
-    def _batch(self, reqs: List[EngineReq]) -> Batch:
+    def _batch(self, reqs: list[EngineReq]) -> Batch:
         p = self.pools
-        return Batch(reqs, p.req_to_token_pool, p.allocator, self.tree, kv_pool=p.kv_pool)
+        return Batch(list(reqs), p.req_to_token_pool, p.allocator, self.tree, kv_pool=p.kv_pool)
 
     @staticmethod
     def _slot(r: EngineReq) -> int:
         return -1 if r.mamba_pool_idx is None else int(r.mamba_pool_idx)
 
-    def _abort(self, reqs: List[EngineReq]) -> None:
+    def _abort(self, reqs: list[EngineReq]) -> None:
         """Free everything ``reqs`` hold without caching: one allocator call for their
         private KV slots (columns ``cache_protected_len .. kv_committed_len``), then their
         locks and rows."""
@@ -387,14 +421,14 @@ class CacheEngine:
             if r.req_pool_idx is not None:
                 pool.free(r)
 
-    def _top_up(self, reqs: List[EngineReq]) -> None:
+    def _top_up(self, reqs: list[EngineReq]) -> None:
         """Decode reserves for the call's requests that have none (no eviction)."""
         n = self.config.decode_reserve
         if n:
             width = self.pools.req_to_token_pool.req_to_token.shape[1]
             top_up(reqs, self.pools.allocator, n, min(self.config.max_context_len, width))
 
-    def _forget(self, sid: str, reqs: List[EngineReq]) -> None:
+    def _forget(self, sid: str, reqs: list[EngineReq]) -> None:
         self.sessions.remove_requests(sid, [r.rid for r in reqs])
         for r in reqs:
             del self._reqs[r.rid]

@@ -7,17 +7,22 @@ leases first, as every call does).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, cast
 
 from radixkv.cache.mamba_audit import StateConservation
 from radixkv.engine.protocol import EngineStats, Session
 from radixkv.errors import InvariantError
 from radixkv.scheduler.flow import check_conservation, conservation
 
+if TYPE_CHECKING:
+    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.metrics import MetricsSnapshot
+    from radixkv.engine.embedded import CacheEngine
+
 __all__ = ["stats", "check_invariants", "state_counts", "discount_since"]
 
 
-def stats(engine: Any, session: Optional[Session] = None) -> EngineStats:
+def stats(engine: CacheEngine, session: Session | None = None) -> EngineStats:
     """Counters of the whole engine (``session`` optional; checked and renewed when
     given). O(running requests)."""
     if session is not None:
@@ -42,7 +47,7 @@ def stats(engine: Any, session: Optional[Session] = None) -> EngineStats:
     )
 
 
-def check_invariants(engine: Any) -> None:
+def check_invariants(engine: CacheEngine) -> None:
     """Every pool, the tree, the KV conservation law (page-exact, with the running
     requests), the session table, and the engine's own request map agree; for hybrid
     models also the state law, slot-exact: every Mamba slot is exactly one of free, a
@@ -54,7 +59,7 @@ def check_invariants(engine: Any) -> None:
     reqs = list(engine._reqs.values())
     engine.pools.check_invariants(reqs)
     if engine.config.is_hybrid:
-        engine.tree.check_invariants(reqs)  # includes the exact slot audit against reqs
+        cast("MambaRadixCache", engine.tree).check_invariants(reqs)  # includes the exact slot audit against reqs
         slotless = sorted(r.rid for r in reqs if r.mamba_pool_idx is None)
         if slotless:
             raise InvariantError(f"running requests of a hybrid model without a Mamba slot: {slotless}")
@@ -77,17 +82,18 @@ def check_invariants(engine: Any) -> None:
     check_conservation(engine.pools.allocator, engine.tree, reqs)
 
 
-def state_counts(engine: Any) -> StateConservation:
+def state_counts(engine: CacheEngine) -> StateConservation:
     """Where the Mamba slots are (all zeros for KV-only models). O(running requests)."""
     mp = engine.pools.mamba_pool
     if mp is None:
         return StateConservation(0, 0, 0, 0, 0)
     held = sum(1 for r in engine._reqs.values() if r.mamba_pool_idx is not None)
-    return StateConservation(int(mp.size), int(mp.available_size()), int(engine.tree.mamba_evictable_size()),
-                             int(engine.tree.mamba_protected_size()), held)
+    tree = cast("MambaRadixCache", engine.tree)  # a hybrid config builds the Mamba tree
+    return StateConservation(int(mp.size), int(mp.available_size()), int(tree.mamba_evictable_size()),
+                             int(tree.mamba_protected_size()), held)
 
 
-def discount_since(engine: Any, before: Any) -> None:
+def discount_since(engine: CacheEngine, before: MetricsSnapshot) -> None:
     """Discount the tree's query counters gained since the snapshot ``before`` (a call that
     raised must not count in ``stats``)."""
     m = engine.tree.metrics.snapshot()

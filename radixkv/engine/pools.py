@@ -16,15 +16,18 @@ needs to map them (``radixkv.engine.buffers.attach_buffers``), as plain JSON-abl
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, Iterable, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache.radix_cache import RadixCache
+from radixkv.contracts import KVAllocator, PoolRequest
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.memory import (
+    Arena,
     ArenaLayout,
     HybridLinearKVPool,
     HybridReqToTokenPool,
@@ -35,6 +38,9 @@ from radixkv.memory import (
 )
 from radixkv.memory.arena import DEFAULT_ALIGNMENT
 from radixkv.memory.hybrid import MAPPING, OWNER
+
+if TYPE_CHECKING:
+    from radixkv.engine.buffers import WorkerBuffers
 
 __all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "HYBRID_TREE_MODULE", "HYBRID_NEEDS_TREE", "plan_arenas",
            "EnginePools", "build_kv_pool", "build_mamba_pool", "build_tree", "hybrid_tree_available"]
@@ -47,18 +53,19 @@ HYBRID_NEEDS_TREE = f"hybrid prefix caching needs {HYBRID_TREE_MODULE}"
 
 def _store_dtype(name: str) -> torch.dtype:
     """The dtype a KV pool stores ``name`` as (fp8 as uint8, as ``KVCache`` does)."""
-    from radixkv.memory.kv_pool import _FP8
     from radixkv.memory.arena import parse_dtype
+    from radixkv.memory.kv_pool import _FP8
 
     dt = parse_dtype(name)
     return torch.uint8 if dt in _FP8 else dt
 
 
-def plan_arenas(config: EngineConfig) -> Dict[str, ArenaLayout]:
+def plan_arenas(config: EngineConfig) -> dict[str, ArenaLayout]:
     """The arena layout of every pool of ``config`` (``"mamba"`` only for hybrid models),
     computed without allocating: what shared buffers must hold. O(layers)."""
     c = config
-    r2t = [(ReqToTokenPool.TABLE, (c.request_rows + 1, c.max_context_len), torch.int32)]
+    r2t: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+        (ReqToTokenPool.TABLE, (c.request_rows + 1, c.max_context_len), torch.int32)]
     if c.is_hybrid:
         r2t += [(MAPPING, (c.request_rows + 1,), torch.int32), (OWNER, (c.state_slots + 1,), torch.int32)]
     n_full = len(c.full_layer_ids)
@@ -75,8 +82,8 @@ def plan_arenas(config: EngineConfig) -> Dict[str, ArenaLayout]:
     return plans
 
 
-def build_kv_pool(config: EngineConfig, buffer: Optional[torch.Tensor] = None,
-                  device: Any = None) -> MHATokenToKVPool:
+def build_kv_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
+                  device: torch.device | str | None = None) -> MHATokenToKVPool:
     """The full-attention KV pool of ``config`` (over ``buffer`` when given)."""
     c = config
     return MHATokenToKVPool(c.kv_tokens, c.page_size, c.kv_dtype, c.head_num, c.head_dim,
@@ -84,8 +91,8 @@ def build_kv_pool(config: EngineConfig, buffer: Optional[torch.Tensor] = None,
                             checks=c.checks, buffer=buffer)
 
 
-def build_mamba_pool(config: EngineConfig, buffer: Optional[torch.Tensor] = None,
-                     device: Any = None) -> MambaPool:
+def build_mamba_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
+                     device: torch.device | str | None = None) -> MambaPool:
     """The KDA state pool of a hybrid ``config`` (over ``buffer`` when given)."""
     c = config
     return MambaPool(c.state_slots, c.conv_state_shape, c.temporal_state_shape, len(c.kda_layer_ids),
@@ -116,7 +123,7 @@ class EnginePools:
     buffer too small / misaligned / on another device).
     """
 
-    def __init__(self, config: EngineConfig, buffers: Optional[Dict[str, torch.Tensor]] = None):
+    def __init__(self, config: EngineConfig, buffers: dict[str, torch.Tensor] | None = None):
         if not isinstance(config, EngineConfig):
             raise InvalidArgumentError(f"expected an EngineConfig, got {type(config).__name__}")
         dev = config.torch_device
@@ -130,8 +137,8 @@ class EnginePools:
         self.config = config
         self.device = dev
         self.kv_pool = build_kv_pool(config, buffers.get("kv"))
-        self.mamba_pool: Optional[MambaPool] = None
-        self.hybrid_kv_pool: Optional[HybridLinearKVPool] = None
+        self.mamba_pool: MambaPool | None = None
+        self.hybrid_kv_pool: HybridLinearKVPool | None = None
         if config.is_hybrid:
             self.mamba_pool = build_mamba_pool(config, buffers.get("mamba"))
             self.req_to_token_pool: ReqToTokenPool = HybridReqToTokenPool(
@@ -144,6 +151,7 @@ class EnginePools:
             self.req_to_token_pool = ReqToTokenPool(config.request_rows, config.max_context_len, dev,
                                                     checks=config.checks,
                                                     buffer=buffers.get("req_to_token"))
+        self.allocator: KVAllocator
         if config.page_size == 1:
             self.allocator = TokenToKVPoolAllocator(config.kv_tokens, dev, need_sort=True,
                                                     kvcache=self.kv_pool, checks=config.checks)
@@ -158,18 +166,18 @@ class EnginePools:
 
         self.embedded_key = register_embedded(self)
 
-    def arenas(self) -> Dict[str, Any]:
+    def arenas(self) -> dict[str, Arena]:
         """``{pool name: Arena}``: the one allocation of each pool."""
         out = {"req_to_token": self.req_to_token_pool.arena, "kv": self.kv_pool.arena}
         if self.mamba_pool is not None:
             out["mamba"] = self.mamba_pool.arena
         return out
 
-    def buffers(self) -> Dict[str, torch.Tensor]:
+    def buffers(self) -> dict[str, torch.Tensor]:
         """``{pool name: its flat uint8 buffer}`` (what ``attach_buffers`` takes)."""
         return {name: a.buffer for name, a in self.arenas().items()}
 
-    def layout(self, mappings: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    def layout(self, mappings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """Plain, JSON-able description of the pools: ``format``, ``config`` (the engine
         config's ``to_dict()``), ``device``, ``page_size``, ``layers`` (``types``, global
         ``full`` and ``kda`` ids) and ``pools``: per pool its ``kind``, ``arena``
@@ -196,13 +204,13 @@ class EnginePools:
             },
         }
 
-    def worker_buffers(self):
+    def worker_buffers(self) -> WorkerBuffers:
         """A :class:`~radixkv.engine.buffers.WorkerBuffers` over these very pools."""
         from radixkv.engine.buffers import WorkerBuffers
 
         return WorkerBuffers.from_pools(self)
 
-    def check_invariants(self, reqs: Optional[Iterable[Any]] = None) -> None:
+    def check_invariants(self, reqs: Iterable[PoolRequest] | None = None) -> None:
         """Every pool's own invariants (the request pool against ``reqs``, every request
         holding a row, when given). Raises ``InvariantError``."""
         self.allocator.check_invariants()

@@ -30,7 +30,8 @@ session -> ``PermissionDeniedError``. A call that raises changes nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -63,14 +64,14 @@ class AttachInfo(NamedTuple):
     """
 
     session: Session
-    layout: Dict[str, Any]
+    layout: dict[str, Any]
 
 
 class MatchQuery(NamedTuple):
     """A read-only probe: how much of ``token_ids`` is cached (no lock, no allocation)."""
 
     token_ids: np.ndarray  # int32
-    extra_key: Optional[str] = None
+    extra_key: str | None = None
 
 
 class MatchInfo(NamedTuple):
@@ -93,7 +94,7 @@ class ExtendItem(NamedTuple):
 
     rid: str
     token_ids: np.ndarray
-    extra_key: Optional[str] = None
+    extra_key: str | None = None
     priority: int = 0
 
 
@@ -197,20 +198,20 @@ class CacheEngineAPI(Protocol):
     def detach(self, session: Session) -> None:
         """End the session, reclaiming everything its requests hold."""
 
-    def match(self, session: Session, queries: Sequence[MatchQuery]) -> List[MatchInfo]: ...
+    def match(self, session: Session, queries: Sequence[MatchQuery]) -> list[MatchInfo]: ...
 
-    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> list[ExtendResult]:
         """All or nothing: new requests are matched and locked, get a row (and a state
         slot), and every request gets KV slots for its uncommitted tokens, evicting from the
         tree as needed; ``CapacityError`` when that cannot be done."""
 
     def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult: ...
 
-    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         """Chunked prefill: put each request's committed tokens into the tree (for hybrid
         models with a fork of its current state) and move its lock there."""
 
-    def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         """The requests are done: cache their tokens (and final state), free their rows."""
 
     def release(self, session: Session, rids: Sequence[str]) -> None:
@@ -218,12 +219,12 @@ class CacheEngineAPI(Protocol):
 
     def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult: ...
 
-    def stats(self, session: Optional[Session] = None) -> EngineStats: ...
+    def stats(self, session: Session | None = None) -> EngineStats: ...
 
     def flush(self, session: Session) -> bool:
         """Empty the tree; refused (False) while any request is running."""
 
-    def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
+    def take_events(self, session: Session, max_events: int = 0) -> list[dict[str, Any]]:
         """Drain KV events (``to_dict()`` form of BlockStored / BlockRemoved /
         AllBlocksCleared); ``max_events=0`` means all."""
 

@@ -13,8 +13,6 @@ engine call that fails leaves its requests unchanged.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import numpy as np
 
 from radixkv.scheduler.req import Req
@@ -35,8 +33,8 @@ class EngineReq(Req):
     _prompt_len: int
 
     @classmethod
-    def create(cls, rid: str, tokens: np.ndarray, extra_key: Optional[str] = None,
-               priority: int = 0) -> "EngineReq":
+    def create(cls, rid: str, tokens: np.ndarray, extra_key: str | None = None,
+               priority: int = 0) -> EngineReq:
         """A new request whose prompt (so far) is ``tokens`` (int32, validated by the caller)."""
         req = cls(rid=rid, origin_input_ids=tokens, extra_key=extra_key, priority=priority)
         n = int(tokens.size)
@@ -79,11 +77,11 @@ class EngineReq(Req):
         self._sync()
 
     # -- undo -------------------------------------------------------------------------------
-    def mark(self) -> Tuple[int, int]:
+    def mark(self) -> tuple[int, int]:
         """A marker for :meth:`rollback`."""
         return (self._n, self._prompt_len)
 
-    def rollback(self, marker: Tuple[int, int]) -> None:
+    def rollback(self, marker: tuple[int, int]) -> None:
         """Drop every token appended since ``marker`` was taken."""
         self._n, self._prompt_len = marker
         self._sync()

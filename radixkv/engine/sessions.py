@@ -26,7 +26,7 @@ import heapq
 import secrets
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
 
 from radixkv.engine.protocol import Session
 from radixkv.errors import (
@@ -56,8 +56,8 @@ class SessionRecord:
         self.worker_name = worker_name
         self.created_at = now
         self.expires_at = now + ttl
-        self.rids: Dict[str, None] = {}
-        self.fenced_at: Optional[float] = None  # set by SessionTable.fence
+        self.rids: dict[str, None] = {}
+        self.fenced_at: float | None = None  # set by SessionTable.fence
         self.fence_reason = ""
 
     def __repr__(self) -> str:
@@ -78,7 +78,7 @@ class SessionTable:
     """
 
     def __init__(self, lease_ttl_s: float, max_sessions: int, max_requests_per_session: int,
-                 clock: Optional[Clock] = None, epoch: Optional[int] = None):
+                 clock: Clock | None = None, epoch: int | None = None):
         if isinstance(lease_ttl_s, bool) or not isinstance(lease_ttl_s, (int, float)) or not lease_ttl_s > 0:
             raise InvalidArgumentError(f"lease_ttl_s must be a number > 0, got {lease_ttl_s!r}")
         for name, v in (("max_sessions", max_sessions), ("max_requests_per_session", max_requests_per_session)):
@@ -93,11 +93,11 @@ class SessionTable:
         self.max_requests_per_session = max_requests_per_session
         self.clock: Clock = clock if clock is not None else time.monotonic
         self.epoch = epoch if epoch is not None else secrets.randbits(62) + 1
-        self._sessions: Dict[str, SessionRecord] = {}
-        self._owner: Dict[str, str] = {}  # rid -> session id
-        self._heap: List[Tuple[float, int, str]] = []  # (expires_at, seq, sid); stale entries allowed
+        self._sessions: dict[str, SessionRecord] = {}
+        self._owner: dict[str, str] = {}  # rid -> session id
+        self._heap: list[tuple[float, int, str]] = []  # (expires_at, seq, sid); stale entries allowed
         self._seq = 0
-        self._ended: "OrderedDict[str, str]" = OrderedDict()  # sid -> why it ended
+        self._ended: OrderedDict[str, str] = OrderedDict()  # sid -> why it ended
 
     # ------------------------------------------------------------------ sessions
     def __len__(self) -> int:
@@ -159,12 +159,12 @@ class SessionTable:
         """Seconds until the lease of ``session_id`` runs out (<= 0 when expired)."""
         return self._live(session_id).expires_at - self.now()
 
-    def due(self, now: Optional[float] = None) -> List[str]:
+    def due(self, now: float | None = None) -> list[str]:
         """Ids of the live sessions whose lease has run out at ``now`` (default
         ``clock()``), earliest deadline first. Changes nothing visible (drops stale heap
         entries)."""
         t = self.now() if now is None else float(now)
-        out: List[str] = []
+        out: list[str] = []
         heap = self._heap
         while heap and heap[0][0] <= t:
             exp, _, sid = heap[0]
@@ -181,7 +181,7 @@ class SessionTable:
             self._push(self._sessions[sid])
         return out
 
-    def close(self, session_id: str, reason: str = "was detached") -> List[str]:
+    def close(self, session_id: str, reason: str = "was detached") -> list[str]:
         """End a live session: forget it and its rids; returns those rids (in the order
         they were added) so the caller can reclaim what they hold. O(rids).
 
@@ -210,11 +210,11 @@ class SessionTable:
             rec.fenced_at = self.now()
             rec.fence_reason = reason
 
-    def fenced(self) -> List[str]:
+    def fenced(self) -> list[str]:
         """Ids of the fenced sessions (not yet closed), in the order they were opened. O(n)."""
         return [sid for sid, rec in self._sessions.items() if rec.fenced_at is not None]
 
-    def session_ids(self) -> List[str]:
+    def session_ids(self) -> list[str]:
         return list(self._sessions)
 
     def record(self, session_id: str) -> SessionRecord:
@@ -224,14 +224,14 @@ class SessionTable:
     def request_count(self) -> int:
         return len(self._owner)
 
-    def owner(self, rid: str) -> Optional[str]:
+    def owner(self, rid: str) -> str | None:
         """The session owning ``rid``, or ``None``."""
         return self._owner.get(rid)
 
-    def rids(self, session_id: str) -> List[str]:
+    def rids(self, session_id: str) -> list[str]:
         return list(self._live(session_id).rids)
 
-    def classify(self, session_id: str, rids: Sequence[str], must_exist: bool) -> List[bool]:
+    def classify(self, session_id: str, rids: Sequence[str], must_exist: bool) -> list[bool]:
         """For each rid, whether ``session_id`` owns it (``True``) or nobody does
         (``False``); changes nothing. O(len(rids)).
 
@@ -330,7 +330,7 @@ class SessionTable:
             heapq.heapify(self._heap)
 
 
-def _session_fields(session: Session) -> Tuple[str, int]:
+def _session_fields(session: Session) -> tuple[str, int]:
     """``(session_id, epoch)`` of a ``Session`` (or a 3-tuple shaped like one)."""
     if not isinstance(session, tuple) or len(session) != 3:
         raise InvalidArgumentError(f"expected a Session, got {type(session).__name__}")

@@ -11,7 +11,7 @@ oldest first: ``state[j] = x[t - (K-2) + j]`` (shape ``[K-1, C]``), zeros before
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -36,7 +36,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_common(weight: torch.Tensor, bias: Optional[torch.Tensor], channels: int, activation, device) -> int:
+def _check_common(weight: torch.Tensor, bias: torch.Tensor | None, channels: int, activation, device) -> int:
     if activation not in ACTIVATIONS:
         raise InvalidArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
@@ -52,9 +52,9 @@ def _check_common(weight: torch.Tensor, bias: Optional[torch.Tensor], channels: 
 def causal_conv1d_fn(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    activation: Optional[str] = "silu",
+    bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
 ) -> ConvOutput:
     """Causal depthwise conv of one sequence ``x [T, C]`` continuing from ``initial_state``
     (``[K-1, C]``, the previous ``K-1`` inputs; ``None`` = zeros). Returns ``ConvOutput(y [T, C],
@@ -167,11 +167,11 @@ def causal_conv1d_update(
     x: torch.Tensor,
     conv_state: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    activation: Optional[str],
+    bias: torch.Tensor | None,
+    activation: str | None,
     conv_state_indices: torch.Tensor,
     *,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     checks: bool = True,
 ) -> torch.Tensor:
     """One decode step for ``B`` requests: request ``b`` uses state slot

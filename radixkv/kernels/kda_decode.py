@@ -17,8 +17,6 @@ block of the state. Cost: O(B*H*D_k*D_v) flops and state bytes read + written on
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
@@ -122,7 +120,7 @@ def kda_decode(
     ssm_states: torch.Tensor,
     cache_indices: torch.Tensor,
     *,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     checks: bool = True,
 ) -> torch.Tensor:
     """Apply one gated-delta-rule step for ``B`` requests and return ``o [B, H, D_v]``.

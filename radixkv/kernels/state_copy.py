@@ -15,7 +15,7 @@ state size) bytes moved, one launch per tensor.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ if HAS_TRITON:
 BACKENDS = ("torch", "triton")
 
 
-def resolve_backend(backend: Optional[str], device: torch.device) -> str:
+def resolve_backend(backend: str | None, device: torch.device) -> str:
     """``None`` -> the default for ``device`` (Triton on CUDA, torch elsewhere); an explicit
     ``"triton"`` must be runnable there (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
     if backend is None:
@@ -84,7 +84,7 @@ def validate_slot_indices(
     return idx
 
 
-def _as_tensor_list(conv: Union[torch.Tensor, Sequence[torch.Tensor]]) -> list:
+def _as_tensor_list(conv: torch.Tensor | Sequence[torch.Tensor]) -> list:
     if isinstance(conv, torch.Tensor):
         return [conv]
     tensors = list(conv)
@@ -158,12 +158,12 @@ def copy_states_triton(tensors: Sequence[torch.Tensor], src: torch.Tensor, dst: 
 
 
 def copy_states(
-    conv: Union[torch.Tensor, Sequence[torch.Tensor]],
-    temporal: Optional[torch.Tensor],
+    conv: torch.Tensor | Sequence[torch.Tensor],
+    temporal: torch.Tensor | None,
     src_idx: torch.Tensor,
     dst_idx: torch.Tensor,
     *,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     checks: bool = True,
 ) -> None:
     """Fork states in place: for every layer ``l`` and pair ``i``, slot ``dst_idx[i]`` of

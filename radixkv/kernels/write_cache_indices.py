@@ -22,12 +22,13 @@ dispatches with :func:`radixkv.kernels.triton_util.use_triton`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError, describe_ids
-from radixkv.kernels.triton_util import HAS_TRITON, triton, tl, triton_runnable, use_triton
+from radixkv.kernels.triton_util import HAS_TRITON, tl, triton, triton_runnable, use_triton
 
 __all__ = [
     "WriteBatch",
@@ -245,8 +246,9 @@ def write_cache_indices_triton(req_to_token: torch.Tensor, b: WriteBatch, block:
     bs = b.req_pool_indices.numel()
     if bs == 0:
         return
-    flat_prefix = b.flat_prefix if b.flat_prefix.numel() else torch.zeros(1, dtype=torch.int64, device=req_to_token.device)
-    out = b.out_cache_loc if b.out_cache_loc.numel() else torch.zeros(1, dtype=torch.int64, device=req_to_token.device)
+    dev = req_to_token.device
+    flat_prefix = b.flat_prefix if b.flat_prefix.numel() else torch.zeros(1, dtype=torch.int64, device=dev)
+    out = b.out_cache_loc if b.out_cache_loc.numel() else torch.zeros(1, dtype=torch.int64, device=dev)
     _write_cache_indices_kernel[(bs,)](
         req_to_token,
         req_to_token.stride(0),
@@ -270,7 +272,7 @@ def write_cache_indices(
     out_cache_loc: torch.Tensor,
     prefix_tensors: Sequence[torch.Tensor],
     *,
-    impl: Optional[str] = None,
+    impl: str | None = None,
     allow_row_zero: bool = False,
 ) -> None:
     """Write the prefix rows then the new rows of every request into ``req_to_token``.

@@ -7,7 +7,7 @@ contiguous allocation (:mod:`radixkv.memory.arena`), so a pool is one block of m
 * ``HybridReqToTokenPool`` / ``HybridLinearKVPool``: the hybrid (linear + full attention) pools.
 """
 from radixkv.memory.arena import Arena, ArenaLayout, TensorSpec, plan_layout
-from radixkv.memory.req_to_token import ReqToTokenPool
+from radixkv.memory.hybrid import HybridLinearKVPool, HybridReqToTokenPool
 from radixkv.memory.kv_pool import KVCache, KVSizeBytes, MHATokenToKVPool, MLATokenToKVPool
 from radixkv.memory.mamba_pool import (
     KimiLinearStateShape,
@@ -16,7 +16,7 @@ from radixkv.memory.mamba_pool import (
     MambaPool,
     MambaStateSizeBytes,
 )
-from radixkv.memory.hybrid import HybridLinearKVPool, HybridReqToTokenPool
+from radixkv.memory.req_to_token import ReqToTokenPool
 
 __all__ = [
     "Arena", "ArenaLayout", "TensorSpec", "plan_layout",

@@ -17,7 +17,8 @@ views over the same memory with identical names, shapes and dtypes.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +26,7 @@ from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError
 
 DEFAULT_ALIGNMENT = 256  # bytes; a CUDA-friendly boundary, a multiple of every dtype's size
 
-DTypeLike = Union[torch.dtype, str]
+DTypeLike = torch.dtype | str
 
 
 def dtype_name(dtype: DTypeLike) -> str:
@@ -53,7 +54,7 @@ class TensorSpec(NamedTuple):
 
     name: str
     dtype: str  # torch dtype name, e.g. "float16"
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     offset: int  # bytes from the start of the arena buffer
     nbytes: int
 
@@ -69,7 +70,7 @@ class ArenaLayout(NamedTuple):
     is what another process needs to rebuild identical views over the same bytes.
     """
 
-    specs: Tuple[TensorSpec, ...]
+    specs: tuple[TensorSpec, ...]
     total_bytes: int
     alignment: int
 
@@ -80,7 +81,7 @@ class ArenaLayout(NamedTuple):
                 return s
         raise InvalidArgumentError(f"arena layout has no tensor named {name!r}")
 
-    def names(self) -> Tuple[str, ...]:
+    def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.specs)
 
     def to_dict(self) -> dict:
@@ -102,7 +103,7 @@ class ArenaLayout(NamedTuple):
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ArenaLayout":
+    def from_dict(cls, d: dict) -> ArenaLayout:
         """Rebuild a layout from ``to_dict()`` output, validating it (see :meth:`validate`)."""
         try:
             specs = tuple(
@@ -155,7 +156,7 @@ class ArenaLayout(NamedTuple):
                     f"tensor {s.name!r}: bytes [{s.offset}, {s.offset + s.nbytes}) exceed "
                     f"total_bytes {self.total_bytes}")
         spans = sorted((s.offset, s.offset + s.nbytes, s.name) for s in self.specs if s.nbytes)
-        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        for (_a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
             if b0 < a1:
                 raise InvalidArgumentError(f"tensors {an!r} and {bn!r} overlap in the arena layout")
 
@@ -170,7 +171,7 @@ def _round_up(x: int, a: int) -> int:
 
 
 def plan_layout(
-    entries: Iterable[Tuple[str, Sequence[int], DTypeLike]],
+    entries: Iterable[tuple[str, Sequence[int], DTypeLike]],
     alignment: int = DEFAULT_ALIGNMENT,
 ) -> ArenaLayout:
     """Pack ``(name, shape, dtype)`` entries, in order, each at an ``alignment``-byte boundary.
@@ -211,8 +212,8 @@ class Arena:
         AlignmentError: the buffer's start is not aligned to ``layout.alignment``.
     """
 
-    def __init__(self, layout: ArenaLayout, device: Union[str, torch.device, None] = None,
-                 buffer: Optional[torch.Tensor] = None):
+    def __init__(self, layout: ArenaLayout, device: str | torch.device | None = None,
+                 buffer: torch.Tensor | None = None):
         layout.validate()
         self.layout = layout
         if buffer is None:
@@ -226,7 +227,7 @@ class Arena:
             self.buffer = self._attach(layout, buffer, device)
             self._raw = buffer
             self.device = self.buffer.device
-        self.views: Dict[str, torch.Tensor] = {
+        self.views: dict[str, torch.Tensor] = {
             s.name: self.buffer[s.offset:s.offset + s.nbytes].view(s.torch_dtype).view(s.shape)
             for s in layout.specs
         }

@@ -9,15 +9,17 @@
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 
+from radixkv.contracts import IndexLike, LayerLike, PoolRequest
 from radixkv.errors import DoubleFreeError, InvalidArgumentError, InvariantError, describe_ids
-from radixkv.memory._checks import check_range, index_tensor
 from radixkv.memory.arena import DEFAULT_ALIGNMENT
 from radixkv.memory.mamba_pool import Mamba2LayerCache, MambaPool
 from radixkv.memory.req_to_token import ReqToTokenPool
+from radixkv.validation import check_range, index_tensor
 
 MAPPING = "req_index_to_mamba_index_mapping"
 OWNER = "mamba_index_to_req_index"
@@ -37,15 +39,15 @@ class HybridReqToTokenPool(ReqToTokenPool):
     cache, keeps ``req.mamba_pool_idx``); such a request keeps that slot on its next ``alloc``.
     """
 
-    def __init__(self, size: int, max_context_len: int, mamba_pool: Optional[MambaPool] = None, *,
-                 mamba_size: Optional[int] = None, conv_state_shape: Optional[Sequence[int]] = None,
-                 temporal_state_shape: Optional[Sequence[int]] = None,
-                 num_mamba_layers: Optional[int] = None,
-                 mamba_dtype: Union[torch.dtype, str] = torch.float32,
-                 conv_dtype: Union[torch.dtype, str, None] = None,
-                 temporal_dtype: Union[torch.dtype, str, None] = None,
-                 device: Union[str, torch.device] = "cpu", checks: bool = True,
-                 buffer: Optional[torch.Tensor] = None, alignment: int = DEFAULT_ALIGNMENT):
+    def __init__(self, size: int, max_context_len: int, mamba_pool: MambaPool | None = None, *,
+                 mamba_size: int | None = None, conv_state_shape: Sequence[int] | None = None,
+                 temporal_state_shape: Sequence[int] | None = None,
+                 num_mamba_layers: int | None = None,
+                 mamba_dtype: torch.dtype | str = torch.float32,
+                 conv_dtype: torch.dtype | str | None = None,
+                 temporal_dtype: torch.dtype | str | None = None,
+                 device: str | torch.device = "cpu", checks: bool = True,
+                 buffer: torch.Tensor | None = None, alignment: int = DEFAULT_ALIGNMENT):
         device = torch.device(device)
         if mamba_pool is None:
             if conv_state_shape is None or temporal_state_shape is None or num_mamba_layers is None:
@@ -63,12 +65,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self.req_index_to_mamba_index_mapping: torch.Tensor = self.arena[MAPPING]
         self._slot_owner: torch.Tensor = self.arena[OWNER]
 
-    def _extra_entries(self) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    def _extra_entries(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         return [(MAPPING, (self.size + 1,), torch.int32),
                 (OWNER, (self.mamba_pool.size + 1,), torch.int32)]
 
     # -- alloc / free ---------------------------------------------------------------------
-    def _validate_slots(self, reqs: List[Any]) -> None:
+    def _validate_slots(self, reqs: list[PoolRequest]) -> None:
         """Every held slot is allocated, held by one request, and consistent with its row."""
         orphan = [r.rid for r in reqs if r.req_pool_idx is not None and r.mamba_pool_idx is None]
         if orphan:
@@ -89,7 +91,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
                     f"request {r.rid!r}: row {r.req_pool_idx} does not map to its mamba slot "
                     f"{r.mamba_pool_idx}")
 
-    def alloc(self, reqs: Iterable[Any]) -> Optional[List[int]]:
+    def alloc(self, reqs: Iterable[PoolRequest]) -> list[int] | None:
         """Give each request without a row a row, and each request without a Mamba slot a
         (zeroed) slot; record row -> slot in ``req_index_to_mamba_index_mapping`` and set
         ``req.mamba_pool_idx``. All or nothing across both pools.
@@ -107,20 +109,20 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if len(new_rows) > self.available_size() or len(new_slots) > self.mamba_pool.available_size():
             return None
         if new_slots:
-            slots = self.mamba_pool.alloc(len(new_slots))
+            slots = cast(torch.Tensor, self.mamba_pool.alloc(len(new_slots)))  # checked: enough free
             for r, s in zip(new_slots, slots.tolist()):
                 r.mamba_pool_idx = int(s)
         if new_rows:
-            rows = self.free_slots.alloc(len(new_rows))
+            rows = cast(torch.Tensor, self.free_slots.alloc(len(new_rows)))  # checked: enough free
             for r, row in zip(new_rows, rows.tolist()):
                 r.req_pool_idx = int(row)
             rows_t = rows.to(self.device)
             slots_t = torch.tensor([r.mamba_pool_idx for r in new_rows], dtype=torch.int64, device=self.device)
             self.req_index_to_mamba_index_mapping[rows_t] = slots_t.to(torch.int32)
             self._slot_owner[slots_t] = rows_t.to(torch.int32)
-        return [r.req_pool_idx for r in reqs]
+        return cast(list[int], [r.req_pool_idx for r in reqs])  # every request holds a row now
 
-    def free(self, req: Any, free_mamba_cache: bool = True) -> None:
+    def free(self, req: PoolRequest, free_mamba_cache: bool = True) -> None:
         """Free ``req``'s row (and unmap its slot); with ``free_mamba_cache`` also free the slot
         and set ``req.mamba_pool_idx = None``, else the request keeps the (allocated) slot.
 
@@ -151,7 +153,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self._slot_owner.zero_()
 
     # -- lookups --------------------------------------------------------------------------
-    def get_mamba_indices(self, req_pool_indices: Any) -> torch.Tensor:
+    def get_mamba_indices(self, req_pool_indices: IndexLike) -> torch.Tensor:
         """The Mamba slots (int32) of rows ``req_pool_indices`` (row 0 -> slot 0).
         Raises ``InvalidIndexError`` for a row outside ``[0, size]`` (with ``checks``)."""
         idx = index_tensor(req_pool_indices, self.device, "req_pool_indices")
@@ -159,12 +161,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
             check_range(idx, 0, self.size + 1, "req_pool_indices")
         return self.req_index_to_mamba_index_mapping[idx]
 
-    def mamba2_layer_cache(self, layer_id: Any) -> Mamba2LayerCache:
+    def mamba2_layer_cache(self, layer_id: LayerLike) -> Mamba2LayerCache:
         """The Mamba pool's views of linear layer ``layer_id`` (see ``MambaPool``)."""
         return self.mamba_pool.mamba2_layer_cache(layer_id)
 
     # -- invariants -----------------------------------------------------------------------
-    def check_invariants(self, reqs: Optional[Iterable[Any]] = None) -> None:
+    def check_invariants(self, reqs: Iterable[PoolRequest] | None = None) -> None:
         """Rows and slots sound, and the mapping consistent with them: every row in use maps
         to a distinct allocated slot that maps back to it; free rows map to 0; no slot maps to
         a free row. Given ``reqs`` (every live request), also as ``ReqToTokenPool``, and each
@@ -208,7 +210,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if reqs is not None:
             self._check_req_slots(reqs, mapping, owner)
 
-    def _check_req_slots(self, reqs: List[Any], mapping: torch.Tensor, owner: torch.Tensor) -> None:
+    def _check_req_slots(self, reqs: list[PoolRequest], mapping: torch.Tensor, owner: torch.Tensor) -> None:
         held = [int(r.mamba_pool_idx) for r in reqs if r.mamba_pool_idx is not None]
         if len(set(held)) != len(held):
             dup = sorted({h for h in held if held.count(h) > 1})

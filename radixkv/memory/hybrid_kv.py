@@ -6,11 +6,12 @@ memory of its own.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from radixkv.contracts import IndexLike, LayerLike, Scale
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 from radixkv.memory.kv_pool import KVCache, KVSizeBytes
 from radixkv.memory.mamba_pool import Mamba2LayerCache, MambaPool
@@ -29,7 +30,7 @@ class HybridLinearKVPool:
     """
 
     def __init__(self, full_kv_pool: KVCache, full_attention_layer_ids: Sequence[int],
-                 mamba_pool: MambaPool, *, linear_layer_ids: Optional[Sequence[int]] = None):
+                 mamba_pool: MambaPool, *, linear_layer_ids: Sequence[int] | None = None):
         if not isinstance(full_kv_pool, KVCache):
             raise InvalidArgumentError(f"full_kv_pool must be a KVCache, got {type(full_kv_pool).__name__}")
         if not isinstance(mamba_pool, MambaPool):
@@ -56,14 +57,14 @@ class HybridLinearKVPool:
                 raise InvalidArgumentError(f"layer ids both full and linear: {describe_ids(both)}")
         self.full_kv_pool = full_kv_pool
         self.mamba_pool = mamba_pool
-        self.full_attention_layer_id_mapping: Dict[int, int] = {g: i for i, g in enumerate(full)}
-        self.linear_layer_id_mapping: Dict[int, int] = {g: i for i, g in enumerate(linear)}
+        self.full_attention_layer_id_mapping: dict[int, int] = {g: i for i, g in enumerate(full)}
+        self.linear_layer_id_mapping: dict[int, int] = {g: i for i, g in enumerate(linear)}
         self.layer_num = total
         self.size, self.page_size = full_kv_pool.size, full_kv_pool.page_size
         self.dtype, self.device = full_kv_pool.dtype, full_kv_pool.device
 
     @staticmethod
-    def _ids(ids: Sequence[int], what: str) -> List[int]:
+    def _ids(ids: Sequence[int], what: str) -> list[int]:
         out = []
         for g in ids:
             if isinstance(g, bool) or not isinstance(g, int) or g < 0:
@@ -73,7 +74,7 @@ class HybridLinearKVPool:
             raise InvalidArgumentError(f"{what} has repeated ids: {out}")
         return out
 
-    def _global(self, layer: Any) -> int:
+    def _global(self, layer: LayerLike) -> int:
         g = getattr(layer, "layer_id", layer)
         if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
             raise InvalidArgumentError(f"layer id must be an int, got {g!r}")
@@ -82,29 +83,29 @@ class HybridLinearKVPool:
             raise InvalidIndexError(f"layer id {g} is neither a full attention nor a linear layer")
         return g
 
-    def _full(self, layer: Any) -> int:
+    def _full(self, layer: LayerLike) -> int:
         g = self._global(layer)
         if g in self.linear_layer_id_mapping:
             raise InvalidArgumentError(f"layer {g} is a linear (KDA) layer: it has no KV buffer")
         return self.full_attention_layer_id_mapping[g]
 
-    def get_key_buffer(self, layer_id: Any) -> torch.Tensor:
+    def get_key_buffer(self, layer_id: LayerLike) -> torch.Tensor:
         return self.full_kv_pool.get_key_buffer(self._full(layer_id))
 
-    def get_value_buffer(self, layer_id: Any) -> torch.Tensor:
+    def get_value_buffer(self, layer_id: LayerLike) -> torch.Tensor:
         return self.full_kv_pool.get_value_buffer(self._full(layer_id))
 
-    def get_kv_buffer(self, layer_id: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def get_kv_buffer(self, layer_id: LayerLike) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of full layer ``layer_id``. Raises ``InvalidArgumentError`` for a linear layer,
         ``InvalidIndexError`` for an unknown one."""
         return self.full_kv_pool.get_kv_buffer(self._full(layer_id))
 
-    def set_kv_buffer(self, layer: Any, loc: Any, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor],
-                      k_scale: Optional[Any] = None, v_scale: Optional[Any] = None) -> None:
+    def set_kv_buffer(self, layer: LayerLike, loc: IndexLike, cache_k: torch.Tensor, cache_v: torch.Tensor | None,
+                      k_scale: Scale | None = None, v_scale: Scale | None = None) -> None:
         """``full_kv_pool.set_kv_buffer`` on the mapped layer (raises as ``get_kv_buffer``)."""
         self.full_kv_pool.set_kv_buffer(self._full(layer), loc, cache_k, cache_v, k_scale, v_scale)
 
-    def set_mla_kv_buffer(self, layer: Any, loc: Any, cache_k_nope: torch.Tensor,
+    def set_mla_kv_buffer(self, layer: LayerLike, loc: IndexLike, cache_k_nope: torch.Tensor,
                           cache_k_rope: torch.Tensor) -> None:
         """For an MLA full pool only (else ``InvalidArgumentError``)."""
         lid = self._full(layer)
@@ -112,7 +113,7 @@ class HybridLinearKVPool:
             raise InvalidArgumentError("the full attention pool is not an MLA pool")
         self.full_kv_pool.set_mla_kv_buffer(lid, loc, cache_k_nope, cache_k_rope)
 
-    def mamba2_layer_cache(self, layer_id: Any) -> Mamba2LayerCache:
+    def mamba2_layer_cache(self, layer_id: LayerLike) -> Mamba2LayerCache:
         """Mamba views of linear layer ``layer_id``. Raises ``InvalidArgumentError`` for a full
         attention layer, ``InvalidIndexError`` for an unknown one."""
         g = self._global(layer_id)

@@ -16,13 +16,14 @@ back as the pool dtype by the getters, like SGLang's ``store_dtype``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple
 
 import torch
 
+from radixkv.contracts import IndexLike, LayerLike, Scale
 from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
-from radixkv.memory._checks import check_range, index_tensor, layer_index
 from radixkv.memory.arena import DEFAULT_ALIGNMENT, Arena, parse_dtype, plan_layout
+from radixkv.validation import check_range, index_tensor, layer_index
 
 GiB = 1 << 30
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
@@ -49,8 +50,8 @@ class KVCache:
         buffer: attach to this existing arena buffer instead of allocating (see ``Arena``).
     """
 
-    def __init__(self, size: int, page_size: int, dtype: Union[torch.dtype, str], layer_num: int,
-                 device: Union[str, torch.device] = "cpu", *, checks: bool = True):
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype | str, layer_num: int,
+                 device: str | torch.device = "cpu", *, checks: bool = True):
         for name, v, lo in (("size", size, 1), ("page_size", page_size, 1), ("layer_num", layer_num, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -63,7 +64,7 @@ class KVCache:
         self.layer_num = layer_num
         self.device = torch.device(device)
         self.checks = checks
-        self.arena: Optional[Arena] = None
+        self.arena: Arena  # the subclass plans and allocates it
 
     @property
     def num_rows(self) -> int:
@@ -71,10 +72,10 @@ class KVCache:
         return self.size + self.page_size
 
     # -- validation helpers (no mutation) -------------------------------------------------
-    def _layer(self, layer: Any) -> int:
+    def _layer(self, layer: LayerLike) -> int:
         return layer_index(layer, self.layer_num)
 
-    def _loc(self, loc: Any) -> torch.Tensor:
+    def _loc(self, loc: IndexLike) -> torch.Tensor:
         if isinstance(loc, torch.Tensor) and loc.device != self.device:
             raise InvalidArgumentError(f"loc is on {loc.device}, the pool on {self.device}")
         idx = index_tensor(loc, self.device, "loc")
@@ -82,8 +83,8 @@ class KVCache:
             check_range(idx, 0, self.num_rows, "loc")
         return idx
 
-    def _values(self, x: Any, n: int, tail: Tuple[int, ...], what: str,
-                scale: Optional[Any] = None) -> torch.Tensor:
+    def _values(self, x: object, n: int, tail: tuple[int, ...], what: str,
+                scale: Scale | None = None) -> torch.Tensor:
         """``x`` checked to be a floating tensor of shape ``(n, *tail)`` on the pool device,
         divided by ``scale`` when given, cast to the pool dtype, as the store dtype."""
         if not isinstance(x, torch.Tensor):
@@ -108,6 +109,21 @@ class KVCache:
     def _as_dtype(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.store_dtype == self.dtype else t.view(self.dtype)
 
+    # -- buffers (the subclass's layout; see radixkv.contracts.KVPool) ---------------------
+    def get_key_buffer(self, layer_id: LayerLike) -> torch.Tensor:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def get_value_buffer(self, layer_id: LayerLike) -> torch.Tensor:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def get_kv_buffer(self, layer_id: LayerLike) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
+        raise NotImplementedError
+
+    def set_kv_buffer(self, layer: LayerLike, loc: IndexLike, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor | None, k_scale: Scale | None = None,
+                      v_scale: Scale | None = None) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
     # -- accounting -----------------------------------------------------------------------
     def get_kv_size_bytes(self) -> KVSizeBytes:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -123,7 +139,7 @@ class KVCache:
         k, v = self.get_kv_size_bytes()
         return (k + v) / GiB
 
-    def _named_buffers(self) -> Dict[str, torch.Tensor]:  # pragma: no cover - overridden
+    def _named_buffers(self) -> dict[str, torch.Tensor]:  # pragma: no cover - overridden
         raise NotImplementedError
 
     def check_invariants(self) -> None:
@@ -145,9 +161,9 @@ class MHATokenToKVPool(KVCache):
     head_num * head_dim).
     """
 
-    def __init__(self, size: int, page_size: int, dtype: Union[torch.dtype, str], head_num: int,
-                 head_dim: int, layer_num: int, device: Union[str, torch.device] = "cpu", *,
-                 checks: bool = True, buffer: Optional[torch.Tensor] = None,
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype | str, head_num: int,
+                 head_dim: int, layer_num: int, device: str | torch.device = "cpu", *,
+                 checks: bool = True, buffer: torch.Tensor | None = None,
                  alignment: int = DEFAULT_ALIGNMENT):
         super().__init__(size, page_size, dtype, layer_num, device, checks=checks)
         for name, v in (("head_num", head_num), ("head_dim", head_dim)):
@@ -159,29 +175,29 @@ class MHATokenToKVPool(KVCache):
         entries = [(f"k.{l}", shape, self.store_dtype) for l in range(layer_num)]
         entries += [(f"v.{l}", shape, self.store_dtype) for l in range(layer_num)]
         self.arena = Arena(plan_layout(entries, alignment), self.device, buffer)
-        self.k_buffer: List[torch.Tensor] = [self.arena[f"k.{l}"] for l in range(layer_num)]
-        self.v_buffer: List[torch.Tensor] = [self.arena[f"v.{l}"] for l in range(layer_num)]
+        self.k_buffer: list[torch.Tensor] = [self.arena[f"k.{l}"] for l in range(layer_num)]
+        self.v_buffer: list[torch.Tensor] = [self.arena[f"v.{l}"] for l in range(layer_num)]
 
-    def _named_buffers(self) -> Dict[str, torch.Tensor]:
+    def _named_buffers(self) -> dict[str, torch.Tensor]:
         out = {f"k.{l}": t for l, t in enumerate(self.k_buffer)}
         out.update({f"v.{l}": t for l, t in enumerate(self.v_buffer)})
         return out
 
-    def get_key_buffer(self, layer_id: Any) -> torch.Tensor:
+    def get_key_buffer(self, layer_id: LayerLike) -> torch.Tensor:
         """Layer ``layer_id``'s K buffer (a view). Raises ``InvalidIndexError`` if out of range."""
         return self._as_dtype(self.k_buffer[self._layer(layer_id)])
 
-    def get_value_buffer(self, layer_id: Any) -> torch.Tensor:
+    def get_value_buffer(self, layer_id: LayerLike) -> torch.Tensor:
         """Layer ``layer_id``'s V buffer (a view)."""
         return self._as_dtype(self.v_buffer[self._layer(layer_id)])
 
-    def get_kv_buffer(self, layer_id: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def get_kv_buffer(self, layer_id: LayerLike) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K, V)`` views of layer ``layer_id``."""
         lid = self._layer(layer_id)
         return self._as_dtype(self.k_buffer[lid]), self._as_dtype(self.v_buffer[lid])
 
-    def set_kv_buffer(self, layer: Any, loc: Any, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                      k_scale: Optional[Any] = None, v_scale: Optional[Any] = None) -> None:
+    def set_kv_buffer(self, layer: LayerLike, loc: IndexLike, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor | None, k_scale: Scale | None = None, v_scale: Scale | None = None) -> None:
         """Write ``cache_k[i]`` / ``cache_v[i]`` into row ``loc[i]`` of layer ``layer``'s buffers.
 
         ``layer`` is an int or an object with ``.layer_id``. ``cache_k`` / ``cache_v`` are
@@ -217,9 +233,9 @@ class MLATokenToKVPool(KVCache):
     the K bytes and 0 V bytes, since the value shares the key's storage.
     """
 
-    def __init__(self, size: int, page_size: int, dtype: Union[torch.dtype, str], kv_lora_rank: int,
-                 qk_rope_head_dim: int, layer_num: int, device: Union[str, torch.device] = "cpu", *,
-                 checks: bool = True, buffer: Optional[torch.Tensor] = None,
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype | str, kv_lora_rank: int,
+                 qk_rope_head_dim: int, layer_num: int, device: str | torch.device = "cpu", *,
+                 checks: bool = True, buffer: torch.Tensor | None = None,
                  alignment: int = DEFAULT_ALIGNMENT):
         super().__init__(size, page_size, dtype, layer_num, device, checks=checks)
         for name, v, lo in (("kv_lora_rank", kv_lora_rank, 1), ("qk_rope_head_dim", qk_rope_head_dim, 0)):
@@ -231,26 +247,26 @@ class MLATokenToKVPool(KVCache):
         shape = (self.num_rows, 1, self.kv_cache_dim)
         entries = [(f"kv.{l}", shape, self.store_dtype) for l in range(layer_num)]
         self.arena = Arena(plan_layout(entries, alignment), self.device, buffer)
-        self.kv_buffer: List[torch.Tensor] = [self.arena[f"kv.{l}"] for l in range(layer_num)]
+        self.kv_buffer: list[torch.Tensor] = [self.arena[f"kv.{l}"] for l in range(layer_num)]
 
-    def _named_buffers(self) -> Dict[str, torch.Tensor]:
+    def _named_buffers(self) -> dict[str, torch.Tensor]:
         return {f"kv.{l}": t for l, t in enumerate(self.kv_buffer)}
 
-    def get_key_buffer(self, layer_id: Any) -> torch.Tensor:
+    def get_key_buffer(self, layer_id: LayerLike) -> torch.Tensor:
         """The latent buffer of layer ``layer_id`` (a view)."""
         return self._as_dtype(self.kv_buffer[self._layer(layer_id)])
 
-    def get_value_buffer(self, layer_id: Any) -> torch.Tensor:
+    def get_value_buffer(self, layer_id: LayerLike) -> torch.Tensor:
         """The first ``kv_lora_rank`` columns of the latent buffer (a view)."""
         return self._as_dtype(self.kv_buffer[self._layer(layer_id)])[..., :self.kv_lora_rank]
 
-    def get_kv_buffer(self, layer_id: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def get_kv_buffer(self, layer_id: LayerLike) -> tuple[torch.Tensor, torch.Tensor]:
         lid = self._layer(layer_id)
         return self.get_key_buffer(lid), self.get_value_buffer(lid)
 
-    def set_kv_buffer(self, layer: Any, loc: Any, cache_k: torch.Tensor,
-                      cache_v: Optional[torch.Tensor] = None, k_scale: Optional[Any] = None,
-                      v_scale: Optional[Any] = None) -> None:
+    def set_kv_buffer(self, layer: LayerLike, loc: IndexLike, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor | None = None, k_scale: Scale | None = None,
+                      v_scale: Scale | None = None) -> None:
         """Write the full latent ``cache_k`` (``[len(loc), 1, kv_lora_rank +
         qk_rope_head_dim]``) into rows ``loc``; ``cache_v`` is ignored (it is a view of the
         latent), like SGLang. Raises as ``MHATokenToKVPool.set_kv_buffer``."""
@@ -259,7 +275,7 @@ class MLATokenToKVPool(KVCache):
         k = self._values(cache_k, idx.numel(), (1, self.kv_cache_dim), "cache_k", k_scale)
         self.kv_buffer[lid][idx] = k
 
-    def set_mla_kv_buffer(self, layer: Any, loc: Any, cache_k_nope: torch.Tensor,
+    def set_mla_kv_buffer(self, layer: LayerLike, loc: IndexLike, cache_k_nope: torch.Tensor,
                           cache_k_rope: torch.Tensor) -> None:
         """Write ``cat(cache_k_nope, cache_k_rope, -1)`` into rows ``loc``: ``cache_k_nope`` is
         ``[n, 1, kv_lora_rank]``, ``cache_k_rope`` ``[n, 1, qk_rope_head_dim]``.

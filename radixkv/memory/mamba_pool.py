@@ -11,14 +11,17 @@ slots in one :class:`~radixkv.allocator.FreeSlots` on the pool's device.
 from __future__ import annotations
 
 import math
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from radixkv.allocator import FreeSlots
+from radixkv.contracts import IndexLike, LayerLike
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.kernels.state_copy import copy_states, resolve_backend
-from radixkv.memory._checks import (
+from radixkv.memory.arena import DEFAULT_ALIGNMENT, Arena, parse_dtype, plan_layout
+from radixkv.validation import (
     check_allocated,
     check_range,
     check_same_length,
@@ -26,18 +29,17 @@ from radixkv.memory._checks import (
     index_tensor,
     layer_index,
 )
-from radixkv.memory.arena import DEFAULT_ALIGNMENT, Arena, parse_dtype, plan_layout
 
 GiB = 1 << 30
 
 
-def _check_pos(name: str, v: Any, lo: int = 1) -> int:
+def _check_pos(name: str, v: object, lo: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
     return v
 
 
-def _check_shape(name: str, shape: Sequence[int]) -> Tuple[int, ...]:
+def _check_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
     try:
         out = tuple(shape)
     except TypeError:
@@ -62,8 +64,8 @@ class KimiLinearStateShape(NamedTuple):
     of those, i.e. ``proj_size=4096`` here.)
     """
 
-    conv: Tuple[int, int]
-    temporal: Tuple[int, int, int]
+    conv: tuple[int, int]
+    temporal: tuple[int, int, int]
     num_heads: int
     head_dim: int
     conv_kernel_size: int
@@ -72,7 +74,7 @@ class KimiLinearStateShape(NamedTuple):
 
     @classmethod
     def create(cls, num_heads: int, head_dim: int, conv_kernel_size: int,
-               proj_size: Optional[int] = None, tp_world_size: int = 1) -> "KimiLinearStateShape":
+               proj_size: int | None = None, tp_world_size: int = 1) -> KimiLinearStateShape:
         """Shapes for one rank of ``tp_world_size``.
 
         Raises:
@@ -101,7 +103,7 @@ class Mamba2LayerCache(NamedTuple):
     """One layer's states: ``conv`` is a list holding one tensor ``[size+1, *conv_shape]``
     (SGLang's ``layer_cache.conv[0]``), ``temporal`` is ``[size+1, *temporal_shape]``."""
 
-    conv: List[torch.Tensor]
+    conv: list[torch.Tensor]
     temporal: torch.Tensor
 
 
@@ -109,7 +111,7 @@ class MambaCache(NamedTuple):
     """All layers' states: ``conv`` a one-tensor list ``[[L, size+1, *conv]]``, ``temporal``
     ``[L, size+1, *temporal]``."""
 
-    conv: List[torch.Tensor]
+    conv: list[torch.Tensor]
     temporal: torch.Tensor
 
 
@@ -135,12 +137,12 @@ class MambaPool:
     """
 
     def __init__(self, size: int, conv_state_shape: Sequence[int], temporal_state_shape: Sequence[int],
-                 num_layers: int, dtype: Union[torch.dtype, str] = torch.float32,
-                 device: Union[str, torch.device] = "cpu", *,
-                 conv_dtype: Union[torch.dtype, str, None] = None,
-                 temporal_dtype: Union[torch.dtype, str, None] = None,
-                 checks: bool = True, buffer: Optional[torch.Tensor] = None,
-                 alignment: int = DEFAULT_ALIGNMENT, copy_backend: Optional[str] = None):
+                 num_layers: int, dtype: torch.dtype | str = torch.float32,
+                 device: str | torch.device = "cpu", *,
+                 conv_dtype: torch.dtype | str | None = None,
+                 temporal_dtype: torch.dtype | str | None = None,
+                 checks: bool = True, buffer: torch.Tensor | None = None,
+                 alignment: int = DEFAULT_ALIGNMENT, copy_backend: str | None = None):
         self.size = _check_pos("size", size)
         self.num_layers = _check_pos("num_layers", num_layers)
         self.conv_state_shape = _check_shape("conv_state_shape", conv_state_shape)
@@ -163,8 +165,8 @@ class MambaPool:
 
     @classmethod
     def from_state_shape(cls, size: int, shape: KimiLinearStateShape, num_layers: int,
-                         dtype: Union[torch.dtype, str] = torch.float32,
-                         device: Union[str, torch.device] = "cpu", **kwargs) -> "MambaPool":
+                         dtype: torch.dtype | str = torch.float32,
+                         device: str | torch.device = "cpu", **kwargs) -> MambaPool:
         """A pool for layers of the given :class:`KimiLinearStateShape`."""
         return cls(size, shape.conv, shape.temporal, num_layers, dtype, device, **kwargs)
 
@@ -173,7 +175,7 @@ class MambaPool:
         """Free slots."""
         return int(self.free_slots.available())
 
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
+    def alloc(self, n: int) -> torch.Tensor | None:
         """Take ``n`` free slots (int64 tensor on the pool device) and zero their states in
         every layer; ``None`` (nothing changes) when fewer than ``n`` are free.
 
@@ -189,7 +191,7 @@ class MambaPool:
         self.temporal_state[:, ids] = 0
         return ids
 
-    def alloc_one(self) -> Optional[int]:
+    def alloc_one(self) -> int | None:
         """One slot as an int with its states zeroed in every layer (the slot ``alloc(1)``
         would give), or ``None`` when none is free. Two in-place slice writes, no index
         tensors: the per-request case of a scheduler."""
@@ -199,12 +201,12 @@ class MambaPool:
             self.temporal_state[:, i].zero_()
         return i
 
-    def _slots(self, idx: Any, what: str) -> torch.Tensor:
+    def _slots(self, idx: IndexLike, what: str) -> torch.Tensor:
         if isinstance(idx, torch.Tensor) and idx.device != self.device:
             raise InvalidArgumentError(f"{what} are on {idx.device}, the pool on {self.device}")
         return index_tensor(idx, self.device, what)
 
-    def free(self, indices: Any) -> None:
+    def free(self, indices: IndexLike) -> None:
         """Return slots ``indices`` (tensor, array, sequence or int).
 
         Raises (nothing changes): ``InvalidIndexError`` (outside ``1..size``),
@@ -218,7 +220,7 @@ class MambaPool:
             return
         self.free_slots.free(self._slots(indices, "indices"))
 
-    def validate_allocated(self, indices: Any, what: str = "slot") -> torch.Tensor:
+    def validate_allocated(self, indices: IndexLike, what: str = "slot") -> torch.Tensor:
         """``indices`` as an int64 tensor, checked to lie in ``1..size`` and be allocated.
 
         Raises ``InvalidIndexError`` / ``InvalidArgumentError`` naming the bad slots.
@@ -228,7 +230,7 @@ class MambaPool:
         check_allocated(self.free_slots, idx, what)
         return idx
 
-    def copy_from(self, src_indices: Any, dst_indices: Any) -> None:
+    def copy_from(self, src_indices: IndexLike, dst_indices: IndexLike) -> None:
         """Fork: copy every layer's conv and temporal state of slot ``src[i]`` into ``dst[i]``.
 
         Overlap is fine (the sources are gathered before anything is written).
@@ -257,7 +259,7 @@ class MambaPool:
         self.free_slots.clear()
 
     # -- views ----------------------------------------------------------------------------
-    def mamba2_layer_cache(self, layer_id: Any) -> Mamba2LayerCache:
+    def mamba2_layer_cache(self, layer_id: LayerLike) -> Mamba2LayerCache:
         """Views of layer ``layer_id`` (an int in ``[0, num_layers)``); ``.conv[0]`` is its
         conv state, ``.temporal`` its temporal state. Raises ``InvalidIndexError``."""
         lid = layer_index(layer_id, self.num_layers)

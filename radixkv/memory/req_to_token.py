@@ -9,12 +9,14 @@ Rows ``1..size`` are handed to requests; row 0 is padding (CUDA-graph padded bat
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
 
 from radixkv.allocator import FreeSlots
+from radixkv.contracts import PoolRequest, TableIndex
 from radixkv.errors import (
     InvalidArgumentError,
     InvalidIndexError,
@@ -22,11 +24,11 @@ from radixkv.errors import (
     LengthMismatchError,
     describe_ids,
 )
-from radixkv.memory._checks import check_range, index_tensor
 from radixkv.memory.arena import DEFAULT_ALIGNMENT, Arena, plan_layout
+from radixkv.validation import check_range, index_tensor
 
 
-def _positive_int(name: str, v: Any) -> int:
+def _positive_int(name: str, v: object) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
     return v
@@ -48,8 +50,8 @@ class ReqToTokenPool:
 
     TABLE = "req_to_token"
 
-    def __init__(self, size: int, max_context_len: int, device: Union[str, torch.device] = "cpu", *,
-                 checks: bool = True, buffer: Optional[torch.Tensor] = None,
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu", *,
+                 checks: bool = True, buffer: torch.Tensor | None = None,
                  alignment: int = DEFAULT_ALIGNMENT):
         self.size = _positive_int("size", size)
         self.max_context_len = _positive_int("max_context_len", max_context_len)
@@ -60,7 +62,7 @@ class ReqToTokenPool:
         self.req_to_token: torch.Tensor = self.arena[self.TABLE]
         self.free_slots = FreeSlots(size, device="cpu")
 
-    def _extra_entries(self) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    def _extra_entries(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """More tensors a subclass wants in the same arena (none here)."""
         return []
 
@@ -69,7 +71,7 @@ class ReqToTokenPool:
         """Free rows."""
         return int(self.free_slots.available())
 
-    def _held_rows(self, reqs: Sequence[Any]) -> List[int]:
+    def _held_rows(self, reqs: Sequence[PoolRequest]) -> list[int]:
         """Validate ``reqs`` for ``alloc``: distinct objects, and every held row in range,
         allocated and held by one request only. Returns the held rows."""
         if len({id(r) for r in reqs}) != len(reqs):
@@ -86,7 +88,7 @@ class ReqToTokenPool:
                 f"requests hold rows that are free (stale req_pool_idx): {describe_ids(rows[free].tolist())}")
         return held
 
-    def alloc(self, reqs: Iterable[Any]) -> Optional[List[int]]:
+    def alloc(self, reqs: Iterable[PoolRequest]) -> list[int] | None:
         """Give each request without a ``req_pool_idx`` a free row; keep the row of one that has
         it (chunked prefill). All or nothing.
 
@@ -108,9 +110,9 @@ class ReqToTokenPool:
                 return None
             for r, row in zip(new, rows.tolist()):
                 r.req_pool_idx = int(row)
-        return [r.req_pool_idx for r in reqs]
+        return cast(list[int], [r.req_pool_idx for r in reqs])  # every request holds a row now
 
-    def _host_row(self, req: Any) -> int:
+    def _host_row(self, req: PoolRequest) -> int:
         """``req.req_pool_idx`` checked (on the host, no tensor op) to be an int in ``1..size``.
 
         Raises ``InvalidArgumentError`` (none, or not an int) / ``InvalidIndexError``."""
@@ -123,7 +125,7 @@ class ReqToTokenPool:
             raise InvalidIndexError(f"req_pool_idx {int(row)} out of range [1, {self.size}]")
         return int(row)
 
-    def free(self, req: Any) -> None:
+    def free(self, req: PoolRequest) -> None:
         """Return ``req``'s row and set ``req.req_pool_idx = None``. O(1) host work plus one
         ``FreeSlots.free`` (which validates before it mutates).
 
@@ -139,7 +141,7 @@ class ReqToTokenPool:
         self.free_slots.clear()
 
     # -- the table ------------------------------------------------------------------------
-    def _check_index_part(self, part: Any, bound: int, what: str) -> None:
+    def _check_index_part(self, part: object, bound: int, what: str) -> None:
         if part is None or part is Ellipsis or isinstance(part, slice):
             return
         if isinstance(part, bool):
@@ -152,7 +154,7 @@ class ReqToTokenPool:
             raise InvalidArgumentError(f"{what} index is on {part.device}, the table on {self.device}")
         check_range(index_tensor(part, self.device, f"{what} index"), 0, bound, f"{what} index")
 
-    def write(self, indices: Any, values: Any) -> None:
+    def write(self, indices: TableIndex, values: object) -> None:
         """``req_to_token[indices] = values`` (SGLang's ``write``), values cast to int32.
 
         ``indices`` is anything torch indexing takes, typically ``(row, slice)`` or
@@ -188,7 +190,7 @@ class ReqToTokenPool:
                                       f"at {indices!r}: {e}") from None
 
     # -- invariants -----------------------------------------------------------------------
-    def check_invariants(self, reqs: Optional[Iterable[Any]] = None) -> None:
+    def check_invariants(self, reqs: Iterable[PoolRequest] | None = None) -> None:
         """The free-row structure is sound (no leaked / duplicated rows, row 0 never free), and
         the table still aliases its arena. Given ``reqs`` (every live request), also: the rows
         in use are exactly the rows they hold, each held once. O(size). Raises
@@ -203,7 +205,7 @@ class ReqToTokenPool:
             raise InvariantError(f"req_to_token (shape {tuple(self.req_to_token.shape)}, dtype "
                                  f"{self.req_to_token.dtype}) is not the arena's int32 table")
 
-    def _check_held_rows(self, reqs: Iterable[Any]) -> None:
+    def _check_held_rows(self, reqs: Iterable[PoolRequest]) -> None:
         held = [int(r.req_pool_idx) for r in reqs if r.req_pool_idx is not None]
         counts = torch.bincount(torch.tensor(held, dtype=torch.int64).clamp(0, self.size + 1),
                                 minlength=self.size + 2)

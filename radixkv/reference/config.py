@@ -9,7 +9,6 @@ layers ``0..num_full_layers-1`` (their index in a plain ``MHATokenToKVPool``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple
 
 import torch
 
@@ -52,7 +51,7 @@ class HybridConfig:
     rope_theta: float = 10000.0
     chunk_size: int = 16
     norm_eps: float = 1e-6
-    _ids: Tuple[Tuple[int, ...], Tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _ids: tuple[tuple[int, ...], tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "num_heads", "head_dim", "chunk_size"):
@@ -80,12 +79,12 @@ class HybridConfig:
         return len(self.layer_pattern)
 
     @property
-    def kda_layer_ids(self) -> Tuple[int, ...]:
+    def kda_layer_ids(self) -> tuple[int, ...]:
         """Global ids of the KDA layers, ascending."""
         return self._ids[0]
 
     @property
-    def full_layer_ids(self) -> Tuple[int, ...]:
+    def full_layer_ids(self) -> tuple[int, ...]:
         """Global ids of the full-attention layers, ascending."""
         return self._ids[1]
 
@@ -100,12 +99,12 @@ class HybridConfig:
         return 3 * self.proj_dim
 
     @property
-    def conv_state_shape(self) -> Tuple[int, int]:
+    def conv_state_shape(self) -> tuple[int, int]:
         """Per-slot conv state of one KDA layer: ``(conv_kernel - 1, conv_dim)``."""
         return (self.conv_kernel - 1, self.conv_dim)
 
     @property
-    def temporal_state_shape(self) -> Tuple[int, int, int]:
+    def temporal_state_shape(self) -> tuple[int, int, int]:
         """Per-slot recurrent state of one KDA layer: ``(num_heads, head_dim, head_dim)``
         indexed ``[head, key_dim, value_dim]``."""
         return (self.num_heads, self.head_dim, self.head_dim)

@@ -33,7 +33,7 @@ A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D])``, zeros at
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ def _zero_state(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=q.dtype, device=q.device)
 
 
-def kda_recurrent(q, k, v, g, beta, initial_state: Optional[torch.Tensor] = None) -> KDAOutput:
+def kda_recurrent(q, k, v, g, beta, initial_state: torch.Tensor | None = None) -> KDAOutput:
     """The gated delta rule token by token (ground truth). ``q, k, g [T, H, D_k]``,
     ``v [T, H, D_v]``, ``beta [T, H]``, ``initial_state [H, D_k, D_v]`` or ``None`` (zeros).
     Cost: O(T * H * D_k * D_v) in a Python loop over T (vectorised over heads)."""
@@ -69,7 +69,7 @@ def kda_recurrent(q, k, v, g, beta, initial_state: Optional[torch.Tensor] = None
     return KDAOutput(o, state)
 
 
-def kda_chunked(q, k, v, g, beta, initial_state: Optional[torch.Tensor] = None, chunk_size: int = 16) -> KDAOutput:
+def kda_chunked(q, k, v, g, beta, initial_state: torch.Tensor | None = None, chunk_size: int = 16) -> KDAOutput:
     """The same map as ``kda_recurrent`` in chunked parallel form (see the module docstring).
     Same shapes and contract; ``chunk_size`` >= 1."""
     state = _zero_state(q, v) if initial_state is None else initial_state.to(q.dtype)
@@ -167,7 +167,7 @@ class KDALayer:
         ssm_all[slot] = out.final_state.to(ssm_all.dtype)
         return self._out(out.o)
 
-    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: Optional[str]) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: str | None) -> torch.Tensor:
         """One token for each of ``B`` requests: ``x [B, hidden]``, ``slots [B]`` (int64, already
         validated); states updated in place by the fused kernels. Returns ``[B, hidden]``."""
         qkv = causal_conv1d_update(

@@ -28,7 +28,7 @@ continue from the slot's state. To fork (prefix sharing), copy the state slot wi
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from radixkv.kernels.state_copy import resolve_backend, validate_slot_indices
 from radixkv.reference.attention import FullAttentionLayer
 from radixkv.reference.config import HybridConfig
 from radixkv.reference.kda import KDALayer
-from radixkv.scheduler.req import as_token_array
+from radixkv.validation import as_token_array
 
 LAYER_ID_MODES = ("global", "local")
 
@@ -57,8 +57,8 @@ class ModelCache:
     def __init__(
         self,
         kv_pool,
-        mamba_cache: Callable[[int], object],
-        req_to_token: Optional[torch.Tensor] = None,
+        mamba_cache: Callable[[int], object] | None,
+        req_to_token: torch.Tensor | None = None,
         *,
         kv_layer_ids: str = "global",
         mamba_layer_ids: str = "global",
@@ -136,7 +136,7 @@ class HybridModel:
       -> logits [B, vocab]``
     """
 
-    def __init__(self, config: HybridConfig, device="cpu", *, backend: Optional[str] = None):
+    def __init__(self, config: HybridConfig, device="cpu", *, backend: str | None = None):
         if not isinstance(config, HybridConfig):
             raise InvalidArgumentError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.config = config
@@ -173,6 +173,8 @@ class HybridModel:
         return lid if pools.kv_layer_ids == "global" else self._local[lid]
 
     def _mamba(self, lid: int, pools: ModelCache):
+        if pools.mamba_cache is None:
+            raise InvalidArgumentError(f"layer {lid} is a KDA layer and this ModelCache has no Mamba states")
         return pools.mamba_cache(lid if pools.mamba_layer_ids == "global" else self._local[lid])
 
     def _check_pools(self, pools: ModelCache):

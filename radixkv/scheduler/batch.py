@@ -11,11 +11,12 @@ tokens get new slots in the step, and ``seq_lens[i] = prefix_lens[i] + extend_le
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
+from radixkv.contracts import KVAllocator, KVPool, PrefixCache, ReqToTokenTable
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 from radixkv.scheduler.req import Req
 
@@ -49,18 +50,18 @@ class Batch:
     ``out_cache_loc`` (int64 on the device), ``forward_mode``.
     """
 
-    reqs: List[Req]
-    req_to_token_pool: Any
-    allocator: Any
-    tree_cache: Any
-    fill_lens: Optional[Sequence[int]] = None
-    kv_pool: Any = None
-    req_pool_indices: Optional[torch.Tensor] = None
-    seq_lens: Optional[torch.Tensor] = None
-    seq_lens_cpu: Optional[torch.Tensor] = None
-    prefix_lens: Optional[torch.Tensor] = None
-    extend_lens: Optional[torch.Tensor] = None
-    out_cache_loc: Optional[torch.Tensor] = None
+    reqs: list[Req]
+    req_to_token_pool: ReqToTokenTable
+    allocator: KVAllocator
+    tree_cache: PrefixCache
+    fill_lens: Sequence[int] | None = None
+    kv_pool: KVPool | None = None
+    req_pool_indices: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+    extend_lens: torch.Tensor | None = None
+    out_cache_loc: torch.Tensor | None = None
     forward_mode: str = field(default=ForwardMode.IDLE)
 
     def __post_init__(self) -> None:
@@ -101,13 +102,13 @@ class Batch:
         return int(self.fill_lens[i])
 
     # -- membership ------------------------------------------------------------------------
-    def filter(self, keep: Callable[[Req], bool]) -> "Batch":
+    def filter(self, keep: Callable[[Req], bool]) -> Batch:
         """A new batch of the requests for which ``keep(req)`` is true (same pools; the
         per-step tensors are rebuilt by the next flow call). O(bs)."""
         return Batch([r for r in self.reqs if keep(r)], self.req_to_token_pool, self.allocator,
                      self.tree_cache, kv_pool=self.kv_pool)
 
-    def merge(self, other: "Batch") -> "Batch":
+    def merge(self, other: Batch) -> Batch:
         """The requests of both batches (which must share their pools and tree cache)."""
         if (other.req_to_token_pool is not self.req_to_token_pool or other.allocator is not self.allocator
                 or other.tree_cache is not self.tree_cache):

@@ -21,19 +21,21 @@ Only with page size 1 (a paged decode takes a new page only at page boundaries a
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
+from radixkv.contracts import KVAllocator
 from radixkv.errors import InvalidArgumentError
+from radixkv.scheduler.req import Req
 
 __all__ = ["top_up", "free_reserves", "reserved_slots"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-def top_up(reqs: List[Any], allocator: Any, n: int, limit: int) -> int:
+def top_up(reqs: Sequence[Req], allocator: KVAllocator, n: int, limit: int) -> int:
     """Give each request of ``reqs`` (holding a row) with an empty reserve
     ``min(n, limit - seq_len)`` slots when the allocator has them all; returns the slots
     handed out (0 when nothing was needed or they were not all free). O(batch + slots).
@@ -60,13 +62,13 @@ def top_up(reqs: List[Any], allocator: Any, n: int, limit: int) -> int:
     return total
 
 
-def reserved_slots(reqs: Iterable[Any]) -> np.ndarray:
+def reserved_slots(reqs: Iterable[Req]) -> np.ndarray:
     """The reserves of ``reqs`` concatenated (int64). O(slots)."""
     parts = [r.decode_reserve for r in reqs if r.decode_reserve.size]
     return np.concatenate(parts) if parts else _EMPTY
 
 
-def free_reserves(reqs: Iterable[Any], allocator: Any) -> None:
+def free_reserves(reqs: Iterable[Req], allocator: KVAllocator) -> None:
     """Give the reserves of ``reqs`` back to the allocator in one call and empty them."""
     reqs = list(reqs)
     slots = reserved_slots(reqs)

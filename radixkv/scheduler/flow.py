@@ -33,12 +33,22 @@ evicted leaves' states along. ``release_kv_cache`` leaves the slot to the tree o
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, cast
 
 import torch
 
 from radixkv.cache.kv_conservation import Conservation, check_conservation, conservation  # noqa: F401
 from radixkv.cache.radix_key import RadixKey
+from radixkv.contracts import (
+    HybridPrefixCache,
+    HybridReqTable,
+    KVAllocator,
+    PagedKVAllocator,
+    PrefixCache,
+    PrefixMatch,
+    ReqToTokenTable,
+    StatePool,
+)
 from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.kernels.write_cache_indices import write_cache_indices
 from radixkv.scheduler.batch import Batch, ForwardMode
@@ -69,13 +79,13 @@ def pages_needed(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return int(((_ceil_div(seq_lens, page_size) - _ceil_div(prefix_lens, page_size)) * page_size).sum())
 
 
-def _make_room(tree_cache: Any, allocator: Any, need: int, what: str,
-               state_pool: Any = None, need_states: int = 0) -> None:
+def _make_room(tree_cache: PrefixCache, allocator: KVAllocator, need: int, what: str,
+               state_pool: StatePool | None = None, need_states: int = 0) -> None:
     """Evict from the tree until ``need`` KV slots (and ``need_states`` free slots of the
     Mamba ``state_pool``) are available, or raise CapacityError without evicting anything
     when even evicting all it can would not be enough."""
     avail = allocator.available_size()
-    s_avail = state_pool.available_size() if need_states else 0
+    s_avail = state_pool.available_size() if need_states and state_pool is not None else 0
     if avail >= need and s_avail >= need_states:
         return
     evictable = tree_cache.evictable_size()
@@ -89,17 +99,17 @@ def _make_room(tree_cache: Any, allocator: Any, need: int, what: str,
         if s_avail + s_evictable < need_states:
             raise CapacityError(f"{what}: need {need_states} Mamba state slots, {s_avail} free + "
                                 f"{s_evictable} evictable", requested=need_states, available=s_avail + s_evictable)
-        tree_cache.evict(max(0, need - avail), need_states - s_avail)
+        cast(HybridPrefixCache, tree_cache).evict(max(0, need - avail), need_states - s_avail)
     else:
         tree_cache.evict(need - avail)
-    s_avail = state_pool.available_size() if need_states else 0
+    s_avail = state_pool.available_size() if need_states and state_pool is not None else 0
     if allocator.available_size() < need or s_avail < need_states:  # evict() freed less than it said
         raise CapacityError(f"{what}: need {need} KV / {need_states} state slots, only "
                             f"{allocator.available_size()} / {s_avail} after eviction",
                             requested=need, available=allocator.available_size())
 
 
-def _check_rows_free(pool: Any, reqs: List[Req]) -> None:
+def _check_rows_free(pool: ReqToTokenTable, reqs: list[Req]) -> None:
     n_new = sum(r.req_pool_idx is None for r in reqs)
     if n_new > pool.available_size():
         raise CapacityError(
@@ -153,10 +163,10 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
             raise InvalidArgumentError(f"request {r.rid!r} has no row but holds a lock or KV")
     _check_rows_free(pool, reqs)
 
-    locked: List[Any] = []
-    matches: List[Optional[Any]] = [None] * len(reqs)
-    prefixes: List[torch.Tensor] = []
-    new_rows: List[Req] = []
+    locked: list[Any] = []  # the tree's nodes
+    matches: list[PrefixMatch | None] = [None] * len(reqs)
+    prefixes: list[torch.Tensor] = []
+    new_rows: list[Req] = []
     out = None
     backup = None
     try:
@@ -182,16 +192,17 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
         if rows is None:
             raise CapacityError("request rows ran out", requested=len(new_rows),
                                 available=pool.available_size())
-        forks = [i for i in range(len(reqs)) if matches[i] is not None]
+        forks = [(m.last_node, reqs[i]) for i, m in enumerate(matches) if m is not None]
         if state_pool is not None and forks and hasattr(tree, "fork_states"):
-            tree.fork_states([matches[i].last_node for i in forks], [reqs[i] for i in forks])
+            tree.fork_states([node for node, _ in forks], [r for _, r in forks])
         backup = allocator.backup_state()
         if ps == 1:
             out = allocator.alloc(int(ext.sum()))
         else:
             last_loc = torch.stack([p[-1] if p.numel() else p.new_tensor(-1) for p in prefixes]) \
                 if prefixes else torch.empty(0, dtype=torch.int64, device=dev)
-            out = allocator.alloc_extend(pre.to(dev), seq.to(dev), last_loc, int(ext.sum()))
+            out = cast(PagedKVAllocator, allocator).alloc_extend(pre.to(dev), seq.to(dev), last_loc,
+                                                                 int(ext.sum()))
         if out is None:
             raise CapacityError(f"alloc_for_extend: {need} KV slots not available",
                                 requested=need, available=allocator.available_size())
@@ -206,10 +217,10 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
             tree.dec_lock_ref(node)
         raise
 
-    for i, r in enumerate(reqs):
-        if matches[i] is not None:
+    for i, (r, match) in enumerate(zip(reqs, matches)):
+        if match is not None:
             r.prefix_indices = prefixes[i]
-            r.last_node = matches[i].last_node
+            r.last_node = match.last_node
             r.cache_protected_len = int(pre[i])
         r.kv_committed_len = targets[i]
     batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
@@ -263,6 +274,7 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
 
     rows_d, pos_d = rows.to(dev), pos.to(dev)
     backup = allocator.backup_state() if need or ps != 1 else None
+    out: torch.Tensor | None
     if ps == 1 and not need:  # every request decodes into its reserve: no allocator call
         out = torch.tensor([int(r.decode_reserve[0]) for r in reqs], dtype=torch.int64).to(dev)
     elif ps == 1:
@@ -276,7 +288,7 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
             out[~mask] = fresh.to(dev, torch.int64)
     else:
         last_loc = pool.req_to_token[rows_d, (pos_d - 1).clamp(min=0)].to(torch.int64)
-        out = allocator.alloc_decode(pos_d + 1, last_loc)
+        out = cast(PagedKVAllocator, allocator).alloc_decode(pos_d + 1, last_loc)
     if out is None:
         raise CapacityError(f"alloc_for_decode: {need} KV slots not available",
                             requested=need, available=allocator.available_size())
@@ -300,7 +312,7 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
     return out
 
 
-def release_kv_cache(req: Req, tree_cache: Any, req_to_token_pool: Any = None) -> None:
+def release_kv_cache(req: Req, tree_cache: PrefixCache, req_to_token_pool: ReqToTokenTable | None = None) -> None:
     """A finished request gives its KV to the tree and its row back.
 
     ``tree_cache.cache_finished_req(req)`` inserts ``fill_ids[:kv_committed_len]`` with
@@ -319,7 +331,7 @@ def release_kv_cache(req: Req, tree_cache: Any, req_to_token_pool: Any = None) -
     if req.decode_reserve.size:
         free_reserves([req], tree_cache.token_to_kv_pool_allocator)
     if tree_cache.cache_finished_req(req) is True:  # the tree keeps the Mamba slot
-        pool.free(req, free_mamba_cache=False)
+        cast(HybridReqTable, pool).free(req, free_mamba_cache=False)
         req.mamba_pool_idx = None
     else:
         pool.free(req)

@@ -7,25 +7,15 @@ output generated so far, i.e. every token whose KV row the request holds or will
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from radixkv.validation import as_token_array
 
-def as_token_array(tokens) -> np.ndarray:
-    """Tokens (list, numpy array or torch tensor) as a contiguous int32 numpy array (no copy
-    when they already are one)."""
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.dtype != np.int32:
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            from radixkv.errors import InvalidArgumentError
-
-            raise InvalidArgumentError(f"token ids must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int32)
-    return np.ascontiguousarray(arr.reshape(-1))
+if TYPE_CHECKING:
+    from radixkv.cache.tree_node import TreeNode
 
 
 @dataclass(eq=False)
@@ -49,15 +39,15 @@ class Req:
             default. They are held by the request, in no row column and not in the tree.
     """
 
-    rid: Any
+    rid: str
     origin_input_ids: np.ndarray
     output_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    req_pool_idx: Optional[int] = None
-    prefix_indices: Optional[torch.Tensor] = None
-    last_node: Any = None
-    extra_key: Optional[str] = None
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor | None = None
+    last_node: TreeNode | None = None
+    extra_key: str | None = None
     priority: int = 0
-    mamba_pool_idx: Optional[int] = None
+    mamba_pool_idx: int | None = None
     kv_committed_len: int = 0
     cache_protected_len: int = 0
     finished: bool = False

@@ -1,0 +1,310 @@
+"""The contracts between radixkv's layers: read this module first.
+
+The layers (bottom to top): ``errors``/``validation``/``contracts`` <- ``kernels`` <-
+``allocator`` <- ``memory`` <- ``cache`` <- ``scheduler`` <- ``engine`` <- ``service``.
+Code that takes an object of another layer names it by a ``Protocol`` here, not by its
+concrete class (the engine, which builds the objects, and a pool's own free list are the
+exceptions), so a reader sees in one page what each layer needs of the next, and any object
+with that surface (SGLang's own pools, a test double) can stand in. ``tests/test_contracts.py`` checks that the
+concrete classes satisfy them, statically (mypy) and at run time.
+
+===========================  =================================================================
+Protocol                     Implemented by (SGLang names)
+===========================  =================================================================
+:class:`KVAllocator`         ``TokenToKVPoolAllocator``: KV slots, page size 1
+:class:`PagedKVAllocator`    ``PagedTokenToKVPoolAllocator``: KV slots in pages
+:class:`ReqToTokenTable`     ``ReqToTokenPool``: one row of KV slot ids per running request
+:class:`HybridReqTable`      ``HybridReqToTokenPool``: the rows plus a Mamba state slot each
+:class:`KVPool`              ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``HybridLinearKVPool``
+:class:`StatePool`           ``MambaPool``: linear-attention (conv + temporal) state slots
+:class:`PoolRequest`         ``Req``: the fields of a request the pools and the tree use
+:class:`CacheRequest`        ``Req``: what the tree reads and writes when caching a request
+:class:`PrefixCache`         ``RadixCache``: the tree as the scheduler drives it
+:class:`HybridPrefixCache`   ``MambaRadixCache``: the tree with Mamba states
+===========================  =================================================================
+
+Conventions every implementation keeps: ids are int64 tensors on the object's ``device``
+(0 is the reserved padding slot / row / page); tokens are int32 numpy arrays; a call that
+raises (a :mod:`radixkv.errors` type) leaves the object unchanged; ``check_invariants()``
+raises ``InvariantError`` naming the exact leaked or double-freed ids.
+
+This module imports only typing, numpy and torch: any layer may import it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "IndexLike", "LayerLike", "HasLayerId", "Scale", "TableIndex",
+    "KVAllocator", "PagedKVAllocator",
+    "PoolRequest", "CacheRequest", "ReqToTokenTable", "HybridReqTable",
+    "KVPool", "StatePool", "Event", "PrefixMatch", "PrefixCache", "HybridPrefixCache",
+]
+
+#: Ids as the pools and allocators accept them: an integer tensor or numpy array (any
+#: shape, flattened), one int, or (pools only) a sequence of ints.
+IndexLike = torch.Tensor | np.ndarray | int | Sequence[int]
+
+
+class HasLayerId(Protocol):
+    """A layer object such as SGLang's ``RadixAttention``."""
+
+    @property
+    def layer_id(self) -> int: ...
+
+
+#: A layer: its id, or an object with a ``layer_id``.
+LayerLike = int | HasLayerId
+
+#: A quantisation scale the K / V values are divided by before they are stored.
+Scale = float | torch.Tensor
+
+#: An index into the request table as torch takes it: a row, or ``(rows, columns)`` with
+#: each part an int, a slice or an integer tensor.
+TablePart = int | slice | torch.Tensor
+TableIndex = TablePart | tuple[TablePart, ...]
+
+
+# --------------------------------------------------------------------------- allocators
+
+
+@runtime_checkable
+class KVAllocator(Protocol):
+    """KV slot ids ``1..size`` (page 0 reserved) handed out and taken back; bookkeeping
+    only, the buffers live in a :class:`KVPool`. Used by the tree (``free``, ``is_free``,
+    ``device``), the scheduler (``alloc``, ``available_size``, ``backup_state``) and the
+    engine (everything)."""
+
+    @property
+    def size(self) -> int:
+        """Usable slots (``num_pages * page_size``)."""
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+
+    def available_size(self) -> int:
+        """Free slots, counting those pending release. O(1)."""
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` slots (whole pages when paged), or ``None`` when too few are free
+        (then nothing changes)."""
+    def free(self, free_index: IndexLike) -> None:
+        """Give slots back (inside a free group: at :meth:`free_group_end`). Raises
+        ``InvalidIndexError`` / ``DoubleFreeError`` naming the bad ids."""
+    def is_free(self, indices: IndexLike) -> torch.Tensor:
+        """A bool tensor: whether each slot is not in use."""
+    def free_group_begin(self) -> None: ...
+    def free_group_end(self) -> None: ...
+    def backup_state(self) -> object:
+        """An opaque snapshot for :meth:`restore_state` (the undo of a failed step)."""
+    def restore_state(self, state: Any) -> None:
+        """Return to a snapshot taken by :meth:`backup_state` (``state`` is opaque)."""
+    def clear(self) -> None: ...
+    def check_invariants(self) -> None: ...
+
+
+@runtime_checkable
+class PagedKVAllocator(KVAllocator, Protocol):
+    """A :class:`KVAllocator` with pages: extend and decode allocate only the pages a
+    request does not already touch (SGLang's ``alloc_extend`` / ``alloc_decode``)."""
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                     extend_num_tokens: int) -> torch.Tensor | None: ...
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor | None: ...
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class PoolRequest(Protocol):
+    """What the request table reads and writes of a request (``Req`` and its subclasses)."""
+
+    rid: str
+    req_pool_idx: int | None
+    mamba_pool_idx: int | None
+
+
+class CacheRequest(PoolRequest, Protocol):
+    """What the tree reads and writes of a request in ``cache_finished_req`` /
+    ``cache_unfinished_req``."""
+
+    extra_key: str | None
+    priority: int
+    prefix_indices: torch.Tensor | None
+    last_node: Any  # the tree's node type: the tree layer names it
+    kv_committed_len: int
+    cache_protected_len: int
+
+    @property
+    def fill_ids(self) -> np.ndarray:
+        """Prompt plus output tokens (int32)."""
+
+
+# --------------------------------------------------------------------------- request table
+
+
+@runtime_checkable
+class ReqToTokenTable(Protocol):
+    """The ``[size + 1, max_context_len]`` int32 table of KV slot ids, one row per running
+    request (row 0 reserved), and its free rows."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def max_context_len(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def req_to_token(self) -> torch.Tensor: ...
+
+    def available_size(self) -> int:
+        """Free rows."""
+    def alloc(self, reqs: Iterable[PoolRequest]) -> list[int] | None:
+        """A row for each request without one (all or nothing); ``None`` when too few."""
+    def free(self, req: PoolRequest) -> None:
+        """Free the request's row and set its ``req_pool_idx`` to ``None``."""
+    def write(self, indices: TableIndex, values: torch.Tensor | int) -> None:
+        """``req_to_token[indices] = values`` with range checks (``indices`` as for a
+        tensor: a row, or a ``(rows, columns)`` tuple of ints, slices and tensors)."""
+    def clear(self) -> None: ...
+    def check_invariants(self, reqs: Iterable[PoolRequest] | None = None) -> None: ...
+
+
+@runtime_checkable
+class HybridReqTable(ReqToTokenTable, Protocol):
+    """A :class:`ReqToTokenTable` whose rows also own a Mamba state slot each."""
+
+    @property
+    def mamba_pool(self) -> StatePool: ...
+    @property
+    def req_index_to_mamba_index_mapping(self) -> torch.Tensor: ...
+
+    def free(self, req: PoolRequest, free_mamba_cache: bool = True) -> None:
+        """Free the row; its state slot too unless ``free_mamba_cache`` is False (the tree
+        took it)."""
+    def get_mamba_indices(self, req_pool_indices: IndexLike) -> torch.Tensor: ...
+
+
+# --------------------------------------------------------------------------- the tree (as the scheduler sees it)
+
+
+class PrefixMatch(Protocol):
+    """What ``match_prefix`` returns (``MatchResult``): the KV slots of the longest cached
+    prefix and the node to lock for it."""
+
+    @property
+    def device_indices(self) -> torch.Tensor: ...
+    @property
+    def last_node(self) -> Any: ...  # the tree's node type: the tree layer names it
+
+
+class PrefixCache(Protocol):
+    """The radix tree over the pools, as the scheduler flow uses it: match and lock a
+    request's prefix, evict unlocked leaves, take a finished request's KV."""
+
+    # A tree can run without pools (a hit-rate replay); the scheduler's tree has both.
+    @property
+    def req_to_token_pool(self) -> ReqToTokenTable: ...
+    @property
+    def token_to_kv_pool_allocator(self) -> KVAllocator: ...
+
+    def match_prefix(self, key: Any) -> PrefixMatch:
+        """The longest cached page-aligned prefix of ``key`` (a ``RadixKey``)."""
+    def inc_lock_ref(self, node: Any) -> int: ...
+    def dec_lock_ref(self, node: Any) -> int: ...
+    def evict(self, num_tokens: int) -> object:
+        """Free at least ``num_tokens`` KV slots of unlocked leaves (fewer when it runs out)."""
+    def evictable_size(self) -> int: ...
+    def protected_size(self) -> int: ...
+    def all_values(self) -> torch.Tensor:
+        """Every KV slot the tree holds (int64)."""
+    def cache_finished_req(self, req: CacheRequest) -> bool | None:
+        """Insert a finished request's KV, free duplicates, unlock; True when the tree kept
+        its Mamba slot (hybrid trees)."""
+
+
+class HybridPrefixCache(PrefixCache, Protocol):
+    """A :class:`PrefixCache` that also holds Mamba states at its nodes."""
+
+    def evict(self, num_tokens: int, num_states: int = 0) -> object: ...
+    def mamba_evictable_size(self) -> int: ...
+    def fork_states(self, nodes: Sequence[Any], reqs: Sequence[PoolRequest]) -> int:
+        """Copy each node's state into its request's own slot."""
+
+
+# --------------------------------------------------------------------------- events
+
+
+class Event(Protocol):
+    """A KV or state event the tree records (``BlockStored``, ``StateRemoved``, ...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as a JSON-able dict (its ``type`` names the kind)."""
+
+
+# --------------------------------------------------------------------------- pools (device memory)
+
+
+@runtime_checkable
+class KVPool(Protocol):
+    """Per-layer K and V buffers indexed by the slots a :class:`KVAllocator` hands out."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def nbytes(self) -> int: ...
+
+    def get_key_buffer(self, layer_id: LayerLike) -> torch.Tensor: ...
+    def get_value_buffer(self, layer_id: LayerLike) -> torch.Tensor: ...
+    def get_kv_buffer(self, layer_id: LayerLike) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def set_kv_buffer(self, layer: LayerLike, loc: IndexLike, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor, k_scale: Scale | None = None,
+                      v_scale: Scale | None = None) -> None:
+        """Write the K and V rows of the tokens at slots ``loc`` of one layer."""
+    def check_invariants(self) -> None: ...
+
+
+@runtime_checkable
+class StatePool(Protocol):
+    """Linear-attention state slots ``1..size`` (slot 0 reserved): per layer a conv window
+    and a temporal state, allocated per request and kept by the tree for cached prefixes."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def conv_state(self) -> torch.Tensor:
+        """``[num_layers, size + 1, *conv_state_shape]``."""
+    @property
+    def temporal_state(self) -> torch.Tensor:
+        """``[num_layers, size + 1, *temporal_state_shape]``."""
+    @property
+    def conv_state_shape(self) -> tuple[int, ...]: ...
+    @property
+    def temporal_state_shape(self) -> tuple[int, ...]: ...
+    @property
+    def slot_bytes(self) -> tuple[int, int]:
+        """Bytes of one slot's ``(conv, temporal)`` states in one layer."""
+    @property
+    def copy_backend(self) -> str:
+        """How state copies run: ``"torch"`` or ``"triton"``."""
+
+    def available_size(self) -> int: ...
+    def alloc(self, n: int) -> torch.Tensor | None: ...
+    def alloc_one(self) -> int | None: ...
+    def free(self, indices: IndexLike) -> None: ...
+    def validate_allocated(self, indices: IndexLike, what: str = "slot") -> torch.Tensor:
+        """The slots as an int64 tensor; ``InvalidArgumentError`` naming any that are free."""
+    def copy_from(self, src_indices: IndexLike, dst_indices: IndexLike) -> None:
+        """Copy every layer's states of ``src`` slots into ``dst`` slots."""
+    def mamba2_layer_cache(self, layer_id: LayerLike) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One layer's ``(conv, temporal)`` views (SGLang's ``Mamba2LayerCache``)."""
+    def clear(self) -> None: ...
+    def check_invariants(self) -> None: ...
