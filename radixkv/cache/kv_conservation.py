@@ -15,7 +15,7 @@ slots it holds ahead for decoding; empty when none).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
