@@ -13,7 +13,7 @@ event handle, offsets); a worker rebuilds a tensor over the same device memory w
 ``rebuild_cuda_tensor``. Nothing is pickled: the fields travel as protobuf fields.
 
 Descriptors (:class:`ShmDescriptor`, :class:`CudaIpcDescriptor`) are NamedTuples of plain
-values; :mod:`radixkv.service.wire` turns them into ``PoolMapping`` messages.
+values; :mod:`radixkv.service.wire.codec` turns them into ``PoolMapping`` messages.
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from radixkv.engine.protocol import (
     MatchInfo, MatchQuery, Session,
 )
 from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.shm import CudaIpcDescriptor, Descriptor, ShmDescriptor
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.shm import CudaIpcDescriptor, Descriptor, ShmDescriptor
 
 I32, I64, U64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<u8")
 

@@ -1,10 +1,10 @@
 """A worker's keep-alive stream: one session's lease renewed from a daemon thread.
 
-:meth:`radixkv.service.client.RemoteCacheEngine.start_keepalive` opens one per session: a
+:meth:`radixkv.service.client.remote.RemoteCacheEngine.start_keepalive` opens one per session: a
 ``KeepAlive`` stream whose messages the manager answers with the lease left. When the worker
 closes it the manager detaches the session at once; when it drops (the process died, the
 connection broke) the manager reclaims the session, or quarantines it while the process
-still runs (:mod:`radixkv.service.quarantine`).
+still runs (:mod:`radixkv.service.server.quarantine`).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import grpc
 
 from radixkv.engine.protocol import Session
 from radixkv.errors import RadixKVError
-from radixkv.service import wire
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.errors import error_from_rpc
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.errors import error_from_rpc
 
 __all__ = ["KeepAlive"]
 

@@ -23,28 +23,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, NamedTuple, Optional, Tuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError
 
-__all__ = ["REQUEST_ID_KEY", "ReplyCache", "CachedReply", "check_request_id", "digest"]
-
-REQUEST_ID_KEY = "radixkv-request-id"
-MAX_REQUEST_ID_LEN = 64
-
-
-def check_request_id(value: Any) -> str:
-    """A request id: 1..64 printable ASCII characters. Raises ``InvalidArgumentError``."""
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("ascii")
-        except UnicodeDecodeError:
-            raise InvalidArgumentError("a request id must be printable ASCII") from None
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_REQUEST_ID_LEN \
-            or any(not 0x21 <= ord(c) <= 0x7E for c in value):
-        raise InvalidArgumentError(f"a request id must be 1..{MAX_REQUEST_ID_LEN} printable ASCII characters")
-    return value
-
+__all__ = ["ReplyCache", "CachedReply", "digest"]
 
 def digest(method: str, request_bytes: bytes) -> bytes:
     """What identifies a request: BLAKE2b-128 of the method name and its bytes."""

@@ -1,6 +1,6 @@
 """How one unary RPC of the cache manager runs, around its handler body.
 
-Split out of :mod:`radixkv.service.servicer` (which re-exports ``parse`` and
+Split out of :mod:`radixkv.service.server.servicer` (which re-exports ``parse`` and
 ``request_id_of``). The handlers are registered with raw-bytes (de)serializers, so every
 call goes through :func:`unary_rpc`'s wrapper:
 
@@ -11,7 +11,7 @@ call goes through :func:`unary_rpc`'s wrapper:
    (``servicer.quarantine.fence_due()``);
 3. run the body through ``servicer.answer`` (the reply cache of a call carrying
    ``radixkv-request-id`` metadata, :func:`request_id_of`; the event pump after the call);
-4. map any exception to its status (:func:`radixkv.service.errors.status_of`; a non-radixkv
+4. map any exception to its status (:func:`radixkv.service.wire.errors.status_of`; a non-radixkv
    exception is logged with its traceback and answered INTERNAL) and time the call into
    ``servicer.metrics`` labelled with its status code.
 
@@ -28,8 +28,8 @@ from typing import Any, Awaitable, Callable, Optional
 import grpc
 
 from radixkv.errors import InvalidArgumentError, RadixKVError
-from radixkv.service.errors import status_of
-from radixkv.service.idempotency import REQUEST_ID_KEY, check_request_id
+from radixkv.service.wire.errors import status_of
+from radixkv.service.wire.request_id import REQUEST_ID_KEY, check_request_id
 
 __all__ = ["parse", "request_id_of", "unary_rpc"]
 
@@ -59,7 +59,7 @@ def unary_rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
     """Wrap a synchronous ``body(servicer, request) -> response message`` as a unary aio
     handler over raw bytes (the steps of the module docstring). ``idempotent=False``:
     the request id is ignored (nothing kept). The handler carries ``request_cls`` and
-    ``body`` (the ``Step`` stream runs the same body, :mod:`radixkv.service.step_stream`)."""
+    ``body`` (the ``Step`` stream runs the same body, :mod:`radixkv.service.server.step_stream`)."""
 
     def deco(body: Callable[[Any, Any], Any]) -> Callable[..., Awaitable[bytes]]:
         @functools.wraps(body)

@@ -1,6 +1,6 @@
 """The event stream's messages: numbered KV events, hybrid state events and gap markers.
 
-:mod:`radixkv.service.wire` converts the three KV events (``BlockStored`` /
+:mod:`radixkv.service.wire.codec` converts the three KV events (``BlockStored`` /
 ``BlockRemoved`` / ``AllBlocksCleared``, ``to_dict()`` form) to and from ``KVEvent``
 messages. The event hub's outlets add three things, kept here:
 
@@ -21,8 +21,8 @@ from typing import Any, Dict, Tuple
 import numpy as np
 
 from radixkv.errors import InvalidArgumentError
-from radixkv.service import wire
-from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
 __all__ = ["EVENTS_LOST", "event_to_msg", "lost_to_msg", "event_from_msg", "numbered_event_from_msg"]
 

@@ -7,9 +7,8 @@ from typing import Optional
 
 import grpc
 
-from radixkv.service.errors import ServiceUnavailableError
-from radixkv.service.listen import read_file, unix_socket_path
-from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES
+from radixkv.service.wire.errors import ServiceUnavailableError
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, read_file, unix_socket_path
 
 __all__ = ["open_channel"]
 

@@ -1,6 +1,6 @@
 """The server's side of the event hub: who pumps it, where its batches go, how it ends.
 
-:class:`EventOutlets` owns, for one :class:`~radixkv.service.server.CacheManagerServer`:
+:class:`EventOutlets` owns, for one :class:`~radixkv.service.server.manager.CacheManagerServer`:
 
 * the ZMQ outlet (vLLM's wire, :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher`),
   opened from a :class:`~radixkv.events.zmq_publisher.PublisherConfig` when one is given: an
@@ -25,7 +25,7 @@ from typing import Any, List, Optional
 
 from radixkv.cache.events import AllBlocksCleared
 from radixkv.events.zmq_flags import PublisherConfig
-from radixkv.service.event_hub import EventHub, HubRecord
+from radixkv.service.server.event_hub import EventHub, HubRecord
 
 __all__ = ["EventOutlets"]
 

@@ -3,19 +3,19 @@
 Start-up (:class:`CacheManagerServer`): pool files left in the shared-memory directory by
 managers that died without cleaning up (SIGKILL) are removed; the pools' sizes come from
 ``radixkv.engine.plan_arenas(config)``; each pool's buffer is allocated ONCE as shared memory
-(:class:`~radixkv.service.shm.SharedBuffers`: a 0600 file in ``/dev/shm`` on CPU, CUDA IPC on
+(:class:`~radixkv.service.wire.shm.SharedBuffers`: a 0600 file in ``/dev/shm`` on CPU, CUDA IPC on
 GPU) and handed to the engine (``CacheEngine(buffers=..., mappings=...)``), which builds its
 pools over those bytes. Then the gRPC ``grpc.aio`` server starts with the auth interceptor, the
 ``CacheManager`` service, the gRPC health service and (behind a flag) reflection.
 
-Listening (:mod:`~radixkv.service.listen`): a Unix socket by default (``unix:///dir/name.sock``,
+Listening (:mod:`~radixkv.service.server.listen`): a Unix socket by default (``unix:///dir/name.sock``,
 the directory 0700, a stale socket file replaced, a live one refused); TCP (``host:port``) with
 TLS, or plaintext on loopback only unless ``allow_insecure_tcp``.
 
 Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
 every ``sweep_interval_s`` (quarantining what a session held while its worker process may
 still run, for at most ``quarantine_s``, 30 s by default; see
-:mod:`~radixkv.service.quarantine`), refreshes the metrics snapshot, and
+:mod:`~radixkv.service.server.quarantine`), refreshes the metrics snapshot, and
 (``check_idle``) runs every ``check_invariants()`` when no request is running. At most
 ``max_concurrent_rpcs`` calls (streams included) are in flight; beyond that a call is
 answered RESOURCE_EXHAUSTED at once (gRPC's own limiter), so overload never builds a queue.
@@ -25,7 +25,7 @@ would take while in flight), a watcher one; size the limit as 2 x workers + watc
 unary calls you allow in flight at once (the default, 256, fits ~100 workers). A Step stream
 the limit refuses falls back to the unary call, which the limit then refuses the same way.
 
-Events (:mod:`~radixkv.service.event_hub`): the server owns the one event hub over the
+Events (:mod:`~radixkv.service.server.event_hub`): the server owns the one event hub over the
 engine's tree. It is pumped (drained once, numbered, kept in a ring of
 ``events_ring_size``) by every ``TakeEvents`` / ``WatchEvents`` poll, by the sweeper, and,
 when the ZMQ outlet is on (``kv_events``: a
@@ -37,7 +37,7 @@ NOT_SERVING, the streams end, in-flight calls drain for ``grace_s`` (no new call
 accepted), every session is reclaimed (``engine.close()``); then the events left are pumped,
 an ``AllBlocksCleared`` is appended (the pools are about to be removed: a router must forget
 this manager's blocks) and published, the ZMQ sockets are closed after sending what is
-queued (:class:`~radixkv.service.event_outlets.EventOutlets`); last, the shared-memory files
+queued (:class:`~radixkv.service.server.event_outlets.EventOutlets`); last, the shared-memory files
 and the socket file are removed.
 """
 from __future__ import annotations
@@ -54,24 +54,22 @@ import grpc
 from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.zmq_flags import PublisherConfig
-from radixkv.service import wire
-from radixkv.service.auth import Token, TokenAuthInterceptor
-from radixkv.service.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
-from radixkv.service.event_outlets import EventOutlets
-from radixkv.service.listen import bind, prepare_unix_socket, read_file, unix_socket_path
-from radixkv.service.metrics import ServiceMetrics
-from radixkv.service.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
-from radixkv.service.shm import SharedBuffers, remove_stale_files
+from radixkv.service.wire import codec as wire
+from radixkv.service.server.auth import TokenAuthInterceptor
+from radixkv.service.wire.auth import Token
+from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
+from radixkv.service.server.event_outlets import EventOutlets
+from radixkv.service.server.listen import bind
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+from radixkv.service.server.metrics import ServiceMetrics
+from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
+from radixkv.service.wire.shm import SharedBuffers, remove_stale_files
 
-__all__ = ["CacheManagerServer", "ServeOptions", "serve", "unix_socket_path", "prepare_unix_socket",
-           "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
+__all__ = ["CacheManagerServer", "ServeOptions", "serve", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
            "DEFAULT_EVENTS_INTERVAL_S"]
 
 log = logging.getLogger("radixkv.service")
 
-_read = read_file  # the old private name (kept for importers)
-
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_MAX_CONCURRENT_RPCS = 256
 #: On by default: a session whose lease ran out (or whose keep-alive stream dropped) while its
 #: worker process still runs may still be written by that (paused) worker, so what it held is
@@ -121,7 +119,7 @@ class CacheManagerServer:
     def __init__(self, config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(), *,
                  clock: Optional[Callable[[], float]] = None, epoch: Optional[int] = None):
         if not isinstance(token, Token):
-            raise InvalidArgumentError("token must be a radixkv.service.auth.Token")
+            raise InvalidArgumentError("token must be a radixkv.service.wire.auth.Token")
         _check_options(options)
         if options.kv_events is not None and not config.enable_kv_events:
             raise InvalidArgumentError("the ZMQ event outlet (--kv-events-endpoint) needs --enable-kv-events")

@@ -43,8 +43,8 @@ import torch
 
 from radixkv.engine.protocol import DecodeItem, DecodeResult, ExtendResult, Session
 from radixkv.errors import InvariantError, RadixKVError, StaleSessionError, describe_ids
-from radixkv.service import wire
-from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
 __all__ = ["LocalDecodes", "LocalDecodeStats", "PendingCall", "replay_request"]
 

@@ -5,11 +5,11 @@ Every protocol call carries the whole batch (token ids and indices as packed int
 bytes). The step calls (heartbeat, match, alloc_extend, alloc_decode, cache_*, release,
 evict) are by default messages of one persistent ``Step`` stream per client, opened on the
 first step call, carrying the same request and reply messages as the unary RPCs and saving
-the call set-up of each (:mod:`radixkv.service.step_stream`; measured in ``docs/service.md``,
+the call set-up of each (:mod:`radixkv.service.server.step_stream`; measured in ``docs/service.md``,
 "Benchmark": 7-39% less CPU per request than unary calls, under half the round trip);
 ``connect(..., step_stream=False)`` makes every call a unary RPC (the other calls always
 are). Failed calls raise the same :mod:`radixkv.errors` types the embedded engine raises
-(:func:`radixkv.service.errors.error_from_rpc`).
+(:func:`radixkv.service.wire.errors.error_from_rpc`).
 
 Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
 str, a token id outside int32, ...) is rejected here with the engine's own validators
@@ -22,7 +22,7 @@ KV bytes never travel: :meth:`RemoteCacheEngine.worker_buffers` maps the manager
 (once per pool and epoch) and returns ``WorkerBuffers`` aliasing them.
 
 Sessions stay alive through calls, :meth:`~RemoteCacheEngine.heartbeat`, or a keep-alive
-stream (:meth:`~RemoteCacheEngine.start_keepalive`, :mod:`~radixkv.service.keepalive`): a
+stream (:meth:`~RemoteCacheEngine.start_keepalive`, :mod:`~radixkv.service.client.keepalive`): a
 background thread that renews the lease every ``ttl / 3`` s; if the worker dies the stream
 drops and the manager reclaims the session at once. ``attach`` reports this process's pid, so
 a session that expires while this process still runs (paused) is quarantined rather than
@@ -37,7 +37,7 @@ reply it kept: a retried ``alloc_extend`` never allocates twice.
 Local decode (default; ``connect(..., local_decode=False)``: off): a decode step whose
 requests all hold >= 2 reserved KV slots (``EngineConfig.decode_reserve``) is answered here
 without an RPC and replayed on the manager (``ApplyDecodes``) before the session's next
-other call (:mod:`radixkv.service.local_decode`). ``rpc_counts``: calls sent, by method.
+other call (:mod:`radixkv.service.client.local_decode`). ``rpc_counts``: calls sent, by method.
 
 The client is thread-safe as gRPC channels are; the engine behind it serializes calls.
 """
@@ -57,18 +57,19 @@ from radixkv.engine.protocol import (
 )
 from radixkv.engine import validation as V
 from radixkv.errors import InvalidArgumentError, RadixKVError
-from radixkv.service import wire
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
-from radixkv.service.auth import Token, resolve_token
-from radixkv.service.errors import ServiceUnavailableError, error_from_rpc
-from radixkv.service.idempotency import REQUEST_ID_KEY
-from radixkv.service.keepalive import KeepAlive
-from radixkv.service.channel import open_channel
-from radixkv.service.local_decode import LocalDecodes, PendingCall, replay_request
-from radixkv.service.server import DEFAULT_MAX_MESSAGE_BYTES
-from radixkv.service.shm import map_buffer
-from radixkv.service.step_stream import REPLY_TYPES, StepLane, StepRpcError
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc
+from radixkv.service.wire.auth import Token, resolve_token
+from radixkv.service.wire.errors import ServiceUnavailableError, error_from_rpc
+from radixkv.service.wire.request_id import REQUEST_ID_KEY
+from radixkv.service.client.keepalive import KeepAlive
+from radixkv.service.client.channel import open_channel
+from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
+from radixkv.service.wire.shm import map_buffer
+from radixkv.service.client.step_lane import StepLane
+from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
 
@@ -119,7 +120,7 @@ class RemoteCacheEngine:
         """One call (``method``: its name); with ``idempotent`` it carries a
         request id (``request_id`` or a fresh one) and is retried with it on UNAVAILABLE /
         DEADLINE_EXCEEDED. With ``step_stream`` a step method's first try goes over the
-        Step stream (see :mod:`radixkv.service.step_stream`), the rest over unary calls."""
+        Step stream (see :mod:`radixkv.service.server.step_stream`), the rest over unary calls."""
         name = method
         method = getattr(self._stub, name)
         self.rpc_counts[name] = self.rpc_counts.get(name, 0) + 1
@@ -302,7 +303,7 @@ class RemoteCacheEngine:
         except InvalidArgumentError as e:
             self._reject(session, e)
         resp = self._scall(session, "TakeEvents", pb.TakeEventsRequest(session=ref, max_events=n))
-        from radixkv.service.event_wire import event_from_msg  # KV, state events and gap markers
+        from radixkv.service.wire.events import event_from_msg  # KV, state events and gap markers
 
         return [event_from_msg(e) for e in resp.events]
 
@@ -315,7 +316,7 @@ class RemoteCacheEngine:
         manager's start as far as its ring holds; ``None``: only events after subscribing).
         The stream has its own cursor: other watchers and ``take_events`` do not take its
         events. Raises the mapped error when the stream fails."""
-        from radixkv.service.event_wire import event_from_msg  # KV, state events and gap markers
+        from radixkv.service.wire.events import event_from_msg  # KV, state events and gap markers
 
         if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int)
                                       or not 0 <= start_seq < 1 << 64):
@@ -396,9 +397,9 @@ def connect(address: str, token: Optional[str] = None, *, token_file: Optional[s
     ``wait_s`` for the channel to be ready. ``retries``: see :class:`RemoteCacheEngine`.
     ``step_stream`` (default True): send the step calls (heartbeat, match, alloc_extend,
     alloc_decode, cache_*, release, evict) over one persistent ``Step`` stream, opened on the
-    first step call, instead of one unary call each (:mod:`radixkv.service.step_stream`;
+    first step call, instead of one unary call each (:mod:`radixkv.service.server.step_stream`;
     cheaper per call, same protocol; False: unary calls only). ``local_decode`` (default
-    True): answer decode steps from reserved slots locally (:mod:`radixkv.service.local_decode`).
+    True): answer decode steps from reserved slots locally (:mod:`radixkv.service.client.local_decode`).
 
     Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
     ``ServiceUnavailableError`` (nothing answers within ``wait_s``).

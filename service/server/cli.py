@@ -1,7 +1,7 @@
 """``radixkv serve``: the command line of the cache manager.
 
 ``radixkv/cli.py`` adds the sub-command with :func:`add_serve_arguments` and runs it with
-:func:`run_serve`; ``python -m radixkv.service.cli serve ...`` works on its own too.
+:func:`run_serve`; ``python -m radixkv.service.server.cli serve ...`` works on its own too.
 
 The engine is configured by ``--config FILE`` (JSON or TOML, ``EngineConfig.from_file``)
 and/or one flag per ``EngineConfig`` field (``--kv-tokens``, ``--page-size``,
@@ -28,13 +28,13 @@ from typing import Any, Dict, List, Optional
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, RadixKVError
-from radixkv.service.auth import TOKEN_ENV, resolve_token
+from radixkv.service.wire.auth import TOKEN_ENV, resolve_token
 from radixkv.events.zmq_publisher import add_arguments as add_kv_event_arguments, config_from_args
-from radixkv.service.event_hub import DEFAULT_RING_SIZE
-from radixkv.service.server import (
-    DEFAULT_EVENTS_INTERVAL_S, DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_QUARANTINE_S,
-    ServeOptions, serve,
+from radixkv.service.server.event_hub import DEFAULT_RING_SIZE
+from radixkv.service.server.manager import (
+    DEFAULT_EVENTS_INTERVAL_S, DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_QUARANTINE_S, ServeOptions, serve,
 )
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_ADDRESS = ServeOptions().address
 

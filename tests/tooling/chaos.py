@@ -1,9 +1,9 @@
 """Fault injection, the driver side: start worker processes, kill, pause and watch them.
 
-* :class:`StandbyPool` runs chaos workers (:mod:`~radixkv.service.chaos_worker` describes
+* :class:`StandbyPool` runs chaos workers (:mod:`~tooling.chaos_worker` describes
   what they do and the points where they kill themselves). Every worker is a fresh
   interpreter started with ``subprocess.Popen([sys.executable, "-m",
-  "radixkv.service.chaos_worker"])``: processes that share gRPC are never forked, not even
+  "tooling.chaos_worker"])``: processes that share gRPC are never forked, not even
   from a zygote that has only imported grpc. To keep a kill cycle from waiting for an
   interpreter start (~0.3 s of imports, more on a loaded machine), a background thread
   keeps ``standby`` workers started ahead of need, each blocked on its stdin for a spec
@@ -39,7 +39,9 @@ from radixkv.errors import InvalidArgumentError, InvariantError
 __all__ = ["StandbyPool", "WorkerProc", "PoolStats", "KILL_POINTS"]
 
 KILL_POINTS = ("after_alloc", "after_cache_unfinished", "mid_call", "mid_batch", "after_decode")
-WORKER_MODULE = "radixkv.service.chaos_worker"
+WORKER_MODULE = "tooling.chaos_worker"
+#: The directory that holds the ``tooling`` package (a worker's PYTHONPATH starts with it).
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDBY_NICE_ENV = "RADIXKV_CHAOS_STANDBY_NICE"  # read by the worker module before its imports
 
 
@@ -129,6 +131,9 @@ class StandbyPool:
         self._env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._env[STANDBY_NICE_ENV] = str(standby_nice)
         self._env.update(env or {})
+        # The worker module lives in tests/tooling/ (not installed): its interpreter finds it
+        # through PYTHONPATH, as the test process found it through pytest's sys.path.
+        self._env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR] + [p for p in (self._env.get("PYTHONPATH") or "").split(os.pathsep) if p])
         self.events: "queue.Queue[Dict[str, Any]]" = queue.Queue()
         self.workers: Dict[int, WorkerProc] = {}
         self._cv = threading.Condition()

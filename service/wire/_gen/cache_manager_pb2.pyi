@@ -1,4 +1,4 @@
-# Generated from proto/radixkv/v1/cache_manager.proto by `python -m radixkv.service.protogen`. Do not edit.
+# Generated from proto/radixkv/v1/cache_manager.proto by `make proto` (proto/generate.py). Do not edit.
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -1,15 +1,16 @@
-"""Regenerate the committed gRPC code in ``service/_gen/`` from ``proto/radixkv/v1/*.proto``.
+"""Regenerate the committed gRPC code in ``service/wire/_gen/`` from ``proto/radixkv/v1/*.proto``.
 
 The generated modules are committed (so an installed radixkv needs ``grpcio`` and
 ``protobuf`` only, not ``grpcio-tools``); ``tests/service/test_proto_gen.py`` regenerates them
 into a temporary directory and fails when the committed copies differ (stale).
 
-Run ``python -m radixkv.service.protogen`` after editing a ``.proto`` file.
+Run ``make proto`` (``python proto/generate.py``) after editing a ``.proto`` file. A dev tool:
+it is not part of the installed package.
 
 Generation: ``grpc_tools.protoc -I proto --python_out --pyi_out --grpc_python_out``, then
 one rewrite: the ``*_pb2_grpc.py`` module imports its ``*_pb2`` module by the proto path
 (``from radixkv.v1 import ...``); it is made a relative import (``from . import ...``)
-so the code lives in the ``radixkv.service._gen`` package while the descriptors keep their
+so the code lives in the ``radixkv.service.wire._gen`` package while the descriptors keep their
 proto file names (``radixkv/v1/cache_manager.proto``), which reflection serves.
 """
 from __future__ import annotations
@@ -20,12 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Dict
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-PROTO_ROOT = REPO_ROOT / "proto"
-GEN_DIR = Path(__file__).resolve().parent / "_gen"
+PROTO_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = PROTO_ROOT.parent
+GEN_DIR = REPO_ROOT / "service" / "wire" / "_gen"
 PROTO_FILES = ("radixkv/v1/cache_manager.proto",)
 
-_HEADER = "# Generated from proto/{src} by `python -m radixkv.service.protogen`. Do not edit.\n"
+_HEADER = "# Generated from proto/{src} by `make proto` (proto/generate.py). Do not edit.\n"
 
 
 def generate() -> Dict[str, str]:
@@ -66,12 +67,12 @@ def write(target: Path = GEN_DIR) -> None:
         (target / name).write_text(text)
     init = target / "__init__.py"
     if not init.exists():
-        init.write_text('"""Code generated from proto/radixkv/v1 (see radixkv.service.protogen)."""\n')
+        init.write_text('"""Code generated from proto/radixkv/v1 (see proto/generate.py, `make proto`)."""\n')
 
 
 def main() -> int:
     write()
-    print(f"regenerated {', '.join(sorted(generate()))} in {GEN_DIR.name}/", file=sys.stderr)
+    print(f"regenerated {', '.join(sorted(generate()))} in {GEN_DIR.relative_to(REPO_ROOT)}/", file=sys.stderr)
     return 0
 
 

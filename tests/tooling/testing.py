@@ -1,6 +1,6 @@
 """A cache-manager server on its own event loop in a background thread, for tests and benchmarks.
 
-:class:`ThreadedServer` runs a real :class:`~radixkv.service.server.CacheManagerServer`
+:class:`ThreadedServer` runs a real :class:`~radixkv.service.server.manager.CacheManagerServer`
 (gRPC over a Unix socket in a fresh 0700 temp directory, shared-memory pools) in a daemon
 thread of the calling process, so a test can inject the engine's clock and still talk to it
 only through the wire. Multi-process tests start the server with ``radixkv serve`` in a
@@ -17,9 +17,9 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import RadixKVError
-from radixkv.service.auth import Token
+from radixkv.service.wire.auth import Token
 from radixkv.service.client import RemoteCacheEngine, connect
-from radixkv.service.server import CacheManagerServer, ServeOptions
+from radixkv.service.server.manager import CacheManagerServer, ServeOptions
 
 __all__ = ["ThreadedServer", "start_remote_engine"]
 

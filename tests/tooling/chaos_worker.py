@@ -1,6 +1,6 @@
 """The worker side of fault injection: one standby worker process per victim, never forked.
 
-Run as ``python -m radixkv.service.chaos_worker`` (by :class:`radixkv.service.chaos.StandbyPool`,
+Run as ``python -m tooling.chaos_worker`` (by :class:`tooling.chaos.StandbyPool`,
 with ``subprocess.Popen``: a fresh interpreter each time, never ``fork``, since the processes
 share gRPC). A standby imports only what a worker needs (grpc, numpy and the generated
 messages: no torch, no engine), reports ``standby {pid}``, then blocks on stdin until the
@@ -58,8 +58,8 @@ if __name__ == "__main__" and os.environ.get(STANDBY_NICE_ENV):
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 
-from radixkv.service._gen import cache_manager_pb2 as pb  # noqa: E402
-from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc  # noqa: E402
+from radixkv.service.wire._gen import cache_manager_pb2 as pb  # noqa: E402
+from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc  # noqa: E402
 
 KILL_POINTS = ("after_alloc", "after_cache_unfinished", "mid_call", "mid_batch", "after_decode")
 _MAX_LINE = 4000  # < PIPE_BUF: one atomic write

@@ -1,7 +1,7 @@
 """The auth token: where it comes from, how it travels, how the server checks it.
 
 * Travels as gRPC metadata ``authorization: Bearer <token>`` on every call.
-* The server checks it in :class:`TokenAuthInterceptor` with ``hmac.compare_digest`` (no
+* The server checks it in :class:`~radixkv.service.server.auth.TokenAuthInterceptor` with ``hmac.compare_digest`` (no
   early exit on the first differing byte); a missing or wrong token ends the call with
   ``UNAUTHENTICATED`` before any handler runs. Only the gRPC health service is exempt.
 * Never logged: :class:`Token` hides its value from ``repr``/``str``, and messages about a
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import hmac
 import os
-from typing import Awaitable, Callable, Optional, Sequence, Tuple
-
-import grpc
+from typing import Optional, Sequence, Tuple
 
 from radixkv.errors import InvalidArgumentError
 
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
 TOKEN_ENV = "RADIXKV_TOKEN"
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _MIN_LEN = 8
 
 
@@ -92,53 +89,3 @@ def presented_token(metadata: Optional[Sequence[Tuple[str, object]]]) -> Optiona
                 return value[len(SCHEME):]
             return None
     return None
-
-
-def _rejecting_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
-    message = f"missing or wrong auth token for {method}"
-
-    async def reject_unary(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message,
-                            trailing_metadata=(("radixkv-error-type", "UnauthenticatedError"),))
-
-    async def reject_stream(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message,
-                            trailing_metadata=(("radixkv-error-type", "UnauthenticatedError"),))
-        yield  # pragma: no cover - makes this an async generator
-
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(reject_unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(reject_stream, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(reject_unary, **kw)
-    return grpc.stream_stream_rpc_method_handler(reject_stream, **kw)
-
-
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call without the right token, except the health service's.
-
-    ``on_reject(method)`` (optional) is told of each rejection (for metrics/logs; it never
-    sees the token).
-    """
-
-    def __init__(self, token: Token, on_reject: Optional[Callable[[str], None]] = None):
-        self._token = token
-        self._on_reject = on_reject
-
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method or ""
-        handler = await continuation(handler_call_details)
-        if handler is None or method.startswith(HEALTH_PREFIX):
-            return handler
-        if self._token.matches(presented_token(handler_call_details.invocation_metadata)):
-            return handler
-        if self._on_reject is not None:
-            self._on_reject(method)
-        return _rejecting_handler(handler, method)

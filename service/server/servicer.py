@@ -5,9 +5,9 @@ one asyncio event loop of the server and calls the engine synchronously (no ``aw
 between decoding a request and answering it), so calls never interleave and no lock is
 needed. How a unary call runs around its body (raw-bytes parsing: hostile bytes are
 INVALID_ARGUMENT, never INTERNAL; the fence of sessions whose lease ran out while their
-worker may still run, :class:`~radixkv.service.quarantine.Quarantine`; status mapping and
-latency metrics) is :mod:`radixkv.service.unary_rpc`. A unary call carrying
-``radixkv-request-id`` metadata is idempotent (:class:`~radixkv.service.idempotency.ReplyCache`):
+worker may still run, :class:`~radixkv.service.server.quarantine.Quarantine`; status mapping and
+latency metrics) is :mod:`radixkv.service.server.unary_rpc`. A unary call carrying
+``radixkv-request-id`` metadata is idempotent (:class:`~radixkv.service.server.idempotency.ReplyCache`):
 a retry gets the kept reply.
 
 Events: right after each call (unary or ``Step``, in :meth:`CacheManagerServicer.answer`)
@@ -21,12 +21,12 @@ Streams:
   closes the stream the session is detached at once; when the stream drops (the worker was
   killed, its connection broke) it is reclaimed, or quarantined while its process runs.
 * ``WatchEvents``: streams the manager's numbered events from its own cursor over the event
-  hub (:mod:`radixkv.service.event_hub`), from ``start_seq`` (default 0: as far back as the
+  hub (:mod:`radixkv.service.server.event_hub`), from ``start_seq`` (default 0: as far back as the
   ring holds, a gap marker for the rest) or ``from_now``; a watcher that falls behind the ring
   gets an ``events_lost`` marker. ``TakeEvents`` callers share one cursor of their own (the
   embedded engine's one queue); watchers, ``TakeEvents`` and the ZMQ outlet never compete.
 * ``Step``: the step calls of one worker as messages of one stream, each run through the
-  same handler body and reply cache as its unary call (:mod:`radixkv.service.step_stream`).
+  same handler body and reply cache as its unary call (:mod:`radixkv.service.server.step_stream`).
 
 All end promptly when the server starts shutting down (``closing`` is set).
 """
@@ -43,16 +43,17 @@ import grpc
 
 from radixkv.engine.protocol import Session
 from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
-from radixkv.service import event_wire, wire
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.event_hub import EventHub, HubRecord, engine_event_source
-from radixkv.service.errors import status_of
-from radixkv.service.idempotency import ReplyCache, digest
-from radixkv.service.metrics import ServiceMetrics
-from radixkv.service.quarantine import Quarantine
-from radixkv.service.shm import SharedBuffers
-from radixkv.service.step_stream import error_to_msg, serve_step_stream
-from radixkv.service.unary_rpc import parse, request_id_of, unary_rpc as _rpc  # re-exported
+from radixkv.service.wire import codec as wire, events as event_wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.server.event_hub import EventHub, HubRecord, engine_event_source
+from radixkv.service.wire.errors import status_of
+from radixkv.service.server.idempotency import ReplyCache, digest
+from radixkv.service.server.metrics import ServiceMetrics
+from radixkv.service.server.quarantine import Quarantine
+from radixkv.service.wire.shm import SharedBuffers
+from radixkv.service.server.step_stream import serve_step_stream
+from radixkv.service.wire.step import error_to_msg
+from radixkv.service.server.unary_rpc import parse, request_id_of, unary_rpc as _rpc  # re-exported
 
 __all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
            "UNARY_METHODS", "STREAM_METHODS"]
@@ -77,7 +78,7 @@ class CacheManagerServicer:
         metrics: where RPC latencies and stats snapshots go.
         closing: set when the server starts shutting down (ends the streams).
         quarantine_s: how long what an expired session held may stay quarantined while its
-            worker process runs (0: no quarantine); see :mod:`radixkv.service.quarantine`.
+            worker process runs (0: no quarantine); see :mod:`radixkv.service.server.quarantine`.
         replies: the reply cache of idempotent calls (default: 64 per session, 64 MiB).
         events: the event hub over the engine's tree (default: one with the default ring);
             ``TakeEvents`` and ``WatchEvents`` read it, the server pumps it and adds outlets.
@@ -189,7 +190,7 @@ class CacheManagerServicer:
     @_rpc("ApplyDecodes", pb.ApplyDecodesRequest)
     def ApplyDecodes(self, request: pb.ApplyDecodesRequest) -> pb.ApplyDecodesResponse:
         """Replay decode steps a client answered from its reserves: ``alloc_decode`` for
-        each call in order (see ``radixkv.service.local_decode``). An error at call ``k``
+        each call in order (see ``radixkv.service.client.local_decode``). An error at call ``k``
         names ``ApplyDecodes call k`` in its message; at ``k == 0`` (nothing changed) it
         fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k`` and
         ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``

@@ -7,7 +7,7 @@ missing, and refused when it is not ours or allows group/other access; a stale s
 (``tls_cert``/``tls_key``, and ``tls_ca`` to require client certificates), or without it on
 loopback only unless ``allow_insecure_tcp``.
 
-Pure host-side helpers; :class:`~radixkv.service.server.CacheManagerServer` calls
+Pure host-side helpers; :class:`~radixkv.service.server.manager.CacheManagerServer` calls
 :func:`bind` once at start-up.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any, NamedTuple, Optional
 import grpc
 
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError
+from radixkv.service.wire.transport import read_file, unix_socket_path
 
-__all__ = ["LOOPBACK", "Bound", "unix_socket_path", "prepare_unix_socket", "read_file", "bind"]
+__all__ = ["LOOPBACK", "Bound", "prepare_unix_socket", "bind"]
 
 #: Hosts a plaintext TCP listener may bind without ``allow_insecure_tcp``.
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -32,15 +33,6 @@ class Bound(NamedTuple):
 
     address: str
     socket_path: Optional[str]
-
-
-def unix_socket_path(address: str) -> Optional[str]:
-    """The file path of a ``unix:`` address (``unix:///abs``, ``unix:/abs``, ``unix:rel``), or None."""
-    if address.startswith("unix://"):
-        return address[len("unix://"):]
-    if address.startswith("unix:"):
-        return address[len("unix:"):]
-    return None
 
 
 def prepare_unix_socket(path: str) -> str:
@@ -73,15 +65,6 @@ def prepare_unix_socket(path: str) -> str:
         finally:
             probe.close()
     return path
-
-
-def read_file(path: str) -> bytes:
-    """The bytes of a PEM file (certificate, key, CA). Raises ``InvalidArgumentError``."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise InvalidArgumentError(f"cannot read {path!r}: {e.strerror}") from None
 
 
 def bind(server: Any, options: Any) -> Bound:
