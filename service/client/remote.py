@@ -56,6 +56,7 @@ from radixkv.engine.protocol import (
     ExtendResult, MatchInfo, MatchQuery, Session,
 )
 from radixkv.engine import validation as V
+from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, RadixKVError
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
@@ -177,6 +178,10 @@ class RemoteCacheEngine:
         pid = os.getpid() if pid is None else pid
         if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 31:
             raise InvalidArgumentError(f"pid must be an int in [0, 2**31), got {pid!r}")
+        # Mapping the pools (worker_buffers) needs modules a bare import of the client does not
+        # load: the pool views and what EngineConfig's checks import. They load here, before the
+        # session's lease starts, so that loading them never takes lease time.
+        _load_pool_views()
         resp = self._call("Attach", pb.AttachRequest(worker_name=worker_name, pid=pid))
         layout = json.loads(resp.layout_json)
         for m in resp.mappings:
@@ -382,6 +387,13 @@ class RemoteCacheEngine:
 
     def __repr__(self) -> str:
         return f"RemoteCacheEngine({self.address!r})"
+
+
+def _load_pool_views() -> None:
+    """Import what :meth:`RemoteCacheEngine.worker_buffers` needs (once per process; O(1) after)."""
+    from radixkv.engine.buffers import attach_buffers  # noqa: F401
+
+    EngineConfig()  # its checks import the dtype and eviction-policy tables
 
 
 def connect(address: str, token: Optional[str] = None, *, token_file: Optional[str] = None,
