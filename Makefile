@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.radixkv-installed
 
-.PHONY: all setup demo test bench bench-sglang soak clean
+.PHONY: all setup demo test lint-imports proto bench bench-sglang soak clean
 
 all: test
 
@@ -22,10 +22,23 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m radixkv demo
 
-test: $(STAMP)
+# The package's import layers (pyproject.toml [tool.importlinter]), ruff and mypy run before the tests.
+test: $(STAMP) lint-imports
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The graph builder reads the package from one directory, but an editable install maps
+# radixkv.service from service/: a link tree puts the two together as a wheel installs them.
+IMPORT_GRAPH := build/import-graph
+lint-imports: $(STAMP)
+	rm -rf $(IMPORT_GRAPH) && mkdir -p $(IMPORT_GRAPH)/radixkv
+	ln -s $(CURDIR)/radixkv/* $(IMPORT_GRAPH)/radixkv/ && ln -s $(CURDIR)/service $(IMPORT_GRAPH)/radixkv/service
+	cd $(IMPORT_GRAPH) && $(abspath $(VENV))/bin/lint-imports $(CURDIR)/pyproject.toml
+
+# Regenerate the committed gRPC code (service/wire/_gen/) after editing proto/radixkv/v1/*.proto.
+proto: $(STAMP)
+	$(PY) proto/generate.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_allocator.py

@@ -1,4 +1,4 @@
-"""Fan-out cost of the manager's event hub (``radixkv.service.event_hub``).
+"""Fan-out cost of the manager's event hub (``radixkv.service.server.event_hub``).
 
 Events: real ``BlockStored`` / ``BlockRemoved`` events of a ``RadixCache`` (page 16, one-
 to four-page nodes, evictions), pre-recorded so the cache's own cost is not counted.
@@ -59,8 +59,8 @@ def recorded_events(n: int, seed: int = 0) -> List[Any]:
 
 
 def bench_hub(events: List[Any], batch: int, watchers: int, zmq_on: bool) -> Dict[str, Any]:
-    from radixkv.service.event_hub import EventHub
-    from radixkv.service.servicer import encode_record
+    from radixkv.service.server.event_hub import EventHub
+    from radixkv.service.server.servicer import encode_record
 
     pending: List[Any] = []
 
@@ -126,7 +126,7 @@ def bench_hub(events: List[Any], batch: int, watchers: int, zmq_on: bool) -> Dic
 
 
 def _serve(argv: List[str]) -> None:
-    from radixkv.service.cli import main
+    from radixkv.service.server.cli import main
 
     sys.exit(main(argv))
 

@@ -1,6 +1,6 @@
 """Cost of pumping the event hub right after each RPC (``CacheManagerServicer.answer``).
 
-A real server (``radixkv.service.testing.ThreadedServer``: gRPC over a Unix socket, shared
+A real server (``tooling.testing.ThreadedServer``: gRPC over a Unix socket, shared
 pools, in a thread of this process) with a hybrid model (``FKF``, page 4); one client runs
 ``--steps`` steps of ``AllocExtend`` (a new request: one of 8 shared 32-token prefixes, 0-7
 random tokens) + ``CacheFinished``, and every 10th step an ``Evict(0 tokens, 2 states)``.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -37,8 +38,10 @@ import numpy as np
 from radixkv.engine import EngineConfig
 from radixkv.engine.protocol import ExtendItem
 from radixkv.events.zmq_flags import PublisherConfig
-from radixkv.service.server import ServeOptions
-from radixkv.service.testing import ThreadedServer
+from radixkv.service.server.manager import ServeOptions
+# The test tooling (tests/tooling/, not installed) is imported from the checkout.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from tooling.testing import ThreadedServer  # noqa: E402
 
 PS = 4
 MODES = ("off", "on", "on+zmq")

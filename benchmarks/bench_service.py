@@ -38,7 +38,7 @@ Decode reserves: ``--decode-reserve N`` (default 16) sets ``EngineConfig.decode_
 BOTH the server and the embedded engine (the same work on each side): every running request
 holds N KV slots ahead, so a decode step whose requests all hold >= 2 needs no allocator
 call and the client answers it locally, replaying it on the manager before the session's
-next call (``radixkv.service.local_decode``; ``--no-local-decode``: every decode is an RPC).
+next call (``radixkv.service.client.local_decode``; ``--no-local-decode``: every decode is an RPC).
 With 8 decode steps per request and N >= 9, a scheduler step is 3 RPCs (AllocExtend,
 ApplyDecodes, CacheFinished) instead of 10; ``rpcs_per_step`` is what the workers sent
 (their clients' counters over the timed run) per scheduler step.
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from radixkv.service.cli import main as serve_main
+    from radixkv.service.server.cli import main as serve_main
     from radixkv.service.client import connect
 
     torch.set_num_threads(1)  # the embedded baseline runs with the server's --torch-threads 1

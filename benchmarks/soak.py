@@ -3,7 +3,7 @@
     python benchmarks/soak.py --minutes 3 [--workers 6] [--out soak.json]
 
 A ``radixkv serve`` process (quarantine on) serves worker processes started by the chaos
-pool (fresh interpreters running ``radixkv.service.chaos_worker``, never forked). Each
+pool (fresh interpreters running ``tooling.chaos_worker``, never forked). Each
 worker runs a random mix of extend / decode / cache / release / match calls over prompts
 that share prefixes, then meets one fate:
 
@@ -40,9 +40,12 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from radixkv.service.chaos import KILL_POINTS, StandbyPool
-from radixkv.service.proc_stats import drift, proc_sample
 from radixkv.service.client import connect
+
+# The test tooling (tests/tooling/, not installed) is imported from the checkout.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from tooling.chaos import KILL_POINTS, StandbyPool  # noqa: E402
+from tooling.proc_stats import drift, proc_sample  # noqa: E402
 
 FATES = (("kill", 0.40), ("self_kill", 0.20), ("detach", 0.15), ("vanish", 0.15), ("stop", 0.10))
 
@@ -54,7 +57,7 @@ def start_server(directory: str, args: argparse.Namespace) -> Dict[str, Any]:
     os.write(fd, token.encode())
     os.close(fd)
     address = f"unix://{directory}/sock/s.sock"
-    p = subprocess.Popen([sys.executable, "-m", "radixkv.service.cli", "serve", "--address", address,
+    p = subprocess.Popen([sys.executable, "-m", "radixkv.service.server.cli", "serve", "--address", address,
                           "--token-file", token_file, "--log-level", "WARNING", "--kv-tokens", str(args.kv_tokens),
                           "--request-rows", "512", "--max-context-len", "256", "--max-sessions", "256",
                           "--lease-ttl-s", str(args.ttl), "--sweep-interval-s", "0.1",

@@ -5,7 +5,7 @@
   ``--walkthrough``: the pools' state through one extend -> decode -> release cycle);
 * ``radixkv bench NAME ...``: every benchmark (:mod:`radixkv.bench.cli`: ``hitrate``,
   ``radix``, ``allocator``, ``service``, ``mamba``);
-* ``radixkv serve ...``: the cache-manager gRPC service (``radixkv.service.cli``).
+* ``radixkv serve ...``: the cache-manager gRPC service (``radixkv.service.server.cli``).
 
 ``bench`` and ``serve`` take over the rest of the command line and are imported only when
 used; ``radixkv demo --embedded`` / ``--walkthrough`` never start a server.
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_serve(argv: list[str]) -> int:
     """``radixkv serve``: the service's own flags (``add_serve_arguments``) and runner."""
-    from radixkv.service.cli import add_serve_arguments
-    from radixkv.service.cli import run_serve as _run
+    from radixkv.service.server.cli import add_serve_arguments
+    from radixkv.service.server.cli import run_serve as _run
 
     parser = argparse.ArgumentParser(prog="radixkv serve", description="run the cache-manager gRPC service")
     add_serve_arguments(parser)

@@ -165,7 +165,7 @@ def _peak(peak: Tuple[int, int], st: Any) -> Tuple[int, int]:
 
 
 def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[str, Any]:
-    from radixkv.service.cli import main as serve_main
+    from radixkv.service.server.cli import main as serve_main
     from radixkv.service.client import connect
 
     ctx = mp.get_context("spawn")

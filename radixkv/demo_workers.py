@@ -32,7 +32,7 @@ import torch
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery, Session
 from radixkv.errors import InvalidArgumentError
-from radixkv.reference import HybridConfig, HybridModel
+from radixkv.reference import HybridConfig, HybridModel, ModelCache
 
 __all__ = ["demo_model_config", "engine_config_for", "TimedEngine", "RequestReport", "HybridWorker",
            "worker_main", "TOLERANCE", "PROTOCOL_CALLS"]
@@ -119,7 +119,7 @@ class HybridWorker:
         if block < 1:
             raise InvalidArgumentError(f"block must be >= 1, got {block}")
         self.engine, self.session, self.buffers, self.model = engine, session, buffers, model
-        self.cache = buffers.model_cache()
+        self.cache = ModelCache.over(buffers)
         self.block, self.name = int(block), name
         self.tol = TOLERANCE[model.config.dtype]
 

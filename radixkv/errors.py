@@ -1,7 +1,7 @@
 """One error hierarchy for radixkv.
 
 Every error carries a ``code``: the name of the gRPC status it maps to. The service maps
-errors to status codes in exactly one place (``radixkv.service.errors``) by reading this
+errors to status codes in exactly one place (``radixkv.service.wire.errors``) by reading this
 attribute, so the embedded engine and the remote client raise the same types.
 
 Validation raises these (never ``assert``, which ``python -O`` strips), and every raising

@@ -150,7 +150,7 @@ def _managers(kind, cfg, n):
     (events then come over the service's TakeEvents RPC)."""
     if kind == "embedded":
         return [CacheEngine(cfg) for _ in range(n)], []
-    from radixkv.service.testing import start_remote_engine
+    from tooling.testing import start_remote_engine
 
     pairs = [start_remote_engine(cfg) for _ in range(n)]
     return [c for c, _ in pairs], [close for _, close in pairs]

@@ -150,5 +150,5 @@ def test_model_cache_over_worker_buffers():
     from radixkv.reference.model import ModelCache
 
     w = EnginePools(HYBRID).worker_buffers()
-    mc = w.model_cache()
+    mc = ModelCache.over(w)
     assert isinstance(mc, ModelCache) and mc.kv_pool is w and mc.req_to_token is w.req_to_token

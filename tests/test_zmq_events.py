@@ -326,8 +326,8 @@ def test_flags():
 
 def test_serve_flags_carry_the_outlet_into_serve_options():
     from radixkv.events.zmq_publisher import PublisherConfig, config_from_args
-    from radixkv.service.cli import add_serve_arguments, serve_options_from_args
-    from radixkv.service.server import ServeOptions
+    from radixkv.service.server.cli import add_serve_arguments, serve_options_from_args
+    from radixkv.service.server.manager import ServeOptions
 
     p = add_serve_arguments(argparse.ArgumentParser())
     off = serve_options_from_args(p.parse_args([]))

@@ -47,7 +47,7 @@ import numpy as np
 
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
-from radixkv.bench.router_index import DynamoIndex, PyRadixIndex, make_index
+from radixkv.events.router_index import DynamoIndex, PyRadixIndex, make_index
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
 
 __all__ = ["PyRadixIndex", "DynamoIndex", "make_index", "ClusterResult", "InprocManager", "served_len",

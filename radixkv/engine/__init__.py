@@ -3,8 +3,8 @@
 * :mod:`~radixkv.engine.protocol`: the contract (``CacheEngineAPI`` and its NamedTuples);
 * :class:`CacheEngine` (:mod:`~radixkv.engine.embedded`): the protocol run in-process;
 * :class:`EngineConfig` (:mod:`~radixkv.engine.config`): model shape, pool sizes, limits;
-* :class:`EnginePools` / :func:`plan_arenas` (:mod:`~radixkv.engine.pools`): the pools and their
-  JSON-able layout;
+* :class:`EnginePools` (:mod:`~radixkv.engine.pools`) and :func:`plan_arenas`
+  (:mod:`~radixkv.engine.layout`): the pools and their JSON-able layout;
 * :class:`SessionTable` (:mod:`~radixkv.engine.sessions`): sessions, leases, request ownership;
 * :class:`WorkerBuffers` / :func:`attach_buffers` (:mod:`~radixkv.engine.buffers`): what a
   worker reads and writes KV and states through.
@@ -27,7 +27,30 @@ from radixkv.engine.protocol import (  # noqa: F401
     MatchQuery,
     Session,
 )
-from radixkv.engine.sessions import SessionTable  # noqa: F401
+
+# The rest is loaded on first use: the protocol and the config are all a remote client needs
+# (``radixkv.service.client`` imports them), and the pools, the tree and the embedded engine
+# would bring the cache layer and the kernels with them.
+_LAZY = {
+    "SessionTable": "radixkv.engine.sessions",
+    "EnginePools": "radixkv.engine.pools",
+    "plan_arenas": "radixkv.engine.layout",
+    "WorkerBuffers": "radixkv.engine.buffers",
+    "attach_buffers": "radixkv.engine.buffers",
+    "CacheEngine": "radixkv.engine.embedded",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixkv.engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AttachInfo", "CacheEngineAPI", "CacheResult", "DecodeItem", "DecodeResult", "EngineStats",

@@ -25,15 +25,13 @@ built for another config fails at attach, not with garbage later.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixkv.contracts import IndexLike, LayerLike, Scale
 from radixkv.engine.config import EngineConfig
+from radixkv.engine.layout import LAYOUT_FORMAT, build_kv_pool, build_mamba_pool, find_embedded
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.memory import Arena, ArenaLayout, HybridLinearKVPool, MambaPool, MHATokenToKVPool
 from radixkv.memory.mamba_pool import Mamba2LayerCache
@@ -41,20 +39,8 @@ from radixkv.memory.req_to_token import ReqToTokenPool
 
 if TYPE_CHECKING:
     from radixkv.engine.pools import EnginePools
-    from radixkv.reference.model import ModelCache
 
-__all__ = ["WorkerBuffers", "attach_buffers", "register_embedded"]
-
-_EMBEDDED: weakref.WeakValueDictionary[str, EnginePools] = weakref.WeakValueDictionary()
-_KEYS = itertools.count(1)
-
-
-def register_embedded(pools: EnginePools) -> str:
-    """Register in-process pools so ``attach_buffers`` can find them from a layout whose
-    mapping is ``{"mode": "embedded", "key": key}``; returns the key. Held weakly."""
-    key = f"embedded-{next(_KEYS)}"
-    _EMBEDDED[key] = pools
-    return key
+__all__ = ["WorkerBuffers", "attach_buffers"]
 
 
 class WorkerBuffers:
@@ -109,14 +95,6 @@ class WorkerBuffers:
             raise InvalidArgumentError("this engine's model has no KDA layers (no Mamba states)")
         return self.kv_pool.mamba2_layer_cache(layer_id)
 
-    def model_cache(self) -> ModelCache:
-        """The reference model's ``ModelCache`` over these buffers (global layer ids)."""
-        from radixkv.reference.model import ModelCache
-
-        mamba: Callable[[int], Mamba2LayerCache] | None = \
-            self.mamba2_layer_cache if self.mamba_pool is not None else None
-        return ModelCache(self, mamba, self.req_to_token)
-
     def check_invariants(self) -> None:
         """The views still alias their arenas with the layout's shapes and dtypes."""
         self._mha.check_invariants()
@@ -141,8 +119,6 @@ def attach_buffers(layout: dict[str, Any], buffers_by_pool_name: dict[str, torch
     small / misaligned, a buffer for an unknown pool, or an arena that does not match the
     layout's config (the worker and the manager disagree on the model shape).
     """
-    from radixkv.engine.pools import LAYOUT_FORMAT, build_kv_pool, build_mamba_pool
-
     if not isinstance(layout, dict) or layout.get("format") != LAYOUT_FORMAT:
         raise InvalidArgumentError(f"not an engine layout (format {LAYOUT_FORMAT!r} expected)")
     try:
@@ -165,8 +141,7 @@ def attach_buffers(layout: dict[str, Any], buffers_by_pool_name: dict[str, torch
         modes = {mappings[n].get("mode") for n in missing}
         if modes != {"embedded"} or len(keys) != 1:
             raise InvalidArgumentError(f"no buffer given for pools {missing} (mapped {sorted(map(str, modes))})")
-        key = next(iter(keys))
-        engine_pools = _EMBEDDED.get(key) if isinstance(key, str) else None
+        engine_pools = find_embedded(next(iter(keys)))
         if engine_pools is None:
             raise InvalidArgumentError(f"embedded pools {next(iter(keys))!r} are not in this process")
         own = engine_pools.buffers()

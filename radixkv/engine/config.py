@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from radixkv.errors import InvalidArgumentError
-from radixkv.memory.arena import parse_dtype
 
 __all__ = ["EngineConfig", "ADMISSION_POLICIES"]
 
@@ -114,6 +113,10 @@ class EngineConfig:
         if not isinstance(lt, str) or not lt or set(lt) - {"F", "K"} or "F" not in lt:
             raise InvalidArgumentError(
                 f"EngineConfig.layer_types must be a string of 'F'/'K' with at least one 'F', got {lt!r}")
+        # Imported here: the memory package brings the allocator and its kernels, which a
+        # module that only reads configs (a remote client) does not need.
+        from radixkv.memory.arena import parse_dtype
+
         for name in ("kv_dtype", "state_dtype"):
             v = getattr(self, name)
             try:

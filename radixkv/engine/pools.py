@@ -24,20 +24,18 @@ import torch
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.contracts import KVAllocator, PoolRequest
+from radixkv.engine.buffers import WorkerBuffers
 from radixkv.engine.config import EngineConfig
-from radixkv.errors import InvalidArgumentError, InvariantError
-from radixkv.memory import (
-    Arena,
-    ArenaLayout,
-    HybridLinearKVPool,
-    HybridReqToTokenPool,
-    MambaPool,
-    MHATokenToKVPool,
-    ReqToTokenPool,
-    plan_layout,
+from radixkv.engine.layout import (  # noqa: F401 (the layout names are also this module's)
+    LAYOUT_FORMAT,
+    POOL_NAMES,
+    build_kv_pool,
+    build_mamba_pool,
+    plan_arenas,
+    register_embedded,
 )
-from radixkv.memory.arena import DEFAULT_ALIGNMENT
-from radixkv.memory.hybrid import MAPPING, OWNER
+from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.memory import Arena, HybridLinearKVPool, HybridReqToTokenPool, MambaPool, ReqToTokenPool
 
 if TYPE_CHECKING:
     from radixkv.engine.buffers import WorkerBuffers
@@ -45,59 +43,8 @@ if TYPE_CHECKING:
 __all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "HYBRID_TREE_MODULE", "HYBRID_NEEDS_TREE", "plan_arenas",
            "EnginePools", "build_kv_pool", "build_mamba_pool", "build_tree", "hybrid_tree_available"]
 
-POOL_NAMES = ("req_to_token", "kv", "mamba")
-LAYOUT_FORMAT = "radixkv.engine.layout/1"
 HYBRID_TREE_MODULE = "radixkv.cache.mamba_radix_cache"
 HYBRID_NEEDS_TREE = f"hybrid prefix caching needs {HYBRID_TREE_MODULE}"
-
-
-def _store_dtype(name: str) -> torch.dtype:
-    """The dtype a KV pool stores ``name`` as (fp8 as uint8, as ``KVCache`` does)."""
-    from radixkv.memory.arena import parse_dtype
-    from radixkv.memory.kv_pool import _FP8
-
-    dt = parse_dtype(name)
-    return torch.uint8 if dt in _FP8 else dt
-
-
-def plan_arenas(config: EngineConfig) -> dict[str, ArenaLayout]:
-    """The arena layout of every pool of ``config`` (``"mamba"`` only for hybrid models),
-    computed without allocating: what shared buffers must hold. O(layers)."""
-    c = config
-    r2t: list[tuple[str, tuple[int, ...], torch.dtype]] = [
-        (ReqToTokenPool.TABLE, (c.request_rows + 1, c.max_context_len), torch.int32)]
-    if c.is_hybrid:
-        r2t += [(MAPPING, (c.request_rows + 1,), torch.int32), (OWNER, (c.state_slots + 1,), torch.int32)]
-    n_full = len(c.full_layer_ids)
-    shape = (c.kv_tokens + c.page_size, c.head_num, c.head_dim)
-    sd = _store_dtype(c.kv_dtype)
-    kv = [(f"k.{l}", shape, sd) for l in range(n_full)] + [(f"v.{l}", shape, sd) for l in range(n_full)]
-    plans = {"req_to_token": plan_layout(r2t, DEFAULT_ALIGNMENT), "kv": plan_layout(kv, DEFAULT_ALIGNMENT)}
-    if c.is_hybrid:
-        n_kda = len(c.kda_layer_ids)
-        plans["mamba"] = plan_layout([
-            ("conv", (n_kda, c.state_slots + 1) + c.conv_state_shape, c.state_dtype),
-            ("temporal", (n_kda, c.state_slots + 1) + c.temporal_state_shape, c.state_dtype),
-        ], DEFAULT_ALIGNMENT)
-    return plans
-
-
-def build_kv_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
-                  device: torch.device | str | None = None) -> MHATokenToKVPool:
-    """The full-attention KV pool of ``config`` (over ``buffer`` when given)."""
-    c = config
-    return MHATokenToKVPool(c.kv_tokens, c.page_size, c.kv_dtype, c.head_num, c.head_dim,
-                            len(c.full_layer_ids), device if device is not None else c.torch_device,
-                            checks=c.checks, buffer=buffer)
-
-
-def build_mamba_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
-                     device: torch.device | str | None = None) -> MambaPool:
-    """The KDA state pool of a hybrid ``config`` (over ``buffer`` when given)."""
-    c = config
-    return MambaPool(c.state_slots, c.conv_state_shape, c.temporal_state_shape, len(c.kda_layer_ids),
-                     c.state_dtype, device if device is not None else c.torch_device,
-                     checks=c.checks, buffer=buffer)
 
 
 def hybrid_tree_available() -> bool:
@@ -162,8 +109,6 @@ class EnginePools:
         for name, arena in self.arenas().items():
             if arena.layout != plans[name]:
                 raise InvariantError(f"pool {name!r} was built with a layout other than plan_arenas() gives")
-        from radixkv.engine.buffers import register_embedded
-
         self.embedded_key = register_embedded(self)
 
     def arenas(self) -> dict[str, Arena]:
@@ -206,8 +151,6 @@ class EnginePools:
 
     def worker_buffers(self) -> WorkerBuffers:
         """A :class:`~radixkv.engine.buffers.WorkerBuffers` over these very pools."""
-        from radixkv.engine.buffers import WorkerBuffers
-
         return WorkerBuffers.from_pools(self)
 
     def check_invariants(self, reqs: Iterable[PoolRequest] | None = None) -> None:

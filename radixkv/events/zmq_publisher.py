@@ -22,7 +22,7 @@ sockets: :meth:`publish` sends at once and :meth:`serve_replay` answers waiting 
 
 Flags: :func:`add_arguments` / :func:`from_args` (or :func:`config_from_args`, a picklable
 :class:`PublisherConfig`) give the CLI switches (endpoint, replay endpoint, topic, buffer,
-layout); ``radixkv serve`` takes them and publishes its events itself (``service/server.py``).
+layout); ``radixkv serve`` takes them and publishes its events itself (``service/server/manager.py``).
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ continue from the slot's state. To fork (prefix sharing), copy the state slot wi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,13 @@ class ModelCache:
         self.req_to_token = req_to_token
         self.kv_layer_ids = kv_layer_ids
         self.mamba_layer_ids = mamba_layer_ids
+
+    @classmethod
+    def over(cls, buffers: Any) -> ModelCache:
+        """Over an engine's :class:`~radixkv.engine.buffers.WorkerBuffers` (global layer
+        ids): its KV pool, its KDA states (hybrid models) and its ``req_to_token`` table."""
+        mamba = buffers.mamba2_layer_cache if buffers.mamba_pool is not None else None
+        return cls(buffers, mamba, buffers.req_to_token)
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ reserve instead of the allocator (:func:`radixkv.scheduler.flow.alloc_for_decode
 step whose requests all have reserved slots makes no allocator call and evicts nothing.
 That makes such a step's result a function of the earlier results alone, which is what lets
 a remote client of the cache manager answer it locally and tell the manager later (see
-``radixkv.service.local_decode``).
+``radixkv.service.client.local_decode``).
 
 Rules (deterministic, the same in every engine):
 

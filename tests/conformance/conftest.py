@@ -44,7 +44,7 @@ def _embedded_buffers(engine: Any, info: Any) -> Any:
 def _make_remote(config: Dict[str, Any], clock: Optional[FakeClock]) -> Tuple[Any, Callable[[], None]]:
     """A ``radixkv.service`` client of a real gRPC server (threaded, Unix socket, shared
     memory) whose engine runs on ``clock``."""
-    from radixkv.service.testing import start_remote_engine
+    from tooling.testing import start_remote_engine
 
     return start_remote_engine(config, clock)
 

@@ -1,6 +1,6 @@
 """The conformance scenarios against a third implementation: the gRPC client with its step
 calls on the persistent Step stream (``connect(..., step_stream=True)``,
-``radixkv.service.step_stream``). The scenarios are the suite's own, imported here and run
+``radixkv.service.server.step_stream``). The scenarios are the suite's own, imported here and run
 with this module's ``engine_factory`` (so the stream client must agree call for call with
 the embedded engine, exactly as the unary client does); each test also checks that the
 stream carried the calls (no fallback to unary calls)."""
@@ -21,7 +21,7 @@ from test_conformance_hybrid import *  # noqa: F401,F403
 
 
 def _make_stream(config: Dict[str, Any], clock: Optional[FakeClock]) -> Tuple[Any, Callable[[], None]]:
-    from radixkv.service.testing import start_remote_engine
+    from tooling.testing import start_remote_engine
 
     return start_remote_engine(config, clock, step_stream=True)
 

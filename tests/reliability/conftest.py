@@ -14,7 +14,7 @@ STANDBY = int(__import__("os").environ.get("N2STANDBY", "12"))
 
 @pytest.fixture(scope="module")
 def chaos():
-    from radixkv.service.chaos import StandbyPool
+    from tooling.chaos import StandbyPool
 
     pool = StandbyPool(standby=STANDBY)
     yield pool

@@ -98,7 +98,7 @@ def percentiles(values: List[float], ps=(50, 90, 99, 100)) -> Optional[Dict[str,
 
 
 class ServerProcess:
-    """``python -m radixkv.service.cli serve`` in its own process (subprocess, not fork), on
+    """``python -m radixkv.service.server.cli serve`` in its own process (subprocess, not fork), on
     a Unix socket in a fresh 0700 temp directory, token in a 0600 file. ``restart()`` starts
     a new manager on the same address; ``stop()`` ends it and removes the directory."""
 
@@ -126,7 +126,7 @@ class ServerProcess:
 
         from radixkv.service.client import connect
 
-        self.p = subprocess.Popen([sys.executable, "-m", "radixkv.service.cli", "serve", "--address", self.address,
+        self.p = subprocess.Popen([sys.executable, "-m", "radixkv.service.server.cli", "serve", "--address", self.address,
                                    "--token-file", self.token_file, "--log-level", "WARNING", *self.args])
         try:
             with connect(self.address, token=self.token, wait_s=self.start_timeout_s) as c:

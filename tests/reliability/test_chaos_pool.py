@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from radixkv.errors import InvalidArgumentError, InvariantError
-from radixkv.service import chaos, chaos_worker
-from radixkv.service.chaos import StandbyPool
-from radixkv.service.testing import ThreadedServer
+from tooling import chaos, chaos_worker
+from tooling.chaos import StandbyPool
+from tooling.testing import ThreadedServer
 
 from reliability_util import wait_until
 
@@ -64,7 +64,7 @@ def test_workers_are_fresh_interpreters_started_by_the_driver(pool, srv):
     ppid, argv = _ppid_and_cmdline(w.pid)
     # a child of this process running the worker module: not forked from a zygote
     assert ppid == os.getpid()
-    assert argv[0] == sys.executable and argv[1:] == ["-m", "radixkv.service.chaos_worker"]
+    assert argv[0] == sys.executable and argv[1:] == ["-m", "tooling.chaos_worker"]
     ev = pool.wait_event(lambda e: e.get("wid") == 1 and e["ev"] in ("holding", "error"), 60)
     assert ev is not None and ev["ev"] == "holding", ev
     if os.geteuid() == 0:  # raising the priority back is allowed: it runs at ours

@@ -19,7 +19,7 @@ from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import (
     CapacityError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RadixKVError, StaleSessionError,
 )
-from radixkv.service.testing import ThreadedServer
+from tooling.testing import ThreadedServer
 
 CONFIG = dict(kv_tokens=512, max_context_len=128, lease_ttl_s=600.0)
 GOOD = np.arange(1, 9, dtype=np.int32)

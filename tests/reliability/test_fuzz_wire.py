@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.servicer import STREAM_METHODS, UNARY_METHODS
-from radixkv.service.server import ServeOptions
-from radixkv.service.testing import ThreadedServer
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.server.servicer import STREAM_METHODS, UNARY_METHODS
+from radixkv.service.server.manager import ServeOptions
+from tooling.testing import ThreadedServer
 
 from reliability_util import check_law
 

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from radixkv.engine.protocol import ExtendItem
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.idempotency import REQUEST_ID_KEY, ReplyCache
-from radixkv.service.testing import ThreadedServer
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.server.idempotency import ReplyCache
+from radixkv.service.wire.request_id import REQUEST_ID_KEY
+from tooling.testing import ThreadedServer
 
 from reliability_util import check_law
 

@@ -1,6 +1,6 @@
 """SIGKILL fault injection: hundreds of worker processes killed at random points.
 
-Workers are fresh interpreters (``python -m radixkv.service.chaos_worker``, never forked),
+Workers are fresh interpreters (``python -m tooling.chaos_worker``, never forked),
 taken from a pool of standbys started ahead of need (so a cycle does not wait for an
 interpreter start; the pool counts the spawns that did), and run a random mix of calls over
 prompts that share prefixes (so tree nodes are shared and locked). Each is killed either by
@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from radixkv.service.chaos import KILL_POINTS
-from radixkv.service.server import ServeOptions
-from radixkv.service.testing import ThreadedServer
+from tooling.chaos import KILL_POINTS
+from radixkv.service.server.manager import ServeOptions
+from tooling.testing import ThreadedServer
 
 from reliability_util import CHAOS_CONFIG, Survivor, check_law, live_sessions, percentiles, wait_until
 

@@ -13,7 +13,7 @@ from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import ExtendItem
 from radixkv.engine.sessions import SessionTable
 from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
-from radixkv.service.quarantine import ProcessHandle, Quarantine
+from radixkv.service.server.quarantine import ProcessHandle, Quarantine
 
 
 def test_a_fenced_session_is_refused_but_keeps_its_requests():
@@ -155,9 +155,9 @@ def test_quarantine_is_on_by_default_and_can_be_turned_off():
     ``--quarantine-s 0``; the servicer a server builds gets that value."""
     import argparse
 
-    from radixkv.service.cli import add_serve_arguments, serve_options_from_args
-    from radixkv.service.server import DEFAULT_QUARANTINE_S, ServeOptions
-    from radixkv.service.testing import ThreadedServer
+    from radixkv.service.server.cli import add_serve_arguments, serve_options_from_args
+    from radixkv.service.server.manager import DEFAULT_QUARANTINE_S, ServeOptions
+    from tooling.testing import ThreadedServer
 
     assert DEFAULT_QUARANTINE_S == 30.0 and ServeOptions().quarantine_s == 30.0
     parser = add_serve_arguments(argparse.ArgumentParser())

@@ -22,7 +22,7 @@ import torch
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 from radixkv.errors import StaleSessionError
 from radixkv.service.client import connect
-from radixkv.service.errors import ServiceUnavailableError
+from radixkv.service.wire.errors import ServiceUnavailableError
 
 from reliability_util import ServerProcess, check_law, wait_until
 

@@ -19,8 +19,8 @@ import torch
 
 from radixkv.engine.protocol import ExtendItem
 from radixkv.errors import CapacityError
-from radixkv.service.server import ServeOptions
-from radixkv.service.testing import ThreadedServer
+from radixkv.service.server.manager import ServeOptions
+from tooling.testing import ThreadedServer
 
 from reliability_util import check_law, live_sessions, wait_until
 

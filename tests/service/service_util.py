@@ -30,7 +30,7 @@ class ServerProc(NamedTuple):
 
 def start_server(extra_args: List[str], target=None) -> ServerProc:
     """A server process with a token file; waits until it answers."""
-    from radixkv.service.cli import main
+    from radixkv.service.server.cli import main
     from radixkv.service.client import connect
 
     directory = tempfile.mkdtemp(prefix="rkv-")  # 0700

@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from radixkv.errors import InvalidArgumentError
-from radixkv.service.auth import METADATA_KEY, Token, presented_token, resolve_token
+from radixkv.service.wire.auth import METADATA_KEY, Token, presented_token, resolve_token
 
 SECRET = "s3cret-token-value"
 
@@ -52,7 +52,7 @@ def test_resolve_token_sources(tmp_path, monkeypatch):
 def test_the_token_never_reaches_the_logs(caplog):
     """A server rejecting calls and serving good ones logs nothing with the token in it."""
     from radixkv.service.client import connect
-    from radixkv.service.testing import ThreadedServer
+    from tooling.testing import ThreadedServer
     from radixkv.errors import UnauthenticatedError
 
     caplog.set_level(logging.DEBUG)

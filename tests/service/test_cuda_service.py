@@ -11,7 +11,7 @@ pytestmark = pytest.mark.cuda
 
 
 def test_workers_share_kv_through_cuda_ipc():
-    from radixkv.service.testing import ThreadedServer
+    from tooling.testing import ThreadedServer
 
     with ThreadedServer({"device": "cuda", "kv_tokens": 1024}) as srv:
         c = srv.client()

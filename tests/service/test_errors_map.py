@@ -3,7 +3,7 @@ import grpc
 import pytest
 
 from radixkv import errors as E
-from radixkv.service.errors import (
+from radixkv.service.wire.errors import (
     AVAILABLE_KEY, ERROR_TYPE_KEY, KNOWN_ERRORS, REQUESTED_KEY, MessageTooLargeError,
     ServiceUnavailableError, error_from_rpc, status_of,
 )

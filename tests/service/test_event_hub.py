@@ -1,4 +1,4 @@
-"""The event hub (``radixkv.service.event_hub``): numbering, the bounded ring, independent
+"""The event hub (``radixkv.service.server.event_hub``): numbering, the bounded ring, independent
 cursors, gap reports, outlets, invariants; a Hypothesis state machine against a plain list
 model; and N concurrent asyncio watchers that must all receive the same gap-free sequence."""
 import asyncio
@@ -11,10 +11,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, KVEventRecorder
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.state_events import StateRemoved, StateStored
-from radixkv.service import event_wire
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.event_hub import KIND_KV, KIND_STATE, EventHub, Lost
-from radixkv.service.servicer import encode_record
+from radixkv.service.wire import events as event_wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.server.event_hub import KIND_KV, KIND_STATE, EventHub, Lost
+from radixkv.service.server.servicer import encode_record
 
 
 class Source:

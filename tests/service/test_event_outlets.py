@@ -261,8 +261,8 @@ def test_dynamo_indexer_fed_from_zmq_scores_as_the_manager_matches(run):
 def test_resume_from_start_seq_and_lag_beyond_the_ring_are_reported():
     """In-process server with an 8-event ring: a watcher resuming from a seq the ring no
     longer holds, and TakeEvents after more than a ring's worth, get the gap marker first."""
-    from radixkv.service.server import ServeOptions
-    from radixkv.service.testing import ThreadedServer
+    from radixkv.service.server.manager import ServeOptions
+    from tooling.testing import ThreadedServer
 
     opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, events_ring_size=8)
     with ThreadedServer({"kv_tokens": 256, "page_size": PS, "enable_kv_events": True}, options=opts) as srv:
@@ -302,8 +302,8 @@ def test_resume_from_start_seq_and_lag_beyond_the_ring_are_reported():
 def test_the_zmq_outlet_needs_events_on_and_an_endpoint_it_can_open():
     from radixkv.errors import InvalidArgumentError
     from radixkv.events.zmq_publisher import PublisherConfig
-    from radixkv.service.server import ServeOptions
-    from radixkv.service.testing import ThreadedServer
+    from radixkv.service.server.manager import ServeOptions
+    from tooling.testing import ThreadedServer
 
     opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, kv_events=PublisherConfig("tcp://127.0.0.1:*"))
     with pytest.raises(InvalidArgumentError, match="enable-kv-events"):

@@ -61,10 +61,11 @@ def worker_a(address, token, prompt, q):
     """Prefill ``prompt`` from scratch, cache it; report its logits, KV and final state."""
     try:
         from radixkv.engine.protocol import ExtendItem
+        from radixkv.reference.model import ModelCache
 
         c, s, wb, model = _setup(address, token, "worker-A")
         (r,) = c.alloc_extend(s, [ExtendItem("a", prompt)])
-        logits = model.extend(prompt, 0, r.out_cache_loc[:0], r.out_cache_loc, r.mamba_slot, wb.model_cache())
+        logits = model.extend(prompt, 0, r.out_cache_loc[:0], r.out_cache_loc, r.mamba_slot, ModelCache.over(wb))
         report = {"prefix_len": r.prefix_len, "logits": logits.cpu().numpy(), "kv": _full_kv(wb, r.out_cache_loc),
                   "state": _state(wb, r.mamba_slot)}
         report["cached_len"] = c.cache_finished(s, ["a"])[0].cached_len
@@ -80,9 +81,10 @@ def worker_b(address, token, prompt, continuation, q):
     the reused KV and forked state as read from the shared buffers, and every logit."""
     try:
         from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
+        from radixkv.reference.model import ModelCache
 
         c, s, wb, model = _setup(address, token, "worker-B")
-        mc = wb.model_cache()
+        mc = ModelCache.over(wb)
         full = np.concatenate([prompt, continuation]).astype(np.int32)
         (m,) = c.match(s, [MatchQuery(full)])
         (r,) = c.alloc_extend(s, [ExtendItem("b", full)])

@@ -1,4 +1,4 @@
-"""Client-local decode steps (``radixkv.service.local_decode``) against decode reserves.
+"""Client-local decode steps (``radixkv.service.client.local_decode``) against decode reserves.
 
 Unit part (no server): the table answers exactly what the embedded engine answers whenever
 it answers at all, logs the call, writes the mapped ``req_to_token``, drops itself on a
@@ -23,9 +23,9 @@ from engine_fixtures import comparable
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import DecodeItem, DecodeResult, ExtendItem, ExtendResult, MatchQuery, Session
 from radixkv.errors import InvariantError, LengthMismatchError, NotFoundError, RadixKVError, StaleSessionError
-from radixkv.service import wire
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.local_decode import LocalDecodes, PendingCall, replay_request
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
 
 CONFIG = dict(device="cpu", kv_tokens=384, page_size=1, request_rows=12, max_context_len=80,
               max_requests_per_session=6, lease_ttl_s=600.0, decode_reserve=4)
@@ -69,7 +69,7 @@ def test_serve_flag_and_config_file_key(tmp_path):
     import argparse
 
     from radixkv.errors import InvalidArgumentError
-    from radixkv.service.cli import add_serve_arguments, engine_config_from_args
+    from radixkv.service.server.cli import add_serve_arguments, engine_config_from_args
 
     p = add_serve_arguments(argparse.ArgumentParser())
     assert engine_config_from_args(p.parse_args(["--decode-reserve", "8"])).decode_reserve == 8

@@ -14,7 +14,7 @@ from engine_fixtures import comparable
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import RadixKVError
-from radixkv.service.testing import ThreadedServer
+from tooling.testing import ThreadedServer
 
 CONFIG = dict(kv_tokens=96, page_size=1, request_rows=6, max_context_len=64, max_requests_per_session=4,
               lease_ttl_s=1e6)

@@ -17,9 +17,11 @@ import pytest
 from radixkv.engine.protocol import ExtendItem
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError, StaleSessionError
 from radixkv.service.client import connect
-from radixkv.service.errors import ServiceUnavailableError
-from radixkv.service.server import ServeOptions, prepare_unix_socket, unix_socket_path
-from radixkv.service.testing import ThreadedServer
+from radixkv.service.wire.errors import ServiceUnavailableError
+from radixkv.service.server.listen import prepare_unix_socket
+from radixkv.service.server.manager import ServeOptions
+from radixkv.service.wire.transport import unix_socket_path
+from tooling.testing import ThreadedServer
 
 from service_util import STOP_TIMEOUT_S, start_server, stop_server
 
@@ -57,7 +59,7 @@ def test_socket_directory_rules(tmp_path):
 
 
 def test_cli_refuses_a_wide_socket_directory(tmp_path, capsys):
-    from radixkv.service.cli import main
+    from radixkv.service.server.cli import main
 
     wide = tmp_path / "wide"
     wide.mkdir()
@@ -71,7 +73,7 @@ def test_cli_refuses_a_wide_socket_directory(tmp_path, capsys):
 def test_cli_config_file_and_flags(tmp_path):
     import argparse
 
-    from radixkv.service.cli import add_serve_arguments, engine_config_from_args
+    from radixkv.service.server.cli import add_serve_arguments, engine_config_from_args
 
     cfg = tmp_path / "engine.toml"
     cfg.write_text("[engine]\nkv_tokens = 256\npage_size = 4\nlease_ttl_s = 9.0\n")
@@ -295,8 +297,8 @@ def test_idle_checks_report_a_broken_invariant():
                                  dict(metrics_port=70000), dict(address="")])
 def test_bad_options_are_refused_before_anything_is_allocated(bad, tmp_path):
     from radixkv.engine import EngineConfig
-    from radixkv.service.auth import Token
-    from radixkv.service.server import CacheManagerServer
+    from radixkv.service.wire.auth import Token
+    from radixkv.service.server.manager import CacheManagerServer
 
     with pytest.raises(InvalidArgumentError):
         CacheManagerServer(EngineConfig(kv_tokens=64), Token("a-long-enough-token"),

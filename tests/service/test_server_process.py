@@ -15,8 +15,8 @@ from radixkv.errors import (
     UnauthenticatedError,
 )
 from radixkv.service.client import connect
-from radixkv.service.errors import MessageTooLargeError
-from radixkv.service.server import DEFAULT_QUARANTINE_S
+from radixkv.service.wire.errors import MessageTooLargeError
+from radixkv.service.server.manager import DEFAULT_QUARANTINE_S
 
 from service_util import SPAWN, START_TIMEOUT_S, run_worker
 import service_workers as workers
@@ -99,7 +99,7 @@ def test_auth_failures(server):
         with pytest.raises(UnauthenticatedError):
             bad.attach("intruder")
     # no token at all, straight through a raw channel
-    from radixkv.service._gen import cache_manager_pb2 as pb, cache_manager_pb2_grpc as pb_grpc
+    from radixkv.service.wire._gen import cache_manager_pb2 as pb, cache_manager_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"unix:{server.socket_path}") as ch:
         with pytest.raises(grpc.RpcError) as ei:

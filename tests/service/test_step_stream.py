@@ -15,12 +15,13 @@ import pytest
 
 from radixkv import errors as E
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
-from radixkv.service import step_stream as S
-from radixkv.service._gen import cache_manager_pb2 as pb
+from radixkv.service.client.step_lane import StepLane
+from radixkv.service.wire.step import StepRpcError, error_to_msg
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.client import connect
-from radixkv.service.errors import ServiceUnavailableError
-from radixkv.service.server import ServeOptions
-from radixkv.service.testing import ThreadedServer
+from radixkv.service.wire.errors import ServiceUnavailableError
+from radixkv.service.server.manager import ServeOptions
+from tooling.testing import ThreadedServer
 
 CONFIG = {"kv_tokens": 2048, "page_size": 1, "request_rows": 32, "max_context_len": 256}
 
@@ -231,13 +232,13 @@ def test_shutdown_ends_idle_streams_promptly():
 
 
 def test_step_error_round_trips_the_status():
-    from radixkv.service.errors import error_from_rpc, status_of
+    from radixkv.service.wire.errors import error_from_rpc, status_of
 
     exc = E.CapacityError("no room", requested=5, available=2)
-    msg = pb.StepResponse.FromString(S.error_to_msg(status_of(exc)).SerializeToString())
-    back = error_from_rpc(S.StepRpcError.from_msg(msg.error))
+    msg = pb.StepResponse.FromString(error_to_msg(status_of(exc)).SerializeToString())
+    back = error_from_rpc(StepRpcError.from_msg(msg.error))
     assert type(back) is E.CapacityError and (back.requested, back.available) == (5, 2) and "no room" in str(back)
-    odd = error_from_rpc(S.StepRpcError.from_msg(pb.StepError(code=999, details="?")))
+    odd = error_from_rpc(StepRpcError.from_msg(pb.StepError(code=999, details="?")))
     assert isinstance(odd, E.RadixKVError)
     with pytest.raises(E.InvalidArgumentError):
         connect("unix:///nonexistent/x.sock", token="t" * 24, wait_s=0, step_stream="yes")
@@ -247,7 +248,7 @@ def test_a_manager_without_the_step_method_gets_unary_calls(tmp_path):
     """An older manager answers the stream UNIMPLEMENTED: the lane gives up on it."""
     from concurrent import futures
 
-    from radixkv.service._gen import cache_manager_pb2_grpc as pb_grpc
+    from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc
 
     old = grpc.server(futures.ThreadPoolExecutor(max_workers=2))  # serves no method at all
     sock = tmp_path / "old.sock"
@@ -255,7 +256,7 @@ def test_a_manager_without_the_step_method_gets_unary_calls(tmp_path):
     old.start()
     ch = grpc.insecure_channel(f"unix:{sock}")
     try:
-        lane = S.StepLane(pb_grpc.CacheManagerStub(ch), (), 5.0)
+        lane = StepLane(pb_grpc.CacheManagerStub(ch), (), 5.0)
         req = pb.HeartbeatRequest(session=pb.SessionRef(session_id="s", epoch=1))
         assert lane.call("Heartbeat", req, "id-1") is None  # send it as a unary call
         assert not lane.enabled and lane.fallbacks == 1 and lane.stream is None

@@ -9,9 +9,9 @@ from radixkv.engine.protocol import (
     MatchInfo, MatchQuery, Session,
 )
 from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
-from radixkv.service import wire
-from radixkv.service._gen import cache_manager_pb2 as pb
-from radixkv.service.shm import CudaIpcDescriptor, ShmDescriptor
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.shm import CudaIpcDescriptor, ShmDescriptor
 
 i32s = st.lists(st.integers(-(1 << 31), (1 << 31) - 1), max_size=64)
 i64s = st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=64)

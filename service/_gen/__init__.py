@@ -1,1 +1,0 @@
-"""Code generated from proto/radixkv/v1 (see radixkv.service.protogen)."""

@@ -1,0 +1,343 @@
+"""Client-local decode steps: what a remote client knows of its requests' decode reserves.
+
+With ``EngineConfig.decode_reserve`` > 0 every running request holds KV slots for its next
+decode tokens (``radixkv.scheduler.decode_reserve``). A decode step takes each request's
+slot from the FRONT of its reserve, and when every request of the step still has >= 2
+reserved slots nobody's reserve runs empty, so the manager makes no allocator call and tops
+nothing up: the step's result follows from the earlier replies alone::
+
+    out_cache_loc[i] = reserve[0]      seq_lens[i] = seq_len + 1      reserve <- reserve[1:]
+    req_pool_indices[i] = row          mamba_slots[i] = the request's slot (-1: KV-only)
+
+:class:`LocalDecodes` is the client's table of what it knows, per session (keyed by session
+id and epoch): for each request this client extended or decoded, its row, ``seq_len``, Mamba
+slot and reserve, refreshed from every ``ExtendResult`` / ``DecodeResult`` the manager sends.
+:meth:`LocalDecodes.try_local` answers such a step without an RPC, appends it (rids and
+int32 tokens) to the session's *pending log*, and writes the new slots into the worker's
+mapped ``req_to_token`` when this client mapped the manager's buffers (without the mapping
+nothing on the worker can read that row; the manager writes it at the replay).
+:meth:`LocalDecodes.flush` sends the log as one ``ApplyDecodes`` RPC (the manager runs
+``alloc_decode`` for each logged call, in order); the client flushes before every other call
+of the session, so the manager has replayed everything before anything can observe it.
+
+The table holds only requests with >= 2 reserved slots (nothing local can be done for the
+others until a reply refreshes them). It is dropped for a session on any error the manager
+answers for a call of that session (a failed flush included: the replay stopped somewhere,
+the error names the call), on detach, and when a reply comes from a new epoch (a restarted
+manager). A session's requests must be driven through ONE client (another client's calls on
+them would not refresh this table).
+
+Costs: ``try_local`` O(B + reserved slots of the B requests) with a loop over the B items
+(none per token); ``observe_*`` O(B + reserved slots); ``flush`` O(logged items) plus one RPC.
+Thread-safe (one lock; a flush holds it during its RPC, so the log leaves in order).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from radixkv.engine.protocol import DecodeItem, DecodeResult, ExtendResult, Session
+from radixkv.errors import InvariantError, RadixKVError, StaleSessionError, describe_ids
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+
+__all__ = ["LocalDecodes", "LocalDecodeStats", "PendingCall", "replay_request"]
+
+log = logging.getLogger("radixkv.service")
+
+_Key = Tuple[str, int]
+
+
+class PendingCall(NamedTuple):
+    """One decode call answered locally, to be replayed: its rids and their int32 tokens."""
+
+    rids: List[str]
+    token_ids: np.ndarray  # int32 [B]
+
+
+class LocalDecodeStats(NamedTuple):
+    """Counters of a :class:`LocalDecodes` (since it was made)."""
+
+    sessions: int  # session tables held now
+    requests: int  # requests known now (with >= 2 reserved slots)
+    pending_calls: int  # logged calls not yet replayed, all sessions
+    local_calls: int  # decode calls answered locally
+    replayed_calls: int  # logged calls sent in successful flushes
+    flushes: int  # ApplyDecodes RPCs sent (failed ones included)
+    drops: int  # session tables dropped (an error, detach, an epoch change, close)
+
+
+class _Req:
+    """What the client knows of one request: ``reserve[head:]`` is its reserve now."""
+
+    __slots__ = ("row", "seq_len", "mamba", "reserve", "head")
+
+    def __init__(self, row: int, seq_len: int, mamba: int, reserve: np.ndarray):
+        self.row, self.seq_len, self.mamba, self.reserve, self.head = row, seq_len, mamba, reserve, 0
+
+    def left(self) -> int:
+        return self.reserve.size - self.head
+
+
+class _Table:
+    __slots__ = ("reqs", "pending")
+
+    def __init__(self) -> None:
+        self.reqs: Dict[str, _Req] = {}
+        self.pending: List[PendingCall] = []
+
+
+def _key(session: Session) -> _Key:
+    return (session[0], int(session[1]))
+
+
+def replay_request(session: Session, calls: Sequence[PendingCall]) -> pb.ApplyDecodesRequest:
+    """The ``ApplyDecodes`` request replaying ``calls`` (no session of their own). O(items)."""
+    return wire.apply_decodes_to_msg(session, [
+        pb.AllocDecodeRequest(rids=c.rids, token_ids_i32=wire.pack(c.token_ids, wire.I32)) for c in calls])
+
+
+class LocalDecodes:
+    """The per-session tables of one client (see the module doc).
+
+    Args:
+        enabled: False: :meth:`try_local` always answers None (every decode is an RPC) and
+            nothing is recorded.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)
+        self.lock = threading.RLock()
+        self._tables: Dict[_Key, _Table] = {}
+        self._epoch: Optional[int] = None
+        self._req_to_token: Dict[int, torch.Tensor] = {}  # epoch -> the worker's mapped table
+        self.local_calls = self.replayed_calls = self.flushes = self.drops = 0
+
+    # ------------------------------------------------------------------ tables
+    def _table(self, session: Session, create: bool) -> Optional[_Table]:
+        """The session's table; ``create`` (only for a reply the manager just sent, which
+        proves the session's epoch current) makes one, and a new epoch drops every table
+        of the old one (a restarted manager: what they said is void). A call naming a stale
+        epoch without such a reply finds no table and changes nothing."""
+        key = _key(session)
+        if create and key[1] != self._epoch:
+            if self._epoch is not None:
+                self.drops += len(self._tables)
+                self._tables.clear()
+                self._req_to_token = {e: t for e, t in self._req_to_token.items() if e == key[1]}
+            self._epoch = key[1]
+        t = self._tables.get(key)
+        if t is None and create:
+            t = self._tables[key] = _Table()
+        return t
+
+    def map_req_to_token(self, epoch: int, table: torch.Tensor) -> None:
+        """The worker's view of the manager's ``req_to_token`` (epoch ``epoch``): local
+        decodes of that epoch's sessions write their slots into it."""
+        with self.lock:
+            self._req_to_token[int(epoch)] = table
+
+    def observe_extend(self, session: Session, results: Sequence[ExtendResult]) -> None:
+        """Record where the requests of an ``alloc_extend`` reply stand. O(B + slots)."""
+        if not self.enabled or not results:
+            return
+        with self.lock:
+            reqs = self._table(session, True).reqs
+            for r in results:
+                self._put(reqs, r.rid, int(r.req_pool_idx), int(r.seq_len), int(r.mamba_slot), r.reserved)
+
+    def observe_decode(self, session: Session, rids: Sequence[str], result: DecodeResult) -> None:
+        """Record where the requests of an ``alloc_decode`` reply (over the RPC) stand."""
+        if not self.enabled or not rids:
+            return
+        lens = result.reserved_lens
+        if lens.size != len(rids):  # a manager without reserves: nothing to keep
+            self.forget(session, rids)
+            return
+        ends = np.cumsum(lens).tolist()
+        rows, seqs, slots = (a.tolist() for a in (result.req_pool_indices, result.seq_lens, result.mamba_slots))
+        with self.lock:
+            reqs = self._table(session, True).reqs
+            start = 0
+            for i, rid in enumerate(rids):
+                self._put(reqs, rid, rows[i], seqs[i], slots[i], result.reserved[start:ends[i]])
+                start = ends[i]
+
+    @staticmethod
+    def _put(reqs: Dict[str, _Req], rid: str, row: int, seq_len: int, mamba: int, reserve: np.ndarray) -> None:
+        if reserve.size >= 2:
+            reqs[rid] = _Req(row, seq_len, mamba, np.array(reserve, dtype=np.int64))
+        else:
+            reqs.pop(rid, None)
+
+    def forget(self, session: Session, rids: Sequence[str]) -> None:
+        """Forget ``rids`` (finished or released). O(len(rids))."""
+        with self.lock:
+            t = self._table(session, False)
+            if t is not None:
+                for rid in rids:
+                    t.reqs.pop(rid, None)
+
+    def drop(self, session: Session) -> int:
+        """Drop the session's table and pending log (an error, detach). Returns how many
+        logged calls were dropped unsent."""
+        with self.lock:
+            t = self._tables.pop(_key(session), None)
+            if t is None:
+                return 0
+            self.drops += 1
+            return len(t.pending)
+
+    @contextlib.contextmanager
+    def guard(self, session: Session, send: Optional[Callable[[Session, List[PendingCall]], Any]]) -> Iterator[None]:
+        """Around one call of ``session``: first :meth:`flush` with ``send``; when the body
+        (or the flush) raises a ``RadixKVError``, the session's table is dropped. ``send``
+        None (a heartbeat): no flush, and only a ``StaleSessionError`` drops the table (a
+        transport error must not lose the log of a session that may still live)."""
+        try:
+            if send is not None:
+                self.flush(session, send)
+            yield
+        except RadixKVError as e:
+            if send is not None or isinstance(e, StaleSessionError):
+                n = self.drop(session)
+                if n:
+                    log.warning("session %s: %d locally answered decode call(s) not replayed (%s)",
+                                session[0], n, type(e).__name__)
+            raise
+
+    # ------------------------------------------------------------------ the local step
+    def try_local(self, session: Session, items: Sequence[DecodeItem]) -> Optional[DecodeResult]:
+        """The result of decode call ``items`` when it needs no allocator call (see the module
+        doc), with the call logged and the table advanced; None (nothing changed) when it
+        may need one or anything is unknown. ``items`` were validated by the caller (token
+        ids in int32). Raises ``InvariantError`` (nothing changed) when a known slot falls
+        outside the mapped ``req_to_token``. O(B + reserved slots of the B requests)."""
+        b = len(items)
+        if not self.enabled or b == 0:
+            return None
+        with self.lock:
+            t = self._table(session, False)
+            if t is None:
+                return None
+            rids = [it.rid for it in items]
+            ents = [t.reqs.get(rid) for rid in rids]
+            if any(e is None or e.left() < 2 for e in ents) or len(set(rids)) != b:
+                return None
+            out = np.fromiter((e.reserve[e.head] for e in ents), np.int64, b)
+            pos = np.fromiter((e.seq_len for e in ents), np.int64, b)
+            rows = np.fromiter((e.row for e in ents), np.int64, b)
+            mamba = np.fromiter((e.mamba for e in ents), np.int64, b)
+            r2t = self._req_to_token.get(int(session[1]))
+            if r2t is not None:
+                self._write(r2t, rows, pos, out)
+            tokens = np.fromiter((it.token_id for it in items), np.int32, b)
+            for e in ents:
+                e.head += 1
+                e.seq_len += 1
+            reserved = np.concatenate([e.reserve[e.head:] for e in ents])
+            lens = np.fromiter((e.left() for e in ents), np.int64, b)
+            for rid, e in zip(rids, ents):
+                if e.left() < 2:  # the next step may top up: the manager has to answer it
+                    del t.reqs[rid]
+            t.pending.append(PendingCall(rids, tokens))
+            self.local_calls += 1
+            return DecodeResult(out, pos + 1, rows, mamba, reserved, lens)
+
+    @staticmethod
+    def _write(r2t: torch.Tensor, rows: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:
+        """``r2t[rows, pos] = slots`` (one scatter), after a bounds check."""
+        n_rows, width = r2t.shape
+        if int(rows.min()) < 0 or int(rows.max()) >= n_rows or int(pos.max()) >= width:
+            bad = np.flatnonzero((rows < 0) | (rows >= n_rows) | (pos >= width))
+            raise InvariantError(f"local decode: rows/positions outside req_to_token {tuple(r2t.shape)} at "
+                                 f"items {describe_ids(bad)}")
+        dev = r2t.device
+        r2t[torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev)] = \
+            torch.from_numpy(slots.astype(np.int32)).to(dev)
+
+    # ------------------------------------------------------------------ replay
+    def pending(self, session: Optional[Session] = None) -> int:
+        """Logged calls not yet replayed (of ``session``, or of all sessions)."""
+        with self.lock:
+            if session is None:
+                return sum(len(t.pending) for t in self._tables.values())
+            t = self._tables.get(_key(session))
+            return len(t.pending) if t is not None else 0
+
+    def flush(self, session: Session, send: Callable[[Session, List[PendingCall]], Any]) -> int:
+        """Send the session's pending log with ``send(session, calls)`` (one ApplyDecodes
+        RPC) unless it is empty; returns the calls sent. When ``send`` raises, the session's
+        table is dropped and the error propagates."""
+        with self.lock:
+            t = self._tables.get(_key(session))
+            if t is None or not t.pending:
+                return 0
+            calls, t.pending = t.pending, []
+            self.flushes += 1
+            try:
+                send(session, calls)
+            except BaseException:
+                self.drop(session)
+                raise
+            self.replayed_calls += len(calls)
+            return len(calls)
+
+    def flush_all(self, send: Callable[[Session, List[PendingCall]], Any]) -> int:
+        """Flush every session with a pending log (a session-less call that observes the
+        whole engine, e.g. stats). Raises the first error (after dropping that table)."""
+        with self.lock:
+            keys = [k for k, t in self._tables.items() if t.pending]
+            return sum(self.flush(Session(sid, epoch, 0.0), send) for sid, epoch in keys)
+
+    def close(self, send: Callable[[Session, List[PendingCall]], Any]) -> None:
+        """The client closes: flush every pending log, best effort (a failure is logged;
+        its table dropped), then drop every table."""
+        with self.lock:
+            for sid, epoch in [k for k, t in self._tables.items() if t.pending]:
+                try:
+                    self.flush(Session(sid, epoch, 0.0), send)
+                except Exception as e:  # noqa: BLE001 - closing goes on
+                    log.warning("session %s: replaying local decodes at close failed: %s: %s", sid,
+                                type(e).__name__, e)
+            self.drops += len(self._tables)
+            self._tables.clear()
+
+    # ------------------------------------------------------------------ audit
+    def stats(self) -> LocalDecodeStats:
+        with self.lock:
+            return LocalDecodeStats(len(self._tables), sum(len(t.reqs) for t in self._tables.values()),
+                                    self.pending(), self.local_calls, self.replayed_calls, self.flushes, self.drops)
+
+    def check_invariants(self) -> None:
+        """Every table is of the current epoch; per session, every known request has >= 2
+        reserved slots, ``seq_len`` >= 1, a row of its own, and no slot is in two reserves;
+        every logged call names distinct rids with one int32 token each. Raises
+        ``InvariantError`` naming the offenders. O(requests + reserved slots + log)."""
+        with self.lock:
+            for (sid, epoch), t in self._tables.items():
+                if epoch != self._epoch:
+                    raise InvariantError(f"session {sid!r}: a table of epoch {epoch}, current {self._epoch}")
+                short = [rid for rid, e in t.reqs.items() if e.left() < 2 or e.seq_len < 1 or e.head < 0]
+                if short:
+                    raise InvariantError(f"session {sid!r}: requests {short[:16]} kept with < 2 reserved slots "
+                                         f"or no tokens")
+                rows = np.fromiter((e.row for e in t.reqs.values()), np.int64, len(t.reqs))
+                uniq, counts = np.unique(rows, return_counts=True)
+                if (counts > 1).any():
+                    raise InvariantError(f"session {sid!r}: rows {describe_ids(uniq[counts > 1])} held twice")
+                parts = [e.reserve[e.head:] for e in t.reqs.values()]
+                slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
+                uniq, counts = np.unique(slots, return_counts=True)
+                if (counts > 1).any():
+                    raise InvariantError(f"session {sid!r}: reserved slots {describe_ids(uniq[counts > 1])} "
+                                         f"duplicated")
+                for k, c in enumerate(t.pending):
+                    if len(set(c.rids)) != len(c.rids) or c.token_ids.dtype != np.int32 \
+                            or c.token_ids.shape != (len(c.rids),):
+                        raise InvariantError(f"session {sid!r}: logged call {k} is malformed")

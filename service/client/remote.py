@@ -1,0 +1,423 @@
+"""The worker side: :func:`connect` returns a :class:`RemoteCacheEngine`, the cache-engine
+protocol (``radixkv.engine.protocol.CacheEngineAPI``) run against a cache-manager server.
+
+Every protocol call carries the whole batch (token ids and indices as packed int32/int64
+bytes). The step calls (heartbeat, match, alloc_extend, alloc_decode, cache_*, release,
+evict) are by default messages of one persistent ``Step`` stream per client, opened on the
+first step call, carrying the same request and reply messages as the unary RPCs and saving
+the call set-up of each (:mod:`radixkv.service.server.step_stream`; measured in ``docs/service.md``,
+"Benchmark": 7-39% less CPU per request than unary calls, under half the round trip);
+``connect(..., step_stream=False)`` makes every call a unary RPC (the other calls always
+are). Failed calls raise the same :mod:`radixkv.errors` types the embedded engine raises
+(:func:`radixkv.service.wire.errors.error_from_rpc`).
+
+Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
+str, a token id outside int32, ...) is rejected here with the engine's own validators
+(``radixkv.engine.validation``); before raising, the client sends a ``Heartbeat`` so that a
+stale session still raises ``StaleSessionError`` first and a live one has its lease renewed,
+exactly as a failed embedded call does. (When one call has two defects, the one reported
+may differ from the embedded engine's.)
+
+KV bytes never travel: :meth:`RemoteCacheEngine.worker_buffers` maps the manager's pools
+(once per pool and epoch) and returns ``WorkerBuffers`` aliasing them.
+
+Sessions stay alive through calls, :meth:`~RemoteCacheEngine.heartbeat`, or a keep-alive
+stream (:meth:`~RemoteCacheEngine.start_keepalive`, :mod:`~radixkv.service.client.keepalive`): a
+background thread that renews the lease every ``ttl / 3`` s; if the worker dies the stream
+drops and the manager reclaims the session at once. ``attach`` reports this process's pid, so
+a session that expires while this process still runs (paused) is quarantined rather than
+handed to others.
+
+Retries: every call but ``Stats`` / ``CheckInvariants`` carries a fresh
+``radixkv-request-id``; with ``retries=N`` a call that failed UNAVAILABLE or
+DEADLINE_EXCEEDED (the reply may have been lost after the manager ran it) is sent again
+with the same id, up to N times, and the manager answers a retry it already ran with the
+reply it kept: a retried ``alloc_extend`` never allocates twice.
+
+Local decode (default; ``connect(..., local_decode=False)``: off): a decode step whose
+requests all hold >= 2 reserved KV slots (``EngineConfig.decode_reserve``) is answered here
+without an RPC and replayed on the manager (``ApplyDecodes``) before the session's next
+other call (:mod:`radixkv.service.client.local_decode`). ``rpc_counts``: calls sent, by method.
+
+The client is thread-safe as gRPC channels are; the engine behind it serializes calls.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import grpc
+
+from radixkv.engine.protocol import (
+    AttachInfo, CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem,
+    ExtendResult, MatchInfo, MatchQuery, Session,
+)
+from radixkv.engine import validation as V
+from radixkv.engine.config import EngineConfig
+from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc
+from radixkv.service.wire.auth import Token, resolve_token
+from radixkv.service.wire.errors import ServiceUnavailableError, error_from_rpc
+from radixkv.service.wire.request_id import REQUEST_ID_KEY
+from radixkv.service.client.keepalive import KeepAlive
+from radixkv.service.client.channel import open_channel
+from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
+from radixkv.service.wire.shm import map_buffer
+from radixkv.service.client.step_lane import StepLane
+from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+__all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
+
+
+class RemoteCacheEngine:
+    """``CacheEngineAPI`` over gRPC (see the module doc). Build it with :func:`connect`.
+
+    Args:
+        channel: a gRPC channel to the manager.
+        token: the auth token.
+        timeout_s: deadline of each call.
+        address: for messages.
+        retries: how many times a call that failed UNAVAILABLE / DEADLINE_EXCEEDED is sent
+            again with the same request id (0: never).
+        retry_backoff_s: the first pause between tries (doubled each time, at most 1 s).
+        step_stream: send the step calls over one ``Step`` stream (default; first try only:
+            retries, and calls made while another thread's call is on the stream, go as
+            unary calls). The open stream holds one of the manager's ``max_concurrent_rpcs``.
+        local_decode: answer decode steps from the requests' reserves locally (see the
+            module doc; False: every ``alloc_decode`` is an RPC).
+    """
+
+    def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = "",
+                 retries: int = 0, retry_backoff_s: float = 0.05, step_stream: bool = True,
+                 local_decode: bool = True):
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise InvalidArgumentError(f"retries must be an int >= 0, got {retries!r}")
+        for name, flag in (("step_stream", step_stream), ("local_decode", local_decode)):
+            if not isinstance(flag, bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
+        self._channel = channel
+        self._stub = pb_grpc.CacheManagerStub(channel)
+        self._md = token.metadata()
+        self._timeout = float(timeout_s)
+        self.address = address
+        self.retries = retries
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.retried = 0  # calls sent again (for tests and soak reports)
+        self._mapped: Dict[Tuple[int, str], Any] = {}
+        self._keepalives: List[KeepAlive] = []
+        #: The Step stream of this client (None: every call is a unary one).
+        self.steps: Optional[StepLane] = StepLane(self._stub, self._md, self._timeout) if step_stream else None
+        self.local = LocalDecodes(local_decode)  # the per-session tables of local decode steps
+        self.rpc_counts: Dict[str, int] = {}  # calls sent (retries not counted), by method name
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method: str, request: Any, request_id: Optional[str] = None, idempotent: bool = True) -> Any:
+        """One call (``method``: its name); with ``idempotent`` it carries a
+        request id (``request_id`` or a fresh one) and is retried with it on UNAVAILABLE /
+        DEADLINE_EXCEEDED. With ``step_stream`` a step method's first try goes over the
+        Step stream (see :mod:`radixkv.service.server.step_stream`), the rest over unary calls."""
+        name = method
+        method = getattr(self._stub, name)
+        self.rpc_counts[name] = self.rpc_counts.get(name, 0) + 1
+        md = self._md
+        rid = None
+        if idempotent:
+            rid = request_id or secrets.token_hex(12)
+            md = md + ((REQUEST_ID_KEY, rid),)
+        pause = self.retry_backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                if attempt == 0 and self.steps is not None and rid is not None and name in REPLY_TYPES:
+                    reply = self.steps.call(name, request, rid)
+                    if reply is not None:
+                        return reply
+                return method(request, metadata=md, timeout=self._timeout)
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if not idempotent or attempt == self.retries or not isinstance(err, ServiceUnavailableError):
+                    raise err from None
+            self.retried += 1
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _reject(self, session: Session, error: RadixKVError) -> None:
+        """Input the wire cannot carry: check (and renew) the session first, as the engine
+        does before validating, then raise ``error``."""
+        self.heartbeat(session)
+        raise error
+
+    def _session(self, session: Session) -> pb.SessionRef:
+        return wire.session_to_msg(session)
+
+    def _scall(self, session: Session, method: str, request: Any) -> Any:
+        """A call of ``session``, after the replay of its pending local decodes."""
+        with self.local.guard(session, self._apply):
+            return self._call(method, request)
+
+    def _apply(self, session: Session, calls: List[PendingCall]) -> None:
+        resp = self._call("ApplyDecodes", replay_request(session, calls))
+        if resp.HasField("error"):  # call k >= 1 failed, calls before it stay applied
+            raise error_from_rpc(StepRpcError.from_msg(resp.error))
+
+    # ------------------------------------------------------------------ sessions
+    def attach(self, worker_name: str = "", *, pid: Optional[int] = None) -> AttachInfo:
+        """Open a session; ``layout`` is the manager's (each pool's ``mapping`` says how to
+        map its bytes: ``{"mode": "shm", ...}`` or ``{"mode": "cuda_ipc", ...}``).
+
+        ``pid``: the worker process the manager watches for quarantine (default this
+        process; 0: unknown)."""
+        if not isinstance(worker_name, str) or len(worker_name) > 256:
+            raise InvalidArgumentError("worker_name must be a str of at most 256 characters")
+        pid = os.getpid() if pid is None else pid
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 31:
+            raise InvalidArgumentError(f"pid must be an int in [0, 2**31), got {pid!r}")
+        # Mapping the pools (worker_buffers) needs modules a bare import of the client does not
+        # load: the pool views and what EngineConfig's checks import. They load here, before the
+        # session's lease starts, so that loading them never takes lease time.
+        _load_pool_views()
+        resp = self._call("Attach", pb.AttachRequest(worker_name=worker_name, pid=pid))
+        layout = json.loads(resp.layout_json)
+        for m in resp.mappings:
+            if m.pool not in layout.get("pools", {}):
+                raise InvalidArgumentError(f"the manager sent a mapping for unknown pool {m.pool!r}")
+            layout["pools"][m.pool]["mapping"] = wire.descriptor_to_dict(wire.mapping_from_msg(m))
+        return AttachInfo(wire.session_from_msg(resp.session), layout)
+
+    def heartbeat(self, session: Session) -> float:
+        """Renew the lease (pending local decodes stay pending)."""
+        req = pb.HeartbeatRequest(session=self._session(session))
+        with self.local.guard(session, None):
+            return float(self._call("Heartbeat", req).lease_left_s)
+
+    def detach(self, session: Session) -> None:
+        """End the session; its pending local decodes are dropped, not replayed (the
+        manager reclaims its requests, reserves included, either way)."""
+        req = pb.DetachRequest(session=self._session(session))
+        self.local.drop(session)
+        self._call("Detach", req)
+
+    def start_keepalive(self, session: Session, interval_s: Optional[float] = None) -> KeepAlive:
+        """Keep ``session`` alive from a background stream (every ``interval_s``, default
+        a third of its lease). The manager detaches the session when the stream ends."""
+        ref = self._session(session)
+        interval = float(interval_s) if interval_s is not None else max(0.05, ref.lease_ttl_s / 3 or 1.0)
+        ka = KeepAlive(self._stub, self._md, session, interval)
+        self._keepalives.append(ka)
+        return ka
+
+    # ------------------------------------------------------------------ the step
+    def match(self, session: Session, queries: Sequence[MatchQuery]) -> List[MatchInfo]:
+        ref = self._session(session)
+        try:
+            qs = V.as_items(queries, MatchQuery, "queries")
+            qs = [MatchQuery(V.check_tokens(q.token_ids, f"queries[{i}]", allow_empty=True),
+                             V.check_extra_key(q.extra_key, f"queries[{i}]")) for i, q in enumerate(qs)]
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        resp = self._scall(session, "Match", pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
+        return wire.match_infos_from_msg(resp, len(qs))
+
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
+        ref = self._session(session)
+        try:
+            its = V.as_items(items, ExtendItem, "items")
+            V.check_rids([it.rid for it in its])
+            its = [ExtendItem(it.rid, V.check_tokens(it.token_ids, f"items[{i}] ({it.rid!r})"),
+                              V.check_extra_key(it.extra_key, f"items[{i}]"),
+                              V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        resp = self._scall(session, "AllocExtend",
+                           pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
+        results = wire.extend_results_from_msg(resp)
+        self.local.observe_extend(session, results)
+        return results
+
+    def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
+        self._session(session)
+        try:
+            its = V.as_items(items, DecodeItem, "items")
+            V.check_rids([it.rid for it in its])
+            its = [DecodeItem(it.rid, V.check_token_id(it.token_id, f"items[{i}] ({it.rid!r})"))
+                   for i, it in enumerate(its)]
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        local = self.local.try_local(session, its)
+        if local is not None:
+            return local
+        resp = self._scall(session, "AllocDecode", wire.decode_items_to_msg(session, its))
+        result = wire.decode_result_from_msg(resp, len(its))
+        self.local.observe_decode(session, [it.rid for it in its], result)
+        return result
+
+    def _rids(self, session: Session, rids: Sequence[str]) -> List[str]:
+        try:
+            return V.check_rids(rids)
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+
+    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
+        return wire.cache_results_from_msg(self._scall(session, "CacheUnfinished", req))
+
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+        req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
+        results = wire.cache_results_from_msg(self._scall(session, "CacheFinished", req))
+        self.local.forget(session, req.rids)
+        return results
+
+    def release(self, session: Session, rids: Sequence[str]) -> None:
+        req = pb.ReleaseRequest(session=self._session(session), rids=self._rids(session, rids))
+        self._scall(session, "Release", req)
+        self.local.forget(session, req.rids)
+
+    def evict(self, session: Session, num_tokens: int, num_states: int = 0) -> EvictResult:
+        ref = self._session(session)
+        try:
+            n, s = V.check_count(num_tokens, "num_tokens"), V.check_count(num_states, "num_states")
+            if n >= 1 << 63 or s >= 1 << 63:
+                raise InvalidArgumentError("num_tokens / num_states must fit in int64")
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        return wire.evict_result_from_msg(
+            self._scall(session, "Evict", pb.EvictRequest(session=ref, num_tokens=n, num_states=s)))
+
+    # ------------------------------------------------------------------ stats / admin
+    def stats(self, session: Optional[Session] = None) -> EngineStats:
+        if session is None:  # the whole engine: every session's replay first
+            self.local.flush_all(self._apply)
+            return wire.stats_from_msg(self._call("Stats", pb.StatsRequest(), idempotent=False))
+        return wire.stats_from_msg(self._scall(session, "Stats", pb.StatsRequest(session=self._session(session))))
+
+    def flush(self, session: Session) -> bool:
+        return bool(self._scall(session, "Flush", pb.FlushRequest(session=self._session(session))).flushed)
+
+    def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
+        ref = self._session(session)
+        try:
+            n = V.check_count(max_events, "max_events")
+            if n >= 1 << 63:
+                raise InvalidArgumentError("max_events must fit in int64")
+        except InvalidArgumentError as e:
+            self._reject(session, e)
+        resp = self._scall(session, "TakeEvents", pb.TakeEventsRequest(session=ref, max_events=n))
+        from radixkv.service.wire.events import event_from_msg  # KV, state events and gap markers
+
+        return [event_from_msg(e) for e in resp.events]
+
+    def watch_events(self, session: Session, poll_interval_s: float = 0.0, start_seq: Optional[int] = 0,
+                     with_seq: bool = False) -> Iterator[Any]:
+        """The manager's events as a server stream (cancel by closing the iterator or the
+        client), dicts as ``take_events`` gives them (hybrid state events and the
+        ``{"type": "EventsLost", "first_seq", "count"}`` gap marker included), or ``(seq,
+        dict)`` pairs with ``with_seq``. ``start_seq``: the first event wanted (0: from the
+        manager's start as far as its ring holds; ``None``: only events after subscribing).
+        The stream has its own cursor: other watchers and ``take_events`` do not take its
+        events. Raises the mapped error when the stream fails."""
+        from radixkv.service.wire.events import event_from_msg  # KV, state events and gap markers
+
+        if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int)
+                                      or not 0 <= start_seq < 1 << 64):
+            raise InvalidArgumentError(f"start_seq must be an int in [0, 2**64) or None, got {start_seq!r}")
+        req = pb.WatchEventsRequest(session=self._session(session), poll_interval_s=float(poll_interval_s),
+                                    start_seq=start_seq or 0, from_now=start_seq is None)
+        self.local.flush(session, self._apply)
+        call = self._stub.WatchEvents(req, metadata=self._md)
+        try:
+            for msg in call:
+                yield (int(msg.seq), event_from_msg(msg)) if with_seq else event_from_msg(msg)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise error_from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    def check_invariants(self) -> None:
+        """The manager's engine and shared buffers agree (raises ``InvariantError``)."""
+        self.local.flush_all(self._apply)
+        self._call("CheckInvariants", pb.CheckInvariantsRequest(), idempotent=False)
+
+    # ------------------------------------------------------------------ buffers
+    def worker_buffers(self, info: AttachInfo) -> Any:
+        """``WorkerBuffers`` aliasing the manager's pools (each pool mapped once per epoch)."""
+        from radixkv.engine.buffers import attach_buffers
+
+        layout = info.layout
+        epoch = int(info.session.epoch)
+        for key in [k for k in self._mapped if k[0] != epoch]:  # an old manager's pools: unmap
+            del self._mapped[key]
+        buffers = {}
+        for name, pool in layout["pools"].items():
+            desc = wire.descriptor_from_dict(pool.get("mapping") or {})
+            if desc is None:
+                raise InvalidArgumentError(f"pool {name!r} has no shared mapping (mode "
+                                           f"{(pool.get('mapping') or {}).get('mode')!r})")
+            key = (int(info.session.epoch), name)
+            if key not in self._mapped:
+                self._mapped[key] = map_buffer(desc)
+            buffers[name] = self._mapped[key]
+        wb = attach_buffers(layout, buffers)
+        self.local.map_req_to_token(epoch, wb.req_to_token)  # local decodes write their rows there
+        return wb
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop keep-alive streams and the Step stream, close the channel (sessions are not
+        detached). Pending local decodes are replayed first (best effort: logged on failure)."""
+        self.local.close(self._apply)
+        for ka in self._keepalives:
+            ka.stop()
+        self._keepalives.clear()
+        if self.steps is not None:
+            self.steps.close()
+        self._channel.close()
+
+    def __enter__(self) -> "RemoteCacheEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteCacheEngine({self.address!r})"
+
+
+def _load_pool_views() -> None:
+    """Import what :meth:`RemoteCacheEngine.worker_buffers` needs (once per process; O(1) after)."""
+    from radixkv.engine.buffers import attach_buffers  # noqa: F401
+
+    EngineConfig()  # its checks import the dtype and eviction-policy tables
+
+
+def connect(address: str, token: Optional[str] = None, *, token_file: Optional[str] = None,
+            timeout_s: float = 30.0, wait_s: float = 10.0, retries: int = 0, tls_ca: Optional[str] = None,
+            tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+            tls_server_name: Optional[str] = None,
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = True,
+            local_decode: bool = True) -> RemoteCacheEngine:
+    """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).
+
+    The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
+    the channel is TLS (``tls_cert``/``tls_key`` for a client certificate). Waits up to
+    ``wait_s`` for the channel to be ready. ``retries``: see :class:`RemoteCacheEngine`.
+    ``step_stream`` (default True): send the step calls (heartbeat, match, alloc_extend,
+    alloc_decode, cache_*, release, evict) over one persistent ``Step`` stream, opened on the
+    first step call, instead of one unary call each (:mod:`radixkv.service.server.step_stream`;
+    cheaper per call, same protocol; False: unary calls only). ``local_decode`` (default
+    True): answer decode steps from reserved slots locally (:mod:`radixkv.service.client.local_decode`).
+
+    Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
+    ``ServiceUnavailableError`` (nothing answers within ``wait_s``).
+    """
+    tok = resolve_token(token, token_file)
+    channel = open_channel(address, wait_s=wait_s, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                           tls_server_name=tls_server_name, max_message_bytes=max_message_bytes)
+    return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address, retries=retries,
+                             step_stream=step_stream, local_decode=local_decode)

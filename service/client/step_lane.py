@@ -1,0 +1,154 @@
+"""The worker's side of the ``Step`` stream: its step calls as messages of one open stream.
+
+The stream, its messages and its error form are described in :mod:`radixkv.service.wire.step`;
+the manager's side is :mod:`radixkv.service.server.step_stream`.
+
+Deadlines: a stream message has none of its own, so :class:`StepStream` runs a watchdog that
+cancels the stream when a call waits longer than the client's timeout; the call then fails
+as a unary call past its deadline does (``DEADLINE_EXCEEDED`` ->
+``ServiceUnavailableError``, retried by the client's retry policy).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Optional
+
+import grpc
+
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
+
+__all__ = ["StepStream", "StepLane"]
+
+_END = object()
+
+
+class StepStream:
+    """One open ``Step`` stream of a client; :meth:`call` sends a call and waits for its
+    answer. One call at a time (the caller holds a lock). A watchdog thread cancels the
+    stream when a call waits longer than ``timeout_s``.
+
+    Args:
+        stub: the ``CacheManagerStub``.
+        metadata: the call metadata (auth) the stream opens with.
+        timeout_s: how long one call may wait for its answer.
+    """
+
+    def __init__(self, stub: Any, metadata: Any, timeout_s: float):
+        self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._timeout = float(timeout_s)
+        self._since: Optional[float] = None  # when the call in flight was sent
+        self._timed_out = False
+        self._closed = threading.Event()
+        self.broken = False
+        self.calls = 0  # calls answered over this stream
+        self._call = stub.Step(iter(self._requests.get, _END), metadata=metadata)
+        self._watchdog = threading.Thread(target=self._watch, name="radixkv-step-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        tick = max(0.005, min(0.1, self._timeout / 10))
+        while not self._closed.wait(tick):
+            since = self._since
+            if since is not None and time.monotonic() - since > self._timeout:
+                self._timed_out = True
+                self._call.cancel()
+                return
+
+    def call(self, method: str, request: Any, request_id: str) -> Optional[Any]:
+        """Send ``request`` (a unary request message of ``method``) and return the reply
+        message; raise :class:`StepRpcError` when the call failed (in the stream, or past
+        its deadline: ``DEADLINE_EXCEEDED``). Returns None when the stream broke otherwise
+        (``broken`` is then set; the call may or may not have run: send it again with the
+        same request id)."""
+        if self.broken:
+            return None
+        self._since = time.monotonic()
+        self._requests.put(pb.StepRequest(method=method, request=request.SerializeToString(),
+                                          request_id=request_id))
+        try:
+            resp = next(self._call)
+        except (grpc.RpcError, StopIteration) as e:
+            self._break()
+            if self._timed_out:
+                raise StepRpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"Deadline Exceeded: no answer within {self._timeout} s") from None
+            self.unimplemented = isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED
+            return None
+        finally:
+            self._since = None
+        self.calls += 1
+        if resp.WhichOneof("result") == "error":
+            raise StepRpcError.from_msg(resp.error)
+        return REPLY_TYPES[method].FromString(resp.reply)
+
+    unimplemented = False  # the manager has no Step method (an older one)
+
+    def _break(self) -> None:
+        self.broken = True
+        self._closed.set()
+        self._requests.put(_END)
+        self._call.cancel()
+
+    def close(self) -> None:
+        """End the stream (idempotent)."""
+        if not self.broken:
+            self._break()
+        self._watchdog.join(1.0)
+
+
+class StepLane:
+    """A client's use of a Step stream: opened on first use, one call at a time (a caller
+    that finds it busy gets None and makes a unary call), a broken stream replaced by a new
+    one no sooner than ``REOPEN_S`` later, and none at all once the manager answered that
+    it has no Step method (an older manager).
+
+    Args: as :class:`StepStream`.
+    """
+
+    REOPEN_S = 1.0
+
+    def __init__(self, stub: Any, metadata: Any, timeout_s: float):
+        self._stub, self._md, self._timeout = stub, metadata, timeout_s
+        self._lock = threading.Lock()
+        self.stream: Optional[StepStream] = None
+        self.enabled = True
+        self.reopen_at = 0.0  # monotonic
+        self.fallbacks = 0  # calls that found the stream broken (sent again over unary calls)
+
+    def call(self, method: str, request: Any, request_id: str) -> Optional[Any]:
+        """The reply of ``method`` over the stream, or None (busy, broken or not served:
+        send it as a unary call with the same request id). Raises :class:`StepRpcError`."""
+        if not self.enabled or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            s = self.stream
+            if s is None:
+                if time.monotonic() < self.reopen_at:
+                    return None
+                s = self.stream = StepStream(self._stub, self._md, self._timeout)
+            reply = s.call(method, request, request_id)
+            if reply is None:  # broken: this call goes over the unary path
+                self.stream = None
+                self.fallbacks += 1
+                s.close()
+                self.enabled = not s.unimplemented
+                self.reopen_at = time.monotonic() + self.REOPEN_S
+            return reply
+        except StepRpcError:
+            if s.broken:
+                self.stream = None
+                s.close()
+                self.reopen_at = time.monotonic() + self.REOPEN_S
+            raise
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self.enabled = False
+            if self.stream is not None:
+                self.stream.close()
+                self.stream = None

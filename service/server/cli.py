@@ -1,0 +1,152 @@
+"""``radixkv serve``: the command line of the cache manager.
+
+``radixkv/cli.py`` adds the sub-command with :func:`add_serve_arguments` and runs it with
+:func:`run_serve`; ``python -m radixkv.service.server.cli serve ...`` works on its own too.
+
+The engine is configured by ``--config FILE`` (JSON or TOML, ``EngineConfig.from_file``)
+and/or one flag per ``EngineConfig`` field (``--kv-tokens``, ``--page-size``,
+``--layer-types``, ...); a flag overrides the file. With neither, the defaults start a small
+CPU server. The token comes from ``--token``, ``--token-file`` or ``$RADIXKV_TOKEN`` (the last
+two keep it out of ``ps``); it is never logged.
+
+Example::
+
+    python -m radixkv serve --address unix:///run/radixkv/s.sock --token-file tok --device cpu --kv-tokens 65536
+
+KV events: ``--enable-kv-events`` records them; the manager then serves them on its gRPC
+stream, and with ``--kv-events-endpoint`` (``--kv-events-replay-endpoint``,
+``--kv-events-topic``, ...) also on vLLM's ZMQ wire (``docs/events.md``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+from typing import Any, Dict, List, Optional
+
+from radixkv.engine.config import EngineConfig
+from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.service.wire.auth import TOKEN_ENV, resolve_token
+from radixkv.events.zmq_publisher import add_arguments as add_kv_event_arguments, config_from_args
+from radixkv.service.server.event_hub import DEFAULT_RING_SIZE
+from radixkv.service.server.manager import (
+    DEFAULT_EVENTS_INTERVAL_S, DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_QUARANTINE_S, ServeOptions, serve,
+)
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+DEFAULT_ADDRESS = ServeOptions().address
+
+
+def _engine_fields() -> List[dataclasses.Field]:
+    return list(dataclasses.fields(EngineConfig))
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every ``serve`` option to ``parser`` (a sub-parser). Returns it."""
+    net = parser.add_argument_group("listening")
+    net.add_argument("--address", default=DEFAULT_ADDRESS,
+                     help="unix:///DIR/NAME.sock (DIR is made 0700; default %(default)s) or HOST:PORT")
+    net.add_argument("--token", default=None, help=f"auth token (prefer --token-file or ${TOKEN_ENV})")
+    net.add_argument("--token-file", default=None, help="read the auth token from this file")
+    net.add_argument("--tls-cert", default=None, help="TCP: server certificate (PEM)")
+    net.add_argument("--tls-key", default=None, help="TCP: server private key (PEM)")
+    net.add_argument("--tls-ca", default=None, help="TCP: require client certificates signed by this CA")
+    net.add_argument("--allow-insecure-tcp", action="store_true",
+                     help="allow plaintext TCP on a non-loopback address")
+    net.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                     help="largest gRPC message accepted or sent (default %(default)s)")
+    net.add_argument("--max-concurrent-rpcs", type=int, default=DEFAULT_MAX_CONCURRENT_RPCS,
+                     help="calls in flight at once, open streams included (a worker holds two: "
+                          "keep-alive and Step); beyond it a call gets RESOURCE_EXHAUSTED at once "
+                          "(default %(default)s)")
+    net.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    run = parser.add_argument_group("running")
+    run.add_argument("--shm-dir", default=None, help="directory of the shared-memory pool files (default /dev/shm)")
+    run.add_argument("--grace-s", type=float, default=5.0, help="shutdown drain period (default %(default)s)")
+    run.add_argument("--sweep-interval-s", type=float, default=1.0,
+                     help="lease sweep period (default %(default)s)")
+    run.add_argument("--check-idle", action="store_true", help="run check_invariants() at every idle sweep")
+    run.add_argument("--quarantine-s", type=float, default=DEFAULT_QUARANTINE_S,
+                     help="hold what an expired session held (not reused: a paused worker may still "
+                          "write it) while its worker process still runs, at most this many seconds; "
+                          "0 turns quarantine off (default %(default)s: on)")
+    run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    run.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint")
+    run.add_argument("--torch-threads", type=int, default=1,
+                     help="torch intra-op threads of the manager: its own CPU work is small bookkeeping "
+                          "ops, extra threads only contend (default %(default)s)")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_kv_event_arguments(parser)  # --kv-events-endpoint ... (the ZMQ outlet; off without an endpoint)
+    ev = parser.add_argument_group("KV event hub (every event outlet: gRPC streams, TakeEvents, ZMQ)")
+    ev.add_argument("--kv-events-ring-size", type=int, default=DEFAULT_RING_SIZE,
+                    help="events kept for watchers that resume (start_seq) or lag (default %(default)s)")
+    ev.add_argument("--kv-events-interval-s", type=float, default=DEFAULT_EVENTS_INTERVAL_S,
+                    help="how often new events go out on ZMQ (default %(default)s)")
+    eng = parser.add_argument_group("engine (EngineConfig; a flag overrides --config)")
+    eng.add_argument("--config", default=None, help="EngineConfig file (.json or .toml)")
+    for f in _engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            eng.add_argument(flag, dest=f"cfg_{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                             help=f"EngineConfig.{f.name} (default {f.default})")
+        else:
+            kind = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            eng.add_argument(flag, dest=f"cfg_{f.name}", type=kind, default=None, metavar=f.name.upper(),
+                             help=f"EngineConfig.{f.name} (default {f.default!r})")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """``--config`` (or the defaults) with every given engine flag applied (validated)."""
+    base = EngineConfig.from_file(args.config) if args.config else EngineConfig()
+    changes: Dict[str, Any] = {}
+    for f in _engine_fields():
+        v = getattr(args, f"cfg_{f.name}", None)
+        if v is not None:
+            changes[f.name] = v
+    return base.replace(**changes) if changes else base
+
+
+def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
+        address=args.address, shm_dir=args.shm_dir, max_message_bytes=args.max_message_bytes,
+        grace_s=args.grace_s, sweep_interval_s=args.sweep_interval_s, reflection=args.reflection,
+        metrics_port=args.metrics_port, metrics_addr=args.metrics_addr, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_ca=args.tls_ca, allow_insecure_tcp=args.allow_insecure_tcp,
+        check_idle=args.check_idle, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        quarantine_s=args.quarantine_s, kv_events=config_from_args(args),
+        events_ring_size=args.kv_events_ring_size, events_interval_s=args.kv_events_interval_s)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT. Returns the exit code (0 after a graceful
+    shutdown; 2 when the arguments, the config or the address are unusable)."""
+    logging.basicConfig(level=getattr(logging, args.log_level, logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if args.torch_threads < 1:
+            raise InvalidArgumentError(f"--torch-threads must be >= 1, got {args.torch_threads}")
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        config = engine_config_from_args(args)
+        token = resolve_token(args.token, args.token_file)
+        options = serve_options_from_args(args)
+        return asyncio.run(serve(config, token, options))
+    except (RadixKVError, OSError) as e:
+        print(f"radixkv serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixkv", description="radixkv cache manager")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_serve_arguments(sub.add_parser("serve", help="run the cache-manager service"))
+    args = parser.parse_args(argv)
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Idempotency keys: a retried call (same request id, same bytes) gets the first reply again.
+
+A worker whose call timed out cannot know whether the manager ran it: the reply may have
+been lost after the engine allocated. Retrying blindly would allocate twice (a second
+``AllocExtend`` of a known rid appends its tokens again). So a unary call may carry the
+metadata ``radixkv-request-id``; the manager keeps the serialized reply of every successful
+call under ``(scope, request id)`` (the scope is the session id; ``Attach`` has one scope
+for the manager) together with a digest of the request bytes:
+
+* same id, same request bytes: the kept reply is returned and the engine is not called;
+* same id, other bytes or another method: ``InvalidArgumentError`` (a client bug);
+* failed calls are not kept (they changed nothing, so running them again is safe).
+
+Bounds: at most ``per_scope`` replies per scope (the oldest is dropped first: a client
+retries its latest calls) and ``max_bytes`` in all (oldest scopes' entries dropped first).
+A scope whose session ended is kept for ``grace_s`` more seconds (so a retried ``Detach``
+still gets its reply), then dropped (:meth:`ReplyCache.retain`).
+
+Pure bookkeeping, single-threaded (the server's event loop). Costs: lookup/store O(1)
+amortized plus one BLAKE2b digest of the request bytes (O(bytes), done by the caller).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+
+from radixkv.errors import InvalidArgumentError, InvariantError
+
+__all__ = ["ReplyCache", "CachedReply", "digest"]
+
+def digest(method: str, request_bytes: bytes) -> bytes:
+    """What identifies a request: BLAKE2b-128 of the method name and its bytes."""
+    h = hashlib.blake2b(method.encode(), digest_size=16)
+    h.update(b"\0")
+    h.update(request_bytes)
+    return h.digest()
+
+
+class CachedReply(NamedTuple):
+    digest: bytes
+    reply: bytes
+
+
+class ReplyCache:
+    """Kept replies by ``(scope, request id)`` (see the module docstring).
+
+    Args:
+        per_scope: replies kept per scope (>= 1).
+        max_bytes: reply bytes kept in all (>= 1).
+    """
+
+    def __init__(self, per_scope: int = 64, max_bytes: int = 64 << 20):
+        for name, v in (("per_scope", per_scope), ("max_bytes", max_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
+        self.per_scope = per_scope
+        self.max_bytes = max_bytes
+        self._scopes: "OrderedDict[str, OrderedDict[str, CachedReply]]" = OrderedDict()
+        self._ended: Dict[str, float] = {}  # scope -> when it was first seen ended
+        self.bytes = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._scopes.values())
+
+    def lookup(self, scope: str, request_id: str, key: bytes) -> Optional[bytes]:
+        """The kept reply of ``request_id`` in ``scope``, or None when there is none.
+        Raises ``InvalidArgumentError`` when the id was used for another request."""
+        entries = self._scopes.get(scope)
+        hit = entries.get(request_id) if entries is not None else None
+        if hit is None:
+            return None
+        if hit.digest != key:
+            raise InvalidArgumentError(f"request id {request_id!r} was already used for another request")
+        self.hits += 1
+        return hit.reply
+
+    def store(self, scope: str, request_id: str, key: bytes, reply: bytes) -> None:
+        """Keep ``reply`` (the serialized response); drops the oldest entries over the bounds."""
+        entries = self._scopes.get(scope)
+        if entries is None:
+            entries = self._scopes[scope] = OrderedDict()
+        else:
+            self._scopes.move_to_end(scope)
+        old = entries.pop(request_id, None)
+        if old is not None:
+            self.bytes -= len(old.reply)
+        entries[request_id] = CachedReply(key, reply)
+        self.bytes += len(reply)
+        while len(entries) > self.per_scope:
+            _, dropped = entries.popitem(last=False)
+            self.bytes -= len(dropped.reply)
+        while self.bytes > self.max_bytes and self._scopes:
+            first = next(iter(self._scopes))
+            victims = self._scopes[first]
+            _, dropped = victims.popitem(last=False)
+            self.bytes -= len(dropped.reply)
+            if not victims:
+                del self._scopes[first]
+                self._ended.pop(first, None)
+
+    def retain(self, live: Iterable[str], now: float, grace_s: float, keep: Tuple[str, ...] = ()) -> int:
+        """Drop scopes that have not been live for ``grace_s`` (scopes in ``keep`` stay).
+        Returns how many were dropped. O(scopes)."""
+        live = set(live) | set(keep)
+        dropped = 0
+        for scope in list(self._scopes):
+            if scope in live:
+                self._ended.pop(scope, None)
+                continue
+            since = self._ended.setdefault(scope, now)
+            if now - since >= grace_s:
+                for e in self._scopes.pop(scope).values():
+                    self.bytes -= len(e.reply)
+                del self._ended[scope]
+                dropped += 1
+        return dropped
+
+    def check_invariants(self) -> None:
+        """The byte count matches the entries and every bound holds."""
+        total = sum(len(e.reply) for s in self._scopes.values() for e in s.values())
+        if total != self.bytes:
+            raise InvariantError(f"reply cache counts {self.bytes} bytes, holds {total}")
+        over = [s for s, e in self._scopes.items() if len(e) > self.per_scope or not e]
+        if over:
+            raise InvariantError(f"reply cache scopes over the bound or empty: {over}")
+        if self.bytes > self.max_bytes:
+            raise InvariantError(f"reply cache holds {self.bytes} bytes > {self.max_bytes}")
+        stray = sorted(set(self._ended) - set(self._scopes))
+        if stray:
+            raise InvariantError(f"ended marks of unknown scopes: {stray}")

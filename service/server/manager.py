@@ -1,0 +1,337 @@
+"""The cache-manager server: one process owns the engine, its shared pools, and the gRPC port.
+
+Start-up (:class:`CacheManagerServer`): pool files left in the shared-memory directory by
+managers that died without cleaning up (SIGKILL) are removed; the pools' sizes come from
+``radixkv.engine.plan_arenas(config)``; each pool's buffer is allocated ONCE as shared memory
+(:class:`~radixkv.service.wire.shm.SharedBuffers`: a 0600 file in ``/dev/shm`` on CPU, CUDA IPC on
+GPU) and handed to the engine (``CacheEngine(buffers=..., mappings=...)``), which builds its
+pools over those bytes. Then the gRPC ``grpc.aio`` server starts with the auth interceptor, the
+``CacheManager`` service, the gRPC health service and (behind a flag) reflection.
+
+Listening (:mod:`~radixkv.service.server.listen`): a Unix socket by default (``unix:///dir/name.sock``,
+the directory 0700, a stale socket file replaced, a live one refused); TCP (``host:port``) with
+TLS, or plaintext on loopback only unless ``allow_insecure_tcp``.
+
+Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
+every ``sweep_interval_s`` (quarantining what a session held while its worker process may
+still run, for at most ``quarantine_s``, 30 s by default; see
+:mod:`~radixkv.service.server.quarantine`), refreshes the metrics snapshot, and
+(``check_idle``) runs every ``check_invariants()`` when no request is running. At most
+``max_concurrent_rpcs`` calls (streams included) are in flight; beyond that a call is
+answered RESOURCE_EXHAUSTED at once (gRPC's own limiter), so overload never builds a queue.
+An open stream holds its slot while idle: a worker holds two (its keep-alive stream and its
+Step stream, which carries its step calls one at a time, so it takes the slot its unary calls
+would take while in flight), a watcher one; size the limit as 2 x workers + watchers + the
+unary calls you allow in flight at once (the default, 256, fits ~100 workers). A Step stream
+the limit refuses falls back to the unary call, which the limit then refuses the same way.
+
+Events (:mod:`~radixkv.service.server.event_hub`): the server owns the one event hub over the
+engine's tree. It is pumped (drained once, numbered, kept in a ring of
+``events_ring_size``) by every ``TakeEvents`` / ``WatchEvents`` poll, by the sweeper, and,
+when the ZMQ outlet is on (``kv_events``: a
+:class:`~radixkv.events.zmq_publisher.PublisherConfig`), every ``events_interval_s`` by a
+pump task that hands each new batch to the ZMQ publisher (vLLM's wire, with replay).
+
+Shutdown (:meth:`CacheManagerServer.stop`, on SIGTERM/SIGINT in :func:`serve`): health goes
+NOT_SERVING, the streams end, in-flight calls drain for ``grace_s`` (no new call is
+accepted), every session is reclaimed (``engine.close()``); then the events left are pumped,
+an ``AllBlocksCleared`` is appended (the pools are about to be removed: a router must forget
+this manager's blocks) and published, the ZMQ sockets are closed after sending what is
+queued (:class:`~radixkv.service.server.event_outlets.EventOutlets`); last, the shared-memory files
+and the socket file are removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+from typing import Any, Callable, NamedTuple, Optional
+
+import grpc
+
+from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
+from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.events.zmq_flags import PublisherConfig
+from radixkv.service.wire import codec as wire
+from radixkv.service.server.auth import TokenAuthInterceptor
+from radixkv.service.wire.auth import Token
+from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
+from radixkv.service.server.event_outlets import EventOutlets
+from radixkv.service.server.listen import bind
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+from radixkv.service.server.metrics import ServiceMetrics
+from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
+from radixkv.service.wire.shm import SharedBuffers, remove_stale_files
+
+__all__ = ["CacheManagerServer", "ServeOptions", "serve", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
+           "DEFAULT_EVENTS_INTERVAL_S"]
+
+log = logging.getLogger("radixkv.service")
+
+DEFAULT_MAX_CONCURRENT_RPCS = 256
+#: On by default: a session whose lease ran out (or whose keep-alive stream dropped) while its
+#: worker process still runs may still be written by that (paused) worker, so what it held is
+#: not reused until the process is gone, or for at most this long. ``--quarantine-s 0`` turns
+#: it off (a lease then means exactly what it says).
+DEFAULT_QUARANTINE_S = 30.0
+#: How often the pump task hands new events to the ZMQ outlet (its added latency at most).
+DEFAULT_EVENTS_INTERVAL_S = 0.005
+
+
+class ServeOptions(NamedTuple):
+    """How the server listens and behaves (the engine's shape is the ``EngineConfig``)."""
+
+    address: str = "unix:///tmp/radixkv/manager.sock"
+    shm_dir: Optional[str] = None  # default /dev/shm (else the temp dir)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_s: float = 5.0
+    sweep_interval_s: float = 1.0
+    reflection: bool = False
+    metrics_port: Optional[int] = None  # None: no Prometheus endpoint; 0: any free port
+    metrics_addr: str = "127.0.0.1"
+    tls_cert: Optional[str] = None
+    tls_key: Optional[str] = None
+    tls_ca: Optional[str] = None  # given: clients must present a certificate it signed
+    allow_insecure_tcp: bool = False
+    check_idle: bool = False
+    max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS  # in flight at once, streams included
+    quarantine_s: float = DEFAULT_QUARANTINE_S  # 0: off, reclaim expired sessions at once
+    kv_events: Optional[PublisherConfig] = None  # the ZMQ outlet (vLLM wire); None: off
+    events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
+    events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
+
+
+class CacheManagerServer:
+    """One cache manager: engine + shared buffers + gRPC server. Use from one event loop.
+
+    Args:
+        config: the engine config (device, pool sizes, model shape, policies, lease TTL).
+        token: the auth token every RPC but health must present.
+        options: :class:`ServeOptions`.
+        clock, epoch: passed to the engine (tests inject a clock).
+
+    Raises (constructor) ``InvalidArgumentError`` for a bad config, an unusable shared-
+    memory directory, or a CUDA device without CUDA. Nothing is left behind when it raises.
+    """
+
+    def __init__(self, config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(), *,
+                 clock: Optional[Callable[[], float]] = None, epoch: Optional[int] = None):
+        if not isinstance(token, Token):
+            raise InvalidArgumentError("token must be a radixkv.service.wire.auth.Token")
+        _check_options(options)
+        if options.kv_events is not None and not config.enable_kv_events:
+            raise InvalidArgumentError("the ZMQ event outlet (--kv-events-endpoint) needs --enable-kv-events")
+        self.config = config
+        self.options = options
+        self.metrics = ServiceMetrics()
+        self.shared = SharedBuffers(config.device, options.shm_dir,
+                                    prefix=f"radixkv-{os.getpid()}-{secrets.token_hex(4)}")
+        if self.shared.device.type == "cpu":
+            stale = remove_stale_files(self.shared.shm_dir)
+            if stale:
+                log.warning("removed %d pool file(s) of managers that are no longer running", len(stale))
+        try:
+            for name, plan in plan_arenas(config).items():
+                self.shared.allocate(name, plan.total_bytes)
+            mappings = {n: wire.descriptor_to_dict(d) for n, d in self.shared.descriptors.items()}
+            self.engine = CacheEngine(config, clock=clock, epoch=epoch, buffers=dict(self.shared.buffers),
+                                      mappings=mappings)
+        except BaseException:
+            self.shared.close()
+            raise
+        self._token = token
+        self._closing: Optional[asyncio.Event] = None
+        self._server: Optional[grpc.aio.Server] = None
+        self._health: Any = None
+        self._sweeper: Optional[asyncio.Task] = None
+        self.events: Optional[EventHub] = None
+        self.outlets: Optional[EventOutlets] = None
+        self._socket_path: Optional[str] = None
+        self.servicer: Optional[CacheManagerServicer] = None
+        self.address: Optional[str] = None
+        self.metrics_port: Optional[int] = None
+        self._stopped = False
+
+    # ------------------------------------------------------------------ start
+    async def start(self) -> str:
+        """Bind and start serving; returns the address clients use (the real port for TCP
+        port 0). Must run on the loop that will own the engine."""
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        o = self.options
+        self._closing = asyncio.Event()
+        self.events = EventHub(engine_event_source(self.engine), int(o.events_ring_size), encode=encode_record)
+        self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing,
+                                             quarantine_s=float(o.quarantine_s), events=self.events)
+        n = int(o.max_message_bytes)
+        self._server = grpc.aio.server(
+            interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected)],
+            options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=int(o.max_concurrent_rpcs))
+        add_to_server(self.servicer, self._server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        if o.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                                self._server)
+        try:
+            # the ZMQ sockets open before the port: a bad endpoint fails the start
+            self.outlets = EventOutlets(self.events, o.kv_events, o.events_interval_s,
+                                        clear_at_close=self.config.enable_kv_events)
+            bound = bind(self._server, o)
+            self._socket_path = bound.socket_path
+            self.address = bound.address
+            await self._server.start()
+        except BaseException:
+            if self.outlets is not None:
+                self.outlets.close_publisher()
+            await self._cleanup_files()
+            raise
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if o.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http(int(o.metrics_port), o.metrics_addr)
+        self.metrics.update(self.engine.stats())
+        self._sweeper = asyncio.ensure_future(self._sweep_loop())
+        self.outlets.start(self._closing)
+        log.info("radixkv cache manager listening on %s (device %s, %d KV tokens, epoch %d)",
+                 self.address, self.config.device, self.config.kv_tokens, self.engine.epoch)
+        return self.address
+
+    def _rejected(self, method: str) -> None:
+        self.metrics.auth_failed(method)
+        log.info("rejected a call to %s: missing or wrong auth token", method)
+
+    # ------------------------------------------------------------------ run
+    async def _sweep_loop(self) -> None:
+        interval = max(0.01, float(self.options.sweep_interval_s))
+        while not self._closing.is_set():
+            try:
+                await asyncio.wait_for(self._closing.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+            if self._closing.is_set():
+                return
+            self.sweep_once()
+
+    def sweep_once(self) -> None:
+        """Reclaim expired leases (quarantine those whose worker may still run, release the
+        quarantined ones that are safe), refresh the metrics snapshot, check invariants at idle."""
+        expired, released = self.servicer.housekeeping()
+        if expired:
+            log.info("lease expired for %d session(s); everything they held was reclaimed", len(expired))
+        if released:
+            log.info("released %d quarantined session(s)", len(released))
+        self.events.pump()  # bounds what waits in the tree's queue when nobody reads events
+        stats = self.engine.stats()
+        self.metrics.update(stats)
+        sv = self.servicer
+        self.metrics.update_reliability(sv.quarantine.stats(), sv.replies.bytes, sv.replies.hits)
+        if self.options.check_idle and stats.requests == 0 and not self.servicer.idle_failures:
+            try:
+                self.servicer.check_all()
+            except InvariantError as e:
+                self.servicer.idle_failures.append(str(e))
+                log.error("invariant broken at idle: %s", e)
+
+    async def wait_closed(self) -> None:
+        """Until the server has stopped."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # ------------------------------------------------------------------ stop
+    async def stop(self, grace_s: Optional[float] = None) -> None:
+        """Graceful shutdown (idempotent): NOT_SERVING, streams end, calls drain within
+        ``grace_s`` (default the option), every session is reclaimed, files removed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.options.grace_s if grace_s is None else grace_s
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._closing is not None:
+            self._closing.set()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+        if self.outlets is not None:
+            await self.outlets.stop_pumping()
+        n = len(self.engine.sessions)
+        self.engine.close()
+        if self.servicer is not None:
+            self.servicer.quarantine.close()
+        if self.outlets is not None:
+            self.outlets.close()  # pump what is left, AllBlocksCleared, close the ZMQ sockets
+        log.info("shut down: %d session(s) revoked", n)
+        self.metrics.stop_http()
+        await self._cleanup_files()
+
+    async def _cleanup_files(self) -> None:
+        self.shared.close()
+        if self._socket_path is not None:
+            try:
+                os.unlink(self._socket_path)
+            except FileNotFoundError:
+                pass
+
+
+def _check_options(o: ServeOptions) -> None:
+    """Raises ``InvalidArgumentError`` naming the first unusable option."""
+    if isinstance(o.max_message_bytes, bool) or not isinstance(o.max_message_bytes, int) \
+            or o.max_message_bytes < 4096:
+        raise InvalidArgumentError(f"max_message_bytes must be an int >= 4096, got {o.max_message_bytes!r}")
+    for name in ("grace_s", "sweep_interval_s"):
+        v = getattr(o, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6:
+            raise InvalidArgumentError(f"{name} must be a number in [0, 1e6), got {v!r}")
+    if o.sweep_interval_s <= 0:
+        raise InvalidArgumentError("sweep_interval_s must be > 0")
+    m = o.max_concurrent_rpcs
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 1 << 20:
+        raise InvalidArgumentError(f"max_concurrent_rpcs must be an int in [1, 2**20], got {m!r}")
+    q = o.quarantine_s
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q < 1e9:
+        raise InvalidArgumentError(f"quarantine_s must be a number in [0, 1e9), got {q!r}")
+    if o.metrics_port is not None and not (isinstance(o.metrics_port, int) and 0 <= o.metrics_port < 65536):
+        raise InvalidArgumentError(f"metrics_port must be a port number, got {o.metrics_port!r}")
+    if not isinstance(o.address, str) or not o.address:
+        raise InvalidArgumentError("address must be a non-empty string")
+    r = o.events_ring_size
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= 1 << 26:
+        raise InvalidArgumentError(f"events_ring_size must be an int in [1, 2**26], got {r!r}")
+    e = o.events_interval_s
+    if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 60:
+        raise InvalidArgumentError(f"events_interval_s must be a number in (0, 60], got {e!r}")
+    if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
+        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
+
+
+async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),
+                on_ready: Optional[Callable[[CacheManagerServer], None]] = None) -> int:
+    """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0."""
+    server = CacheManagerServer(config, token, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        if on_ready is not None:
+            on_ready(server)
+        await stop.wait()
+        log.info("signal received: shutting down (grace %.1f s)", options.grace_s)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0

@@ -1,0 +1,90 @@
+"""How one unary RPC of the cache manager runs, around its handler body.
+
+Split out of :mod:`radixkv.service.server.servicer` (which re-exports ``parse`` and
+``request_id_of``). The handlers are registered with raw-bytes (de)serializers, so every
+call goes through :func:`unary_rpc`'s wrapper:
+
+1. parse the request bytes (:func:`parse`: bytes that are not a valid message -- garbage,
+   truncated, invalid UTF-8 in a string -- are ``InvalidArgumentError``, answered
+   INVALID_ARGUMENT, never INTERNAL);
+2. fence the sessions whose lease ran out while their worker may still run
+   (``servicer.quarantine.fence_due()``);
+3. run the body through ``servicer.answer`` (the reply cache of a call carrying
+   ``radixkv-request-id`` metadata, :func:`request_id_of`; the event pump after the call);
+4. map any exception to its status (:func:`radixkv.service.wire.errors.status_of`; a non-radixkv
+   exception is logged with its traceback and answered INTERNAL) and time the call into
+   ``servicer.metrics`` labelled with its status code.
+
+Every function here is O(request size).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+import grpc
+
+from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.service.wire.errors import status_of
+from radixkv.service.wire.request_id import REQUEST_ID_KEY, check_request_id
+
+__all__ = ["parse", "request_id_of", "unary_rpc"]
+
+log = logging.getLogger("radixkv.service")
+
+
+def parse(cls: Any, raw: Any, method: str) -> Any:
+    """``raw`` bytes as a ``cls`` message. Raises ``InvalidArgumentError`` when they are not one."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"{method}: expected serialized bytes")
+    try:
+        return cls.FromString(bytes(raw))
+    except Exception as e:  # DecodeError, invalid UTF-8, recursion limit ...
+        raise InvalidArgumentError(f"{method}: the request is not a valid {cls.DESCRIPTOR.name} "
+                                   f"({type(e).__name__})") from None
+
+
+def request_id_of(context: Any) -> Optional[str]:
+    """The ``radixkv-request-id`` of a call, checked, or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return check_request_id(value)
+    return None
+
+
+def unary_rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
+    """Wrap a synchronous ``body(servicer, request) -> response message`` as a unary aio
+    handler over raw bytes (the steps of the module docstring). ``idempotent=False``:
+    the request id is ignored (nothing kept). The handler carries ``request_cls`` and
+    ``body`` (the ``Step`` stream runs the same body, :mod:`radixkv.service.server.step_stream`)."""
+
+    def deco(body: Callable[[Any, Any], Any]) -> Callable[..., Awaitable[bytes]]:
+        @functools.wraps(body)
+        async def handler(self: Any, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                request = parse(request_cls, raw, name)
+                self.quarantine.fence_due()
+                rid = request_id_of(context) if idempotent else None
+                reply, delay = self.answer(name, body, request, raw, rid)
+                if delay:  # fault injection: the reply is late (the client may time out)
+                    await asyncio.sleep(delay)
+                return reply
+            except Exception as exc:  # mapped, never leaked as a traceback
+                st = status_of(exc)
+                code = st.code.name
+                if not isinstance(exc, RadixKVError):
+                    log.exception("internal error in %s", name)
+                await context.abort(st.code, st.details, st.trailing_metadata)
+            finally:
+                self.metrics.observe(name, code, time.perf_counter() - t0)
+
+        handler.request_cls = request_cls
+        handler.body = body
+        return handler
+
+    return deco

@@ -1,0 +1,1 @@
+"""Code generated from proto/radixkv/v1 (see proto/generate.py, `make proto`)."""

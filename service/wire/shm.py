@@ -1,0 +1,279 @@
+"""Shared pool buffers: one allocation per pool, made once by the manager, mapped by workers.
+
+CPU: each pool's buffer is a file in ``/dev/shm`` (or a configured directory), created with
+mode 0600 (``O_CREAT | O_EXCL``: never an existing file), sized with ``ftruncate`` and mapped
+with ``torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)``. The mapping is
+page aligned, so the arena's alignment (256 bytes) holds. A worker maps the same file and
+gets a ``uint8`` tensor aliasing the manager's memory; the manager removes the files when it
+shuts down (a worker that mapped one keeps its mapping until it exits).
+
+CUDA: the manager allocates the buffer on its device and exports it with the plain fields of
+``torch.multiprocessing.reductions.reduce_tensor`` (IPC memory handle, ref-counter handle,
+event handle, offsets); a worker rebuilds a tensor over the same device memory with
+``rebuild_cuda_tensor``. Nothing is pickled: the fields travel as protobuf fields.
+
+Descriptors (:class:`ShmDescriptor`, :class:`CudaIpcDescriptor`) are NamedTuples of plain
+values; :mod:`radixkv.service.wire.codec` turns them into ``PoolMapping`` messages.
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat
+import tempfile
+from typing import Dict, List, NamedTuple, Optional, Union
+
+import torch
+
+from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
+
+DEFAULT_SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+#: Names of the manager's pool files: ``radixkv-<pid>-<8 hex>-<pool>.buf``.
+_MANAGER_FILE_RE = re.compile(r"^radixkv-(\d+)-[0-9a-f]{8}-[A-Za-z0-9_]+\.buf$")
+
+
+class ShmDescriptor(NamedTuple):
+    """A pool buffer in a shared-memory file: map ``nbytes`` bytes of ``path``."""
+
+    path: str
+    nbytes: int
+
+
+class CudaIpcDescriptor(NamedTuple):
+    """A pool buffer exported through CUDA IPC (the plain fields of ``reduce_tensor``)."""
+
+    device_index: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+    nbytes: int
+
+
+Descriptor = Union[ShmDescriptor, CudaIpcDescriptor]
+
+
+def default_shm_dir() -> str:
+    """``/dev/shm`` where it exists (Linux), else the temp directory."""
+    return DEFAULT_SHM_DIR if os.path.isdir(DEFAULT_SHM_DIR) else tempfile.gettempdir()
+
+
+def _check_size(nbytes: int) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        raise InvalidArgumentError(f"a shared buffer needs a positive int size, got {nbytes!r}")
+    return nbytes
+
+
+def create_shm_buffer(directory: str, name: str, nbytes: int) -> "tuple[torch.Tensor, ShmDescriptor]":
+    """Create a new 0600 shared-memory file of ``nbytes`` zero bytes and map it.
+
+    Returns the ``uint8`` tensor (1-D, ``nbytes`` long) and its descriptor.
+
+    Raises:
+        InvalidArgumentError: bad name or size, or the file already exists / cannot be made.
+    """
+    _check_size(nbytes)
+    if not _NAME_RE.match(name):
+        raise InvalidArgumentError(f"shared buffer name {name!r} must be letters, digits, '_', '.', '-'")
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot create shared buffer {path!r}: {e.strerror}") from None
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.ftruncate(fd, nbytes)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        raise InvalidArgumentError(f"cannot size shared buffer {path!r} to {nbytes} bytes: {e.strerror}") from None
+    os.close(fd)
+    try:
+        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except Exception:
+        os.unlink(path)
+        raise
+    return tensor, ShmDescriptor(path, nbytes)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_files(directory: str) -> List[str]:
+    """Remove pool files left by managers that died without cleaning up (SIGKILL, crash):
+    files named like a manager's (``radixkv-<pid>-<hex>-<pool>.buf``), owned by this user,
+    whose pid is no longer running. Returns the removed paths. O(files in ``directory``)."""
+    removed: List[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _MANAGER_FILE_RE.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid == os.getuid() and stat.S_ISREG(os.lstat(path).st_mode):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def map_shm_buffer(desc: ShmDescriptor) -> torch.Tensor:
+    """Map a manager's shared-memory file: a ``uint8`` tensor aliasing its bytes. O(1) (mmap).
+
+    Raises:
+        InvalidArgumentError: the file is missing or smaller than ``desc.nbytes``.
+        PermissionDeniedError: the file is not ours or is readable/writable by others.
+    """
+    _check_size(int(desc.nbytes))
+    try:
+        st = os.stat(desc.path)
+    except OSError as e:
+        raise InvalidArgumentError(f"shared buffer {desc.path!r} is not there: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgumentError(f"shared buffer {desc.path!r} is not a regular file")
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionDeniedError(
+            f"shared buffer {desc.path!r} must be owned by this user with mode 0600 "
+            f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+    if st.st_size < desc.nbytes:
+        raise InvalidArgumentError(
+            f"shared buffer {desc.path!r} has {st.st_size} bytes, expected {desc.nbytes}")
+    return torch.from_file(desc.path, shared=True, size=int(desc.nbytes), dtype=torch.uint8)
+
+
+def export_cuda_buffer(buffer: torch.Tensor) -> CudaIpcDescriptor:
+    """Export a CUDA ``uint8`` buffer through CUDA IPC (plain fields, no pickle).
+
+    Raises:
+        InvalidArgumentError: not a 1-D contiguous CUDA uint8 tensor.
+    """
+    if not (isinstance(buffer, torch.Tensor) and buffer.is_cuda and buffer.dtype == torch.uint8
+            and buffer.dim() == 1 and buffer.is_contiguous()):
+        raise InvalidArgumentError("a CUDA IPC export needs a 1-D contiguous CUDA uint8 tensor")
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buffer)
+    (_tcls, size, _stride, tensor_offset, _scls, _dtype, device, handle, storage_size_bytes,
+     storage_offset_bytes, _rg, ref_counter_handle, ref_counter_offset, event_handle,
+     event_sync_required) = args
+    return CudaIpcDescriptor(
+        device_index=int(device), handle=bytes(handle), storage_size_bytes=int(storage_size_bytes),
+        storage_offset_bytes=int(storage_offset_bytes), ref_counter_handle=bytes(ref_counter_handle),
+        ref_counter_offset=int(ref_counter_offset), event_handle=bytes(event_handle or b""),
+        event_sync_required=bool(event_sync_required), tensor_offset=int(tensor_offset),
+        nbytes=int(size[0]))
+
+
+def import_cuda_buffer(desc: CudaIpcDescriptor) -> torch.Tensor:
+    """Open a manager's CUDA IPC export: a ``uint8`` tensor over the same device memory."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([int(desc.nbytes)]), (1,), int(desc.tensor_offset),
+        torch.storage.TypedStorage, torch.uint8, int(desc.device_index), desc.handle,
+        int(desc.storage_size_bytes), int(desc.storage_offset_bytes), False,
+        desc.ref_counter_handle, int(desc.ref_counter_offset), desc.event_handle or None,
+        bool(desc.event_sync_required))
+
+
+def map_buffer(desc: Descriptor) -> torch.Tensor:
+    """Map either kind of descriptor."""
+    if isinstance(desc, ShmDescriptor):
+        return map_shm_buffer(desc)
+    if isinstance(desc, CudaIpcDescriptor):
+        return import_cuda_buffer(desc)
+    raise InvalidArgumentError(f"not a buffer descriptor: {type(desc).__name__}")
+
+
+class SharedBuffers:
+    """The manager's pool buffers: created once at start-up, removed at shutdown.
+
+    ``allocate(pool, nbytes)`` makes one buffer per pool name on ``device`` (a 0600 file in
+    ``shm_dir`` on CPU, device memory on CUDA) and remembers its descriptor. ``close()``
+    removes every file (idempotent). ``check_invariants()``: every CPU file still exists with
+    its size and mode 0600.
+    """
+
+    def __init__(self, device: Union[str, torch.device], shm_dir: Optional[str] = None, prefix: str = "radixkv"):
+        self.device = torch.device(device)
+        self.shm_dir = shm_dir or default_shm_dir()
+        self.prefix = prefix
+        self.buffers: Dict[str, torch.Tensor] = {}
+        self.descriptors: Dict[str, Descriptor] = {}
+        self._closed = False
+        if self.device.type == "cpu" and not os.path.isdir(self.shm_dir):
+            raise InvalidArgumentError(f"shared-memory directory {self.shm_dir!r} does not exist")
+
+    def allocate(self, pool: str, nbytes: int) -> torch.Tensor:
+        """One zeroed buffer of ``nbytes`` for ``pool`` (a new name). Returns the tensor."""
+        if self._closed:
+            raise InvalidArgumentError("shared buffers are closed")
+        if pool in self.buffers:
+            raise InvalidArgumentError(f"pool {pool!r} already has a shared buffer")
+        _check_size(nbytes)
+        if self.device.type == "cuda":
+            t = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            desc: Descriptor = export_cuda_buffer(t)
+        elif self.device.type == "cpu":
+            t, desc = create_shm_buffer(self.shm_dir, f"{self.prefix}-{pool}.buf", nbytes)
+        else:
+            raise InvalidArgumentError(f"shared buffers on {self.device.type!r} devices are not supported")
+        self.buffers[pool] = t
+        self.descriptors[pool] = desc
+        return t
+
+    def descriptor(self, pool: str) -> Descriptor:
+        """How a worker maps ``pool``'s buffer. CUDA buffers are exported afresh for each
+        caller (each CUDA IPC import consumes one producer-side reference count)."""
+        try:
+            desc = self.descriptors[pool]
+        except KeyError:
+            raise InvalidArgumentError(f"no shared buffer for pool {pool!r}") from None
+        if isinstance(desc, CudaIpcDescriptor):
+            desc = export_cuda_buffer(self.buffers[pool])
+        return desc
+
+    def paths(self) -> Dict[str, str]:
+        return {k: d.path for k, d in self.descriptors.items() if isinstance(d, ShmDescriptor)}
+
+    def close(self) -> None:
+        """Remove every shared-memory file (mappings already made stay valid). Idempotent."""
+        self._closed = True
+        for path in self.paths().values():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def check_invariants(self) -> None:
+        bad = []
+        for pool, d in self.descriptors.items():
+            if pool not in self.buffers or self.buffers[pool].numel() != d.nbytes:
+                bad.append(pool)
+            elif isinstance(d, ShmDescriptor) and not self._closed:
+                try:
+                    st = os.stat(d.path)
+                except OSError:
+                    bad.append(pool)
+                    continue
+                if st.st_size != d.nbytes or st.st_mode & 0o777 != 0o600:
+                    bad.append(pool)
+        if bad:
+            raise InvariantError(f"shared buffers out of order (missing, resized or wrong mode): {sorted(bad)}")
