@@ -4,7 +4,7 @@
   entry points (``req_cache``) and audit (``tree_audit``);
 * :class:`MambaRadixCache`: the hybrid-model tree whose nodes also hold Mamba state slots;
 * :class:`RadixKey`: the compact int32 key (``radix_key``); :class:`TreeNode` (``tree_node``);
-* eviction policies (``eviction``, ``policies/``) and :func:`register_policy`;
+* eviction policies (``policies/``), named in one registry (``eviction``: :func:`register_policy`);
 * :class:`CacheMetrics` (``metrics``); KV events (``events``).
 """
 from radixkv.cache.eviction import (

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Iterable, NamedTuple, Optional
 
-from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.policies.base import EvictionPolicy
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 __all__ = ["AdaptiveProbationLRUPolicy", "GhostEntry"]
