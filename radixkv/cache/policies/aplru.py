@@ -1,6 +1,6 @@
 """``AdaptiveProbationLRUPolicy`` ("aplru"): LRU in virtual time with an adaptive bonus for
 nodes that were reused, ported from the block simulator's research policy
-(:class:`radixkv.bench.policy_research.AdaptiveProbationLRU`; see ``docs/hitrate.md``).
+(``AdaptiveProbationLRU`` in ``benchmarks/policy_research``; see ``docs/hitrate.md``).
 
 Per node (``node.pstate``, a list ``[key, f, start, ns]``):
 
