@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from policy_research import available_block_policies, make_block_policy
+from policy_research.oracles import PopularityOracle, ReuseOracle
 from radixkv.bench.belady import NEVER, belady, next_use
-from radixkv.bench.blocksim import available_policies, make_policy, simulate
+from radixkv.bench.blocksim import simulate
 from radixkv.bench.traces import BlockTrace
 from radixkv.bench.workloads import random_block_trace
 from radixkv.errors import InvalidArgumentError
@@ -91,9 +93,20 @@ def test_belady_dominates_every_online_policy(seed, cap, zipf):
     bound = belady(bt, cap, bypass=True).hit_tokens
     forced = belady(bt, cap, bypass=False).hit_tokens
     assert forced <= bound
-    for name in available_policies():
-        online = simulate(bt, cap, make_policy(name)).hit_tokens
+    for name in available_block_policies():
+        online = simulate(bt, cap, make_block_policy(name)).hit_tokens
         assert online <= forced, name
+    for oracle in (ReuseOracle, PopularityOracle):
+        assert simulate(bt, cap, oracle(bt)).hit_tokens <= forced, oracle.name
+
+
+def test_oracles_keep_the_simulator_contract():
+    bt = random_block_trace(600, 120, seed=3, block_size=8, zipf_a=1.1)
+    for oracle in (ReuseOracle, PopularityOracle):
+        r = simulate(bt, 200, oracle(bt), check_every=17)
+        assert r.policy == oracle.name and 0 < r.hit_tokens <= bt.infinite_hit_tokens()
+        full = simulate(bt, bt.unique_tokens, oracle(bt))
+        assert full.hit_tokens == bt.infinite_hit_tokens() and full.evicted_tokens == 0
 
 
 def test_belady_accounting():

@@ -42,10 +42,10 @@ def _check_schema(doc, policies, fracs, page):
 def test_trace_json_schema_and_table(trace_file, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = main(["--trace", trace_file, "--block-size", "4", "--capacity-frac", "0.25,0.5,1",
-               "--policy", "lru,aplru", "--json", str(out), "--no-progress"])
+               "--policy", "lru,lfu", "--json", str(out), "--no-progress"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    _check_schema(doc, ["lru", "aplru"], [0.25, 0.5, 1.0], 4)
+    _check_schema(doc, ["lru", "lfu"], [0.25, 0.5, 1.0], 4)
     assert doc["trace"] == "tiny_trace" and doc["requests"] == 6 and doc["prompt_tokens"] == 58
     # hits: req1 8, req3 8, req4 12, req5 4 -> 32 of 58 with unbounded capacity
     assert doc["bounds"]["infinite_capacity"] == pytest.approx(32 / 58)
@@ -53,17 +53,20 @@ def test_trace_json_schema_and_table(trace_file, tmp_path, capsys):
     assert all(r["hit_tokens"] == 32 and r["evicted_tokens"] == 0 for r in full)
     stdout = capsys.readouterr().out
     assert "| policy | 25% | 50% | 100% |" in stdout
-    for row in ("| lru |", "| aplru |", "| belady (offline) |", "| infinite capacity |"):
+    for row in ("| lru |", "| lfu |", "| belady (offline) |", "| infinite capacity |"):
         assert row in stdout
 
 
-def test_workload_json_to_stdout(capsys):
-    rc = main(["--workload", "few-shot", "--limit", "80", "--page-size", "8", "--capacity-frac", "0.1",
-               "--policy", "lru,s3fifo", "--json", "-", "--no-progress"])
+def test_workload_json_to_stdout_with_research_policies(capsys):
+    """benchmarks/bench_policies.py: hitrate's CLI with the block-level research policies."""
+    from bench_policies import main as policies_main
+
+    rc = policies_main(["--workload", "few-shot", "--limit", "80", "--page-size", "8", "--capacity-frac", "0.1",
+                        "--policy", "lru,s3fifo,aplru", "--json", "-", "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
     doc = json.loads(text[text.index("\n{") + 1:])
-    _check_schema(doc, ["lru", "s3fifo"], [0.1], 8)
+    _check_schema(doc, ["lru", "s3fifo", "aplru"], [0.1], 8)
     assert doc["trace"] == "few-shot(seed=0)" and doc["requests"] == 80
     assert doc["bounds"]["belady"]["0.1"] >= max(r["token_hit_rate"] for r in doc["results"])
 
@@ -86,6 +89,8 @@ def test_registered_engine_is_used(trace_file, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("extra", [
     ["--policy", "nope"],
+    ["--policy", "s3fifo"],              # research only: benchmarks/bench_policies.py
+    ["--policy", "aplru"],               # the tree's aplru keeps node state: --engine radix
     ["--engine", "not-registered"],
     ["--page-size", "3"],
 ])

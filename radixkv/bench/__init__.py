@@ -3,13 +3,9 @@ with pluggable eviction policies, the offline (Belady) bound and the replay CLI.
 
 * :mod:`radixkv.bench.traces`           Mooncake JSONL loading, pseudo-tokens, block view
 * :mod:`radixkv.bench.workloads`        seeded synthetic request streams (``--workload``)
-* :mod:`radixkv.bench.blocksim`         leaf-only block simulator and its policy registry
-* :mod:`radixkv.bench.block_policy`     the simulator's policy interface, LRU / FIFO / LFU
-* :mod:`radixkv.bench.queue_policies`   queue machinery (per-queue leaf heaps, ghosts)
-* :mod:`radixkv.bench.queue_baselines`  SLRU, 2Q, S3-FIFO, ARC, W-TinyLFU
-* :mod:`radixkv.bench.history_policies` research candidates LRU-2, probation, aplru
-* :mod:`radixkv.bench.overdue_policy`   research candidate odlru (expiring bonus; not better)
-* :mod:`radixkv.bench.policy_research`  registers (and re-exports) all of the above
+* :mod:`radixkv.bench.blocksim`         leaf-only block simulator (RadixCache policy names)
+* :mod:`radixkv.bench.block_policy`     the simulator's policy interface; ``TreePolicy`` runs
+                                        the RadixCache's own policy objects on blocks
 * :mod:`radixkv.bench.belady`           farthest-next-use offline bound
 * :mod:`radixkv.bench.hitrate`          replay driver, engine adapters, ``bench hitrate`` CLI
 * :mod:`radixkv.bench.radix_engine`     the real RadixCache as a replay engine (``--engine radix``)
@@ -17,4 +13,8 @@ with pluggable eviction policies, the offline (Belady) bound and the replay CLI.
 * :mod:`radixkv.bench.hybrid_report`    ``bench hitrate --hybrid``: grid, JSON, tables, plot
 * :mod:`radixkv.bench.cluster`          N managers behind a KV-aware router (``bench cluster``)
 * :mod:`radixkv.bench.cli`              ``radixkv bench``: one front door for every benchmark
+
+Block-level policy research the RadixCache does not run (queue baselines, history
+policies, odlru, oracles) is in ``benchmarks/policy_research`` of a source checkout
+(``radixkv bench policies``).
 """

@@ -19,10 +19,8 @@ the matched path is protected; only leaves are evicted), with the future known:
 With variable sizes (partial tail blocks) neither is guaranteed optimal: a bound in
 practice, not a theorem. Cost: O(B log B) for next uses, O(log n) per eviction.
 
-Two *partial-knowledge oracles* (online eviction fed one fact about the future; analysis aids
-for what a predictor could buy, not policies to deploy) run in :mod:`blocksim`:
-:class:`ReuseOracle` (knows whether each block will ever be requested again) and
-:class:`PopularityOracle` (knows each block's total request count).
+The partial-knowledge oracles (online eviction fed one fact about the future) are research
+aids and live with the research policies (``benchmarks/policy_research/oracles.py``).
 """
 from __future__ import annotations
 
@@ -30,10 +28,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from radixkv.bench.blocksim import LRU, LeafHeap
+from radixkv.bench.block_policy import LeafHeap
 from radixkv.errors import InvalidArgumentError
 
-__all__ = ["NEVER", "BeladyResult", "next_use", "belady", "ReuseOracle", "PopularityOracle"]
+__all__ = ["NEVER", "BeladyResult", "next_use", "belady"]
 
 #: next-use value of an occurrence whose block is never requested again.
 NEVER = np.iinfo(np.int64).max // 4
@@ -120,49 +118,3 @@ def belady(trace, capacity_tokens: int, bypass: bool = True) -> BeladyResult:
         if tail >= 0 and nch[tail] == 0:
             heap.file(tail, -int(nu[tail]))
     return BeladyResult(cap, trace.prompt_tokens, hit, evicted, bypassed)
-
-
-class ReuseOracle(LRU):
-    """LRU where blocks that will never be requested again are evicted first (key:
-    (reused-later, last use)); needs the trace it replays."""
-
-    name = "oracle-reuse"
-
-    def __init__(self, trace):
-        self.trace = trace
-        self.alive_occ = next_use(trace) < NEVER
-
-    def attach(self, sim):
-        super().attach(sim)
-        self.alive = np.zeros(sim.n_blocks, dtype=bool)
-
-    def _mark(self, ids):
-        t = self.sim.now
-        req = self.trace.blocks[self.trace.offsets[t]:self.trace.offsets[t + 1]]
-        start = int(np.flatnonzero(req == ids[0])[0])
-        o = int(self.trace.offsets[t]) + start
-        self.alive[ids] = self.alive_occ[o:o + len(ids)]
-
-    def on_hit(self, ids):
-        super().on_hit(ids)
-        self._mark(ids)
-
-    def on_insert(self, ids):
-        super().on_insert(ids)
-        self._mark(ids)
-
-    def key(self, b):
-        return (bool(self.alive[b]), int(self.last[b]))
-
-
-class PopularityOracle(LRU):
-    """Least popular first, popularity = the block's request count over the whole trace
-    (past and future); ties by least recent use."""
-
-    name = "oracle-popularity"
-
-    def __init__(self, trace):
-        self.count = np.bincount(trace.blocks, minlength=trace.n_blocks)
-
-    def key(self, b):
-        return (int(self.count[b]), int(self.last[b]))

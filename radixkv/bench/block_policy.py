@@ -1,8 +1,11 @@
 """The eviction-policy side of :mod:`radixkv.bench.blocksim`: the callback interface
 (:class:`BlockPolicy`), the lazily invalidated heap of evictable leaves (:class:`LeafHeap`),
-sort-key policies (:class:`KeyPolicy`, the form RadixCache policies take) and the baselines
-LRU / FIFO / LFU. The simulator itself (which blocks are cached, the protected path, the
-replay loop) stays in :mod:`radixkv.bench.blocksim`, which re-exports these names.
+sort-key policies (:class:`KeyPolicy`) and :class:`TreePolicy`, which runs the RadixCache's own
+policy objects (lru, lfu, fifo, filo, mru, priority) on blocks: one family of policies for
+the tree and the simulator. Block-level research policies (queue baselines, history
+policies) build on these classes in ``benchmarks/policy_research``. The simulator itself
+(which blocks are cached, the protected path, the replay loop) is
+:mod:`radixkv.bench.blocksim`, which re-exports these names.
 """
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from radixkv.errors import InvariantError, describe_ids
+from radixkv.cache.policies.base import EvictionPolicy
+from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 if TYPE_CHECKING:  # pragma: no cover
     from radixkv.bench.blocksim import BlockSim
 
-__all__ = ["LeafHeap", "BlockPolicy", "KeyPolicy", "LRU", "FIFO", "LFU", "grow_array"]
+__all__ = ["LeafHeap", "BlockPolicy", "KeyPolicy", "BlockNode", "TreePolicy", "runs_on_blocks", "grow_array"]
 
 
 def grow_array(a: np.ndarray, n: int, fill=0) -> np.ndarray:
@@ -169,61 +173,76 @@ class KeyPolicy(BlockPolicy):
         self.leaves.check_invariants()
 
 
-# ---------------------------------------------------------------------- baselines
-class LRU(KeyPolicy):
-    """Least recently used leaf first (key: last request that touched the block)."""
+# ---------------------------------------------------------------------- the tree's policies
+#: The hooks a policy object may override; one that overrides none is a pure sort key.
+_HOOKS = ("on_insert", "on_hit", "on_split", "on_evict", "bind", "reset", "check_invariants")
 
-    name = "lru"
+
+def runs_on_blocks(policy: EvictionPolicy) -> bool:
+    """True when ``policy`` orders leaves by ``sort_key`` alone (it overrides none of the
+    hooks), so that the simulator can run it on blocks exactly as the tree runs it on nodes."""
+    return all(getattr(type(policy), h) is getattr(EvictionPolicy, h) for h in _HOOKS)
+
+
+class BlockNode:
+    """One block as a RadixCache policy sees a node: the fields the tree keeps for every
+    policy. :class:`TreePolicy` refills one instance per filing (no object per block)."""
+
+    __slots__ = ("last_access", "created", "hits", "priority")
+
+    def __init__(self) -> None:
+        self.last_access = self.created = self.hits = self.priority = 0
+
+
+class TreePolicy(KeyPolicy):
+    """A RadixCache policy object (:class:`~radixkv.cache.policies.base.EvictionPolicy`) run
+    by the simulator: a block is filed under ``policy.sort_key(node)``, ``node`` holding the
+    block's fields as the tree keeps them, in request-index ticks:
+
+    * ``last_access``: the last request that matched or inserted the block;
+    * ``created``: the request that inserted it; ``hits``: matches through it since then;
+    * ``priority``: 0 (the traces carry none).
+
+    Only policies that are a pure sort key run here (:func:`runs_on_blocks`); the others keep
+    per-node state through hooks that need the tree (``--engine radix``). A block's fields
+    change only while it is on the current request's path, where it is not a filed leaf, so
+    the key frozen at filing is the policy's current key (also for non-monotonic ones).
+
+    Raises (constructor): InvalidArgumentError for a policy with hooks.
+    """
+
+    def __init__(self, policy: EvictionPolicy):
+        if not runs_on_blocks(policy):
+            raise InvalidArgumentError(
+                f"eviction policy {policy.name!r} keeps per-node state in hooks and runs on the "
+                f"tree only (--engine radix); its block-level research variant runs with "
+                f"'radixkv bench policies' from a source checkout")
+        self.policy = policy
+        self.name = policy.name
+        self._node = BlockNode()
 
     def attach(self, sim):
         super().attach(sim)
-        self.last = np.zeros(sim.n_blocks, dtype=np.int64)
+        n = sim.n_blocks
+        self.last = np.zeros(n, dtype=np.int64)
+        self.created = np.zeros(n, dtype=np.int64)
+        self.hits = np.zeros(n, dtype=np.int64)
 
     def grow(self, n):
         super().grow(n)
-        self.last = np.concatenate([self.last, np.zeros(n - len(self.last), np.int64)])
+        self.last, self.created, self.hits = (grow_array(a, n) for a in (self.last, self.created, self.hits))
 
     def on_hit(self, ids):
         self.last[ids] = self.sim.now
-
-    on_insert = on_hit
-
-    def key(self, b):
-        return int(self.last[b])
-
-
-class FIFO(LRU):
-    """Oldest inserted leaf first; hits do not matter."""
-
-    name = "fifo"
-
-    def on_hit(self, ids):
-        pass
+        self.hits[ids] += 1
 
     def on_insert(self, ids):
-        self.last[ids] = self.sim.now
-
-
-class LFU(LRU):
-    """Fewest requests through the block first; ties by least recent use."""
-
-    name = "lfu"
-
-    def attach(self, sim):
-        super().attach(sim)
-        self.freq = np.zeros(sim.n_blocks, dtype=np.int64)
-
-    def grow(self, n):
-        super().grow(n)
-        self.freq = np.concatenate([self.freq, np.zeros(n - len(self.freq), np.int64)])
-
-    def on_hit(self, ids):
-        self.last[ids] = self.sim.now
-        self.freq[ids] += 1
-
-    def on_insert(self, ids):
-        self.last[ids] = self.sim.now
-        self.freq[ids] = 1
+        self.last[ids] = self.created[ids] = self.sim.now
+        self.hits[ids] = 0
 
     def key(self, b):
-        return (int(self.freq[b]), int(self.last[b]))
+        node = self._node
+        node.last_access = int(self.last[b])
+        node.created = int(self.created[b])
+        node.hits = int(self.hits[b])
+        return self.policy.sort_key(node)

@@ -13,21 +13,24 @@ Semantics (those of the Mooncake README's reference simulator, and of a radix tr
   goes). The cache therefore always holds prefix-closed chains.
 
 Policies see the stream through vectorized callbacks and choose victims among evictable
-leaves; :class:`KeyPolicy` covers every policy expressible as a per-block sort key (the
-form RadixCache policies take: ``sort_key(node)`` over evictable leaves). Per request the
-simulator does O(1) numpy calls plus O(log n) work per eviction and per leaf change.
+leaves; :class:`KeyPolicy` covers every policy expressible as a per-block sort key. Per
+request the simulator does O(1) numpy calls plus O(log n) work per eviction and per leaf
+change.
 
-The policy interface and the LRU / FIFO / LFU baselines live in
-:mod:`radixkv.bench.block_policy` (re-exported here); the queue baselines and the research
-candidates register themselves through :mod:`radixkv.bench.policy_research`.
+Policy names are the RadixCache's (:mod:`radixkv.cache.eviction`, one registry): the
+simulator runs the tree's own policy objects through :class:`TreePolicy` (those that are a
+pure sort key: lru, lfu, fifo, filo, mru, priority). Any other :class:`BlockPolicy`
+instance runs too (the block-level research policies of ``benchmarks/policy_research``).
+The interface lives in :mod:`radixkv.bench.block_policy` (re-exported here).
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import List, NamedTuple, Union
 
 import numpy as np
 
-from radixkv.bench.block_policy import FIFO, LFU, LRU, BlockPolicy, KeyPolicy, LeafHeap
+from radixkv.bench.block_policy import BlockPolicy, KeyPolicy, LeafHeap, TreePolicy, runs_on_blocks
+from radixkv.cache import eviction
 from radixkv.errors import (
     InvalidArgumentError,
     InvalidIndexError,
@@ -38,7 +41,7 @@ from radixkv.errors import (
 
 __all__ = [
     "AccessResult", "SimResult", "BlockSim", "BlockPolicy", "LeafHeap", "KeyPolicy",
-    "LRU", "FIFO", "LFU", "simulate", "POLICIES", "make_policy", "register", "available_policies",
+    "TreePolicy", "simulate", "make_policy", "available_policies",
 ]
 
 
@@ -269,34 +272,22 @@ class BlockSim:
         self.policy.check_invariants()
 
 
-#: name -> zero-argument factory; :mod:`policy_research` adds its policies on import.
-POLICIES: Dict[str, type] = {"lru": LRU, "fifo": FIFO, "lfu": LFU}
+def available_policies() -> List[str]:
+    """The registered RadixCache policies the simulator runs (pure sort keys), sorted."""
+    return [n for n in eviction.available_policies() if runs_on_blocks(eviction.make_policy(n))]
 
 
-def register(name: str, factory) -> None:
-    """Add a policy factory under ``name`` (lower case)."""
-    POLICIES[name.lower()] = factory
-
-
-def available_policies() -> list:
-    """Every registered policy name (baselines and research candidates), sorted."""
-    import radixkv.bench.policy_research  # noqa: F401  (registers the research policies)
-
-    return sorted(POLICIES)
-
-
-def make_policy(name: str) -> BlockPolicy:
-    """A fresh policy by registry name.
+def make_policy(policy: Union[str, BlockPolicy]) -> BlockPolicy:
+    """A fresh simulator policy for a RadixCache policy name (:class:`TreePolicy` over the
+    tree's own policy object), or ``policy`` itself if it is a :class:`BlockPolicy`.
 
     Raises:
-        InvalidArgumentError: an unknown name (the message lists the known ones).
+        InvalidArgumentError: an unknown name (the message lists the known ones), or a
+            policy that needs the tree (it keeps per-node state in hooks).
     """
-    import radixkv.bench.policy_research  # noqa: F401  (registers the research policies)
-
-    factory = POLICIES.get(name.strip().lower())
-    if factory is None:
-        raise InvalidArgumentError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    return factory()
+    if isinstance(policy, BlockPolicy):
+        return policy
+    return TreePolicy(eviction.make_policy(policy))
 
 
 def simulate(trace, capacity_tokens: int, policy, progress=None, check_every: int = 0) -> SimResult:

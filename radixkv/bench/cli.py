@@ -4,7 +4,7 @@
   its flags), with the RadixCache engine registered (``--engine radix``) and
   ``--policy default`` naming the RadixCache's default policy; torch runs single-threaded
   (the engine's per-request tensors are small, extra threads only contend);
-* ``radixkv bench radix | allocator | service | mamba | vs-sglang [...]``: the scripts
+* ``radixkv bench radix | allocator | service | mamba | vs-sglang | policies [...]``: the scripts
   ``benchmarks/bench_<name>.py`` of a source checkout, run as they are (their own
   ``main``, flags, tables and JSON output), in a child interpreter: the service
   benchmark spawns worker processes that must be able to import the script's functions.
@@ -17,7 +17,7 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 __all__ = ["SCRIPTS", "SUBCOMMANDS", "benchmarks_dir", "resolve_policies", "run_hitrate", "run_script", "main"]
 
@@ -28,10 +28,11 @@ SCRIPTS: Dict[str, str] = {
     "service": "bench_service.py",
     "mamba": "bench_mamba.py",
     "vs-sglang": "bench_vs_sglang.py",
+    "policies": "bench_policies.py",
 }
 SUBCOMMANDS = ("hitrate", "cluster") + tuple(SCRIPTS)
 
-_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang} [options]
+_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang,policies} [options]
 
   hitrate    prefix hit rate of eviction policies on traces / workloads (radixkv.bench.hitrate;
              --engine blocksim | radix)
@@ -43,6 +44,9 @@ _HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,v
   mamba      MambaRadixCache latency and state-hit rates (benchmarks/bench_mamba.py)
   vs-sglang  SGLang's own RadixCache / MambaRadixCache beside radixkv's in one run
              (benchmarks/bench_vs_sglang.py; --sglang-path DIR, see `make bench-sglang`)
+  policies   hitrate's flags, plus the block-level research policies (2q, s3fifo, arc,
+             wtinylfu, lru2, probation, odlru; slru / aplru: their block designs) on the
+             simulator (benchmarks/bench_policies.py)
 
 'radixkv bench NAME --help' shows the options of NAME.
 """
@@ -63,13 +67,16 @@ def resolve_policies(text: str) -> str:
     return ",".join(default_policy_name() if p.lower() == "default" else p for p in names)
 
 
-def run_hitrate(argv: List[str]) -> int:
+def run_hitrate(argv: List[str], make_block_policy: Optional[Callable] = None,
+                prog: str = "radixkv bench hitrate") -> int:
     """``radixkv bench hitrate``: parse :func:`radixkv.bench.hitrate.add_arguments`'s flags
-    and run it. Policies of ``--engine radix`` are checked before any work."""
-    from radixkv.bench import hitrate, radix_engine  # radix_engine registers "radix"
+    and run it. Policies of ``--engine radix`` are checked before any work.
+    ``make_block_policy``: the simulator's policy by name (default: the RadixCache's;
+    ``benchmarks/bench_policies.py`` passes the research registry's)."""
+    from radixkv.bench import hitrate, radix_engine
     from radixkv.errors import RadixKVError
 
-    parser = argparse.ArgumentParser(prog="radixkv bench hitrate", description=hitrate.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=hitrate.__doc__.split("\n")[0])
     hitrate.add_arguments(parser)
     args = parser.parse_args(argv)
     args.policy = resolve_policies(args.policy)
@@ -83,7 +90,9 @@ def run_hitrate(argv: List[str]) -> int:
         except RadixKVError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    return int(hitrate.run(args) or 0)
+    if make_block_policy is None:
+        return int(hitrate.run(args) or 0)
+    return int(hitrate.run(args, make_block_policy) or 0)
 
 
 def run_script(name: str, argv: List[str]) -> int:

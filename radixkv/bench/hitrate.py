@@ -8,9 +8,10 @@ The driver (:func:`replay`) talks to a cache through :class:`ReplayCache`::
     cache.insert(tokens)                  # caches what fits, releases the protection
 
 :class:`BlockSimAdapter` puts :mod:`blocksim` behind it (token arrays -> chained block ids).
-Another engine registers a factory ``(capacity_tokens, policy, page_size) -> ReplayCache``
-with :func:`register_engine` (the RadixCache adapter: lock the matched node in
-``match_prefix``, unlock after ``insert``). For ``blocksim`` the CLI takes the equivalent
+:data:`ENGINES` names the engines, factories ``(capacity_tokens, policy, page_size) ->
+ReplayCache``: ``blocksim`` and ``radix`` (the RadixCache adapter of
+:mod:`radixkv.bench.radix_engine`: lock the matched node in ``match_prefix``, unlock after
+``insert``); :func:`register_engine` adds others. For ``blocksim`` the CLI takes the equivalent
 fast path (:func:`~radixkv.bench.blocksim.simulate` on precomputed block ids); a test
 checks both paths agree.
 
@@ -33,8 +34,9 @@ from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Protoco
 import numpy as np
 
 from radixkv.bench.belady import belady
-from radixkv.bench.blocksim import BlockSim, make_policy, simulate
+from radixkv.bench.blocksim import BlockPolicy, BlockSim, make_policy, simulate
 from radixkv.bench.progress import Progress
+from radixkv.bench.radix_engine import RadixReplayEngine, default_policy_name
 from radixkv.bench.traces import MOONCAKE_BLOCK_SIZE, BlockTrace, load_mooncake
 from radixkv.bench.workloads import WORKLOADS, make_workload
 from radixkv.errors import InvalidArgumentError, RadixKVError
@@ -153,9 +155,11 @@ class BlockSimAdapter:
 
 
 EngineFactory = Callable[[int, str, int], ReplayCache]
+BlockPolicyFactory = Callable[[str], BlockPolicy]
 #: ``--engine`` name -> ``factory(capacity_tokens, policy, page_size)``.
 ENGINES: Dict[str, EngineFactory] = {
     "blocksim": lambda cap, policy, page: BlockSimAdapter(cap, policy, page),
+    "radix": lambda cap, policy, page: RadixReplayEngine(cap, policy, page),
 }
 
 
@@ -210,8 +214,10 @@ def _frac_key(f: float) -> str:
 
 
 def measure(src: Source, fracs: List[float], policies: List[str], engine: str = "blocksim",
-            show_progress: Optional[bool] = None) -> dict:
-    """Bounds and every (policy, capacity) result as the CLI's JSON document."""
+            show_progress: Optional[bool] = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict:
+    """Bounds and every (policy, capacity) result as the CLI's JSON document.
+    ``make_block_policy(name)``: the ``blocksim`` engine's policy for a name (default: the
+    RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`)."""
     bt = src.blocks
     doc = {
         "trace": src.name,
@@ -231,7 +237,7 @@ def measure(src: Source, fracs: List[float], policies: List[str], engine: str = 
             cap = int(f * src.unique_tokens)
             with Progress(src.n_requests, f"{pol} @ {f:g}", enabled=show_progress) as bar:
                 if engine == "blocksim":
-                    r = simulate(bt, cap, pol, progress=bar)
+                    r = simulate(bt, cap, make_block_policy(pol), progress=bar)
                     hit, ev = r.hit_tokens, r.evicted_tokens
                 else:
                     rr = replay(src.tokens(), ENGINES[engine](cap, pol, src.page_size), progress=bar)
@@ -326,14 +332,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_hybrid_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the measurement; prints the table, writes JSON / PNG. Returns the exit code."""
+def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_policy) -> int:
+    """Run the measurement; prints the table, writes JSON / PNG. Returns the exit code.
+    ``make_block_policy``: as in :func:`measure` (the research CLI passes its own)."""
     t0 = time.perf_counter()
     try:
         src = load_source(args.trace, args.workload, args.block_size, args.page_size, args.limit, args.seed)
-        from radixkv.bench import radix_engine  # registers the "radix" engine
-
-        policies = [radix_engine.default_policy_name() if p.strip().lower() == "default" else p.strip()
+        policies = [default_policy_name() if p.strip().lower() == "default" else p.strip()
                     for p in args.policy.split(",") if p.strip()]
         show = False if args.no_progress else None
         if getattr(args, "hybrid", False):
@@ -345,8 +350,9 @@ def run(args: argparse.Namespace) -> int:
             engine = args.engine or "blocksim"
             if engine == "blocksim":
                 for p in policies:
-                    make_policy(p)                           # fail before any work
-            doc = measure(src, args.capacity_frac, policies, engine, show_progress=show)
+                    make_block_policy(p)                     # fail before any work
+            doc = measure(src, args.capacity_frac, policies, engine, show_progress=show,
+                          make_block_policy=make_block_policy)
     except RadixKVError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

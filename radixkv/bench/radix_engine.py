@@ -21,8 +21,7 @@ rows (ids above the pool, never allocated, dropped when the tree frees them, see
 The remaining difference from the simulator is the eviction unit: the tree evicts whole
 leaf nodes (each a run of pages inserted together), the simulator single blocks.
 
-Importing this module registers the engine as ``radix`` in
-:data:`radixkv.bench.hitrate.ENGINES`.
+:data:`radixkv.bench.hitrate.ENGINES` names it ``radix``.
 """
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ import numpy as np
 import torch
 
 from radixkv.allocator import TokenToKVPoolAllocator
-from radixkv.bench.hitrate import register_engine
 from radixkv.cache import RadixCache, RadixKey
 from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache.policies.aplru import AdaptiveProbationLRUPolicy
@@ -252,6 +250,3 @@ class RadixReplayEngine:
         if virtual != self.alloc.pad_rows_live:
             raise InvariantError(f"radix engine: the tree holds {virtual} padding rows, "
                                  f"{self.alloc.pad_rows_live} are counted live")
-
-
-register_engine("radix", lambda cap, policy, page: RadixReplayEngine(cap, policy, page))

@@ -8,7 +8,7 @@
   (``mamba_radix_cache``; its state table ``state_table``, audit ``mamba_audit``, policies
   ``mamba_policies``, request entry points ``mamba_req_cache``);
 * :class:`RadixKey`: the compact int32 key (``radix_key``); :class:`TreeNode` (``tree_node``);
-* eviction policies (``eviction``, ``policies/``) and :func:`register_policy`;
+* eviction policies (``policies/``), named in one registry (``eviction``: :func:`register_policy`);
 * :class:`CacheMetrics` (``metrics``); KV events (``events``) and state events
   (``state_events``); the KV conservation law (``kv_conservation``).
 """

@@ -1,166 +1,50 @@
-"""Eviction policies of the RadixCache: the interface, the registry, the classic policies.
+"""The registry of the RadixCache's eviction policies: every built-in policy by name, in one
+table (:data:`BUILTIN_POLICIES`), and the functions that look names up.
 
-How the cache uses a policy
----------------------------
-Only *evictable leaves* (unlocked nodes without children) can be evicted. The cache files
-them in one ``sortedcontainers.SortedKeyList`` ordered by the policy's ``sort_key(node)``
-(smallest evicted first) and updates it incrementally: a node is added when it becomes an
-unlocked leaf and removed when it is locked, gains a child or is evicted. ``evict()`` pops
-from the front, so it costs O(evicted nodes x log n) and never rebuilds a heap.
-
-Every node carries fields the cache keeps up to date for all policies:
-
-* ``last_access``: tick of a logical clock, set on every match or insert through the node
-  (deeper nodes of one path get later ticks; ticks are unique among leaves);
-* ``created``: tick at which the node's tokens were inserted;
-* ``hits``: how many ``match_prefix`` calls went through the node;
-* ``priority``: max ``priority`` of the inserts through the node;
-* ``pstate``: free for the policy (e.g. a segment id); ``None`` initially.
-
-A policy is a small object::
-
-    class MyPolicy(EvictionPolicy):
-        name = "mine"
-        monotonic = True              # see below
-        def sort_key(self, node): ... # required: comparable, smallest is evicted first
-        def on_insert(self, node): ...   # optional hooks, called after the cache has set
-        def on_hit(self, node): ...      # the node's fields; the default does nothing
-        def on_split(self, parent, child): ...
-        def on_evict(self, node): ...
+The interface and its contract are in :mod:`radixkv.cache.policies.base`; each policy is a
+module of :mod:`radixkv.cache.policies`. A policy of your own::
 
     register_policy("mine", MyPolicy)        # then RadixCache(..., eviction_policy="mine")
 
-``monotonic``: True when a node's sort key never *decreases* between two moments the cache
-files it (true for keys built from ``last_access`` / ``hits`` / ``priority`` / ``created``).
-The cache then re-keys lazily: a touch only updates the node's fields, and ``evict()``
-re-files a front node whose stored key is stale instead of evicting it. A policy whose keys
-can decrease (MRU) sets ``monotonic = False`` and the cache re-files touched leaves at once;
-a policy that lowers a key from inside a hook (SLRU demotion) calls ``self.rekey(node)``
-(bound by the cache in :meth:`EvictionPolicy.bind`).
-
-Cost per hook call is O(1) for every policy here; SLRU's ghost lookup is one dict probe.
+or pass an instance (``RadixCache(..., eviction_policy=MyPolicy())``) without registering.
 """
 from __future__ import annotations
 
-from operator import attrgetter
+from types import MappingProxyType
+from typing import Callable, Dict, List, Mapping, Union
 
-from typing import Callable, Dict, Iterable, List, Union
-
+from radixkv.cache.policies.aplru import AdaptiveProbationLRUPolicy
+from radixkv.cache.policies.base import (
+    EvictionPolicy,
+    FIFOPolicy,
+    FILOPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    MRUPolicy,
+    PriorityPolicy,
+)
+from radixkv.cache.policies.slru import SLRUPolicy
 from radixkv.errors import InvalidArgumentError
 
+# The policy classes are importable from here too (one import for the cache and its users).
 __all__ = [
     "EvictionPolicy",
-    "LRUPolicy",
-    "LFUPolicy",
-    "FIFOPolicy",
-    "FILOPolicy",
-    "MRUPolicy",
-    "PriorityPolicy",
+    "BUILTIN_POLICIES",
     "register_policy",
     "make_policy",
     "available_policies",
 ]
 
-
-class EvictionPolicy:
-    """Base class of eviction policies (see the module docstring for the contract)."""
-
-    #: Registry name (informative; the registry key is what ``make_policy`` looks up).
-    name = "base"
-    #: True when ``sort_key`` never decreases between filings (allows lazy re-keying).
-    monotonic = True
-
-    def __init__(self) -> None:
-        self.rekey: Callable = _unbound_rekey
-
-    def bind(self, rekey: Callable, page_size: int = 1) -> None:
-        """Called once by the cache: ``rekey(node)`` re-files a node whose key a hook
-        lowered; ``page_size`` is the cache's page size."""
-        self.rekey = rekey
-
-    def reset(self) -> None:
-        """The cache was reset (every node dropped)."""
-
-    def sort_key(self, node):
-        """The key the node is ordered by among evictable leaves; smallest goes first."""
-        raise NotImplementedError
-
-    def on_insert(self, node) -> None:
-        """A node with new tokens was created (its fields are set; it is not filed yet)."""
-
-    def on_hit(self, node) -> None:
-        """``match_prefix`` matched through ``node`` (``hits`` / ``last_access`` updated)."""
-
-    def on_split(self, parent, child) -> None:
-        """``parent`` was cut from the head of ``child``; it copied child's common fields."""
-
-    def on_evict(self, node) -> None:
-        """``node`` was evicted (already unlinked from the tree)."""
-
-    def check_invariants(self, nodes: Iterable) -> None:
-        """Raise ``InvariantError`` unless the policy's own state matches ``nodes`` (every
-        live node of the tree). Default: nothing to check."""
-
-
-def _unbound_rekey(node) -> None:  # pragma: no cover - replaced by bind()
-    raise RuntimeError("policy not bound to a cache")
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used first (the default)."""
-
-    name = "lru"
-    # a C attrgetter, not a method: no Python frame per filing (the insert hot path)
-    sort_key = attrgetter("last_access")
-
-
-class LFUPolicy(EvictionPolicy):
-    """Fewest ``match_prefix`` hits first; ties by least recent use."""
-
-    name = "lfu"
-
-    def sort_key(self, node):
-        return (node.hits, node.last_access)
-
-
-class FIFOPolicy(EvictionPolicy):
-    """Oldest inserted first, whatever its use."""
-
-    name = "fifo"
-    sort_key = attrgetter("created")
-
-
-class FILOPolicy(EvictionPolicy):
-    """Newest inserted first (constant key, so still lazily filed)."""
-
-    name = "filo"
-
-    def sort_key(self, node):
-        return -node.created
-
-
-class MRUPolicy(EvictionPolicy):
-    """Most recently used first (keys drop on every touch, so it files eagerly)."""
-
-    name = "mru"
-    monotonic = False
-
-    def sort_key(self, node):
-        return -node.last_access
-
-
-class PriorityPolicy(EvictionPolicy):
-    """Lowest priority first (a node's priority is the max over the requests that inserted
-    through it); ties by least recent use."""
-
-    name = "priority"
-
-    def sort_key(self, node):
-        return (node.priority, node.last_access)
-
-
 PolicyFactory = Callable[[], EvictionPolicy]
-_REGISTRY: Dict[str, PolicyFactory] = {}
+
+#: Every policy the package ships, by name (read-only; :func:`register_policy` adds others).
+BUILTIN_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
+    cls.name: cls
+    for cls in (LRUPolicy, LFUPolicy, FIFOPolicy, FILOPolicy, MRUPolicy, PriorityPolicy,
+                SLRUPolicy, AdaptiveProbationLRUPolicy)
+})
+
+_REGISTRY: Dict[str, PolicyFactory] = dict(BUILTIN_POLICIES)
 
 
 def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
@@ -206,13 +90,3 @@ def make_policy(policy: Union[str, EvictionPolicy]) -> EvictionPolicy:
 def available_policies() -> List[str]:
     """Registered policy names, sorted."""
     return sorted(_REGISTRY)
-
-
-for _cls in (LRUPolicy, LFUPolicy, FIFOPolicy, FILOPolicy, MRUPolicy, PriorityPolicy):
-    register_policy(_cls.name, _cls)
-
-# The scan-resistant policies live in radixkv.cache.policies; importing them registers them.
-from radixkv.cache.policies.slru import SLRUPolicy  # noqa: E402
-
-register_policy(SLRUPolicy.name, SLRUPolicy)
-__all__.append("SLRUPolicy")

@@ -1,10 +1,10 @@
-"""Eviction policies beyond the classic ones of :mod:`radixkv.cache.eviction`.
+"""The RadixCache's eviction policies, one module per concept:
 
-Each module here defines one policy class; :mod:`radixkv.cache.eviction` registers the
-built-in ones. A new policy (for example one tuned on real traces) goes in a module of its
-own here and calls :func:`radixkv.cache.eviction.register_policy` when imported.
+* :mod:`~radixkv.cache.policies.base`   the interface (:class:`EvictionPolicy`, its contract)
+  and the classic policies lru, lfu, fifo, filo, mru, priority;
+* :mod:`~radixkv.cache.policies.slru`   segmented LRU with a ghost of evicted signatures;
+* :mod:`~radixkv.cache.policies.aplru`  adaptive-probation LRU (the research policy's port).
+
+Importing a module here registers nothing: :mod:`radixkv.cache.eviction` names every
+built-in policy in one table.
 """
-from radixkv.cache.eviction import register_policy
-from radixkv.cache.policies.aplru import AdaptiveProbationLRUPolicy
-
-register_policy(AdaptiveProbationLRUPolicy.name, AdaptiveProbationLRUPolicy)

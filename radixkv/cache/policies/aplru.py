@@ -1,6 +1,6 @@
 """``AdaptiveProbationLRUPolicy`` ("aplru"): LRU in virtual time with an adaptive bonus for
 nodes that were reused, ported from the block simulator's research policy
-(:class:`radixkv.bench.policy_research.AdaptiveProbationLRU`; see ``docs/hitrate.md``).
+(``AdaptiveProbationLRU`` in ``benchmarks/policy_research``; see ``docs/hitrate.md``).
 
 Per node (``node.pstate``, a list ``[key, f, start, ns]``):
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Iterable, NamedTuple, Optional
 
-from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.policies.base import EvictionPolicy
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 __all__ = ["AdaptiveProbationLRUPolicy", "GhostEntry"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
-from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.policies.base import EvictionPolicy
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 __all__ = ["SLRUPolicy"]

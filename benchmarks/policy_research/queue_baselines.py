@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from radixkv.bench.block_policy import grow_array as _grow
-from radixkv.bench.queue_policies import Ghost, QueuePolicy
+from policy_research.queue_policies import Ghost, QueuePolicy
 
 __all__ = ["SLRU", "TwoQ", "S3FIFO", "ARC", "WTinyLFU"]
 

@@ -25,7 +25,7 @@ import heapq
 import numpy as np
 
 from radixkv.bench.block_policy import grow_array as _grow
-from radixkv.bench.history_policies import AdaptiveProbationLRU
+from policy_research.history_policies import AdaptiveProbationLRU
 from radixkv.errors import InvariantError, describe_ids
 
 __all__ = ["OverdueAPLRU"]
