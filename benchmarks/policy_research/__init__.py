@@ -21,7 +21,7 @@ and the tests do). See ``docs/hitrate.md`` for the hit rates and the research no
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, List, Mapping, Union
+from typing import Callable, List, Mapping
 
 from radixkv.bench.blocksim import BlockPolicy, available_policies, make_policy
 
