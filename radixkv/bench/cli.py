@@ -28,10 +28,11 @@ SCRIPTS: Dict[str, str] = {
     "service": "bench_service.py",
     "mamba": "bench_mamba.py",
     "vs-sglang": "bench_vs_sglang.py",
+    "vllm": "bench_vllm.py",
 }
 SUBCOMMANDS = ("hitrate", "cluster") + tuple(SCRIPTS)
 
-_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang} [options]
+_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang,vllm} [options]
 
   hitrate    prefix hit rate of eviction policies on traces / workloads (radixkv.bench.hitrate;
              --engine blocksim | radix)
@@ -43,6 +44,8 @@ _HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,v
   mamba      MambaRadixCache latency and state-hit rates (benchmarks/bench_mamba.py)
   vs-sglang  SGLang's own RadixCache / MambaRadixCache beside radixkv's in one run
              (benchmarks/bench_vs_sglang.py; --sglang-path DIR, see `make bench-sglang`)
+  vllm       vLLM engines behind a round-robin router with / without RadixKVConnector
+             (benchmarks/bench_vllm.py; run with .venv-vllm, see `make setup-vllm`)
 
 'radixkv bench NAME --help' shows the options of NAME.
 """

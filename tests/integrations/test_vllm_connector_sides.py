@@ -39,7 +39,8 @@ class Engine:
 
     def __init__(self, cfg, blocks=16, seed=0):
         self.sched = SchedulerSide(ManagerLink(cfg, "sched"), BS)
-        self.worker = WorkerSide(ManagerLink(cfg, "worker", keepalive=False), SHAPE)
+        self.sched.link.get(force=True)  # as the connector does at engine start
+        self.worker = WorkerSide(ManagerLink(cfg, "worker", keepalive=False, background=False), SHAPE)
         g = torch.Generator().manual_seed(seed)
         self.kv = [torch.randn(blocks, HEADS, BS, 2 * HD, generator=g) for _ in range(LAYERS)]
         self.worker.register([(f"model.layers.{i}.attn", t) for i, t in enumerate(self.kv)])
@@ -155,7 +156,7 @@ def test_a_dead_manager_means_no_hit_and_no_copies(tmp_path):
 
 
 def test_a_layout_mismatch_names_both_shapes(manager):
-    w = WorkerSide(ManagerLink(manager.cfg, "w", keepalive=False), SHAPE._replace(head_dim=16))
+    w = WorkerSide(ManagerLink(manager.cfg, "w", keepalive=False, background=False), SHAPE._replace(head_dim=16))
     kv = [torch.zeros(4, HEADS, BS, 32) for _ in range(LAYERS)]
     with pytest.raises(LayoutMismatchError) as ei:
         w.register([(f"l{i}", t) for i, t in enumerate(kv)])
@@ -195,3 +196,32 @@ def test_manager_rows_np_int32_prompts_are_accepted(manager):
     assert e.sched.num_new_matched_tokens("r", np.arange(500, 508, dtype=np.int64), 0, KEY) == 0
     e.sched.finished("r")
     e.close()
+
+
+def test_the_link_reconnects_in_the_background_when_the_manager_comes_up(tmp_path):
+    import time
+
+    srv = ThreadedServer(EngineConfig(page_size=BS, layer_types="F" * LAYERS, head_num=HEADS, head_dim=HD))
+    tok = tmp_path / "token"
+    tok.write_text(srv.token)
+    cfg = ConnectorConfig(address=srv.options.address, token_file=str(tok), connect_timeout_s=0.2,
+                          retry_interval_s=0.05)
+    link = ManagerLink(cfg, "late")
+    assert link.get(force=True) is None and link.counters["connect_failures"] >= 1
+    srv.start()
+    try:
+        deadline = time.monotonic() + 30
+        while link.get() is None:
+            assert time.monotonic() < deadline, "no reconnection"
+            time.sleep(0.02)
+        client, info = link.get()
+        assert client.heartbeat(info.session) > 0
+        link.fail(RuntimeError("simulated call failure"))
+        assert not link.up and link.counters["call_failures"] == 1
+        while link.get() is None:  # back again, a new session
+            assert time.monotonic() < deadline, "no reconnection"
+            time.sleep(0.02)
+        assert link.get()[1].session != info.session
+    finally:
+        link.close()
+        srv.stop()

@@ -89,7 +89,7 @@ class RadixKVStats(KVConnectorStats):
     """Counter increments of one interval (tokens / requests), summed across workers."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: Dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in (other.data or {}).items():
@@ -173,7 +173,8 @@ class RadixKVConnector(KVConnectorBase_V1):
             if isinstance(link.last_error, LayoutMismatchError):
                 raise link.last_error
         else:
-            self._worker = WorkerSide(ManagerLink(self._cfg, "vllm-worker", keepalive=False), self._shape)
+            link = ManagerLink(self._cfg, "vllm-worker", keepalive=False, background=False)
+            self._worker = WorkerSide(link, self._shape)
 
     def _check_manager(self, client: Any, info: Any) -> None:
         from radixkv.integrations.vllm.layout import check_same_shape, manager_kv_shape

@@ -39,7 +39,7 @@ _KEEP_EPOCHS = 2  # mapped epochs kept (the current one and the one before a res
 
 
 class WorkerSide:
-    """See the module doc. ``link``: the worker's :class:`ManagerLink` (no keep-alive);
+    """See the module doc. ``link``: the worker's :class:`ManagerLink` (no keep-alive, no background reconnect);
     ``shape``: vLLM's KV shape (checked against every manager mapped)."""
 
     def __init__(self, link: ManagerLink, shape: KVShape):
