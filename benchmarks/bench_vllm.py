@@ -1,7 +1,8 @@
 """``radixkv bench vllm``: vLLM instances behind a round-robin router, with and without radixkv.
 
 A multi-turn trace (the bundled Mooncake conversation trace, cut down to what a small CPU
-runs: its first ``--requests`` requests, at most ``--max-blocks`` blocks each, one Mooncake
+runs: the first ``--requests`` requests of its multi-turn conversations among its first 1,000
+requests, at most ``--max-blocks`` blocks each, one Mooncake
 block -> ``--block-tokens`` token ids drawn from a generator seeded by the block's hash id, so
 shared hash prefixes are shared token prefixes) is sent, one request at a time, to
 ``--instances`` vLLM engines in turn (request ``i`` -> engine ``i % N``: consecutive turns of a
@@ -35,20 +36,28 @@ import numpy as np
 VOCAB = 512
 
 
-def build_trace(n: int, max_blocks: int, block_tokens: int):
-    """(prompts as int lists, their block-id chains) of the first ``n`` conversation requests."""
+def build_trace(n: int, max_blocks: int, block_tokens: int, scan: int = 1000):
+    """(prompts as int lists, their block-id chains): the first ``n`` requests, among the
+    trace's first ``scan``, of multi-turn conversations (two requests or more sharing their
+    first two blocks), in trace order."""
+    from collections import Counter
+
     import radixkv
     from radixkv.bench.traces import load_mooncake
 
     path = os.path.join(os.path.dirname(radixkv.__file__), "data", "mooncake", "conversation_trace.jsonl")
-    tr = load_mooncake(path, limit=n)
+    tr = load_mooncake(path, limit=scan)
+    all_chains = [tuple(int(h) for h in tr.hash_ids[tr.hash_offsets[i]:tr.hash_offsets[i + 1]])
+                  for i in range(len(tr))]
+    heads = Counter(ch[:2] for ch in all_chains if len(ch) >= 2)
+    keep = [i for i, ch in enumerate(all_chains) if len(ch) >= 2 and heads[ch[:2]] >= 2][:n]
     prompts, chains = [], []
-    for i in range(len(tr)):
-        ids = tr.hash_ids[tr.hash_offsets[i]:tr.hash_offsets[i + 1]][:max_blocks]
-        blocks = [np.random.default_rng(int(h)).integers(3, VOCAB, block_tokens) for h in ids]
+    for i in keep:
+        ids = all_chains[i][:max_blocks]
+        blocks = [np.random.default_rng(h).integers(3, VOCAB, block_tokens) for h in ids]
         tail = np.random.default_rng(10**9 + i).integers(3, VOCAB, 7)  # the turn's own last tokens
         prompts.append(np.concatenate(blocks + [tail]).astype(int).tolist())
-        chains.append(tuple(int(h) for h in ids))
+        chains.append(ids)
     return prompts, chains
 
 
@@ -118,7 +127,7 @@ def summarize(results, misses):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench vllm", description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=60, help="trace requests (default %(default)s)")
+    ap.add_argument("--requests", type=int, default=120, help="trace requests (default %(default)s)")
     ap.add_argument("--instances", type=int, default=2, help="vLLM engines (default %(default)s)")
     ap.add_argument("--max-blocks", type=int, default=16, help="Mooncake blocks kept per request (default %(default)s)")
     ap.add_argument("--block-tokens", type=int, default=32, help="tokens per Mooncake block (default %(default)s)")

@@ -225,3 +225,17 @@ def test_the_link_reconnects_in_the_background_when_the_manager_comes_up(tmp_pat
     finally:
         link.close()
         srv.stop()
+
+
+def test_ops_of_a_manager_epoch_never_mapped_fail_cleanly(manager):
+    from radixkv.integrations.vllm.scheduler_side import CopyOp
+
+    e = Engine(manager.cfg)
+    before = [t.clone() for t in e.kv]
+    op = CopyOp("r", 12345, 0, 0, 8, vllm_slots([6, 2], 0, 8, BS))  # an epoch that is not the manager's
+    assert e.worker.load([op]) == {6, 2}  # vLLM recomputes these blocks
+    assert all(torch.equal(a, b) for a, b in zip(before, e.kv, strict=True))
+    saved, failed = e.worker.save([op])
+    assert saved == {} and failed == {"r"}
+    assert e.worker.counters["failed_load_tokens"] == 8 and e.worker.counters["failed_save_tokens"] == 8
+    e.close()

@@ -20,7 +20,8 @@ vLLM hook                      what happens
 Loads are synchronous (done before the forward that reads them); saves complete before the
 step returns. Every hook catches its own failures: a manager fault makes the engine serve
 without the shared cache (warning log, counters in ``RadixKVStats``), never crash it.
-Hybrid (Mamba / linear-attention / sliding-window) and MLA models are refused at start-up.
+Hybrid (Mamba / linear-attention / sliding-window) and MLA models, quantized KV caches and
+tensor / pipeline parallel engines are refused at start-up.
 """
 from __future__ import annotations
 
@@ -131,6 +132,11 @@ def _refuse_unsupported(vllm_config: "VllmConfig", kv_cache_config: Optional["KV
     if kinds and kinds != ["FullAttentionSpec"]:
         raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only FullAttentionSpec "
                                    "(full attention in every layer) is supported")
+    pc = vllm_config.parallel_config
+    if int(getattr(pc, "world_size", 1)) > 1:
+        raise InvalidArgumentError(
+            f"RadixKVConnector: tensor/pipeline parallel engines (world size {pc.world_size}) are not "
+            "supported: every rank would write its shard of the heads into the same manager rows")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise InvalidArgumentError(f"RadixKVConnector: kv_cache_dtype {cache_dtype!r} is not supported "
