@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from radixkv.errors import InvalidArgumentError
 
@@ -152,14 +153,11 @@ def _kv_shape(vllm_config: "VllmConfig") -> KVShape:
 class RadixKVConnector(KVConnectorBase_V1):
     """vLLM engines share one radixkv cache manager (see the module doc and ``docs/vllm.md``)."""
 
-    _cache_hit_source = "host"  # replaced by CacheHitSource.HOST in __init__
+    _cache_hit_source = CacheHitSource.HOST  # the manager's pool is host (or device) memory
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: Optional["KVCacheConfig"] = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-        self._cache_hit_source = CacheHitSource.HOST
         tc = self._kv_transfer_config
         self._cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         _refuse_unsupported(vllm_config, kv_cache_config)
