@@ -62,6 +62,28 @@ def build_trace(n: int, max_blocks: int, block_tokens: int, scan: int = 1000):
     return prompts, chains
 
 
+def build_sessions(sessions: int, turns: int, block_tokens: int, turn_blocks: int = 2):
+    """A synthetic multi-turn trace: ``sessions`` conversations of ``turns`` turns, each turn
+    its conversation so far plus ``turn_blocks`` new blocks (one shared system block first),
+    sent turn-major (turn 0 of every session, then turn 1, ...). With an odd number of
+    sessions and round robin over 2 engines, each turn lands on the other engine than the
+    turn before it."""
+    prompts, chains = [], []
+    for t in range(turns):
+        for s in range(sessions):
+            ids = (0,) + tuple(1 + s * 100_000 + i for i in range((t + 1) * turn_blocks))
+            blocks = [np.random.default_rng(h).integers(3, VOCAB, block_tokens) for h in ids]
+            tail = np.random.default_rng(10**9 + t * sessions + s).integers(3, VOCAB, 7)
+            prompts.append(np.concatenate(blocks + [tail]).astype(int).tolist())
+            chains.append(ids)
+    return prompts, chains
+
+
+def miss_probes(n: int, length: int):
+    """``n`` prompts that share nothing with any trace prompt or each other."""
+    return [np.random.default_rng(2 * 10**9 + i).integers(3, VOCAB, length).astype(int).tolist() for i in range(n)]
+
+
 def shared_bound(prompts, chains, block_tokens: int, vllm_block: int):
     """Hit tokens per request of one unlimited shared cache (whole vLLM blocks, n - 1 cap)."""
     seen = set()
@@ -112,6 +134,11 @@ def run_modes(modes, model: str, prompts, args, root: str):
             for e in engines:
                 e.wait_ready()
         start_s = time.perf_counter() - t0
+        warm = 0
+        for engines, _ in started.values():  # one-time costs (the first mapping) off the clock
+            for e in engines:
+                warm += 1
+                e.generate([np.random.default_rng(3 * 10**9 + warm).integers(3, VOCAB, 64).tolist()], max_tokens=1)
         for i, p in enumerate(prompts):
             for m in (modes if i % 2 == 0 else modes[::-1]):
                 engines = started[m][0]
@@ -126,22 +153,28 @@ def run_modes(modes, model: str, prompts, args, root: str):
     return results, start_s
 
 
-def summarize(results, misses):
+def summarize(results, probes):
     lens = np.array([r[0] for r in results])
     cached = np.array([r[1] for r in results])
     ttft = np.array([r[2] for r in results])
-    miss = ttft[np.array(misses, dtype=bool)] if any(misses) else np.array([np.nan])
+    miss = np.array([r[2] for r in probes if r[1] == 0] or [np.nan])
     return {"requests": len(results), "prompt_tokens": int(lens.sum()), "hit_tokens": int(cached.sum()),
             "prefill_tokens": int((lens - cached).sum()),
             "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3), "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3),
-            "requests_per_s": float(len(results) / ttft.sum()), "misses": int(sum(misses)),
+            "requests_per_s": float(len(results) / ttft.sum()), "misses": int(np.isfinite(miss).sum()),
             "miss_ttft_p50_ms": float(np.nanmedian(miss) * 1e3), "miss_ttft_mean_ms": float(np.nanmean(miss) * 1e3),
-            "per_request": [list(r) for r in results]}
+            "per_request": [list(r) for r in results], "miss_probes": [list(r) for r in probes]}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench vllm", description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=120, help="trace requests (default %(default)s)")
+    ap.add_argument("--trace", choices=["mooncake", "sessions"], default="mooncake",
+                    help="the Mooncake conversation cut or synthetic sessions (default %(default)s)")
+    ap.add_argument("--requests", type=int, default=120, help="mooncake: requests (default %(default)s)")
+    ap.add_argument("--sessions", type=int, default=5, help="sessions: conversations (default %(default)s)")
+    ap.add_argument("--turns", type=int, default=8, help="sessions: turns each (default %(default)s)")
+    ap.add_argument("--miss-probes", type=int, default=20,
+                    help="prompts sharing nothing, sent after the trace: the cost of a miss (default %(default)s)")
     ap.add_argument("--instances", type=int, default=2, help="vLLM engines (default %(default)s)")
     ap.add_argument("--max-blocks", type=int, default=16, help="Mooncake blocks kept per request (default %(default)s)")
     ap.add_argument("--block-tokens", type=int, default=32, help="tokens per Mooncake block (default %(default)s)")
@@ -155,19 +188,20 @@ def main(argv=None) -> int:
     from radixkv.integrations.vllm.harness import make_tiny_llama
 
     make_tiny_llama(model, vocab=VOCAB)
-    prompts, chains = build_trace(args.requests, args.max_blocks, args.block_tokens)
+    if args.trace == "mooncake":
+        prompts, chains = build_trace(args.requests, args.max_blocks, args.block_tokens)
+    else:
+        prompts, chains = build_sessions(args.sessions, args.turns, args.block_tokens)
     bound = shared_bound(prompts, chains, args.block_tokens, args.vllm_block)
+    probes = miss_probes(args.miss_probes, 16 * args.block_tokens + 7)
     report = {"args": vars(args), "bound": {"hit_tokens": int(sum(bound)),
                                             "prefill_tokens": int(sum(len(p) for p in prompts) - sum(bound))}}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    runs, start_s = run_modes(modes, model, prompts, args, root)
+    runs, start_s = run_modes(modes, model, prompts + probes, args, root)
     report["engine_start_s"] = round(start_s, 1)
-    for mode in modes:
-        report[mode] = {}
-    # a miss: a request neither mode could serve from any cache (same requests in both)
-    misses = [all(runs[m][i][1] == 0 for m in runs) for i in range(len(prompts))]
+    n = len(prompts)
     for mode, results in runs.items():
-        report[mode].update(summarize(results, misses))
+        report[mode] = summarize(results[:n], results[n:])
     print(f"{'mode':10} {'prefill tok':>11} {'hit tok':>8} {'TTFT p50 ms':>11} {'p99 ms':>8} {'req/s':>7} "
           f"{'miss p50 ms':>11}")
     for mode in runs:

@@ -239,3 +239,36 @@ def test_ops_of_a_manager_epoch_never_mapped_fail_cleanly(manager):
     assert saved == {} and failed == {"r"}
     assert e.worker.counters["failed_load_tokens"] == 8 and e.worker.counters["failed_save_tokens"] == 8
     e.close()
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_attn"])
+def test_row_geometry_addresses_the_same_elements_as_the_views(layout):
+    from radixkv.integrations.vllm.layout import row_geometry
+
+    shape = (5, HEADS, BS, 2 * HD) if layout == "cpu" else (2, 5, BS, HEADS, HD)
+    kv = torch.arange(int(np.prod(shape)), dtype=torch.float32).view(*shape)
+    k, v = paged_kv_views(kv, BS, HEADS, HD)
+    geo = row_geometry(kv, k, v, HD)
+    blk, off = torch.tensor([4, 0, 2, 2]), torch.tensor([3, 1, 0, 3])
+    kr, vr = geo.rows(blk, off, HEADS)
+    flat = kv.view(-1, HD)
+    assert torch.equal(flat[kr].view(4, HEADS, HD), k[blk, off])
+    assert torch.equal(flat[vr].view(4, HEADS, HD), v[blk, off])
+
+
+def test_the_view_indexing_fallback_copies_the_same(manager):
+    a, b = Engine(manager.cfg, seed=3), Engine(manager.cfg, seed=4)
+    b.worker._geometry = None  # force the slower path (layouts whose K/V are not whole rows)
+    prompt = list(range(600, 613))
+    a.sched.num_new_matched_tokens("r", prompt, 0, KEY)
+    a.step([ScheduledReq("r", 0, 13)], {"r": [7, 1, 3, 5]})
+    a.sched.finished("r")
+    assert b.sched.num_new_matched_tokens("s", prompt, 0, KEY) == 12
+    b.sched.after_alloc("s", 12)
+    b.step([ScheduledReq("s", 12, 1)], {"s": [2, 9, 8, 0]})
+    assert all(torch.equal(x, y) for x, y in zip(a.token_kv([7, 1, 3, 5], 12), b.token_kv([2, 9, 8, 0], 12),
+                                                  strict=True))
+    b.sched.finished("s")
+    a.close()
+    b.close()
+    assert idle(manager) == (0, 0)

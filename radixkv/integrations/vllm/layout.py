@@ -26,7 +26,8 @@ import torch
 
 from radixkv.errors import InvalidArgumentError
 
-__all__ = ["KVShape", "LayoutMismatchError", "paged_kv_views", "manager_kv_shape", "check_same_shape"]
+__all__ = ["KVShape", "LayoutMismatchError", "RowGeometry", "paged_kv_views", "row_geometry", "manager_kv_shape",
+           "check_same_shape"]
 
 
 class LayoutMismatchError(InvalidArgumentError):
@@ -94,3 +95,38 @@ def paged_kv_views(kv: torch.Tensor, block_size: int, kv_heads: int, head_dim: i
         f"RadixKVConnector reads for block_size={block_size}, kv_heads={kv_heads}, head_dim={head_dim} "
         "(CPU [blocks, heads, block, 2*head_dim]; FlashAttention [2, blocks, block, heads, head_dim]; "
         "FlashInfer [blocks, 2, block, heads, head_dim])")
+
+
+class RowGeometry(NamedTuple):
+    """Where K / V of (block, offset, head) lie in a layer tensor seen as rows of
+    ``head_dim`` (``tensor.view(-1, head_dim)``): row ``base + block * block_stride +
+    offset * offset_stride + head * head_stride`` (``base``: ``k_base`` or ``v_base``)."""
+
+    k_base: int
+    v_base: int
+    block_stride: int
+    offset_stride: int
+    head_stride: int
+
+    def rows(self, blocks: torch.Tensor, offsets: torch.Tensor, heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(K rows, V rows), ``[n * heads]`` each, token-major then head (the order of a
+        ``[n, heads, head_dim]`` tensor's rows)."""
+        at = (blocks * self.block_stride + offsets * self.offset_stride)[:, None] \
+            + torch.arange(heads, device=blocks.device)[None, :] * self.head_stride
+        at = at.reshape(-1)
+        return at + self.k_base, at + self.v_base
+
+
+def row_geometry(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> "RowGeometry | None":
+    """The :class:`RowGeometry` of views ``k`` / ``v`` (``[blocks, block, heads, head_dim]``)
+    of the contiguous layer tensor ``kv``, or ``None`` when they are not whole rows of it
+    (then the copies index the views directly, more slowly). Copies by row index are one
+    ``index_select`` / ``index_copy_`` on a contiguous 2-D tensor: much faster on CPU than
+    advanced indexing of a permuted view."""
+    if not kv.is_contiguous() or k.stride(3) != 1 or v.stride(3) != 1 or k.stride()[:3] != v.stride()[:3]:
+        return None
+    vals = [k.storage_offset() - kv.storage_offset(), v.storage_offset() - kv.storage_offset(), *k.stride()[:3]]
+    if any(x % head_dim for x in vals):
+        return None
+    kb, vb, sb, so, sh = (x // head_dim for x in vals)
+    return RowGeometry(kb, vb, sb, so, sh)

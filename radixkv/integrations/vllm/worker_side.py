@@ -26,7 +26,7 @@ import torch
 from radixkv.errors import InvalidArgumentError
 
 from radixkv.integrations.vllm.layout import (
-    KVShape, LayoutMismatchError, check_same_shape, manager_kv_shape, paged_kv_views,
+    KVShape, LayoutMismatchError, RowGeometry, check_same_shape, manager_kv_shape, paged_kv_views, row_geometry,
 )
 from radixkv.integrations.vllm.link import ManagerLink
 from radixkv.integrations.vllm.scheduler_side import CopyOp
@@ -46,6 +46,8 @@ class WorkerSide:
         self.link = link
         self.shape = shape
         self._views: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._rows: List[torch.Tensor] = []  # each layer as rows of head_dim (with _geometry)
+        self._geometry: Optional[RowGeometry] = None  # the same in every layer, or None: index the views
         self._buffers: Dict[int, Any] = {}  # epoch -> WorkerBuffers
         self.counters: Dict[str, int] = {"loaded_tokens": 0, "saved_tokens": 0, "failed_load_tokens": 0,
                                          "failed_save_tokens": 0, "mapped_epochs": 0}
@@ -60,6 +62,9 @@ class WorkerSide:
                                       f"has {self.shape.layers}")
         s = self.shape
         self._views = [paged_kv_views(t, s.page_size, s.kv_heads, s.head_dim, name) for name, t in layers]
+        geos = {row_geometry(t, k, v, s.head_dim) for (_, t), (k, v) in zip(layers, self._views, strict=True)}
+        self._geometry = geos.pop() if len(geos) == 1 else None
+        self._rows = [t.view(-1, s.head_dim) for _, t in layers] if self._geometry is not None else []
         for name, t in layers:
             if str(t.dtype).removeprefix("torch.") != s.dtype:
                 raise LayoutMismatchError(f"vLLM KV cache of {name} is {t.dtype}, expected {s.dtype}")
@@ -134,14 +139,17 @@ class WorkerSide:
                 if wb is None:
                     raise InvalidArgumentError(f"manager epoch {epoch} is not mapped")
                 rows, blk, off = self._indices(wb, group)
-                for layer, (k, v) in enumerate(self._views):
-                    mk, mv = wb.get_kv_buffer(layer)
-                    if to_vllm:
-                        k[blk, off] = mk.index_select(0, rows)
-                        v[blk, off] = mv.index_select(0, rows)
-                    else:
-                        mk.index_copy_(0, rows, k[blk, off])
-                        mv.index_copy_(0, rows, v[blk, off])
+                if self._geometry is not None:
+                    self._copy_rows(wb, rows, blk, off, to_vllm)
+                else:
+                    for layer, (k, v) in enumerate(self._views):
+                        mk, mv = wb.get_kv_buffer(layer)
+                        if to_vllm:
+                            k[blk, off] = mk.index_select(0, rows)
+                            v[blk, off] = mv.index_select(0, rows)
+                        else:
+                            mk.index_copy_(0, rows, k[blk, off])
+                            mv.index_copy_(0, rows, v[blk, off])
                 if rows.is_cuda:
                     torch.cuda.current_stream(rows.device).synchronize()
                 done.extend(group)
@@ -150,6 +158,21 @@ class WorkerSide:
                                sum(op.end - op.start for op in group), type(e).__name__, e)
                 failed.extend(group)
         return done, failed
+
+    def _copy_rows(self, wb: Any, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, to_vllm: bool) -> None:
+        """The copies by row index (see ``row_geometry``): per layer and K/V one
+        ``index_select`` and one ``index_copy_``, row indices computed once for all layers."""
+        assert self._geometry is not None
+        h, d = self.shape.kv_heads, self.shape.head_dim
+        k_rows, v_rows = self._geometry.rows(blk, off, h)
+        for layer, flat in enumerate(self._rows):
+            mk, mv = wb.get_kv_buffer(layer)
+            if to_vllm:
+                flat.index_copy_(0, k_rows, mk.index_select(0, rows).reshape(-1, d))
+                flat.index_copy_(0, v_rows, mv.index_select(0, rows).reshape(-1, d))
+            else:
+                mk.index_copy_(0, rows, flat.index_select(0, k_rows).view(-1, h, d))
+                mv.index_copy_(0, rows, flat.index_select(0, v_rows).view(-1, h, d))
 
     def load(self, ops: Sequence[CopyOp]) -> Set[int]:
         """Copy the ops' manager rows into vLLM's blocks. Returns the vLLM block ids that
