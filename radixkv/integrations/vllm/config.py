@@ -1,0 +1,65 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config`` dict, validated.
+
+Keys (``address`` is required):
+
+* ``address``: the manager, ``unix:///DIR/NAME.sock`` or ``HOST:PORT``;
+* ``token_file``: a file holding the manager's token (else ``$RADIXKV_TOKEN``);
+* ``namespace``: the cache namespace of this model (default: vLLM's model name). Engines
+  share entries only within one namespace; LoRA adapters and ``cache_salt`` split it further;
+* ``connect_timeout_s`` (2): how long one connection attempt waits for the manager;
+* ``call_timeout_s`` (10): the deadline of each call to the manager;
+* ``retry_interval_s`` (2): after a failure, how long the engine serves without the cache
+  before it tries the manager again;
+* ``recompute_load_failures`` (true): set vLLM's ``kv_load_failure_policy`` to
+  ``"recompute"``, so that a load that cannot be done (the manager restarted between the
+  match and the load) recomputes the tokens instead of failing the request.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from radixkv.errors import InvalidArgumentError
+
+__all__ = ["ConnectorConfig"]
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    address: str
+    token_file: str | None = None
+    namespace: str | None = None
+    connect_timeout_s: float = 2.0
+    call_timeout_s: float = 10.0
+    retry_interval_s: float = 2.0
+    recompute_load_failures: bool = True
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """From ``kv_connector_extra_config``. Raises ``InvalidArgumentError`` for a missing
+        ``address``, an unknown key (listed) or a bad value."""
+        d: dict[str, Any] = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise InvalidArgumentError(f"RadixKVConnector: unknown kv_connector_extra_config keys {unknown} "
+                                       f"(known: {sorted(known)})")
+        addr = d.get("address")
+        if not isinstance(addr, str) or not addr:
+            raise InvalidArgumentError("RadixKVConnector: kv_connector_extra_config needs 'address' "
+                                       "(e.g. 'unix:///run/radixkv-manager/s.sock')")
+        for key in ("token_file", "namespace"):
+            v = d.get(key)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidArgumentError(f"RadixKVConnector: {key} must be a non-empty string, got {v!r}")
+        for key in ("connect_timeout_s", "call_timeout_s", "retry_interval_s"):
+            if key in d:
+                v = d[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise InvalidArgumentError(f"RadixKVConnector: {key} must be a number > 0, got {v!r}")
+                d[key] = float(v)
+        if "recompute_load_failures" in d and not isinstance(d["recompute_load_failures"], bool):
+            raise InvalidArgumentError("RadixKVConnector: recompute_load_failures must be a bool")
+        return cls(**d)

@@ -1,0 +1,323 @@
+"""``RadixKVConnector``: the vLLM v1 KV connector (``KVConnectorBase_V1``) over radixkv.
+
+The only module of the package that imports vLLM (checked with vLLM 0.32.0). It maps vLLM's
+hooks onto :class:`~radixkv.integrations.vllm.scheduler_side.SchedulerSide` (scheduler role)
+and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role):
+
+=============================  ==============================================================
+vLLM hook                      what happens
+=============================  ==============================================================
+``get_num_new_matched_tokens``  ``alloc_extend``: match + lock the cached prefix (whole blocks)
+``update_state_after_alloc``    the accepted hit is planned for loading
+``build_connector_meta``        the step's load and save ops (``RadixKVConnectorMetadata``)
+``start_load_kv``               worker: one gather/scatter per layer, manager -> vLLM
+``wait_for_save``               worker: one gather/scatter per layer, vLLM -> manager
+``build_connector_worker_meta`` worker -> scheduler: what was saved / failed
+``update_connector_output``     ``cache_finished`` of fully saved prompts (one batch call)
+``request_finished``            ``release`` of a request that ended before its save
+=============================  ==============================================================
+
+Loads are synchronous (done before the forward that reads them); saves complete before the
+step returns. Every hook catches its own failures: a manager fault makes the engine serve
+without the shared cache (warning log, counters in ``RadixKVStats``), never crash it.
+Hybrid (Mamba / linear-attention / sliding-window) and MLA models, quantized KV caches and
+tensor / pipeline parallel engines are refused at start-up.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from radixkv.errors import InvalidArgumentError
+from radixkv.integrations.vllm.config import ConnectorConfig
+from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, dtype_name
+from radixkv.integrations.vllm.link import ManagerLink
+from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide
+from radixkv.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["RadixKVConnector", "RadixKVConnectorMetadata", "RadixKVWorkerMetadata", "RadixKVStats"]
+
+logger = logging.getLogger("radixkv.integrations.vllm")
+
+_MAX_KEY = 1024  # radixkv's extra_key limit
+
+
+@dataclass
+class RadixKVConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, one step: the copies to do."""
+
+    loads: list[CopyOp] = field(default_factory=list)
+    saves: list[CopyOp] = field(default_factory=list)
+
+
+@dataclass
+class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step: ``saved[req_id]``: saved up to this token; ``failed``:
+    requests whose save failed."""
+
+    saved: dict[str, int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, RadixKVWorkerMetadata):
+            return self
+        saved = dict(self.saved)
+        for k, v in other.saved.items():  # a request is saved as far as every worker saved it
+            saved[k] = min(saved[k], v) if k in saved else v
+        return RadixKVWorkerMetadata(saved, self.failed | other.failed)
+
+
+@dataclass
+class RadixKVStats(KVConnectorStats):
+    """Counter increments of one interval (tokens / requests), summed across workers."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class _Deltas:
+    """Counter dicts -> increments since the last call."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, *counters: dict[str, int]) -> dict[str, int]:
+        now: dict[str, int] = {}
+        for c in counters:
+            now.update(c)
+        out = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
+        self._last = now
+        return out
+
+
+def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    mc = vllm_config.model_config
+    if getattr(mc, "is_hybrid", False):
+        raise InvalidArgumentError(
+            f"RadixKVConnector: model {mc.model!r} is hybrid (Mamba / linear-attention layers); the "
+            "connector shares full-attention KV only and would reuse KV without its recurrent state")
+    if getattr(mc, "use_mla", False):
+        raise InvalidArgumentError(f"RadixKVConnector: model {mc.model!r} uses MLA; not supported")
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    if kinds and kinds != ["FullAttentionSpec"]:
+        raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only FullAttentionSpec "
+                                   "(full attention in every layer) is supported")
+    pc = vllm_config.parallel_config
+    if int(getattr(pc, "world_size", 1)) > 1:
+        raise InvalidArgumentError(
+            f"RadixKVConnector: tensor/pipeline parallel engines (world size {pc.world_size}) are not "
+            "supported: every rank would write its shard of the heads into the same manager rows")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise InvalidArgumentError(f"RadixKVConnector: kv_cache_dtype {cache_dtype!r} is not supported "
+                                   "(use 'auto': the model dtype)")
+
+
+def _kv_shape(vllm_config: VllmConfig) -> KVShape:
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return KVShape(int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()),
+                   dtype_name(mc.dtype), int(vllm_config.cache_config.block_size))
+
+
+class RadixKVConnector(KVConnectorBase_V1):
+    """vLLM engines share one radixkv cache manager (see the module doc and ``docs/vllm.md``)."""
+
+    _cache_hit_source = CacheHitSource.HOST  # the manager's pool is host (or device) memory
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self._cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        _refuse_unsupported(vllm_config, kv_cache_config)
+        if self._cfg.recompute_load_failures and tc.kv_load_failure_policy != "recompute":
+            tc.kv_load_failure_policy = "recompute"  # a cache: a lost entry is recomputed, not an error
+        self._shape = _kv_shape(vllm_config)
+        self._namespace = self._cfg.namespace or str(vllm_config.model_config.model)
+        self._deltas = _Deltas()
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._load_errors: set[int] = set()
+        self._report = RadixKVWorkerMetadata()
+        if role == KVConnectorRole.SCHEDULER:
+            link = ManagerLink(self._cfg, "vllm-scheduler", validate=self._check_manager)
+            self._sched = SchedulerSide(link, self._shape.page_size)
+            link.get(force=True)  # connect now (a shape mismatch raises here)
+            if isinstance(link.last_error, LayoutMismatchError):
+                raise link.last_error
+        else:
+            link = ManagerLink(self._cfg, "vllm-worker", keepalive=False, background=False)
+            self._worker = WorkerSide(link, self._shape)
+
+    def _check_manager(self, client: Any, info: Any) -> None:
+        from radixkv.integrations.vllm.layout import check_same_shape, manager_kv_shape
+
+        check_same_shape(self._shape, manager_kv_shape(info.layout["config"]))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    # ================================================================= worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        assert self._worker is not None
+        layers: list[tuple[str, torch.Tensor]] = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
+        self._worker.register(layers)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.loads:
+            return
+        self._load_errors |= self._worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are done in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves are done in wait_for_save, one copy per layer for the whole step
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.saves:
+            return
+        saved, failed = self._worker.save(meta.saves)
+        self._report = RadixKVWorkerMetadata({**self._report.saved, **saved}, self._report.failed | failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._report.saved and not self._report.failed:
+            return None
+        out, self._report = self._report, RadixKVWorkerMetadata()
+        return out
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker or self._sched
+        if side is None:
+            return None
+        d = self._deltas.take({f"{'worker' if self._worker else 'scheduler'}_{k}": v
+                               for k, v in {**side.counters, **side.link.counters}.items()})
+        return RadixKVStats(data=d) if d else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return RadixKVStats(data=dict(data or {}))
+
+    # ================================================================= scheduler
+    def _extra_key(self, request: Request) -> str:
+        key = f"vllm|{self._namespace}"
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            key += f"|lora={lora.lora_name}#{lora.lora_int_id}"
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            key += f"|salt={salt}"
+        if len(key) > _MAX_KEY:
+            key = "vllm|sha256=" + hashlib.sha256(key.encode()).hexdigest()
+        return key
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        try:
+            prompt = request.prompt_token_ids
+            cacheable = prompt is not None and not request.mm_features and request.prompt_embeds is None
+            n = self._sched.num_new_matched_tokens(request.request_id, prompt or [], num_computed_tokens,
+                                                   self._extra_key(request), cacheable)
+        except Exception:
+            logger.exception("radixkv: match failed for %s; computing it", request.request_id)
+            n = 0
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.after_alloc(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        so = scheduler_output
+        blocks: dict[str, list[int]] = {}
+        scheduled: list[ScheduledReq] = []
+        for r in so.scheduled_new_reqs:
+            blocks[r.req_id] = list(r.block_ids[0])
+            scheduled.append(ScheduledReq(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id]))
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            scheduled.append(ScheduledReq(rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
+
+        def block_ids_of(rid: str) -> list[int]:
+            if rid not in blocks:
+                assert self._kv_cache_manager is not None
+                blocks[rid] = list(self._kv_cache_manager.get_block_ids(rid)[0])
+            return blocks[rid]
+
+        try:
+            plan = self._sched.build_plan(scheduled, block_ids_of)
+        except Exception:
+            logger.exception("radixkv: planning the step's copies failed; no copies this step")
+            return RadixKVConnectorMetadata()
+        return RadixKVConnectorMetadata(plan.loads, plan.saves)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._sched is not None
+        meta = connector_output.kv_connector_worker_meta
+        try:
+            if isinstance(meta, RadixKVWorkerMetadata):
+                self._sched.on_worker_report(meta.saved, meta.failed)
+            else:
+                self._sched.on_worker_report({})
+        except Exception:
+            logger.exception("radixkv: commit failed")
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is not None:
+            try:
+                self._sched.finished(request.request_id)
+            except Exception:
+                logger.exception("radixkv: release of %s failed", request.request_id)
+        return False, None
+
+    def shutdown(self) -> None:
+        side = self._sched or self._worker
+        if side is not None:
+            logger.info("radixkv connector counters: %s", {**side.counters, **side.link.counters})
+        if self._sched is not None:
+            self._sched.close()
+        elif self._worker is not None:
+            self._worker.link.close()

@@ -1,0 +1,164 @@
+"""``ManagerLink``: one connector side's connection to the cache manager, fault-tolerant.
+
+The engine must keep serving whatever the manager does, so every manager call of the
+connector goes through a link that can be *down*:
+
+* ``get()`` returns ``(client, info)`` of a live session, or ``None`` while down. It never
+  waits for the manager: a down link reconnects in a background thread (connect + attach,
+  each try bounded by ``connect_timeout_s``, one every ``retry_interval_s``) while the engine
+  recomputes. ``get(force=True)`` tries once in the caller's thread (engine start-up,
+  mapping a new manager epoch).
+* ``fail(error)`` is called by the user of the link after a manager call failed for a reason
+  other than bad input or capacity (the manager died, restarted, the lease expired): the link
+  drops its client and is down until the background thread is back (a warning per outage).
+* The session is kept alive by a keep-alive stream; when this process dies the stream drops
+  and the manager reclaims the session's rows and locks at once.
+
+``counters``: ``connects`` (sessions opened), ``connect_failures``, ``call_failures``.
+``get`` / ``fail`` are called from one thread (vLLM's scheduler or worker); the reconnect
+thread only publishes a finished connection (one atomic attribute store).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from radixkv.engine.protocol import AttachInfo
+from radixkv.errors import RadixKVError
+from radixkv.integrations.vllm.config import ConnectorConfig
+
+__all__ = ["ManagerLink"]
+
+logger = logging.getLogger("radixkv.integrations.vllm")
+
+#: ``(client, attach_info)`` checker run after each attach; raises to refuse the manager.
+Validator = Callable[[Any, AttachInfo], None]
+Live = tuple[Any, AttachInfo]
+
+
+def _default_connect(cfg: ConnectorConfig) -> Any:
+    import radixkv
+
+    return radixkv.connect(cfg.address, token_file=cfg.token_file, timeout_s=cfg.call_timeout_s,
+                           wait_s=cfg.connect_timeout_s)
+
+
+class ManagerLink:
+    """See the module doc. ``validate`` (optional) checks a fresh attach (e.g. the KV shape);
+    what it raises is logged and the link stays down (an incompatible manager is not used).
+    ``keepalive``: hold the session with a keep-alive stream (False: the session is only
+    used for its layout). ``background``: reconnect in a thread (False: only ``get(force)``)."""
+
+    def __init__(self, cfg: ConnectorConfig, worker_name: str, *, validate: Validator | None = None,
+                 keepalive: bool = True, background: bool = True,
+                 connect: Callable[[ConnectorConfig], Any] = _default_connect):
+        self.cfg = cfg
+        self.worker_name = worker_name
+        self._validate = validate
+        self._keepalive = keepalive
+        self._background = background
+        self._connect = connect
+        self._live: Live | None = None
+        self._lock = threading.Lock()  # one connection attempt at a time
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._down_logged = False
+        #: What the last connection attempt raised (None after a success).
+        self.last_error: BaseException | None = None
+        self.counters: dict[str, int] = {"connects": 0, "connect_failures": 0, "call_failures": 0}
+
+    @property
+    def up(self) -> bool:
+        return self._live is not None
+
+    def get(self, *, force: bool = False) -> Live | None:
+        """The live ``(client, info)``; ``None`` while down (``force``: try once now)."""
+        live = self._live
+        if live is not None:
+            return live
+        if force:
+            self._closed.clear()
+            if self._try_once():
+                return self._live
+        self._start_background()
+        return None
+
+    def _try_once(self) -> bool:
+        with self._lock:
+            if self._live is not None:
+                return True
+            client = None
+            try:
+                client = self._connect(self.cfg)
+                info = client.attach(self.worker_name)
+                if self._validate is not None:
+                    self._validate(client, info)
+                if self._keepalive:
+                    client.start_keepalive(info.session)
+            except Exception as e:  # the manager is down / refused: serve without it
+                self.counters["connect_failures"] += 1
+                self.last_error = e
+                if not self._down_logged:
+                    logger.warning("radixkv: manager %s unavailable (%s: %s); serving without the shared "
+                                   "cache, retrying every %.1f s", self.cfg.address, type(e).__name__, e,
+                                   self.cfg.retry_interval_s)
+                    self._down_logged = True
+                if client is not None:
+                    _close_quietly(client)
+                return False
+            self.last_error = None
+            self.counters["connects"] += 1
+            if self._down_logged or self.counters["connects"] > 1:
+                logger.warning("radixkv: connected to manager %s (session epoch %d)", self.cfg.address,
+                               info.session.epoch)
+            self._down_logged = False
+            self._live = (client, info)
+            return True
+
+    def _start_background(self) -> None:
+        if not self._background or self._closed.is_set():
+            return
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._reconnect_loop, name="radixkv-reconnect", daemon=True)
+        self._thread.start()
+
+    def _reconnect_loop(self) -> None:
+        while not self._closed.wait(self.cfg.retry_interval_s):
+            if self._live is not None or self._try_once():
+                return
+
+    def fail(self, error: BaseException) -> None:
+        """A manager call failed (not bad input / capacity): drop the client; down until the
+        reconnect thread is back."""
+        self.counters["call_failures"] += 1
+        live, self._live = self._live, None
+        if live is None:
+            return
+        logger.warning("radixkv: manager call failed (%s: %s); serving without the shared cache "
+                       "until it is back", type(error).__name__, error)
+        self._down_logged = True
+        _close_quietly(live[0])
+        self._start_background()
+
+    def close(self) -> None:
+        """Stop reconnecting; detach (best effort) and close."""
+        self._closed.set()
+        live, self._live = self._live, None
+        if live is None:
+            return
+        client, info = live
+        try:
+            client.detach(info.session)
+        except (RadixKVError, OSError):
+            pass
+        _close_quietly(client)
+
+
+def _close_quietly(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:  # closing a broken channel: nothing left to do
+        pass

@@ -1,0 +1,297 @@
+"""The scheduler half of the connector: match + lock, plan the copies, commit or release.
+
+Per vLLM request, through radixkv's engine protocol (batch calls only):
+
+1. First ask (``num_new_matched_tokens``): one ``alloc_extend`` of the prompt (namespaced by
+   ``extra_key``). The manager matches the longest cached prefix of its first ``n - 1``
+   tokens in whole pages, *locks* it under this session, and allocates KV slots (a
+   ``req_to_token`` row) for the rest; only the prompt's whole blocks are saved and cached.
+   The hit offered to vLLM is that prefix minus what vLLM has locally. The answer is kept: a
+   request asked again (not schedulable yet, preempted) gets the same hit, or none once
+   its load was planned. ``CapacityError`` / ``InvalidArgumentError`` (prompt longer than the
+   pool or the manager's context): no hit, nothing stored, vLLM computes everything.
+2. ``after_alloc``: vLLM accepted ``num_external`` tokens: plan their load.
+3. ``build_plan`` (each step): load ops for accepted hits (tokens ``[hit - n, hit)``), save
+   ops for the whole blocks the step completes beyond the manager's prefix. An op names the
+   request's manager row and token range (the worker reads the slots from the shared
+   ``req_to_token``) and vLLM's slot ids (``block * block_size + offset``).
+4. ``on_worker_report``: the worker saved ``[start, end)``; once every block of the prompt
+   is saved, one ``cache_finished`` for all such requests puts them into the tree (rows a
+   concurrent insert already holds are freed by the tree) and drops the lock.
+5. ``finished``: a request that ends before its blocks are saved is ``release``d (nothing
+   cached). After a manager restart or lease loss the old session's requests are dropped
+   (the manager reclaims them); the link reconnects and later requests use the new one.
+
+The lock is held from the first ask until the commit or release, so an eviction between the
+match and the load can never hand a row to another request.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from radixkv.engine.protocol import ExtendItem, Session
+from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
+from radixkv.integrations.vllm.link import ManagerLink
+
+__all__ = ["CopyOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
+
+logger = logging.getLogger("radixkv.integrations.vllm")
+
+
+class CopyOp(NamedTuple):
+    """Copy tokens ``[start, end)`` of a request between manager row ``row`` (of the
+    manager epoch ``epoch``) and vLLM slots ``slots`` (int64, ``end - start`` entries)."""
+
+    req_id: str
+    epoch: int
+    row: int
+    start: int
+    end: int
+    slots: np.ndarray
+
+
+class StepPlan(NamedTuple):
+    loads: list[CopyOp]
+    saves: list[CopyOp]
+
+
+class ScheduledReq(NamedTuple):
+    """A request of vLLM's step: tokens with KV before the step, tokens it computes."""
+
+    req_id: str
+    num_computed: int
+    num_scheduled: int
+
+
+@dataclass
+class _Req:
+    mrid: str  # the manager's rid
+    n_prompt: int
+    session: Session | None = None  # None: not in the manager (no hit, nothing stored)
+    row: int = -1
+    n_full: int = 0  # prompt tokens in whole blocks (sent to the manager)
+    prefix: int = 0  # tokens the manager had (locked)
+    hit: int = 0  # tokens offerable to vLLM (prefix capped below the prompt length)
+    load: tuple | None = None  # (start, end) vLLM accepted, not yet planned
+    load_planned: bool = False
+    issued: int = 0  # save ops planned for [prefix, issued)
+    saved: int = 0  # the worker reported [prefix, saved) saved
+    broken: bool = False  # a save failed: release, never commit
+    finished: bool = False  # vLLM finished it; waiting for the last save report
+
+    def complete(self) -> bool:
+        return not self.broken and self.saved >= self.n_full
+
+
+def vllm_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """vLLM slot ids of tokens ``[start, end)`` of a request with ``block_ids``."""
+    t = np.arange(start, end, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    if end > blocks.size * block_size:
+        raise InvalidArgumentError(f"tokens up to {end} need {-(-end // block_size)} blocks, "
+                                   f"the request has {blocks.size}")
+    return blocks[t // block_size] * block_size + t % block_size
+
+
+class SchedulerSide:
+    """See the module doc. ``link``: the scheduler's :class:`ManagerLink`; ``block_size``:
+    vLLM's (== the manager's page size, checked at attach)."""
+
+    def __init__(self, link: ManagerLink, block_size: int):
+        if block_size < 1:
+            raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
+        self.link = link
+        self.bs = block_size
+        self._reqs: dict[str, _Req] = {}
+        self._ids = itertools.count()
+        self.counters: dict[str, int] = {
+            "queries": 0, "query_tokens": 0, "matched_tokens": 0, "offered_tokens": 0,
+            "loaded_tokens": 0, "saved_tokens": 0, "committed_requests": 0, "released_requests": 0,
+            "uncacheable_requests": 0, "dropped_requests": 0,
+        }
+
+    # ------------------------------------------------------------------ helpers
+    def _session(self) -> Session | None:
+        got = self.link.get()
+        return got[1].session if got is not None else None
+
+    # ------------------------------------------------------------------ 1. match + lock
+    def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
+                               extra_key: str | None, cacheable: bool = True) -> int:
+        """Tokens vLLM can load beyond its ``num_computed`` (whole blocks)."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            if st.session is None or st.load_planned:
+                return 0
+            return max(0, st.hit - num_computed)
+        n = len(prompt)
+        st = _Req(mrid=f"{req_id}#{next(self._ids)}", n_prompt=n)
+        self._reqs[req_id] = st
+        n_full = n // self.bs * self.bs
+        if not cacheable or n_full == 0:
+            return 0
+        got = self.link.get()
+        if got is None:
+            return 0
+        client, info = got
+        # the whole prompt: the manager matches at most n - 1 tokens (so this is vLLM's cap
+        # too), and caches only its whole pages; the tail's slot is freed at the commit
+        tokens = np.asarray(prompt, dtype=np.int32)
+        self.counters["queries"] += 1
+        self.counters["query_tokens"] += n
+        try:
+            res = client.alloc_extend(info.session, [ExtendItem(st.mrid, tokens, extra_key)])[0]
+        except (CapacityError, InvalidArgumentError) as e:  # longer than the pool / context: recompute
+            self.counters["uncacheable_requests"] += 1
+            logger.debug("radixkv: request %s not cached: %s", req_id, e)
+            return 0
+        except Exception as e:
+            self.link.fail(e)
+            return 0
+        prefix = int(res.prefix_len) // self.bs * self.bs
+        st.session, st.row, st.n_full, st.prefix = info.session, int(res.req_pool_idx), n_full, prefix
+        st.hit = min(prefix, (n - 1) // self.bs * self.bs)
+        st.issued = st.saved = prefix
+        self.counters["matched_tokens"] += prefix
+        offered = max(0, st.hit - num_computed)
+        self.counters["offered_tokens"] += offered
+        return offered
+
+    # ------------------------------------------------------------------ 2. accepted
+    def after_alloc(self, req_id: str, num_external: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None or num_external <= 0 or st.session is None or st.load_planned:
+            return
+        if num_external > st.hit:
+            raise InvariantError(f"vLLM accepted {num_external} external tokens of {req_id!r}, "
+                                 f"only {st.hit} were offered")
+        st.load = (st.hit - num_external, st.hit)
+
+    # ------------------------------------------------------------------ 3. plan
+    def build_plan(self, scheduled: Iterable[ScheduledReq],
+                   block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
+        """The copies of this step (``block_ids_of(req_id)``: the request's vLLM blocks)."""
+        self._flush_finished()
+        loads: list[CopyOp] = []
+        saves: list[CopyOp] = []
+        current = self._session()
+        for sr in scheduled:
+            st = self._reqs.get(sr.req_id)
+            if st is None or st.session is None:
+                continue
+            blocks: Sequence[int] | None = None
+            if st.load is not None and not st.load_planned:
+                blocks = block_ids_of(sr.req_id)
+                s, e = st.load
+                loads.append(CopyOp(sr.req_id, st.session.epoch, st.row, s, e, vllm_slots(blocks, s, e, self.bs)))
+                st.load_planned = True
+                self.counters["loaded_tokens"] += e - s
+            if st.broken or st.session != current:
+                continue  # nothing more goes to an old session
+            upto = min(st.n_full, (sr.num_computed + sr.num_scheduled) // self.bs * self.bs)
+            if upto > st.issued:
+                blocks = blocks if blocks is not None else block_ids_of(sr.req_id)
+                saves.append(CopyOp(sr.req_id, st.session.epoch, st.row, st.issued, upto,
+                                    vllm_slots(blocks, st.issued, upto, self.bs)))
+                st.issued = upto
+        return StepPlan(loads, saves)
+
+    # ------------------------------------------------------------------ 4. commit
+    def on_worker_report(self, saved: dict[str, int], failed: Iterable[str] = ()) -> None:
+        """The worker's report of one step: ``saved[req_id]``: saved up to this token;
+        ``failed``: requests whose save could not be done (released, never committed)."""
+        for req_id in failed:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.broken = True
+        for req_id, end in saved.items():
+            st = self._reqs.get(req_id)
+            if st is not None and st.session is not None:
+                st.saved = max(st.saved, min(int(end), st.issued))
+        current = self._session()
+        commit = [(rid, st) for rid, st in self._reqs.items() if st.session is not None and st.complete()
+                  and st.session == current]
+        if commit and current is not None:
+            if self._call_cache_finished(current, [st.mrid for _, st in commit]):
+                for rid, st in commit:
+                    self.counters["saved_tokens"] += st.n_full - st.prefix
+                    self.counters["committed_requests"] += 1
+                    st.session = None  # the manager forgot it
+                    if st.finished:
+                        del self._reqs[rid]
+        self._flush_finished()
+
+    def _call_cache_finished(self, session: Session, mrids: list[str]) -> bool:
+        got = self.link.get()
+        if got is None:
+            return False
+        try:
+            got[0].cache_finished(session, mrids)
+            return True
+        except Exception as e:
+            self.link.fail(e)
+            return False
+
+    # ------------------------------------------------------------------ 5. end
+    def finished(self, req_id: str) -> None:
+        """vLLM finished (or aborted) the request: forget it now, or after the report of
+        the save still in flight for it (committed or released then)."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        if st.session is not None and not st.broken and st.issued >= st.n_full > st.saved:
+            st.finished = True  # the step that saved its last blocks reports right after
+            return
+        del self._reqs[req_id]
+        self._drop([st])
+
+    def _flush_finished(self) -> None:
+        done = [rid for rid, st in self._reqs.items() if st.finished]
+        states = [self._reqs.pop(rid) for rid in done]
+        self._drop(states)
+
+    def _drop(self, states: list[_Req]) -> None:
+        """Release, in one call, the manager requests of ``states`` (current session only;
+        an old session's were reclaimed with it)."""
+        live = [st for st in states if st.session is not None]
+        if not live:
+            return
+        current = self._session()
+        mine = [st.mrid for st in live if st.session == current]
+        self.counters["dropped_requests"] += len(live) - len(mine)
+        if mine and current is not None:
+            got = self.link.get()
+            if got is not None:
+                try:
+                    got[0].release(current, mine)
+                    self.counters["released_requests"] += len(mine)
+                except Exception as e:
+                    self.link.fail(e)
+        for st in live:
+            st.session = None
+
+    # ------------------------------------------------------------------ audit
+    @property
+    def pending(self) -> int:
+        """Requests this side still tracks."""
+        return len(self._reqs)
+
+    def check_invariants(self) -> None:
+        """Every tracked request's ranges are ordered: ``hit <= prefix <= saved <= issued
+        <= n_full`` (raises ``InvariantError`` listing the bad request ids)."""
+        bad = [rid for rid, st in self._reqs.items() if st.session is not None and not (
+            0 <= st.hit <= st.prefix <= st.saved <= st.issued <= st.n_full <= st.n_prompt
+            and st.prefix % self.bs == 0 and st.n_full % self.bs == 0)]
+        if bad:
+            raise InvariantError(f"radixkv connector: inconsistent request states {sorted(bad)}")
+
+    def close(self) -> None:
+        self._drop(list(self._reqs.values()))
+        self._reqs.clear()
+        self.link.close()

@@ -1,0 +1,274 @@
+"""The vLLM connector's two halves against a real manager, without vLLM.
+
+Two "engines" (a ``SchedulerSide`` + ``WorkerSide`` each, with a fake paged KV cache in vLLM's
+CPU layout ``[blocks, kv_heads, block_size, 2 * head_dim]``) share one manager: what A saves,
+B loads into other blocks, bit for bit; capacity, early finishes and a dead manager serve
+no hit and leave the manager idle.
+"""
+import numpy as np
+import pytest
+import torch
+
+from radixkv.engine.config import EngineConfig
+from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.integrations.vllm.config import ConnectorConfig
+from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, paged_kv_views
+from radixkv.integrations.vllm.link import ManagerLink
+from radixkv.integrations.vllm.scheduler_side import ScheduledReq, SchedulerSide, vllm_slots
+from radixkv.integrations.vllm.worker_side import WorkerSide
+from tooling.testing import ThreadedServer
+
+BS, HEADS, HD, LAYERS = 4, 2, 8, 2
+SHAPE = KVShape(LAYERS, HEADS, HD, "float32", BS)
+KEY = "vllm|test-model"
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
+    cfg = EngineConfig(kv_tokens=64, page_size=BS, layer_types="F" * LAYERS, head_num=HEADS, head_dim=HD,
+                       kv_dtype="float32", request_rows=8, max_context_len=128)
+    with ThreadedServer(cfg) as srv:
+        tok = tmp_path_factory.mktemp("tok") / "token"
+        tok.write_text(srv.token)
+        srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
+        yield srv
+
+
+class Engine:
+    """One fake vLLM engine: its scheduler and worker halves and a paged KV cache."""
+
+    def __init__(self, cfg, blocks=16, seed=0):
+        self.sched = SchedulerSide(ManagerLink(cfg, "sched"), BS)
+        self.sched.link.get(force=True)  # as the connector does at engine start
+        self.worker = WorkerSide(ManagerLink(cfg, "worker", keepalive=False, background=False), SHAPE)
+        g = torch.Generator().manual_seed(seed)
+        self.kv = [torch.randn(blocks, HEADS, BS, 2 * HD, generator=g) for _ in range(LAYERS)]
+        self.worker.register([(f"model.layers.{i}.attn", t) for i, t in enumerate(self.kv)])
+
+    def step(self, scheduled, blocks_of):
+        plan = self.sched.build_plan(scheduled, lambda rid: blocks_of[rid])
+        failed_blocks = self.worker.load(plan.loads)
+        saved, failed = self.worker.save(plan.saves)
+        self.sched.on_worker_report(saved, failed)
+        self.sched.check_invariants()
+        return plan, failed_blocks
+
+    def token_kv(self, blocks, n):
+        """K/V of tokens [0, n) of a request with ``blocks``: [layers, n, heads, hd] each."""
+        slots = torch.from_numpy(vllm_slots(blocks, 0, n, BS))
+        ks, vs = [], []
+        for t in self.kv:
+            k, v = paged_kv_views(t, BS, HEADS, HD)
+            ks.append(k[slots // BS, slots % BS])
+            vs.append(v[slots // BS, slots % BS])
+        return torch.stack(ks), torch.stack(vs)
+
+    def close(self):
+        self.sched.close()
+
+
+def idle(manager):
+    c = manager.client()
+    st = c.stats()
+    return st.requests, st.kv_protected
+
+
+def test_b_loads_exactly_what_a_saved(manager):
+    a, b = Engine(manager.cfg, seed=1), Engine(manager.cfg, seed=2)
+    prompt = list(range(100, 114))  # 3 whole blocks + 2 tokens
+    assert a.sched.num_new_matched_tokens("r1", prompt, 0, KEY) == 0
+    a_blocks = [5, 2, 9, 1]
+    plan, _ = a.step([ScheduledReq("r1", 0, len(prompt))], {"r1": a_blocks})
+    assert [(op.start, op.end) for op in plan.saves] == [(0, 12)]
+    assert a.sched.counters["committed_requests"] == 1
+    a.sched.finished("r1")
+    # B: the same 3 blocks then a different tail; it may load 3 blocks (12 tokens)
+    prompt_b = prompt[:12] + [7, 7, 7, 7, 7]
+    assert b.sched.num_new_matched_tokens("q1", prompt_b, 0, KEY) == 12
+    assert b.sched.num_new_matched_tokens("q1", prompt_b, 0, KEY) == 12  # asked again: same answer, no new lock
+    b.sched.after_alloc("q1", 12)
+    b_blocks = [3, 11, 0, 6, 4]
+    plan, failed = b.step([ScheduledReq("q1", 12, len(prompt_b) - 12)], {"q1": b_blocks})
+    assert not failed and [(op.start, op.end) for op in plan.loads] == [(0, 12)]
+    assert [(op.start, op.end) for op in plan.saves] == [(12, 16)]
+    ka, va = a.token_kv(a_blocks, 12)
+    kb, vb = b.token_kv(b_blocks, 12)
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    b.sched.finished("q1")
+    assert b.sched.pending == 0 and a.sched.pending == 0
+    assert idle(manager) == (0, 0)
+    # another namespace sees nothing
+    assert b.sched.num_new_matched_tokens("q2", prompt_b, 0, "vllm|other-model") == 0
+    b.sched.finished("q2")
+    a.close()
+    b.close()
+
+
+def test_hit_is_capped_below_the_prompt_and_local_hits_are_subtracted(manager):
+    a, b = Engine(manager.cfg), Engine(manager.cfg)
+    prompt = list(range(200, 216))  # 4 whole blocks
+    a.sched.num_new_matched_tokens("r", prompt, 0, KEY)
+    a.step([ScheduledReq("r", 0, 16)], {"r": [0, 1, 2, 3]})
+    a.sched.finished("r")
+    # the same 16 tokens: at least one is computed, so 3 blocks at most; 1 block local
+    assert b.sched.num_new_matched_tokens("s", prompt, 4, KEY) == 8
+    b.sched.finished("s")  # never scheduled: released
+    assert idle(manager) == (0, 0)
+    a.close()
+    b.close()
+
+
+def test_prompt_longer_than_the_pool_is_computed_not_cached(manager):
+    e = Engine(manager.cfg)
+    prompt = list(range(1, 127))  # 124 tokens in whole blocks > the 64-slot pool
+    assert e.sched.num_new_matched_tokens("big", prompt, 0, KEY) == 0
+    assert e.sched.counters["uncacheable_requests"] == 1
+    plan, _ = e.step([ScheduledReq("big", 0, len(prompt))], {"big": list(range(16))})
+    assert plan == ([], [])
+    e.sched.finished("big")
+    assert idle(manager) == (0, 0)
+    e.close()
+
+
+def test_a_request_finished_before_its_save_is_released(manager):
+    e = Engine(manager.cfg)
+    prompt = list(range(300, 312))
+    e.sched.num_new_matched_tokens("r", prompt, 0, KEY)
+    e.step([ScheduledReq("r", 0, 4)], {"r": [1, 2, 3]})  # chunked: one block of three
+    e.sched.finished("r")
+    assert e.sched.counters["released_requests"] == 1 and e.sched.pending == 0
+    assert idle(manager) == (0, 0)
+    e.close()
+
+
+def test_a_dead_manager_means_no_hit_and_no_copies(tmp_path):
+    tok = tmp_path / "token"
+    tok.write_text("x" * 32)
+    cfg = ConnectorConfig(address=f"unix://{tmp_path}/none.sock", token_file=str(tok),
+                          connect_timeout_s=0.2, retry_interval_s=60)
+    e = Engine(cfg)  # register does not need the manager
+    assert e.sched.num_new_matched_tokens("r", list(range(16)), 0, KEY) == 0
+    plan, failed = e.step([ScheduledReq("r", 0, 16)], {"r": [0, 1, 2, 3]})
+    assert plan == ([], []) and not failed
+    assert e.sched.link.counters["connect_failures"] >= 1
+    e.sched.finished("r")
+    e.close()
+
+
+def test_a_layout_mismatch_names_both_shapes(manager):
+    w = WorkerSide(ManagerLink(manager.cfg, "w", keepalive=False, background=False), SHAPE._replace(head_dim=16))
+    kv = [torch.zeros(4, HEADS, BS, 32) for _ in range(LAYERS)]
+    with pytest.raises(LayoutMismatchError) as ei:
+        w.register([(f"l{i}", t) for i, t in enumerate(kv)])
+    assert "head_dim=16" in str(ei.value) and "head_dim=8" in str(ei.value)
+    with pytest.raises(LayoutMismatchError):
+        paged_kv_views(torch.zeros(4, HEADS, BS, 3 * HD), BS, HEADS, HD)
+
+
+def test_cpu_layout_views_match_the_cpu_backend_split():
+    kv = torch.arange(3 * HEADS * BS * 2 * HD, dtype=torch.float32).view(3, HEADS, BS, 2 * HD)
+    k, v = paged_kv_views(kv, BS, HEADS, HD)
+    key_cache, value_cache = kv.view(3, HEADS, 2 * BS, HD).chunk(2, dim=2)  # what CPU_ATTN does
+    assert torch.equal(k, key_cache.permute(0, 2, 1, 3)) and torch.equal(v, value_cache.permute(0, 2, 1, 3))
+    k[1, 2] = -1.0
+    assert (kv.view(3, HEADS, 2 * BS, HD)[1, :, 2] == -1).all()  # views alias the cache
+
+
+def test_invariants_name_a_broken_request(manager):
+    e = Engine(manager.cfg)
+    e.sched.num_new_matched_tokens("r", list(range(400, 408)), 0, KEY)
+    e.sched._reqs["r"].issued = 99
+    with pytest.raises(InvariantError, match="'r'"):
+        e.sched.check_invariants()
+    e.sched._reqs["r"].issued = e.sched._reqs["r"].prefix
+    e.close()
+    assert idle(manager) == (0, 0)
+
+
+def test_vllm_slots_are_block_major():
+    assert vllm_slots([7, 3], 2, 6, 4).tolist() == [30, 31, 12, 13]
+    with pytest.raises(InvalidArgumentError):
+        vllm_slots([7], 0, 5, 4)
+
+
+def test_manager_rows_np_int32_prompts_are_accepted(manager):
+    e = Engine(manager.cfg)
+    assert e.sched.num_new_matched_tokens("r", np.arange(500, 508, dtype=np.int64), 0, KEY) == 0
+    e.sched.finished("r")
+    e.close()
+
+
+def test_the_link_reconnects_in_the_background_when_the_manager_comes_up(tmp_path):
+    import time
+
+    srv = ThreadedServer(EngineConfig(page_size=BS, layer_types="F" * LAYERS, head_num=HEADS, head_dim=HD))
+    tok = tmp_path / "token"
+    tok.write_text(srv.token)
+    cfg = ConnectorConfig(address=srv.options.address, token_file=str(tok), connect_timeout_s=0.2,
+                          retry_interval_s=0.05)
+    link = ManagerLink(cfg, "late")
+    assert link.get(force=True) is None and link.counters["connect_failures"] >= 1
+    srv.start()
+    try:
+        deadline = time.monotonic() + 30
+        while link.get() is None:
+            assert time.monotonic() < deadline, "no reconnection"
+            time.sleep(0.02)
+        client, info = link.get()
+        assert client.heartbeat(info.session) > 0
+        link.fail(RuntimeError("simulated call failure"))
+        assert not link.up and link.counters["call_failures"] == 1
+        while link.get() is None:  # back again, a new session
+            assert time.monotonic() < deadline, "no reconnection"
+            time.sleep(0.02)
+        assert link.get()[1].session != info.session
+    finally:
+        link.close()
+        srv.stop()
+
+
+def test_ops_of_a_manager_epoch_never_mapped_fail_cleanly(manager):
+    from radixkv.integrations.vllm.scheduler_side import CopyOp
+
+    e = Engine(manager.cfg)
+    before = [t.clone() for t in e.kv]
+    op = CopyOp("r", 12345, 0, 0, 8, vllm_slots([6, 2], 0, 8, BS))  # an epoch that is not the manager's
+    assert e.worker.load([op]) == {6, 2}  # vLLM recomputes these blocks
+    assert all(torch.equal(a, b) for a, b in zip(before, e.kv, strict=True))
+    saved, failed = e.worker.save([op])
+    assert saved == {} and failed == {"r"}
+    assert e.worker.counters["failed_load_tokens"] == 8 and e.worker.counters["failed_save_tokens"] == 8
+    e.close()
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_attn"])
+def test_row_geometry_addresses_the_same_elements_as_the_views(layout):
+    from radixkv.integrations.vllm.layout import row_geometry
+
+    shape = (5, HEADS, BS, 2 * HD) if layout == "cpu" else (2, 5, BS, HEADS, HD)
+    kv = torch.arange(int(np.prod(shape)), dtype=torch.float32).view(*shape)
+    k, v = paged_kv_views(kv, BS, HEADS, HD)
+    geo = row_geometry(kv, k, v, HD)
+    blk, off = torch.tensor([4, 0, 2, 2]), torch.tensor([3, 1, 0, 3])
+    kr, vr = geo.rows(blk, off, HEADS)
+    flat = kv.view(-1, HD)
+    assert torch.equal(flat[kr].view(4, HEADS, HD), k[blk, off])
+    assert torch.equal(flat[vr].view(4, HEADS, HD), v[blk, off])
+
+
+def test_the_view_indexing_fallback_copies_the_same(manager):
+    a, b = Engine(manager.cfg, seed=3), Engine(manager.cfg, seed=4)
+    b.worker._geometry = None  # force the slower path (layouts whose K/V are not whole rows)
+    prompt = list(range(600, 613))
+    a.sched.num_new_matched_tokens("r", prompt, 0, KEY)
+    a.step([ScheduledReq("r", 0, 13)], {"r": [7, 1, 3, 5]})
+    a.sched.finished("r")
+    assert b.sched.num_new_matched_tokens("s", prompt, 0, KEY) == 12
+    b.sched.after_alloc("s", 12)
+    b.step([ScheduledReq("s", 12, 1)], {"s": [2, 9, 8, 0]})
+    assert all(torch.equal(x, y) for x, y in zip(a.token_kv([7, 1, 3, 5], 12), b.token_kv([2, 9, 8, 0], 12),
+                                                  strict=True))
+    b.sched.finished("s")
+    a.close()
+    b.close()
+    assert idle(manager) == (0, 0)

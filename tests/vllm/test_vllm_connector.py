@@ -1,0 +1,168 @@
+"""Two vLLM engines share one radixkv manager through ``RadixKVConnector``: token equality.
+
+Engines (started once, in parallel, each in its own spawned process): ``ref`` has no cache at
+all (no connector, vLLM prefix caching off), ``a`` and ``b`` use the connector (vLLM prefix
+caching off, so every reuse comes through the manager). A tiny Llama with random fp32 weights
+is made at test time (nothing downloaded). The manager is started only after the engines:
+they start without it and connect when it comes up.
+
+For every scenario B's greedy tokens must equal ``ref``'s, and the reuse must show in vLLM's
+own counters: ``RequestOutput.num_cached_tokens`` and ``vllm:external_prefix_cache_hits``.
+"""
+import os
+import random
+import secrets
+import time
+
+import pytest
+
+from vllm_harness import EngineProcess, ManagerProcess, make_tiny_llama
+
+BLOCK = 32
+POOL_TOKENS = 512  # the manager's KV pool: 16 blocks
+MAX_TOKENS = 16
+
+
+def tokens(seed, n):
+    rnd = random.Random(seed)
+    return [rnd.randrange(3, 512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-radixkv")
+    model = str(root / "model")
+    make_tiny_llama(model, max_positions=1024)
+    token_file = str(root / "token")
+    with open(token_file, "w") as f:
+        f.write(secrets.token_urlsafe(24))
+    os.chmod(token_file, 0o600)
+    sock = root / "mgr"
+    sock.mkdir(mode=0o700)
+    shm = root / "shm"
+    shm.mkdir()
+    address = f"unix://{sock}/s.sock"
+    manager = ManagerProcess(address, token_file, str(shm),
+                             ["--model-config", model, "--page-size", str(BLOCK), "--kv-tokens", str(POOL_TOKENS),
+                              "--max-context-len", "1024", "--lease-ttl-s", "30"])
+    evict_flag = str(root / "evict-now")
+    common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=BLOCK,
+                  max_model_len=1024, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
+                  distributed_executor_backend="uni", disable_log_stats=False, seed=0)
+    extra = {"address": address, "token_file": token_file, "retry_interval_s": 0.5, "connect_timeout_s": 1.0}
+    ktc = dict(kv_connector="RadixKVConnector", kv_connector_module_path="radixkv.integrations.vllm",
+               kv_role="kv_both", kv_connector_extra_config=extra)
+    engines = {
+        "ref": EngineProcess("ref", common),
+        "a": EngineProcess("a", {**common, "kv_transfer_config": ktc}),
+        "b": EngineProcess("b", {**common, "kv_transfer_config": {
+            **ktc, "kv_connector": "EvictingRadixKVConnector", "kv_connector_module_path": "vllm_test_connector",
+            "kv_connector_extra_config": dict(extra)}}, env={"RADIXKV_TEST_EVICT_FLAG": evict_flag}),
+    }
+    try:
+        for e in engines.values():
+            e.wait_ready()
+        manager.start()  # after the engines: they started without it
+        wait_for_sessions(manager, 2)
+        engines["manager"] = manager
+        engines["evict_flag"] = evict_flag
+        yield engines
+    finally:
+        for e in engines.values():
+            if isinstance(e, EngineProcess):
+                e.stop()
+        manager.stop()
+
+
+def wait_for_sessions(manager, n, timeout_s=120.0):
+    """Until ``n`` engine schedulers hold a session (they reconnect in the background)."""
+    c = manager.client()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while c.stats().sessions < n:
+            assert time.monotonic() < deadline, "the engines did not reconnect to the manager"
+            time.sleep(0.2)
+    finally:
+        c.close()
+
+
+def run(engine, prompt):
+    [(out, cached)] = engine.generate([prompt], MAX_TOKENS)
+    return out, cached
+
+
+def ext_hits(engine):
+    return engine.metrics().get("vllm:external_prefix_cache_hits", 0)
+
+
+def check_b(cluster, prompt, want_cached, populate=None):
+    """A runs ``populate`` (default: ``prompt``), then B runs ``prompt``: B's tokens equal
+    ref's and vLLM counted ``want_cached`` tokens from the connector."""
+    ref_out, ref_cached = run(cluster["ref"], prompt)
+    assert ref_cached == 0
+    run(cluster["a"], populate if populate is not None else prompt)
+    before = ext_hits(cluster["b"])
+    out, cached = run(cluster["b"], prompt)
+    assert out == ref_out
+    assert cached == want_cached
+    assert ext_hits(cluster["b"]) - before == want_cached
+    return out
+
+
+def test_full_prefix_hit_from_a_equals_no_cache(cluster):
+    p = tokens(1, 100)
+    # the model depends on the prefix (else a wrong load could go unseen)
+    variant = [p[0] + 1] + p[1:]
+    assert run(cluster["ref"], variant)[0] != run(cluster["ref"], p)[0]
+    check_b(cluster, p, 96)  # 3 whole blocks (at most n - 1 tokens are reused)
+    check_b(cluster, p[:96] + tokens(2, 40), 96, populate=p)  # A's blocks, then a new tail
+
+
+def test_partial_hit_diverging_inside_a_block(cluster):
+    base = tokens(3, 100)
+    q = base[:80] + tokens(4, 50)  # diverges at token 80, inside block 2
+    check_b(cluster, q, 64, populate=base)
+
+
+def test_hit_shorter_than_one_block_is_no_hit(cluster):
+    base = tokens(5, 100)
+    check_b(cluster, base[:20] + tokens(6, 70), 0, populate=base)
+
+
+def test_prompt_longer_than_the_manager_pool(cluster):
+    long = tokens(7, POOL_TOKENS + 150)
+    check_b(cluster, long, 0)
+    # and the cache still works afterwards
+    check_b(cluster, tokens(8, 70), 64)
+
+
+def test_eviction_between_match_and_load(cluster):
+    flag = cluster["evict_flag"]
+    with open(flag, "w"):
+        pass
+    try:
+        run(cluster["a"], tokens(12, 70))  # something unlocked to evict
+        before = cluster["manager"].client().stats().evicted_tokens
+        check_b(cluster, tokens(9, 130), 128)
+        with open(flag) as f:
+            lines = f.read().split()
+        assert lines, "B did not evict between match and load"
+        assert cluster["manager"].client().stats().evicted_tokens > before
+    finally:
+        os.unlink(flag)
+
+
+def test_manager_killed_and_restarted_between_requests(cluster):
+    mgr = cluster["manager"]
+    p = tokens(10, 100)
+    check_b(cluster, p, 96)
+    mgr.kill()
+    ref_out, _ = run(cluster["ref"], p)
+    for name in ("a", "b"):  # both serve without the manager: same tokens, nothing reused
+        assert run(cluster[name], p) == (ref_out, 0)
+    mgr.start()
+    wait_for_sessions(mgr, 2)
+    assert run(cluster["b"], p) == (ref_out, 0)  # the new manager is empty
+    check_b(cluster, tokens(11, 100), 96)  # and shared again
+    stats = mgr.client().stats()
+    assert stats.requests == 0 and stats.kv_protected == 0  # nothing left locked
