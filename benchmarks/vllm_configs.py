@@ -113,15 +113,18 @@ def shared_side(name: str, spec: dict[str, Any], *, manager_args: str = "", lmca
             cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost",
                    "--port", str(port), "--chunk-size", str(spec["block_size"]), "--l1-size-gb",
                    f"{spec['manager_kv_bytes'] / 2**30:.3f}", "--eviction-policy", "LRU",
+                   "--supported-transfer-mode", "engine_driven",     # what the CPU client asks for
                    "--disable-observability", *shlex.split(lmcache_args)]
             ready = f"tcp:{port}"
             cfg = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                   "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}
-        env = dict(os.environ)
+                   "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port,
+                                                 "lmcache.mp.mq_timeout": 60.0}}
+        env = dict(os.environ, LMCACHE_TRACK_USAGE="false")   # LMCache's usage telemetry off
         if spec.get("sys_path"):
             env["PYTHONPATH"] = os.pathsep.join([*spec["sys_path"], env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            # cwd: the temp dir, so `-m radixkv` is the installed package, not a checkout in cwd
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=d)
         try:
             _wait_for(ready, proc, 180.0, f"{name} side process", log)
             yield cfg
