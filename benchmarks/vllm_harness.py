@@ -1,5 +1,5 @@
 """vLLM engines in ``spawn``ed processes, driven over a pipe, and a radixkv manager process:
-the harness of ``tests/vllm`` and ``radixkv bench vllm`` (imports vLLM only in the engine
+the harness of ``tests/vllm`` (imports vLLM only in the engine
 processes).
 
 An engine process builds one ``vllm.LLM`` (engine core and worker in that process:

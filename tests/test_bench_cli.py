@@ -66,7 +66,7 @@ def test_hitrate_help_has_exactly_the_module_flags(capsys):
 @pytest.mark.skipif(not HAVE_SCRIPTS, reason="benchmarks/ not beside the package")
 @pytest.mark.parametrize("name, flag", [("radix", "--page-sizes"), ("allocator", "--pools"),
                                         ("service", "--workers"), ("mamba", "--part"),
-                                        ("policies", "--engine")])
+                                        ("policies", "--engine"), ("vllm", "--configs")])
 def test_script_subcommand_help(name, flag, capfd):
     assert main(["bench", name, "--help"]) == 0
     out = capfd.readouterr().out

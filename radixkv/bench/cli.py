@@ -4,7 +4,7 @@
   its flags), with the RadixCache engine registered (``--engine radix``) and
   ``--policy default`` naming the RadixCache's default policy; torch runs single-threaded
   (the engine's per-request tensors are small, extra threads only contend);
-* ``radixkv bench radix | allocator | service | mamba | vs-sglang | policies [...]``: the scripts
+* ``radixkv bench radix | allocator | service | mamba | vs-sglang | policies | vllm [...]``: the scripts
   ``benchmarks/bench_<name>.py`` of a source checkout, run as they are (their own
   ``main``, flags, tables and JSON output), in a child interpreter: the service
   benchmark spawns worker processes that must be able to import the script's functions.
@@ -48,8 +48,9 @@ _HELP = """usage: radixkv bench {hitrate,cluster,radix,allocator,service,mamba,v
   policies   hitrate's flags, plus the block-level research policies (2q, s3fifo, arc,
              wtinylfu, lru2, probation, odlru; slru / aplru: their block designs) on the
              simulator (benchmarks/bench_policies.py)
-  vllm       vLLM engines behind a round-robin router with / without RadixKVConnector
-             (benchmarks/bench_vllm.py; run with .venv-vllm, see `make setup-vllm`)
+  vllm       2 vLLM instances behind a round-robin router on a multi-turn trace: vLLM's own
+             prefix caching vs the radixkv connector (one shared manager) vs LMCache, against
+             the single-shared-cache bound (benchmarks/bench_vllm.py; run with .venv-vllm, see `make setup-vllm`)
 
 'radixkv bench NAME --help' shows the options of NAME.
 """
