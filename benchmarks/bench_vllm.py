@@ -97,7 +97,7 @@ def _start(specs: list[dict[str, Any]]) -> list[Any]:
         p.start()
         child.close()
         insts.append((p, parent))
-    for i, (p, conn) in enumerate(insts):
+    for i, (_p, conn) in enumerate(insts):
         kind, val = conn.recv()
         if kind != "ready":
             _stop(insts)
@@ -106,7 +106,7 @@ def _start(specs: list[dict[str, Any]]) -> list[Any]:
 
 
 def _stop(insts: list[Any]) -> None:
-    for p, conn in insts:
+    for _p, conn in insts:
         try:
             conn.send(("stop",))
         except (OSError, BrokenPipeError):
@@ -172,7 +172,7 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
                 busy += time.perf_counter() - t
             counters = _counter_diff(before, _counters(insts))
             cold: list[dict[str, float]] = []
-            for c in range(args.cold):
+            for _ in range(args.cold):
                 batches = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
                 for out in _dispatch(insts, batches):
                     cold.extend(out)
