@@ -3,7 +3,8 @@ prefill function, and their agreement with an explicit per-tap formula and with 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
 from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update

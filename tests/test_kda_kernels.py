@@ -3,7 +3,8 @@ explicit per-head formula, and the chunked prefill against the token-by-token re
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
 from radixkv.kernels.kda_decode import kda_decode

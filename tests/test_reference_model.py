@@ -7,12 +7,13 @@ The pools here are minimal in-test stand-ins with exactly the real pools' API
 ``.conv[0]`` / ``.temporal``); ``test_real_pools`` runs the same through ``radixkv.memory``.
 """
 from collections import Counter
-from typing import List, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, LengthMismatchError, describe_ids
@@ -62,8 +63,8 @@ class StandInMambaPool:
 class Seq(NamedTuple):
     row: int
     slot: int
-    tokens: List[int]
-    kv_rows: List[int]
+    tokens: list[int]
+    kv_rows: list[int]
 
 
 class Harness:

@@ -29,7 +29,8 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -104,7 +105,7 @@ class BlockSimAdapter:
         pol = make_policy(policy) if isinstance(policy, str) else policy
         self.sim = BlockSim(np.zeros(0, np.int64), np.zeros(0, np.int32), capacity_tokens, pol)
         self.capacity = self.sim.capacity
-        self._table: Dict[tuple, int] = {}
+        self._table: dict[tuple, int] = {}
         self._pending = None
 
     @property
@@ -157,7 +158,7 @@ class BlockSimAdapter:
 EngineFactory = Callable[[int, str, int], ReplayCache]
 BlockPolicyFactory = Callable[[str], BlockPolicy]
 #: ``--engine`` name -> ``factory(capacity_tokens, policy, page_size)``.
-ENGINES: Dict[str, EngineFactory] = {
+ENGINES: dict[str, EngineFactory] = {
     "blocksim": lambda cap, policy, page: BlockSimAdapter(cap, policy, page),
     "radix": lambda cap, policy, page: RadixReplayEngine(cap, policy, page),
 }
@@ -182,8 +183,8 @@ class Source(NamedTuple):
     page_size: int
 
 
-def load_source(trace: Optional[str] = None, workload: Optional[str] = None, block_size: int = MOONCAKE_BLOCK_SIZE,
-                page_size: Optional[int] = None, limit: Optional[int] = None, seed: int = 0) -> Source:
+def load_source(trace: str | None = None, workload: str | None = None, block_size: int = MOONCAKE_BLOCK_SIZE,
+                page_size: int | None = None, limit: int | None = None, seed: int = 0) -> Source:
     """A Mooncake trace (a JSONL path, or ``conversation`` / ``synthetic`` for the bundled
     ones; ``page_size`` divides ``block_size``, default ``block_size``) or a generated
     workload (``page_size`` default 16; ``limit`` = number of requests).
@@ -213,8 +214,8 @@ def _frac_key(f: float) -> str:
     return f"{f:g}"
 
 
-def measure(src: Source, fracs: List[float], policies: List[str], engine: str = "blocksim",
-            show_progress: Optional[bool] = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict:
+def measure(src: Source, fracs: list[float], policies: list[str], engine: str = "blocksim",
+            show_progress: bool | None = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict:
     """Bounds and every (policy, capacity) result as the CLI's JSON document.
     ``make_block_policy(name)``: the ``blocksim`` engine's policy for a name (default: the
     RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`)."""
@@ -267,7 +268,7 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict, path: str) -> Optional[str]:
+def plot(doc: dict, path: str) -> str | None:
     """Hit rate vs capacity per policy with the bounds; returns a note when skipped."""
     try:
         import matplotlib
@@ -298,7 +299,7 @@ def plot(doc: dict, path: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- CLI
-def _floats(text: str) -> List[float]:
+def _floats(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -376,7 +377,7 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m radixkv.bench.hitrate", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -8,8 +8,6 @@ child goes is filed in turn, so an eviction costs O(evicted nodes x log L).
 """
 from __future__ import annotations
 
-from typing import List
-
 from radixkv.cache.rows import check_count
 from radixkv.cache.tree_node import sync_only
 
@@ -54,7 +52,7 @@ def evict(cache, num_tokens: int) -> int:
     on_evict = cache._on_evict
     events = cache.kv_events
     pb = cache._pb
-    freed: List[bytes] = []
+    freed: list[bytes] = []
     evicted = 0
     while evicted < num_tokens:
         node = pop_victim(cache)

@@ -5,7 +5,8 @@ every slot of the pool is exactly one of free, a tree state, or a running reques
 """
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ class StateConservation(NamedTuple):
         return self.accounted == self.capacity
 
 
-def audit_slots(pool: Any, tree_slots: Dict[int, Any], held_slots: Dict[int, Any],
+def audit_slots(pool: Any, tree_slots: dict[int, Any], held_slots: dict[int, Any],
                 evictable: int, protected: int) -> StateConservation:
     """The Mamba slot conservation law, exact: every slot ``1..size`` is exactly one of free
     in ``pool``, held by the tree (``tree_slots``: slot -> node) or held by a running
@@ -74,7 +75,7 @@ def audit_slots(pool: Any, tree_slots: Dict[int, Any], held_slots: Dict[int, Any
 
 # ----------------------------------------------------------------------------- the tree's audit
 # Called by the MambaRadixCache methods of the same names.
-def check_invariants(cache, running_reqs: Optional[Sequence[Any]] = None) -> None:
+def check_invariants(cache, running_reqs: Sequence[Any] | None = None) -> None:
     """RadixCache's audit (no KV row held twice or free in the allocator), the state
     table's (states on live nodes at their nodes' ends, maps inverse, pins consistent with
     every ``lock_ref``), and both conservation laws: Mamba slots
@@ -92,7 +93,7 @@ def check_invariants(cache, running_reqs: Optional[Sequence[Any]] = None) -> Non
         cache.check_state_conservation(running_reqs)
 
 
-def check_state_conservation(cache, running_reqs: Optional[Sequence[Any]] = None) -> StateConservation:
+def check_state_conservation(cache, running_reqs: Sequence[Any] | None = None) -> StateConservation:
     """Mamba pool available + tree evictable + tree protected + held by running requests
     == capacity, exactly (no slot leaked, owned twice, or free while referenced).
     ``running_reqs``: every request holding a slot; default: the slots the request pool

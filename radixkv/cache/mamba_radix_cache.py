@@ -35,7 +35,8 @@ state table is :mod:`radixkv.cache.state_table`.
 """
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -131,11 +132,11 @@ class MambaRadixCache(RadixCache):
     """
 
     def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
-                 page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru",
-                 admission_policy: Union[str, StateAdmission] = "every",
-                 enable_kv_events: bool = False, *, mamba_pool: Optional[MambaPool] = None,
-                 state_eviction_policy: Union[str, StateEvictionOrder] = "lru",
-                 flop_model: Optional[FlopModel] = None, disable: bool = False,
+                 page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru",
+                 admission_policy: str | StateAdmission = "every",
+                 enable_kv_events: bool = False, *, mamba_pool: MambaPool | None = None,
+                 state_eviction_policy: str | StateEvictionOrder = "lru",
+                 flop_model: FlopModel | None = None, disable: bool = False,
                  kv_event_seed: Any = None, metrics_window: int = 1000, checks: bool = True):
         own = getattr(req_to_token_pool, "mamba_pool", None)
         pool = mamba_pool if mamba_pool is not None else own
@@ -189,7 +190,7 @@ class MambaRadixCache(RadixCache):
         """States in the tree. O(1)."""
         return len(self._states)
 
-    def state_slot(self, node: TreeNode) -> Optional[int]:
+    def state_slot(self, node: TreeNode) -> int | None:
         """The slot of ``node``'s state, ``None`` for a tombstone (or a head). O(1)."""
         return self._states.slot_of.get(node)
 
@@ -205,12 +206,12 @@ class MambaRadixCache(RadixCache):
             p = p.parent
         return 0 if p is None or p.parent is None else int(self._states.end[slot_of[p]])
 
-    def all_state_slots(self) -> List[int]:
+    def all_state_slots(self) -> list[int]:
         """Every slot the tree holds. O(states)."""
         return list(self._states.slot_of.values())
 
     # ------------------------------------------------------------------ match, fork
-    def match_prefix(self, key: Union[RadixKey, Any], extra_key: Any = None) -> MambaMatchResult:
+    def match_prefix(self, key: RadixKey | Any, extra_key: Any = None) -> MambaMatchResult:
         """The longest cached prefix of ``key`` that ends at a node holding a state, its KV
         rows, that node, and ``kv_prefix_len`` (see :class:`MambaMatchResult`). Matching
         splits and touches nodes exactly like :meth:`RadixCache.match_prefix`; nothing is
@@ -279,14 +280,14 @@ class MambaRadixCache(RadixCache):
         return False
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: Union[RadixKey, Any], value: Any, priority: int = 0, extra_key: Any = None,
+    def insert(self, key: RadixKey | Any, value: Any, priority: int = 0, extra_key: Any = None,
                mamba_value: Any = None) -> int:
         """RadixCache's insert, plus an optional state handed over with ``mamba_value`` (a
         slot holding the state after exactly ``len(key)`` tokens): see
         :meth:`insert_with_state`. Returns the tokens already cached."""
         return self.insert_with_state(key, value, mamba_value, priority, extra_key).prefix_len
 
-    def insert_with_state(self, key: Union[RadixKey, Any], value: Any, state_slot: Any = None,
+    def insert_with_state(self, key: RadixKey | Any, value: Any, state_slot: Any = None,
                           priority: int = 0, extra_key: Any = None) -> MambaInsertResult:
         """Insert ``key`` (whole pages) with its KV rows ``value``; with ``state_slot``, hand
         that slot (the state after the key's last token) to the tree: kept at the node where
@@ -309,13 +310,13 @@ class MambaRadixCache(RadixCache):
         return _tuple_new(MambaInsertResult, (prefix, node, False))
 
     # ------------------------------------------------------------------ requests
-    def cache_finished_req(self, req: Any, state_len: Optional[int] = None) -> bool:
+    def cache_finished_req(self, req: Any, state_len: int | None = None) -> bool:
         """RadixCache's ``cache_finished_req``, and the tree takes the request's state slot
         when it ends at the inserted key's end; True when it did (contract:
         :func:`radixkv.cache.mamba_req_cache.cache_finished_req`)."""
         return mamba_req_cache.cache_finished_req(self, req, state_len)
 
-    def cache_unfinished_req(self, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
+    def cache_unfinished_req(self, req: Any, chunked: bool = False, state_len: int | None = None) -> None:
         """RadixCache's ``cache_unfinished_req``, and the request's state is forked into a
         tree slot when admitted (contract: :func:`radixkv.cache.mamba_req_cache.cache_unfinished_req`)."""
         mamba_req_cache.cache_unfinished_req(self, req, chunked, state_len)
@@ -367,13 +368,13 @@ class MambaRadixCache(RadixCache):
         self._states.clear()
 
     # ------------------------------------------------------------------ audit
-    def check_invariants(self, running_reqs: Optional[Sequence[Any]] = None) -> None:
+    def check_invariants(self, running_reqs: Sequence[Any] | None = None) -> None:
         """RadixCache's audit, the state table's, and both conservation laws (KV slots given
         ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
         :func:`radixkv.cache.mamba_audit.check_invariants`)."""
         mamba_audit.check_invariants(self, running_reqs)
 
-    def check_state_conservation(self, running_reqs: Optional[Sequence[Any]] = None) -> StateConservation:
+    def check_state_conservation(self, running_reqs: Sequence[Any] | None = None) -> StateConservation:
         """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_audit.check_state_conservation`)."""
         return mamba_audit.check_state_conservation(self, running_reqs)
 
@@ -387,7 +388,7 @@ class MambaRadixCache(RadixCache):
         if not self._lazy and node.skey is not None:
             self._refile(node)  # its full-eviction key changed (tombstone -> state)
 
-    def _copy(self, src: List[int], dst: List[int]) -> None:
+    def _copy(self, src: list[int], dst: list[int]) -> None:
         """Copy states ``src[i] -> dst[i]`` (validated disjoint by the callers): one pair
         with two slice copies, more with the state-copy kernel (Triton on CUDA)."""
         pool = self.mamba_pool
@@ -399,6 +400,6 @@ class MambaRadixCache(RadixCache):
         d = torch.tensor(dst, dtype=torch.int64, device=pool.device)
         copy_states(pool.conv_state, pool.temporal_state, s, d, backend=pool.copy_backend, checks=False)
 
-    def _check_slots(self, slots: Sequence[Any], what: str) -> List[int]:
+    def _check_slots(self, slots: Sequence[Any], what: str) -> list[int]:
         """See :meth:`StateTable.check_slots` (with this cache's ``checks``)."""
         return self._states.check_slots(self.mamba_pool, slots, what, self.checks)

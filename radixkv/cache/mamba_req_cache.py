@@ -11,7 +11,7 @@ copy of one slot for an unfinished request).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from radixkv.errors import InvalidArgumentError
 __all__ = ["cache_finished_req", "cache_unfinished_req", "check_request"]
 
 
-def cache_finished_req(cache, req: Any, state_len: Optional[int] = None) -> bool:
+def cache_finished_req(cache, req: Any, state_len: int | None = None) -> bool:
     """RadixCache's ``cache_finished_req`` (insert the page-aligned tokens, free duplicate
     and tail rows, unlock), and the state: when the request's state position
     (``state_len``, default ``kv_committed_len``) is the inserted key's end and that
@@ -49,7 +49,7 @@ def cache_finished_req(cache, req: Any, state_len: Optional[int] = None) -> bool
     return took
 
 
-def cache_unfinished_req(cache, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
+def cache_unfinished_req(cache, req: Any, chunked: bool = False, state_len: int | None = None) -> None:
     """RadixCache's ``cache_unfinished_req`` (insert, re-point the row, move the lock),
     and the state: when the state position (``state_len``, default
     ``kv_committed_len``) is the end of the page-aligned inserted key, that node holds
@@ -77,7 +77,7 @@ def cache_unfinished_req(cache, req: Any, chunked: bool = False, state_len: Opti
     cache._attach(node, new, aligned)
 
 
-def check_request(cache, req: Any, state_len: Optional[int]):
+def check_request(cache, req: Any, state_len: int | None):
     """Validate the request's slot, state position and lock; returns (slot, position)."""
     slot = req.mamba_pool_idx
     if slot is not None:

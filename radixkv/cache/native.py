@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,8 +44,8 @@ from radixkv.cache.tree_node import TreeNode
 
 __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert", "unavailable_reason"]
 
-_mod: Optional[Any] = None
-unavailable_reason: Optional[str] = None
+_mod: Any | None = None
+unavailable_reason: str | None = None
 if os.environ.get("RADIXKV_PURE_PYTHON", "") not in ("", "0"):
     unavailable_reason = "RADIXKV_PURE_PYTHON is set"
 else:

@@ -33,8 +33,9 @@ the reference. Either class gives the same results.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from operator import attrgetter
-from typing import Any, Iterator, List, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -105,7 +106,7 @@ class RadixCache(InsertMixin):
     """
 
     def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
-                 page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru",
+                 page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru",
                  disable: bool = False, enable_kv_events: bool = False,
                  kv_event_seed: Any = None, metrics_window: int = 1000, native: Any = None):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -184,7 +185,7 @@ class RadixCache(InsertMixin):
         """Head of the ``None`` namespace."""
         return self._heads[None]
 
-    def namespaces(self) -> List[Any]:
+    def namespaces(self) -> list[Any]:
         """The extra keys that currently have a head."""
         return list(self._heads)
 
@@ -203,7 +204,7 @@ class RadixCache(InsertMixin):
         return rows_tensor(joined, self.device)
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, key: Union[RadixKey, Any], extra_key: Any = None) -> MatchResult:
+    def match_prefix(self, key: RadixKey | Any, extra_key: Any = None) -> MatchResult:
         """The longest cached page-aligned prefix of ``key`` and its KV rows.
 
         ``key`` is a :class:`RadixKey` (preferred: no conversion) or token ids (then
@@ -433,7 +434,7 @@ class RadixCache(InsertMixin):
         self._next_id += 1
         return self._next_id
 
-    def _free_rows(self, bufs: List[bytes]) -> None:
+    def _free_rows(self, bufs: list[bytes]) -> None:
         alloc = self.token_to_kv_pool_allocator
         if alloc is None or not bufs:
             return

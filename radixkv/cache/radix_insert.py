@@ -14,10 +14,9 @@ new leaf (and to unfile its parent), O(node) for a split.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import numpy as np
-
 import torch
 
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
@@ -92,7 +91,7 @@ class InsertMixin:
             return (0, head if head is not None else self._heads[None], []) if _path else 0
         node = head
         pos = 0
-        path: List[TreeNode] = []
+        path: list[TreeNode] = []
         split_child, split_at = None, 0
         if head is not None:  # read-only walk: nothing changes before validation ends
             cfind = self._cfind

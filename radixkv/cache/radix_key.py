@@ -14,7 +14,7 @@ int32 byte strings) so the tree itself has no per-token Python loop.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +75,7 @@ class RadixKey:
 
     __slots__ = ("_buf", "token_ids", "extra_key")
 
-    def __init__(self, token_ids: Any, extra_key: Optional[Any] = None):
+    def __init__(self, token_ids: Any, extra_key: Any | None = None):
         try:
             hash(extra_key)
         except TypeError:
@@ -88,7 +88,7 @@ class RadixKey:
         self.extra_key = extra_key
 
     @classmethod
-    def _from_buffer(cls, buf: bytes, extra_key: Any) -> "RadixKey":
+    def _from_buffer(cls, buf: bytes, extra_key: Any) -> RadixKey:
         """Wrap int32 bytes already validated (internal; no copy, no checks)."""
         key = cls.__new__(cls)
         key._buf = buf
@@ -115,7 +115,7 @@ class RadixKey:
             return RadixKey._from_buffer(self._buf[start * 4:stop * 4], self.extra_key)
         return int(self.token_ids[idx])
 
-    def page_aligned(self, page_size: int) -> "RadixKey":
+    def page_aligned(self, page_size: int) -> RadixKey:
         """The longest prefix whose length is a multiple of ``page_size`` (self if it is)."""
         n = len(self)
         aligned = n - n % page_size
@@ -134,7 +134,7 @@ class RadixKey:
         return f"RadixKey(len={len(self)}, tokens={head}{more}, extra_key={self.extra_key!r})"
 
 
-def as_radix_key(key: Any, extra_key: Optional[Any] = None) -> RadixKey:
+def as_radix_key(key: Any, extra_key: Any | None = None) -> RadixKey:
     """``key`` itself when it is a ``RadixKey`` (then ``extra_key`` must be ``None`` or
     equal to the key's own), else ``RadixKey(key, extra_key)``."""
     if type(key) is RadixKey:
@@ -146,7 +146,7 @@ def as_radix_key(key: Any, extra_key: Optional[Any] = None) -> RadixKey:
     return RadixKey(key, extra_key)
 
 
-def common_prefix_tokens(a: bytes, b: bytes, b_start: int = 0, b_end: Optional[int] = None) -> int:
+def common_prefix_tokens(a: bytes, b: bytes, b_start: int = 0, b_end: int | None = None) -> int:
     """Length, in tokens, of the longest common prefix of the int32 strings ``a`` and
     ``b[b_start:b_end]`` (offsets in bytes, multiples of 4).
 

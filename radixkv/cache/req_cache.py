@@ -20,7 +20,7 @@ that is set and smaller (the last decoded token may have no row yet).
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ __all__ = ["cache_finished_req", "cache_unfinished_req"]
 _I32 = np.dtype(np.int32)
 
 
-def _request_rows(cache, req: Any) -> Tuple[int, np.ndarray, np.ndarray]:
+def _request_rows(cache, req: Any) -> tuple[int, np.ndarray, np.ndarray]:
     """Validate ``req`` against the pool; return (row, tokens with rows, their KV rows)."""
     pool = cache.req_to_token_pool
     if pool is None:

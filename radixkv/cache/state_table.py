@@ -26,7 +26,8 @@ All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,14 +53,14 @@ class StateTable:
     __slots__ = ("num_slots", "slot_of", "node_of", "end", "pins", "protected", "lru", "anc")
 
     #: The event recorder (:class:`EventStateTable` only); ``None`` here: no event work.
-    events: Optional[Any] = None
+    events: Any | None = None
 
     def __init__(self, num_slots: int, track_ancestors: bool = False):
         self.num_slots = int(num_slots)
         self.end = np.zeros(self.num_slots + 1, dtype=np.int64)
-        self.slot_of: Dict[Any, int] = {}
-        self.node_of: List[Optional[Any]] = [None] * (self.num_slots + 1)
-        self.pins: Dict[Any, int] = {}
+        self.slot_of: dict[Any, int] = {}
+        self.node_of: list[Any | None] = [None] * (self.num_slots + 1)
+        self.pins: dict[Any, int] = {}
         self.protected = 0
         self.lru = StateHeap(self.num_slots)
         self.anc = StateAncestors(self.num_slots) if track_ancestors else None
@@ -109,18 +110,18 @@ class StateTable:
             self.protected -= 1
         return slot
 
-    def unpinned(self) -> List[Any]:
+    def unpinned(self) -> list[Any]:
         """Nodes holding an evictable state. O(states)."""
         pins = self.pins
         return [n for n in self.slot_of if n not in pins]
 
-    def check_slots(self, pool: Any, slots: Iterable[Any], what: str, checks: bool = True) -> List[int]:
+    def check_slots(self, pool: Any, slots: Iterable[Any], what: str, checks: bool = True) -> list[int]:
         """``slots`` as ints, each in ``1..pool.size``, distinct, not held by the tree and,
         with ``checks``, allocated in ``pool`` (``FreeSlots.free_among``: a host read of the
         free mask on CPU). Raises ``InvalidArgumentError`` / ``InvalidIndexError`` naming
         the bad slots. O(len)."""
         size, node_of = pool.size, self.node_of
-        out: List[int] = []
+        out: list[int] = []
         for s in slots:
             if isinstance(s, torch.Tensor) and s.numel() == 1 and not s.dtype.is_floating_point:
                 s = s.item()
@@ -180,8 +181,8 @@ class StateTable:
         every state once, under a key ``<= last_access``, within its size bound
         (:meth:`StateHeap.check`); with ``anc``, every state's nearest state ancestor
         position is current. O(tree)."""
-        depth: Dict[Any, int] = {}
-        order: List[Any] = []
+        depth: dict[Any, int] = {}
+        order: list[Any] = []
         stack = [(h, 0) for h in heads]
         while stack:
             node, d = stack.pop()

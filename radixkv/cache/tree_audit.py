@@ -6,7 +6,6 @@ hot path.
 from __future__ import annotations
 
 from collections import Counter
-from typing import List
 
 import numpy as np
 import torch
@@ -96,7 +95,7 @@ def check_invariants(cache) -> None:
     cache.policy.check_invariants(nodes)
 
 
-def _check_leaves(cache, nodes: List) -> None:
+def _check_leaves(cache, nodes: list) -> None:
     expected = {id(n): n for n in nodes if not n.children and n.lock_ref == 0}
     filed = {id(n): n for n in cache._leaves}
     if len(filed) != len(cache._leaves):
@@ -122,7 +121,7 @@ def _check_leaves(cache, nodes: List) -> None:
         raise InvariantError(f"RadixCache: evictable-leaf index corrupt: {e}") from None
 
 
-def _check_rows(cache, nodes: List) -> None:
+def _check_rows(cache, nodes: list) -> None:
     if not nodes:
         return
     rows = np.frombuffer(b"".join(n.vbuf for n in nodes), dtype=np.int32)
@@ -148,7 +147,7 @@ def _check_rows(cache, nodes: List) -> None:
                              f"nodes {describe_ids(holders)}")
 
 
-def _check_events(cache, nodes: List) -> None:
+def _check_events(cache, nodes: list) -> None:
     pb = cache._pb
     bad = [n.id for n in nodes if n.block_hashes is None or len(n.block_hashes) != len(n.kbuf) // pb]
     if bad:

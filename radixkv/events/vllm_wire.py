@@ -46,7 +46,7 @@ drops them unless ``state_events="inline"``.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -111,7 +111,7 @@ def encode_event(event: Any, layout: str = "array") -> Any:
     raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def encode_batch(events: Any, *, ts: Optional[float] = None, data_parallel_rank: Optional[int] = None,
+def encode_batch(events: Any, *, ts: float | None = None, data_parallel_rank: int | None = None,
                  layout: str = "array", state_events: str = "drop") -> bytes:
     """The msgpack bytes of one vLLM ``KVEventBatch``.
 

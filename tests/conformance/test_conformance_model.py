@@ -5,11 +5,10 @@ from-scratch run. Chunked prefill and batched decode likewise."""
 import numpy as np
 import pytest
 import torch
+from conformance_util import Checked, toks
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 from radixkv.reference import HybridConfig, HybridModel, ModelCache
-
-from conformance_util import Checked, toks
 
 HEADS, DIM = 2, 8
 

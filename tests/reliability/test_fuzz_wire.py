@@ -16,13 +16,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.server.servicer import STREAM_METHODS, UNARY_METHODS
 from radixkv.service.server.manager import ServeOptions
-from tooling.testing import ThreadedServer
-
+from radixkv.service.server.servicer import STREAM_METHODS, UNARY_METHODS
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from reliability_util import check_law
+from tooling.testing import ThreadedServer
 
 ALLOWED = {"OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
 MAX_MSG = 1 << 16

@@ -23,12 +23,10 @@ import os
 import time
 
 import numpy as np
-
-from tooling.chaos import KILL_POINTS
 from radixkv.service.server.manager import ServeOptions
-from tooling.testing import ThreadedServer
-
 from reliability_util import CHAOS_CONFIG, Survivor, check_law, live_sessions, percentiles, wait_until
+from tooling.chaos import KILL_POINTS
+from tooling.testing import ThreadedServer
 
 CYCLES = int(os.environ.get("RADIXKV_KILL_CYCLES", "200"))
 CONCURRENCY = 6

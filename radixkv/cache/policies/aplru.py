@@ -41,7 +41,8 @@ Memory: one 4-item list per node, one ghost entry per recently evicted node.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Iterable, NamedTuple, Optional
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from radixkv.cache.policies.base import EvictionPolicy
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
@@ -79,7 +80,7 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
     name = "aplru"
     monotonic = False
 
-    def __init__(self, capacity_tokens: Optional[int] = None, window: float = 4.0, gain: float = 1.0,
+    def __init__(self, capacity_tokens: int | None = None, window: float = 4.0, gain: float = 1.0,
                  b0: float = 0.25, b_max: float = 64.0, max_ghost_entries: int = 1 << 20):
         super().__init__()
         if capacity_tokens is not None and (isinstance(capacity_tokens, bool) or int(capacity_tokens) < 1):
@@ -105,8 +106,8 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
         self.vclock = 0
         self._tokens = 0
         self._high = 0
-        self.B: Optional[float] = None if self.capacity_tokens is None else self.b0 * self.capacity_tokens
-        self._ghost: "OrderedDict[int, GhostEntry]" = OrderedDict()  # oldest eviction first
+        self.B: float | None = None if self.capacity_tokens is None else self.b0 * self.capacity_tokens
+        self._ghost: OrderedDict[int, GhostEntry] = OrderedDict()  # oldest eviction first
         self._expiry: deque = deque()  # (evicted_at, cls, tokens), for the class token counters
         self.ghost_tokens = [0, 0]
         self.ghost_hits = 0

@@ -44,9 +44,8 @@ Cost per hook call is O(1) for every policy here; SLRU's ghost lookup is one dic
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from operator import attrgetter
-
-from typing import Callable, Iterable
 
 __all__ = [
     "EvictionPolicy",

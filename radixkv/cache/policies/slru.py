@@ -23,7 +23,7 @@ namespace. Memory: one ordered-dict entry per protected node and one per ghost e
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 from radixkv.cache.policies.base import EvictionPolicy
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
@@ -64,10 +64,10 @@ class SLRUPolicy(EvictionPolicy):
         self._sig_bytes = 4 * max(int(page_size), self.signature_tokens)
 
     def reset(self) -> None:
-        self._protected: "OrderedDict[object, None]" = OrderedDict()  # LRU first
+        self._protected: OrderedDict[object, None] = OrderedDict()  # LRU first
         self._protected_tokens = 0
         self._tokens = 0
-        self._ghost: "OrderedDict[int, None]" = OrderedDict()  # oldest first
+        self._ghost: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.ghost_admissions = 0
 
     # -- ordering ---------------------------------------------------------------------------
