@@ -112,10 +112,10 @@ def check_hash(value: Any, what: str) -> int:
     """``value`` as a u64 block hash; ``InvalidArgumentError`` naming ``what`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value < _HASH_LIMIT:
-        raise InvalidArgumentError(f"{what} must lie in [0, 2**64), got {value}")
-    return value
+    v = int(value)
+    if not 0 <= v < _HASH_LIMIT:
+        raise InvalidArgumentError(f"{what} must lie in [0, 2**64), got {v}")
+    return v
 
 
 def page_tokens(token_ids: Any, page_size: int) -> np.ndarray:

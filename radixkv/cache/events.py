@@ -88,7 +88,7 @@ class BlockStored:
         extra_key: the namespace the hashes were computed under (radixkv addition).
     """
 
-    block_hashes: tuple
+    block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: np.ndarray
     block_size: int
@@ -97,7 +97,7 @@ class BlockStored:
     lora_name: str | None = None
     extra_key: Any = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``type`` tags the event as msgspec's tagged union does)."""
         return {
             "type": "BlockStored",
@@ -122,10 +122,10 @@ class BlockStored:
 class BlockRemoved:
     """Pages removed from the cache (evicted or deleted), vLLM's ``BlockRemoved``."""
 
-    block_hashes: tuple
+    block_hashes: tuple[int, ...]
     medium: str | None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
 
 
@@ -133,7 +133,7 @@ class BlockRemoved:
 class AllBlocksCleared:
     """The whole cache was reset, vLLM's ``AllBlocksCleared``."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"type": "AllBlocksCleared"}
 
 
@@ -148,7 +148,7 @@ class KVEventBatch:
     events: list[KVEvent] = field(default_factory=list)
     data_parallel_rank: int | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "ts": self.ts,
             "events": [e.to_dict() for e in self.events],
@@ -156,7 +156,7 @@ class KVEventBatch:
         }
 
 
-def event_from_dict(d: dict) -> KVEvent:
+def event_from_dict(d: dict[str, Any]) -> KVEvent:
     """Inverse of ``to_dict()`` for the three event types."""
     kind = d.get("type")
     if kind == "BlockStored":
@@ -206,8 +206,8 @@ class KVEventRecorder:
         self.seed = seed
         self._root = chain_root(seed)  # validates the seed once
         self.medium = medium
-        self._events: list[KVEvent] = []
-        self._live: Counter = Counter()
+        self._events: list[Any] = []  # KVEvents (HybridEventRecorder adds its state events)
+        self._live: Counter[int] = Counter()
 
     # -- the interface the RadixCache calls
 

@@ -52,8 +52,8 @@ class Conservation(NamedTuple):
 def _held(req: Any, page_size: int) -> int:
     if req.req_pool_idx is None:
         return 0
-    pages = -(-req.kv_committed_len // page_size)
-    return pages * page_size - req.cache_protected_len + int(req.decode_reserve.size)
+    pages: int = -(-req.kv_committed_len // page_size)
+    return pages * page_size - int(req.cache_protected_len) + int(req.decode_reserve.size)
 
 
 def conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Any]) -> Conservation:

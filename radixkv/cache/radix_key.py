@@ -14,7 +14,7 @@ int32 byte strings) so the tree itself has no per-token Python loop.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -74,6 +74,9 @@ class RadixKey:
     """
 
     __slots__ = ("_buf", "token_ids", "extra_key")
+    _buf: bytes
+    token_ids: np.ndarray
+    extra_key: Any
 
     def __init__(self, token_ids: Any, extra_key: Any | None = None):
         try:
@@ -104,7 +107,11 @@ class RadixKey:
     def __len__(self) -> int:
         return len(self._buf) >> 2
 
-    def __getitem__(self, idx):
+    @overload
+    def __getitem__(self, idx: slice) -> RadixKey: ...
+    @overload
+    def __getitem__(self, idx: int) -> int: ...
+    def __getitem__(self, idx: int | slice) -> RadixKey | int:
         """``key[a:b]`` is a ``RadixKey`` in the same namespace (step must be 1);
         ``key[i]`` is the token ``int``."""
         if isinstance(idx, slice):

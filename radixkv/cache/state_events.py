@@ -73,7 +73,7 @@ class StateStored:
     position: int
     medium: str | None = MEDIUM_GPU
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-able form, tagged like the KV events' ``to_dict``."""
         return {"type": "StateStored", "block_hash": self.block_hash, "position": self.position,
                 "medium": self.medium}
@@ -83,10 +83,10 @@ class StateStored:
 class StateRemoved:
     """The states after the blocks ``block_hashes`` are gone."""
 
-    block_hashes: tuple
+    block_hashes: tuple[int, ...]
     medium: str | None = MEDIUM_GPU
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-able form, tagged like the KV events' ``to_dict``."""
         return {"type": "StateRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
 
@@ -105,7 +105,7 @@ def _check_position(position: Any) -> int:
     return int(position)
 
 
-def any_event_from_dict(d: dict) -> Any:
+def any_event_from_dict(d: dict[str, Any]) -> Any:
     """Inverse of ``to_dict()`` for the KV events and the two state events.
 
     Raises InvalidArgumentError for an unknown ``type`` or malformed fields."""
@@ -140,9 +140,10 @@ def as_events(events: Iterable[Any]) -> list[Any]:
     return out
 
 
-def split_state_events(events: Iterable[Any]) -> tuple:
+def split_state_events(events: Iterable[Any]) -> tuple[list[Any], list[Any]]:
     """``(kv_events, state_events)``, each in its original order."""
-    kv, st = [], []
+    kv: list[Any] = []
+    st: list[Any] = []
     for e in events:
         (st if is_state_event(e) else kv).append(e)
     return kv, st

@@ -60,7 +60,7 @@ class StateHeap:
     __slots__ = ("heap", "seq_at", "next_seq")
 
     def __init__(self, num_slots: int):
-        self.heap: list[tuple] = []
+        self.heap: list[tuple[Any, ...]] = []
         self.seq_at: list[int] = [0] * (int(num_slots) + 1)
         self.next_seq = 0
 

@@ -56,7 +56,7 @@ class TreeNode:
         self.priority = priority
         self.skey: Any = None
         self.id = node_id
-        self.block_hashes: list | None = None
+        self.block_hashes: list[int] | None = None
         self.pstate: Any = None
 
     @property
