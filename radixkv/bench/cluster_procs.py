@@ -200,6 +200,8 @@ class ManagerProcesses:
                 raise
 
     def _log(self, k: int) -> str:
+        if self.directory is None:
+            return "(no log: the cluster is not started)"
         try:
             with open(os.path.join(self.directory, f"m{k}.log"), "rb") as fh:
                 return fh.read()[-2000:].decode("utf-8", "replace").strip() or "(empty log)"

@@ -15,6 +15,7 @@ raised to the longest prompt + 1 (one request must fit).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from radixkv.bench.belady import belady
 from radixkv.bench.hybrid_hitrate import (
@@ -161,7 +162,7 @@ def hybrid_tables(doc: dict) -> str:
     for key, title in (("token_hit_rate", None), ("lost_rate", "KV-matched tokens lost for lack of a state (%)")):
         if title:
             out += ["", title, "", head, rule]
-        rows = {}
+        rows: dict[Any, Any] = {}
         for r in doc["results"]:
             rows.setdefault(_label(r, many), {})[r["capacity_frac"]] = r[key]
         for lab, row in rows.items():
@@ -192,7 +193,7 @@ def plot_hybrid(doc: dict, path: str) -> str | None:
         return "matplotlib is not installed: plot skipped"
     many = len({r["policy"] for r in doc["kv_only"]}) > 1
     fig, ax = plt.subplots(figsize=(10, 5))
-    lines = {}
+    lines: dict[str, Any] = {}
     for r in doc["results"]:
         lines.setdefault(_label(r, many), []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
     for pol in dict.fromkeys(r["policy"] for r in doc["kv_only"]):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -297,7 +297,11 @@ def load_mooncake(path: str, limit: int | None = None, block_size: int = MOONCAK
     """
     if not os.path.isfile(path):
         raise InvalidArgumentError(f"trace file not found: {path}")
-    ts, il, ol, counts, chunks = [], [], [], [], []
+    ts: list[int] = []
+    il: list[int] = []
+    ol: list[int] = []
+    counts: list[int] = []
+    chunks: list[Any] = []
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if limit is not None and len(ts) >= limit:

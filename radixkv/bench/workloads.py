@@ -206,7 +206,9 @@ def random_block_trace(n_requests: int, n_blocks: int, seed: int = 0, block_size
         ends = rng.permutation(n_blocks)[ends]
     else:
         ends = rng.integers(0, n_blocks, size=n_requests)
-    ids, lens, off = [], [], [0]
+    ids: list[int] = []
+    lens: list[int] = []
+    off = [0]
     for v in ends:
         path = []
         while v >= 0:

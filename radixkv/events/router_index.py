@@ -75,7 +75,9 @@ class DynamoIndex:
         self._tree.apply_event(worker, raw)
 
     def scores(self, hashes: list[int]) -> dict[int, int]:
-        return {w: n for (w, _), n in self._tree.find_matches(hashes).scores.items()}
+        # keyed by (worker_id, dp_rank) at run time (the stub says int)
+        scores: dict[Any, int] = self._tree.find_matches(hashes).scores
+        return {w: n for (w, _), n in scores.items()}
 
 
 def make_index(kind: str = "auto"):

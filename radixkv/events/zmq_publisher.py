@@ -241,7 +241,8 @@ class ZmqEventPublisher:
         return seq
 
     def _send(self, seq: int, payload: bytes) -> None:
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        # called only while open (publish checks _closed under the lock; close joins the sender)
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))  # type: ignore[union-attr]
         self._kept.record(seq, payload)
 
     # ------------------------------------------------------------------ replay

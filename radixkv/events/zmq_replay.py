@@ -65,7 +65,7 @@ class ReplayBuffer:
     @property
     def capacity(self) -> int:
         """Batches kept at most (``buffer_steps``)."""
-        return self._buffer.maxlen
+        return self._buffer.maxlen or 0  # always set (deque(maxlen=buffer_steps))
 
     @property
     def published(self) -> int:

@@ -13,7 +13,7 @@ are). Failed calls raise the same :mod:`radixkv.errors` types the embedded engin
 
 Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
 str, a token id outside int32, ...) is rejected here with the engine's own validators
-(``radixkv.engine.validation``); before raising, the client sends a ``Heartbeat`` so that a
+(``radixkv.validation``); before raising, the client sends a ``Heartbeat`` so that a
 stale session still raises ``StaleSessionError`` first and a live one has its lease renewed,
 exactly as a failed embedded call does. (When one call has two defects, the one reported
 may differ from the embedded engine's.)
@@ -65,7 +65,7 @@ from radixkv.service.wire.shm import map_buffer
 from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
 from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
-from radixkv.engine import validation as V
+from radixkv import validation as V
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.protocol import (
     AttachInfo,
