@@ -64,7 +64,7 @@ class ClusterResult(NamedTuple):
     (``hits``), int64 arrays (left out of the JSON document)."""
 
     router: str
-    index: str
+    index: str  # type: ignore[assignment]  # shadows tuple.index (the field's public name)
     mode: str
     requests: int
     prompt_tokens: int
@@ -162,7 +162,7 @@ def replay_on(managers: Sequence[Any], requests: Iterable[np.ndarray], capacity:
         served = toks[:served_len(toks.size, capacity)]
         if idx is not None:
             sc = idx.scores(compute_block_hash_for_seq(served[:served.size - 1], page_size))
-            cand = range(n_managers)
+            cand: Sequence[int] = range(n_managers)
             if router == "kv_bounded":
                 load = stats[:, 3]
                 bound = (1 + slack) * (int(load.sum()) + toks.size) / n_managers

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -106,7 +106,7 @@ class BlockSimAdapter:
         self.sim = BlockSim(np.zeros(0, np.int64), np.zeros(0, np.int32), capacity_tokens, pol)
         self.capacity = self.sim.capacity
         self._table: dict[tuple, int] = {}
-        self._pending = None
+        self._pending: tuple[np.ndarray, np.ndarray, int] | None = None
 
     @property
     def used_tokens(self) -> int:
@@ -117,7 +117,9 @@ class BlockSimAdapter:
         if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.ndim != 1:
             raise InvalidArgumentError("tokens must be a 1-D int32 numpy array")
         p, raw, table = self.page_size, tokens.tobytes(), self._table
-        ids, new_len, new_par = [], [], []
+        ids: list[int] = []
+        new_len: list[int] = []
+        new_par: list[int] = []
         prev = -1
         nxt = self.sim.n_valid
         for s in range(0, len(tokens), p):
@@ -203,7 +205,7 @@ def load_source(trace: str | None = None, workload: str | None = None, block_siz
         page = block_size if page_size is None else int(page_size)
         bt = tr.block_trace().rechunk(page)
         return Source(tr.name, len(tr), tr.iter_tokens, bt, tr.prompt_tokens, tr.unique_tokens, page)
-    wl = make_workload(workload, n_requests=limit, seed=seed)
+    wl = make_workload(cast(str, workload), n_requests=limit, seed=seed)  # exactly one was given
     page = 16 if page_size is None else int(page_size)
     bt = BlockTrace.from_token_requests(wl.requests, page)
     return Source(f"{wl.name}(seed={seed})", len(wl.requests), lambda: iter(wl.requests), bt,
@@ -220,7 +222,7 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
     ``make_block_policy(name)``: the ``blocksim`` engine's policy for a name (default: the
     RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`)."""
     bt = src.blocks
-    doc = {
+    doc: dict[str, Any] = {
         "trace": src.name,
         "requests": src.n_requests,
         "prompt_tokens": src.prompt_tokens,
@@ -256,7 +258,7 @@ def markdown_table(doc: dict) -> str:
     head = "| policy | " + " | ".join(f"{100 * f:g}%" for f in fracs) + " |"
     lines = [f"{doc['trace']}: {doc['requests']} requests, {doc['prompt_tokens']} prompt tokens, "
              f"{doc['unique_tokens']} unique", "", head, "| --- |" + " ---: |" * len(fracs)]
-    by = {}
+    by: dict[str, dict[float, float]] = {}
     for r in doc["results"]:
         by.setdefault(r["policy"], {})[r["capacity_frac"]] = r["token_hit_rate"]
     for pol, row in by.items():
@@ -278,7 +280,7 @@ def plot(doc: dict, path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed: plot skipped"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    by = {}
+    by: dict[str, list[tuple[float, float]]] = {}
     for r in doc["results"]:
         by.setdefault(r["policy"], []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
     for pol, pts in by.items():

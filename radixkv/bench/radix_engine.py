@@ -35,6 +35,7 @@ from radixkv.allocator import TokenToKVPoolAllocator
 from radixkv.cache import RadixCache, RadixKey
 from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache.policies.aplru import AdaptiveProbationLRUPolicy
+from radixkv.cache.tree_node import TreeNode
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 
 __all__ = ["PAD_TOKEN", "PaddedPoolAllocator", "RadixReplayEngine", "PendingMatch",
@@ -123,7 +124,7 @@ class PendingMatch(NamedTuple):
     tokens: np.ndarray     # the prompt as given
     key: RadixKey          # the padded prompt
     indices: torch.Tensor  # the tree's rows of the matched prefix
-    last_node: object      # the locked node
+    last_node: TreeNode    # the locked node
     prefix_len: int        # matched tokens of the padded prompt
 
 

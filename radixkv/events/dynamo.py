@@ -213,6 +213,7 @@ class DynamoEventAdapter:
             event = any_event_from_dict(event)
         if is_state_event(event):
             return None
+        data: dict[str, Any] | str
         if isinstance(event, BlockStored):
             data = self._stored(event)
         elif isinstance(event, BlockRemoved):
@@ -312,7 +313,7 @@ class DynamoEventAdapter:
         for h, (p, _) in self._blocks.items():
             kids.setdefault(p, []).append(h)
         out: list[dict[str, Any]] = []
-        stack = [(None, h) for h in kids.get(None, ())]
+        stack: list[tuple[int | None, int]] = [(None, h) for h in kids.get(None, ())]
         while stack:
             parent, h = stack.pop()
             chain = [h]
@@ -336,6 +337,8 @@ class DynamoEventAdapter:
         if wrong:
             raise InvariantError(f"child counts wrong for blocks {describe_ids(wrong)}")
         depth_ok: dict[int, bool] = {}
+        seen: list[int]
+        x: int | None
         for h in self._blocks:
             seen, x = [], h
             while x is not None and x not in depth_ok:

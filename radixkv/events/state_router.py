@@ -32,7 +32,7 @@ plus O(kv_blocks) dict probes per manager that matched.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -175,7 +175,7 @@ class StateAwareIndex:
         top = max((s.blocks for s in sc.values()), default=0)
         return min(w for w, s in sc.items() if s.blocks == top) if top else None
 
-    def workers(self) -> list[Hashable]:
+    def workers(self) -> list[int]:
         """Managers with a live mirror (events applied since their last loss)."""
         return sorted(self._adapters)
 
@@ -194,7 +194,7 @@ class StateAwareIndex:
         if stale:
             raise InvariantError(f"desynced managers {describe_ids(stale)} still hold blocks or states")
         for w in self.states.workers():
-            a = self._adapters.get(w)
+            a = self._adapters.get(w)  # type: ignore[call-overload]  # the states' workers: ints here
             held = self.states.live(w)
             orphans = [h for h in held if a is None or not a.holds(h)]
             if orphans:

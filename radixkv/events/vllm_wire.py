@@ -181,7 +181,7 @@ def _fields(raw: Any, path: str) -> tuple:
     if isinstance(raw, list):
         if not raw or not isinstance(raw[0], str):
             raise _fail(path, "an array event must start with its tag")
-        tag = raw[0]
+        tag: Any = raw[0]
         if tag not in _FIELDS:
             raise _fail(path, f"unknown event tag {tag!r}")
         names = _FIELDS[tag]
