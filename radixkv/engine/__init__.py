@@ -9,10 +9,7 @@
 * :class:`WorkerBuffers` / :func:`attach_buffers` (:mod:`~radixkv.engine.buffers`): what a
   worker reads and writes KV and states through.
 """
-from radixkv.engine.buffers import WorkerBuffers, attach_buffers  # noqa: F401
 from radixkv.engine.config import ADMISSION_POLICIES, EngineConfig  # noqa: F401
-from radixkv.engine.embedded import CacheEngine  # noqa: F401
-from radixkv.engine.pools import EnginePools, plan_arenas  # noqa: F401
 from radixkv.engine.protocol import (  # noqa: F401
     AttachInfo,
     CacheEngineAPI,
