@@ -127,7 +127,8 @@ class ServerProcess:
 
         from radixkv.service.client import connect
 
-        self.p = subprocess.Popen([sys.executable, "-m", "radixkv.service.server.cli", "serve", "--address", self.address,
+        self.p = subprocess.Popen([sys.executable, "-m", "radixkv.service.server.cli", "serve", "--address",
+                                   self.address,
                                    "--token-file", self.token_file, "--log-level", "WARNING", *self.args])
         try:
             with connect(self.address, token=self.token, wait_s=self.start_timeout_s) as c:

@@ -203,7 +203,8 @@ def test_garbage_on_streams_and_bad_utf8(wire):
         list(watch(b"\x0a\x05\xff", metadata=wire.md, timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # a keep-alive stream may not switch sessions
-    both = [pb.HeartbeatRequest(session=wire.a).SerializeToString(), pb.HeartbeatRequest(session=wire.b).SerializeToString()]
+    both = [pb.HeartbeatRequest(session=wire.a).SerializeToString(),
+            pb.HeartbeatRequest(session=wire.b).SerializeToString()]
     with pytest.raises(grpc.RpcError) as ei:
         list(ka(iter(both), metadata=wire.md, timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -233,7 +234,8 @@ def test_every_rpc_but_health_needs_the_token(wire):
             else:
                 try:
                     if m == "KeepAlive":
-                        list(wire.ch.stream_stream(f"/radixkv.v1.CacheManager/{m}")(iter([b""]), metadata=md, timeout=30))
+                        list(wire.ch.stream_stream(f"/radixkv.v1.CacheManager/{m}")(
+                            iter([b""]), metadata=md, timeout=30))
                     else:
                         list(wire.ch.unary_stream(f"/radixkv.v1.CacheManager/{m}")(b"", metadata=md, timeout=30))
                     code = "OK"

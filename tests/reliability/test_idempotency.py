@@ -40,7 +40,8 @@ def _raw(srv):
 
 
 def _extend(ref, rid, n):
-    return pb.AllocExtendRequest(session=ref, items=[pb.ExtendItem(rid=rid, token_ids_i32=np.arange(1, n + 1, dtype="<i4").tobytes())])
+    toks = np.arange(1, n + 1, dtype="<i4").tobytes()
+    return pb.AllocExtendRequest(session=ref, items=[pb.ExtendItem(rid=rid, token_ids_i32=toks)])
 
 
 def test_same_request_id_gets_the_kept_reply_and_allocates_once():

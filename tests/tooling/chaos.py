@@ -133,7 +133,8 @@ class StandbyPool:
         self._env.update(env or {})
         # The worker module lives in tests/tooling/ (not installed): its interpreter finds it
         # through PYTHONPATH, as the test process found it through pytest's sys.path.
-        self._env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR] + [p for p in (self._env.get("PYTHONPATH") or "").split(os.pathsep) if p])
+        inherited = (self._env.get("PYTHONPATH") or "").split(os.pathsep)
+        self._env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR] + [p for p in inherited if p])
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.workers: dict[int, WorkerProc] = {}
         self._cv = threading.Condition()

@@ -202,7 +202,8 @@ class _Worker:
         self.point("after_decode")
 
     def step(self) -> None:
-        ops = ["extend", "decode", "cache_unfinished", "cache_finished", "release", "match"] if self.live else ["extend"]
+        ops = ["extend", "decode", "cache_unfinished", "cache_finished", "release",
+               "match"] if self.live else ["extend"]
         op = ops[int(self.rng.integers(len(ops)))]
         if op == "extend":
             self.extend()
