@@ -14,7 +14,8 @@ Loop (after 3 warm-up rounds): ``ids = alloc(batch * page_size)``, then ``free(i
 call is timed with ``time.perf_counter_ns`` (after ``torch.cuda.synchronize()`` on CUDA).
 The pool stays almost all free, the regime where a free that copies the free list costs
 O(pool). (With need_sort, SGLang's cat goes to ``release_pages``, which grows by one batch
-per round in this loop, so its cost tracks the rounds run, not the pool.) A configuration runs until ``--budget`` seconds or ``--max-iters`` rounds. The
+per round in this loop, so its cost tracks the rounds run, not the pool.) A configuration
+runs until ``--budget`` seconds or ``--max-iters`` rounds. The
 figures are medians (means also reported) in microseconds per call. ``free_ratio_vs_1M``
 is the 12M-slot free median over the 1M-slot one for the same allocator and settings.
 

@@ -34,21 +34,21 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 
 PS = 16
 
 
-def recorded_events(n: int, seed: int = 0) -> List[Any]:
+def recorded_events(n: int, seed: int = 0) -> list[Any]:
     """``n`` events of a real RadixCache (inserts of 1-4 page nodes, evictions)."""
     from radixkv.cache.radix_cache import RadixCache
     from radixkv.events.sources import drain_events
 
     cache = RadixCache(page_size=PS, enable_kv_events=True)
     rng = np.random.default_rng(seed)
-    out: List[Any] = []
+    out: list[Any] = []
     while len(out) < n:
         toks = rng.integers(0, 1000, PS * int(rng.integers(1, 5))).astype(np.int32)
         cache.insert(toks, np.arange(toks.size))
@@ -58,13 +58,13 @@ def recorded_events(n: int, seed: int = 0) -> List[Any]:
     return out[:n]
 
 
-def bench_hub(events: List[Any], batch: int, watchers: int, zmq_on: bool) -> Dict[str, Any]:
+def bench_hub(events: list[Any], batch: int, watchers: int, zmq_on: bool) -> dict[str, Any]:
     from radixkv.service.server.event_hub import EventHub
     from radixkv.service.server.servicer import encode_record
 
-    pending: List[Any] = []
+    pending: list[Any] = []
 
-    def source() -> List[Any]:
+    def source() -> list[Any]:
         out = list(pending)
         pending.clear()
         return out
@@ -125,15 +125,16 @@ def bench_hub(events: List[Any], batch: int, watchers: int, zmq_on: bool) -> Dic
     return res
 
 
-def _serve(argv: List[str]) -> None:
+def _serve(argv: list[str]) -> None:
     from radixkv.service.server.cli import main
 
     sys.exit(main(argv))
 
 
-def bench_grpc(n_events: int, watcher_counts: List[int]) -> List[Dict[str, Any]]:
-    from radixkv.engine.protocol import ExtendItem
+def bench_grpc(n_events: int, watcher_counts: list[int]) -> list[dict[str, Any]]:
     from radixkv.service.client import connect
+
+    from radixkv.engine.protocol import ExtendItem
 
     d = tempfile.mkdtemp(prefix="rkv-bg-")
     token = secrets.token_urlsafe(24)
@@ -166,11 +167,11 @@ def bench_grpc(n_events: int, watcher_counts: List[int]) -> List[Dict[str, Any]]
             done = threading.Barrier(w + 1)
 
             def run(i: int) -> None:
-                for _ in clients[i].watch_events(sessions[i], poll_interval_s=0.05, start_seq=0):
-                    counts[i] += 1
-                    if counts[i] == made:
+                for _ in clients[i].watch_events(sessions[i], poll_interval_s=0.05, start_seq=0):  # noqa: B023
+                    counts[i] += 1  # noqa: B023
+                    if counts[i] == made:  # noqa: B023
                         break
-                done.wait()
+                done.wait()  # noqa: B023
 
             threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(w)]
             t0 = time.perf_counter()
@@ -192,7 +193,7 @@ def bench_grpc(n_events: int, watcher_counts: List[int]) -> List[Dict[str, Any]]
     return out
 
 
-def main(argv: List[str] = None) -> int:
+def main(argv: list[str] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--batch", type=int, default=64)
@@ -200,7 +201,7 @@ def main(argv: List[str] = None) -> int:
     ap.add_argument("--parts", nargs="+", default=["hub", "zmq", "grpc"], choices=["hub", "zmq", "grpc"])
     a = ap.parse_args(argv)
     events = recorded_events(a.events)
-    results: List[Dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     if "hub" in a.parts:
         for w in (0, 1, 4):
             results.append(bench_hub(events, a.batch, w, zmq_on=False))

@@ -31,14 +31,15 @@ import sys
 import tempfile
 import time
 import timeit
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
+from radixkv.service.server.manager import ServeOptions
 
 from radixkv.engine import EngineConfig
 from radixkv.engine.protocol import ExtendItem
 from radixkv.events.zmq_flags import PublisherConfig
-from radixkv.service.server.manager import ServeOptions
+
 # The test tooling (tests/tooling/, not installed) is imported from the checkout.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from tooling.testing import ThreadedServer  # noqa: E402
@@ -53,7 +54,7 @@ def _config(events: bool) -> EngineConfig:
                         max_context_len=256, enable_kv_events=events)
 
 
-def run_mode(mode: str, steps: int, seed: int) -> Dict[str, Any]:
+def run_mode(mode: str, steps: int, seed: int) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="rkv-pump-")
     kv = PublisherConfig(f"ipc://{tmp}/pub", state_events="inline") if mode == "on+zmq" else None
     opts = ServeOptions(kv_events=kv, events_interval_s=60.0, sweep_interval_s=1000.0)
@@ -82,12 +83,12 @@ def run_mode(mode: str, steps: int, seed: int) -> Dict[str, Any]:
         s = c.attach("bench").session
         rng = np.random.default_rng(seed)
         prefixes = [rng.integers(0, 30000, 32).astype(np.int32) for _ in range(8)]
-        lat: List[float] = []
+        lat: list[float] = []
         for i in range(steps):
             toks = np.concatenate([prefixes[int(rng.integers(0, 8))],
                                    rng.integers(0, 30000, int(rng.integers(0, 8))).astype(np.int32)])
-            for call in (lambda: c.alloc_extend(s, [ExtendItem(f"r{i}", toks)]),
-                         lambda: c.cache_finished(s, [f"r{i}"])):
+            for call in (lambda: c.alloc_extend(s, [ExtendItem(f"r{i}", toks)]),  # noqa: B023
+                         lambda: c.cache_finished(s, [f"r{i}"])):  # noqa: B023
                 t0 = time.perf_counter()
                 call()
                 lat.append(time.perf_counter() - t0)

@@ -132,7 +132,8 @@ def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks
     speedup = {op: round(SGLANG_QUOTED_US[op] / ops[key]["mean_us"], 2)
                for op, key in (("match_prefix", "match_prefix+fork"), ("insert", "insert"))}
     speedup["match_prefix+state"] = round(SGLANG_QUOTED_US["match_prefix"] / ops["match_prefix+state"]["mean_us"], 2)
-    return {"checks": checks, "state_eviction_policy": state_policy, "requests": n_requests, "pool_tokens": pool_tokens, "state_slots": slots,
+    return {"checks": checks, "state_eviction_policy": state_policy, "requests": n_requests,
+            "pool_tokens": pool_tokens, "state_slots": slots,
             "state_bytes_per_slot": int(sum(mamba.slot_bytes) * KDA_LAYERS), "ops": ops,
             "state_hit_rate": round(hit / queried, 4), "states_kept": int(kept),
             "sglang_quoted_us": SGLANG_QUOTED_US, "speedup_vs_quoted_mean": speedup}

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from policy_research import make_block_policy  # noqa: E402
+
 from radixkv.bench.cli import run_hitrate  # noqa: E402
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     return run_hitrate(list(args), make_block_policy=make_block_policy, prog="radixkv bench policies")
 

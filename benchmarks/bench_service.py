@@ -60,7 +60,6 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Dict, List
 
 import numpy as np
 
@@ -76,7 +75,7 @@ class ChatWorkload:
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
         self.system = np.random.default_rng(7).integers(1, 32000, SYSTEM_LEN).astype(np.int32)
-        self.history: List[np.ndarray] = [np.empty(0, np.int32) for _ in range(CONVS)]
+        self.history: list[np.ndarray] = [np.empty(0, np.int32) for _ in range(CONVS)]
         self.turn = 0
         self.n = 0
 
@@ -97,7 +96,7 @@ class ChatWorkload:
         return out
 
 
-def run_steps(engine, session, workload: ChatWorkload, b: int, steps: int, tag: str, lat: List[float]):
+def run_steps(engine, session, workload: ChatWorkload, b: int, steps: int, tag: str, lat: list[float]):
     """``steps`` scheduler steps of ``b`` requests; appends each call's latency (s)."""
     from radixkv.engine.protocol import DecodeItem, ExtendItem
 
@@ -154,7 +153,7 @@ def worker_main(idx: int, address: str, token: str, plan, barrier, results, stre
         barrier.wait(timeout=600)  # all warm; the main process flushes the tree
         barrier.wait(timeout=600)  # go
         wl = ChatWorkload(seed=1000 * run + idx)
-        lat: List[float] = []
+        lat: list[float] = []
         rpcs0 = sum(c.rpc_counts.values())
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         run_steps(c, s, wl, b, steps, f"w{idx}r{run}", lat)  # each step's last call replays its decodes
@@ -172,7 +171,7 @@ def worker_main(idx: int, address: str, token: str, plan, barrier, results, stre
     c.close()
 
 
-def embedded_run(w: int, b: int, steps: int, run: int, config: Dict):
+def embedded_run(w: int, b: int, steps: int, run: int, config: dict):
     from radixkv.engine import CacheEngine, EngineConfig
 
     e = CacheEngine(EngineConfig(**config))
@@ -180,7 +179,7 @@ def embedded_run(w: int, b: int, steps: int, run: int, config: Dict):
     for i in range(w):
         run_steps(e, sessions[i], ChatWorkload(seed=10**6 + i), b, WARMUP_STEPS, f"warm{i}r{run}", [])
     assert e.flush(sessions[0])
-    lat: List[float] = []
+    lat: list[float] = []
     t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for i in range(w):
@@ -213,9 +212,8 @@ def main(argv=None) -> int:
     config = dict(CONFIG, decode_reserve=args.decode_reserve)
 
     import torch
-
-    from radixkv.service.server.cli import main as serve_main
     from radixkv.service.client import connect
+    from radixkv.service.server.cli import main as serve_main
 
     torch.set_num_threads(1)  # the embedded baseline runs with the server's --torch-threads 1
     load0 = os.getloadavg()[0]
@@ -232,7 +230,7 @@ def main(argv=None) -> int:
                                                    "--log-level", "WARNING", "--sweep-interval-s", "1"] + flags,),
                          daemon=True)
     server.start()
-    rows: List[Dict] = []
+    rows: list[dict] = []
     heartbeat_ms = None
     try:
         admin = connect(address, token=token, wait_s=120, timeout_s=120)
@@ -307,7 +305,8 @@ def main(argv=None) -> int:
         print(f"{r['workers']:>2} {r['batch']:>3} {r['requests']:>5} {r['remote_req_per_s']:>12.1f} "
               f"{r['remote_step_p50_ms']:>11.3f} {r['remote_step_p99_ms']:>11.3f} {r['embedded_req_per_s']:>11.1f} "
               f"{r['embedded_step_p50_ms']:>12.3f} {r['overhead']:>7.2f}x {cpu:>27} "
-              f"{main:>16} {r['embedded_cpu_us_per_req']:>16.0f} {r['cpu_overhead']:>11.2f}x {r['rpcs_per_step']:>8.2f}")
+              f"{main:>16} {r['embedded_cpu_us_per_req']:>16.0f} {r['cpu_overhead']:>11.2f}x "
+              f"{r['rpcs_per_step']:>8.2f}")
     if heartbeat_ms:
         print(f"single call (heartbeat, W=1): p50 {heartbeat_ms['p50']:.3f} ms, p99 {heartbeat_ms['p99']:.3f} ms")
     doc = {"benchmark": "bench_service", "config": config, "gen_tokens": GEN, "transport": args.transport,

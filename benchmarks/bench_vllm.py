@@ -52,7 +52,8 @@ _ENGINE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace (default: the bundled conversation trace)")
+    ap.add_argument("--trace", default=DEFAULT_TRACE,
+                    help="Mooncake JSONL trace (default: the bundled conversation trace)")
     ap.add_argument("--sessions", type=int, default=9, help="sessions replayed (odd: sessions alternate 2 instances)")
     ap.add_argument("--turns", type=int, default=4, help="turns per session (default %(default)s)")
     ap.add_argument("--tokens-per-block", type=int, default=32, help="tokens per 512-token Mooncake block")
@@ -187,7 +188,8 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
     return {"config": name, "engine_start_s": round(start_s, 1), "requests": w.n_requests,
             "prompt_tokens": int(prompt.sum()), "hit_tokens": int(cached.sum()),
             "prefill_tokens": int((prompt - cached).sum()),
-            "prefill_tokens_per_instance": [int((prompt - cached)[w.instance == k].sum()) for k in range(w.n_instances)],
+            "prefill_tokens_per_instance": [int((prompt - cached)[w.instance == k].sum())
+                                            for k in range(w.n_instances)],
             "ttft_ms_p50": round(_pct(ttft, 50), 2), "ttft_ms_p99": round(_pct(ttft, 99), 2),
             "requests_per_s": round(w.n_requests / busy, 3) if busy > 0 else None,
             "cold_requests": len(cold), "cold_len": cold_len, "cold_hit_tokens": cold_cached,

@@ -82,19 +82,19 @@ import platform
 import sys
 import tracemalloc
 from array import array
-from typing import Any, Callable, List, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_radix import FreeTimer, _stats, cycle, make_workload  # noqa: E402
+from sglang_loader import INSTALL_HINT, INSTALL_HINT_MAMBA, SGLang, forget_sglang, load_sglang  # noqa: E402
+from vs_sglang_mamba import compare_mamba, print_mamba_table  # noqa: E402
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
 from radixkv.cache import RadixCache, RadixKey  # noqa: E402
-
-from sglang_loader import INSTALL_HINT, INSTALL_HINT_MAMBA, SGLang, forget_sglang, load_sglang  # noqa: E402
-from vs_sglang_mamba import compare_mamba, print_mamba_table  # noqa: E402
 
 OPS = ("match_prefix", "prefix_indices", "lock", "evict", "insert", "unlock")
 
@@ -111,7 +111,7 @@ class Driver(NamedTuple):
     timer: FreeTimer
     match: Callable
     split: Callable
-    indices: Optional[Callable]
+    indices: Callable | None
     lock: Callable
     unlock: Callable
     evict: Callable
@@ -149,7 +149,7 @@ def sglang_driver(sg: SGLang, pool: int, page_size: int) -> Driver:
                   lambda k, v: cache.insert(ip(key=k, value=v)).prefix_len)
 
 
-def build_keys(work, page_size: int, impl: str, sg: Optional[SGLang] = None) -> list:
+def build_keys(work, page_size: int, impl: str, sg: SGLang | None = None) -> list:
     """(prompt key, page-aligned full key, prompt tokens, full tokens) per request."""
     keys = []
     for prompt, full in work:
@@ -171,7 +171,7 @@ def run_cycle(drv: Driver, keys, page_size: int) -> dict:
                  drv.evict, drv.insert, indices=drv.indices, ops=OPS)
 
 
-def summarize(reps: List[dict]) -> dict:
+def summarize(reps: list[dict]) -> dict:
     """Per-op stats pooled over the repetitions (and each repetition's mean, for spread)."""
     ops = {}
     for op in OPS:
@@ -213,7 +213,7 @@ def _sglang_nodes(cache):
     return out
 
 
-def measure_memory(work, page_size: int, pool: int, impl: str, sg: Optional[SGLang] = None) -> dict:
+def measure_memory(work, page_size: int, pool: int, impl: str, sg: SGLang | None = None) -> dict:
     """Traced bytes + tensor storage per cached token of a tree grown to ~``pool`` tokens."""
     gc.collect()
     tracemalloc.start()
@@ -246,7 +246,7 @@ def measure_memory(work, page_size: int, pool: int, impl: str, sg: Optional[SGLa
 
 
 # ----------------------------------------------------------------------------- main
-def compare(work, page_sizes, reps: int, pool: int, sg: Optional[SGLang], memory: bool = True) -> dict:
+def compare(work, page_sizes, reps: int, pool: int, sg: SGLang | None, memory: bool = True) -> dict:
     """Both caches on ``work`` at each page size, alternating per repetition."""
     impls = ["radixkv"] + (["sglang"] if sg is not None else [])
     out = {}

@@ -17,7 +17,8 @@ the other ops, the driver's glue), but their effect on the caches is simulated.
 
 Prints one JSON document: events per call (``Ir`` instructions, ``I1mr`` / ``D1mr`` first-level
 misses, ``DLmr`` / ``DLmw`` misses of the simulated 2 MiB last level), the call count, and the
-functions with the most self instructions, per call, when ``callgrind_annotate`` is on the PATH. Needs valgrind and a CPython whose libpython keeps its static symbols.
+functions with the most self instructions, per call, when ``callgrind_annotate`` is on the PATH.
+Needs valgrind and a CPython whose libpython keeps its static symbols.
 """
 from __future__ import annotations
 
@@ -29,16 +30,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List
 
 OPS = ("match_prefix", "insert", "lock", "unlock", "evict")
 CACHE_ARGS = ["--cache-sim=yes", "--I1=65536,16,64", "--D1=49152,12,64", "--LL=2097152,16,64"]
 
 
-def parse_callgrind(text: str) -> Dict[str, int]:
+def parse_callgrind(text: str) -> dict[str, int]:
     """The ``events:`` names and ``totals:`` (or ``summary:``) counts of a callgrind out file."""
-    names: List[str] = []
-    totals: List[int] = []
+    names: list[str] = []
+    totals: list[int] = []
     for line in text.splitlines():
         if line.startswith("events:"):
             names = line.split()[1:]
@@ -50,14 +50,14 @@ def parse_callgrind(text: str) -> Dict[str, int]:
     return dict(zip(names, totals))
 
 
-def per_call(totals: Dict[str, int], calls: int) -> Dict[str, float]:
+def per_call(totals: dict[str, int], calls: int) -> dict[str, float]:
     """Each event divided by ``calls`` (one decimal)."""
     if calls <= 0:
         raise ValueError("no counted calls")
     return {k: round(v / calls, 1) for k, v in totals.items()}
 
 
-def top_functions(out_file: str, calls: int, limit: int = 12) -> List[Dict[str, object]]:
+def top_functions(out_file: str, calls: int, limit: int = 12) -> list[dict[str, object]]:
     """The functions with the most self instructions, their events per counted call (needs
     ``callgrind_annotate``; ``[]`` without it)."""
     exe = shutil.which("callgrind_annotate")
@@ -87,7 +87,7 @@ def top_functions(out_file: str, calls: int, limit: int = 12) -> List[Dict[str, 
     return rows
 
 
-def counting_timer(op: str, calls: List[int]):
+def counting_timer(op: str, calls: list[int]):
     """An ``op_timer`` stand-in for ``bench_radix.cycle``: the counted op runs inside
     ``operator.call`` (collection on), every other op is called plainly; nothing is timed."""
     def factory(ops):
@@ -108,9 +108,9 @@ def run_child(op: str, page_size: int, requests: int, pool: int, seed: int) -> i
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
+    import bench_radix as br
     import torch
 
-    import bench_radix as br
     from radixkv.cache import RadixCache
 
     torch.set_num_threads(1)

@@ -4,17 +4,18 @@ busy machine does not inflate when it deschedules the process."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterable, List, Tuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["op_timer"]
 
 
-def op_timer(ops: Iterable[str]) -> Tuple[Dict[str, List[int]], Dict[str, List[int]], Callable[..., Any]]:
+def op_timer(ops: Iterable[str]) -> tuple[dict[str, list[int]], dict[str, list[int]], Callable[..., Any]]:
     """``(wall, cpu, timed)``: per-op lists of nanoseconds, and ``timed(op, fn, *args)``,
     which calls ``fn(*args)``, appends its wall and CPU nanoseconds under ``op`` and
     returns its result."""
-    wall: Dict[str, List[int]] = {op: [] for op in ops}
-    cpu: Dict[str, List[int]] = {op: [] for op in ops}
+    wall: dict[str, list[int]] = {op: [] for op in ops}
+    cpu: dict[str, list[int]] = {op: [] for op in ops}
     clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
 
     def timed(op: str, fn: Callable[..., Any], *args: Any) -> Any:

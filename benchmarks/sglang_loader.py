@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 import types
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple
 
 __all__ = ["SGLANG_VERSION", "SGLANG_DEPS", "INSTALL_HINT", "INSTALL_HINT_MAMBA", "Profile", "PROFILES",
            "SGLang", "load_sglang", "forget_sglang"]
@@ -28,9 +28,9 @@ class _Shim(types.ModuleType):
     is a package whose real submodules still import from ``path`` (its ``__init__`` is not
     run)."""
 
-    def __init__(self, name: str, path: Optional[str] = None):
+    def __init__(self, name: str, path: str | None = None):
         super().__init__(name)
-        self._read: List[str] = []
+        self._read: list[str] = []
         if path is not None:
             self.__path__ = [path]
 
@@ -102,7 +102,7 @@ def _import(profile: Profile) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{k: importlib.import_module(v) for k, v in profile.modules.items()})
 
 
-def load_sglang(path: Optional[str], part: str = "radix") -> Optional[SGLang]:
+def load_sglang(path: str | None, part: str = "radix") -> SGLang | None:
     """Import what ``part`` (``radix`` / ``mamba``) needs from SGLang, or ``None`` when that
     SGLang is not there (or lacks the part's module: 0.5.23 has no MambaRadixCache).
 

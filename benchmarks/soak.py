@@ -36,10 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
-
 from radixkv.service.client import connect
 
 # The test tooling (tests/tooling/, not installed) is imported from the checkout.
@@ -50,7 +49,7 @@ from tooling.proc_stats import drift, proc_sample  # noqa: E402
 FATES = (("kill", 0.40), ("self_kill", 0.20), ("detach", 0.15), ("vanish", 0.15), ("stop", 0.10))
 
 
-def start_server(directory: str, args: argparse.Namespace) -> Dict[str, Any]:
+def start_server(directory: str, args: argparse.Namespace) -> dict[str, Any]:
     token = secrets.token_urlsafe(24)
     token_file = os.path.join(directory, "token")
     fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -78,16 +77,16 @@ def wait_idle(client: Any, timeout_s: float) -> Any:
         time.sleep(0.05)
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     directory = tempfile.mkdtemp(prefix="radixkv-soak-")
     srv = start_server(directory, args)
     c, pid = srv["client"], srv["process"].pid
     pool = StandbyPool()
-    counts: Dict[str, int] = {f: 0 for f, _ in FATES}
-    events: Dict[str, int] = {}
-    errors: List[Dict[str, Any]] = []
-    idle: List[Dict[str, Any]] = []
+    counts: dict[str, int] = {f: 0 for f, _ in FATES}
+    events: dict[str, int] = {}
+    errors: list[dict[str, Any]] = []
+    idle: list[dict[str, Any]] = []
     samples = [proc_sample(pid)]
     fates, probs = [f for f, _ in FATES], np.array([p for _, p in FATES])
     t0 = time.monotonic()
@@ -95,7 +94,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     next_idle = t0 + args.idle_every_s
     next_sample = t0 + 2.0
     wid = 0
-    active: Dict[int, Dict[str, Any]] = {}
+    active: dict[int, dict[str, Any]] = {}
     try:
         while True:
             now = time.monotonic()
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 next_sample = now + 2.0
             if pausing and not active:
                 st = wait_idle(c, 60)
-                point: Dict[str, Any] = {"t_s": round(time.monotonic() - t0, 1), "idle": st is not None}
+                point: dict[str, Any] = {"t_s": round(time.monotonic() - t0, 1), "idle": st is not None}
                 if st is not None:
                     try:
                         c.check_invariants()

@@ -17,6 +17,7 @@ import time
 import traceback
 from multiprocessing import get_context
 
+
 def make_tiny_llama(path, vocab=512, max_positions=2048, seed=0):
     """A tiny Llama (2 layers, 1 KV head of 64, fp32, random weights, seed ``seed``) saved
     at ``path``: nothing is downloaded. ``initializer_range`` 0.2 makes its greedy output

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import gc
 import types
-from typing import List, Optional
 
 import numpy as np
 import torch
-
 from bench_radix import _stats
 from op_timer import op_timer
 from sglang_loader import SGLang
@@ -36,7 +34,7 @@ class _Req:
         self.mamba_pool_idx, self.rid = None, "bench"
 
 
-def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: Optional[SGLang]) -> dict:
+def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: SGLang | None) -> dict:
     """``bench_mamba.py --part latency``'s cycle, page size 1, on one cache. radixkv:
     match -> lock -> evict_states (no free slot) -> state_alloc -> fork_state -> evict KV ->
     alloc -> insert_with_state -> free dups -> unlock. SGLang 0.5.9 (its scheduler's calls):
@@ -75,7 +73,7 @@ def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: Optional[SGLang]) -
         mp, ip, ep = m.base.MatchPrefixParams, m.base.InsertParams, m.base.EvictParams
     wall, cpu, timed = op_timer(M_OPS)
     state = []
-    hits: List[int] = []
+    hits: list[int] = []
     queried = kept = 0
 
     gc.collect()
@@ -115,7 +113,7 @@ def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: Optional[SGLang]) -
             done, keep = ins.prefix_len, ins.state_kept
         else:
             slot = req.mamba_pool_idx.unsqueeze(-1).clone()
-            ins = timed("insert", lambda k, v: cache.insert(ip(key=k, value=v, mamba_value=slot)), fkey, value)
+            ins = timed("insert", lambda k, v: cache.insert(ip(key=k, value=v, mamba_value=slot)), fkey, value)  # noqa: B023
             done, keep = ins.prefix_len, not ins.mamba_exist
             if not keep:
                 mamba.free(req.mamba_pool_idx.unsqueeze(0))
@@ -128,7 +126,7 @@ def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: Optional[SGLang]) -
             "states_kept": int(kept), "cache": cache, "alloc": alloc, "mamba": mamba}
 
 
-def summarize_mamba(reps: List[dict]) -> dict:
+def summarize_mamba(reps: list[dict]) -> dict:
     ops = {}
     for op in M_OPS:
         w = [x for r in reps for x in r["wall"][op]]
@@ -142,7 +140,7 @@ def summarize_mamba(reps: List[dict]) -> dict:
             "states_kept_by_rep": [r["states_kept"] for r in reps]}
 
 
-def compare_mamba(work, reps: int, pool: int, slots: int, sg: Optional[SGLang]) -> dict:
+def compare_mamba(work, reps: int, pool: int, slots: int, sg: SGLang | None) -> dict:
     """Both MambaRadixCaches on ``work``, alternating per repetition."""
     impls = ["radixkv"] + (["sglang"] if sg is not None else [])
     runs = {impl: [] for impl in impls}

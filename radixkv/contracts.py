@@ -42,7 +42,7 @@ __all__ = [
     "IndexLike", "LayerLike", "HasLayerId", "Scale", "TableIndex",
     "KVAllocator", "PagedKVAllocator",
     "PoolRequest", "CacheRequest", "ReqToTokenTable", "HybridReqTable",
-    "KVPool", "StatePool", "Event", "PrefixMatch", "PrefixCache", "HybridPrefixCache",
+    "KVPool", "StatePool", "SlotFreeList", "Event", "PrefixMatch", "PrefixCache", "HybridPrefixCache",
 ]
 
 #: Ids as the pools and allocators accept them: an integer tensor or numpy array (any
@@ -206,11 +206,11 @@ class PrefixCache(Protocol):
     """The radix tree over the pools, as the scheduler flow uses it: match and lock a
     request's prefix, evict unlocked leaves, take a finished request's KV."""
 
-    # A tree can run without pools (a hit-rate replay); the scheduler's tree has both.
+    # A tree can run without pools (a hit-rate replay: None); the scheduler's tree has both.
     @property
-    def req_to_token_pool(self) -> ReqToTokenTable: ...
+    def req_to_token_pool(self) -> ReqToTokenTable | None: ...
     @property
-    def token_to_kv_pool_allocator(self) -> KVAllocator: ...
+    def token_to_kv_pool_allocator(self) -> KVAllocator | None: ...
 
     def match_prefix(self, key: Any) -> PrefixMatch:
         """The longest cached page-aligned prefix of ``key`` (a ``RadixKey``)."""
@@ -268,6 +268,18 @@ class KVPool(Protocol):
     def check_invariants(self) -> None: ...
 
 
+class SlotFreeList(Protocol):
+    """The free list of a :class:`StatePool`'s slots (``FreeSlots``), as the tree reads it to
+    check that a slot handed to it is allocated."""
+
+    def is_free(self, ids: IndexLike) -> torch.Tensor:
+        """A bool tensor (flat, on the pool's device): whether each of ``ids`` is free."""
+    def free_among(self, ids: Sequence[int]) -> list[int]:
+        """The ids among ``ids`` that are free, in their order (a host read on CPU)."""
+    def is_free_one(self, i: int) -> bool:
+        """Whether the one slot ``i`` is free."""
+
+
 @runtime_checkable
 class StatePool(Protocol):
     """Linear-attention state slots ``1..size`` (slot 0 reserved): per layer a conv window
@@ -295,6 +307,9 @@ class StatePool(Protocol):
     @property
     def copy_backend(self) -> str:
         """How state copies run: ``"torch"`` or ``"triton"``."""
+    @property
+    def free_slots(self) -> SlotFreeList:
+        """The slots' free list (read-only use: the tree checks the slots it is given)."""
 
     def available_size(self) -> int: ...
     def alloc(self, n: int) -> torch.Tensor | None: ...

@@ -30,13 +30,18 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 
 from radixkv.demo_workers import (
-    TOLERANCE, HybridWorker, TimedEngine, demo_model_config, engine_config_for, worker_main,
+    TOLERANCE,
+    HybridWorker,
+    TimedEngine,
+    demo_model_config,
+    engine_config_for,
+    worker_main,
 )
 from radixkv.errors import InvalidArgumentError, RadixKVError
 
@@ -56,7 +61,7 @@ def token_hash(pseudo: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def scaled_prompts(n: int, tokens_per_block: int, vocab: int,
-                   trace: str = "conversation") -> Tuple[List[np.ndarray], np.ndarray]:
+                   trace: str = "conversation") -> tuple[list[np.ndarray], np.ndarray]:
     """The first ``n`` requests of a bundled Mooncake trace as int32 prompts (see the module
     docstring), and their ``output_length``. Vectorized over blocks."""
     from radixkv.bench.traces import load_mooncake
@@ -76,7 +81,7 @@ def scaled_prompts(n: int, tokens_per_block: int, vocab: int,
 def run_demo(embedded: bool = False, requests: int = 120, device: str = "cpu", *, decode_tokens: int = 4,
              tokens_per_block: int = 16, workers: int = 2, verify_every: int = 1, page_size: int = 1,
              kv_tokens: int = 32768, state_slots: int = 96, timeout_s: float = 600.0,
-             out: Optional[TextIO] = None) -> int:
+             out: TextIO | None = None) -> int:
     """Run the demo (see the module docstring) and print its table to ``out`` (stdout).
 
     ``requests``: how many trace requests, dealt round-robin to ``workers``; each decodes
@@ -119,7 +124,7 @@ def _progress(total: int):
     return Progress(total, "requests")
 
 
-def _run_embedded(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[str, Any]:
+def _run_embedded(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> dict[str, Any]:
     from radixkv.engine.embedded import CacheEngine
     from radixkv.reference import HybridModel
 
@@ -127,7 +132,7 @@ def _run_embedded(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[
     torch.set_num_threads(1)  # tiny ops: more threads only spin against each other (as in the workers)
     engine = CacheEngine(cfg)
     model = HybridModel(model_cfg, cfg.device)
-    res: Dict[str, Any] = {"reports": [], "latencies": [], "errors": [], "peak": (0, 0)}
+    res: dict[str, Any] = {"reports": [], "latencies": [], "errors": [], "peak": (0, 0)}
     timed = [TimedEngine(engine) for _ in jobs]
     runners = []
     for w, t in enumerate(timed):
@@ -160,16 +165,16 @@ def _run_embedded(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[
     return res
 
 
-def _peak(peak: Tuple[int, int], st: Any) -> Tuple[int, int]:
+def _peak(peak: tuple[int, int], st: Any) -> tuple[int, int]:
     return (max(peak[0], st.kv_capacity - st.kv_available), max(peak[1], st.state_capacity - st.state_available))
 
 
-def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[str, Any]:
-    from radixkv.service.server.cli import main as serve_main
+def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> dict[str, Any]:
     from radixkv.service.client import connect
+    from radixkv.service.server.cli import main as serve_main
 
     ctx = mp.get_context("spawn")
-    res: Dict[str, Any] = {"reports": [], "latencies": [], "errors": [], "peak": (0, 0)}
+    res: dict[str, Any] = {"reports": [], "latencies": [], "errors": [], "peak": (0, 0)}
     tmp = tempfile.mkdtemp(prefix="radixkv-demo-")  # 0700
     token = secrets.token_urlsafe(24)
     token_file, cfg_file, shm = (os.path.join(tmp, n) for n in ("token", "engine.json", "shm"))
@@ -183,7 +188,7 @@ def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> Dict[s
     argv = ["serve", "--address", address, "--token-file", token_file, "--config", cfg_file, "--shm-dir", shm,
             "--log-level", "WARNING", "--grace-s", "2", "--sweep-interval-s", "0.5"]
     server = ctx.Process(target=serve_main, args=(argv,), name="radixkv-manager", daemon=True)
-    procs: List[Any] = []
+    procs: list[Any] = []
     deadline = time.monotonic() + timeout_s
     try:
         server.start()
@@ -263,7 +268,7 @@ def _stop_server(server, shm: str) -> str:
     return "clean (SIGTERM, exit code 0, shared memory removed)"
 
 
-def _report(res: Dict[str, Any], out: TextIO) -> int:
+def _report(res: dict[str, Any], out: TextIO) -> int:
     reps = res["reports"]
     n = len(reps)
     prompt = sum(r["prompt_len"] for r in reps)
@@ -281,7 +286,8 @@ def _report(res: Dict[str, Any], out: TextIO) -> int:
         ("requests", f"{n} ({sum(r['decoded'] for r in reps)} tokens decoded)"),
         ("prompt tokens", f"{prompt} ({sum(r['computed'] for r in reps)} computed)"),
         ("token hit rate", f"{hit / prompt:.1%} of prompt tokens skipped (state + KV reused; KV alone cached "
-                           f"{kv_hit / prompt:.1%}); an unbounded cache: {res['bound'] / prompt:.1%}" if prompt else "-"),
+                           f"{kv_hit / prompt:.1%}); an unbounded cache: {res['bound'] / prompt:.1%}"
+                           if prompt else "-"),
         ("state checkpoints", f"{sum(r['checkpoints'] for r in reps)} chunk ends cached with their state"),
         ("requests/s", (f"{n / serving:.1f} ({serving:.1f} s serving" + ("" if res["embedded"] else
                         f"; {res['wall_s']:.1f} s in all, with process start-up") + ")") if serving else "-"),
@@ -322,15 +328,22 @@ def run_walkthrough(device: str = "cpu") -> int:
     from radixkv.allocator import TokenToKVPoolAllocator
     from radixkv.cache import RadixCache
     from radixkv.memory import MHATokenToKVPool, ReqToTokenPool
-    from radixkv.scheduler import Batch, Req, alloc_for_decode, alloc_for_extend, check_conservation, \
-        conservation, release_kv_cache
+    from radixkv.scheduler import (
+        Batch,
+        Req,
+        alloc_for_decode,
+        alloc_for_extend,
+        check_conservation,
+        conservation,
+        release_kv_cache,
+    )
 
     dev = torch.device(device)
     pool = ReqToTokenPool(4, 128, device=dev)
     kv = MHATokenToKVPool(256, 1, torch.float32, head_num=2, head_dim=8, layer_num=2, device=dev)
     alloc = TokenToKVPoolAllocator(256, device=dev, need_sort=True, kvcache=kv)
     tree = RadixCache(pool, alloc, page_size=1)
-    running: List[Any] = []
+    running: list[Any] = []
     rng = np.random.default_rng(0)
 
     def show(title: str) -> None:
@@ -348,7 +361,7 @@ def run_walkthrough(device: str = "cpu") -> int:
             print(f"   {r.rid}: row {r.req_pool_idx}, {r.kv_committed_len} tokens with KV, {r.prefix_len} reused "
                   f"from the tree; req_to_token[{r.req_pool_idx}, :8] = {row[:8]}")
 
-    def step(reqs: List[Any], decode: bool) -> Any:
+    def step(reqs: list[Any], decode: bool) -> Any:
         if decode:
             for r in reqs:
                 r.append_output(int(rng.integers(1000, 2000)))

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import time
 import traceback
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ class TimedEngine:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        self.latencies: List[float] = []
+        self.latencies: list[float] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.engine, name)
@@ -123,7 +124,7 @@ class HybridWorker:
         self.block, self.name = int(block), name
         self.tol = TOLERANCE[model.config.dtype]
 
-    def plan_chunks(self, prompt_len: int, prefix_len: int, kv_prefix_len: int) -> List[int]:
+    def plan_chunks(self, prompt_len: int, prefix_len: int, kv_prefix_len: int) -> list[int]:
         """Ends of the prefill chunks (ascending, the last is ``prompt_len``). O(1)."""
         ends = {prompt_len}
         if prefix_len < kv_prefix_len < prompt_len:
@@ -142,7 +143,7 @@ class HybridWorker:
         T = int(prompt.size)
         (m,) = e.match(s, [MatchQuery(prompt[:-1])])
         ends = self.plan_chunks(T, m.prefix_len, m.kv_prefix_len)
-        logits: Dict[int, torch.Tensor] = {}
+        logits: dict[int, torch.Tensor] = {}
         sent, prefix, computed = 0, None, 0
         last = None
         for i, end in enumerate(ends):
@@ -183,7 +184,7 @@ class HybridWorker:
 
 
 def worker_main(address: str, token: str, name: str, model_config: HybridConfig,
-                jobs: Sequence[Tuple[str, np.ndarray, int]], verify_every: int, block: int, q: Any) -> None:
+                jobs: Sequence[tuple[str, np.ndarray, int]], verify_every: int, block: int, q: Any) -> None:
     """A worker process (``multiprocessing`` spawn): connect to the manager at ``address``,
     attach, map its buffers, run ``jobs`` (``(rid, prompt, decode_steps)``) in order, and
     report through ``q``: ``("request", RequestReport dict)`` per request, then

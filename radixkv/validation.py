@@ -55,6 +55,8 @@ def check_count(n: object, what: str = "n") -> int:
     Raises:
         InvalidArgumentError: another type, or a negative value.
     """
+    if type(n) is int and n >= 0:  # the common case, without the ABC check (evict's hot path)
+        return n
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or int(n) < 0:
         raise InvalidArgumentError(f"{what} must be a non-negative int, got {n!r:.80}")
     return int(n)

@@ -12,7 +12,8 @@ past its first entry.
 """
 import pytest
 import torch
-from hypothesis import event, strategies as st
+from hypothesis import event
+from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from radixkv.allocator import StaleBackupError

@@ -21,7 +21,7 @@ def test_plan_layout_offsets_aligned_and_disjoint():
     assert layout.names() == ("a", "b", "c", "d", "e")
     assert layout.total_bytes % 64 == 0
     ends = 0
-    for spec, (name, shape, dtype) in zip(layout.specs, ENTRIES):
+    for spec, (_name, shape, dtype) in zip(layout.specs, ENTRIES):
         assert spec.offset % 64 == 0
         assert spec.offset >= ends  # in order, no overlap
         assert spec.nbytes == torch.empty(shape, dtype=dtype).nbytes

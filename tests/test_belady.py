@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from policy_research import available_block_policies, make_block_policy
 from policy_research.oracles import PopularityOracle, ReuseOracle
+from trace_fixtures import bundled_trace
+
 from radixkv.bench.belady import NEVER, belady, next_use
 from radixkv.bench.blocksim import simulate
 from radixkv.bench.traces import BlockTrace
 from radixkv.bench.workloads import random_block_trace
 from radixkv.errors import InvalidArgumentError
-from trace_fixtures import bundled_trace
 
 
 def _trace_path(name):

@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from trace_fixtures import ROWS
 
 from radixkv.bench import cli as bench_cli
 from radixkv.bench.radix_engine import default_policy_name
 from radixkv.cli import main
 from radixkv.data import mooncake_trace
-from trace_fixtures import ROWS
-
 
 TOP_KEYS = {"trace", "requests", "prompt_tokens", "unique_tokens", "bounds", "results"}
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "hit_tokens",

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
 from policy_research import AdaptiveProbationLRU, available_block_policies
 from policy_research import make_block_policy as make_policy
+from trace_fixtures import bundled_trace
+
 from radixkv.bench import blocksim
 from radixkv.bench.blocksim import BlockSim, LeafHeap, simulate
 from radixkv.bench.hitrate import BlockSimAdapter, replay
@@ -21,7 +22,6 @@ from radixkv.errors import (
     InvariantError,
     LengthMismatchError,
 )
-from trace_fixtures import bundled_trace
 
 
 def _trace_path(name):

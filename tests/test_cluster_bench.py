@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from radixkv.bench.cluster import (
-    ROUTERS, InprocManager, PyRadixIndex, add_arguments, make_index, replay_cluster, replay_on, run, served_len,
+    ROUTERS,
+    InprocManager,
+    PyRadixIndex,
+    add_arguments,
+    make_index,
+    replay_cluster,
+    replay_on,
+    run,
+    served_len,
 )
 from radixkv.bench.cluster_procs import ManagerProcesses, ManagerStartError
 from radixkv.bench.hitrate import load_source
@@ -26,7 +34,7 @@ def requests(n=150, seed=0):
     rng = np.random.default_rng(seed)
     systems = [rng.integers(0, 1000, 64).astype(np.int32) for _ in range(4)]
     out = []
-    for i in range(n):
+    for _i in range(n):
         s = systems[int(rng.integers(0, 4))]
         out.append(np.concatenate([s, rng.integers(0, 1000, int(rng.integers(5, 80))).astype(np.int32)]))
     return out

@@ -199,7 +199,7 @@ TestFlowMachinePage4.settings = settings(max_examples=25, stateful_step_count=30
 def test_seeded_stress(ps, slots):
     rng = np.random.default_rng(1234 + ps)
     sim = Sim(ps, slots, rows=10, width=256)
-    for step in range(250):
+    for _step in range(250):
         u = rng.random()
         if u < 0.3 and len(sim.reqs) < sim.pool.size:
             chunk = int(rng.integers(8, 64)) if rng.random() < 0.3 else None
@@ -237,7 +237,7 @@ def test_detects_a_leaked_slot(ps):
     page = int(leaked[0]) // ps
     with pytest.raises(InvariantError, match=rf"leaked\): \[{page}\]"):
         check_conservation(sim.alloc, sim.tree, list(sim.reqs.values()))
-    with pytest.raises(InvariantError, match=r"off by %d" % ps):
+    with pytest.raises(InvariantError, match=rf"off by {ps}"):
         check_conservation(sim.alloc, sim.tree, list(sim.reqs.values()), exact=False)
 
 

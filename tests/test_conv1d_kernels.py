@@ -3,7 +3,8 @@ prefill function, and their agreement with an explicit per-tap formula and with 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
 from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
@@ -93,7 +94,8 @@ def test_decode_steps_equal_prefill(backend):
     full = causal_conv1d_fn(x, weight, bias, init, "silu")
     state = torch.zeros(3, kw - 1, C, dtype=torch.float64)
     state[2] = init
-    ys = [causal_conv1d_update(x[t:t + 1], state, weight, bias, "silu", torch.tensor([2]), backend=backend) for t in range(T)]
+    ys = [causal_conv1d_update(x[t:t + 1], state, weight, bias, "silu", torch.tensor([2]),
+                               backend=backend) for t in range(T)]
     assert (torch.cat(ys) - full.y).abs().max().item() <= 1e-12
     assert torch.equal(state[2], full.final_state)
 
@@ -115,7 +117,8 @@ def test_update_bad_inputs_leave_state_unchanged(backend):
         (dict(conv_state=state[:, :, :4]), InvalidArgumentError),
     ]
     for change, err in cases:
-        args = dict(x=x, conv_state=state, weight=weight, bias=bias, activation="silu", conv_state_indices=torch.tensor([1, 2]))
+        args = dict(x=x, conv_state=state, weight=weight, bias=bias, activation="silu",
+                    conv_state_indices=torch.tensor([1, 2]))
         args.update(change)
         with pytest.raises(err):
             causal_conv1d_update(**args, backend=backend)

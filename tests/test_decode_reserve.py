@@ -133,7 +133,7 @@ def test_seeded_stress_against_an_engine_without_reserves(seed, reserve):
     sa, sb = ea.attach().session, eb.attach().session
     prompts = [toks(rng.integers(0, 50, 40)) for _ in range(4)]
     table, live, n = {}, [], 0
-    for step in range(120):
+    for _step in range(120):
         op = rng.integers(0, 10)
         if op < 3 and len(live) < 12:
             k = int(rng.integers(1, 4))

@@ -4,7 +4,6 @@ audit, a state machine driving a RadixCache whose events feed a plain-Python mod
 Dynamo's indexer, and the state events of hybrid models (recorder, index, and a real
 MambaRadixCache wired through the hook)."""
 import json
-from typing import Dict
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from radixkv.bench.cluster import PyRadixIndex  # noqa: E402
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import (
@@ -20,14 +20,13 @@ from radixkv.errors import (
     LengthMismatchError,
     NotFoundError,
 )
-from radixkv.bench.cluster import PyRadixIndex  # noqa: E402
 from radixkv.events.dynamo import (
     DynamoEventAdapter,
     DynamoNamespace,
     compute_block_hash_for_seq,
     default_namespace,
-    dynamo_seed,
     dumps,
+    dynamo_seed,
     tokens_hashes,
 )
 from radixkv.events.sources import drain_events
@@ -112,7 +111,7 @@ class ModelRouter(PyRadixIndex):
     apply = PyRadixIndex.apply_event
 
     @property
-    def lookup(self) -> Dict[int, Dict[int, dict]]:
+    def lookup(self) -> dict[int, dict[int, dict]]:
         return self._lookup
 
     def remove_worker(self, worker: int) -> None:

@@ -133,7 +133,7 @@ def test_radix_caches_overlap_equals_match_prefix_through_evictions_flush_and_de
     cluster.pump()
     assert 1 not in cluster.dumped_blocks()
     check_scores(cluster, wl, match_pages)
-    for step in range(30):  # manager 1 fills again after the flush
+    for _step in range(30):  # manager 1 fills again after the flush
         toks, key = wl.request()
         serve(1, toks, key)
         cluster.pump()
@@ -204,7 +204,7 @@ def test_hybrid_router_credits_kv_by_dynamo_and_states_by_the_state_index():
     adapter, index, dyn = DynamoEventAdapter(ps), StateIndex(), dynamo_core.RadixTree()
     rng = np.random.default_rng(4)
     differ = 0
-    for step in range(100):
+    for _step in range(100):
         toks = rng.integers(0, 3, 2 * int(rng.integers(1, 6))).astype(np.int32)
         if rng.random() < 0.6:
             insert_random_state(tree, alloc, mamba, rng, toks)

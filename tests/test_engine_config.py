@@ -88,5 +88,5 @@ def test_bad_files(tmp_path, name, text):
 
 
 def test_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017
         EngineConfig().kv_tokens = 5

@@ -4,12 +4,12 @@ file-backed shared memory that a second mapping sees."""
 import numpy as np
 import pytest
 import torch
+from engine_fixtures import ManualClock, toks
 
 from radixkv.engine import CacheEngine, EngineConfig, attach_buffers, plan_arenas
 from radixkv.engine.protocol import CacheEngineAPI, DecodeItem, ExtendItem
 from radixkv.engine.requests import EngineReq
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, StaleSessionError
-from engine_fixtures import ManualClock, toks
 
 
 def test_engine_req_buffer_growth_order_and_rollback():

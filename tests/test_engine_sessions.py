@@ -1,15 +1,19 @@
 """SessionTable: a Hypothesis state machine against a plain model (fake clock), plus the
 error messages and limits."""
 import pytest
+from engine_fixtures import ManualClock
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from engine_fixtures import ManualClock
 
 from radixkv.engine.protocol import Session
 from radixkv.engine.sessions import SessionTable
 from radixkv.errors import (
-    CapacityError, InvalidArgumentError, InvariantError, NotFoundError, PermissionDeniedError,
+    CapacityError,
+    InvalidArgumentError,
+    InvariantError,
+    NotFoundError,
+    PermissionDeniedError,
     StaleSessionError,
 )
 
@@ -182,7 +186,7 @@ def test_heap_stays_bounded_under_many_renewals():
     clock = ManualClock()
     t = SessionTable(5.0, 2, 1, clock=clock)
     a = t.open()
-    for i in range(1000):
+    for _i in range(1000):
         clock.t += 0.01
         t.renew(a.session_id)
     assert len(t._heap) <= 4 * len(t) + 65

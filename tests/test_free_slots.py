@@ -153,7 +153,7 @@ def test_checks_false_skips_validation_but_works():
 
 def test_ring_wraps_around():
     fs = FreeSlots(5)
-    for step in range(12):
+    for _step in range(12):
         ids = fs.alloc(3)
         fs.free(ids.flip(0))
         fs.check_invariants()

@@ -5,12 +5,11 @@ import json
 
 import numpy as np
 import pytest
+from trace_fixtures import ROWS
 
 from radixkv.bench import hitrate
 from radixkv.bench.hitrate import BlockSimAdapter, add_arguments, main, run
 from radixkv.bench.progress import Progress
-from trace_fixtures import ROWS
-
 
 TOP_KEYS = {"trace", "requests", "prompt_tokens", "unique_tokens", "bounds", "results"}
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "hit_tokens",

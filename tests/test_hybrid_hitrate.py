@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from trace_fixtures import ROWS, bundled_trace
 
 from radixkv.bench.hitrate import main
 from radixkv.bench.hybrid_hitrate import (
@@ -18,8 +19,6 @@ from radixkv.bench.hybrid_hitrate import (
 from radixkv.bench.workloads import make_workload
 from radixkv.cache.mamba_policies import FlopStateOrder
 from radixkv.errors import InvalidArgumentError
-from trace_fixtures import ROWS, bundled_trace
-
 
 B = 8  # tokens per block of the synthetic chains
 

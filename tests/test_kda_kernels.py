@@ -3,7 +3,8 @@ explicit per-head formula, and the chunked prefill against the token-by-token re
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
 from radixkv.kernels.kda_decode import kda_decode
@@ -47,7 +48,8 @@ def test_decode_matches_explicit_formula(device, backend, dtype, heads, d_k, d_v
     if backend == "triton" and not triton_runnable(device):
         pytest.skip("triton not runnable here")
     q, k, v, g, beta = _inputs(3, heads, d_k, d_v, dtype, device)
-    states = torch.randn(6, heads, d_k, d_v, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(device, dtype)
+    states = torch.randn(6, heads, d_k, d_v, generator=torch.Generator().manual_seed(9),
+                         dtype=torch.float64).to(device, dtype)
     idx = torch.tensor([4, 1, 5], device=device)
     others = states[[0, 2, 3]].clone()
     expect_o, expect_s = _explicit_step(q, k, v, g, beta, states[idx])
@@ -59,7 +61,8 @@ def test_decode_matches_explicit_formula(device, backend, dtype, heads, d_k, d_v
 
 
 @pytest.mark.skipif(len(BACKENDS) < 2, reason="needs the Triton interpreter")
-@given(seed=st.integers(0, 10**6), batch=st.integers(1, 4), heads=st.integers(1, 3), d_k=st.integers(1, 33), d_v=st.integers(1, 33))
+@given(seed=st.integers(0, 10**6), batch=st.integers(1, 4), heads=st.integers(1, 3), d_k=st.integers(1, 33),
+       d_v=st.integers(1, 33))
 def test_decode_triton_equals_torch_random(seed, batch, heads, d_k, d_v):
     q, k, v, g, beta = _inputs(batch, heads, d_k, d_v, torch.float64, seed=seed, decay_scale=3.0)
     states = torch.randn(batch + 2, heads, d_k, d_v, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -90,7 +93,8 @@ def test_decode_steps_equal_recurrence(backend):
     ref = kda_recurrent(q, k, v, g, beta, init)
     states = torch.zeros(3, H, D, D, dtype=torch.float64)
     states[1] = init
-    outs = [kda_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], states, torch.tensor([1]), backend=backend) for t in range(T)]
+    outs = [kda_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], states, torch.tensor([1]),
+                       backend=backend) for t in range(T)]
     assert (torch.cat(outs) - ref.o).abs().max().item() <= 1e-12
     assert (states[1] - ref.final_state).abs().max().item() <= 1e-12
 
@@ -105,7 +109,8 @@ def test_decode_steps_equal_recurrence(backend):
 def test_chunked_equals_recurrent(seed, length, chunk, decay_scale, with_state):
     heads, d = 2, 8
     q, k, v, g, beta = _inputs(length, heads, d, d, torch.float64, seed=seed, decay_scale=decay_scale)
-    init = torch.randn(heads, d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) if with_state else None
+    init = torch.randn(heads, d, d, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64) if with_state else None
     a = kda_recurrent(q, k, v, g, beta, init)
     b = kda_chunked(q, k, v, g, beta, init, chunk)
     assert (a.o - b.o).abs().max().item() <= 1e-10

@@ -14,7 +14,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache.mamba_radix_cache import MambaRadixCache
 from radixkv.memory import MambaPool
@@ -156,7 +155,7 @@ class MambaMachine(RuleBasedStateMachine):
         assert res.num_tokens == sum(len(r) for p, r in self.kv.items() if p not in kv)
         assert res.num_states == len(self.states) - len(states)
         assert res.num_tokens >= min(num_tokens, kv_ev) and res.num_states >= min(num_states, st_ev)
-        for node, prefix in self.locks:  # locked paths keep their KV, locked nodes their state
+        for _node, prefix in self.locks:  # locked paths keep their KV, locked nodes their state
             assert all(prefix[:i] in kv for i in range(self.page_size, len(prefix) + 1, self.page_size))
             assert prefix not in self.states or prefix in states
         for p in self.states:

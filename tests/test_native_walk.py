@@ -95,7 +95,7 @@ def test_native_and_python_walks_agree_on_random_operations(page_size, policy):
     assert t.c._cfind is not None and t.p._cfind is None
     assert (t.c._cwalk is not None) == (policy != "slru")  # slru has an on_hit hook
     seqs = []
-    for step in range(400):
+    for _step in range(400):
         op = rng.random()
         extra = None if rng.random() < 0.8 else "ns"
         if op < 0.35 or not seqs:

@@ -2,9 +2,9 @@
 re-keying), an infinite deadline is exactly ``aplru``, and its own invariant check."""
 import numpy as np
 import pytest
-
 from policy_research import AdaptiveProbationLRU
 from policy_research.overdue_policy import OverdueAPLRU
+
 from radixkv.bench.blocksim import BlockSim, simulate
 from radixkv.bench.workloads import random_block_trace
 from radixkv.errors import InvariantError

@@ -4,7 +4,9 @@ alloc_decode / free / free groups / backup-restore against a plain-list model.""
 import numpy as np
 import pytest
 import torch
-from hypothesis import event, settings, strategies as st
+from allocator_model import FreeListModel, FreeListRules, assert_unchanged, state_of
+from hypothesis import event, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -13,7 +15,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from allocator_model import FreeListModel, FreeListRules, assert_unchanged, state_of
 from radixkv.allocator import (
     AllocatorStats,
     FreeGroupError,

@@ -288,7 +288,7 @@ def test_metrics_window_against_brute_force(window):
     m = CacheMetrics(window)
     rng = np.random.default_rng(window)
     hist = []
-    for i in range(12 * window + 5):
+    for _i in range(12 * window + 5):
         q = int(rng.integers(0, 50))
         h = int(rng.integers(0, q + 1))
         m.record_query(q, h)

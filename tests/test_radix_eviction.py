@@ -180,7 +180,7 @@ def test_each_eviction_takes_the_current_minimum(policy, seed):
     cache, alloc = make(policy, size=400)
     rng = np.random.default_rng(seed)
     locked = []
-    for step in range(300):
+    for _step in range(300):
         toks = rng.integers(0, 4, rng.integers(1, 7)).tolist()
         op = rng.random()
         if op < 0.5:

@@ -7,6 +7,7 @@ leave everything unchanged, and the Mooncake infinite-capacity figures."""
 import numpy as np
 import pytest
 import torch
+from trace_fixtures import bundled_trace
 
 from radixkv.bench.blocksim import simulate
 from radixkv.bench.hitrate import ENGINES, BlockSimAdapter, load_source, replay
@@ -26,7 +27,6 @@ from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
 )
-from trace_fixtures import bundled_trace
 
 
 def chains_as_tokens(bt):

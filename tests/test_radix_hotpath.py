@@ -74,8 +74,8 @@ def test_check_slot_matches_check_slots(checks):
     cases = [held[0], held[1], held[2], np.int64(held[2]), torch.tensor(held[2]), torch.tensor([held[2]]),
              0, 7, -3, True, False, None, 2.0, "2", torch.tensor(1.5)]
     for s in cases:
-        one = _outcome(lambda: table.check_slot(pool, s, "slot", checks))
-        many = _outcome(lambda: table.check_slots(pool, [s], "slot", checks)[0])
+        one = _outcome(lambda: table.check_slot(pool, s, "slot", checks))  # noqa: B023
+        many = _outcome(lambda: table.check_slots(pool, [s], "slot", checks)[0])  # noqa: B023
         assert one == many, s
     assert (dict(table.slot_of), list(table.node_of), pool.available_size()) == before
 

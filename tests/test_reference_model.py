@@ -7,12 +7,13 @@ The pools here are minimal in-test stand-ins with exactly the real pools' API
 ``.conv[0]`` / ``.temporal``); ``test_real_pools`` runs the same through ``radixkv.memory``.
 """
 from collections import Counter
-from typing import List, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, LengthMismatchError, describe_ids
@@ -62,8 +63,8 @@ class StandInMambaPool:
 class Seq(NamedTuple):
     row: int
     slot: int
-    tokens: List[int]
-    kv_rows: List[int]
+    tokens: list[int]
+    kv_rows: list[int]
 
 
 class Harness:
@@ -76,7 +77,9 @@ class Harness:
         self.kv, self.mamba = StandInKVPool(cfg, rows, dev), StandInMambaPool(cfg, slots, dev)
         self.table = torch.zeros(reqs + 1, max_ctx, dtype=torch.int32, device=dev)
         self.pools = ModelCache(self.kv, self.mamba.mamba2_layer_cache, self.table)
-        self.free_rows, self.free_slots, self.free_reqs = list(range(1, rows)), list(range(1, slots + 1)), list(range(1, reqs + 1))
+        self.free_rows = list(range(1, rows))
+        self.free_slots = list(range(1, slots + 1))
+        self.free_reqs = list(range(1, reqs + 1))
         self.refs, self.seqs = Counter(), {}
 
     def new(self, name):
@@ -106,7 +109,8 @@ class Harness:
     def extend(self, name, tokens):
         s = self.seqs[name]
         start, rows = len(s.tokens), self._take(len(tokens))
-        logits = self.model.extend(np.asarray(tokens, dtype=np.int32), start, torch.tensor(s.kv_rows, dtype=torch.int64),
+        logits = self.model.extend(np.asarray(tokens, dtype=np.int32), start,
+                                   torch.tensor(s.kv_rows, dtype=torch.int64),
                                    torch.tensor(rows), s.slot, self.pools)
         self.table[s.row, start:start + len(rows)] = torch.tensor(rows, dtype=torch.int32)
         s.tokens.extend(tokens)
@@ -120,7 +124,8 @@ class Harness:
             self.table[s.row, len(s.tokens)] = r
             s.tokens.append(t)
             s.kv_rows.append(r)
-        return self.model.decode(torch.tensor(tokens), torch.tensor([s.row for s in seqs]), torch.tensor([len(s.tokens) for s in seqs]),
+        return self.model.decode(torch.tensor(tokens), torch.tensor([s.row for s in seqs]),
+                                 torch.tensor([len(s.tokens) for s in seqs]),
                                  torch.tensor(rows), torch.tensor([s.slot for s in seqs]), self.pools)
 
     def reference(self, name, last):
@@ -261,7 +266,8 @@ def test_local_layer_ids():
     out = model.extend(toks, 0, torch.zeros(0, dtype=torch.int64), torch.arange(1, 13), 1, pools)
     assert _diff(out, model.forward_reference(toks)) <= 1e-9
     with pytest.raises(KeyError):  # global ids do not exist in a local-id pool
-        model.extend(toks, 0, torch.zeros(0, dtype=torch.int64), torch.arange(1, 13), 1, ModelCache(kv, mamba.mamba2_layer_cache))
+        model.extend(toks, 0, torch.zeros(0, dtype=torch.int64), torch.arange(1, 13), 1,
+                     ModelCache(kv, mamba.mamba2_layer_cache))
 
 
 def test_bad_inputs_leave_pools_unchanged():
@@ -310,7 +316,8 @@ def test_bad_inputs_leave_pools_unchanged():
         assert all(torch.equal(a, b) for a, b in zip(before, h.snapshot())), args
     with pytest.raises(InvalidArgumentError):
         model.decode(*decode_cases[1][0], ModelCache(h.kv, h.mamba.mamba2_layer_cache))  # no req_to_token
-    wrong = StandInMambaPool(HybridConfig(vocab=50, hidden=16, num_heads=2, head_dim=8, layer_pattern="KF", conv_kernel=3), 3, "cpu")
+    wrong = StandInMambaPool(HybridConfig(vocab=50, hidden=16, num_heads=2, head_dim=8, layer_pattern="KF",
+                                          conv_kernel=3), 3, "cpu")
     with pytest.raises(InvalidArgumentError):
         model.extend([1], 5, prefix, t([30]), s.slot, ModelCache(h.kv, wrong.mamba2_layer_cache))
     assert all(torch.equal(a, b) for a, b in zip(before, h.snapshot()))
@@ -325,7 +332,8 @@ def test_real_pools():
     cfg = HybridConfig(vocab=50, hidden=16, num_heads=2, head_dim=8, layer_pattern="KKFKF")
     model = HybridModel(cfg)
     kv = memory.MHATokenToKVPool(64, 1, cfg.dtype, cfg.num_heads, cfg.head_dim, len(cfg.full_layer_ids), "cpu")
-    mamba = memory.MambaPool(4, cfg.conv_state_shape, cfg.temporal_state_shape, len(cfg.kda_layer_ids), cfg.dtype, "cpu")
+    mamba = memory.MambaPool(4, cfg.conv_state_shape, cfg.temporal_state_shape, len(cfg.kda_layer_ids), cfg.dtype,
+                             "cpu")
     hybrid_kv = memory.HybridLinearKVPool(kv, list(cfg.full_layer_ids), mamba)
     req_pool = memory.HybridReqToTokenPool(4, 32, mamba_pool=mamba)
     alloc = allocator_mod.TokenToKVPoolAllocator(64)
@@ -345,7 +353,8 @@ def test_real_pools():
         seq_len = 11 + step
         req_pool.write((torch.tensor([a.req_pool_idx, b.req_pool_idx]), torch.tensor([seq_len - 1] * 2)), new)
         logits = model.decode(torch.tensor([t, (t + 1) % 50]), torch.tensor([a.req_pool_idx, b.req_pool_idx]),
-                              torch.tensor([seq_len] * 2), new, torch.tensor([a.mamba_pool_idx, b.mamba_pool_idx]), pools)
+                              torch.tensor([seq_len] * 2), new,
+                              torch.tensor([a.mamba_pool_idx, b.mamba_pool_idx]), pools)
         out.append(logits[:1])
         ref_b = model.forward_reference(toks[:10] + [(x + 1) % 50 for x in toks[10:seq_len]])[-1]
         assert _diff(logits[1], ref_b) <= 1e-9
@@ -358,7 +367,8 @@ class ForkingRequests(RuleBasedStateMachine):
     """Requests arrive, extend in chunks, decode in batches, fork (state copy + shared KV rows)
     and finish, in random order; every logit produced must equal forward_reference's."""
 
-    cfg = HybridConfig(vocab=40, hidden=16, num_heads=2, head_dim=8, layer_pattern="KFKK", dtype=torch.float64, chunk_size=4)
+    cfg = HybridConfig(vocab=40, hidden=16, num_heads=2, head_dim=8, layer_pattern="KFKK", dtype=torch.float64,
+                       chunk_size=4)
     model = HybridModel(cfg)
 
     @initialize()
@@ -384,7 +394,8 @@ class ForkingRequests(RuleBasedStateMachine):
     @precondition(lambda self: any(0 < len(s.tokens) < 60 for s in self.h.seqs.values()))
     @rule(data=st.data(), seed=st.integers(0, 99))
     def decode(self, data, seed):
-        names = data.draw(st.lists(st.sampled_from(self._names(lambda s: 0 < len(s.tokens) < 60)), min_size=1, unique=True))
+        names = data.draw(st.lists(st.sampled_from(self._names(lambda s: 0 < len(s.tokens) < 60)), min_size=1,
+                                   unique=True))
         out = self.h.decode(names, _tokens(len(names), 40, seed))
         expect = torch.stack([self.h.reference(n, 1)[0] for n in names])
         assert _diff(out, expect) <= 1e-9

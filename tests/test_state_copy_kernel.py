@@ -2,7 +2,8 @@
 torch vs a plain per-slot model, and bad inputs that must leave every state untouched."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states, resolve_backend, validate_slot_indices

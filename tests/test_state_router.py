@@ -8,7 +8,8 @@ events off), and a Hypothesis state machine over two managers with state and KV 
 flushes and lost events, the engines being the model."""
 import numpy as np
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from radixkv.cache.events import block_hashes
@@ -95,7 +96,7 @@ def test_state_aware_score_equals_match_after_mamba_evictions_while_kv_index_ove
     engines = [hybrid_engine() for _ in range(2)]
     index = StateAwareIndex(PS, index="python")
     base = np.arange(10, 26, dtype=np.int32)  # 8 pages
-    for w, (eng, s) in enumerate(engines):
+    for _w, (eng, s) in enumerate(engines):
         serve(eng, s, "p", base[:8])
         serve(eng, s, "q", base)
         serve(eng, s, "r", np.concatenate([base[:4], [99, 98]]))

@@ -3,7 +3,9 @@ against a plain-list model of SGLang's allocator, and a seeded stress run."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from allocator_model import FreeListModel, FreeListRules, assert_unchanged, state_of
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -12,7 +14,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from allocator_model import FreeListModel, FreeListRules, assert_unchanged, state_of
 from radixkv.allocator import (
     AllocatorStats,
     FreeGroupError,

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trace_fixtures import bundled_trace
 
 from radixkv.bench.traces import BlockTrace, load_mooncake
 from radixkv.bench.workloads import WORKLOADS, make_workload, random_block_trace, unique_prefix_tokens
 from radixkv.errors import AlignmentError, InvalidArgumentError
-from trace_fixtures import bundled_trace
 
 
 def _trace_path(name):

@@ -20,15 +20,14 @@ and the tests do). See ``docs/hitrate.md`` for the hit rates and the research no
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Callable, List, Mapping
-
-from radixkv.bench.blocksim import BlockPolicy, available_policies, make_policy
 
 from policy_research.history_policies import LRU2, AdaptiveProbationLRU, Probation
 from policy_research.overdue_policy import OverdueAPLRU
 from policy_research.queue_baselines import ARC, S3FIFO, SLRU, TwoQ, WTinyLFU
 from policy_research.queue_policies import Ghost, QueuePolicy
+from radixkv.bench.blocksim import BlockPolicy, available_policies, make_policy
 
 __all__ = ["Ghost", "QueuePolicy", "SLRU", "TwoQ", "S3FIFO", "ARC", "WTinyLFU",
            "LRU2", "Probation", "AdaptiveProbationLRU", "OverdueAPLRU",
@@ -55,6 +54,6 @@ def make_block_policy(policy: str | BlockPolicy) -> BlockPolicy:
     return make_policy(policy)
 
 
-def available_block_policies() -> List[str]:
+def available_block_policies() -> list[str]:
     """Every name :func:`make_block_policy` accepts, sorted."""
     return sorted(set(RESEARCH_POLICIES) | set(available_policies()))

@@ -24,8 +24,8 @@ import heapq
 
 import numpy as np
 
-from radixkv.bench.block_policy import grow_array as _grow
 from policy_research.history_policies import AdaptiveProbationLRU
+from radixkv.bench.block_policy import grow_array as _grow
 from radixkv.errors import InvariantError, describe_ids
 
 __all__ = ["OverdueAPLRU"]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixkv.bench.block_policy import grow_array as _grow
 from policy_research.queue_policies import Ghost, QueuePolicy
+from radixkv.bench.block_policy import grow_array as _grow
 
 __all__ = ["SLRU", "TwoQ", "S3FIFO", "ARC", "WTinyLFU"]
 

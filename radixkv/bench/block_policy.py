@@ -105,7 +105,7 @@ class BlockPolicy:
 
     name = "base"
 
-    def attach(self, sim: "BlockSim") -> None:
+    def attach(self, sim: BlockSim) -> None:
         """Called once; allocate per-block state sized ``sim.n_blocks``."""
         self.sim = sim
 

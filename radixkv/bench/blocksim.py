@@ -25,7 +25,7 @@ The interface lives in :mod:`radixkv.bench.block_policy` (re-exported here).
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Union
+from typing import NamedTuple
 
 import numpy as np
 
@@ -272,12 +272,12 @@ class BlockSim:
         self.policy.check_invariants()
 
 
-def available_policies() -> List[str]:
+def available_policies() -> list[str]:
     """The registered RadixCache policies the simulator runs (pure sort keys), sorted."""
     return [n for n in eviction.available_policies() if runs_on_blocks(eviction.make_policy(n))]
 
 
-def make_policy(policy: Union[str, BlockPolicy]) -> BlockPolicy:
+def make_policy(policy: str | BlockPolicy) -> BlockPolicy:
     """A fresh simulator policy for a RadixCache policy name (:class:`TreePolicy` over the
     tree's own policy object), or ``policy`` itself if it is a :class:`BlockPolicy`.
 

@@ -17,12 +17,12 @@ import argparse
 import os
 import subprocess
 import sys
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 __all__ = ["SCRIPTS", "SUBCOMMANDS", "benchmarks_dir", "resolve_policies", "run_hitrate", "run_script", "main"]
 
 #: sub-command -> script in ``benchmarks/``
-SCRIPTS: Dict[str, str] = {
+SCRIPTS: dict[str, str] = {
     "radix": "bench_radix.py",
     "allocator": "bench_allocator.py",
     "service": "bench_service.py",
@@ -71,7 +71,7 @@ def resolve_policies(text: str) -> str:
     return ",".join(default_policy_name() if p.lower() == "default" else p for p in names)
 
 
-def run_hitrate(argv: List[str], make_block_policy: Optional[Callable] = None,
+def run_hitrate(argv: list[str], make_block_policy: Callable | None = None,
                 prog: str = "radixkv bench hitrate") -> int:
     """``radixkv bench hitrate``: parse :func:`radixkv.bench.hitrate.add_arguments`'s flags
     and run it. Policies of ``--engine radix`` are checked before any work.
@@ -99,7 +99,7 @@ def run_hitrate(argv: List[str], make_block_policy: Optional[Callable] = None,
     return int(hitrate.run(args, make_block_policy) or 0)
 
 
-def run_script(name: str, argv: List[str]) -> int:
+def run_script(name: str, argv: list[str]) -> int:
     """Run ``benchmarks/bench_<name>.py`` with ``argv`` in a child interpreter (stdout and
     stderr are the caller's); returns its exit code, 2 when the script is missing."""
     path = os.path.join(benchmarks_dir(), SCRIPTS[name])
@@ -112,7 +112,7 @@ def run_script(name: str, argv: List[str]) -> int:
     return subprocess.call([sys.executable, path, *argv])
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``radixkv bench NAME [options]``; see the module docstring."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

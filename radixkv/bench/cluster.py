@@ -41,14 +41,15 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
-from radixkv.events.router_index import DynamoIndex, PyRadixIndex, make_index
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
+from radixkv.events.router_index import DynamoIndex, PyRadixIndex, make_index
 
 __all__ = ["PyRadixIndex", "DynamoIndex", "make_index", "ClusterResult", "InprocManager", "served_len",
            "replay_on", "replay_cluster", "add_arguments", "run"]
@@ -63,14 +64,14 @@ class ClusterResult(NamedTuple):
     (``hits``), int64 arrays (left out of the JSON document)."""
 
     router: str
-    index: str
+    index: str  # type: ignore[assignment]  # shadows tuple.index (the field's public name)
     mode: str
     requests: int
     prompt_tokens: int
     hit_tokens: int
     hit_rate: float
-    managers: List[Dict[str, Any]]
-    predicted_exact: Optional[float]
+    managers: list[dict[str, Any]]
+    predicted_exact: float | None
     seconds: float
     requests_per_s: float
     routes: np.ndarray
@@ -153,15 +154,15 @@ def replay_on(managers: Sequence[Any], requests: Iterable[np.ndarray], capacity:
     idx = make_index(index) if router != "round_robin" else None
     adapters = [DynamoEventAdapter(page_size) for _ in managers]
     stats = np.zeros((n_managers, 4), dtype=np.int64)  # requests, prompt, hit, computed
-    routes: List[int] = []
-    hits: List[int] = []
+    routes: list[int] = []
+    hits: list[int] = []
     exact = routed = 0
     t0 = time.perf_counter()
     for i, toks in enumerate(requests):
         served = toks[:served_len(toks.size, capacity)]
         if idx is not None:
             sc = idx.scores(compute_block_hash_for_seq(served[:served.size - 1], page_size))
-            cand = range(n_managers)
+            cand: Sequence[int] = range(n_managers)
             if router == "kv_bounded":
                 load = stats[:, 3]
                 bound = (1 + slack) * (int(load.sum()) + toks.size) / n_managers
@@ -214,8 +215,8 @@ def replay_cluster(requests: Iterable[np.ndarray], n_managers: int, capacity: in
         return replay_on(procs.managers, requests, capacity, page_size, router, index, slack)
 
 
-def _mocker(trace_path: str, limit: Optional[int], n_managers: int, block_size: int, page_size: int,
-            capacity: int) -> Dict[str, Any]:
+def _mocker(trace_path: str, limit: int | None, n_managers: int, block_size: int, page_size: int,
+            capacity: int) -> dict[str, Any]:
     """Dynamo's offline mocker replay of the same requests, both router modes, its workers
     given the managers' KV capacity (``num_gpu_blocks`` pages of ``page_size``)."""
     os.environ.setdefault("DYN_LOG", "error")
@@ -227,12 +228,12 @@ def _mocker(trace_path: str, limit: Optional[int], n_managers: int, block_size: 
     engine = {"engine": {"block_size": page_size, "num_gpu_blocks": capacity // page_size}}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.jsonl")
-        with open(trace_path, "r", encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
+        with open(trace_path, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
             for k, line in enumerate(src):
                 if limit is not None and k >= limit:
                     break
                 dst.write(line)
-        out: Dict[str, Any] = {"extra_engine_args": engine}
+        out: dict[str, Any] = {"extra_engine_args": engine}
         for mode in ("kv_router", "round_robin"):
             t0 = time.perf_counter()
             s = run_mocker_trace_replay([path], extra_engine_args=engine, num_workers=n_managers,
@@ -269,8 +270,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_out", help="write the JSON document here ('-' for stdout only)")
 
 
-def _replay_routers(src: Any, routers: List[str], cap: int, args: argparse.Namespace,
-                    doc: Dict[str, Any]) -> List[ClusterResult]:
+def _replay_routers(src: Any, routers: list[str], cap: int, args: argparse.Namespace,
+                    doc: dict[str, Any]) -> list[ClusterResult]:
     """Each router on fresh managers: new in-process ones, or the same processes flushed."""
     if args.managers_mode == "inproc":
         return [replay_cluster(src.tokens(), args.managers, cap, args.page_size, r, args.index, args.slack)
@@ -302,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < args.capacity_frac:
             raise InvalidArgumentError("--capacity-frac must be > 0")
         cap = max(args.page_size, int(src.unique_tokens * args.capacity_frac) // args.page_size * args.page_size)
-        doc: Dict[str, Any] = {
+        doc: dict[str, Any] = {
             "trace": src.name, "requests": src.n_requests, "prompt_tokens": src.prompt_tokens,
             "unique_tokens": src.unique_tokens, "managers": args.managers, "managers_mode": args.managers_mode,
             "capacity_tokens_each": cap, "page_size": args.page_size, "slack": args.slack,
@@ -340,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="radixkv bench cluster", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -30,7 +30,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class ManagerStartError(RadixKVError):
 
 
 def serve_argv(address: str, token_file: str, capacity: int, page_size: int, shm_dir: str,
-               extra_args: Sequence[str] = ()) -> List[str]:
+               extra_args: Sequence[str] = ()) -> list[str]:
     """The ``radixkv serve`` command line of one cluster manager."""
     return [sys.executable, "-m", "radixkv", "serve", "--address", address, "--token-file", token_file,
             "--device", "cpu", "--kv-tokens", str(capacity), "--page-size", str(page_size),
@@ -85,7 +86,7 @@ class RemoteManager:
             raise
         return int(res.prefix_len)
 
-    def take_events(self) -> List[Dict[str, Any]]:
+    def take_events(self) -> list[dict[str, Any]]:
         return self.client.take_events(self.session)
 
     def cached_tokens(self) -> int:
@@ -133,20 +134,20 @@ class ManagerProcesses:
         self.n, self.capacity, self.page_size = n, capacity, page_size
         self.start_timeout_s, self.stop_timeout_s = float(start_timeout_s), float(stop_timeout_s)
         self.extra_args = list(extra_args)
-        self.directory: Optional[str] = None
-        self.managers: List[RemoteManager] = []
-        self._procs: List[subprocess.Popen] = []
-        self._logs: List[Any] = []
+        self.directory: str | None = None
+        self.managers: list[RemoteManager] = []
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list[Any] = []
 
     @property
-    def pids(self) -> List[int]:
+    def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
     @property
-    def returncodes(self) -> List[Optional[int]]:
+    def returncodes(self) -> list[int | None]:
         return [p.poll() for p in self._procs]
 
-    def start(self) -> List[RemoteManager]:
+    def start(self) -> list[RemoteManager]:
         """Start every server, wait until each answers, attach one client each."""
         if self._procs:
             raise InvalidArgumentError("already started")
@@ -199,6 +200,8 @@ class ManagerProcesses:
                 raise
 
     def _log(self, k: int) -> str:
+        if self.directory is None:
+            return "(no log: the cluster is not started)"
         try:
             with open(os.path.join(self.directory, f"m{k}.log"), "rb") as fh:
                 return fh.read()[-2000:].decode("utf-8", "replace").strip() or "(empty log)"
@@ -234,7 +237,7 @@ class ManagerProcesses:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> "ManagerProcesses":
+    def __enter__(self) -> ManagerProcesses:
         self.start()
         return self
 

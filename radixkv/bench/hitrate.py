@@ -29,7 +29,8 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -104,8 +105,8 @@ class BlockSimAdapter:
         pol = make_policy(policy) if isinstance(policy, str) else policy
         self.sim = BlockSim(np.zeros(0, np.int64), np.zeros(0, np.int32), capacity_tokens, pol)
         self.capacity = self.sim.capacity
-        self._table: Dict[tuple, int] = {}
-        self._pending = None
+        self._table: dict[tuple, int] = {}
+        self._pending: tuple[np.ndarray, np.ndarray, int] | None = None
 
     @property
     def used_tokens(self) -> int:
@@ -116,7 +117,9 @@ class BlockSimAdapter:
         if not isinstance(tokens, np.ndarray) or tokens.dtype != np.int32 or tokens.ndim != 1:
             raise InvalidArgumentError("tokens must be a 1-D int32 numpy array")
         p, raw, table = self.page_size, tokens.tobytes(), self._table
-        ids, new_len, new_par = [], [], []
+        ids: list[int] = []
+        new_len: list[int] = []
+        new_par: list[int] = []
         prev = -1
         nxt = self.sim.n_valid
         for s in range(0, len(tokens), p):
@@ -157,7 +160,7 @@ class BlockSimAdapter:
 EngineFactory = Callable[[int, str, int], ReplayCache]
 BlockPolicyFactory = Callable[[str], BlockPolicy]
 #: ``--engine`` name -> ``factory(capacity_tokens, policy, page_size)``.
-ENGINES: Dict[str, EngineFactory] = {
+ENGINES: dict[str, EngineFactory] = {
     "blocksim": lambda cap, policy, page: BlockSimAdapter(cap, policy, page),
     "radix": lambda cap, policy, page: RadixReplayEngine(cap, policy, page),
 }
@@ -182,8 +185,8 @@ class Source(NamedTuple):
     page_size: int
 
 
-def load_source(trace: Optional[str] = None, workload: Optional[str] = None, block_size: int = MOONCAKE_BLOCK_SIZE,
-                page_size: Optional[int] = None, limit: Optional[int] = None, seed: int = 0) -> Source:
+def load_source(trace: str | None = None, workload: str | None = None, block_size: int = MOONCAKE_BLOCK_SIZE,
+                page_size: int | None = None, limit: int | None = None, seed: int = 0) -> Source:
     """A Mooncake trace (a JSONL path, or ``conversation`` / ``synthetic`` for the bundled
     ones; ``page_size`` divides ``block_size``, default ``block_size``) or a generated
     workload (``page_size`` default 16; ``limit`` = number of requests).
@@ -202,7 +205,7 @@ def load_source(trace: Optional[str] = None, workload: Optional[str] = None, blo
         page = block_size if page_size is None else int(page_size)
         bt = tr.block_trace().rechunk(page)
         return Source(tr.name, len(tr), tr.iter_tokens, bt, tr.prompt_tokens, tr.unique_tokens, page)
-    wl = make_workload(workload, n_requests=limit, seed=seed)
+    wl = make_workload(cast(str, workload), n_requests=limit, seed=seed)  # exactly one was given
     page = 16 if page_size is None else int(page_size)
     bt = BlockTrace.from_token_requests(wl.requests, page)
     return Source(f"{wl.name}(seed={seed})", len(wl.requests), lambda: iter(wl.requests), bt,
@@ -213,13 +216,13 @@ def _frac_key(f: float) -> str:
     return f"{f:g}"
 
 
-def measure(src: Source, fracs: List[float], policies: List[str], engine: str = "blocksim",
-            show_progress: Optional[bool] = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict:
+def measure(src: Source, fracs: list[float], policies: list[str], engine: str = "blocksim",
+            show_progress: bool | None = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict:
     """Bounds and every (policy, capacity) result as the CLI's JSON document.
     ``make_block_policy(name)``: the ``blocksim`` engine's policy for a name (default: the
     RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`)."""
     bt = src.blocks
-    doc = {
+    doc: dict[str, Any] = {
         "trace": src.name,
         "requests": src.n_requests,
         "prompt_tokens": src.prompt_tokens,
@@ -255,7 +258,7 @@ def markdown_table(doc: dict) -> str:
     head = "| policy | " + " | ".join(f"{100 * f:g}%" for f in fracs) + " |"
     lines = [f"{doc['trace']}: {doc['requests']} requests, {doc['prompt_tokens']} prompt tokens, "
              f"{doc['unique_tokens']} unique", "", head, "| --- |" + " ---: |" * len(fracs)]
-    by = {}
+    by: dict[str, dict[float, float]] = {}
     for r in doc["results"]:
         by.setdefault(r["policy"], {})[r["capacity_frac"]] = r["token_hit_rate"]
     for pol, row in by.items():
@@ -267,7 +270,7 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict, path: str) -> Optional[str]:
+def plot(doc: dict, path: str) -> str | None:
     """Hit rate vs capacity per policy with the bounds; returns a note when skipped."""
     try:
         import matplotlib
@@ -277,7 +280,7 @@ def plot(doc: dict, path: str) -> Optional[str]:
     except ImportError:
         return "matplotlib is not installed: plot skipped"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    by = {}
+    by: dict[str, list[tuple[float, float]]] = {}
     for r in doc["results"]:
         by.setdefault(r["policy"], []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
     for pol, pts in by.items():
@@ -298,7 +301,7 @@ def plot(doc: dict, path: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- CLI
-def _floats(text: str) -> List[float]:
+def _floats(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -376,7 +379,7 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m radixkv.bench.hitrate", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -35,7 +35,8 @@ request plus the tree's own costs.
 from __future__ import annotations
 
 import time
-from typing import Iterable, List, NamedTuple, Optional, Union
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ __all__ = ["KIMI", "KDA_LAYERS", "mamba_pool", "chunk_ends", "kv_budget", "Hybri
 KIMI = KimiLinearStateShape.create(num_heads=2, head_dim=16, conv_kernel_size=4)
 KDA_LAYERS = 4
 
-StatePolicy = Union[str, StateEvictionOrder]
+StatePolicy = str | StateEvictionOrder
 
 
 def mamba_pool(slots: int) -> MambaPool:
@@ -118,7 +119,7 @@ class HybridReplayResult(NamedTuple):
     evicted_tokens: int
     evicted_states: int
     kv_tokens_end: int
-    states_end: Optional[int]
+    states_end: int | None
     seconds: float
 
     @property
@@ -195,7 +196,7 @@ def _trim(tree, slots: int) -> None:
 
 
 def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chunk: int,
-                admission: Optional[str] = None, policy: StatePolicy = "lru", checkpoint: bool = False,
+                admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
                 kv_policy: str = "lru", working_slot: bool = False, progress=None) -> HybridReplayResult:
     """The tree's own API with the flow's request semantics (see the module docstring);
     KV rows are virtual ids (no allocator: the tree plus the running request hold at most
@@ -254,7 +255,7 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
 
 
 def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int, slots: int, chunk: int,
-                admission: Optional[str] = None, policy: StatePolicy = "lru", checkpoint: bool = False,
+                admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
                 kv_policy: str = "lru", working_slot: bool = False, progress=None) -> HybridReplayResult:
     """The same through the real scheduler flow and pools (a ``TokenToKVPoolAllocator`` of
     ``kv_tokens``, request rows ``max_prompt + 1`` wide). Exact but slow at trace scale (the
@@ -292,6 +293,6 @@ def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int,
     return tally.result(mamba)
 
 
-def configs_of(admissions: List[str], state_policies: List[StatePolicy], checkpoints: List[bool]) -> list:
+def configs_of(admissions: list[str], state_policies: list[StatePolicy], checkpoints: list[bool]) -> list:
     """Every (admission, state policy, checkpoint) combination, in that nesting order."""
     return [(a, p, c) for a in admissions for p in state_policies for c in checkpoints]

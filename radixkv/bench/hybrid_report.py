@@ -15,7 +15,7 @@ raised to the longest prompt + 1 (one request must fit).
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional
+from typing import Any
 
 from radixkv.bench.belady import belady
 from radixkv.bench.hybrid_hitrate import (
@@ -36,7 +36,7 @@ __all__ = ["HYBRID_ENGINES", "add_hybrid_arguments", "hybrid_settings", "measure
 HYBRID_ENGINES = ("tree", "flow")
 
 
-def _ints(text: str) -> List[int]:
+def _ints(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -92,8 +92,8 @@ def _replay(src, engine: str, max_prompt: int, cap: int, slots: int, chunk: int,
     return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar)
 
 
-def measure_hybrid(src, fracs: List[float], kv_policies: List[str], settings: dict,
-                   show_progress: Optional[bool] = None) -> dict:
+def measure_hybrid(src, fracs: list[float], kv_policies: list[str], settings: dict,
+                   show_progress: bool | None = None) -> dict:
     """Every (KV policy, capacity, state slots, admission, state policy, checkpoint) run and
     the KV-only reference per (KV policy, capacity), as the JSON document (module docstring)."""
     from radixkv.cache import RadixCache
@@ -162,7 +162,7 @@ def hybrid_tables(doc: dict) -> str:
     for key, title in (("token_hit_rate", None), ("lost_rate", "KV-matched tokens lost for lack of a state (%)")):
         if title:
             out += ["", title, "", head, rule]
-        rows = {}
+        rows: dict[Any, Any] = {}
         for r in doc["results"]:
             rows.setdefault(_label(r, many), {})[r["capacity_frac"]] = r[key]
         for lab, row in rows.items():
@@ -174,13 +174,14 @@ def hybrid_tables(doc: dict) -> str:
         tail.append(f"| kv-only radix{f' ({pol})' if many else ''} | "
                     + " | ".join(f"{100 * row[f]:.2f}" if f in row else "" for f in fracs) + " |")
     bel = {float(k): v for k, v in doc["bounds"]["belady"].items()}
-    tail.append("| belady (KV, offline) | " + " | ".join(f"{100 * bel[f]:.2f}" if f in bel else "" for f in fracs) + " |")
+    tail.append("| belady (KV, offline) | "
+                + " | ".join(f"{100 * bel[f]:.2f}" if f in bel else "" for f in fracs) + " |")
     inf = 100 * doc["bounds"]["infinite_capacity"]
     tail.append("| infinite capacity | " + " | ".join(f"{inf:.2f}" for _ in fracs) + " |")
     return "\n".join(out[:at] + tail + out[at:])
 
 
-def plot_hybrid(doc: dict, path: str) -> Optional[str]:
+def plot_hybrid(doc: dict, path: str) -> str | None:
     """Token hit rate vs capacity, one line per configuration, with the KV-only reference
     and the bounds; returns a note when matplotlib is missing."""
     try:
@@ -192,7 +193,7 @@ def plot_hybrid(doc: dict, path: str) -> Optional[str]:
         return "matplotlib is not installed: plot skipped"
     many = len({r["policy"] for r in doc["kv_only"]}) > 1
     fig, ax = plt.subplots(figsize=(10, 5))
-    lines = {}
+    lines: dict[str, Any] = {}
     for r in doc["results"]:
         lines.setdefault(_label(r, many), []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
     for pol in dict.fromkeys(r["policy"] for r in doc["kv_only"]):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 __all__ = ["Progress"]
 
@@ -21,8 +21,8 @@ class Progress:
             for ...: bar.update(1)
     """
 
-    def __init__(self, total: int, label: str = "", stream: Optional[TextIO] = None,
-                 enabled: Optional[bool] = None, width: int = 30, min_interval: float = 0.2):
+    def __init__(self, total: int, label: str = "", stream: TextIO | None = None,
+                 enabled: bool | None = None, width: int = 30, min_interval: float = 0.2):
         self.total = max(int(total), 0)
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -64,7 +64,7 @@ class Progress:
             self.stream.flush()
             self._drawn = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -26,7 +26,7 @@ leaf nodes (each a run of pages inserted together), the simulator single blocks.
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from radixkv.allocator import TokenToKVPoolAllocator
 from radixkv.cache import RadixCache, RadixKey
 from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache.policies.aplru import AdaptiveProbationLRUPolicy
+from radixkv.cache.tree_node import TreeNode
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 
 __all__ = ["PAD_TOKEN", "PaddedPoolAllocator", "RadixReplayEngine", "PendingMatch",
@@ -51,7 +52,7 @@ def default_policy_name() -> str:
     return str(inspect.signature(RadixCache.__init__).parameters["eviction_policy"].default)
 
 
-def make_radix_policy(policy: Union[str, EvictionPolicy], capacity_tokens: int) -> EvictionPolicy:
+def make_radix_policy(policy: str | EvictionPolicy, capacity_tokens: int) -> EvictionPolicy:
     """A fresh RadixCache policy for a registry name (``default`` = the RadixCache default).
     ``aplru`` is told the pool size (its ghost window and bonus are relative to it).
 
@@ -123,7 +124,7 @@ class PendingMatch(NamedTuple):
     tokens: np.ndarray     # the prompt as given
     key: RadixKey          # the padded prompt
     indices: torch.Tensor  # the tree's rows of the matched prefix
-    last_node: object      # the locked node
+    last_node: TreeNode    # the locked node
     prefix_len: int        # matched tokens of the padded prompt
 
 
@@ -144,7 +145,7 @@ class RadixReplayEngine:
     Raises (constructor): InvalidArgumentError for a bad size, page size or policy.
     """
 
-    def __init__(self, capacity_tokens: int, policy: Union[str, EvictionPolicy] = "default",
+    def __init__(self, capacity_tokens: int, policy: str | EvictionPolicy = "default",
                  page_size: int = 16, device="cpu", checks: bool = True):
         if isinstance(capacity_tokens, bool) or int(capacity_tokens) < 0:
             raise InvalidArgumentError(f"capacity_tokens must be >= 0, got {capacity_tokens!r}")
@@ -155,7 +156,7 @@ class RadixReplayEngine:
         self.alloc = PaddedPoolAllocator(int(capacity_tokens), device=device, checks=checks)
         self.capacity = self.alloc.size
         self.cache = RadixCache(None, self.alloc, page_size=self.page_size, eviction_policy=pol)
-        self._pending: Optional[PendingMatch] = None
+        self._pending: PendingMatch | None = None
 
     @property
     def policy(self) -> EvictionPolicy:

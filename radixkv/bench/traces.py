@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -101,7 +102,7 @@ class BlockTrace:
         first[idx] = True
         return int(self.block_len[self.blocks[~first]].sum())
 
-    def head(self, n: int) -> "BlockTrace":
+    def head(self, n: int) -> BlockTrace:
         """The first ``n`` requests (block ids renumbered densely; validated)."""
         n = min(int(n), self.n_requests)
         raw = self.blocks[: self.offsets[n]].astype(np.int64)
@@ -110,7 +111,7 @@ class BlockTrace:
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_chains(cls, raw_ids, offsets, occ_len, block_size: int) -> "BlockTrace":
+    def from_chains(cls, raw_ids, offsets, occ_len, block_size: int) -> BlockTrace:
         """Build from flattened chained ids (any non-negative ints), request offsets and the
         token length of every occurrence. Ids are renumbered densely in increasing order.
 
@@ -155,7 +156,7 @@ class BlockTrace:
         return cls(off, dense, block_len, parent, prompt_len.astype(np.int64), block_size)
 
     @classmethod
-    def from_token_requests(cls, requests: Sequence[np.ndarray], block_size: int) -> "BlockTrace":
+    def from_token_requests(cls, requests: Sequence[np.ndarray], block_size: int) -> BlockTrace:
         """Chunk token arrays into ``block_size`` blocks with chained ids: two chunks share an
         id iff their whole prefixes are equal (a dict keyed by (parent id, chunk bytes)).
         One dict probe per block, no per-token Python work.
@@ -167,8 +168,8 @@ class BlockTrace:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
         bs = int(block_size)
         table: dict = {}
-        ids: List[int] = []
-        lens: List[int] = []
+        ids: list[int] = []
+        lens: list[int] = []
         off = [0]
         for r, toks in enumerate(requests):
             if not isinstance(toks, np.ndarray) or toks.dtype != np.int32 or toks.ndim != 1:
@@ -189,7 +190,7 @@ class BlockTrace:
         return cls.from_chains(np.asarray(ids, np.int64), np.asarray(off, np.int64),
                                np.asarray(lens, np.int64), bs)
 
-    def rechunk(self, page_size: int) -> "BlockTrace":
+    def rechunk(self, page_size: int) -> BlockTrace:
         """The same stream with ``page_size``-token blocks (``page_size`` divides
         :attr:`block_size`): block ``b`` becomes ``ceil(len(b)/page_size)`` chained sub-blocks.
         Equal to chunking the expanded tokens by ``page_size``; fully vectorized.
@@ -284,7 +285,7 @@ class MooncakeTrace:
         return self._blocks.unique_tokens
 
 
-def load_mooncake(path: str, limit: Optional[int] = None, block_size: int = MOONCAKE_BLOCK_SIZE) -> MooncakeTrace:
+def load_mooncake(path: str, limit: int | None = None, block_size: int = MOONCAKE_BLOCK_SIZE) -> MooncakeTrace:
     """Load a Mooncake JSONL trace (one JSON object per line; blank lines skipped).
 
     ``limit`` keeps only the first ``limit`` requests. Parsing is one ``json.loads`` per
@@ -296,8 +297,12 @@ def load_mooncake(path: str, limit: Optional[int] = None, block_size: int = MOON
     """
     if not os.path.isfile(path):
         raise InvalidArgumentError(f"trace file not found: {path}")
-    ts, il, ol, counts, chunks = [], [], [], [], []
-    with open(path, "r", encoding="utf-8") as fh:
+    ts: list[int] = []
+    il: list[int] = []
+    ol: list[int] = []
+    counts: list[int] = []
+    chunks: list[Any] = []
+    with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if limit is not None and len(ts) >= limit:
                 break

@@ -15,7 +15,8 @@ Each generator returns a :class:`Workload`: prompts as int32 token arrays (rando
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class Workload(NamedTuple):
 
     name: str
     seed: int
-    requests: List[np.ndarray]
+    requests: list[np.ndarray]
     output_lens: np.ndarray
 
     @property
@@ -58,7 +59,7 @@ def unique_prefix_tokens(requests: Sequence[np.ndarray]) -> int:
         keys.append((r.astype(">i4").tobytes(), i))
     keys.sort()
     total = 0
-    prev: Optional[np.ndarray] = None
+    prev: np.ndarray | None = None
     for _, i in keys:
         cur = requests[i]
         if prev is None:
@@ -107,7 +108,7 @@ def multi_turn(n_requests: int = 2000, seed: int = 0, system_len=(256, 1024), us
     n = _check(n_requests)
     rng = np.random.default_rng(seed)
     system = _toks(rng, *system_len)
-    convs: List[Optional[np.ndarray]] = [None] * active
+    convs: list[np.ndarray | None] = [None] * active
     reqs, outs = [], []
     for _ in range(n):
         c = int(rng.integers(active))
@@ -141,7 +142,7 @@ def tree_of_thought(n_requests: int = 2000, seed: int = 0, branching: int = 3, d
     thought; a new problem starts when the previous tree is complete."""
     n = _check(n_requests)
     rng = np.random.default_rng(seed)
-    reqs: List[np.ndarray] = []
+    reqs: list[np.ndarray] = []
     while len(reqs) < n:
         level = [_toks(rng, *problem_len)]
         reqs.append(level[0])
@@ -165,7 +166,7 @@ def agent(n_requests: int = 2000, seed: int = 0, n_agents: int = 8, system_len=(
     n = _check(n_requests)
     rng = np.random.default_rng(seed)
     system = _toks(rng, *system_len)
-    state: List[Optional[np.ndarray]] = [None] * n_agents
+    state: list[np.ndarray | None] = [None] * n_agents
     reqs, outs = [], []
     for _ in range(n):
         a = int(rng.integers(n_agents))
@@ -205,7 +206,9 @@ def random_block_trace(n_requests: int, n_blocks: int, seed: int = 0, block_size
         ends = rng.permutation(n_blocks)[ends]
     else:
         ends = rng.integers(0, n_blocks, size=n_requests)
-    ids, lens, off = [], [], [0]
+    ids: list[int] = []
+    lens: list[int] = []
+    off = [0]
     for v in ends:
         path = []
         while v >= 0:
@@ -220,7 +223,7 @@ def random_block_trace(n_requests: int, n_blocks: int, seed: int = 0, block_size
 
 
 #: ``--workload`` name -> generator ``(n_requests, seed, **params) -> Workload``.
-WORKLOADS: Dict[str, Callable[..., Workload]] = {
+WORKLOADS: dict[str, Callable[..., Workload]] = {
     "system-prompt": system_prompt,
     "multi-turn": multi_turn,
     "few-shot": few_shot,
@@ -229,7 +232,7 @@ WORKLOADS: Dict[str, Callable[..., Workload]] = {
 }
 
 
-def make_workload(name: str, n_requests: Optional[int] = None, seed: int = 0, **params) -> Workload:
+def make_workload(name: str, n_requests: int | None = None, seed: int = 0, **params) -> Workload:
     """Generate a registered workload (``n_requests`` defaults to the generator's).
 
     Raises:

@@ -18,11 +18,11 @@ from radixkv.cache.eviction import (
     make_policy,
     register_policy,
 )
+from radixkv.cache.mamba_radix_cache import MambaMatchResult, MambaRadixCache
 from radixkv.cache.metrics import CacheMetrics, MetricsSnapshot
 from radixkv.cache.radix_cache import MatchResult, RadixCache
 from radixkv.cache.radix_key import RadixKey
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
-from radixkv.cache.mamba_radix_cache import MambaMatchResult, MambaRadixCache
 
 __all__ = [
     "RadixCache",

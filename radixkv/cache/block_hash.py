@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Any, List, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +63,7 @@ DEFAULT_SEED: bytes = b"radixkv/kv-events/v1"
 HASH_BITS = 64
 _HASH_LIMIT = 1 << HASH_BITS
 
-Seed = Union[bytes, int, str]
+Seed = bytes | int | str
 
 
 # --------------------------------------------------------------------------- hashing
@@ -112,10 +112,10 @@ def check_hash(value: Any, what: str) -> int:
     """``value`` as a u64 block hash; ``InvalidArgumentError`` naming ``what`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value < _HASH_LIMIT:
-        raise InvalidArgumentError(f"{what} must lie in [0, 2**64), got {value}")
-    return value
+    v = int(value)
+    if not 0 <= v < _HASH_LIMIT:
+        raise InvalidArgumentError(f"{what} must lie in [0, 2**64), got {v}")
+    return v
 
 
 def page_tokens(token_ids: Any, page_size: int) -> np.ndarray:
@@ -143,10 +143,10 @@ def page_tokens(token_ids: Any, page_size: int) -> np.ndarray:
 def block_hashes(
     token_ids: Any,
     page_size: int,
-    parent_hash: Optional[int] = None,
+    parent_hash: int | None = None,
     extra_key: Any = None,
     seed: Seed = DEFAULT_SEED,
-) -> List[int]:
+) -> list[int]:
     """Chained per-page hashes of ``token_ids`` (the layout in the module docstring).
 
     Args:
@@ -174,7 +174,7 @@ def block_hashes(
         prev = check_hash(parent_hash, "parent_hash").to_bytes(8, "little")
     buf = memoryview(tokens.tobytes())
     step = int(page_size) * 4
-    out: List[int] = []
+    out: list[int] = []
     sha256 = hashlib.sha256
     for start in range(0, len(buf), step):
         h = sha256(prev + extra + buf[start:start + step]).digest()[:8]

@@ -21,13 +21,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 
 from radixkv.cache.block_hash import (  # re-exported: the hashing lives there
-    DEFAULT_SEED, HASH_BITS, Seed, block_hashes, chain_root, check_hash as _check_hash, encode_extra_key,
+    DEFAULT_SEED,
+    HASH_BITS,
+    Seed,
+    block_hashes,
+    chain_root,
+    encode_extra_key,
+)
+from radixkv.cache.block_hash import (
+    check_hash as _check_hash,
+)
+from radixkv.cache.block_hash import (
     page_tokens as _page_tokens,
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids
@@ -77,16 +88,16 @@ class BlockStored:
         extra_key: the namespace the hashes were computed under (radixkv addition).
     """
 
-    block_hashes: tuple
-    parent_block_hash: Optional[int]
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
     token_ids: np.ndarray
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str] = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
     extra_key: Any = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``type`` tags the event as msgspec's tagged union does)."""
         return {
             "type": "BlockStored",
@@ -111,10 +122,10 @@ class BlockStored:
 class BlockRemoved:
     """Pages removed from the cache (evicted or deleted), vLLM's ``BlockRemoved``."""
 
-    block_hashes: tuple
-    medium: Optional[str]
+    block_hashes: tuple[int, ...]
+    medium: str | None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
 
 
@@ -122,11 +133,11 @@ class BlockRemoved:
 class AllBlocksCleared:
     """The whole cache was reset, vLLM's ``AllBlocksCleared``."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"type": "AllBlocksCleared"}
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True)
@@ -134,10 +145,10 @@ class KVEventBatch:
     """Events drained together, with a wall-clock timestamp (seconds), vLLM's ``KVEventBatch``."""
 
     ts: float
-    events: List[KVEvent] = field(default_factory=list)
-    data_parallel_rank: Optional[int] = None
+    events: list[KVEvent] = field(default_factory=list)
+    data_parallel_rank: int | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "ts": self.ts,
             "events": [e.to_dict() for e in self.events],
@@ -145,7 +156,7 @@ class KVEventBatch:
         }
 
 
-def event_from_dict(d: dict) -> KVEvent:
+def event_from_dict(d: dict[str, Any]) -> KVEvent:
     """Inverse of ``to_dict()`` for the three event types."""
     kind = d.get("type")
     if kind == "BlockStored":
@@ -195,12 +206,12 @@ class KVEventRecorder:
         self.seed = seed
         self._root = chain_root(seed)  # validates the seed once
         self.medium = medium
-        self._events: List[KVEvent] = []
-        self._live: Counter = Counter()
+        self._events: list[Any] = []  # KVEvents (HybridEventRecorder adds its state events)
+        self._live: Counter[int] = Counter()
 
     # -- the interface the RadixCache calls
 
-    def on_stored(self, parent_hash: Optional[int], token_ids: Any, extra_key: Any = None) -> List[int]:
+    def on_stored(self, parent_hash: int | None, token_ids: Any, extra_key: Any = None) -> list[int]:
         """Record one ``BlockStored`` for a new node; return its per-page hashes.
 
         ``token_ids`` must be a whole number of pages. An empty node records nothing and
@@ -249,18 +260,18 @@ class KVEventRecorder:
         self._live.clear()
         self._events.append(AllBlocksCleared())
 
-    def take_events(self) -> List[KVEvent]:
+    def take_events(self) -> list[KVEvent]:
         """Drain and return the pending events, oldest first."""
         events, self._events = self._events, []
         return events
 
     # -- conveniences
 
-    def take_batch(self, data_parallel_rank: Optional[int] = None) -> KVEventBatch:
+    def take_batch(self, data_parallel_rank: int | None = None) -> KVEventBatch:
         """Drain the pending events into a :class:`KVEventBatch` stamped with ``time.time()``."""
         return KVEventBatch(time.time(), self.take_events(), data_parallel_rank)
 
-    def block_hashes(self, token_ids: Any, parent_hash: Optional[int] = None, extra_key: Any = None) -> List[int]:
+    def block_hashes(self, token_ids: Any, parent_hash: int | None = None, extra_key: Any = None) -> list[int]:
         """:func:`block_hashes` with this recorder's page size and seed (records nothing)."""
         return block_hashes(token_ids, self.page_size, parent_hash, extra_key, self.seed)
 

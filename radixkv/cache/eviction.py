@@ -10,8 +10,8 @@ or pass an instance (``RadixCache(..., eviction_policy=MyPolicy())``) without re
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Callable, Dict, List, Mapping, Union
 
 from radixkv.cache.policies.aplru import AdaptiveProbationLRUPolicy
 from radixkv.cache.policies.base import (
@@ -44,7 +44,7 @@ BUILTIN_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
                 SLRUPolicy, AdaptiveProbationLRUPolicy)
 })
 
-_REGISTRY: Dict[str, PolicyFactory] = dict(BUILTIN_POLICIES)
+_REGISTRY: dict[str, PolicyFactory] = dict(BUILTIN_POLICIES)
 
 
 def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
@@ -65,7 +65,7 @@ def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False)
     _REGISTRY[key] = factory
 
 
-def make_policy(policy: Union[str, EvictionPolicy]) -> EvictionPolicy:
+def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
     """A fresh policy for a registered name, or ``policy`` itself if it is an instance.
 
     Raises:
@@ -87,6 +87,6 @@ def make_policy(policy: Union[str, EvictionPolicy]) -> EvictionPolicy:
     return made
 
 
-def available_policies() -> List[str]:
+def available_policies() -> list[str]:
     """Registered policy names, sorted."""
     return sorted(_REGISTRY)

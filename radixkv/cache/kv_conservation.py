@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from radixkv.contracts import KVAllocator, PrefixCache
-from radixkv.errors import InvariantError, describe_ids
+from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 __all__ = ["Conservation", "conservation", "check_conservation"]
 
@@ -52,8 +52,8 @@ class Conservation(NamedTuple):
 def _held(req: Any, page_size: int) -> int:
     if req.req_pool_idx is None:
         return 0
-    pages = -(-req.kv_committed_len // page_size)
-    return pages * page_size - req.cache_protected_len + int(req.decode_reserve.size)
+    pages: int = -(-req.kv_committed_len // page_size)
+    return pages * page_size - int(req.cache_protected_len) + int(req.decode_reserve.size)
 
 
 def conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Any]) -> Conservation:
@@ -80,10 +80,13 @@ def _audit_pages(allocator: KVAllocator, tree_cache: PrefixCache, reqs: list[Any
     tree_slots = torch.as_tensor(tree_cache.all_values()).to(dev, torch.int64)
     owners = [torch.unique(torch.div(tree_slots, ps, rounding_mode="floor"))]
     heads = []
+    table = tree_cache.req_to_token_pool
     for r in reqs:
         if r.req_pool_idx is None:
             continue
-        row = tree_cache.req_to_token_pool.req_to_token[r.req_pool_idx, : r.kv_committed_len]
+        if table is None:
+            raise InvalidArgumentError("the audit of running requests needs a tree with a request table")
+        row = table.req_to_token[r.req_pool_idx, : r.kv_committed_len]
         row = row.to(dev, torch.int64)
         owners.append(torch.unique(torch.div(row[r.cache_protected_len:], ps, rounding_mode="floor")))
         if r.decode_reserve.size:  # its own entry: a slot both reserved and in the row counts twice

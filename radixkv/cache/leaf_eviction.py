@@ -8,22 +8,25 @@ child goes is filed in turn, so an eviction costs O(evicted nodes x log L).
 """
 from __future__ import annotations
 
-from typing import List
+from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.rows import check_count
-from radixkv.cache.tree_node import sync_only
+from radixkv.cache.tree_node import TreeNode, sync_only
+from radixkv.validation import check_count
+
+if TYPE_CHECKING:
+    from radixkv.cache.radix_cache import RadixCache
 
 __all__ = ["evict", "pop_victim"]
 
 
-def pop_victim(cache):
+def pop_victim(cache: RadixCache) -> TreeNode | None:
     """Remove and return the front of ``cache``'s evictable-leaf index (the policy's next
     victim), or ``None`` when it is empty. A leaf whose key went stale since it was filed
     (lazy policies) is re-filed first. The one place both trees take a victim.
     O(log L) amortized."""
     leaves = cache._leaves
     while leaves:
-        node = leaves[0]
+        node: TreeNode = leaves[0]
         if cache._lazy:
             k = cache._sort_key(node)
             if k != node.skey:  # touched since it was filed: re-file, look again
@@ -37,7 +40,7 @@ def pop_victim(cache):
     return None
 
 
-def evict(cache, num_tokens: int) -> int:
+def evict(cache: RadixCache, num_tokens: int) -> int:
     """Evict unlocked leaves in the policy's order until ``num_tokens`` tokens are freed
     (or nothing evictable is left); a parent whose last child goes becomes a candidate.
     All evicted rows go back to the allocator in ONE ``free`` call.
@@ -54,14 +57,14 @@ def evict(cache, num_tokens: int) -> int:
     on_evict = cache._on_evict
     events = cache.kv_events
     pb = cache._pb
-    freed: List[bytes] = []
+    freed: list[bytes] = []
     evicted = 0
     while evicted < num_tokens:
         node = pop_victim(cache)
         if node is None:
             break
         kb = node.kbuf
-        parent = node.parent
+        parent: Any = node.parent  # a TreeNode or a NamespaceHead: a victim is never a head
         del parent.children[kb[:pb]]
         sync_only(parent)
         evicted += len(kb) >> 2
@@ -69,7 +72,7 @@ def evict(cache, num_tokens: int) -> int:
         if on_evict is not None:
             on_evict(node)
         if events is not None:
-            events.on_removed(node.block_hashes)
+            events.on_removed(node.block_hashes)  # type: ignore[arg-type]  # events on: kept
         if not parent.children:
             if parent.parent is not None:
                 if parent.lock_ref == 0:

@@ -5,7 +5,8 @@ every slot of the pool is exactly one of free, a tree state, or a running reques
 """
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ import torch
 from radixkv.cache import tree_audit
 from radixkv.cache.kv_conservation import check_conservation
 from radixkv.errors import InvariantError, describe_ids
+
+if TYPE_CHECKING:
+    from radixkv.cache.mamba_radix_cache import MambaRadixCache
 
 __all__ = ["StateConservation", "audit_slots", "check_invariants", "check_state_conservation", "pretty_print"]
 
@@ -36,7 +40,7 @@ class StateConservation(NamedTuple):
         return self.accounted == self.capacity
 
 
-def audit_slots(pool: Any, tree_slots: Dict[int, Any], held_slots: Dict[int, Any],
+def audit_slots(pool: Any, tree_slots: dict[int, Any], held_slots: dict[int, Any],
                 evictable: int, protected: int) -> StateConservation:
     """The Mamba slot conservation law, exact: every slot ``1..size`` is exactly one of free
     in ``pool``, held by the tree (``tree_slots``: slot -> node) or held by a running
@@ -74,7 +78,7 @@ def audit_slots(pool: Any, tree_slots: Dict[int, Any], held_slots: Dict[int, Any
 
 # ----------------------------------------------------------------------------- the tree's audit
 # Called by the MambaRadixCache methods of the same names.
-def check_invariants(cache, running_reqs: Optional[Sequence[Any]] = None) -> None:
+def check_invariants(cache: MambaRadixCache, running_reqs: Sequence[Any] | None = None) -> None:
     """RadixCache's audit (no KV row held twice or free in the allocator), the state
     table's (states on live nodes at their nodes' ends, maps inverse, pins consistent with
     every ``lock_ref``), and both conservation laws: Mamba slots
@@ -92,14 +96,14 @@ def check_invariants(cache, running_reqs: Optional[Sequence[Any]] = None) -> Non
         cache.check_state_conservation(running_reqs)
 
 
-def check_state_conservation(cache, running_reqs: Optional[Sequence[Any]] = None) -> StateConservation:
+def check_state_conservation(cache: MambaRadixCache, running_reqs: Sequence[Any] | None = None) -> StateConservation:
     """Mamba pool available + tree evictable + tree protected + held by running requests
     == capacity, exactly (no slot leaked, owned twice, or free while referenced).
     ``running_reqs``: every request holding a slot; default: the slots the request pool
     maps to rows in use. O(pool size). Raises ``InvariantError``."""
     tree = {s: n for n, s in cache._states.slot_of.items()}
     if running_reqs is not None:
-        held = {}
+        held: dict[int, str] = {}
         for r in running_reqs:
             if r.mamba_pool_idx is not None:
                 s = int(r.mamba_pool_idx)
@@ -112,8 +116,8 @@ def check_state_conservation(cache, running_reqs: Optional[Sequence[Any]] = None
     return audit_slots(cache.mamba_pool, tree, held, cache._states.evictable, cache._states.protected)
 
 
-def _mapped_slots(cache) -> dict:
-    pool = cache.req_to_token_pool
+def _mapped_slots(cache: MambaRadixCache) -> dict[int, str]:
+    pool: Any = cache.req_to_token_pool  # a HybridReqToTokenPool (its rows' free list) when mapped
     mapping = getattr(pool, "req_index_to_mamba_index_mapping", None)
     if mapping is None:
         return {}
@@ -123,7 +127,7 @@ def _mapped_slots(cache) -> dict:
     return {int(s): f"row {int(r)}" for s, r in zip(slots, rows[used].tolist())}
 
 
-def pretty_print(cache, max_tokens: int = 8) -> str:
+def pretty_print(cache: MambaRadixCache, max_tokens: int = 8) -> str:
     """RadixCache's print, each node's state slot (``-`` for a tombstone), the counts."""
     lines = tree_audit.pretty_print(cache, max_tokens).split("\n")
     by_id = {n.id: s for n, s in cache._states.slot_of.items()}

@@ -33,15 +33,20 @@ nearest state ancestor of every state is kept by the tree as states come and go
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from operator import attrgetter
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from radixkv.cache.leaf_eviction import pop_victim
-from radixkv.cache.rows import check_count
 from radixkv.cache.tree_node import sync_only
+from radixkv.contracts import StatePool
 from radixkv.errors import InvalidArgumentError
+from radixkv.validation import check_count
+
+if TYPE_CHECKING:
+    from radixkv.cache.mamba_radix_cache import MambaRadixCache
 
 __all__ = [
     "FlopModel",
@@ -77,8 +82,8 @@ class FlopModel(NamedTuple):
 
     @classmethod
     def hybrid(cls, num_kda_layers: int, num_full_layers: int, num_heads: int, head_dim: int,
-               conv_kernel: int = 4, hidden: Optional[int] = None, mlp_mult: int = 2,
-               state_bytes: int = 1) -> "FlopModel":
+               conv_kernel: int = 4, hidden: int | None = None, mlp_mult: int = 2,
+               state_bytes: int = 1) -> FlopModel:
         """The estimate above for a hybrid model of the given shape (``hidden`` defaults to
         ``num_heads * head_dim``)."""
         for name, v in (("num_kda_layers", num_kda_layers), ("num_full_layers", num_full_layers),
@@ -99,7 +104,7 @@ class FlopModel(NamedTuple):
                    float(4 * p * num_full_layers), int(state_bytes))
 
     @classmethod
-    def from_pool(cls, mamba_pool: Any, num_full_layers: Optional[int] = None) -> "FlopModel":
+    def from_pool(cls, mamba_pool: StatePool, num_full_layers: int | None = None) -> FlopModel:
         """The estimate for a Kimi-Linear-like model whose KDA states ``mamba_pool`` holds:
         heads and head dim from its temporal state ``(H, D, D)``, the conv kernel from its
         conv state ``(K - 1, C)``, ``num_full_layers`` defaulting to one per three KDA layers
@@ -128,7 +133,7 @@ class StateAdmission:
 
     name = "base"
 
-    def admit(self, cache: Any, node: Any, finished: bool) -> bool:  # pragma: no cover
+    def admit(self, cache: MambaRadixCache, node: Any, finished: bool) -> bool:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -137,7 +142,7 @@ class EveryAdmission(StateAdmission):
 
     name = "every"
 
-    def admit(self, cache: Any, node: Any, finished: bool) -> bool:
+    def admit(self, cache: MambaRadixCache, node: Any, finished: bool) -> bool:
         return True
 
 
@@ -146,18 +151,21 @@ class BranchAdmission(StateAdmission):
 
     name = "branch"
 
-    def admit(self, cache: Any, node: Any, finished: bool) -> bool:
+    def admit(self, cache: MambaRadixCache, node: Any, finished: bool) -> bool:
         return finished or bool(node.children)
 
 
-ADMISSION_POLICIES: Dict[str, Callable[[], StateAdmission]] = {
+ADMISSION_POLICIES: dict[str, Callable[[], StateAdmission]] = {
     "every": EveryAdmission,
     "branch": BranchAdmission,
 }
 
 
-def _from_registry(policy: Any, base: type, registry: Dict[str, Callable[[], Any]], what: str,
-                   also: str = "") -> Any:
+_P = TypeVar("_P")
+
+
+def _from_registry(policy: object, base: type[_P], registry: dict[str, Callable[[], Any]], what: str,
+                   also: str = "") -> _P:
     """``policy`` itself when it is a ``base`` instance, else a new instance of the entry of
     ``registry`` it names (case and surrounding blanks ignored). Raises InvalidArgumentError
     for an unknown name."""
@@ -166,10 +174,11 @@ def _from_registry(policy: Any, base: type, registry: Dict[str, Callable[[], Any
     factory = registry.get(policy.strip().lower()) if isinstance(policy, str) else None
     if factory is None:
         raise InvalidArgumentError(f"unknown {what} {policy!r}; known: {', '.join(sorted(registry))}{also}")
-    return factory()
+    made: _P = factory()
+    return made
 
 
-def make_admission(policy: Union[str, StateAdmission]) -> StateAdmission:
+def make_admission(policy: str | StateAdmission) -> StateAdmission:
     """An admission policy by name (``every``, ``branch``) or the instance itself.
     Raises InvalidArgumentError for an unknown name."""
     return _from_registry(policy, StateAdmission, ADMISSION_POLICIES, "state admission policy",
@@ -184,10 +193,10 @@ class StateEvictionOrder:
 
     name = "base"
 
-    def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:  # pragma: no cover
+    def order(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:  # pragma: no cover
         raise NotImplementedError
 
-    def victims(self, cache: Any, k: int) -> List[Any]:
+    def victims(self, cache: MambaRadixCache, k: int) -> list[Any]:
         """The first ``k`` unpinned states of the order (all of them when fewer): ranks the
         unpinned states (``StateTable.unpinned``, attach order) with :meth:`order`.
         O(S log S)."""
@@ -195,7 +204,7 @@ class StateEvictionOrder:
         return [nodes[int(i)] for i in self.order(cache, nodes)[:k]]
 
 
-def _last_access(nodes: List[Any]) -> np.ndarray:
+def _last_access(nodes: list[Any]) -> np.ndarray:
     return np.fromiter(map(_get_last_access, nodes), dtype=np.float64, count=len(nodes))
 
 
@@ -207,11 +216,11 @@ class LRUStateOrder(StateEvictionOrder):
 
     name = "lru"
 
-    def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:
+    def order(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:
         """A stable sort by ``last_access``. O(S log S): the reference of :meth:`victims`."""
         return np.argsort(_last_access(nodes), kind="stable")
 
-    def victims(self, cache: Any, k: int) -> List[Any]:
+    def victims(self, cache: MambaRadixCache, k: int) -> list[Any]:
         """Off the tree's LRU heap (``StateTable.lru``): what ranking all unpinned states
         with :meth:`order` gives, in O((k + stale entries) x log S) amortized. A subclass that
         overrides :meth:`order` gets the full ranking instead."""
@@ -228,13 +237,13 @@ class FlopStateOrder(StateEvictionOrder):
     name = "flop"
     needs_ancestors = True  # the tree keeps each state's nearest state ancestor (StateAncestors)
 
-    def __init__(self, alpha: float = 1.0, flop_model: Optional[FlopModel] = None):
+    def __init__(self, alpha: float = 1.0, flop_model: FlopModel | None = None):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
             raise InvalidArgumentError(f"alpha must be a finite number >= 0, got {alpha!r}")
         self.alpha = float(alpha)
         self.flop_model = flop_model
 
-    def utilities(self, cache: Any, nodes: List[Any]) -> np.ndarray:
+    def utilities(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:
         """Prefill FLOPs each state saves over its nearest state ancestor, per state byte.
         O(len) when the tree keeps the ancestors (built with this order), else
         O(len x tombstones crossed)."""
@@ -247,10 +256,10 @@ class FlopStateOrder(StateEvictionOrder):
         above = np.fromiter(map(near, nodes), dtype=np.int64, count=len(nodes))
         return self._utilities(cache, cache.state_positions(nodes), above)
 
-    def _utilities(self, cache: Any, ends: np.ndarray, above: np.ndarray) -> np.ndarray:
+    def _utilities(self, cache: MambaRadixCache, ends: np.ndarray, above: np.ndarray) -> np.ndarray:
         model = self.flop_model or cache.flop_model
-        saved = model.prefix_flops(ends) - model.prefix_flops(above)
-        return saved / float(model.state_bytes)
+        saved: np.ndarray = (model.prefix_flops(ends) - model.prefix_flops(above)) / float(model.state_bytes)
+        return saved
 
     def _rank(self, last_access: np.ndarray, util: np.ndarray) -> np.ndarray:
         """Positions, first to evict first, of candidates with these ``last_access`` and
@@ -263,13 +272,13 @@ class FlopStateOrder(StateEvictionOrder):
         score = recency + (self.alpha * util / top if top > 0 else 0.0)
         return np.argsort(score, kind="stable")
 
-    def order(self, cache: Any, nodes: List[Any]) -> np.ndarray:
+    def order(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:
         n = len(nodes)
         if n <= 1:
             return np.arange(n)
         return self._rank(_last_access(nodes), self.utilities(cache, nodes))
 
-    def victims(self, cache: Any, k: int) -> List[Any]:
+    def victims(self, cache: MambaRadixCache, k: int) -> list[Any]:
         """:meth:`order` over the tree's unpinned states (attach order), its first ``k``;
         with the tree's ancestors (``StateTable.anc``), straight from the state table's
         arrays: one pass over the states for ``last_access``, the rest vectorized. O(S log S)."""
@@ -296,13 +305,13 @@ class FlopStateOrder(StateEvictionOrder):
         return [nodes[i] for i in first.tolist()]
 
 
-STATE_EVICTION_POLICIES: Dict[str, Callable[[], StateEvictionOrder]] = {
+STATE_EVICTION_POLICIES: dict[str, Callable[[], StateEvictionOrder]] = {
     "lru": LRUStateOrder,
     "flop": FlopStateOrder,
 }
 
 
-def make_state_order(policy: Union[str, StateEvictionOrder]) -> StateEvictionOrder:
+def make_state_order(policy: str | StateEvictionOrder) -> StateEvictionOrder:
     """A state eviction order by name (``lru``, ``flop``) or the instance itself.
     Raises InvalidArgumentError for an unknown name."""
     return _from_registry(policy, StateEvictionOrder, STATE_EVICTION_POLICIES, "state eviction policy")
@@ -318,7 +327,7 @@ class MambaEvictResult(NamedTuple):
     num_states: int
 
 
-def evict(cache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
+def evict(cache: MambaRadixCache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
     """Free at least ``num_tokens`` KV tokens (full order: unlocked leaves, tombstones
     first, each with its state, childless tombstone ancestors after them) and then at least
     ``num_states`` states (state order: each node becomes a tombstone, its KV stays; states
@@ -333,8 +342,8 @@ def evict(cache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
     num_states = check_count(num_states, "num_states")
     if cache.disable:
         return MambaEvictResult(0, 0)
-    rows: List[bytes] = []
-    slots: List[int] = []
+    rows: list[bytes] = []
+    slots: list[int] = []
     tokens = _evict_leaves(cache, num_tokens, rows, slots) if num_tokens else 0
     if len(slots) < num_states and cache._states.evictable:
         _evict_states(cache, num_states - len(slots), slots)
@@ -348,7 +357,7 @@ def evict(cache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
     return MambaEvictResult(tokens, len(slots))
 
 
-def _evict_leaves(cache, num_tokens: int, rows: List[bytes], slots: List[int]) -> int:
+def _evict_leaves(cache: MambaRadixCache, num_tokens: int, rows: list[bytes], slots: list[int]) -> int:
     evicted = 0
     while evicted < num_tokens:
         node = pop_victim(cache)
@@ -358,7 +367,7 @@ def _evict_leaves(cache, num_tokens: int, rows: List[bytes], slots: List[int]) -
     return evicted
 
 
-def _evict_states(cache, k: int, slots: List[int]) -> None:
+def _evict_states(cache: MambaRadixCache, k: int, slots: list[int]) -> None:
     """Tombstone the first ``k`` unpinned state nodes of the state order (their KV stays: a
     tombstone leaf is re-filed at the front of the full order)."""
     for node in cache.state_order.victims(cache, k):
@@ -367,7 +376,7 @@ def _evict_states(cache, k: int, slots: List[int]) -> None:
             cache._refile(node)
 
 
-def _remove_leaf(cache, node: Any, rows: List[bytes], slots: List[int]) -> int:
+def _remove_leaf(cache: MambaRadixCache, node: Any, rows: list[bytes], slots: list[int]) -> int:
     """Unlink an unlocked, unfiled leaf (and its state), then every tombstone ancestor it
     leaves childless and unlocked; file a childless parent with a state. Returns tokens."""
     pb, events, on_evict, states = cache._pb, cache.kv_events, cache._on_evict, cache._states

@@ -35,12 +35,14 @@ state table is :mod:`radixkv.cache.state_table`.
 """
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
 from radixkv.cache import mamba_audit, mamba_policies, mamba_req_cache
+from radixkv.cache.block_hash import Seed
 from radixkv.cache.eviction import EvictionPolicy
 from radixkv.cache.mamba_audit import StateConservation
 from radixkv.cache.mamba_policies import (
@@ -56,9 +58,9 @@ from radixkv.cache.radix_key import RadixKey, as_radix_key
 from radixkv.cache.state_events import HybridEventRecorder
 from radixkv.cache.state_table import EventStateTable, StateTable
 from radixkv.cache.tree_node import TreeNode
+from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable, StatePool
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states
-from radixkv.memory.mamba_pool import MambaPool
 
 __all__ = ["MambaRadixCache", "MambaMatchResult", "MambaInsertResult", "MambaEvictResult"]
 
@@ -130,16 +132,17 @@ class MambaRadixCache(RadixCache):
     Metrics count a query's hit as ``prefix_len`` (state hit), not the KV match.
     """
 
-    def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
-                 page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru",
-                 admission_policy: Union[str, StateAdmission] = "every",
-                 enable_kv_events: bool = False, *, mamba_pool: Optional[MambaPool] = None,
-                 state_eviction_policy: Union[str, StateEvictionOrder] = "lru",
-                 flop_model: Optional[FlopModel] = None, disable: bool = False,
-                 kv_event_seed: Any = None, metrics_window: int = 1000, checks: bool = True):
+    def __init__(self, req_to_token_pool: ReqToTokenTable | None = None,
+                 token_to_kv_pool_allocator: KVAllocator | None = None,
+                 page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru",
+                 admission_policy: str | StateAdmission = "every",
+                 enable_kv_events: bool = False, *, mamba_pool: StatePool | None = None,
+                 state_eviction_policy: str | StateEvictionOrder = "lru",
+                 flop_model: FlopModel | None = None, disable: bool = False,
+                 kv_event_seed: Seed | None = None, metrics_window: int = 1000, checks: bool = True) -> None:
         own = getattr(req_to_token_pool, "mamba_pool", None)
         pool = mamba_pool if mamba_pool is not None else own
-        if not isinstance(pool, MambaPool):
+        if not isinstance(pool, StatePool):
             raise InvalidArgumentError("MambaRadixCache needs a MambaPool: pass a HybridReqToTokenPool "
                                        "or mamba_pool=")
         if own is not None and own is not pool:
@@ -158,7 +161,9 @@ class MambaRadixCache(RadixCache):
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
                          disable, enable_kv_events, kv_event_seed, metrics_window)
         if self.kv_events is not None:  # one queue for KV and state events, in their order
-            self.kv_events = self._states.events = HybridEventRecorder(page_size, seed=self.kv_events.seed)
+            rec = HybridEventRecorder(page_size, seed=self.kv_events.seed)
+            self.kv_events = rec
+            cast(EventStateTable, self._states).events = rec  # the table type chosen above
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key
         # tombstone leaves (False) before leaves with a state: they can never yield a hit
         self._sort_key = lambda node: (has_state(node), base_key(node))
@@ -189,7 +194,7 @@ class MambaRadixCache(RadixCache):
         """States in the tree. O(1)."""
         return len(self._states)
 
-    def state_slot(self, node: TreeNode) -> Optional[int]:
+    def state_slot(self, node: TreeNode) -> int | None:
         """The slot of ``node``'s state, ``None`` for a tombstone (or a head). O(1)."""
         return self._states.slot_of.get(node)
 
@@ -205,12 +210,14 @@ class MambaRadixCache(RadixCache):
             p = p.parent
         return 0 if p is None or p.parent is None else int(self._states.end[slot_of[p]])
 
-    def all_state_slots(self) -> List[int]:
+    def all_state_slots(self) -> list[int]:
         """Every slot the tree holds. O(states)."""
         return list(self._states.slot_of.values())
 
     # ------------------------------------------------------------------ match, fork
-    def match_prefix(self, key: Union[RadixKey, Any], extra_key: Any = None) -> MambaMatchResult:
+    # MambaMatchResult is MatchResult's fields and more, not a subclass (NamedTuples cannot be)
+    def match_prefix(  # type: ignore[override]
+            self, key: RadixKey | Any, extra_key: Any = None) -> MambaMatchResult:
         """The longest cached prefix of ``key`` that ends at a node holding a state, its KV
         rows, that node, and ``kv_prefix_len`` (see :class:`MambaMatchResult`). Matching
         splits and touches nodes exactly like :meth:`RadixCache.match_prefix`; nothing is
@@ -263,7 +270,7 @@ class MambaRadixCache(RadixCache):
                 pool.temporal_state[:, m] = 0
         return len(src_hit)
 
-    def fork_state(self, node: TreeNode, req: Any) -> bool:
+    def fork_state(self, node: TreeNode, req: CacheRequest) -> bool:
         """:meth:`fork_states` for one request (same checks, errors and effect, without the
         batch lists); True when it got a cached state."""
         dst = self._states.check_slot(self.mamba_pool, req.mamba_pool_idx, "request mamba_pool_idx",
@@ -279,14 +286,14 @@ class MambaRadixCache(RadixCache):
         return False
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: Union[RadixKey, Any], value: Any, priority: int = 0, extra_key: Any = None,
+    def insert(self, key: RadixKey | Any, value: Any, priority: int = 0, extra_key: Any = None,
                mamba_value: Any = None) -> int:
         """RadixCache's insert, plus an optional state handed over with ``mamba_value`` (a
         slot holding the state after exactly ``len(key)`` tokens): see
         :meth:`insert_with_state`. Returns the tokens already cached."""
         return self.insert_with_state(key, value, mamba_value, priority, extra_key).prefix_len
 
-    def insert_with_state(self, key: Union[RadixKey, Any], value: Any, state_slot: Any = None,
+    def insert_with_state(self, key: RadixKey | Any, value: Any, state_slot: Any = None,
                           priority: int = 0, extra_key: Any = None) -> MambaInsertResult:
         """Insert ``key`` (whole pages) with its KV rows ``value``; with ``state_slot``, hand
         that slot (the state after the key's last token) to the tree: kept at the node where
@@ -309,19 +316,23 @@ class MambaRadixCache(RadixCache):
         return _tuple_new(MambaInsertResult, (prefix, node, False))
 
     # ------------------------------------------------------------------ requests
-    def cache_finished_req(self, req: Any, state_len: Optional[int] = None) -> bool:
+    # returns whether the tree kept the state slot (RadixCache's returns None): SGLang's API
+    def cache_finished_req(  # type: ignore[override]
+            self, req: CacheRequest, state_len: int | None = None) -> bool:
         """RadixCache's ``cache_finished_req``, and the tree takes the request's state slot
         when it ends at the inserted key's end; True when it did (contract:
         :func:`radixkv.cache.mamba_req_cache.cache_finished_req`)."""
         return mamba_req_cache.cache_finished_req(self, req, state_len)
 
-    def cache_unfinished_req(self, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
+    def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False, state_len: int | None = None) -> None:
         """RadixCache's ``cache_unfinished_req``, and the request's state is forked into a
         tree slot when admitted (contract: :func:`radixkv.cache.mamba_req_cache.cache_unfinished_req`)."""
         mamba_req_cache.cache_unfinished_req(self, req, chunked, state_len)
 
     # ------------------------------------------------------------------ evict
-    def evict(self, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
+    # returns the KV tokens and the states freed (RadixCache's: the tokens), SGLang's API
+    def evict(  # type: ignore[override]
+            self, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
         """Free at least ``num_tokens`` KV tokens (full order) and then at least
         ``num_states`` states (state order), or all that can go; rows and slots each go back
         in ONE call. Raises InvalidArgumentError (nothing evicted) for a bad count
@@ -367,13 +378,13 @@ class MambaRadixCache(RadixCache):
         self._states.clear()
 
     # ------------------------------------------------------------------ audit
-    def check_invariants(self, running_reqs: Optional[Sequence[Any]] = None) -> None:
+    def check_invariants(self, running_reqs: Sequence[Any] | None = None) -> None:
         """RadixCache's audit, the state table's, and both conservation laws (KV slots given
         ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
         :func:`radixkv.cache.mamba_audit.check_invariants`)."""
         mamba_audit.check_invariants(self, running_reqs)
 
-    def check_state_conservation(self, running_reqs: Optional[Sequence[Any]] = None) -> StateConservation:
+    def check_state_conservation(self, running_reqs: Sequence[Any] | None = None) -> StateConservation:
         """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_audit.check_state_conservation`)."""
         return mamba_audit.check_state_conservation(self, running_reqs)
 
@@ -387,7 +398,7 @@ class MambaRadixCache(RadixCache):
         if not self._lazy and node.skey is not None:
             self._refile(node)  # its full-eviction key changed (tombstone -> state)
 
-    def _copy(self, src: List[int], dst: List[int]) -> None:
+    def _copy(self, src: list[int], dst: list[int]) -> None:
         """Copy states ``src[i] -> dst[i]`` (validated disjoint by the callers): one pair
         with two slice copies, more with the state-copy kernel (Triton on CUDA)."""
         pool = self.mamba_pool
@@ -399,6 +410,6 @@ class MambaRadixCache(RadixCache):
         d = torch.tensor(dst, dtype=torch.int64, device=pool.device)
         copy_states(pool.conv_state, pool.temporal_state, s, d, backend=pool.copy_backend, checks=False)
 
-    def _check_slots(self, slots: Sequence[Any], what: str) -> List[int]:
+    def _check_slots(self, slots: Sequence[Any], what: str) -> list[int]:
         """See :meth:`StateTable.check_slots` (with this cache's ``checks``)."""
         return self._states.check_slots(self.mamba_pool, slots, what, self.checks)

@@ -11,18 +11,22 @@ copy of one slot for an unfinished request).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixkv.cache import req_cache
 from radixkv.cache.req_cache import _free, _insert_request, _request_rows
+from radixkv.contracts import CacheRequest
 from radixkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from radixkv.cache.mamba_radix_cache import MambaRadixCache
 
 __all__ = ["cache_finished_req", "cache_unfinished_req", "check_request"]
 
 
-def cache_finished_req(cache, req: Any, state_len: Optional[int] = None) -> bool:
+def cache_finished_req(cache: MambaRadixCache, req: CacheRequest, state_len: int | None = None) -> bool:
     """RadixCache's ``cache_finished_req`` (insert the page-aligned tokens, free duplicate
     and tail rows, unlock), and the state: when the request's state position
     (``state_len``, default ``kv_committed_len``) is the inserted key's end and that
@@ -42,14 +46,15 @@ def cache_finished_req(cache, req: Any, state_len: Optional[int] = None) -> bool
     _free(cache, np.concatenate([dup, kv[aligned:]]))
     took = (slot is not None and pos == aligned and node.parent is not None
             and node not in cache._states.slot_of and cache.admission.admit(cache, node, True))
-    if took:
+    if took and slot is not None:  # (took implies a slot; the test narrows its type)
         cache._attach(node, slot, aligned)
     if req.last_node is not None:
         cache.dec_lock_ref(req.last_node)
     return took
 
 
-def cache_unfinished_req(cache, req: Any, chunked: bool = False, state_len: Optional[int] = None) -> None:
+def cache_unfinished_req(cache: MambaRadixCache, req: CacheRequest, chunked: bool = False,
+                         state_len: int | None = None) -> None:
     """RadixCache's ``cache_unfinished_req`` (insert, re-point the row, move the lock),
     and the state: when the state position (``state_len``, default
     ``kv_committed_len``) is the end of the page-aligned inserted key, that node holds
@@ -66,18 +71,18 @@ def cache_unfinished_req(cache, req: Any, chunked: bool = False, state_len: Opti
     if (slot is None or pos != aligned or node.parent is None or node in cache._states.slot_of
             or not cache.admission.admit(cache, node, False)):
         return
-    new = cache.mamba_pool.alloc(1)
-    if new is None:
+    got = cache.mamba_pool.alloc(1)
+    if got is None:
         cache.evict(0, 1)  # node is pinned now: its path and state are safe
-        new = cache.mamba_pool.alloc(1)
-        if new is None:
+        got = cache.mamba_pool.alloc(1)
+        if got is None:
             return
-    new = int(new[0])
+    new = int(got[0])
     cache._copy([slot], [new])
     cache._attach(node, new, aligned)
 
 
-def check_request(cache, req: Any, state_len: Optional[int]):
+def check_request(cache: MambaRadixCache, req: CacheRequest, state_len: int | None) -> tuple[int | None, int]:
     """Validate the request's slot, state position and lock; returns (slot, position)."""
     slot = req.mamba_pool_idx
     if slot is not None:

@@ -47,7 +47,7 @@ class CacheMetrics:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InvalidArgumentError(f"metrics window must be an int >= 1, got {window!r}")
         self.window = window
-        self._log: list = []
+        self._log: list[tuple[int, int]] = []
         self.reset()
 
     def reset(self) -> None:
@@ -69,7 +69,7 @@ class CacheMetrics:
             self.compact()
 
     @property
-    def query_log(self) -> list:
+    def query_log(self) -> list[tuple[int, int]]:
         """The list :meth:`record_query` appends ``(queried, hit)`` pairs to; its identity
         never changes. A hot caller may append to it directly (no call frame), and must call
         :meth:`compact` once it holds ``2 * window`` pairs."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,8 +44,8 @@ from radixkv.cache.tree_node import TreeNode
 
 __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert", "unavailable_reason"]
 
-_mod: Optional[Any] = None
-unavailable_reason: Optional[str] = None
+_mod: Any | None = None
+unavailable_reason: str | None = None
 if os.environ.get("RADIXKV_PURE_PYTHON", "") not in ("", "0"):
     unavailable_reason = "RADIXKV_PURE_PYTHON is set"
 else:
@@ -56,16 +56,17 @@ else:
     else:
         _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
 
-walk = _mod.walk if _mod is not None else None
-find = _mod.find if _mod is not None else None
-narrow = _mod.narrow if _mod is not None else None
-new_node = _mod.new_node if _mod is not None else None
-match = _mod.match_prefix if _mod is not None else None
-bind_match = _mod.bind_match if _mod is not None else None
-method = _mod.method if _mod is not None else None
-insert = _mod.insert if _mod is not None else None
-bind_insert = _mod.bind_insert if _mod is not None else None
-pool_stats = _mod.pool_stats if _mod is not None else None
+# the compiled entries (untyped C functions), None when not built: callers check available()
+walk: Any = _mod.walk if _mod is not None else None
+find: Any = _mod.find if _mod is not None else None
+narrow: Any = _mod.narrow if _mod is not None else None
+new_node: Any = _mod.new_node if _mod is not None else None
+match: Any = _mod.match_prefix if _mod is not None else None
+bind_match: Any = _mod.bind_match if _mod is not None else None
+method: Any = _mod.method if _mod is not None else None
+insert: Any = _mod.insert if _mod is not None else None
+bind_insert: Any = _mod.bind_insert if _mod is not None else None
+pool_stats: Any = _mod.pool_stats if _mod is not None else None
 
 
 def available() -> bool:

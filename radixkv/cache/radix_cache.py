@@ -33,8 +33,9 @@ the reference. Either class gives the same results.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from operator import attrgetter
-from typing import Any, Iterator, List, NamedTuple, Union
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,7 +49,11 @@ from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
+from radixkv.contracts import KVAllocator, ReqToTokenTable
 from radixkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from radixkv.cache.block_hash import Seed
 
 __all__ = ["RadixCache", "NativeRadixCache", "MatchResult"]
 
@@ -104,10 +109,12 @@ class RadixCache(InsertMixin):
     The device (of ``MatchResult.device_indices``) is the allocator's device, else CPU.
     """
 
-    def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
-                 page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru",
+    def __init__(self, req_to_token_pool: ReqToTokenTable | None = None,
+                 token_to_kv_pool_allocator: KVAllocator | None = None,
+                 page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru",
                  disable: bool = False, enable_kv_events: bool = False,
-                 kv_event_seed: Any = None, metrics_window: int = 1000, native: Any = None):
+                 kv_event_seed: Seed | None = None, metrics_window: int = 1000,
+                 native: bool | None = None) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidArgumentError(f"page_size must be an int >= 1, got {page_size!r}")
         self.req_to_token_pool = req_to_token_pool
@@ -136,7 +143,7 @@ class RadixCache(InsertMixin):
         self._metrics = CacheMetrics(metrics_window)
         # match_prefix appends (queried, hit) to the metrics' log itself: a method call
         # there cost ~0.8 µs in the bench's cycle (cold frame); None: the subclass records
-        self._qlog = self._metrics.query_log
+        self._qlog: list[tuple[int, int]] | None = self._metrics.query_log
         self._qfold = 2 * metrics_window
         self._leaves = SortedKeyList(key=attrgetter("skey"))
         if native and not native_mod.available():
@@ -184,13 +191,13 @@ class RadixCache(InsertMixin):
         """Head of the ``None`` namespace."""
         return self._heads[None]
 
-    def namespaces(self) -> List[Any]:
+    def namespaces(self) -> list[Any]:
         """The extra keys that currently have a head."""
         return list(self._heads)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every real node (not the heads), parents before children. O(nodes)."""
-        stack = list(self._heads.values())
+        stack: list[TreeNode] = list(self._heads.values())
         while stack:
             node = stack.pop()
             for child in node.children.values():
@@ -203,7 +210,7 @@ class RadixCache(InsertMixin):
         return rows_tensor(joined, self.device)
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, key: Union[RadixKey, Any], extra_key: Any = None) -> MatchResult:
+    def match_prefix(self, key: RadixKey | Any, extra_key: Any = None) -> MatchResult:
         """The longest cached page-aligned prefix of ``key`` and its KV rows.
 
         ``key`` is a :class:`RadixKey` (preferred: no conversion) or token ids (then
@@ -284,7 +291,8 @@ class RadixCache(InsertMixin):
                 self._metrics.compact()
         return _tuple_new(MatchResult, (rows, node, pos >> 2))
 
-    def _split_end(self, child: TreeNode, buf: bytes, pos: int, n: int, tick: int, vals: list) -> Any:
+    def _split_end(self, child: TreeNode, buf: bytes, pos: int, n: int, tick: int,
+                   vals: list[bytes]) -> tuple[int, TreeNode, int, torch.Tensor]:
         """The end of a match inside ``child`` (its first page matches ``buf[pos:]``): split
         off its matching whole pages, touch that new node, append its rows to ``vals`` (the
         path's int32 row bytes). Returns ``(pos, node, tick, rows tensor)``."""
@@ -328,7 +336,7 @@ class RadixCache(InsertMixin):
         """Raise unless ``node`` is a live node of this tree (or a namespace head)."""
         if not isinstance(node, TreeNode):
             raise InvalidArgumentError(f"expected a TreeNode, got {type(node).__name__}")
-        parent = node.parent
+        parent: Any = node.parent  # None for a head; the top of the path is a NamespaceHead
         if parent is None:
             return
         if parent.children.get(node.kbuf[:self._pb]) is not node:
@@ -403,7 +411,7 @@ class RadixCache(InsertMixin):
         self._evictable = 0
         self._protected = 0
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[Any]:
         """Drain the pending KV events (``[]`` when events are disabled)."""
         return self.kv_events.take_events() if self.kv_events is not None else []
 
@@ -433,7 +441,7 @@ class RadixCache(InsertMixin):
         self._next_id += 1
         return self._next_id
 
-    def _free_rows(self, bufs: List[bytes]) -> None:
+    def _free_rows(self, bufs: list[bytes]) -> None:
         alloc = self.token_to_kv_pool_allocator
         if alloc is None or not bufs:
             return

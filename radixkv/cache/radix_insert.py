@@ -14,16 +14,20 @@ new leaf (and to unfile its parent), O(node) for a split.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 import torch
 
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import check_value, rows_bytes
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError, LengthMismatchError
+
+if TYPE_CHECKING:
+    from radixkv.cache.events import KVEventRecorder
+    from radixkv.cache.metrics import CacheMetrics
 
 __all__ = ["InsertMixin"]
 
@@ -41,6 +45,29 @@ class InsertMixin:
     the compiled walks ``_cfind`` / ``_cnarrow`` / ``_new_node``, ...) are set by
     ``RadixCache.__init__``.
     """
+
+    # set by RadixCache.__init__ (declared here for the type checker; no class attributes)
+    page_size: int
+    disable: bool
+    kv_events: KVEventRecorder | None
+    _pb: int
+    _heads: dict[Any, NamespaceHead]
+    _leaves: Any  # a sortedcontainers.SortedKeyList of the evictable leaves
+    _clock: int
+    _next_id: int
+    _evictable: int
+    _lazy: bool
+    _metrics: CacheMetrics
+    _sort_key: Callable[[TreeNode], Any]
+    _on_insert: Callable[[TreeNode], None] | None
+    _on_split: Callable[[TreeNode, TreeNode], None] | None
+    _cfind: Callable[[TreeNode, bytes, int, int], tuple[int, TreeNode, list[TreeNode], TreeNode | None]] | None
+    _cnarrow: Callable[[int, int, int], bytes | None] | None
+    _new_node: Callable[..., TreeNode]
+
+    if TYPE_CHECKING:
+        def _new_id(self) -> int: ...
+        def _refile(self, node: TreeNode) -> None: ...
 
     def insert(self, key: Any, value: Any, priority: int = 0, extra_key: Any = None, _path: bool = False) -> Any:
         """``RadixCache.insert(key, value, priority=0, extra_key=None)``: insert ``key`` (a whole
@@ -90,9 +117,9 @@ class InsertMixin:
         head = self._heads.get(key.extra_key)
         if self.disable or n == 0:
             return (0, head if head is not None else self._heads[None], []) if _path else 0
-        node = head
+        node: Any = head  # the walk's node: the head (None when the namespace is new), then TreeNodes
         pos = 0
-        path: List[TreeNode] = []
+        path: list[TreeNode] = []
         split_child, split_at = None, 0
         if head is not None:  # read-only walk: nothing changes before validation ends
             cfind = self._cfind
@@ -142,7 +169,7 @@ class InsertMixin:
         hashes = None
         if self.kv_events is not None and pos < n:
             if split_child is not None:
-                parent_hash = split_child.block_hashes[split_at // pb - 1]
+                parent_hash = split_child.block_hashes[split_at // pb - 1]  # type: ignore[index]  # events on: hashes kept
             else:
                 parent_hash = node.block_hashes[-1] if node is not head else None
             hashes = self.kv_events.on_stored(parent_hash, np.frombuffer(buf, _I32, offset=pos),
@@ -184,9 +211,9 @@ class InsertMixin:
             leaves.add(leaf)
             node = leaf
         self._clock = tick
-        m = self._metrics  # record_insert inlined
-        m.inserts += 1
-        m.inserted_tokens += (n - pos) >> 2
+        met = self._metrics  # record_insert inlined
+        met.inserts += 1
+        met.inserted_tokens += (n - pos) >> 2
         return (pos >> 2, node, path) if _path else pos >> 2
 
 
@@ -200,7 +227,7 @@ class InsertMixin:
         priority); sizes and leaf status do not change. O(len(child))."""
         pb = self._pb
         kb, vb = child.kbuf, child.vbuf
-        parent = child.parent
+        parent: Any = child.parent  # a TreeNode or a NamespaceHead: a head is never split
         new = self._new_node(self._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)
         new.last_access = child.last_access
         new.hits = child.hits

@@ -14,7 +14,7 @@ int32 byte strings) so the tree itself has no per-token Python loop.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -74,8 +74,11 @@ class RadixKey:
     """
 
     __slots__ = ("_buf", "token_ids", "extra_key")
+    _buf: bytes
+    token_ids: np.ndarray
+    extra_key: Any
 
-    def __init__(self, token_ids: Any, extra_key: Optional[Any] = None):
+    def __init__(self, token_ids: Any, extra_key: Any | None = None):
         try:
             hash(extra_key)
         except TypeError:
@@ -88,7 +91,7 @@ class RadixKey:
         self.extra_key = extra_key
 
     @classmethod
-    def _from_buffer(cls, buf: bytes, extra_key: Any) -> "RadixKey":
+    def _from_buffer(cls, buf: bytes, extra_key: Any) -> RadixKey:
         """Wrap int32 bytes already validated (internal; no copy, no checks)."""
         key = cls.__new__(cls)
         key._buf = buf
@@ -104,7 +107,11 @@ class RadixKey:
     def __len__(self) -> int:
         return len(self._buf) >> 2
 
-    def __getitem__(self, idx):
+    @overload
+    def __getitem__(self, idx: slice) -> RadixKey: ...
+    @overload
+    def __getitem__(self, idx: int) -> int: ...
+    def __getitem__(self, idx: int | slice) -> RadixKey | int:
         """``key[a:b]`` is a ``RadixKey`` in the same namespace (step must be 1);
         ``key[i]`` is the token ``int``."""
         if isinstance(idx, slice):
@@ -115,7 +122,7 @@ class RadixKey:
             return RadixKey._from_buffer(self._buf[start * 4:stop * 4], self.extra_key)
         return int(self.token_ids[idx])
 
-    def page_aligned(self, page_size: int) -> "RadixKey":
+    def page_aligned(self, page_size: int) -> RadixKey:
         """The longest prefix whose length is a multiple of ``page_size`` (self if it is)."""
         n = len(self)
         aligned = n - n % page_size
@@ -134,7 +141,7 @@ class RadixKey:
         return f"RadixKey(len={len(self)}, tokens={head}{more}, extra_key={self.extra_key!r})"
 
 
-def as_radix_key(key: Any, extra_key: Optional[Any] = None) -> RadixKey:
+def as_radix_key(key: Any, extra_key: Any | None = None) -> RadixKey:
     """``key`` itself when it is a ``RadixKey`` (then ``extra_key`` must be ``None`` or
     equal to the key's own), else ``RadixKey(key, extra_key)``."""
     if type(key) is RadixKey:
@@ -146,7 +153,7 @@ def as_radix_key(key: Any, extra_key: Optional[Any] = None) -> RadixKey:
     return RadixKey(key, extra_key)
 
 
-def common_prefix_tokens(a: bytes, b: bytes, b_start: int = 0, b_end: Optional[int] = None) -> int:
+def common_prefix_tokens(a: bytes, b: bytes, b_start: int = 0, b_end: int | None = None) -> int:
     """Length, in tokens, of the longest common prefix of the int32 strings ``a`` and
     ``b[b_start:b_end]`` (offsets in bytes, multiples of 4).
 

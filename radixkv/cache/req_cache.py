@@ -20,20 +20,25 @@ that is set and smaller (the last decoded token may have no row yet).
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from radixkv.cache.radix_key import RadixKey
+from radixkv.cache.tree_node import TreeNode
+from radixkv.contracts import CacheRequest
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
+
+if TYPE_CHECKING:
+    from radixkv.cache.radix_cache import RadixCache
 
 __all__ = ["cache_finished_req", "cache_unfinished_req"]
 
 _I32 = np.dtype(np.int32)
 
 
-def _request_rows(cache, req: Any) -> Tuple[int, np.ndarray, np.ndarray]:
+def _request_rows(cache: RadixCache, req: CacheRequest) -> tuple[int, np.ndarray, np.ndarray]:
     """Validate ``req`` against the pool; return (row, tokens with rows, their KV rows)."""
     pool = cache.req_to_token_pool
     if pool is None:
@@ -62,13 +67,14 @@ def _request_rows(cache, req: Any) -> Tuple[int, np.ndarray, np.ndarray]:
     return int(row), tokens[:n], kv
 
 
-def _free(cache, rows: np.ndarray) -> None:
+def _free(cache: RadixCache, rows: np.ndarray) -> None:
     if rows.size and cache.token_to_kv_pool_allocator is not None:
         t = torch.from_numpy(rows.astype(np.int64))
         cache.token_to_kv_pool_allocator.free(t if cache.device.type == "cpu" else t.to(cache.device))
 
 
-def _insert_request(cache, req: Any, tokens: np.ndarray, kv: np.ndarray):
+def _insert_request(cache: RadixCache, req: CacheRequest, tokens: np.ndarray,
+                    kv: np.ndarray) -> tuple[int, TreeNode, np.ndarray, np.ndarray]:
     """Insert the aligned part; return (aligned, prefix, node, tree rows of [0, aligned),
     request rows to free: duplicates differing from the tree's)."""
     n = tokens.size
@@ -83,7 +89,7 @@ def _insert_request(cache, req: Any, tokens: np.ndarray, kv: np.ndarray):
     return aligned, node, tree_rows, dup
 
 
-def cache_finished_req(cache, req: Any) -> None:
+def cache_finished_req(cache: RadixCache, req: CacheRequest) -> None:
     """Cache a finished request: insert its page-aligned tokens with its rows, free its
     duplicate rows and its unaligned tail's rows (one allocator call), and release the
     lock on ``req.last_node``. With ``disable`` every row of the request is freed.
@@ -102,7 +108,7 @@ def cache_finished_req(cache, req: Any) -> None:
         cache.dec_lock_ref(req.last_node)
 
 
-def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
+def cache_unfinished_req(cache: RadixCache, req: CacheRequest, chunked: bool = False) -> None:
     """Cache an unfinished request (chunked prefill): insert its page-aligned tokens, free
     its duplicate rows, point its ``req_to_token`` row at the tree's rows, move its lock to
     the node where the inserted key ends, and update ``req.prefix_indices`` (tree rows plus
@@ -116,7 +122,7 @@ def cache_unfinished_req(cache, req: Any, chunked: bool = False) -> None:
     _free(cache, dup)
     lo = req.cache_protected_len
     if aligned > lo:
-        pool = cache.req_to_token_pool
+        pool: Any = cache.req_to_token_pool  # checked by _request_rows; SGLang's may lack write()
         new = torch.from_numpy(tree_rows[lo:aligned].copy()).to(pool.req_to_token.device)
         if hasattr(pool, "write"):
             pool.write((row, slice(lo, aligned)), new)

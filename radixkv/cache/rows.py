@@ -13,7 +13,7 @@ import torch
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
 
-__all__ = ["check_value", "rows_bytes", "rows_tensor", "check_count", "row_max"]
+__all__ = ["check_value", "rows_bytes", "rows_tensor", "row_max"]
 
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
@@ -84,12 +84,6 @@ def rows_bytes(value: Any, start: int) -> bytes:
     if row_max(tail.view(_U64)) >= _ROW_LIMIT:
         raise InvalidIndexError("KV rows must lie in [0, 2**31)")
     return tail.astype(_I32).tobytes()
-
-
-def check_count(n: Any, what: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise InvalidArgumentError(f"{what} must be a non-negative int, got {n!r}")
-    return int(n)
 
 
 def rows_tensor(joined: bytes, device: torch.device) -> torch.Tensor:

@@ -41,18 +41,19 @@ events, their consumers sit above it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
 from radixkv.cache.block_hash import check_hash as _check_hash
 from radixkv.cache.events import (
+    DEFAULT_SEED,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    DEFAULT_SEED,
     KVEventRecorder,
     Seed,
     event_from_dict,
@@ -70,9 +71,9 @@ class StateStored:
 
     block_hash: int
     position: int
-    medium: Optional[str] = MEDIUM_GPU
+    medium: str | None = MEDIUM_GPU
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-able form, tagged like the KV events' ``to_dict``."""
         return {"type": "StateStored", "block_hash": self.block_hash, "position": self.position,
                 "medium": self.medium}
@@ -82,10 +83,10 @@ class StateStored:
 class StateRemoved:
     """The states after the blocks ``block_hashes`` are gone."""
 
-    block_hashes: tuple
-    medium: Optional[str] = MEDIUM_GPU
+    block_hashes: tuple[int, ...]
+    medium: str | None = MEDIUM_GPU
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-able form, tagged like the KV events' ``to_dict``."""
         return {"type": "StateRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium}
 
@@ -104,7 +105,7 @@ def _check_position(position: Any) -> int:
     return int(position)
 
 
-def any_event_from_dict(d: dict) -> Any:
+def any_event_from_dict(d: dict[str, Any]) -> Any:
     """Inverse of ``to_dict()`` for the KV events and the two state events.
 
     Raises InvalidArgumentError for an unknown ``type`` or malformed fields."""
@@ -126,7 +127,7 @@ def any_event_from_dict(d: dict) -> Any:
         raise InvalidArgumentError(f"malformed {kind} event: {e}") from None
 
 
-def as_events(events: Iterable[Any]) -> List[Any]:
+def as_events(events: Iterable[Any]) -> list[Any]:
     """Event objects from events or their ``to_dict()`` dicts (a CacheEngine's
     ``take_events``). Raises InvalidArgumentError for anything else."""
     out = []
@@ -139,9 +140,10 @@ def as_events(events: Iterable[Any]) -> List[Any]:
     return out
 
 
-def split_state_events(events: Iterable[Any]) -> tuple:
+def split_state_events(events: Iterable[Any]) -> tuple[list[Any], list[Any]]:
     """``(kv_events, state_events)``, each in its original order."""
-    kv, st = [], []
+    kv: list[Any] = []
+    st: list[Any] = []
     for e in events:
         (st if is_state_event(e) else kv).append(e)
     return kv, st
@@ -162,7 +164,7 @@ class HybridEventRecorder(KVEventRecorder):
 
     def __init__(self, page_size: int, seed: Seed = DEFAULT_SEED, medium: str = MEDIUM_GPU):
         super().__init__(page_size, seed=seed, medium=medium)
-        self._states: Dict[int, int] = {}
+        self._states: dict[int, int] = {}
 
     # -- the hooks of a hybrid cache
 
@@ -217,7 +219,7 @@ class HybridEventRecorder(KVEventRecorder):
 
     # -- queries
 
-    def live_states(self) -> Dict[int, int]:
+    def live_states(self) -> dict[int, int]:
         """A copy of block hash -> position of every live state."""
         return dict(self._states)
 

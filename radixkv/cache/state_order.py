@@ -36,8 +36,9 @@ frontier, :meth:`StateAncestors.detach` down to it: O(tombstones crossed), O(1) 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from heapq import heapify, heappop, heappush, heapreplace
-from typing import Any, Dict, List, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -59,8 +60,8 @@ class StateHeap:
     __slots__ = ("heap", "seq_at", "next_seq")
 
     def __init__(self, num_slots: int):
-        self.heap: List[tuple] = []
-        self.seq_at: List[int] = [0] * (int(num_slots) + 1)
+        self.heap: list[tuple[Any, ...]] = []
+        self.seq_at: list[int] = [0] * (int(num_slots) + 1)
         self.next_seq = 0
 
     def clear(self) -> None:
@@ -68,7 +69,7 @@ class StateHeap:
         self.heap.clear()
         self.seq_at[:] = [0] * len(self.seq_at)
 
-    def push(self, node: Any, slot: int, live: Dict[Any, int]) -> None:
+    def push(self, node: Any, slot: int, live: dict[Any, int]) -> None:
         """``node`` just got ``slot`` (``live``: node -> slot, ``node`` included). O(log S)
         amortized (a rebuild when the heap outgrew its bound)."""
         self.next_seq += 1
@@ -83,7 +84,7 @@ class StateHeap:
         """The state in ``slot`` left the tree: its entry is dead from now on. O(1)."""
         self.seq_at[slot] = 0
 
-    def compact(self, live: Dict[Any, int]) -> None:
+    def compact(self, live: dict[Any, int]) -> None:
         """Rebuild the heap from the live states (node -> slot), one entry each, keyed by
         their current ``last_access``. O(S)."""
         seq_at = self.seq_at
@@ -91,18 +92,18 @@ class StateHeap:
         heapify(heap)
         self.heap = heap
 
-    def maybe_compact(self, live: Dict[Any, int]) -> None:
+    def maybe_compact(self, live: dict[Any, int]) -> None:
         """:meth:`compact` when the heap holds more than ``2 x states + 64`` entries. O(1)
         unless it rebuilds."""
         if len(self.heap) > 2 * len(live) + COMPACT_SLACK:
             self.compact(live)
 
-    def pop_victims(self, k: int, pins: Dict[Any, int]) -> List[Any]:
+    def pop_victims(self, k: int, pins: dict[Any, int]) -> list[Any]:
         """Remove and return the first ``k`` unpinned states of the order (fewer when fewer
         are unpinned), first victim first; the caller detaches them. Pinned states keep their
         entries. O((k + stale + pinned entries met) x log S)."""
         heap, seq_at = self.heap, self.seq_at
-        out: List[Any] = []
+        out: list[Any] = []
         aside = []
         while len(out) < k and heap:
             entry = heap[0]
@@ -121,12 +122,12 @@ class StateHeap:
         return out
 
     # ---------------------------------------------------------------- audit
-    def check(self, live: Dict[Any, int], node_of: Sequence[Any]) -> None:
+    def check(self, live: dict[Any, int], node_of: Sequence[Any]) -> None:
         """Raise :class:`InvariantError` naming the node ids / slots unless the invariants
         of the module docstring hold (``live``: node -> slot; ``node_of``: slot -> node).
         O(heap + slots)."""
         seq_at = self.seq_at
-        filed: Dict[int, int] = {}
+        filed: dict[int, int] = {}
         wrong_node, ahead = [], []
         for key, seq, slot, node in self.heap:
             if seq_at[slot] != seq:
@@ -175,9 +176,9 @@ class StateAncestors:
         self.above[:] = 0
 
     @staticmethod
-    def _frontier(node: Any, live: Dict[Any, int]) -> List[int]:
+    def _frontier(node: Any, live: dict[Any, int]) -> list[int]:
         """Slots of the states below ``node`` with only tombstones in between."""
-        out: List[int] = []
+        out: list[int] = []
         stack = list(node.children.values())
         while stack:
             n = stack.pop()
@@ -188,7 +189,7 @@ class StateAncestors:
                 out.append(s)
         return out
 
-    def attach(self, node: Any, slot: int, end: int, live: Dict[Any, int], ends: np.ndarray) -> None:
+    def attach(self, node: Any, slot: int, end: int, live: dict[Any, int], ends: np.ndarray) -> None:
         """``node`` got the state ``slot`` at ``end`` (already in ``live``: node -> slot;
         ``ends``: end per slot). O(tombstones above and below up to the nearest states)."""
         p = node.parent
@@ -199,7 +200,7 @@ class StateAncestors:
         if below:
             self.above[below] = end
 
-    def detach(self, node: Any, slot: int, live: Dict[Any, int]) -> None:
+    def detach(self, node: Any, slot: int, live: dict[Any, int]) -> None:
         """``node`` lost the state ``slot``: the states just below it now see the one above
         it. O(tombstones below up to the nearest states)."""
         if node.children:
@@ -207,10 +208,10 @@ class StateAncestors:
             if below:
                 self.above[below] = self.above[slot]
 
-    def check(self, live: Dict[Any, int], ends: np.ndarray, nodes: Sequence[Any]) -> None:
+    def check(self, live: dict[Any, int], ends: np.ndarray, nodes: Sequence[Any]) -> None:
         """Raise :class:`InvariantError` naming the state nodes whose ``above`` is not the
         end of their nearest state ancestor (``nodes``: every real node, parents first). O(tree)."""
-        near: Dict[Any, int] = {}
+        near: dict[Any, int] = {}
         wrong = []
         for n in nodes:
             p = n.parent

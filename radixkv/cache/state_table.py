@@ -26,13 +26,18 @@ All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from radixkv.cache.state_order import StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
+
+if TYPE_CHECKING:
+    from radixkv.cache.state_events import HybridEventRecorder
+    from radixkv.contracts import StatePool
 
 __all__ = ["StateTable", "EventStateTable"]
 
@@ -52,14 +57,14 @@ class StateTable:
     __slots__ = ("num_slots", "slot_of", "node_of", "end", "pins", "protected", "lru", "anc")
 
     #: The event recorder (:class:`EventStateTable` only); ``None`` here: no event work.
-    events: Optional[Any] = None
+    events: HybridEventRecorder | None = None
 
     def __init__(self, num_slots: int, track_ancestors: bool = False):
         self.num_slots = int(num_slots)
         self.end = np.zeros(self.num_slots + 1, dtype=np.int64)
-        self.slot_of: Dict[Any, int] = {}
-        self.node_of: List[Optional[Any]] = [None] * (self.num_slots + 1)
-        self.pins: Dict[Any, int] = {}
+        self.slot_of: dict[Any, int] = {}
+        self.node_of: list[Any | None] = [None] * (self.num_slots + 1)
+        self.pins: dict[Any, int] = {}
         self.protected = 0
         self.lru = StateHeap(self.num_slots)
         self.anc = StateAncestors(self.num_slots) if track_ancestors else None
@@ -109,18 +114,18 @@ class StateTable:
             self.protected -= 1
         return slot
 
-    def unpinned(self) -> List[Any]:
+    def unpinned(self) -> list[Any]:
         """Nodes holding an evictable state. O(states)."""
         pins = self.pins
         return [n for n in self.slot_of if n not in pins]
 
-    def check_slots(self, pool: Any, slots: Iterable[Any], what: str, checks: bool = True) -> List[int]:
+    def check_slots(self, pool: StatePool, slots: Iterable[Any], what: str, checks: bool = True) -> list[int]:
         """``slots`` as ints, each in ``1..pool.size``, distinct, not held by the tree and,
         with ``checks``, allocated in ``pool`` (``FreeSlots.free_among``: a host read of the
         free mask on CPU). Raises ``InvalidArgumentError`` / ``InvalidIndexError`` naming
         the bad slots. O(len)."""
         size, node_of = pool.size, self.node_of
-        out: List[int] = []
+        out: list[int] = []
         for s in slots:
             if isinstance(s, torch.Tensor) and s.numel() == 1 and not s.dtype.is_floating_point:
                 s = s.item()
@@ -129,8 +134,9 @@ class StateTable:
             s = int(s)
             if not 1 <= s <= size:
                 raise InvalidIndexError(f"{what} {s} out of range 1..{size}")
-            if node_of[s] is not None:
-                raise InvalidArgumentError(f"{what} {s} is the state of tree node {node_of[s].id}")
+            held = node_of[s]
+            if held is not None:
+                raise InvalidArgumentError(f"{what} {s} is the state of tree node {held.id}")
             out.append(s)
         if len(out) > 1 and len(set(out)) != len(out):
             raise InvalidArgumentError(f"{what} repeated: {describe_ids(out)}")
@@ -140,7 +146,7 @@ class StateTable:
                 raise InvalidArgumentError(f"{what} not allocated in the Mamba pool: {describe_ids(bad)}")
         return out
 
-    def check_slot(self, pool: Any, slot: Any, what: str, checks: bool = True) -> int:
+    def check_slot(self, pool: StatePool, slot: Any, what: str, checks: bool = True) -> int:
         """:meth:`check_slots` for one slot (the hot path of ``insert_with_state`` and
         ``fork_state``): the same checks, errors and messages, without the list. O(1)."""
         if type(slot) is not int:
@@ -180,8 +186,8 @@ class StateTable:
         every state once, under a key ``<= last_access``, within its size bound
         (:meth:`StateHeap.check`); with ``anc``, every state's nearest state ancestor
         position is current. O(tree)."""
-        depth: Dict[Any, int] = {}
-        order: List[Any] = []
+        depth: dict[Any, int] = {}
+        order: list[Any] = []
         stack = [(h, 0) for h in heads]
         while stack:
             node, d = stack.pop()
@@ -230,13 +236,16 @@ class StateTable:
         """The recorder's live states are exactly the table's: block hash of each state
         node's last page -> its end."""
         mine = {n.block_hashes[-1]: int(self.end[s]) for n, s in self.slot_of.items()}
-        theirs = self.events.live_states()
+        rec = self.events
+        if rec is None:
+            return
+        theirs = rec.live_states()
         bad = sorted(h for h in mine.keys() | theirs.keys() if mine.get(h) != theirs.get(h))
         if bad:
             nodes = [n.id for n in self.slot_of if n.block_hashes[-1] in set(bad)]
             raise InvariantError(f"MambaRadixCache: the event recorder's live states differ from the "
                                  f"tree's at blocks {describe_ids(bad)} (tree nodes {describe_ids(nodes)})")
-        self.events.check_invariants()
+        rec.check_invariants()
 
 
 class EventStateTable(StateTable):
@@ -248,10 +257,12 @@ class EventStateTable(StateTable):
     uses it only when it records events. O(1) more per attach / detach."""
 
     __slots__ = ("events",)
+    events: HybridEventRecorder  # set by the cache right after construction
 
-    def __init__(self, num_slots: int, track_ancestors: bool = False, events: Any = None):
+    def __init__(self, num_slots: int, track_ancestors: bool = False,
+                 events: HybridEventRecorder | None = None):
         super().__init__(num_slots, track_ancestors)
-        self.events = events  # the cache sets it once its recorder exists
+        self.events = events  # type: ignore[assignment]  # None until the cache sets its recorder
 
     def attach(self, node: Any, slot: int, end: int) -> None:
         self.events.on_state_stored(node.block_hashes[-1], end)

@@ -6,22 +6,26 @@ hot path.
 from __future__ import annotations
 
 from collections import Counter
-from typing import List
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from radixkv.cache.tree_node import NamespaceHead
+from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvariantError, describe_ids
+
+if TYPE_CHECKING:
+    from radixkv.cache.radix_cache import RadixCache
 
 __all__ = ["check_invariants", "pretty_print"]
 
 
-def _fail(msg: str, ids) -> None:
+def _fail(msg: str, ids: Iterable[int]) -> None:
     raise InvariantError(f"RadixCache: {msg}: nodes {describe_ids(ids)}")
 
 
-def check_invariants(cache) -> None:
+def check_invariants(cache: RadixCache) -> None:
     """Raise :class:`InvariantError` naming the offending node ids / rows unless:
 
     * every namespace head is registered, empty, locked once, and (but the ``None`` one)
@@ -50,10 +54,10 @@ def check_invariants(cache) -> None:
             _fail(f"bad namespace head for {extra!r}", [head.id])
         if extra is not None and not head.children:
             _fail(f"empty namespace head {extra!r} kept", [head.id])
-    nodes = []
+    nodes: list[TreeNode] = []
     seen = set()
     evictable = protected = 0
-    stack = list(heads.values())
+    stack: list[TreeNode] = list(heads.values())
     while stack:
         node = stack.pop()
         is_head = node.parent is None
@@ -96,7 +100,7 @@ def check_invariants(cache) -> None:
     cache.policy.check_invariants(nodes)
 
 
-def _check_leaves(cache, nodes: List) -> None:
+def _check_leaves(cache: RadixCache, nodes: list[TreeNode]) -> None:
     expected = {id(n): n for n in nodes if not n.children and n.lock_ref == 0}
     filed = {id(n): n for n in cache._leaves}
     if len(filed) != len(cache._leaves):
@@ -122,7 +126,7 @@ def _check_leaves(cache, nodes: List) -> None:
         raise InvariantError(f"RadixCache: evictable-leaf index corrupt: {e}") from None
 
 
-def _check_rows(cache, nodes: List) -> None:
+def _check_rows(cache: RadixCache, nodes: list[TreeNode]) -> None:
     if not nodes:
         return
     rows = np.frombuffer(b"".join(n.vbuf for n in nodes), dtype=np.int32)
@@ -148,19 +152,21 @@ def _check_rows(cache, nodes: List) -> None:
                              f"nodes {describe_ids(holders)}")
 
 
-def _check_events(cache, nodes: List) -> None:
+def _check_events(cache: RadixCache, nodes: list[TreeNode]) -> None:
     pb = cache._pb
     bad = [n.id for n in nodes if n.block_hashes is None or len(n.block_hashes) != len(n.kbuf) // pb]
     if bad:
         _fail("nodes without one block hash per page", bad)
-    hashes = Counter(h for n in nodes for h in n.block_hashes)
+    hashes = Counter(h for n in nodes for h in n.block_hashes or ())
     rec = cache.kv_events
+    if rec is None:
+        return
     if rec.live_blocks() != sum(hashes.values()) or not all(rec.is_live(h) for h in hashes):
         raise InvariantError(f"RadixCache: the event recorder has {rec.live_blocks()} live blocks, "
                              f"the tree {sum(hashes.values())}")
 
 
-def pretty_print(cache, max_tokens: int = 8) -> str:
+def pretty_print(cache: RadixCache, max_tokens: int = 8) -> str:
     """The tree as text (namespaces, then nodes depth-first, children in key order): one
     line per node with its id, length, lock count, first tokens and rows. Deterministic,
     so two prints compare equal exactly when the trees do (up to ``max_tokens``)."""

@@ -22,7 +22,7 @@ hashes, kept only when events are enabled).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any
 
 import numpy as np
 
@@ -42,10 +42,10 @@ class TreeNode:
     __slots__ = ("kbuf", "only", "children", "vbuf", "last_access", "hits", "skey", "lock_ref", "parent",
                  "priority", "created", "id", "block_hashes", "pstate")
 
-    def __init__(self, node_id: int, parent: Optional["TreeNode"], kbuf: bytes, vbuf: bytes,
+    def __init__(self, node_id: int, parent: TreeNode | None, kbuf: bytes, vbuf: bytes,
                  tick: int = 0, priority: int = 0):
-        self.children: Dict[bytes, TreeNode] = {}
-        self.only: Optional[TreeNode] = None
+        self.children: dict[bytes, TreeNode] = {}
+        self.only: TreeNode | None = None
         self.parent = parent
         self.kbuf = kbuf
         self.vbuf = vbuf
@@ -56,7 +56,7 @@ class TreeNode:
         self.priority = priority
         self.skey: Any = None
         self.id = node_id
-        self.block_hashes: Optional[list] = None
+        self.block_hashes: list[int] | None = None
         self.pstate: Any = None
 
     @property

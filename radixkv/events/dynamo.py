@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -68,8 +69,8 @@ _xxh3 = xxhash.xxh3_64_intdigest
 class DynamoNamespace(NamedTuple):
     """The two request-wide identities Dynamo mixes into its block hash."""
 
-    lora_name: Optional[str] = None
-    cache_namespace: Optional[str] = None
+    lora_name: str | None = None
+    cache_namespace: str | None = None
 
 
 def default_namespace(extra_key: Any) -> DynamoNamespace:
@@ -81,13 +82,13 @@ def default_namespace(extra_key: Any) -> DynamoNamespace:
     return DynamoNamespace(cache_namespace="radixkv:" + encode_extra_key(extra_key).hex())
 
 
-def _opt_str(v: Any, what: str) -> Optional[str]:
+def _opt_str(v: Any, what: str) -> str | None:
     if v is not None and not isinstance(v, str):
         raise InvalidArgumentError(f"{what} must be a str or None, got {type(v).__name__}")
     return v or None  # "" is absent, as in Dynamo
 
 
-def dynamo_seed(lora_name: Optional[str] = None, cache_namespace: Optional[str] = None) -> int:
+def dynamo_seed(lora_name: str | None = None, cache_namespace: str | None = None) -> int:
     """Dynamo's XXH3 seed for a request's LoRA name and cache namespace. O(len(names))."""
     lora_name = _opt_str(lora_name, "lora_name")
     cache_namespace = _opt_str(cache_namespace, "cache_namespace")
@@ -114,14 +115,14 @@ def _u32_bytes(tokens: Any) -> bytes:
     return np.ascontiguousarray(arr).tobytes()
 
 
-def _hash_pages(buf: bytes, block_size: int, seed: int) -> List[int]:
+def _hash_pages(buf: bytes, block_size: int, seed: int) -> list[int]:
     step = 4 * block_size
     view = memoryview(buf)
     return [_xxh3(view[i:i + step], seed) for i in range(0, len(buf) - len(buf) % step, step)]
 
 
-def compute_block_hash_for_seq(tokens: Any, block_size: int, lora_name: Optional[str] = None,
-                               cache_namespace: Optional[str] = None) -> List[int]:
+def compute_block_hash_for_seq(tokens: Any, block_size: int, lora_name: str | None = None,
+                               cache_namespace: str | None = None) -> list[int]:
     """Dynamo's ``compute_block_hash_for_seq``: one ``tokens_hash`` per FULL block of
     ``tokens`` (a trailing partial block is ignored), what a router walks its tree with.
 
@@ -134,7 +135,7 @@ def compute_block_hash_for_seq(tokens: Any, block_size: int, lora_name: Optional
 
 
 def tokens_hashes(tokens: Any, block_size: int, extra_key: Any = None,
-                  namespace_fn: Callable[[Any], DynamoNamespace] = default_namespace) -> List[int]:
+                  namespace_fn: Callable[[Any], DynamoNamespace] = default_namespace) -> list[int]:
     """:func:`compute_block_hash_for_seq` for a radixkv request: the namespace comes from its
     ``extra_key`` through ``namespace_fn``."""
     ns = namespace_fn(extra_key)
@@ -172,10 +173,10 @@ class DynamoEventAdapter:
         self.namespace_fn = namespace_fn
         self.dp_rank = dp_rank
         self._next_id = first_event_id
-        self._blocks: Dict[int, Tuple[Optional[int], int]] = {}  # hash -> (parent, tokens_hash)
+        self._blocks: dict[int, tuple[int | None, int]] = {}  # hash -> (parent, tokens_hash)
         self._children: Counter = Counter()  # hash -> live children
-        self._seeds: Dict[Any, int] = {}  # extra_key -> seed
-        self._owner: Dict[int, bytes] = {}  # seed -> encoded extra key that claimed it
+        self._seeds: dict[Any, int] = {}  # extra_key -> seed
+        self._owner: dict[int, bytes] = {}  # seed -> encoded extra key that claimed it
 
     # ------------------------------------------------------------------ conversion
     @property
@@ -200,7 +201,7 @@ class DynamoEventAdapter:
         self._seeds[extra_key] = seed
         return seed
 
-    def convert(self, event: Any) -> Optional[Dict[str, Any]]:
+    def convert(self, event: Any) -> dict[str, Any] | None:
         """The Dynamo event dict for one radixkv event (object or ``to_dict()`` dict), or
         ``None`` for a state event (no Dynamo equivalent).
 
@@ -212,6 +213,7 @@ class DynamoEventAdapter:
             event = any_event_from_dict(event)
         if is_state_event(event):
             return None
+        data: dict[str, Any] | str
         if isinstance(event, BlockStored):
             data = self._stored(event)
         elif isinstance(event, BlockRemoved):
@@ -226,7 +228,7 @@ class DynamoEventAdapter:
         self._next_id += 1
         return out
 
-    def convert_all(self, events: Iterable[Any]) -> List[Dict[str, Any]]:
+    def convert_all(self, events: Iterable[Any]) -> list[dict[str, Any]]:
         """:meth:`convert` of each event, state events left out. Events before one that
         raises are converted (and counted) already."""
         out = []
@@ -236,12 +238,12 @@ class DynamoEventAdapter:
                 out.append(d)
         return out
 
-    def encode(self, event: Any) -> Optional[bytes]:
+    def encode(self, event: Any) -> bytes | None:
         """:meth:`convert` as the UTF-8 JSON bytes ``RadixTree.apply_event`` takes."""
         d = self.convert(event)
         return None if d is None else dumps(d)
 
-    def _stored(self, ev: BlockStored) -> Dict[str, Any]:
+    def _stored(self, ev: BlockStored) -> dict[str, Any]:
         if int(ev.block_size) != self.page_size:
             raise InvalidArgumentError(f"BlockStored of block_size {ev.block_size}, adapter page_size {self.page_size}")
         hashes = [int(h) for h in ev.block_hashes]
@@ -267,7 +269,7 @@ class DynamoEventAdapter:
         return {"stored": {"parent_hash": parent,
                            "blocks": [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, th)]}}
 
-    def _removed(self, ev: BlockRemoved) -> Dict[str, Any]:
+    def _removed(self, ev: BlockRemoved) -> dict[str, Any]:
         hashes = [int(h) for h in ev.block_hashes]
         missing = [h for h in hashes if h not in self._blocks]
         if missing or len(set(hashes)) != len(hashes):
@@ -304,14 +306,14 @@ class DynamoEventAdapter:
         except KeyError:
             raise NotFoundError(f"block {block_hash} is not stored") from None
 
-    def snapshot(self) -> List[Dict[str, Any]]:
+    def snapshot(self) -> list[dict[str, Any]]:
         """Stored events that rebuild every live block in a fresh router (parents before
         children; one event per chain of single children). Takes event ids. O(blocks)."""
-        kids: Dict[Optional[int], List[int]] = {}
+        kids: dict[int | None, list[int]] = {}
         for h, (p, _) in self._blocks.items():
             kids.setdefault(p, []).append(h)
-        out: List[Dict[str, Any]] = []
-        stack = [(None, h) for h in kids.get(None, ())]
+        out: list[dict[str, Any]] = []
+        stack: list[tuple[int | None, int]] = [(None, h) for h in kids.get(None, ())]
         while stack:
             parent, h = stack.pop()
             chain = [h]
@@ -334,7 +336,9 @@ class DynamoEventAdapter:
         wrong = [h for h in set(counts) | set(self._children) if counts.get(h, 0) != self._children.get(h, 0)]
         if wrong:
             raise InvariantError(f"child counts wrong for blocks {describe_ids(wrong)}")
-        depth_ok: Dict[int, bool] = {}
+        depth_ok: dict[int, bool] = {}
+        seen: list[int]
+        x: int | None
         for h in self._blocks:
             seen, x = [], h
             while x is not None and x not in depth_ok:
@@ -354,6 +358,6 @@ def _hashable(v: Any) -> bool:
     return True
 
 
-def dumps(event: Dict[str, Any]) -> bytes:
+def dumps(event: dict[str, Any]) -> bytes:
     """Compact UTF-8 JSON of a Dynamo event dict."""
     return json.dumps(event, separators=(",", ":")).encode("utf-8")

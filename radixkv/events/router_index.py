@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 from radixkv.errors import InvalidArgumentError
 
@@ -22,8 +22,8 @@ class PyRadixIndex:
     name = "python"
 
     def __init__(self) -> None:
-        self._root: Dict[str, Any] = {"kids": {}, "workers": set()}
-        self._lookup: Dict[int, Dict[int, dict]] = {}
+        self._root: dict[str, Any] = {"kids": {}, "workers": set()}
+        self._lookup: dict[int, dict[int, dict]] = {}
 
     def apply_event(self, worker: int, raw: bytes) -> None:
         data = json.loads(raw)["data"]
@@ -45,8 +45,8 @@ class PyRadixIndex:
             for h in data["removed"]["block_hashes"]:
                 table.pop(h)["workers"].discard(worker)
 
-    def scores(self, hashes: List[int]) -> Dict[int, int]:
-        out: Dict[int, int] = {}
+    def scores(self, hashes: list[int]) -> dict[int, int]:
+        out: dict[int, int] = {}
         node, alive = self._root, None
         for depth, h in enumerate(hashes, 1):
             node = node["kids"].get(h)
@@ -74,8 +74,10 @@ class DynamoIndex:
     def apply_event(self, worker: int, raw: bytes) -> None:
         self._tree.apply_event(worker, raw)
 
-    def scores(self, hashes: List[int]) -> Dict[int, int]:
-        return {w: n for (w, _), n in self._tree.find_matches(hashes).scores.items()}
+    def scores(self, hashes: list[int]) -> dict[int, int]:
+        # keyed by (worker_id, dp_rank) at run time (the stub says int)
+        scores: dict[Any, int] = self._tree.find_matches(hashes).scores
+        return {w: n for (w, _), n in scores.items()}
 
 
 def make_index(kind: str = "auto"):
@@ -88,5 +90,6 @@ def make_index(kind: str = "auto"):
         return DynamoIndex()
     except ImportError as e:
         if kind == "dynamo":
-            raise InvalidArgumentError("the dynamo index needs ai-dynamo-runtime (pip install ai-dynamo-runtime)") from e
+            raise InvalidArgumentError(
+                "the dynamo index needs ai-dynamo-runtime (pip install ai-dynamo-runtime)") from e
         return PyRadixIndex()

@@ -2,14 +2,15 @@
 
 Sources: a ``RadixCache`` / ``MambaRadixCache`` (``take_events()``), a ``KVEventRecorder``
 (``take_events()``), or a ``CacheEngine`` (without a session its ``drain_events()``; with one,
-``take_events(session)``, which returns ``to_dict()`` dicts). Whatever the source, :func:`drain_events` returns event objects, oldest
-first, ready for :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher` or
+``take_events(session)``, which returns ``to_dict()`` dicts). Whatever the source,
+:func:`drain_events` returns event objects, oldest first, ready for
+:class:`~radixkv.events.zmq_publisher.ZmqEventPublisher` or
 :class:`~radixkv.events.dynamo.DynamoEventAdapter`. Drain once and hand the same list to
 every outlet: each source has one queue, and an event taken is gone from it.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 from radixkv.errors import InvalidArgumentError
 from radixkv.events.state_events import as_events
@@ -17,7 +18,7 @@ from radixkv.events.state_events import as_events
 __all__ = ["drain_events"]
 
 
-def drain_events(source: Any, session: Optional[Any] = None, max_events: int = 0) -> List[Any]:
+def drain_events(source: Any, session: Any | None = None, max_events: int = 0) -> list[Any]:
     """Take the pending events of ``source`` as event objects (KV and state events).
 
     A ``CacheEngine`` is drained with its session-less ``drain_events()`` when ``session``

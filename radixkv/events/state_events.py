@@ -7,7 +7,8 @@ states the rules a consumer relies on) and re-exported here.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, Iterable, List, NamedTuple, Sequence, Set
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.cache.state_events import (  # noqa: F401  (re-exported)
@@ -48,7 +49,7 @@ class StateIndex:
     """
 
     def __init__(self) -> None:
-        self._states: Dict[Hashable, Dict[int, int]] = {}
+        self._states: dict[Hashable, dict[int, int]] = {}
 
     def apply(self, worker: Hashable, event: Any) -> None:
         """Apply one event (object or ``to_dict()`` dict) of ``worker``. O(len(event))."""
@@ -74,13 +75,13 @@ class StateIndex:
         """Forget ``worker`` (it died)."""
         self._states.pop(worker, None)
 
-    def workers(self) -> List[Hashable]:
+    def workers(self) -> list[Hashable]:
         return list(self._states)
 
     def num_states(self, worker: Hashable) -> int:
         return len(self._states.get(worker, ()))
 
-    def live(self, worker: Hashable) -> Dict[int, int]:
+    def live(self, worker: Hashable) -> dict[int, int]:
         """A copy of ``worker``'s live states: block hash -> position."""
         return dict(self._states.get(worker, {}))
 
@@ -100,6 +101,6 @@ class StateIndex:
 
     def check_invariants(self) -> None:
         """Every position is a positive int."""
-        bad: Set[int] = {h for s in self._states.values() for h, p in s.items() if p < 1}
+        bad: set[int] = {h for s in self._states.values() for h, p in s.items() if p < 1}
         if bad:
             raise InvariantError(f"states with non-positive positions: {describe_ids(bad)}")

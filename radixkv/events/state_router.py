@@ -32,7 +32,8 @@ plus O(kv_blocks) dict probes per manager that matched.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, Iterable, List, NamedTuple, Optional, Set, Union
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class StateAwareIndex:
     state index is then left as it was.
     """
 
-    def __init__(self, page_size: int, index: Union[str, Any] = "auto", seed: Seed = DEFAULT_SEED,
+    def __init__(self, page_size: int, index: str | Any = "auto", seed: Seed = DEFAULT_SEED,
                  namespace_fn: Callable[[Any], DynamoNamespace] = default_namespace):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidArgumentError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -108,8 +109,8 @@ class StateAwareIndex:
         self.namespace_fn = namespace_fn
         self.kv_index = index
         self.states = StateIndex()
-        self._adapters: Dict[int, DynamoEventAdapter] = {}
-        self._desynced: Set[int] = set()
+        self._adapters: dict[int, DynamoEventAdapter] = {}
+        self._desynced: set[int] = set()
 
     # ------------------------------------------------------------------ feeding
     def apply(self, worker: int, event: Any) -> None:
@@ -155,7 +156,7 @@ class StateAwareIndex:
         self._desynced.discard(w)
 
     # ------------------------------------------------------------------ queries
-    def scores(self, tokens: Any, extra_key: Any = None) -> Dict[int, StateAwareScore]:
+    def scores(self, tokens: Any, extra_key: Any = None) -> dict[int, StateAwareScore]:
         """Per manager with a KV overlap, its :class:`StateAwareScore` for a request of
         ``tokens`` (the full blocks of them) in namespace ``extra_key``."""
         toks = _aligned_tokens(tokens, self.page_size)
@@ -167,14 +168,14 @@ class StateAwareIndex:
         chain = block_hashes(toks, self.page_size, None, extra_key, self.seed)
         return {w: StateAwareScore(n, self.states.usable(w, chain, n).blocks) for w, n in kv.items() if n}
 
-    def best(self, tokens: Any, extra_key: Any = None) -> Optional[int]:
+    def best(self, tokens: Any, extra_key: Any = None) -> int | None:
         """The manager with the most reusable blocks (ties: the lowest id), ``None`` when no
         manager can reuse any."""
         sc = self.scores(tokens, extra_key)
         top = max((s.blocks for s in sc.values()), default=0)
         return min(w for w, s in sc.items() if s.blocks == top) if top else None
 
-    def workers(self) -> List[Hashable]:
+    def workers(self) -> list[int]:
         """Managers with a live mirror (events applied since their last loss)."""
         return sorted(self._adapters)
 
@@ -193,7 +194,7 @@ class StateAwareIndex:
         if stale:
             raise InvariantError(f"desynced managers {describe_ids(stale)} still hold blocks or states")
         for w in self.states.workers():
-            a = self._adapters.get(w)
+            a = self._adapters.get(w)  # type: ignore[call-overload]  # the states' workers: ints here
             held = self.states.live(w)
             orphans = [h for h in held if a is None or not a.holds(h)]
             if orphans:

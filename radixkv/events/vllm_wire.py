@@ -46,7 +46,7 @@ drops them unless ``state_events="inline"``.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -111,7 +111,7 @@ def encode_event(event: Any, layout: str = "array") -> Any:
     raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def encode_batch(events: Any, *, ts: Optional[float] = None, data_parallel_rank: Optional[int] = None,
+def encode_batch(events: Any, *, ts: float | None = None, data_parallel_rank: int | None = None,
                  layout: str = "array", state_events: str = "drop") -> bytes:
     """The msgpack bytes of one vLLM ``KVEventBatch``.
 
@@ -181,7 +181,7 @@ def _fields(raw: Any, path: str) -> tuple:
     if isinstance(raw, list):
         if not raw or not isinstance(raw[0], str):
             raise _fail(path, "an array event must start with its tag")
-        tag = raw[0]
+        tag: Any = raw[0]
         if tag not in _FIELDS:
             raise _fail(path, f"unknown event tag {tag!r}")
         names = _FIELDS[tag]

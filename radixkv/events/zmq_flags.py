@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES
 
@@ -40,14 +40,14 @@ class PublisherConfig(NamedTuple):
     :meth:`open` makes the publisher. ``ServeOptions.kv_events`` of the server is one."""
 
     endpoint: str
-    replay_endpoint: Optional[str] = None
+    replay_endpoint: str | None = None
     topic: str = ""
     buffer_steps: int = 10_000
     hwm: int = 100_000
     layout: str = "array"
     state_events: str = "drop"
 
-    def open(self, **kwargs: Any) -> "ZmqEventPublisher":
+    def open(self, **kwargs: Any) -> ZmqEventPublisher:
         """A :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher` with these settings
         (``kwargs``: its other arguments, e.g. ``put_timeout_s``). Raises as its
         constructor does."""
@@ -57,7 +57,7 @@ class PublisherConfig(NamedTuple):
                                  hwm=self.hwm, layout=self.layout, state_events=self.state_events, **kwargs)
 
 
-def config_from_args(args: argparse.Namespace, prefix: str = "kv-events") -> Optional[PublisherConfig]:
+def config_from_args(args: argparse.Namespace, prefix: str = "kv-events") -> PublisherConfig | None:
     """The :class:`PublisherConfig` the flags describe, ``None`` without an endpoint."""
     a = prefix.replace("-", "_")
     endpoint = getattr(args, f"{a}_endpoint")
@@ -68,7 +68,7 @@ def config_from_args(args: argparse.Namespace, prefix: str = "kv-events") -> Opt
                            getattr(args, f"{a}_layout"), getattr(args, f"{a}_state_events"))
 
 
-def from_args(args: argparse.Namespace, prefix: str = "kv-events", **kwargs: Any) -> Optional["ZmqEventPublisher"]:
+def from_args(args: argparse.Namespace, prefix: str = "kv-events", **kwargs: Any) -> ZmqEventPublisher | None:
     """The publisher the flags of :func:`add_arguments` describe, ``None`` without an endpoint."""
     config = config_from_args(args, prefix)
     return None if config is None else config.open(**kwargs)

@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -62,7 +62,7 @@ class PublisherStats(NamedTuple):
     published: int
     next_seq: int
     buffered: int
-    oldest_seq: Optional[int]
+    oldest_seq: int | None
     queued: int
     replay_requests: int
     bad_replay_requests: int
@@ -96,11 +96,11 @@ class ZmqEventPublisher:
     connected (nothing left open).
     """
 
-    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: Optional[str] = None, topic: str = "",
+    def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None, topic: str = "",
                  *, buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
-                 data_parallel_rank: Optional[int] = 0, layout: str = "array", state_events: str = "drop",
+                 data_parallel_rank: int | None = 0, layout: str = "array", state_events: str = "drop",
                  background: bool = True, linger_ms: int = 100, put_timeout_s: float = 1.0,
-                 context: Optional[zmq.Context] = None):
+                 context: zmq.Context | None = None):
         if not isinstance(endpoint, str) or not endpoint:
             raise InvalidArgumentError(f"endpoint must be a non-empty str, got {endpoint!r}")
         if replay_endpoint is not None and (not isinstance(replay_endpoint, str) or not replay_endpoint):
@@ -128,22 +128,22 @@ class ZmqEventPublisher:
         self._hwm, self._linger = hwm, linger_ms
         self._put_timeout = float(put_timeout_s)
         self._want = (endpoint, replay_endpoint)
-        self.endpoint: Optional[str] = None
-        self.replay_endpoint: Optional[str] = None
+        self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
         self._kept = ReplayBuffer(buffer_steps)
         self._seq_lock = threading.Lock()
         self._next_seq = 0
         self._closed = False
-        self._pub: Optional[zmq.Socket] = None
-        self._ipc_files: List[str] = []  # socket files of bound ipc:// endpoints, removed at close
-        self._replay: Optional[zmq.Socket] = None
-        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=max_queue_size)
-        self._thread: Optional[threading.Thread] = None
+        self._pub: zmq.Socket | None = None
+        self._ipc_files: list[str] = []  # socket files of bound ipc:// endpoints, removed at close
+        self._replay: zmq.Socket | None = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue_size)
+        self._thread: threading.Thread | None = None
         if self.background:
             ready = threading.Event()
-            err: List[BaseException] = []
+            err: list[BaseException] = []
             self._thread = threading.Thread(target=self._run, args=(ready, err), daemon=True,
                                             name="radixkv-kv-events")
             self._thread.start()
@@ -207,7 +207,7 @@ class ZmqEventPublisher:
             self._ctx.term()
 
     # ------------------------------------------------------------------ publishing
-    def publish(self, events: Any, ts: Optional[float] = None) -> int:
+    def publish(self, events: Any, ts: float | None = None) -> int:
         """Publish one batch; returns its sequence number.
 
         ``events``: a ``KVEventBatch`` or a sequence of events / ``to_dict()`` dicts. An
@@ -241,7 +241,8 @@ class ZmqEventPublisher:
         return seq
 
     def _send(self, seq: int, payload: bytes) -> None:
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        # called only while open (publish checks _closed under the lock; close joins the sender)
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))  # type: ignore[union-attr]
         self._kept.record(seq, payload)
 
     # ------------------------------------------------------------------ replay
@@ -250,7 +251,7 @@ class ZmqEventPublisher:
         """Batches kept for replay at most."""
         return self._kept.capacity
 
-    def buffered_since(self, start_seq: int) -> List[Tuple[int, bytes]]:
+    def buffered_since(self, start_seq: int) -> list[tuple[int, bytes]]:
         """The kept ``(seq, payload)`` pairs with ``seq >= start_seq``, oldest first."""
         return self._kept.since(start_seq)
 
@@ -271,7 +272,7 @@ class ZmqEventPublisher:
         return n
 
     # ------------------------------------------------------------------ thread
-    def _run(self, ready: threading.Event, err: List[BaseException]) -> None:
+    def _run(self, ready: threading.Event, err: list[BaseException]) -> None:
         try:
             self._open()
         except BaseException as e:  # reported by the constructor
@@ -344,7 +345,7 @@ class ZmqEventPublisher:
             except queue.Empty:
                 return
 
-    def __enter__(self) -> "ZmqEventPublisher":
+    def __enter__(self) -> ZmqEventPublisher:
         return self
 
     def __exit__(self, *exc: Any) -> None:

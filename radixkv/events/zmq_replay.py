@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, Deque, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError
 
@@ -35,7 +35,7 @@ class ReplayStats(NamedTuple):
 
     published: int
     buffered: int
-    oldest_seq: Optional[int]
+    oldest_seq: int | None
     requests: int
     bad_requests: int
 
@@ -50,7 +50,7 @@ class ReplayBuffer:
     def __init__(self, buffer_steps: int):
         if isinstance(buffer_steps, bool) or not isinstance(buffer_steps, int) or buffer_steps < 1:
             raise InvalidArgumentError(f"buffer_steps must be an int >= 1, got {buffer_steps!r}")
-        self._buffer: Deque[Tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._published = 0
         self._requests = 0
@@ -65,14 +65,14 @@ class ReplayBuffer:
     @property
     def capacity(self) -> int:
         """Batches kept at most (``buffer_steps``)."""
-        return self._buffer.maxlen
+        return self._buffer.maxlen or 0  # always set (deque(maxlen=buffer_steps))
 
     @property
     def published(self) -> int:
         with self._lock:
             return self._published
 
-    def since(self, start_seq: int) -> List[Tuple[int, bytes]]:
+    def since(self, start_seq: int) -> list[tuple[int, bytes]]:
         """The kept ``(seq, payload)`` pairs with ``seq >= start_seq``, oldest first."""
         with self._lock:
             return [(s, p) for s, p in self._buffer if s >= start_seq]

@@ -326,10 +326,13 @@ def release_kv_cache(req: Req, tree_cache: PrefixCache, req_to_token_pool: ReqTo
     Raises ``InvalidArgumentError`` (nothing changes) when the request holds no row.
     """
     pool = req_to_token_pool if req_to_token_pool is not None else tree_cache.req_to_token_pool
+    allocator = tree_cache.token_to_kv_pool_allocator
+    if pool is None or allocator is None:
+        raise InvalidArgumentError("release_kv_cache needs a tree built over a request table and a KV allocator")
     if req.req_pool_idx is None:
         raise InvalidArgumentError(f"request {req.rid!r} holds no row (released twice?)")
     if req.decode_reserve.size:
-        free_reserves([req], tree_cache.token_to_kv_pool_allocator)
+        free_reserves([req], allocator)
     if tree_cache.cache_finished_req(req) is True:  # the tree keeps the Mamba slot
         cast(HybridReqTable, pool).free(req, free_mamba_cache=False)
         req.mamba_pool_idx = None

@@ -3,19 +3,16 @@ size limits, quick reconnects to a manager that is still starting, and a bounded
 to answer. Split out of :mod:`radixkv.service.client` (the protocol calls)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import grpc
-
 from radixkv.service.wire.errors import ServiceUnavailableError
 from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, read_file, unix_socket_path
 
 __all__ = ["open_channel"]
 
 
-def open_channel(address: str, *, wait_s: float = 10.0, tls_ca: Optional[str] = None,
-                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
-                 tls_server_name: Optional[str] = None,
+def open_channel(address: str, *, wait_s: float = 10.0, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
     """A channel to ``address`` (``unix:///dir/s.sock`` or ``host:port``), TLS with
     ``tls_ca`` (``tls_cert``/``tls_key`` for a client certificate), ready within ``wait_s``

@@ -9,15 +9,16 @@ still runs (:mod:`radixkv.service.server.quarantine`).
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
-
-from radixkv.engine.protocol import Session
-from radixkv.errors import RadixKVError
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.errors import error_from_rpc
+
+from radixkv.engine.protocol import Session
+from radixkv.errors import RadixKVError
 
 __all__ = ["KeepAlive"]
 
@@ -34,8 +35,8 @@ class KeepAlive:
         self._stop = threading.Event()
         self._session = wire.session_to_msg(session)
         self.interval_s = float(interval_s)
-        self.lease_left_s: Optional[float] = None
-        self.error: Optional[RadixKVError] = None
+        self.lease_left_s: float | None = None
+        self.error: RadixKVError | None = None
         self._call = stub.KeepAlive(self._requests(), metadata=metadata)
         self._thread = threading.Thread(target=self._run, name="radixkv-keepalive", daemon=True)
         self._thread.start()

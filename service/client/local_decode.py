@@ -36,27 +36,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
 from radixkv.engine.protocol import DecodeItem, DecodeResult, ExtendResult, Session
 from radixkv.errors import InvariantError, RadixKVError, StaleSessionError, describe_ids
-from radixkv.service.wire import codec as wire
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
 __all__ = ["LocalDecodes", "LocalDecodeStats", "PendingCall", "replay_request"]
 
 log = logging.getLogger("radixkv.service")
 
-_Key = Tuple[str, int]
+_Key = tuple[str, int]
 
 
 class PendingCall(NamedTuple):
     """One decode call answered locally, to be replayed: its rids and their int32 tokens."""
 
-    rids: List[str]
+    rids: list[str]
     token_ids: np.ndarray  # int32 [B]
 
 
@@ -88,8 +89,8 @@ class _Table:
     __slots__ = ("reqs", "pending")
 
     def __init__(self) -> None:
-        self.reqs: Dict[str, _Req] = {}
-        self.pending: List[PendingCall] = []
+        self.reqs: dict[str, _Req] = {}
+        self.pending: list[PendingCall] = []
 
 
 def _key(session: Session) -> _Key:
@@ -113,13 +114,13 @@ class LocalDecodes:
     def __init__(self, enabled: bool = True):
         self.enabled = bool(enabled)
         self.lock = threading.RLock()
-        self._tables: Dict[_Key, _Table] = {}
-        self._epoch: Optional[int] = None
-        self._req_to_token: Dict[int, torch.Tensor] = {}  # epoch -> the worker's mapped table
+        self._tables: dict[_Key, _Table] = {}
+        self._epoch: int | None = None
+        self._req_to_token: dict[int, torch.Tensor] = {}  # epoch -> the worker's mapped table
         self.local_calls = self.replayed_calls = self.flushes = self.drops = 0
 
     # ------------------------------------------------------------------ tables
-    def _table(self, session: Session, create: bool) -> Optional[_Table]:
+    def _table(self, session: Session, create: bool) -> _Table | None:
         """The session's table; ``create`` (only for a reply the manager just sent, which
         proves the session's epoch current) makes one, and a new epoch drops every table
         of the old one (a restarted manager: what they said is void). A call naming a stale
@@ -169,7 +170,7 @@ class LocalDecodes:
                 start = ends[i]
 
     @staticmethod
-    def _put(reqs: Dict[str, _Req], rid: str, row: int, seq_len: int, mamba: int, reserve: np.ndarray) -> None:
+    def _put(reqs: dict[str, _Req], rid: str, row: int, seq_len: int, mamba: int, reserve: np.ndarray) -> None:
         if reserve.size >= 2:
             reqs[rid] = _Req(row, seq_len, mamba, np.array(reserve, dtype=np.int64))
         else:
@@ -194,7 +195,7 @@ class LocalDecodes:
             return len(t.pending)
 
     @contextlib.contextmanager
-    def guard(self, session: Session, send: Optional[Callable[[Session, List[PendingCall]], Any]]) -> Iterator[None]:
+    def guard(self, session: Session, send: Callable[[Session, list[PendingCall]], Any] | None) -> Iterator[None]:
         """Around one call of ``session``: first :meth:`flush` with ``send``; when the body
         (or the flush) raises a ``RadixKVError``, the session's table is dropped. ``send``
         None (a heartbeat): no flush, and only a ``StaleSessionError`` drops the table (a
@@ -212,7 +213,7 @@ class LocalDecodes:
             raise
 
     # ------------------------------------------------------------------ the local step
-    def try_local(self, session: Session, items: Sequence[DecodeItem]) -> Optional[DecodeResult]:
+    def try_local(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult | None:
         """The result of decode call ``items`` when it needs no allocator call (see the module
         doc), with the call logged and the table advanced; None (nothing changed) when it
         may need one or anything is unknown. ``items`` were validated by the caller (token
@@ -262,7 +263,7 @@ class LocalDecodes:
             torch.from_numpy(slots.astype(np.int32)).to(dev)
 
     # ------------------------------------------------------------------ replay
-    def pending(self, session: Optional[Session] = None) -> int:
+    def pending(self, session: Session | None = None) -> int:
         """Logged calls not yet replayed (of ``session``, or of all sessions)."""
         with self.lock:
             if session is None:
@@ -270,7 +271,7 @@ class LocalDecodes:
             t = self._tables.get(_key(session))
             return len(t.pending) if t is not None else 0
 
-    def flush(self, session: Session, send: Callable[[Session, List[PendingCall]], Any]) -> int:
+    def flush(self, session: Session, send: Callable[[Session, list[PendingCall]], Any]) -> int:
         """Send the session's pending log with ``send(session, calls)`` (one ApplyDecodes
         RPC) unless it is empty; returns the calls sent. When ``send`` raises, the session's
         table is dropped and the error propagates."""
@@ -288,14 +289,14 @@ class LocalDecodes:
             self.replayed_calls += len(calls)
             return len(calls)
 
-    def flush_all(self, send: Callable[[Session, List[PendingCall]], Any]) -> int:
+    def flush_all(self, send: Callable[[Session, list[PendingCall]], Any]) -> int:
         """Flush every session with a pending log (a session-less call that observes the
         whole engine, e.g. stats). Raises the first error (after dropping that table)."""
         with self.lock:
             keys = [k for k, t in self._tables.items() if t.pending]
             return sum(self.flush(Session(sid, epoch, 0.0), send) for sid, epoch in keys)
 
-    def close(self, send: Callable[[Session, List[PendingCall]], Any]) -> None:
+    def close(self, send: Callable[[Session, list[PendingCall]], Any]) -> None:
         """The client closes: flush every pending log, best effort (a failure is logged;
         its table dropped), then drop every table."""
         with self.lock:

@@ -13,7 +13,7 @@ are). Failed calls raise the same :mod:`radixkv.errors` types the embedded engin
 
 Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
 str, a token id outside int32, ...) is rejected here with the engine's own validators
-(``radixkv.engine.validation``); before raising, the client sends a ``Heartbeat`` so that a
+(``radixkv.validation``); before raising, the client sends a ``Heartbeat`` so that a
 stale session still raises ``StaleSessionError`` first and a live one has its lease renewed,
 exactly as a failed embedded call does. (When one call has two defects, the one reported
 may differ from the embedded engine's.)
@@ -47,30 +47,40 @@ import json
 import os
 import secrets
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
-
-from radixkv.engine.protocol import (
-    AttachInfo, CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem,
-    ExtendResult, MatchInfo, MatchQuery, Session,
-)
-from radixkv.engine import validation as V
-from radixkv.engine.config import EngineConfig
-from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.service.client.channel import open_channel
+from radixkv.service.client.keepalive import KeepAlive
+from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
+from radixkv.service.client.step_lane import StepLane
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc
 from radixkv.service.wire.auth import Token, resolve_token
 from radixkv.service.wire.errors import ServiceUnavailableError, error_from_rpc
 from radixkv.service.wire.request_id import REQUEST_ID_KEY
-from radixkv.service.client.keepalive import KeepAlive
-from radixkv.service.client.channel import open_channel
-from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
 from radixkv.service.wire.shm import map_buffer
-from radixkv.service.client.step_lane import StepLane
 from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
 from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+from radixkv import validation as V
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.protocol import (
+    AttachInfo,
+    CacheResult,
+    DecodeItem,
+    DecodeResult,
+    EngineStats,
+    EvictResult,
+    ExtendItem,
+    ExtendResult,
+    MatchInfo,
+    MatchQuery,
+    Session,
+)
+from radixkv.errors import InvalidArgumentError, RadixKVError
 
 __all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
 
@@ -109,15 +119,15 @@ class RemoteCacheEngine:
         self.retries = retries
         self.retry_backoff_s = float(retry_backoff_s)
         self.retried = 0  # calls sent again (for tests and soak reports)
-        self._mapped: Dict[Tuple[int, str], Any] = {}
-        self._keepalives: List[KeepAlive] = []
+        self._mapped: dict[tuple[int, str], Any] = {}
+        self._keepalives: list[KeepAlive] = []
         #: The Step stream of this client (None: every call is a unary one).
-        self.steps: Optional[StepLane] = StepLane(self._stub, self._md, self._timeout) if step_stream else None
+        self.steps: StepLane | None = StepLane(self._stub, self._md, self._timeout) if step_stream else None
         self.local = LocalDecodes(local_decode)  # the per-session tables of local decode steps
-        self.rpc_counts: Dict[str, int] = {}  # calls sent (retries not counted), by method name
+        self.rpc_counts: dict[str, int] = {}  # calls sent (retries not counted), by method name
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: str, request: Any, request_id: Optional[str] = None, idempotent: bool = True) -> Any:
+    def _call(self, method: str, request: Any, request_id: str | None = None, idempotent: bool = True) -> Any:
         """One call (``method``: its name); with ``idempotent`` it carries a
         request id (``request_id`` or a fresh one) and is retried with it on UNAVAILABLE /
         DEADLINE_EXCEEDED. With ``step_stream`` a step method's first try goes over the
@@ -161,13 +171,13 @@ class RemoteCacheEngine:
         with self.local.guard(session, self._apply):
             return self._call(method, request)
 
-    def _apply(self, session: Session, calls: List[PendingCall]) -> None:
+    def _apply(self, session: Session, calls: list[PendingCall]) -> None:
         resp = self._call("ApplyDecodes", replay_request(session, calls))
         if resp.HasField("error"):  # call k >= 1 failed, calls before it stay applied
             raise error_from_rpc(StepRpcError.from_msg(resp.error))
 
     # ------------------------------------------------------------------ sessions
-    def attach(self, worker_name: str = "", *, pid: Optional[int] = None) -> AttachInfo:
+    def attach(self, worker_name: str = "", *, pid: int | None = None) -> AttachInfo:
         """Open a session; ``layout`` is the manager's (each pool's ``mapping`` says how to
         map its bytes: ``{"mode": "shm", ...}`` or ``{"mode": "cuda_ipc", ...}``).
 
@@ -203,7 +213,7 @@ class RemoteCacheEngine:
         self.local.drop(session)
         self._call("Detach", req)
 
-    def start_keepalive(self, session: Session, interval_s: Optional[float] = None) -> KeepAlive:
+    def start_keepalive(self, session: Session, interval_s: float | None = None) -> KeepAlive:
         """Keep ``session`` alive from a background stream (every ``interval_s``, default
         a third of its lease). The manager detaches the session when the stream ends."""
         ref = self._session(session)
@@ -213,7 +223,7 @@ class RemoteCacheEngine:
         return ka
 
     # ------------------------------------------------------------------ the step
-    def match(self, session: Session, queries: Sequence[MatchQuery]) -> List[MatchInfo]:
+    def match(self, session: Session, queries: Sequence[MatchQuery]) -> list[MatchInfo]:
         ref = self._session(session)
         try:
             qs = V.as_items(queries, MatchQuery, "queries")
@@ -224,7 +234,7 @@ class RemoteCacheEngine:
         resp = self._scall(session, "Match", pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
         return wire.match_infos_from_msg(resp, len(qs))
 
-    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> List[ExtendResult]:
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> list[ExtendResult]:
         ref = self._session(session)
         try:
             its = V.as_items(items, ExtendItem, "items")
@@ -257,17 +267,17 @@ class RemoteCacheEngine:
         self.local.observe_decode(session, [it.rid for it in its], result)
         return result
 
-    def _rids(self, session: Session, rids: Sequence[str]) -> List[str]:
+    def _rids(self, session: Session, rids: Sequence[str]) -> list[str]:
         try:
             return V.check_rids(rids)
         except InvalidArgumentError as e:
             self._reject(session, e)
 
-    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+    def cache_unfinished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
         return wire.cache_results_from_msg(self._scall(session, "CacheUnfinished", req))
 
-    def cache_finished(self, session: Session, rids: Sequence[str]) -> List[CacheResult]:
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
         results = wire.cache_results_from_msg(self._scall(session, "CacheFinished", req))
         self.local.forget(session, req.rids)
@@ -290,7 +300,7 @@ class RemoteCacheEngine:
             self._scall(session, "Evict", pb.EvictRequest(session=ref, num_tokens=n, num_states=s)))
 
     # ------------------------------------------------------------------ stats / admin
-    def stats(self, session: Optional[Session] = None) -> EngineStats:
+    def stats(self, session: Session | None = None) -> EngineStats:
         if session is None:  # the whole engine: every session's replay first
             self.local.flush_all(self._apply)
             return wire.stats_from_msg(self._call("Stats", pb.StatsRequest(), idempotent=False))
@@ -299,7 +309,7 @@ class RemoteCacheEngine:
     def flush(self, session: Session) -> bool:
         return bool(self._scall(session, "Flush", pb.FlushRequest(session=self._session(session))).flushed)
 
-    def take_events(self, session: Session, max_events: int = 0) -> List[Dict[str, Any]]:
+    def take_events(self, session: Session, max_events: int = 0) -> list[dict[str, Any]]:
         ref = self._session(session)
         try:
             n = V.check_count(max_events, "max_events")
@@ -312,7 +322,7 @@ class RemoteCacheEngine:
 
         return [event_from_msg(e) for e in resp.events]
 
-    def watch_events(self, session: Session, poll_interval_s: float = 0.0, start_seq: Optional[int] = 0,
+    def watch_events(self, session: Session, poll_interval_s: float = 0.0, start_seq: int | None = 0,
                      with_seq: bool = False) -> Iterator[Any]:
         """The manager's events as a server stream (cancel by closing the iterator or the
         client), dicts as ``take_events`` gives them (hybrid state events and the
@@ -379,7 +389,7 @@ class RemoteCacheEngine:
             self.steps.close()
         self._channel.close()
 
-    def __enter__(self) -> "RemoteCacheEngine":
+    def __enter__(self) -> RemoteCacheEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -396,10 +406,10 @@ def _load_pool_views() -> None:
     EngineConfig()  # its checks import the dtype and eviction-policy tables
 
 
-def connect(address: str, token: Optional[str] = None, *, token_file: Optional[str] = None,
-            timeout_s: float = 30.0, wait_s: float = 10.0, retries: int = 0, tls_ca: Optional[str] = None,
-            tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
-            tls_server_name: Optional[str] = None,
+def connect(address: str, token: str | None = None, *, token_file: str | None = None,
+            timeout_s: float = 30.0, wait_s: float = 10.0, retries: int = 0, tls_ca: str | None = None,
+            tls_cert: str | None = None, tls_key: str | None = None,
+            tls_server_name: str | None = None,
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = True,
             local_decode: bool = True) -> RemoteCacheEngine:
     """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).

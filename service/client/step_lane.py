@@ -13,10 +13,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import grpc
-
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
 
@@ -37,9 +36,9 @@ class StepStream:
     """
 
     def __init__(self, stub: Any, metadata: Any, timeout_s: float):
-        self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._timeout = float(timeout_s)
-        self._since: Optional[float] = None  # when the call in flight was sent
+        self._since: float | None = None  # when the call in flight was sent
         self._timed_out = False
         self._closed = threading.Event()
         self.broken = False
@@ -57,7 +56,7 @@ class StepStream:
                 self._call.cancel()
                 return
 
-    def call(self, method: str, request: Any, request_id: str) -> Optional[Any]:
+    def call(self, method: str, request: Any, request_id: str) -> Any | None:
         """Send ``request`` (a unary request message of ``method``) and return the reply
         message; raise :class:`StepRpcError` when the call failed (in the stream, or past
         its deadline: ``DEADLINE_EXCEEDED``). Returns None when the stream broke otherwise
@@ -113,12 +112,12 @@ class StepLane:
     def __init__(self, stub: Any, metadata: Any, timeout_s: float):
         self._stub, self._md, self._timeout = stub, metadata, timeout_s
         self._lock = threading.Lock()
-        self.stream: Optional[StepStream] = None
+        self.stream: StepStream | None = None
         self.enabled = True
         self.reopen_at = 0.0  # monotonic
         self.fallbacks = 0  # calls that found the stream broken (sent again over unary calls)
 
-    def call(self, method: str, request: Any, request_id: str) -> Optional[Any]:
+    def call(self, method: str, request: Any, request_id: str) -> Any | None:
         """The reply of ``method`` over the stream, or None (busy, broken or not served:
         send it as a unary call with the same request id). Raises :class:`StepRpcError`."""
         if not self.enabled or not self._lock.acquire(blocking=False):

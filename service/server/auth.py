@@ -3,10 +3,9 @@
 """
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
 
 import grpc
-
 from radixkv.service.wire.auth import Token, presented_token
 
 __all__ = ["HEALTH_PREFIX", "TokenAuthInterceptor"]
@@ -46,7 +45,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     sees the token).
     """
 
-    def __init__(self, token: Token, on_reject: Optional[Callable[[str], None]] = None):
+    def __init__(self, token: Token, on_reject: Callable[[str], None] | None = None):
         self._token = token
         self._on_reject = on_reject
 

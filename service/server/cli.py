@@ -24,22 +24,28 @@ import asyncio
 import dataclasses
 import logging
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any
+
+from radixkv.service.server.event_hub import DEFAULT_RING_SIZE
+from radixkv.service.server.manager import (
+    DEFAULT_EVENTS_INTERVAL_S,
+    DEFAULT_MAX_CONCURRENT_RPCS,
+    DEFAULT_QUARANTINE_S,
+    ServeOptions,
+    serve,
+)
+from radixkv.service.wire.auth import TOKEN_ENV, resolve_token
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, RadixKVError
-from radixkv.service.wire.auth import TOKEN_ENV, resolve_token
-from radixkv.events.zmq_publisher import add_arguments as add_kv_event_arguments, config_from_args
-from radixkv.service.server.event_hub import DEFAULT_RING_SIZE
-from radixkv.service.server.manager import (
-    DEFAULT_EVENTS_INTERVAL_S, DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_QUARANTINE_S, ServeOptions, serve,
-)
-from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+from radixkv.events.zmq_publisher import add_arguments as add_kv_event_arguments
+from radixkv.events.zmq_publisher import config_from_args
 
 DEFAULT_ADDRESS = ServeOptions().address
 
 
-def _engine_fields() -> List[dataclasses.Field]:
+def _engine_fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(EngineConfig))
 
 
@@ -109,7 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         from radixkv.engine.model_config import engine_fields_from_model_dir
 
         base = base.replace(**engine_fields_from_model_dir(args.model_config))
-    changes: Dict[str, Any] = {}
+    changes: dict[str, Any] = {}
     for f in _engine_fields():
         v = getattr(args, f"cfg_{f.name}", None)
         if v is not None:
@@ -148,7 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixkv", description="radixkv cache manager")
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the cache-manager service"))

@@ -30,14 +30,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.state_events import STATE_EVENT_TYPES
 
-__all__ = ["EventHub", "engine_event_source", "Cursor", "HubRecord", "Lost", "ReadResult", "HubStats", "DEFAULT_RING_SIZE",
-           "KIND_KV", "KIND_STATE"]
+__all__ = ["EventHub", "engine_event_source", "Cursor", "HubRecord", "Lost", "ReadResult", "HubStats",
+           "DEFAULT_RING_SIZE", "KIND_KV", "KIND_STATE"]
 
 log = logging.getLogger("radixkv.service")
 
@@ -70,8 +71,8 @@ class ReadResult(NamedTuple):
     order; ``next_seq`` is the cursor afterwards; ``more`` tells that the read stopped at its
     limit with events left."""
 
-    lost: Optional[Lost]
-    records: List[HubRecord]
+    lost: Lost | None
+    records: list[HubRecord]
     next_seq: int
     more: bool
 
@@ -115,11 +116,11 @@ class Cursor:
 
 class _Outlet(NamedTuple):
     name: str
-    fn: Callable[[List[HubRecord]], Any]
+    fn: Callable[[list[HubRecord]], Any]
     cursor: Cursor
 
 
-def _kind(event: Any) -> Optional[str]:
+def _kind(event: Any) -> str | None:
     if isinstance(event, _KV_TYPES):
         return KIND_KV
     if isinstance(event, STATE_EVENT_TYPES):
@@ -127,7 +128,7 @@ def _kind(event: Any) -> Optional[str]:
     return None
 
 
-def engine_event_source(engine: Any) -> Callable[[], List[Any]]:
+def engine_event_source(engine: Any) -> Callable[[], list[Any]]:
     """The source of a ``CacheEngine``'s events for the hub: its session-less
     ``drain_events`` (the hub is the engine queue's one consumer: nobody else may call
     ``take_events`` on it)."""
@@ -153,7 +154,7 @@ class EventHub:
     """
 
     def __init__(self, source: Callable[[], Sequence[Any]], capacity: int = DEFAULT_RING_SIZE,
-                 encode: Optional[Callable[[HubRecord], Any]] = None):
+                 encode: Callable[[HubRecord], Any] | None = None):
         if not callable(source):
             raise InvalidArgumentError("source must be callable")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= 1 << 26:
@@ -161,14 +162,14 @@ class EventHub:
         self._source = source
         self._encode = encode
         self.capacity = capacity
-        self._records: List[Optional[HubRecord]] = [None] * capacity
-        self._wire: List[Any] = [None] * capacity
+        self._records: list[HubRecord | None] = [None] * capacity
+        self._wire: list[Any] = [None] * capacity
         self._next = 0
         self._kinds = {KIND_KV: 0, KIND_STATE: 0}
         self._pumps = 0
-        self._cursors: Dict[int, Cursor] = {}
+        self._cursors: dict[int, Cursor] = {}
         self._ids = itertools.count()
-        self._outlets: List[_Outlet] = []
+        self._outlets: list[_Outlet] = []
         self._lost = 0
         self._retries = 0
         self._errors = 0
@@ -225,7 +226,7 @@ class EventHub:
         self._changed = asyncio.Event()
 
     # ------------------------------------------------------------------ reading
-    def subscribe(self, name: str, start_seq: Optional[int] = None) -> Cursor:
+    def subscribe(self, name: str, start_seq: int | None = None) -> Cursor:
         """A new cursor at ``start_seq`` (``None``: the next event). A ``start_seq`` the ring
         no longer holds is accepted: the first read reports the loss. Raises
         ``InvalidArgumentError`` for a ``start_seq`` beyond the next event. O(1)."""
@@ -287,7 +288,7 @@ class EventHub:
             w = self._wire[i] = self._encode(record)
         return w
 
-    async def wait(self, cursor: Cursor, timeout_s: float, stop: Optional[asyncio.Event] = None) -> bool:
+    async def wait(self, cursor: Cursor, timeout_s: float, stop: asyncio.Event | None = None) -> bool:
         """Until the hub has events beyond ``cursor``, ``stop`` is set, the hub closes, or
         ``timeout_s`` passes. Returns whether events are waiting."""
         if cursor.next_seq < self._next or self.closed:
@@ -303,7 +304,7 @@ class EventHub:
         return cursor.next_seq < self._next
 
     # ------------------------------------------------------------------ outlets
-    def add_outlet(self, name: str, fn: Callable[[List[HubRecord]], Any], start_seq: Optional[int] = None) -> None:
+    def add_outlet(self, name: str, fn: Callable[[list[HubRecord]], Any], start_seq: int | None = None) -> None:
         """Call ``fn(records)`` with every new batch (from ``start_seq``, default the next
         event), in seq order, from :meth:`pump` / :meth:`run_outlets`. ``fn`` raising
         ``CapacityError`` (no room now) gets the same records again, with later ones, next
@@ -349,7 +350,7 @@ class EventHub:
                         self._kinds[KIND_KV], self._kinds[KIND_STATE], self._pumps, len(self._cursors),
                         self._lost, self._retries, self._errors)
 
-    def cursors(self) -> List[Cursor]:
+    def cursors(self) -> list[Cursor]:
         return list(self._cursors.values())
 
     def check_invariants(self) -> None:

@@ -21,11 +21,12 @@ Runs on the server's event loop (as the hub does).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional
+from typing import Any
+
+from radixkv.service.server.event_hub import EventHub, HubRecord
 
 from radixkv.cache.events import AllBlocksCleared
 from radixkv.events.zmq_flags import PublisherConfig
-from radixkv.service.server.event_hub import EventHub, HubRecord
 
 __all__ = ["EventOutlets"]
 
@@ -44,17 +45,17 @@ class EventOutlets:
     an endpoint it cannot open (nothing left open).
     """
 
-    def __init__(self, hub: EventHub, zmq: Optional[PublisherConfig], interval_s: float, clear_at_close: bool):
+    def __init__(self, hub: EventHub, zmq: PublisherConfig | None, interval_s: float, clear_at_close: bool):
         self.hub = hub
         self.interval_s = max(0.0005, float(interval_s))
         self.clear_at_close = bool(clear_at_close)
         self.publisher: Any = None
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
         if zmq is not None:
             self.publisher = zmq.open(put_timeout_s=0.0)
             hub.add_outlet("zmq", self._publish)
 
-    def _publish(self, records: List[HubRecord]) -> None:
+    def _publish(self, records: list[HubRecord]) -> None:
         self.publisher.publish([r.event for r in records])  # CapacityError: the hub retries
 
     def start(self, closing: asyncio.Event) -> None:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError
 
@@ -56,15 +57,15 @@ class ReplyCache:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
         self.per_scope = per_scope
         self.max_bytes = max_bytes
-        self._scopes: "OrderedDict[str, OrderedDict[str, CachedReply]]" = OrderedDict()
-        self._ended: Dict[str, float] = {}  # scope -> when it was first seen ended
+        self._scopes: OrderedDict[str, OrderedDict[str, CachedReply]] = OrderedDict()
+        self._ended: dict[str, float] = {}  # scope -> when it was first seen ended
         self.bytes = 0
         self.hits = 0
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._scopes.values())
 
-    def lookup(self, scope: str, request_id: str, key: bytes) -> Optional[bytes]:
+    def lookup(self, scope: str, request_id: str, key: bytes) -> bytes | None:
         """The kept reply of ``request_id`` in ``scope``, or None when there is none.
         Raises ``InvalidArgumentError`` when the id was used for another request."""
         entries = self._scopes.get(scope)
@@ -100,7 +101,7 @@ class ReplyCache:
                 del self._scopes[first]
                 self._ended.pop(first, None)
 
-    def retain(self, live: Iterable[str], now: float, grace_s: float, keep: Tuple[str, ...] = ()) -> int:
+    def retain(self, live: Iterable[str], now: float, grace_s: float, keep: tuple[str, ...] = ()) -> int:
         """Drop scopes that have not been live for ``grace_s`` (scopes in ``keep`` stay).
         Returns how many were dropped. O(scopes)."""
         live = set(live) | set(keep)

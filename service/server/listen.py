@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import socket
 import stat
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import grpc
+from radixkv.service.wire.transport import read_file, unix_socket_path
 
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError
-from radixkv.service.wire.transport import read_file, unix_socket_path
 
 __all__ = ["LOOPBACK", "Bound", "prepare_unix_socket", "bind"]
 
@@ -32,7 +32,7 @@ class Bound(NamedTuple):
     """What :func:`bind` bound: the address clients use, and the socket file (Unix) or None."""
 
     address: str
-    socket_path: Optional[str]
+    socket_path: str | None
 
 
 def prepare_unix_socket(path: str) -> str:

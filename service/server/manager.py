@@ -47,23 +47,24 @@ import logging
 import os
 import secrets
 import signal
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import grpc
+from radixkv.service.server.auth import TokenAuthInterceptor
+from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
+from radixkv.service.server.event_outlets import EventOutlets
+from radixkv.service.server.listen import bind
+from radixkv.service.server.metrics import ServiceMetrics
+from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire.auth import Token
+from radixkv.service.wire.shm import SharedBuffers, remove_stale_files
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.zmq_flags import PublisherConfig
-from radixkv.service.wire import codec as wire
-from radixkv.service.server.auth import TokenAuthInterceptor
-from radixkv.service.wire.auth import Token
-from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
-from radixkv.service.server.event_outlets import EventOutlets
-from radixkv.service.server.listen import bind
-from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
-from radixkv.service.server.metrics import ServiceMetrics
-from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
-from radixkv.service.wire.shm import SharedBuffers, remove_stale_files
 
 __all__ = ["CacheManagerServer", "ServeOptions", "serve", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
            "DEFAULT_EVENTS_INTERVAL_S"]
@@ -84,21 +85,21 @@ class ServeOptions(NamedTuple):
     """How the server listens and behaves (the engine's shape is the ``EngineConfig``)."""
 
     address: str = "unix:///tmp/radixkv/manager.sock"
-    shm_dir: Optional[str] = None  # default /dev/shm (else the temp dir)
+    shm_dir: str | None = None  # default /dev/shm (else the temp dir)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 5.0
     sweep_interval_s: float = 1.0
     reflection: bool = False
-    metrics_port: Optional[int] = None  # None: no Prometheus endpoint; 0: any free port
+    metrics_port: int | None = None  # None: no Prometheus endpoint; 0: any free port
     metrics_addr: str = "127.0.0.1"
-    tls_cert: Optional[str] = None
-    tls_key: Optional[str] = None
-    tls_ca: Optional[str] = None  # given: clients must present a certificate it signed
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # given: clients must present a certificate it signed
     allow_insecure_tcp: bool = False
     check_idle: bool = False
     max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS  # in flight at once, streams included
     quarantine_s: float = DEFAULT_QUARANTINE_S  # 0: off, reclaim expired sessions at once
-    kv_events: Optional[PublisherConfig] = None  # the ZMQ outlet (vLLM wire); None: off
+    kv_events: PublisherConfig | None = None  # the ZMQ outlet (vLLM wire); None: off
     events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
     events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
 
@@ -116,8 +117,8 @@ class CacheManagerServer:
     memory directory, or a CUDA device without CUDA. Nothing is left behind when it raises.
     """
 
-    def __init__(self, config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(), *,
-                 clock: Optional[Callable[[], float]] = None, epoch: Optional[int] = None):
+    def __init__(self, config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(), *,  # noqa: B008 (an immutable NamedTuple)
+                 clock: Callable[[], float] | None = None, epoch: int | None = None):
         if not isinstance(token, Token):
             raise InvalidArgumentError("token must be a radixkv.service.wire.auth.Token")
         _check_options(options)
@@ -142,16 +143,16 @@ class CacheManagerServer:
             self.shared.close()
             raise
         self._token = token
-        self._closing: Optional[asyncio.Event] = None
-        self._server: Optional[grpc.aio.Server] = None
+        self._closing: asyncio.Event | None = None
+        self._server: grpc.aio.Server | None = None
         self._health: Any = None
-        self._sweeper: Optional[asyncio.Task] = None
-        self.events: Optional[EventHub] = None
-        self.outlets: Optional[EventOutlets] = None
-        self._socket_path: Optional[str] = None
-        self.servicer: Optional[CacheManagerServicer] = None
-        self.address: Optional[str] = None
-        self.metrics_port: Optional[int] = None
+        self._sweeper: asyncio.Task | None = None
+        self.events: EventHub | None = None
+        self.outlets: EventOutlets | None = None
+        self._socket_path: str | None = None
+        self.servicer: CacheManagerServicer | None = None
+        self.address: str | None = None
+        self.metrics_port: int | None = None
         self._stopped = False
 
     # ------------------------------------------------------------------ start
@@ -245,7 +246,7 @@ class CacheManagerServer:
             await self._server.wait_for_termination()
 
     # ------------------------------------------------------------------ stop
-    async def stop(self, grace_s: Optional[float] = None) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         """Graceful shutdown (idempotent): NOT_SERVING, streams end, calls drain within
         ``grace_s`` (default the option), every session is reclaimed, files removed."""
         if self._stopped:
@@ -316,8 +317,8 @@ def _check_options(o: ServeOptions) -> None:
         raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
 
 
-async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),
-                on_ready: Optional[Callable[[CacheManagerServer], None]] = None) -> int:
+async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),  # noqa: B008
+                on_ready: Callable[[CacheManagerServer], None] | None = None) -> int:
     """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0."""
     server = CacheManagerServer(config, token, options)
     stop = asyncio.Event()

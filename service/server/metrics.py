@@ -21,7 +21,7 @@ Exported (prefix ``radixkv_``):
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,7 +35,7 @@ LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5
 
 class _StatsCollector(Collector):
     def __init__(self) -> None:
-        self.stats: Optional[EngineStats] = None
+        self.stats: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
@@ -83,7 +83,7 @@ class ServiceMetrics:
                                       registry=self.registry)
         self._stats = _StatsCollector()
         self.registry.register(self._stats)
-        self._http: Optional[Tuple[object, object]] = None
+        self._http: tuple[object, object] | None = None
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         self.rpc_latency.labels(method, code).observe(seconds)
@@ -95,7 +95,7 @@ class ServiceMetrics:
         """Replace the engine snapshot the exporter serves (call from the engine's loop)."""
         self._stats.stats = stats
 
-    def update_reliability(self, quarantine: "object", reply_bytes: int, reply_hits: int) -> None:
+    def update_reliability(self, quarantine: object, reply_bytes: int, reply_hits: int) -> None:
         """Refresh the quarantine and reply-cache gauges (a ``QuarantineStats``)."""
         self.quarantined.set(quarantine.held)
         self.quarantine_released.labels("gone").set(quarantine.released_gone)

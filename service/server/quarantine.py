@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import select
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
 
@@ -53,13 +53,13 @@ class ProcessHandle:
 
     __slots__ = ("pid", "_fd", "_start")
 
-    def __init__(self, pid: int, fd: Optional[int], start: Optional[str]):
+    def __init__(self, pid: int, fd: int | None, start: str | None):
         self.pid = pid
         self._fd = fd
         self._start = start
 
     @classmethod
-    def open(cls, pid: int) -> Optional["ProcessHandle"]:
+    def open(cls, pid: int) -> ProcessHandle | None:
         """A handle on running process ``pid``, or None when there is no such process."""
         if pid <= 0:
             return None
@@ -105,11 +105,11 @@ def _kill0(pid: int) -> bool:
     return True
 
 
-def _proc_start(pid: int) -> Optional[str]:
+def _proc_start(pid: int) -> str | None:
     """The start time field of ``/proc/<pid>/stat`` (None: no such process, a zombie, or no
     /proc)."""
     try:
-        with open(f"/proc/{pid}/stat", "r") as f:
+        with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
@@ -138,14 +138,14 @@ class Quarantine:
         own_pid: the manager's pid (its own in-process workers are never quarantined).
     """
 
-    def __init__(self, engine: Any, hold_s: float, own_pid: Optional[int] = None):
+    def __init__(self, engine: Any, hold_s: float, own_pid: int | None = None):
         if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 <= hold_s < 1e9:
             raise InvalidArgumentError(f"quarantine hold_s must be a number in [0, 1e9), got {hold_s!r}")
         self.engine = engine
         self.hold_s = float(hold_s)
         self.own_pid = os.getpid() if own_pid is None else int(own_pid)
-        self._pids: Dict[str, int] = {}  # session id -> reported pid (0 unknown)
-        self._handles: Dict[str, ProcessHandle] = {}
+        self._pids: dict[str, int] = {}  # session id -> reported pid (0 unknown)
+        self._handles: dict[str, ProcessHandle] = {}
         self._fenced = 0
         self._gone = 0
         self._timeout = 0
@@ -179,7 +179,7 @@ class Quarantine:
             return not h.gone()
         return True  # unknown process: held for the timeout
 
-    def fence_due(self) -> List[str]:
+    def fence_due(self) -> list[str]:
         """Fence every session whose lease ran out and whose worker may still run (the
         engine's own sweep then reclaims the others). Returns the fenced ids."""
         if self.hold_s <= 0:
@@ -211,7 +211,7 @@ class Quarantine:
             return 0
         return self.engine.reclaim(session_id, why)
 
-    def release_ready(self) -> List[str]:
+    def release_ready(self) -> list[str]:
         """Reclaim every fenced session whose process is gone or whose hold ran out.
         Returns their ids."""
         sessions = self.engine.sessions

@@ -37,23 +37,26 @@ import functools
 import json
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import grpc
-
-from radixkv.engine.protocol import Session
-from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
-from radixkv.service.wire import codec as wire, events as event_wire
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.server.event_hub import EventHub, HubRecord, engine_event_source
-from radixkv.service.wire.errors import status_of
 from radixkv.service.server.idempotency import ReplyCache, digest
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.quarantine import Quarantine
-from radixkv.service.wire.shm import SharedBuffers
 from radixkv.service.server.step_stream import serve_step_stream
+from radixkv.service.server.unary_rpc import parse, request_id_of  # re-exported
+from radixkv.service.server.unary_rpc import unary_rpc as _rpc
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire import events as event_wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.errors import status_of
+from radixkv.service.wire.shm import SharedBuffers
 from radixkv.service.wire.step import error_to_msg
-from radixkv.service.server.unary_rpc import parse, request_id_of, unary_rpc as _rpc  # re-exported
+
+from radixkv.engine.protocol import Session
+from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
 
 __all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
            "UNARY_METHODS", "STREAM_METHODS"]
@@ -85,8 +88,8 @@ class CacheManagerServicer:
     """
 
     def __init__(self, engine: Any, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,
-                 quarantine_s: float = 0.0, replies: Optional[ReplyCache] = None,
-                 events: Optional[EventHub] = None):
+                 quarantine_s: float = 0.0, replies: ReplyCache | None = None,
+                 events: EventHub | None = None):
         self.engine = engine
         self.shared = shared
         self.metrics = metrics
@@ -100,15 +103,15 @@ class CacheManagerServicer:
         self.keepalive_streams = 0
         #: Fault injection (tests, soak): ``{method: seconds}`` an idempotent call's reply is
         #: held back after the engine ran it, as if the network lost time.
-        self.reply_delays: Dict[str, float] = {}
-        self.idle_failures: List[str] = []  # invariant checks that failed at an idle sweep
+        self.reply_delays: dict[str, float] = {}
+        self.idle_failures: list[str] = []  # invariant checks that failed at an idle sweep
         self.events = events if events is not None else EventHub(engine_event_source(engine), encode=encode_record)
         self._take_cursor = self.events.subscribe("TakeEvents", 0)  # one queue for every TakeEvents caller
         #: Pump the hub after each call (False when the engine records no events: no work then).
         self.pump_after_calls = bool(getattr(engine, "events_enabled", False))
 
     def answer(self, name: str, body: Callable[[Any, Any], Any], request: Any, raw: bytes,
-               rid: Optional[str]) -> Tuple[bytes, float]:
+               rid: str | None) -> tuple[bytes, float]:
         """Run ``body`` on a parsed request (after the fence) and serialize its reply; with a
         request id ``rid``, answer a retry from the reply cache and keep a fresh reply.
         Returns ``(reply bytes, seconds to hold it back)`` (fault injection, else 0). Raises
@@ -286,7 +289,7 @@ class CacheManagerServicer:
         self.replies.check_invariants()
         self.events.check_invariants()
 
-    def housekeeping(self) -> Tuple[List[str], List[str]]:
+    def housekeeping(self) -> tuple[list[str], list[str]]:
         """One sweep: fence due sessions that must be held, reclaim the other expired
         ones, release the quarantined ones whose process is gone or whose hold ran out,
         drop what ended sessions left in the reply cache. Returns ``(expired, released)``."""
@@ -301,7 +304,7 @@ class CacheManagerServicer:
 
     # ------------------------------------------------------------------ streams
     async def KeepAlive(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        session: Optional[Session] = None
+        session: Session | None = None
         closing = asyncio.ensure_future(self.closing.wait())
         self.keepalive_streams += 1
         closed_by_worker = False
@@ -405,7 +408,7 @@ STREAM_METHODS = ("KeepAlive", "WatchEvents", "Step")
 def add_to_server(servicer: CacheManagerServicer, server: Any) -> None:
     """Register every method of ``radixkv.v1.CacheManager`` with raw-bytes requests and
     replies (the handlers parse and serialize themselves, see the module docstring)."""
-    handlers: Dict[str, grpc.RpcMethodHandler] = {
+    handlers: dict[str, grpc.RpcMethodHandler] = {
         m: grpc.unary_unary_rpc_method_handler(getattr(servicer, m)) for m in UNARY_METHODS}
     handlers["KeepAlive"] = grpc.stream_stream_rpc_method_handler(servicer.KeepAlive)
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(servicer.WatchEvents)

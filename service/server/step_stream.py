@@ -8,22 +8,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Dict, Set, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import grpc
-
-from radixkv.errors import InvalidArgumentError, RadixKVError
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.errors import status_of
 from radixkv.service.wire.request_id import check_request_id
 from radixkv.service.wire.step import STEP_METHODS, error_to_msg
+
+from radixkv.errors import InvalidArgumentError, RadixKVError
 
 __all__ = ["serve_step_stream"]
 
 log = logging.getLogger("radixkv.service")
 
 
-def _bodies(servicer: Any) -> Dict[str, Tuple[Callable[[Any, Any], Any], Any]]:
+def _bodies(servicer: Any) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
     """``{method: (body, request type)}`` of the servicer's unary handlers (cached)."""
     got = getattr(servicer, "_step_bodies", None)
     if got is None:
@@ -89,7 +90,7 @@ async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.
         tasks.discard(task)
 
 
-def _stream_tasks(servicer: Any) -> Set["asyncio.Task[Any]"]:
+def _stream_tasks(servicer: Any) -> set[asyncio.Task[Any]]:
     """The servicer's open Step streams (and, once, the task that ends them at shutdown)."""
     tasks = getattr(servicer, "_step_tasks", None)
     if tasks is None:

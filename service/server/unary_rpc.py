@@ -23,13 +23,14 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
-
-from radixkv.errors import InvalidArgumentError, RadixKVError
 from radixkv.service.wire.errors import status_of
 from radixkv.service.wire.request_id import REQUEST_ID_KEY, check_request_id
+
+from radixkv.errors import InvalidArgumentError, RadixKVError
 
 __all__ = ["parse", "request_id_of", "unary_rpc"]
 
@@ -47,7 +48,7 @@ def parse(cls: Any, raw: Any, method: str) -> Any:
                                    f"({type(e).__name__})") from None
 
 
-def request_id_of(context: Any) -> Optional[str]:
+def request_id_of(context: Any) -> str | None:
     """The ``radixkv-request-id`` of a call, checked, or None."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY:

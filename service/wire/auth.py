@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from radixkv.errors import InvalidArgumentError
 
@@ -39,13 +39,13 @@ class Token:
     def reveal(self) -> str:
         return self._value
 
-    def matches(self, presented: Optional[str]) -> bool:
+    def matches(self, presented: str | None) -> bool:
         """Constant-time comparison with what a caller presented."""
         if presented is None:
             return False
         return hmac.compare_digest(self._value.encode(), presented.encode("utf-8", "replace"))
 
-    def metadata(self) -> Tuple[Tuple[str, str], ...]:
+    def metadata(self) -> tuple[tuple[str, str], ...]:
         """The call metadata carrying this token."""
         return ((METADATA_KEY, SCHEME + self._value),)
 
@@ -55,7 +55,7 @@ class Token:
     __str__ = __repr__
 
 
-def resolve_token(token: Optional[str] = None, token_file: Optional[str] = None,
+def resolve_token(token: str | None = None, token_file: str | None = None,
                   env_var: str = TOKEN_ENV) -> Token:
     """The token from (first match) ``token``, the file ``token_file`` (stripped), or ``env_var``.
 
@@ -65,7 +65,7 @@ def resolve_token(token: Optional[str] = None, token_file: Optional[str] = None,
     """
     if token_file:
         try:
-            with open(token_file, "r", encoding="utf-8") as f:
+            with open(token_file, encoding="utf-8") as f:
                 token = f.read().strip()
         except OSError as e:
             raise InvalidArgumentError(f"cannot read the token file {token_file!r}: {e.strerror}") from None
@@ -79,7 +79,7 @@ def resolve_token(token: Optional[str] = None, token_file: Optional[str] = None,
     return Token(token)
 
 
-def presented_token(metadata: Optional[Sequence[Tuple[str, object]]]) -> Optional[str]:
+def presented_token(metadata: Sequence[tuple[str, object]] | None) -> str | None:
     """The token a call presented in its metadata, or None."""
     for key, value in metadata or ():
         if key == METADATA_KEY:

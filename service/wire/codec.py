@@ -13,17 +13,26 @@ not a whole number of items, counts that disagree) and raises ``InvalidArgumentE
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-
-from radixkv.engine.protocol import (
-    CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem, ExtendResult,
-    MatchInfo, MatchQuery, Session,
-)
-from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.shm import CudaIpcDescriptor, Descriptor, ShmDescriptor
+
+from radixkv.engine.protocol import (
+    CacheResult,
+    DecodeItem,
+    DecodeResult,
+    EngineStats,
+    EvictResult,
+    ExtendItem,
+    ExtendResult,
+    MatchInfo,
+    MatchQuery,
+    Session,
+)
+from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
 
 I32, I64, U64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<u8")
 
@@ -90,7 +99,7 @@ def session_from_msg(msg: pb.SessionRef) -> Session:
 # --------------------------------------------------------------------------- match
 
 
-def match_queries_to_msg(queries: Sequence[MatchQuery]) -> List[pb.MatchQuery]:
+def match_queries_to_msg(queries: Sequence[MatchQuery]) -> list[pb.MatchQuery]:
     out = []
     for q in queries:
         m = pb.MatchQuery(token_ids_i32=pack(q.token_ids, I32))
@@ -100,7 +109,7 @@ def match_queries_to_msg(queries: Sequence[MatchQuery]) -> List[pb.MatchQuery]:
     return out
 
 
-def match_queries_from_msg(msgs: Sequence[pb.MatchQuery]) -> List[MatchQuery]:
+def match_queries_from_msg(msgs: Sequence[pb.MatchQuery]) -> list[MatchQuery]:
     return [MatchQuery(unpack_i32(m.token_ids_i32, "token_ids"),
                        m.extra_key if m.HasField("extra_key") else None) for m in msgs]
 
@@ -110,7 +119,7 @@ def match_infos_to_msg(infos: Sequence[MatchInfo]) -> pb.MatchResponse:
                             kv_prefix_len_i64=pack([i.kv_prefix_len for i in infos], I64))
 
 
-def match_infos_from_msg(msg: pb.MatchResponse, n: int) -> List[MatchInfo]:
+def match_infos_from_msg(msg: pb.MatchResponse, n: int) -> list[MatchInfo]:
     p = _count(unpack_i64(msg.prefix_len_i64, "prefix_len"), n, "prefix_len")
     k = _count(unpack_i64(msg.kv_prefix_len_i64, "kv_prefix_len"), n, "kv_prefix_len")
     return [MatchInfo(int(a), int(b)) for a, b in zip(p.tolist(), k.tolist())]
@@ -119,7 +128,7 @@ def match_infos_from_msg(msg: pb.MatchResponse, n: int) -> List[MatchInfo]:
 # --------------------------------------------------------------------------- extend
 
 
-def extend_items_to_msg(items: Sequence[ExtendItem]) -> List[pb.ExtendItem]:
+def extend_items_to_msg(items: Sequence[ExtendItem]) -> list[pb.ExtendItem]:
     out = []
     for it in items:
         m = pb.ExtendItem(rid=it.rid, token_ids_i32=pack(it.token_ids, I32), priority=int(it.priority))
@@ -129,7 +138,7 @@ def extend_items_to_msg(items: Sequence[ExtendItem]) -> List[pb.ExtendItem]:
     return out
 
 
-def extend_items_from_msg(msgs: Sequence[pb.ExtendItem]) -> List[ExtendItem]:
+def extend_items_from_msg(msgs: Sequence[pb.ExtendItem]) -> list[ExtendItem]:
     return [ExtendItem(m.rid, unpack_i32(m.token_ids_i32, "token_ids"),
                        m.extra_key if m.HasField("extra_key") else None, int(m.priority)) for m in msgs]
 
@@ -143,7 +152,7 @@ def extend_results_to_msg(results: Sequence[ExtendResult]) -> pb.AllocExtendResp
         for r in results])
 
 
-def extend_results_from_msg(msg: pb.AllocExtendResponse) -> List[ExtendResult]:
+def extend_results_from_msg(msg: pb.AllocExtendResponse) -> list[ExtendResult]:
     return [ExtendResult(m.rid, int(m.req_pool_idx), int(m.prefix_len), int(m.start), int(m.seq_len),
                          unpack_i64(m.out_cache_loc_i64, "out_cache_loc"), int(m.mamba_slot),
                          unpack_i64(m.reserved_i64, "reserved"))
@@ -158,7 +167,7 @@ def decode_items_to_msg(session: Session, items: Sequence[DecodeItem]) -> pb.All
                                  token_ids_i32=pack([it.token_id for it in items], I32))
 
 
-def decode_items_from_msg(msg: pb.AllocDecodeRequest) -> List[DecodeItem]:
+def decode_items_from_msg(msg: pb.AllocDecodeRequest) -> list[DecodeItem]:
     tokens = _count(unpack_i32(msg.token_ids_i32, "token_ids"), len(msg.rids), "token_ids")
     return [DecodeItem(rid, tok) for rid, tok in zip(msg.rids, tokens.tolist())]
 
@@ -196,7 +205,7 @@ def cache_results_to_msg(results: Sequence[CacheResult]) -> pb.CacheResponse:
     return pb.CacheResponse(results=[pb.CacheResult(rid=r.rid, cached_len=int(r.cached_len)) for r in results])
 
 
-def cache_results_from_msg(msg: pb.CacheResponse) -> List[CacheResult]:
+def cache_results_from_msg(msg: pb.CacheResponse) -> list[CacheResult]:
     return [CacheResult(m.rid, int(m.cached_len)) for m in msg.results]
 
 
@@ -219,7 +228,7 @@ def stats_from_msg(msg: pb.StatsResponse) -> EngineStats:
 # --------------------------------------------------------------------------- events
 
 
-def event_to_msg(d: Dict[str, Any]) -> pb.KVEvent:
+def event_to_msg(d: dict[str, Any]) -> pb.KVEvent:
     """A ``to_dict()`` KV event (BlockStored / BlockRemoved / AllBlocksCleared) as a message.
 
     Raises:
@@ -248,7 +257,7 @@ def _opt(m: Any, f: str) -> Any:
     return getattr(m, f) if m.HasField(f) else None
 
 
-def event_from_msg(msg: pb.KVEvent) -> Dict[str, Any]:
+def event_from_msg(msg: pb.KVEvent) -> dict[str, Any]:
     """Inverse of :func:`event_to_msg`: the same dict ``to_dict()`` gave."""
     kind = msg.WhichOneof("event")
     if kind == "block_stored":
@@ -295,18 +304,18 @@ def mapping_from_msg(msg: pb.PoolMapping) -> Descriptor:
     raise InvalidArgumentError(f"pool {msg.pool!r}: a mapping with no source")
 
 
-def descriptor_to_dict(desc: Descriptor) -> Dict[str, Any]:
+def descriptor_to_dict(desc: Descriptor) -> dict[str, Any]:
     """The JSON-able form a layout carries per pool under ``"mapping"`` (``mode`` is
     ``"shm"`` or ``"cuda_ipc"``; the engine's in-process one is ``"embedded"``)."""
     if isinstance(desc, ShmDescriptor):
         return {"mode": "shm", "path": desc.path, "nbytes": int(desc.nbytes)}
-    d: Dict[str, Any] = {"mode": "cuda_ipc"}
+    d: dict[str, Any] = {"mode": "cuda_ipc"}
     for f, v in desc._asdict().items():
         d[f] = v.hex() if isinstance(v, bytes) else v
     return d
 
 
-def descriptor_from_dict(d: Dict[str, Any]) -> Optional[Descriptor]:
+def descriptor_from_dict(d: dict[str, Any]) -> Descriptor | None:
     """Inverse of :func:`descriptor_to_dict` (None for ``{"mode": "embedded"}``/unknown)."""
     kind = d.get("mode") if isinstance(d, dict) else None
     if kind == "shm":

@@ -18,7 +18,7 @@ bytes) and :class:`ServiceUnavailableError`.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, NamedTuple, Optional, Tuple, Type
+from typing import NamedTuple
 
 import grpc
 
@@ -40,8 +40,8 @@ class ServiceUnavailableError(E.RadixKVError):
     code = "UNAVAILABLE"
 
 
-def _all_error_types() -> Dict[str, Type[E.RadixKVError]]:
-    found: Dict[str, Type[E.RadixKVError]] = {}
+def _all_error_types() -> dict[str, type[E.RadixKVError]]:
+    found: dict[str, type[E.RadixKVError]] = {}
     for mod_types in (vars(E).values(), (MessageTooLargeError, ServiceUnavailableError)):
         for t in mod_types:
             if isinstance(t, type) and issubclass(t, E.RadixKVError):
@@ -50,10 +50,10 @@ def _all_error_types() -> Dict[str, Type[E.RadixKVError]]:
 
 
 #: Error types the client may rebuild by name (no other name is ever looked up).
-KNOWN_ERRORS: Dict[str, Type[E.RadixKVError]] = _all_error_types()
+KNOWN_ERRORS: dict[str, type[E.RadixKVError]] = _all_error_types()
 
 #: The type a status code means when the server named none (or an unknown one).
-BASE_BY_CODE: Dict[grpc.StatusCode, Type[E.RadixKVError]] = {
+BASE_BY_CODE: dict[grpc.StatusCode, type[E.RadixKVError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: E.InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: E.InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: E.CapacityError,
@@ -74,7 +74,7 @@ class RpcStatus(NamedTuple):
 
     code: grpc.StatusCode
     details: str
-    trailing_metadata: Tuple[Tuple[str, str], ...]
+    trailing_metadata: tuple[tuple[str, str], ...]
 
 
 def status_code_of(exc: BaseException) -> grpc.StatusCode:
@@ -91,7 +91,7 @@ def status_of(exc: BaseException) -> RpcStatus:
     code = status_code_of(exc)
     if isinstance(exc, E.RadixKVError):
         details = str(exc) or type(exc).__name__
-        meta: List[Tuple[str, str]] = [(ERROR_TYPE_KEY, type(exc).__name__)]
+        meta: list[tuple[str, str]] = [(ERROR_TYPE_KEY, type(exc).__name__)]
         if isinstance(exc, E.CapacityError):
             if exc.requested is not None:
                 meta.append((REQUESTED_KEY, str(int(exc.requested))))
@@ -106,7 +106,7 @@ def status_of(exc: BaseException) -> RpcStatus:
 _SIZE_RE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
 
 
-def _meta_dict(rpc_error: grpc.RpcError) -> Dict[str, str]:
+def _meta_dict(rpc_error: grpc.RpcError) -> dict[str, str]:
     try:
         md = rpc_error.trailing_metadata() or ()
     except Exception:  # some RpcErrors (channel-level) carry none
@@ -114,7 +114,7 @@ def _meta_dict(rpc_error: grpc.RpcError) -> Dict[str, str]:
     return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in md}
 
 
-def _int_or_none(s: Optional[str]) -> Optional[int]:
+def _int_or_none(s: str | None) -> int | None:
     try:
         return int(s) if s is not None else None
     except ValueError:

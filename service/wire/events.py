@@ -16,13 +16,13 @@ Every function is O(size of the event).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import numpy as np
-
-from radixkv.errors import InvalidArgumentError
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
+
+from radixkv.errors import InvalidArgumentError
 
 __all__ = ["EVENTS_LOST", "event_to_msg", "lost_to_msg", "event_from_msg", "numbered_event_from_msg"]
 
@@ -31,7 +31,7 @@ EVENTS_LOST = "EventsLost"
 _U64 = np.dtype("<u8")
 
 
-def _as_dict(event: Any) -> Dict[str, Any]:
+def _as_dict(event: Any) -> dict[str, Any]:
     if isinstance(event, dict):
         return event
     to_dict = getattr(event, "to_dict", None)
@@ -66,7 +66,7 @@ def lost_to_msg(first_seq: int, count: int) -> pb.KVEvent:
     return pb.KVEvent(events_lost=pb.EventsLost(first_seq=int(first_seq), count=int(count)), seq=int(first_seq))
 
 
-def event_from_msg(msg: pb.KVEvent) -> Dict[str, Any]:
+def event_from_msg(msg: pb.KVEvent) -> dict[str, Any]:
     """The dict form of any ``KVEvent`` (KV, state or gap marker), without its seq."""
     kind = msg.WhichOneof("event")
     if kind == "state_stored":
@@ -86,6 +86,6 @@ def event_from_msg(msg: pb.KVEvent) -> Dict[str, Any]:
     return wire.event_from_msg(msg)
 
 
-def numbered_event_from_msg(msg: pb.KVEvent) -> Tuple[int, Dict[str, Any]]:
+def numbered_event_from_msg(msg: pb.KVEvent) -> tuple[int, dict[str, Any]]:
     """``(seq, dict form)`` of a ``KVEvent``."""
     return int(msg.seq), event_from_msg(msg)

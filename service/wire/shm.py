@@ -21,7 +21,7 @@ import os
 import re
 import stat
 import tempfile
-from typing import Dict, List, NamedTuple, Optional, Union
+from typing import NamedTuple
 
 import torch
 
@@ -55,7 +55,7 @@ class CudaIpcDescriptor(NamedTuple):
     nbytes: int
 
 
-Descriptor = Union[ShmDescriptor, CudaIpcDescriptor]
+Descriptor = ShmDescriptor | CudaIpcDescriptor
 
 
 def default_shm_dir() -> str:
@@ -69,7 +69,7 @@ def _check_size(nbytes: int) -> int:
     return nbytes
 
 
-def create_shm_buffer(directory: str, name: str, nbytes: int) -> "tuple[torch.Tensor, ShmDescriptor]":
+def create_shm_buffer(directory: str, name: str, nbytes: int) -> tuple[torch.Tensor, ShmDescriptor]:
     """Create a new 0600 shared-memory file of ``nbytes`` zero bytes and map it.
 
     Returns the ``uint8`` tensor (1-D, ``nbytes`` long) and its descriptor.
@@ -111,11 +111,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_files(directory: str) -> List[str]:
+def remove_stale_files(directory: str) -> list[str]:
     """Remove pool files left by managers that died without cleaning up (SIGKILL, crash):
     files named like a manager's (``radixkv-<pid>-<hex>-<pool>.buf``), owned by this user,
     whose pid is no longer running. Returns the removed paths. O(files in ``directory``)."""
-    removed: List[str] = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -211,12 +211,12 @@ class SharedBuffers:
     its size and mode 0600.
     """
 
-    def __init__(self, device: Union[str, torch.device], shm_dir: Optional[str] = None, prefix: str = "radixkv"):
+    def __init__(self, device: str | torch.device, shm_dir: str | None = None, prefix: str = "radixkv"):
         self.device = torch.device(device)
         self.shm_dir = shm_dir or default_shm_dir()
         self.prefix = prefix
-        self.buffers: Dict[str, torch.Tensor] = {}
-        self.descriptors: Dict[str, Descriptor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.descriptors: dict[str, Descriptor] = {}
         self._closed = False
         if self.device.type == "cpu" and not os.path.isdir(self.shm_dir):
             raise InvalidArgumentError(f"shared-memory directory {self.shm_dir!r} does not exist")
@@ -250,7 +250,7 @@ class SharedBuffers:
             desc = export_cuda_buffer(self.buffers[pool])
         return desc
 
-    def paths(self) -> Dict[str, str]:
+    def paths(self) -> dict[str, str]:
         return {k: d.path for k, d in self.descriptors.items() if isinstance(d, ShmDescriptor)}
 
     def close(self) -> None:

@@ -30,17 +30,16 @@ a failed call. The manager's side is :mod:`radixkv.service.server.step_stream`, 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import grpc
-
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.errors import RpcStatus
 
 __all__ = ["STEP_METHODS", "REPLY_TYPES", "StepRpcError", "error_to_msg"]
 
 #: The methods a Step stream carries, with the reply message type of each.
-REPLY_TYPES: Dict[str, Any] = {
+REPLY_TYPES: dict[str, Any] = {
     "Heartbeat": pb.HeartbeatResponse, "Match": pb.MatchResponse, "AllocExtend": pb.AllocExtendResponse,
     "AllocDecode": pb.AllocDecodeResponse, "ApplyDecodes": pb.ApplyDecodesResponse,
     "CacheUnfinished": pb.CacheResponse,
@@ -66,12 +65,12 @@ class StepRpcError(grpc.RpcError):
     """A failed step call, shaped as the ``grpc.RpcError`` of a failed unary call (``code``,
     ``details``, ``trailing_metadata``), so that ``error_from_rpc`` maps it."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: Tuple[Tuple[str, str], ...] = ()):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()):
         super().__init__(details)
         self._code, self._details, self._trailing = code, details, trailing
 
     @classmethod
-    def from_msg(cls, m: pb.StepError) -> "StepRpcError":
+    def from_msg(cls, m: pb.StepError) -> StepRpcError:
         return cls(_CODES.get(int(m.code), grpc.StatusCode.UNKNOWN), m.details,
                    tuple(zip(m.trailing_keys, m.trailing_values)))
 
@@ -81,7 +80,7 @@ class StepRpcError(grpc.RpcError):
     def details(self) -> str:
         return self._details
 
-    def trailing_metadata(self) -> Tuple[Tuple[str, str], ...]:
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._trailing
 
 

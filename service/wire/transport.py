@@ -6,8 +6,6 @@ The manager binds (:mod:`radixkv.service.server.listen`), the worker dials
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from radixkv.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "unix_socket_path", "read_file"]
@@ -16,7 +14,7 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "unix_socket_path", "read_file"]
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
 
-def unix_socket_path(address: str) -> Optional[str]:
+def unix_socket_path(address: str) -> str | None:
     """The file path of a ``unix:`` address (``unix:///abs``, ``unix:/abs``, ``unix:rel``), or None."""
     if address.startswith("unix://"):
         return address[len("unix://"):]

@@ -2,7 +2,8 @@
 and the worker buffers are the only windows into an engine)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Type
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,8 +84,8 @@ def same(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and (a[1] is None or torch.equal(a[1], b[1]))
 
 
-def expect_unchanged(engine: Any, exc: Type[BaseException], fn: Callable[[], Any],
-                     buffers: Any = None, match: Optional[str] = None) -> BaseException:
+def expect_unchanged(engine: Any, exc: type[BaseException], fn: Callable[[], Any],
+                     buffers: Any = None, match: str | None = None) -> BaseException:
     """``fn()`` raises ``exc`` and the engine (stats, req_to_token) is as before."""
     before = fingerprint(engine, buffers)
     with pytest.raises(exc, match=match) as info:

@@ -12,19 +12,18 @@ buffers for reading and writing KV.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-
 from conformance_util import FakeClock
-
 
 # An implementation is (make, buffers):
 #   make(config: dict of EngineConfig fields, clock: FakeClock | None) -> (engine, close)
 #   buffers(engine, info: AttachInfo) -> WorkerBuffers over the engine's memory
 
 
-def _make_embedded(config: Dict[str, Any], clock: Optional[FakeClock]) -> Tuple[Any, Callable[[], None]]:
+def _make_embedded(config: dict[str, Any], clock: FakeClock | None) -> tuple[Any, Callable[[], None]]:
     from radixkv.engine import CacheEngine, EngineConfig
 
     engine = CacheEngine(EngineConfig(**config), clock=clock)
@@ -41,7 +40,7 @@ def _embedded_buffers(engine: Any, info: Any) -> Any:
 # The gRPC client helper adds "remote": (make_remote, remote_buffers) to this dict.
 
 
-def _make_remote(config: Dict[str, Any], clock: Optional[FakeClock]) -> Tuple[Any, Callable[[], None]]:
+def _make_remote(config: dict[str, Any], clock: FakeClock | None) -> tuple[Any, Callable[[], None]]:
     """A ``radixkv.service`` client of a real gRPC server (threaded, Unix socket, shared
     memory) whose engine runs on ``clock``."""
     from tooling.testing import start_remote_engine
@@ -53,7 +52,7 @@ def _remote_buffers(engine: Any, info: Any) -> Any:
     return engine.worker_buffers(info)
 
 
-IMPLEMENTATIONS: Dict[str, Tuple[Callable, Callable]] = {
+IMPLEMENTATIONS: dict[str, tuple[Callable, Callable]] = {
     "embedded": (_make_embedded, _embedded_buffers),
     "remote": (_make_remote, _remote_buffers),
 }
@@ -67,9 +66,9 @@ class EngineFactory:
         self.name = name
         self._make = make
         self._buffers = buffers
-        self._closers: List[Callable[[], None]] = []
+        self._closers: list[Callable[[], None]] = []
 
-    def __call__(self, clock: Optional[FakeClock] = None, **config: Any) -> Any:
+    def __call__(self, clock: FakeClock | None = None, **config: Any) -> Any:
         engine, close = self._make(dict(config), clock)
         self._closers.append(close)
         return engine

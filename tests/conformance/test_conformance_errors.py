@@ -3,13 +3,16 @@ request-to-token table compared before and after, invariants checked after)."""
 import numpy as np
 import pytest
 import torch
+from conformance_util import Checked, expect_unchanged, toks, write_token_kv
 
 from radixkv.engine.protocol import CacheResult, DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import (
-    CapacityError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RadixKVError,
+    CapacityError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    RadixKVError,
 )
-
-from conformance_util import Checked, expect_unchanged, toks, write_token_kv
 
 
 @pytest.fixture(params=[1, 16])

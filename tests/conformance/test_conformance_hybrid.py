@@ -15,13 +15,19 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from conformance_util import (
+    Checked,
+    assert_law,
+    expect_unchanged,
+    fingerprint,
+    read_token_kv,
+    same,
+    toks,
+    write_token_kv,
+)
 
 from radixkv.engine.protocol import CacheResult, DecodeItem, EvictResult, ExtendItem, MatchQuery
 from radixkv.errors import CapacityError, StaleSessionError
-
-from conformance_util import (
-    Checked, assert_law, expect_unchanged, fingerprint, read_token_kv, same, toks, write_token_kv,
-)
 
 HYBRID_TREE = "radixkv.cache.mamba_radix_cache"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(HYBRID_TREE) is None,

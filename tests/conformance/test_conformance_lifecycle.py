@@ -5,12 +5,15 @@ A fake model writes K = token id into the slots each step returns, so "the secon
 reads the same rows" is checked on the data, not only on the bookkeeping."""
 import numpy as np
 import pytest
+from conformance_util import Checked, assert_law, rand_tokens, read_token_kv, toks, write_token_kv
 
 from radixkv.engine.protocol import (
-    CacheResult, DecodeItem, EngineStats, ExtendItem, MatchQuery,
+    CacheResult,
+    DecodeItem,
+    EngineStats,
+    ExtendItem,
+    MatchQuery,
 )
-
-from conformance_util import Checked, assert_law, rand_tokens, read_token_kv, toks, write_token_kv
 
 PAGES = [1, 16]
 
@@ -41,7 +44,7 @@ def test_prompt_decode_finish_then_prefix_reuse(engine_factory, ps):
     a = _prefill(e, s, buf, "a", prompt, prompt)
     assert (a.prefix_len, a.start, a.seq_len, a.mamba_slot) == (0, 0, 40, -1)
     seq = prompt
-    for step in range(5):
+    for _step in range(5):
         t = int(rng.integers(0, 50))
         d = e.alloc_decode(s, [DecodeItem("a", t)])
         seq = np.append(seq, np.int32(t))

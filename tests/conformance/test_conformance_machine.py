@@ -8,16 +8,20 @@ are checked, and every running request's row is read back through the worker buf
 the KV it points at must hold exactly its tokens (K = token id, written by a fake model)."""
 import numpy as np
 import pytest
+from conformance_util import FakeClock, assert_law, read_token_kv, toks, write_token_kv
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
 
 from radixkv.engine.protocol import CacheResult, DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import NotFoundError, PermissionDeniedError, StaleSessionError
-
-from conformance_util import FakeClock, assert_law, read_token_kv, toks, write_token_kv
 
 BASES = [list(range(1, 13)), [5] * 10, [7, 3, 7, 3, 7, 3, 9, 9]]
 tails = st.lists(st.integers(0, 9), min_size=0, max_size=10)
@@ -200,7 +204,7 @@ class EngineMachine(RuleBasedStateMachine):
         s = self.e.stats()
         assert_law(s)
         assert (s.sessions, s.requests, s.evicted_tokens) == (len(self.sessions), len(self.running), 0)
-        for rid, (_, tokens, row) in self.running.items():
+        for _rid, (_, tokens, row) in self.running.items():
             np.testing.assert_array_equal(read_token_kv(self.buf, row, len(tokens)), tokens)
 
 

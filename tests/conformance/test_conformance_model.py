@@ -5,11 +5,10 @@ from-scratch run. Chunked prefill and batched decode likewise."""
 import numpy as np
 import pytest
 import torch
+from conformance_util import Checked, toks
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 from radixkv.reference import HybridConfig, HybridModel, ModelCache
-
-from conformance_util import Checked, toks
 
 HEADS, DIM = 2, 8
 
@@ -48,7 +47,8 @@ def test_prefix_reuse_gives_from_scratch_logits(engine_factory, model, ps):
     for t in rng.integers(0, 40, 3):  # decode a few tokens
         d = e.alloc_decode(s, [DecodeItem("a", int(t))])
         seq = np.append(seq, np.int32(t))
-        out = model.decode(toks([t]), d.req_pool_indices, d.seq_lens, d.out_cache_loc, d.mamba_slots, ModelCache.over(buf))
+        out = model.decode(toks([t]), d.req_pool_indices, d.seq_lens, d.out_cache_loc, d.mamba_slots,
+                           ModelCache.over(buf))
         torch.testing.assert_close(out[0], model.forward_reference(seq)[-1], rtol=1e-4, atol=1e-4)
     e.cache_finished(s, ["a"])
     # request b shares 20 tokens with a: only its new tokens are computed
@@ -61,7 +61,8 @@ def test_prefix_reuse_gives_from_scratch_logits(engine_factory, model, ps):
     (rc,) = e.alloc_extend(s, [ExtendItem("c", b_tokens[:5])])
     _run_extend(model, buf, rc, b_tokens[:5])
     d = e.alloc_decode(s, [DecodeItem("b", 7), DecodeItem("c", 8)])
-    out = model.decode(toks([7, 8]), d.req_pool_indices, d.seq_lens, d.out_cache_loc, d.mamba_slots, ModelCache.over(buf))
+    out = model.decode(toks([7, 8]), d.req_pool_indices, d.seq_lens, d.out_cache_loc, d.mamba_slots,
+                       ModelCache.over(buf))
     torch.testing.assert_close(out[0], model.forward_reference(np.append(b_tokens, 7))[-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[1], model.forward_reference(np.append(b_tokens[:5], 8))[-1],
                                rtol=1e-4, atol=1e-4)

@@ -3,11 +3,10 @@ requests hold (driven by an injected clock), heartbeats keep a lease, stale sess
 refused, limits hold."""
 import numpy as np
 import pytest
+from conformance_util import Checked, assert_law, expect_unchanged, toks
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery, Session
 from radixkv.errors import CapacityError, StaleSessionError
-
-from conformance_util import Checked, assert_law, expect_unchanged, toks
 
 
 def _busy(e, s, rid_prefix, n=3, ps=1):
@@ -88,11 +87,11 @@ def test_stale_and_unknown_sessions(engine_factory, clock):
     bad = [Session("no-such-session", s.epoch, s.lease_ttl_s),
            Session(s.session_id, s.epoch + 1, s.lease_ttl_s)]
     for b in bad:
-        expect_unchanged(e, StaleSessionError, lambda: e.heartbeat(b))
-        expect_unchanged(e, StaleSessionError, lambda: e.alloc_decode(b, [DecodeItem("r", 1)]))
-        expect_unchanged(e, StaleSessionError, lambda: e.release(b, ["r"]))
-        expect_unchanged(e, StaleSessionError, lambda: e.detach(b))
-        expect_unchanged(e, StaleSessionError, lambda: e.flush(b))
+        expect_unchanged(e, StaleSessionError, lambda: e.heartbeat(b))  # noqa: B023
+        expect_unchanged(e, StaleSessionError, lambda: e.alloc_decode(b, [DecodeItem("r", 1)]))  # noqa: B023
+        expect_unchanged(e, StaleSessionError, lambda: e.release(b, ["r"]))  # noqa: B023
+        expect_unchanged(e, StaleSessionError, lambda: e.detach(b))  # noqa: B023
+        expect_unchanged(e, StaleSessionError, lambda: e.flush(b))  # noqa: B023
     e.release(s, ["r"])
 
 

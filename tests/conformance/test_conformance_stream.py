@@ -6,21 +6,21 @@ the embedded engine, exactly as the unary client does); each test also checks th
 stream carried the calls (no fallback to unary calls)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-
 from conformance_util import FakeClock
 
 # The scenarios (collected again in this module, with the fixture below).
 from test_conformance_errors import *  # noqa: F401,F403
+from test_conformance_hybrid import *  # noqa: F401,F403
 from test_conformance_lifecycle import *  # noqa: F401,F403
 from test_conformance_sessions import *  # noqa: F401,F403
 from test_conformance_stress import *  # noqa: F401,F403
-from test_conformance_hybrid import *  # noqa: F401,F403
 
 
-def _make_stream(config: Dict[str, Any], clock: Optional[FakeClock]) -> Tuple[Any, Callable[[], None]]:
+def _make_stream(config: dict[str, Any], clock: FakeClock | None) -> tuple[Any, Callable[[], None]]:
     from tooling.testing import start_remote_engine
 
     return start_remote_engine(config, clock, step_stream=True)
@@ -33,10 +33,10 @@ class _StreamFactory:
     name = "remote-stream"
 
     def __init__(self):
-        self.made: List[Any] = []
-        self._closers: List[Callable[[], None]] = []
+        self.made: list[Any] = []
+        self._closers: list[Callable[[], None]] = []
 
-    def __call__(self, clock: Optional[FakeClock] = None, **config: Any) -> Any:
+    def __call__(self, clock: FakeClock | None = None, **config: Any) -> Any:
         engine, close = _make_stream(dict(config), clock)
         self.made.append(engine)
         self._closers.append(close)

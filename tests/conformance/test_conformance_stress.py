@@ -5,11 +5,10 @@ running request's KV read back through the worker buffers; after every refused c
 nothing changed."""
 import numpy as np
 import pytest
+from conformance_util import Checked, FakeClock, assert_law, fingerprint, read_token_kv, same, write_token_kv
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import CapacityError, PermissionDeniedError, StaleSessionError
-
-from conformance_util import Checked, FakeClock, assert_law, fingerprint, read_token_kv, same, write_token_kv
 
 STEPS = 250
 
@@ -144,7 +143,7 @@ class Stress:
         st = self.raw.stats()
         assert_law(st)
         assert st.requests == len(self.running) and st.sessions == len(self.sessions)
-        for rid, (_, tokens, row) in self.running.items():
+        for _rid, (_, tokens, row) in self.running.items():
             np.testing.assert_array_equal(read_token_kv(self.buf, row, len(tokens)), tokens)
 
 

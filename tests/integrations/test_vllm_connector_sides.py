@@ -8,6 +8,7 @@ no hit and leave the manager idle.
 import numpy as np
 import pytest
 import torch
+from tooling.testing import ThreadedServer
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, InvariantError
@@ -16,7 +17,6 @@ from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, paged
 from radixkv.integrations.vllm.link import ManagerLink
 from radixkv.integrations.vllm.scheduler_side import ScheduledReq, SchedulerSide, vllm_slots
 from radixkv.integrations.vllm.worker_side import WorkerSide
-from tooling.testing import ThreadedServer
 
 BS, HEADS, HD, LAYERS = 4, 2, 8, 2
 SHAPE = KVShape(LAYERS, HEADS, HD, "float32", BS)

@@ -4,7 +4,6 @@ fixture kills what it started."""
 from __future__ import annotations
 
 import pytest
-
 from reliability_util import CHAOS_CONFIG  # noqa: F401  (re-exported for the tests)
 
 #: Standby workers kept started: twice the kill test's 6 victims at a time. It consumes a few

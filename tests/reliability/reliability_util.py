@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -10,7 +11,7 @@ import torch
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 
 #: An engine roomy enough for dozens of victims at once (each holds < 200 tokens).
-CHAOS_CONFIG: Dict[str, Any] = dict(kv_tokens=16384, request_rows=512, max_context_len=256, max_sessions=256,
+CHAOS_CONFIG: dict[str, Any] = dict(kv_tokens=16384, request_rows=512, max_context_len=256, max_sessions=256,
                                     max_requests_per_session=64, lease_ttl_s=1.0)
 
 
@@ -55,7 +56,7 @@ class Survivor:
         dec = client.alloc_decode(self.s, [DecodeItem(r, 7) for r in self.rids])
         self.rows = {r.rid: int(r.req_pool_idx) for r in res}
         self.seq = {r.rid: int(r.seq_len) + 1 for r in res}
-        self.locs: Dict[str, np.ndarray] = {}
+        self.locs: dict[str, np.ndarray] = {}
         for i, r in enumerate(res):
             self.locs[r.rid] = np.concatenate([r.out_cache_loc, dec.out_cache_loc[i:i + 1]])
         k, _ = self.wb.get_kv_buffer(0)
@@ -90,7 +91,7 @@ class Survivor:
             self.c.detach(self.s)
 
 
-def percentiles(values: List[float], ps=(50, 90, 99, 100)) -> Optional[Dict[str, float]]:
+def percentiles(values: list[float], ps=(50, 90, 99, 100)) -> dict[str, float] | None:
     if not values:
         return None
     a = np.asarray(values, dtype=np.float64)
@@ -102,7 +103,7 @@ class ServerProcess:
     a Unix socket in a fresh 0700 temp directory, token in a 0600 file. ``restart()`` starts
     a new manager on the same address; ``stop()`` ends it and removes the directory."""
 
-    def __init__(self, args: List[str], start_timeout_s: float = 120.0):
+    def __init__(self, args: list[str], start_timeout_s: float = 120.0):
         import os
         import secrets
         import tempfile
@@ -126,7 +127,8 @@ class ServerProcess:
 
         from radixkv.service.client import connect
 
-        self.p = subprocess.Popen([sys.executable, "-m", "radixkv.service.server.cli", "serve", "--address", self.address,
+        self.p = subprocess.Popen([sys.executable, "-m", "radixkv.service.server.cli", "serve", "--address",
+                                   self.address,
                                    "--token-file", self.token_file, "--log-level", "WARNING", *self.args])
         try:
             with connect(self.address, token=self.token, wait_s=self.start_timeout_s) as c:
@@ -139,7 +141,7 @@ class ServerProcess:
     def pid(self) -> int:
         return self.p.pid
 
-    def shm_files(self, pid: Optional[int] = None) -> List[str]:
+    def shm_files(self, pid: int | None = None) -> list[str]:
         import glob
 
         return glob.glob(f"/dev/shm/radixkv-{pid or self.pid}-*")
@@ -149,7 +151,7 @@ class ServerProcess:
             self.p.kill()
             self.p.wait(30)
 
-    def terminate(self, timeout_s: float = 30.0) -> Optional[int]:
+    def terminate(self, timeout_s: float = 30.0) -> int | None:
         import subprocess
 
         if self.p.poll() is None:
@@ -166,7 +168,7 @@ class ServerProcess:
         self.terminate()
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:

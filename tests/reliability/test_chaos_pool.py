@@ -8,17 +8,15 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
-
-from radixkv.errors import InvalidArgumentError, InvariantError
+from reliability_util import wait_until
 from tooling import chaos, chaos_worker
 from tooling.chaos import StandbyPool
 from tooling.testing import ThreadedServer
 
-from reliability_util import wait_until
+from radixkv.errors import InvalidArgumentError, InvariantError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,13 +13,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tooling.testing import ThreadedServer
 
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import (
-    CapacityError, InvalidArgumentError, NotFoundError, PermissionDeniedError, RadixKVError, StaleSessionError,
+    CapacityError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    RadixKVError,
+    StaleSessionError,
 )
-from tooling.testing import ThreadedServer
 
 CONFIG = dict(kv_tokens=512, max_context_len=128, lease_ttl_s=600.0)
 GOOD = np.arange(1, 9, dtype=np.int32)

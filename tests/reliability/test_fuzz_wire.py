@@ -16,13 +16,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.server.servicer import STREAM_METHODS, UNARY_METHODS
 from radixkv.service.server.manager import ServeOptions
-from tooling.testing import ThreadedServer
-
+from radixkv.service.server.servicer import STREAM_METHODS, UNARY_METHODS
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from reliability_util import check_law
+from tooling.testing import ThreadedServer
 
 ALLOWED = {"OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
 MAX_MSG = 1 << 16
@@ -205,7 +203,8 @@ def test_garbage_on_streams_and_bad_utf8(wire):
         list(watch(b"\x0a\x05\xff", metadata=wire.md, timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # a keep-alive stream may not switch sessions
-    both = [pb.HeartbeatRequest(session=wire.a).SerializeToString(), pb.HeartbeatRequest(session=wire.b).SerializeToString()]
+    both = [pb.HeartbeatRequest(session=wire.a).SerializeToString(),
+            pb.HeartbeatRequest(session=wire.b).SerializeToString()]
     with pytest.raises(grpc.RpcError) as ei:
         list(ka(iter(both), metadata=wire.md, timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -235,7 +234,8 @@ def test_every_rpc_but_health_needs_the_token(wire):
             else:
                 try:
                     if m == "KeepAlive":
-                        list(wire.ch.stream_stream(f"/radixkv.v1.CacheManager/{m}")(iter([b""]), metadata=md, timeout=30))
+                        list(wire.ch.stream_stream(f"/radixkv.v1.CacheManager/{m}")(
+                            iter([b""]), metadata=md, timeout=30))
                     else:
                         list(wire.ch.unary_stream(f"/radixkv.v1.CacheManager/{m}")(b"", metadata=md, timeout=30))
                     code = "OK"

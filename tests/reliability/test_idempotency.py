@@ -16,14 +16,13 @@ import time
 import grpc
 import numpy as np
 import pytest
-
-from radixkv.engine.protocol import ExtendItem
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.server.idempotency import ReplyCache
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.request_id import REQUEST_ID_KEY
+from reliability_util import check_law
 from tooling.testing import ThreadedServer
 
-from reliability_util import check_law
+from radixkv.engine.protocol import ExtendItem
 
 CONFIG = dict(kv_tokens=1024, max_context_len=512, lease_ttl_s=30.0)
 
@@ -41,7 +40,8 @@ def _raw(srv):
 
 
 def _extend(ref, rid, n):
-    return pb.AllocExtendRequest(session=ref, items=[pb.ExtendItem(rid=rid, token_ids_i32=np.arange(1, n + 1, dtype="<i4").tobytes())])
+    toks = np.arange(1, n + 1, dtype="<i4").tobytes()
+    return pb.AllocExtendRequest(session=ref, items=[pb.ExtendItem(rid=rid, token_ids_i32=toks)])
 
 
 def test_same_request_id_gets_the_kept_reply_and_allocates_once():

@@ -5,9 +5,10 @@ taken from a pool of standbys started ahead of need (so a cycle does not wait fo
 interpreter start; the pool counts the spawns that did), and run a random mix of calls over
 prompts that share prefixes (so tree nodes are shared and locked). Each is killed either by
 itself at a named point (between alloc and insert, holding locks after ``cache_unfinished``,
-mid-call, mid-batch, after decode) or from outside after a random delay. About two thirds keep their session alive with a keep-alive stream (reclaimed when it
-drops), the others rely on a 1 s lease. Quarantine is on (what matters in production), so
-reclaiming also goes through the pid check.
+mid-call, mid-batch, after decode) or from outside after a random delay. About two thirds
+keep their session alive with a keep-alive stream (reclaimed when it drops), the others rely
+on a 1 s lease. Quarantine is on (what matters in production), so reclaiming also goes
+through the pid check.
 
 After every phase of cycles, at idle: every killed session is gone, invariants hold, the
 conservation law holds, and a survivor worker holding requests through it all finds its
@@ -23,12 +24,10 @@ import os
 import time
 
 import numpy as np
-
-from tooling.chaos import KILL_POINTS
 from radixkv.service.server.manager import ServeOptions
-from tooling.testing import ThreadedServer
-
 from reliability_util import CHAOS_CONFIG, Survivor, check_law, live_sessions, percentiles, wait_until
+from tooling.chaos import KILL_POINTS
+from tooling.testing import ThreadedServer
 
 CYCLES = int(os.environ.get("RADIXKV_KILL_CYCLES", "200"))
 CONCURRENCY = 6

@@ -18,12 +18,11 @@ import time
 
 import grpc
 import numpy as np
+from radixkv.service.client import connect
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from reliability_util import ServerProcess, check_law, percentiles
 
 from radixkv.errors import CapacityError
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.client import connect
-
-from reliability_util import ServerProcess, check_law, percentiles
 
 LIMIT_SESSIONS, LIMIT_RPCS = 8, 8
 DEADLINE_S = 60.0
@@ -111,8 +110,8 @@ def test_calls_beyond_the_limit_are_answered_at_once_not_queued():
     """Eight slow calls (their replies held back 3 s by fault injection) fill the limit of 8;
     100 more calls are all refused RESOURCE_EXHAUSTED, every one of them before any slow
     call has finished (so none waited in a queue), and the slow calls then succeed."""
-    from radixkv.service.wire.request_id import REQUEST_ID_KEY
     from radixkv.service.server.manager import ServeOptions
+    from radixkv.service.wire.request_id import REQUEST_ID_KEY
     from tooling.testing import ThreadedServer
 
     opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, max_concurrent_rpcs=LIMIT_RPCS)

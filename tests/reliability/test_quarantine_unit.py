@@ -8,12 +8,12 @@ import sys
 import numpy as np
 import pytest
 from engine_fixtures import ManualClock
+from radixkv.service.server.quarantine import ProcessHandle, Quarantine
 
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import ExtendItem
 from radixkv.engine.sessions import SessionTable
 from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
-from radixkv.service.server.quarantine import ProcessHandle, Quarantine
 
 
 def test_a_fenced_session_is_refused_but_keeps_its_requests():

@@ -18,13 +18,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from radixkv.service.client import connect
+from radixkv.service.wire.errors import ServiceUnavailableError
+from reliability_util import ServerProcess, check_law, wait_until
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 from radixkv.errors import StaleSessionError
-from radixkv.service.client import connect
-from radixkv.service.wire.errors import ServiceUnavailableError
-
-from reliability_util import ServerProcess, check_law, wait_until
 
 ARGS = ["--kv-tokens", "4096", "--lease-ttl-s", "5", "--sweep-interval-s", "0.1", "--grace-s", "1"]
 

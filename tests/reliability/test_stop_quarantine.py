@@ -16,13 +16,12 @@ import time
 import numpy as np
 import pytest
 import torch
+from radixkv.service.server.manager import ServeOptions
+from reliability_util import check_law, live_sessions, wait_until
+from tooling.testing import ThreadedServer
 
 from radixkv.engine.protocol import ExtendItem
 from radixkv.errors import CapacityError
-from radixkv.service.server.manager import ServeOptions
-from tooling.testing import ThreadedServer
-
-from reliability_util import check_law, live_sessions, wait_until
 
 TTL, SWEEP = 1.0, 0.05
 CONFIG = dict(kv_tokens=2048, request_rows=64, max_context_len=256, lease_ttl_s=TTL)

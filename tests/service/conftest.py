@@ -1,6 +1,5 @@
 """Fixtures of the service tests (helpers in ``service_util``)."""
 import pytest
-
 from service_util import start_server, stop_server
 
 

@@ -10,7 +10,7 @@ import secrets
 import shutil
 import signal
 import tempfile
-from typing import List, NamedTuple
+from typing import NamedTuple
 
 SPAWN = mp.get_context("spawn")
 START_TIMEOUT_S = 90  # a spawned child imports torch: slow on a loaded 2-core machine
@@ -18,20 +18,20 @@ STOP_TIMEOUT_S = 30
 
 
 class ServerProc(NamedTuple):
-    process: "mp.process.BaseProcess"
+    process: mp.process.BaseProcess
     address: str
     token: str
     directory: str
     socket_path: str
 
-    def shm_files(self) -> List[str]:
+    def shm_files(self) -> list[str]:
         return glob.glob(f"/dev/shm/radixkv-{self.process.pid}-*")
 
 
-def start_server(extra_args: List[str], target=None) -> ServerProc:
+def start_server(extra_args: list[str], target=None) -> ServerProc:
     """A server process with a token file; waits until it answers."""
-    from radixkv.service.server.cli import main
     from radixkv.service.client import connect
+    from radixkv.service.server.cli import main
 
     directory = tempfile.mkdtemp(prefix="rkv-")  # 0700
     token = secrets.token_urlsafe(24)

@@ -28,8 +28,9 @@ def _full_layers(wb):
 def prefill_worker(address, token, rid, prompt, q):
     """Worker A: prefill ``prompt``, write its KV into the shared buffers, cache it."""
     try:
-        from radixkv.engine.protocol import ExtendItem
         from radixkv.service.client import connect
+
+        from radixkv.engine.protocol import ExtendItem
 
         with connect(address, token=token, wait_s=60) as c:
             info = c.attach("worker-A")
@@ -52,8 +53,9 @@ def reuse_worker(address, token, rid, prompt, continuation, q):
     """Worker B: extend ``prompt + continuation``; read the reused rows straight from the
     shared buffers and compare them with what worker A wrote."""
     try:
-        from radixkv.engine.protocol import ExtendItem
         from radixkv.service.client import connect
+
+        from radixkv.engine.protocol import ExtendItem
 
         with connect(address, token=token, wait_s=60) as c:
             info = c.attach("worker-B")
@@ -78,8 +80,9 @@ def reuse_worker(address, token, rid, prompt, continuation, q):
 def holding_worker(address, token, keepalive, q):
     """Attach, start a request (prefill + decode) and hold it until killed."""
     try:
-        from radixkv.engine.protocol import DecodeItem, ExtendItem
         from radixkv.service.client import connect
+
+        from radixkv.engine.protocol import DecodeItem, ExtendItem
 
         c = connect(address, token=token, wait_s=60)
         s = c.attach("victim").session

@@ -2,9 +2,9 @@
 import logging
 
 import pytest
+from radixkv.service.wire.auth import METADATA_KEY, Token, presented_token, resolve_token
 
 from radixkv.errors import InvalidArgumentError
-from radixkv.service.wire.auth import METADATA_KEY, Token, presented_token, resolve_token
 
 SECRET = "s3cret-token-value"
 
@@ -53,6 +53,7 @@ def test_the_token_never_reaches_the_logs(caplog):
     """A server rejecting calls and serving good ones logs nothing with the token in it."""
     from radixkv.service.client import connect
     from tooling.testing import ThreadedServer
+
     from radixkv.errors import UnauthenticatedError
 
     caplog.set_level(logging.DEBUG)

@@ -1,11 +1,9 @@
 """The service on a CUDA device: pools exported through CUDA IPC, mapped by spawned workers
 (runs only where CUDA is present)."""
-import numpy as np
 import pytest
-import torch
-
-from service_util import run_worker
 import service_workers as workers
+import torch
+from service_util import run_worker
 
 pytestmark = pytest.mark.cuda
 

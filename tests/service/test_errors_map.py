@@ -1,12 +1,18 @@
 """The one error map: every radixkv error -> its gRPC status -> the same type back."""
 import grpc
 import pytest
+from radixkv.service.wire.errors import (
+    AVAILABLE_KEY,
+    ERROR_TYPE_KEY,
+    KNOWN_ERRORS,
+    REQUESTED_KEY,
+    MessageTooLargeError,
+    ServiceUnavailableError,
+    error_from_rpc,
+    status_of,
+)
 
 from radixkv import errors as E
-from radixkv.service.wire.errors import (
-    AVAILABLE_KEY, ERROR_TYPE_KEY, KNOWN_ERRORS, REQUESTED_KEY, MessageTooLargeError,
-    ServiceUnavailableError, error_from_rpc, status_of,
-)
 
 
 class FakeRpcError(grpc.RpcError):

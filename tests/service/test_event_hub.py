@@ -7,14 +7,14 @@ import random
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from radixkv.service.server.event_hub import KIND_KV, KIND_STATE, EventHub, Lost
+from radixkv.service.server.servicer import encode_record
+from radixkv.service.wire import events as event_wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, KVEventRecorder
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.state_events import StateRemoved, StateStored
-from radixkv.service.wire import events as event_wire
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.server.event_hub import KIND_KV, KIND_STATE, EventHub, Lost
-from radixkv.service.server.servicer import encode_record
 
 
 class Source:

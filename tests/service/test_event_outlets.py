@@ -22,11 +22,12 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
+from radixkv.service.client import connect  # noqa: E402
+from service_util import start_server, stop_server  # noqa: E402
+
 from radixkv.engine.protocol import ExtendItem, MatchQuery  # noqa: E402
 from radixkv.events.vllm_wire import decode_batch  # noqa: E402
 from radixkv.events.zmq_publisher import END_SEQ  # noqa: E402
-from radixkv.service.client import connect  # noqa: E402
-from service_util import start_server, stop_server  # noqa: E402
 
 PS = 4
 TOPIC = "kv@m0"
@@ -300,10 +301,11 @@ def test_resume_from_start_seq_and_lag_beyond_the_ring_are_reported():
 
 
 def test_the_zmq_outlet_needs_events_on_and_an_endpoint_it_can_open():
-    from radixkv.errors import InvalidArgumentError
-    from radixkv.events.zmq_publisher import PublisherConfig
     from radixkv.service.server.manager import ServeOptions
     from tooling.testing import ThreadedServer
+
+    from radixkv.errors import InvalidArgumentError
+    from radixkv.events.zmq_publisher import PublisherConfig
 
     opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, kv_events=PublisherConfig("tcp://127.0.0.1:*"))
     with pytest.raises(InvalidArgumentError, match="enable-kv-events"):

@@ -22,14 +22,15 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
+from radixkv.service.client import connect  # noqa: E402
+from service_util import start_server, stop_server  # noqa: E402
+
 from radixkv.engine import EngineConfig  # noqa: E402
 from radixkv.engine.protocol import ExtendItem, MatchQuery  # noqa: E402
 from radixkv.events.dynamo import tokens_hashes  # noqa: E402
 from radixkv.events.state_router import StateAwareIndex, StateAwareScore  # noqa: E402
 from radixkv.events.vllm_wire import decode_batch  # noqa: E402
 from radixkv.events.zmq_publisher import END_SEQ  # noqa: E402
-from radixkv.service.client import connect  # noqa: E402
-from service_util import start_server, stop_server  # noqa: E402
 
 PS = 2
 WAIT_S = 10

@@ -18,7 +18,6 @@ import traceback
 import numpy as np
 import pytest
 import torch
-
 from service_util import run_worker, start_server, stop_server
 
 PAGE = 16
@@ -27,9 +26,10 @@ TOL = 1e-9
 
 
 def _setup(address, token, name):
+    from radixkv.service.client import connect
+
     from radixkv.demo_workers import demo_model_config
     from radixkv.reference import HybridModel
-    from radixkv.service.client import connect
 
     torch.set_num_threads(1)
     client = connect(address, token=token, wait_s=60, timeout_s=60)
@@ -127,9 +127,10 @@ def hybrid_server(tmp_path):
 
 
 def test_worker_b_reuses_worker_a_kv_and_state_across_processes(hybrid_server):
+    from radixkv.service.client import connect
+
     from radixkv.demo_workers import demo_model_config
     from radixkv.reference import HybridModel
-    from radixkv.service.client import connect
 
     rng = np.random.default_rng(7)
     model = HybridModel(demo_model_config())

@@ -18,14 +18,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from engine_fixtures import comparable
+from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
+from radixkv.service.wire import codec as wire
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import DecodeItem, DecodeResult, ExtendItem, ExtendResult, MatchQuery, Session
 from radixkv.errors import InvariantError, LengthMismatchError, NotFoundError, RadixKVError, StaleSessionError
-from radixkv.service.wire import codec as wire
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
 
 CONFIG = dict(device="cpu", kv_tokens=384, page_size=1, request_rows=12, max_context_len=80,
               max_requests_per_session=6, lease_ttl_s=600.0, decode_reserve=4)
@@ -68,8 +68,9 @@ def test_replay_request_round_trips():
 def test_serve_flag_and_config_file_key(tmp_path):
     import argparse
 
-    from radixkv.errors import InvalidArgumentError
     from radixkv.service.server.cli import add_serve_arguments, engine_config_from_args
+
+    from radixkv.errors import InvalidArgumentError
 
     p = add_serve_arguments(argparse.ArgumentParser())
     assert engine_config_from_args(p.parse_args(["--decode-reserve", "8"])).decode_reserve == 8

@@ -7,14 +7,15 @@ included: the engines are deterministic) or raise the same error type; their sta
 both pass ``check_invariants()``; the model's request count matches.
 """
 import numpy as np
-from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from engine_fixtures import comparable
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tooling.testing import ThreadedServer
+
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
 from radixkv.errors import RadixKVError
-from tooling.testing import ThreadedServer
 
 CONFIG = dict(kv_tokens=96, page_size=1, request_rows=6, max_context_len=64, max_requests_per_session=4,
               lease_ttl_s=1e6)

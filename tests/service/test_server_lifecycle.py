@@ -5,7 +5,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
@@ -13,17 +12,16 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from radixkv.service.client import connect
+from radixkv.service.server.listen import prepare_unix_socket
+from radixkv.service.server.manager import ServeOptions
+from radixkv.service.wire.errors import ServiceUnavailableError
+from radixkv.service.wire.transport import unix_socket_path
+from service_util import STOP_TIMEOUT_S, start_server, stop_server
+from tooling.testing import ThreadedServer
 
 from radixkv.engine.protocol import ExtendItem
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError, StaleSessionError
-from radixkv.service.client import connect
-from radixkv.service.wire.errors import ServiceUnavailableError
-from radixkv.service.server.listen import prepare_unix_socket
-from radixkv.service.server.manager import ServeOptions
-from radixkv.service.wire.transport import unix_socket_path
-from tooling.testing import ThreadedServer
-
-from service_util import STOP_TIMEOUT_S, start_server, stop_server
 
 
 def test_unix_addresses():
@@ -208,7 +206,7 @@ def test_metrics_endpoint():
         assert "radixkv_sessions 1.0" in text and "radixkv_hit_rate" in text
         assert "radixkv_evicted_tokens_total" in text
         with connect(srv.address, token="wrong-token-here") as bad:
-            with pytest.raises(Exception):
+            with pytest.raises(Exception):  # noqa: B017
                 bad.stats()
         text = srv.server.metrics.exposition().decode()
         assert 'radixkv_auth_failures_total{method="Stats"} 1.0' in text
@@ -296,9 +294,10 @@ def test_idle_checks_report_a_broken_invariant():
 @pytest.mark.parametrize("bad", [dict(max_message_bytes=0), dict(sweep_interval_s=0), dict(grace_s=-1),
                                  dict(metrics_port=70000), dict(address="")])
 def test_bad_options_are_refused_before_anything_is_allocated(bad, tmp_path):
-    from radixkv.engine import EngineConfig
-    from radixkv.service.wire.auth import Token
     from radixkv.service.server.manager import CacheManagerServer
+    from radixkv.service.wire.auth import Token
+
+    from radixkv.engine import EngineConfig
 
     with pytest.raises(InvalidArgumentError):
         CacheManagerServer(EngineConfig(kv_tokens=64), Token("a-long-enough-token"),

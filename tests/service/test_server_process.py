@@ -8,18 +8,21 @@ import time
 import grpc
 import numpy as np
 import pytest
+import service_workers as workers
+from radixkv.service.client import connect
+from radixkv.service.server.manager import DEFAULT_QUARANTINE_S
+from radixkv.service.wire.errors import MessageTooLargeError
+from service_util import SPAWN, START_TIMEOUT_S, run_worker
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery, Session
 from radixkv.errors import (
-    CapacityError, InvalidArgumentError, NotFoundError, PermissionDeniedError, StaleSessionError,
+    CapacityError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    StaleSessionError,
     UnauthenticatedError,
 )
-from radixkv.service.client import connect
-from radixkv.service.wire.errors import MessageTooLargeError
-from radixkv.service.server.manager import DEFAULT_QUARANTINE_S
-
-from service_util import SPAWN, START_TIMEOUT_S, run_worker
-import service_workers as workers
 
 QUARANTINE_S = DEFAULT_QUARANTINE_S  # the module's server runs with the default (30 s)
 
@@ -99,7 +102,8 @@ def test_auth_failures(server):
         with pytest.raises(UnauthenticatedError):
             bad.attach("intruder")
     # no token at all, straight through a raw channel
-    from radixkv.service.wire._gen import cache_manager_pb2 as pb, cache_manager_pb2_grpc as pb_grpc
+    from radixkv.service.wire._gen import cache_manager_pb2 as pb
+    from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"unix:{server.socket_path}") as ch:
         with pytest.raises(grpc.RpcError) as ei:

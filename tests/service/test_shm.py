@@ -4,11 +4,16 @@ import stat
 
 import pytest
 import torch
+from radixkv.service.wire.shm import (
+    SharedBuffers,
+    ShmDescriptor,
+    create_shm_buffer,
+    export_cuda_buffer,
+    import_cuda_buffer,
+    map_shm_buffer,
+)
 
 from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
-from radixkv.service.wire.shm import (
-    ShmDescriptor, SharedBuffers, create_shm_buffer, export_cuda_buffer, import_cuda_buffer, map_shm_buffer,
-)
 
 
 def test_create_is_0600_zeroed_and_aliases_a_second_mapping(tmp_path):
@@ -108,8 +113,9 @@ def test_cuda_ipc_buffer_aliases_across_processes():
 
 
 def test_remove_stale_files_only_takes_dead_managers_files(tmp_path):
-    from radixkv.service.wire.shm import remove_stale_files
     import multiprocessing as mp
+
+    from radixkv.service.wire.shm import remove_stale_files
 
     p = mp.get_context("spawn").Process(target=int)
     p.start()
@@ -128,9 +134,10 @@ def test_remove_stale_files_only_takes_dead_managers_files(tmp_path):
 def test_hybrid_pools_over_shared_files_alias_a_workers_mapping(tmp_path):
     """Every pool of a hybrid model (req_to_token, KV, Mamba states) built over shared files;
     a second mapping of the same files (what a worker makes) sees and makes the same writes."""
-    from radixkv.engine import EngineConfig, EnginePools, attach_buffers, plan_arenas
     from radixkv.service.wire import codec as wire
     from radixkv.service.wire.shm import map_buffer
+
+    from radixkv.engine import EngineConfig, EnginePools, attach_buffers, plan_arenas
 
     cfg = EngineConfig(layer_types="KF", kv_tokens=64, state_slots=4, request_rows=4, max_context_len=32,
                        kda_head_dim=8)

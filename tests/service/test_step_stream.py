@@ -12,16 +12,16 @@ import time
 import grpc
 import numpy as np
 import pytest
+from radixkv.service.client import connect
+from radixkv.service.client.step_lane import StepLane
+from radixkv.service.server.manager import ServeOptions
+from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.errors import ServiceUnavailableError
+from radixkv.service.wire.step import StepRpcError, error_to_msg
+from tooling.testing import ThreadedServer
 
 from radixkv import errors as E
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery
-from radixkv.service.client.step_lane import StepLane
-from radixkv.service.wire.step import StepRpcError, error_to_msg
-from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.client import connect
-from radixkv.service.wire.errors import ServiceUnavailableError
-from radixkv.service.server.manager import ServeOptions
-from tooling.testing import ThreadedServer
 
 CONFIG = {"kv_tokens": 2048, "page_size": 1, "request_rows": 32, "max_context_len": 256}
 

@@ -1,17 +1,26 @@
 """Wire conversions: packed little-endian arrays and every NamedTuple <-> message round trip."""
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
-
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from radixkv.engine.protocol import (
-    CacheResult, DecodeItem, DecodeResult, EngineStats, EvictResult, ExtendItem, ExtendResult,
-    MatchInfo, MatchQuery, Session,
-)
-from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
+from hypothesis import given
+from hypothesis import strategies as st
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.shm import CudaIpcDescriptor, ShmDescriptor
+
+from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.engine.protocol import (
+    CacheResult,
+    DecodeItem,
+    DecodeResult,
+    EngineStats,
+    EvictResult,
+    ExtendItem,
+    ExtendResult,
+    MatchInfo,
+    MatchQuery,
+    Session,
+)
+from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
 
 i32s = st.lists(st.integers(-(1 << 31), (1 << 31) - 1), max_size=64)
 i64s = st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=64)

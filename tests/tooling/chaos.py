@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Deque, Dict, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError
 
@@ -49,12 +49,12 @@ class WorkerProc:
     """One worker process: its id (``wid``, -1 while a standby), pid, a pidfd (signals go
     through it) and the pipe to its stdin (the spec goes there; closing it ends the worker)."""
 
-    def __init__(self, wid: int, popen: "subprocess.Popen[bytes]"):
+    def __init__(self, wid: int, popen: subprocess.Popen[bytes]):
         self.wid = wid
         self.popen = popen
         self.pid = popen.pid
         try:
-            self._fd: Optional[int] = os.pidfd_open(popen.pid)
+            self._fd: int | None = os.pidfd_open(popen.pid)
         except ProcessLookupError:  # pragma: no cover - our unreaped child cannot vanish
             self._fd = None
 
@@ -121,7 +121,7 @@ class StandbyPool:
     own threads (replenisher, event reader) share state with it under a lock.
     """
 
-    def __init__(self, standby: int = 4, timeout_s: float = 60.0, env: Optional[Dict[str, str]] = None,
+    def __init__(self, standby: int = 4, timeout_s: float = 60.0, env: dict[str, str] | None = None,
                  standby_nice: int = 10):
         if isinstance(standby, bool) or not isinstance(standby, int) or not 1 <= standby <= 64:
             raise InvalidArgumentError(f"standby must be an int in [1, 64], got {standby!r}")
@@ -133,14 +133,15 @@ class StandbyPool:
         self._env.update(env or {})
         # The worker module lives in tests/tooling/ (not installed): its interpreter finds it
         # through PYTHONPATH, as the test process found it through pytest's sys.path.
-        self._env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR] + [p for p in (self._env.get("PYTHONPATH") or "").split(os.pathsep) if p])
-        self.events: "queue.Queue[Dict[str, Any]]" = queue.Queue()
-        self.workers: Dict[int, WorkerProc] = {}
+        inherited = (self._env.get("PYTHONPATH") or "").split(os.pathsep)
+        self._env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR] + [p for p in inherited if p])
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.workers: dict[int, WorkerProc] = {}
         self._cv = threading.Condition()
-        self._ready: Deque[WorkerProc] = collections.deque()
-        self._starting: Dict[int, WorkerProc] = {}  # pid -> standby not ready yet
+        self._ready: collections.deque[WorkerProc] = collections.deque()
+        self._starting: dict[int, WorkerProc] = {}  # pid -> standby not ready yet
         self._announced: set = set()  # pids that said "standby" before being filed (a race)
-        self._dead: List[WorkerProc] = []  # signalled or finished, not reaped yet
+        self._dead: list[WorkerProc] = []  # signalled or finished, not reaped yet
         self._closed = False
         self._started = self._spawned = self._waits = self._died_unused = 0
         self._wait_max = self._wait_total = 0.0
@@ -226,7 +227,7 @@ class StandbyPool:
                 self.events.put(ev)
 
     # ------------------------------------------------------------------ events
-    def wait_event(self, pred: Any, timeout_s: float) -> Optional[Dict[str, Any]]:
+    def wait_event(self, pred: Any, timeout_s: float) -> dict[str, Any] | None:
         """The next event matching ``pred`` (others are dropped), or None after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -240,9 +241,9 @@ class StandbyPool:
             if pred(ev):
                 return ev
 
-    def drain(self, timeout_s: float = 0.0) -> List[Dict[str, Any]]:
+    def drain(self, timeout_s: float = 0.0) -> list[dict[str, Any]]:
         """Every queued event, waiting up to ``timeout_s`` for the first."""
-        out: List[Dict[str, Any]] = []
+        out: list[dict[str, Any]] = []
         try:
             out.append(self.events.get(timeout=timeout_s) if timeout_s > 0 else self.events.get_nowait())
         except queue.Empty:
@@ -259,7 +260,7 @@ class StandbyPool:
         with self._cv:
             return len(self._ready)
 
-    def spawn(self, spec: Dict[str, Any], timeout_s: float = 30.0) -> WorkerProc:
+    def spawn(self, spec: dict[str, Any], timeout_s: float = 30.0) -> WorkerProc:
         """Hand ``spec`` (``wid``, ``address``, ``token`` required) to a ready standby and
         return it; waits (counted in :meth:`stats`) only when no standby is ready.
 
@@ -342,7 +343,7 @@ class StandbyPool:
         dead awaiting its reap), no pid appears twice, workers carry their own id. Raises
         ``InvariantError`` naming the pids / ids."""
         with self._cv:
-            places: Dict[int, List[str]] = {}
+            places: dict[int, list[str]] = {}
             for w in self._starting.values():
                 places.setdefault(w.pid, []).append("starting")
             for w in self._ready:
@@ -388,7 +389,7 @@ class StandbyPool:
             self._wfd = -1
         self._reader.join(10)
 
-    def __enter__(self) -> "StandbyPool":
+    def __enter__(self) -> StandbyPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List
+from typing import Any
 
 #: Set by the driver: the niceness increment of a standby while it starts and waits, so that
 #: starting interpreters in the background does not take CPU from the manager and the running
@@ -57,7 +57,6 @@ if __name__ == "__main__" and os.environ.get(STANDBY_NICE_ENV):
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
-
 from radixkv.service.wire._gen import cache_manager_pb2 as pb  # noqa: E402
 from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -65,7 +64,7 @@ KILL_POINTS = ("after_alloc", "after_cache_unfinished", "mid_call", "mid_batch",
 _MAX_LINE = 4000  # < PIPE_BUF: one atomic write
 
 
-def emit(event: Dict[str, Any]) -> None:
+def emit(event: dict[str, Any]) -> None:
     """Write ``event`` as one JSON line in one atomic ``os.write`` (long lists are dropped)."""
     line = json.dumps(event, separators=(",", ":"))
     if len(line) > _MAX_LINE:  # keep writes atomic: drop the long list, say so
@@ -106,7 +105,7 @@ class _KV:
 
 
 class _Worker:
-    def __init__(self, spec: Dict[str, Any]):
+    def __init__(self, spec: dict[str, Any]):
         self.spec = spec
         self.wid = spec["wid"]
         self.rng = np.random.default_rng(spec.get("seed", 0))
@@ -119,12 +118,12 @@ class _Worker:
         self.timeout = float(spec.get("timeout_s", 10.0))
         self.kill_at = spec.get("kill_at")
         self.kill_nth = int(spec.get("kill_nth", 1))
-        self.seen: Dict[str, int] = {}
+        self.seen: dict[str, int] = {}
         vocab_rng = np.random.default_rng(spec.get("bases_seed", 12345))
         self.bases = vocab_rng.integers(1, 1000, size=(int(spec.get("n_bases", 4)), 64)).astype(np.int32)
         self.marker = float(spec.get("marker", -1.0))
-        self.live: Dict[str, int] = {}  # rid -> seq_len
-        self.held: Dict[str, List[int]] = {}  # rid -> the slots it was given (running requests)
+        self.live: dict[str, int] = {}  # rid -> seq_len
+        self.held: dict[str, list[int]] = {}  # rid -> the slots it was given (running requests)
         self.n = 0
 
     def point(self, name: str) -> None:
@@ -203,7 +202,8 @@ class _Worker:
         self.point("after_decode")
 
     def step(self) -> None:
-        ops = ["extend", "decode", "cache_unfinished", "cache_finished", "release", "match"] if self.live else ["extend"]
+        ops = ["extend", "decode", "cache_unfinished", "cache_finished", "release",
+               "match"] if self.live else ["extend"]
         op = ops[int(self.rng.integers(len(ops)))]
         if op == "extend":
             self.extend()
@@ -268,7 +268,7 @@ def _exit_when_driver_goes(stdin: Any) -> None:
     _die()
 
 
-def run_worker(spec: Dict[str, Any]) -> None:
+def run_worker(spec: dict[str, Any]) -> None:
     """Run one worker from ``spec`` in this process; never returns (``os._exit``)."""
     code = 0
     try:

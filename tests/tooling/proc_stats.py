@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, NamedTuple
+from typing import NamedTuple
 
 __all__ = ["ProcSample", "proc_sample", "drift"]
 
@@ -31,7 +31,7 @@ def proc_sample(pid: int) -> ProcSample:
     return ProcSample(time.monotonic(), rss, threads, fds)
 
 
-def drift(samples: List[ProcSample], field: str) -> Dict[str, float]:
+def drift(samples: list[ProcSample], field: str) -> dict[str, float]:
     """First, last, min, max of ``field`` over ``samples`` and last - first."""
     vals = [getattr(s, field) for s in samples]
     if not vals:

@@ -13,13 +13,15 @@ import secrets
 import shutil
 import tempfile
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from collections.abc import Callable
+from typing import Any
+
+from radixkv.service.client import RemoteCacheEngine, connect
+from radixkv.service.server.manager import CacheManagerServer, ServeOptions
+from radixkv.service.wire.auth import Token
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import RadixKVError
-from radixkv.service.wire.auth import Token
-from radixkv.service.client import RemoteCacheEngine, connect
-from radixkv.service.server.manager import CacheManagerServer, ServeOptions
 
 __all__ = ["ThreadedServer", "start_remote_engine"]
 
@@ -34,8 +36,8 @@ class ThreadedServer:
         timeout_s: how long start and stop may take.
     """
 
-    def __init__(self, config: EngineConfig | Dict[str, Any] | None = None, *,
-                 clock: Optional[Callable[[], float]] = None, options: Optional[ServeOptions] = None,
+    def __init__(self, config: EngineConfig | dict[str, Any] | None = None, *,
+                 clock: Callable[[], float] | None = None, options: ServeOptions | None = None,
                  timeout_s: float = 30.0):
         if isinstance(config, dict):
             config = EngineConfig.from_dict(config)
@@ -47,12 +49,12 @@ class ThreadedServer:
         self._clock = clock
         self._timeout = timeout_s
         self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stop_event: Optional[asyncio.Event] = None
-        self._thread: Optional[threading.Thread] = None
-        self.server: Optional[CacheManagerServer] = None
-        self.address: Optional[str] = None
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self.server: CacheManagerServer | None = None
+        self.address: str | None = None
         self._clients: list = []
 
     def start(self) -> str:
@@ -111,7 +113,7 @@ class ThreadedServer:
     def _cleanup_dir(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "ThreadedServer":
+    def __enter__(self) -> ThreadedServer:
         self.start()
         return self
 
@@ -119,9 +121,9 @@ class ThreadedServer:
         self.stop()
 
 
-def start_remote_engine(config: EngineConfig | Dict[str, Any] | None = None,
-                        clock: Optional[Callable[[], float]] = None, *,
-                        step_stream: bool = False) -> Tuple[RemoteCacheEngine, Callable[[], None]]:
+def start_remote_engine(config: EngineConfig | dict[str, Any] | None = None,
+                        clock: Callable[[], float] | None = None, *,
+                        step_stream: bool = False) -> tuple[RemoteCacheEngine, Callable[[], None]]:
     """A remote engine over a fresh threaded server: ``(client, close)``. Unary calls only
     unless ``step_stream`` (the conformance suite runs the unary client through this and the
     stream client separately, so both paths stay covered whatever ``connect``'s default)."""

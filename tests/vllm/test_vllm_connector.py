@@ -15,7 +15,6 @@ import secrets
 import time
 
 import pytest
-
 from vllm_harness import EngineProcess, ManagerProcess, make_tiny_llama
 
 BLOCK = 32

@@ -41,9 +41,10 @@ Memory: one 4-item list per node, one ghost entry per recently evicted node.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Iterable, NamedTuple, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
-from radixkv.cache.policies.base import EvictionPolicy
+from radixkv.cache.policies.base import EvictionPolicy, PolicyNode
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 __all__ = ["AdaptiveProbationLRUPolicy", "GhostEntry"]
@@ -79,7 +80,7 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
     name = "aplru"
     monotonic = False
 
-    def __init__(self, capacity_tokens: Optional[int] = None, window: float = 4.0, gain: float = 1.0,
+    def __init__(self, capacity_tokens: int | None = None, window: float = 4.0, gain: float = 1.0,
                  b0: float = 0.25, b_max: float = 64.0, max_ghost_entries: int = 1 << 20):
         super().__init__()
         if capacity_tokens is not None and (isinstance(capacity_tokens, bool) or int(capacity_tokens) < 1):
@@ -96,7 +97,7 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
         self._sig_bytes = 4
         self.reset()
 
-    def bind(self, rekey, page_size: int = 1) -> None:
+    def bind(self, rekey: Callable[[PolicyNode], None], page_size: int = 1) -> None:
         super().bind(rekey, page_size)
         self._sig_bytes = 4 * int(page_size)
 
@@ -105,9 +106,9 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
         self.vclock = 0
         self._tokens = 0
         self._high = 0
-        self.B: Optional[float] = None if self.capacity_tokens is None else self.b0 * self.capacity_tokens
-        self._ghost: "OrderedDict[int, GhostEntry]" = OrderedDict()  # oldest eviction first
-        self._expiry: deque = deque()  # (evicted_at, cls, tokens), for the class token counters
+        self.B: float | None = None if self.capacity_tokens is None else self.b0 * self.capacity_tokens
+        self._ghost: OrderedDict[int, GhostEntry] = OrderedDict()  # oldest eviction first
+        self._expiry: deque[tuple[int, int, int]] = deque()  # (evicted_at, cls, tokens), for the class token counters
         self.ghost_tokens = [0, 0]
         self.ghost_hits = 0
 
@@ -122,12 +123,12 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
         """The current ``B`` (tokens of virtual time a reused node gains)."""
         return self.B if self.B is not None else self.b0 * self.capacity
 
-    def signature(self, node) -> int:
+    def signature(self, node: PolicyNode) -> int:
         """The ghost key of a live node: hash of (namespace, token offset, first page)."""
         ps = node.pstate
         return hash((ps[_NS], ps[_START], node.kbuf[:self._sig_bytes]))
 
-    def in_ghost(self, node) -> bool:
+    def in_ghost(self, node: PolicyNode) -> bool:
         """Whether ``node``'s signature is in the ghost (for tests and tools). O(1)."""
         return self.signature(node) in self._ghost
 
@@ -135,17 +136,17 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
         return len(self._ghost)
 
     # -- ordering ---------------------------------------------------------------------------
-    def sort_key(self, node):
+    def sort_key(self, node: PolicyNode) -> Any:
         return (node.pstate[_KEY], node.last_access)
 
     # -- hooks ------------------------------------------------------------------------------
-    def on_insert(self, node) -> None:
+    def on_insert(self, node: PolicyNode) -> None:
         n = len(node.kbuf) >> 2
         self._tokens += n
         if self._tokens > self._high:
             self._high = self._tokens
         self.vclock += n
-        parent = node.parent
+        parent: Any = node.parent  # a PolicyNode, or the NamespaceHead (never None: node is no head)
         pps = parent.pstate
         if parent.parent is None:            # a namespace head
             start, ns = 0, parent.extra_key
@@ -161,17 +162,17 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
                 self._adapt(entry.cls, min(entry.tokens, n))
         node.pstate = [self.vclock + (self.bonus if f >= 2 else 0.0), f, start, ns]
 
-    def on_hit(self, node) -> None:
+    def on_hit(self, node: PolicyNode) -> None:
         ps = node.pstate
         ps[_F] += 1
         ps[_KEY] = self.vclock + self.bonus        # f >= 2 now
 
-    def on_split(self, parent, child) -> None:
+    def on_split(self, parent: PolicyNode, child: PolicyNode) -> None:
         cs = child.pstate
         parent.pstate = [cs[_KEY], cs[_F], cs[_START], cs[_NS]]
         cs[_START] += len(parent.kbuf) >> 2
 
-    def on_evict(self, node) -> None:
+    def on_evict(self, node: PolicyNode) -> None:
         n = len(node.kbuf) >> 2
         self._tokens -= n
         if self.B is None:
@@ -216,7 +217,7 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
         self.B = min(self.b_max * self.capacity, max(0.0, self.B))
 
     # -- audit ------------------------------------------------------------------------------
-    def check_invariants(self, nodes: Iterable) -> None:
+    def check_invariants(self, nodes: Iterable[PolicyNode]) -> None:
         """Per node: a state ``[key, f >= 1, start, ns]`` whose offset and namespace follow
         from its parent, and a key not above ``vclock + b_max x capacity``; the token count
         equals the tree's; the ghost is within its bound and the class counters equal the
@@ -232,7 +233,7 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
             if not isinstance(ps, list) or len(ps) != 4 or not isinstance(ps[_F], int) or ps[_F] < 1:
                 bad_state.append(node.id)
                 continue
-            parent = node.parent
+            parent: Any = node.parent  # a PolicyNode, or the NamespaceHead
             if parent.parent is None:
                 want = (0, parent.extra_key)
             elif isinstance(parent.pstate, list) and len(parent.pstate) == 4:

@@ -23,7 +23,7 @@ A policy is a small object::
     class MyPolicy(EvictionPolicy):
         name = "mine"
         monotonic = True              # see below
-        def sort_key(self, node): ... # required: comparable, smallest is evicted first
+        def sort_key(self, node: PolicyNode) -> Any: ... # required: comparable, smallest is evicted first
         def on_insert(self, node): ...   # optional hooks, called after the cache has set
         def on_hit(self, node): ...      # the node's fields; the default does nothing
         def on_split(self, parent, child): ...
@@ -44,9 +44,16 @@ Cost per hook call is O(1) for every policy here; SLRU's ghost lookup is one dic
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from operator import attrgetter
+from typing import Any
 
-from typing import Callable, Iterable
+#: What the hooks get: a ``radixkv.cache.tree_node.TreeNode``, or the block simulator's
+#: ``BlockNode`` (``radixkv.bench.block_policy``) for the policies it runs. Every policy reads
+#: ``last_access``, ``created``, ``hits``, ``priority``; SLRU and APLRU (tree only) also
+#: ``kbuf``, ``pstate``, ``id`` and ``parent``.
+PolicyNode = Any
+
 
 __all__ = [
     "EvictionPolicy",
@@ -68,9 +75,9 @@ class EvictionPolicy:
     monotonic = True
 
     def __init__(self) -> None:
-        self.rekey: Callable = _unbound_rekey
+        self.rekey: Callable[[PolicyNode], None] = _unbound_rekey
 
-    def bind(self, rekey: Callable, page_size: int = 1) -> None:
+    def bind(self, rekey: Callable[[PolicyNode], None], page_size: int = 1) -> None:
         """Called once by the cache: ``rekey(node)`` re-files a node whose key a hook
         lowered; ``page_size`` is the cache's page size."""
         self.rekey = rekey
@@ -78,28 +85,28 @@ class EvictionPolicy:
     def reset(self) -> None:
         """The cache was reset (every node dropped)."""
 
-    def sort_key(self, node):
+    def sort_key(self, node: PolicyNode) -> Any:
         """The key the node is ordered by among evictable leaves; smallest goes first."""
         raise NotImplementedError
 
-    def on_insert(self, node) -> None:
+    def on_insert(self, node: PolicyNode) -> None:
         """A node with new tokens was created (its fields are set; it is not filed yet)."""
 
-    def on_hit(self, node) -> None:
+    def on_hit(self, node: PolicyNode) -> None:
         """``match_prefix`` matched through ``node`` (``hits`` / ``last_access`` updated)."""
 
-    def on_split(self, parent, child) -> None:
+    def on_split(self, parent: PolicyNode, child: PolicyNode) -> None:
         """``parent`` was cut from the head of ``child``; it copied child's common fields."""
 
-    def on_evict(self, node) -> None:
+    def on_evict(self, node: PolicyNode) -> None:
         """``node`` was evicted (already unlinked from the tree)."""
 
-    def check_invariants(self, nodes: Iterable) -> None:
+    def check_invariants(self, nodes: Iterable[PolicyNode]) -> None:
         """Raise ``InvariantError`` unless the policy's own state matches ``nodes`` (every
         live node of the tree). Default: nothing to check."""
 
 
-def _unbound_rekey(node) -> None:  # pragma: no cover - replaced by bind()
+def _unbound_rekey(node: PolicyNode) -> None:  # pragma: no cover - replaced by bind()
     raise RuntimeError("policy not bound to a cache")
 
 
@@ -108,7 +115,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
     # a C attrgetter, not a method: no Python frame per filing (the insert hot path)
-    sort_key = attrgetter("last_access")
+    sort_key = attrgetter("last_access")  # type: ignore[assignment]  # called with the node
 
 
 class LFUPolicy(EvictionPolicy):
@@ -116,7 +123,7 @@ class LFUPolicy(EvictionPolicy):
 
     name = "lfu"
 
-    def sort_key(self, node):
+    def sort_key(self, node: PolicyNode) -> Any:
         return (node.hits, node.last_access)
 
 
@@ -124,7 +131,7 @@ class FIFOPolicy(EvictionPolicy):
     """Oldest inserted first, whatever its use."""
 
     name = "fifo"
-    sort_key = attrgetter("created")
+    sort_key = attrgetter("created")  # type: ignore[assignment]
 
 
 class FILOPolicy(EvictionPolicy):
@@ -132,7 +139,7 @@ class FILOPolicy(EvictionPolicy):
 
     name = "filo"
 
-    def sort_key(self, node):
+    def sort_key(self, node: PolicyNode) -> Any:
         return -node.created
 
 
@@ -142,7 +149,7 @@ class MRUPolicy(EvictionPolicy):
     name = "mru"
     monotonic = False
 
-    def sort_key(self, node):
+    def sort_key(self, node: PolicyNode) -> Any:
         return -node.last_access
 
 
@@ -152,5 +159,5 @@ class PriorityPolicy(EvictionPolicy):
 
     name = "priority"
 
-    def sort_key(self, node):
+    def sort_key(self, node: PolicyNode) -> Any:
         return (node.priority, node.last_access)

@@ -23,9 +23,10 @@ namespace. Memory: one ordered-dict entry per protected node and one per ghost e
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from radixkv.cache.policies.base import EvictionPolicy
+from radixkv.cache.policies.base import EvictionPolicy, PolicyNode
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 __all__ = ["SLRUPolicy"]
@@ -59,23 +60,23 @@ class SLRUPolicy(EvictionPolicy):
         self._sig_bytes = 4 * self.signature_tokens
         self.reset()
 
-    def bind(self, rekey, page_size: int = 1) -> None:
+    def bind(self, rekey: Callable[[PolicyNode], None], page_size: int = 1) -> None:
         super().bind(rekey, page_size)
         self._sig_bytes = 4 * max(int(page_size), self.signature_tokens)
 
     def reset(self) -> None:
-        self._protected: "OrderedDict[object, None]" = OrderedDict()  # LRU first
+        self._protected: OrderedDict[PolicyNode, None] = OrderedDict()  # LRU first
         self._protected_tokens = 0
         self._tokens = 0
-        self._ghost: "OrderedDict[int, None]" = OrderedDict()  # oldest first
+        self._ghost: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.ghost_admissions = 0
 
     # -- ordering ---------------------------------------------------------------------------
-    def sort_key(self, node):
+    def sort_key(self, node: PolicyNode) -> Any:
         return node.last_access + (_PROTECTED_BIT if node.pstate == 1 else 0)
 
     # -- hooks ------------------------------------------------------------------------------
-    def on_insert(self, node) -> None:
+    def on_insert(self, node: PolicyNode) -> None:
         self._tokens += len(node.kbuf) >> 2
         node.pstate = 0
         sig = self._signature(node)
@@ -84,19 +85,19 @@ class SLRUPolicy(EvictionPolicy):
             self.ghost_admissions += 1
             self._promote(node)
 
-    def on_hit(self, node) -> None:
+    def on_hit(self, node: PolicyNode) -> None:
         if node.pstate == 1:
             self._protected.move_to_end(node)
         else:
             self._promote(node)
 
-    def on_split(self, parent, child) -> None:
+    def on_split(self, parent: PolicyNode, child: PolicyNode) -> None:
         parent.pstate = child.pstate
         if child.pstate == 1:  # tokens are shared between the two; the total is unchanged
             self._protected[parent] = None
             self._protected.move_to_end(child)
 
-    def on_evict(self, node) -> None:
+    def on_evict(self, node: PolicyNode) -> None:
         n = len(node.kbuf) >> 2
         self._tokens -= n
         if node.pstate == 1:
@@ -111,13 +112,13 @@ class SLRUPolicy(EvictionPolicy):
                 self._ghost.popitem(last=False)
 
     # -- internals --------------------------------------------------------------------------
-    def _signature(self, node) -> int:
+    def _signature(self, node: PolicyNode) -> int:
         head = node
         while head.parent is not None:
             head = head.parent
         return hash((getattr(head, "extra_key", None), node.kbuf[:self._sig_bytes]))
 
-    def _promote(self, node) -> None:
+    def _promote(self, node: PolicyNode) -> None:
         node.pstate = 1
         self._protected[node] = None
         self._protected_tokens += len(node.kbuf) >> 2
@@ -129,11 +130,11 @@ class SLRUPolicy(EvictionPolicy):
             self._protected_tokens -= len(old.kbuf) >> 2
             self.rekey(old)  # its key dropped: the cache re-files it if it is filed
 
-    def in_ghost(self, node) -> bool:
+    def in_ghost(self, node: PolicyNode) -> bool:
         """Whether ``node``'s signature is in the ghost history (for tests and tools)."""
         return self._signature(node) in self._ghost
 
-    def check_invariants(self, nodes: Iterable) -> None:
+    def check_invariants(self, nodes: Iterable[PolicyNode]) -> None:
         nodes = list(nodes)
         protected = {id(n) for n in nodes if n.pstate == 1}
         listed = {id(n) for n in self._protected}
