@@ -89,7 +89,7 @@ def test_b_loads_exactly_what_a_saved(manager):
     assert [(op.start, op.end) for op in plan.saves] == [(0, 12)]
     assert a.sched.counters["committed_requests"] == 1
     a.sched.finished("r1")
-    # A's commit was sent in the background; its finish waited for it: B (another process) sees it
+    a.sched.flush()  # A's commit is sent in the background; B (another process) sees it once sent
     # B: the same 3 blocks then a different tail; it may load 3 blocks (12 tokens)
     prompt_b = prompt[:12] + [7, 7, 7, 7, 7]
     assert b.sched.num_new_matched_tokens("q1", prompt_b, 0, KEY) == 12
@@ -118,6 +118,7 @@ def test_hit_is_capped_below_the_prompt_and_local_hits_are_subtracted(manager):
     a.sched.num_new_matched_tokens("r", prompt, 0, KEY)
     a.step([ScheduledReq("r", 0, 16)], {"r": [0, 1, 2, 3]})
     a.sched.finished("r")
+    a.sched.flush()
     # the same 16 tokens: at least one is computed, so 3 blocks at most; 1 block local
     assert b.sched.num_new_matched_tokens("s", prompt, 4, KEY) == 8
     b.sched.finished("s")  # never scheduled: released
@@ -271,6 +272,7 @@ def test_the_view_indexing_fallback_copies_the_same(manager):
     a.sched.num_new_matched_tokens("r", prompt, 0, KEY)
     a.step([ScheduledReq("r", 0, 13)], {"r": [7, 1, 3, 5]})
     a.sched.finished("r")
+    a.sched.flush()
     assert b.sched.num_new_matched_tokens("s", prompt, 0, KEY) == 12
     b.sched.after_alloc("s", 12)
     b.step([ScheduledReq("s", 12, 1)], {"s": [2, 9, 8, 0]})
@@ -314,11 +316,12 @@ def test_the_commit_and_release_leave_the_step_and_land_in_order(manager):
     prompt = list(range(700, 712))
     e.sched.num_new_matched_tokens("r", prompt, 0, KEY)
     e.step([ScheduledReq("r", 0, 12)], {"r": [0, 1, 2]})  # returns while the commit waits
-    assert not held.calls and e.sched.pending == 1
+    e.sched.finished("r")  # nor does the finish wait
+    assert not held.calls and e.sched.pending == 0
     held.go.set()
-    e.sched.finished("r")  # waits for its own commit: then another engine matches it
-    assert held.calls == [("cache_finished", True, False)] and e.sched.pending == 0
+    # the next match waits for the queued commit: it matches the prefix just committed
     assert e.sched.num_new_matched_tokens("r2", prompt + [1], 0, KEY) == 12
+    assert held.calls == [("cache_finished", True, False)]
     e.sched.finished("r2")  # never scheduled: released, not waited for
     assert idle(manager, e) == (0, 0)
     assert [c[0] for c in held.calls] == ["cache_finished", "release"]

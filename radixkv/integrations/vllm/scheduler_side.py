@@ -26,8 +26,9 @@ Commits and releases are not awaited: they go to a :class:`CallQueue` whose thre
 them in order, off vLLM's step (the side forgets the request when it queues the call, so
 each is sent exactly once). Every call in the caller's thread first waits for the queue, so
 the client is never used by two threads and a match sees this side's earlier commits;
-a request's ``finished`` waits for its own commit, so that by the time vLLM returns its
-output another engine matches its prefix; ``flush()`` waits for the whole queue.
+``flush()`` waits for the queue. Nothing else waits: another engine sees a commit once
+it is sent (milliseconds after the step), not when vLLM returns the request's output (with
+one generated token the output leaves in the very step that queues the commit).
 
 The lock is held from the first ask until the commit or release lands, so an eviction between the
 match and the load can never hand a row to another request.
@@ -93,7 +94,6 @@ class _Req:
     saved: int = 0  # the worker reported [prefix, saved) saved
     broken: bool = False  # a save failed: release, never commit
     finished: bool = False  # vLLM finished it; waiting for the last save report
-    committed: bool = False  # its commit was queued
 
     def complete(self) -> bool:
         return not self.broken and self.saved >= self.n_full
@@ -250,7 +250,7 @@ class SchedulerSide:
             for rid, st in commit:
                 self.counters["saved_tokens"] += st.n_full - st.prefix
                 self.counters["committed_requests"] += 1
-                st.session, st.committed = None, True  # queued: the manager forgets it when sent
+                st.session = None  # queued: the manager forgets it when the call is sent
                 if st.finished:
                     del self._reqs[rid]
         self._flush_finished()
@@ -262,10 +262,6 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         if st is None:
             return
-        if st.committed:
-            # its output reaches the user once its prefix is in the tree (another engine
-            # asked next matches it); by now the commit is normally long sent
-            self.flush()
         if st.session is not None and not st.broken and st.issued >= st.n_full > st.saved:
             st.finished = True  # the step that saved its last blocks reports right after
             return
