@@ -5,13 +5,16 @@ CPU layout ``[blocks, kv_heads, block_size, 2 * head_dim]``) share one manager: 
 B loads into other blocks, bit for bit; capacity, early finishes and a dead manager serve
 no hit and leave the manager idle.
 """
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
 from tooling.testing import ThreadedServer
 
 from radixkv.engine.config import EngineConfig
-from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
 from radixkv.integrations.vllm.config import ConnectorConfig
 from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, paged_kv_views
 from radixkv.integrations.vllm.link import ManagerLink
@@ -67,7 +70,11 @@ class Engine:
         self.sched.close()
 
 
-def idle(manager):
+def idle(manager, *engines):
+    """The manager's live requests and protected tokens, once ``engines``' queued commits
+    and releases are sent."""
+    for e in engines:
+        e.sched.flush()
     c = manager.client()
     st = c.stats()
     return st.requests, st.kv_protected
@@ -82,6 +89,7 @@ def test_b_loads_exactly_what_a_saved(manager):
     assert [(op.start, op.end) for op in plan.saves] == [(0, 12)]
     assert a.sched.counters["committed_requests"] == 1
     a.sched.finished("r1")
+    a.sched.flush()  # A's commit is sent in the background; B (another process) sees it once sent
     # B: the same 3 blocks then a different tail; it may load 3 blocks (12 tokens)
     prompt_b = prompt[:12] + [7, 7, 7, 7, 7]
     assert b.sched.num_new_matched_tokens("q1", prompt_b, 0, KEY) == 12
@@ -96,7 +104,7 @@ def test_b_loads_exactly_what_a_saved(manager):
     assert torch.equal(ka, kb) and torch.equal(va, vb)
     b.sched.finished("q1")
     assert b.sched.pending == 0 and a.sched.pending == 0
-    assert idle(manager) == (0, 0)
+    assert idle(manager, a, b) == (0, 0)
     # another namespace sees nothing
     assert b.sched.num_new_matched_tokens("q2", prompt_b, 0, "vllm|other-model") == 0
     b.sched.finished("q2")
@@ -110,10 +118,11 @@ def test_hit_is_capped_below_the_prompt_and_local_hits_are_subtracted(manager):
     a.sched.num_new_matched_tokens("r", prompt, 0, KEY)
     a.step([ScheduledReq("r", 0, 16)], {"r": [0, 1, 2, 3]})
     a.sched.finished("r")
+    a.sched.flush()
     # the same 16 tokens: at least one is computed, so 3 blocks at most; 1 block local
     assert b.sched.num_new_matched_tokens("s", prompt, 4, KEY) == 8
     b.sched.finished("s")  # never scheduled: released
-    assert idle(manager) == (0, 0)
+    assert idle(manager, a, b) == (0, 0)
     a.close()
     b.close()
 
@@ -126,7 +135,7 @@ def test_prompt_longer_than_the_pool_is_computed_not_cached(manager):
     plan, _ = e.step([ScheduledReq("big", 0, len(prompt))], {"big": list(range(16))})
     assert plan == ([], [])
     e.sched.finished("big")
-    assert idle(manager) == (0, 0)
+    assert idle(manager, e) == (0, 0)
     e.close()
 
 
@@ -137,7 +146,7 @@ def test_a_request_finished_before_its_save_is_released(manager):
     e.step([ScheduledReq("r", 0, 4)], {"r": [1, 2, 3]})  # chunked: one block of three
     e.sched.finished("r")
     assert e.sched.counters["released_requests"] == 1 and e.sched.pending == 0
-    assert idle(manager) == (0, 0)
+    assert idle(manager, e) == (0, 0)
     e.close()
 
 
@@ -263,6 +272,7 @@ def test_the_view_indexing_fallback_copies_the_same(manager):
     a.sched.num_new_matched_tokens("r", prompt, 0, KEY)
     a.step([ScheduledReq("r", 0, 13)], {"r": [7, 1, 3, 5]})
     a.sched.finished("r")
+    a.sched.flush()
     assert b.sched.num_new_matched_tokens("s", prompt, 0, KEY) == 12
     b.sched.after_alloc("s", 12)
     b.step([ScheduledReq("s", 12, 1)], {"s": [2, 9, 8, 0]})
@@ -271,4 +281,72 @@ def test_the_view_indexing_fallback_copies_the_same(manager):
     b.sched.finished("s")
     a.close()
     b.close()
+    assert idle(manager) == (0, 0)
+
+
+class _HeldClient:
+    """A client whose ``cache_finished`` / ``release`` wait (up to 10 s) for ``go``, and note
+    whether ``go`` was set when they ran and in which thread."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.go = threading.Event()
+        self.calls: list[tuple[str, bool, bool]] = []  # (method, go was set, in the caller's thread)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _held(self, name, *args):
+        released = self.go.wait(10)
+        self.calls.append((name, released, threading.current_thread() is threading.main_thread()))
+        return getattr(self._inner, name)(*args)
+
+    def cache_finished(self, session, rids):
+        return self._held("cache_finished", session, rids)
+
+    def release(self, session, rids):
+        return self._held("release", session, rids)
+
+
+def test_the_commit_and_release_leave_the_step_and_land_in_order(manager):
+    e = Engine(manager.cfg)
+    client, info = e.sched.link.get()
+    held = _HeldClient(client)
+    e.sched.link._live = (held, info)
+    prompt = list(range(700, 712))
+    e.sched.num_new_matched_tokens("r", prompt, 0, KEY)
+    e.step([ScheduledReq("r", 0, 12)], {"r": [0, 1, 2]})  # returns while the commit waits
+    e.sched.finished("r")  # nor does the finish wait
+    assert not held.calls and e.sched.pending == 0
+    held.go.set()
+    # the next match waits for the queued commit: it matches the prefix just committed
+    assert e.sched.num_new_matched_tokens("r2", prompt + [1], 0, KEY) == 12
+    assert held.calls == [("cache_finished", True, False)]
+    e.sched.finished("r2")  # never scheduled: released, not waited for
+    assert idle(manager, e) == (0, 0)
+    assert [c[0] for c in held.calls] == ["cache_finished", "release"]
+    assert e.sched._calls.counters == {"sent": 2, "failed": 0}
+    e.close()
+
+
+def test_a_failed_queued_commit_fails_the_link_and_the_manager_reclaims(manager):
+    e = Engine(manager.cfg)
+    client, info = e.sched.link.get()
+
+    class Broken(_HeldClient):
+        def cache_finished(self, session, rids):
+            raise StaleSessionError("lease lost")
+
+    e.sched.link._live = (Broken(client), info)
+    prompt = list(range(900, 912))
+    e.sched.num_new_matched_tokens("r", prompt, 0, KEY)
+    e.step([ScheduledReq("r", 0, 12)], {"r": [0, 1, 2]})
+    e.sched.finished("r")
+    e.sched.flush()
+    assert e.sched.link.counters["call_failures"] == 1 and e.sched._calls.counters["failed"] == 1
+    e.sched.check_invariants()
+    e.close()
+    deadline = time.monotonic() + 10
+    while idle(manager) != (0, 0) and time.monotonic() < deadline:  # the session's stream ended
+        time.sleep(0.05)
     assert idle(manager) == (0, 0)

@@ -94,12 +94,23 @@ def ext_hits(engine):
     return engine.metrics().get("vllm:external_prefix_cache_hits", 0)
 
 
+def settled(manager, timeout_s=30.0):
+    """Wait until the manager holds no live request: the engines' commits and releases are
+    sent from a background thread after the step, so another engine sees them a moment
+    after vLLM returned the output (with ``timeout_s``: a lost commit fails the test)."""
+    deadline = time.monotonic() + timeout_s
+    while (st := manager.client().stats()).requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return st
+
+
 def check_b(cluster, prompt, want_cached, populate=None):
     """A runs ``populate`` (default: ``prompt``), then B runs ``prompt``: B's tokens equal
     ref's and vLLM counted ``want_cached`` tokens from the connector."""
     ref_out, ref_cached = run(cluster["ref"], prompt)
     assert ref_cached == 0
     run(cluster["a"], populate if populate is not None else prompt)
+    settled(cluster["manager"])
     before = ext_hits(cluster["b"])
     out, cached = run(cluster["b"], prompt)
     assert out == ref_out
@@ -163,5 +174,5 @@ def test_manager_killed_and_restarted_between_requests(cluster):
     wait_for_sessions(mgr, 2)
     assert run(cluster["b"], p) == (ref_out, 0)  # the new manager is empty
     check_b(cluster, tokens(11, 100), 96)  # and shared again
-    stats = mgr.client().stats()
+    stats = settled(mgr)
     assert stats.requests == 0 and stats.kv_protected == 0  # nothing left locked

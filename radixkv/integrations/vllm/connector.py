@@ -13,9 +13,12 @@ vLLM hook                      what happens
 ``start_load_kv``               worker: one gather/scatter per layer, manager -> vLLM
 ``wait_for_save``               worker: one gather/scatter per layer, vLLM -> manager
 ``build_connector_worker_meta`` worker -> scheduler: what was saved / failed
-``update_connector_output``     ``cache_finished`` of fully saved prompts (one batch call)
-``request_finished``            ``release`` of a request that ended before its save
+``update_connector_output``     ``cache_finished`` of fully saved prompts (queued, batched)
+``request_finished``            ``release`` of a request that ended before its save (queued)
 =============================  ==============================================================
+
+Queued calls are sent from a background thread, in order, off the step (see
+:mod:`~radixkv.integrations.vllm.scheduler_side`).
 
 Loads are synchronous (done before the forward that reads them); saves complete before the
 step returns. Every hook catches its own failures: a manager fault makes the engine serve

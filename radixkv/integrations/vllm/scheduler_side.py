@@ -22,11 +22,20 @@ Per vLLM request, through radixkv's engine protocol (batch calls only):
    cached). After a manager restart or lease loss the old session's requests are dropped
    (the manager reclaims them); the link reconnects and later requests use the new one.
 
-The lock is held from the first ask until the commit or release, so an eviction between the
+Commits and releases are not awaited: they go to a :class:`CallQueue` whose thread sends
+them in order, off vLLM's step (the side forgets the request when it queues the call, so
+each is sent exactly once). Every call in the caller's thread first waits for the queue, so
+the client is never used by two threads and a match sees this side's earlier commits;
+``flush()`` waits for the queue. Nothing else waits: another engine sees a commit once
+it is sent (milliseconds after the step), not when vLLM returns the request's output (with
+one generated token the output leaves in the very step that queues the commit).
+
+The lock is held from the first ask until the commit or release lands, so an eviction between the
 match and the load can never hand a row to another request.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -37,6 +46,7 @@ import numpy as np
 
 from radixkv.engine.protocol import ExtendItem, Session
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
+from radixkv.integrations.vllm.call_queue import CallQueue
 from radixkv.integrations.vllm.link import ManagerLink
 
 __all__ = ["CopyOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
@@ -110,6 +120,7 @@ class SchedulerSide:
         self.bs = block_size
         self._reqs: dict[str, _Req] = {}
         self._ids = itertools.count()
+        self._calls = CallQueue()
         self.counters: dict[str, int] = {
             "queries": 0, "query_tokens": 0, "matched_tokens": 0, "offered_tokens": 0,
             "loaded_tokens": 0, "saved_tokens": 0, "committed_requests": 0, "released_requests": 0,
@@ -118,8 +129,21 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ helpers
     def _session(self) -> Session | None:
+        self._reap()
         got = self.link.get()
         return got[1].session if got is not None else None
+
+    def _reap(self) -> None:
+        """Fail the link for a queued call that failed on the link's current client."""
+        for client, e in self._calls.take_failures():
+            got = self.link.get()
+            if got is not None and got[0] is client:
+                self.link.fail(e)
+
+    def flush(self) -> None:
+        """Wait until the queued commits and releases are sent (their failures reaped)."""
+        self._calls.wait()
+        self._reap()
 
     # ------------------------------------------------------------------ 1. match + lock
     def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed: int,
@@ -136,6 +160,7 @@ class SchedulerSide:
         n_full = n // self.bs * self.bs
         if not cacheable or n_full == 0:
             return 0
+        self.flush()  # the client is not shared with the queue's thread; see earlier commits
         got = self.link.get()
         if got is None:
             return 0
@@ -217,26 +242,18 @@ class SchedulerSide:
         current = self._session()
         commit = [(rid, st) for rid, st in self._reqs.items() if st.session is not None and st.complete()
                   and st.session == current]
-        if commit and current is not None:
-            if self._call_cache_finished(current, [st.mrid for _, st in commit]):
-                for rid, st in commit:
-                    self.counters["saved_tokens"] += st.n_full - st.prefix
-                    self.counters["committed_requests"] += 1
-                    st.session = None  # the manager forgot it
-                    if st.finished:
-                        del self._reqs[rid]
-        self._flush_finished()
-
-    def _call_cache_finished(self, session: Session, mrids: list[str]) -> bool:
         got = self.link.get()
-        if got is None:
-            return False
-        try:
-            got[0].cache_finished(session, mrids)
-            return True
-        except Exception as e:
-            self.link.fail(e)
-            return False
+        if commit and current is not None and got is not None:
+            client = got[0]
+            self._calls.submit(client, functools.partial(client.cache_finished, current,
+                                                         [st.mrid for _, st in commit]))
+            for rid, st in commit:
+                self.counters["saved_tokens"] += st.n_full - st.prefix
+                self.counters["committed_requests"] += 1
+                st.session = None  # queued: the manager forgets it when the call is sent
+                if st.finished:
+                    del self._reqs[rid]
+        self._flush_finished()
 
     # ------------------------------------------------------------------ 5. end
     def finished(self, req_id: str) -> None:
@@ -268,11 +285,9 @@ class SchedulerSide:
         if mine and current is not None:
             got = self.link.get()
             if got is not None:
-                try:
-                    got[0].release(current, mine)
-                    self.counters["released_requests"] += len(mine)
-                except Exception as e:
-                    self.link.fail(e)
+                client = got[0]
+                self._calls.submit(client, functools.partial(client.release, current, mine))
+                self.counters["released_requests"] += len(mine)
         for st in live:
             st.session = None
 
@@ -294,4 +309,6 @@ class SchedulerSide:
     def close(self) -> None:
         self._drop(list(self._reqs.values()))
         self._reqs.clear()
+        self._calls.close()  # the queued calls are sent before the session is detached
+        self._reap()
         self.link.close()
