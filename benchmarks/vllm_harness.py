@@ -17,29 +17,6 @@ import time
 import traceback
 from multiprocessing import get_context
 
-
-def make_tiny_llama(path, vocab=512, max_positions=2048, seed=0):
-    """A tiny Llama (2 layers, 1 KV head of 64, fp32, random weights, seed ``seed``) saved
-    at ``path``: nothing is downloaded. ``initializer_range`` 0.2 makes its greedy output
-    depend on the whole prompt. Needs ``transformers`` (vLLM brings it)."""
-    import json
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                      max_position_embeddings=max_positions, initializer_range=0.2, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        data = json.load(f)
-    data["dtype"] = "float32"  # what vLLM and `radixkv serve --model-config` read
-    with open(cfg_path, "w") as f:
-        json.dump(data, f)
-
-
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -1,6 +1,8 @@
-"""A tiny Llama-architecture model with random weights for vLLM runs on CPU: written once with
-``transformers`` (``LlamaConfig`` + ``save_pretrained``, fixed seed, fp32); nothing downloaded.
-head_dim is 64 because vLLM's CPU attention backend refuses 16."""
+"""A tiny Llama-architecture model with random weights for vLLM runs on CPU (``radixkv bench
+vllm`` and ``tests/vllm``): written once with ``transformers`` (``LlamaConfig`` +
+``save_pretrained``, fixed seed, fp32); nothing downloaded. head_dim is 64 because vLLM's CPU
+attention backend refuses 16. ``config.json`` says ``"dtype": "float32"``, what vLLM and
+``radixkv serve --model-config`` read."""
 from __future__ import annotations
 
 import json
@@ -22,6 +24,7 @@ class TinyLlama:
     num_key_value_heads: int = 2
     head_dim: int = 64
     max_position_embeddings: int = 4096
+    initializer_range: float = 0.02  # 0.2: greedy output that depends on the whole prompt (tests)
     seed: int = 0
 
 
@@ -44,6 +47,12 @@ def make_tiny_llama(path: str, shape: TinyLlama = TinyLlama()) -> str:
     model = LlamaForCausalLM(cfg).to(torch.float32)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        data = json.load(f)
+    data["dtype"] = "float32"
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
     with open(stamp, "w", encoding="utf-8") as f:
         json.dump(want, f)
     return path

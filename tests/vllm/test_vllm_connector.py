@@ -15,7 +15,8 @@ import secrets
 import time
 
 import pytest
-from vllm_harness import EngineProcess, ManagerProcess, make_tiny_llama
+from vllm_harness import EngineProcess, ManagerProcess
+from vllm_model import TinyLlama, make_tiny_llama
 
 BLOCK = 32
 POOL_TOKENS = 512  # the manager's KV pool: 16 blocks
@@ -31,7 +32,9 @@ def tokens(seed, n):
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-radixkv")
     model = str(root / "model")
-    make_tiny_llama(model, max_positions=1024)
+    make_tiny_llama(model, TinyLlama(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                     max_position_embeddings=1024, initializer_range=0.2))
     token_file = str(root / "token")
     with open(token_file, "w") as f:
         f.write(secrets.token_urlsafe(24))
