@@ -1,4 +1,4 @@
-"""``radixkv bench vllm``: vLLM instances behind a round-robin router, with and without a shared cache.
+"""``radixkv bench vllm``: vLLM instances behind a router, with and without a shared cache.
 
 N instances on a multi-turn trace, with vLLM's own prefix caching only, with the radixkv
 connector (one shared manager), and (where it runs) with LMCache's multi-process connector;
@@ -6,8 +6,9 @@ against the single-shared-cache bound.
 
 The workload (:mod:`vllm_trace`): the first ``--sessions`` multi-turn sessions of the bundled
 Mooncake conversation trace, ``--turns`` turns each, every 512-token block scaled to
-``--tokens-per-block`` tokens; round ``t`` sends turn ``t`` of every session, round robin over
-the instances (an odd session count makes every session alternate instances). Rounds are
+``--tokens-per-block`` tokens; round ``t`` sends turn ``t`` of every session, turn ``t`` of
+session ``s`` to instance ``(s + t) % N`` (``--routing alternate``: every session changes
+instance at every turn; ``round-robin``: the ``p``-th request to ``p % N``). Rounds are
 barriers: turn ``t+1`` starts after turn ``t`` finished everywhere. Each instance serves its
 requests of a round one at a time (:mod:`vllm_instance`); the instances run in parallel.
 After the trace, ``--cold`` prompts of fresh random tokens per instance measure what a
@@ -40,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from vllm_trace import Workload, alternation, build_workload, hit_bound
+from vllm_trace import ROUTINGS, Workload, alternation, build_workload, hit_bound
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "radixkv", "data", "mooncake", "conversation_trace.jsonl")
@@ -59,6 +60,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tokens-per-block", type=int, default=32, help="tokens per 512-token Mooncake block")
     ap.add_argument("--max-prompt", type=int, default=1024, help="longest scaled prompt admitted (tokens)")
     ap.add_argument("--instances", type=int, default=2, help="vLLM instances behind the router")
+    ap.add_argument("--routing", choices=ROUTINGS, default="alternate",
+                    help="alternate: turn t of session s to instance (s + t) %% N; round-robin: the p-th "
+                         "request of the dispatch order to instance p %% N (default %(default)s)")
     ap.add_argument("--configs", default="local,radixkv",
                     help="comma list of local, radixkv, lmcache (default %(default)s)")
     ap.add_argument("--block-size", type=int, default=32, help="vLLM block size = manager page size")
@@ -335,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         w = build_workload(args.trace, sessions=args.sessions, turns=args.turns,
                            tokens_per_block=args.tokens_per_block, max_prompt=args.max_prompt,
-                           vocab=shape.vocab_size, n_instances=args.instances)
+                           vocab=shape.vocab_size, n_instances=args.instances, routing=args.routing)
     except RadixKVError as exc:
         print(f"radixkv bench vllm: {exc}", file=sys.stderr)
         return 2
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"trace": os.path.basename(args.trace), "sessions": args.sessions, "turns": args.turns,
                      "tokens_per_block": args.tokens_per_block, "requests": w.n_requests,
                      "prompt_tokens": w.prompt_tokens, "instances": w.n_instances,
-                     "alternation": round(alternation(w), 4), "block_size": args.block_size,
+                     "alternation": round(alternation(w), 4), "routing": args.routing, "block_size": args.block_size,
                      "max_tokens": args.max_tokens, "trace_rows": w.trace_index.tolist(),
                      "engine_process": bool(args.engine_process)},
         "bound": {"shared_hit_tokens": int(shared.sum()), "per_instance_hit_tokens": int(local.sum())},

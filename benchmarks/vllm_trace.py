@@ -11,9 +11,11 @@ to what a small CPU machine runs, as vLLM token-id prompts, plus the offline hit
   block size derives the pseudo-tokens (block ``b`` -> ``b*S .. b*S+S-1``) exactly as every
   other radixkv benchmark does; :func:`to_vocab` then hashes them into the model's vocabulary
   (a 64-bit mix, vectorized), which keeps equal prefixes equal and makes distinct blocks differ.
-* **Order and routing.** Round ``t`` holds turn ``t`` of every chosen session (session order);
-  a round-robin router sends the ``p``-th request of that order to instance ``p % N``. With an
-  odd number of sessions and ``N = 2`` every session alternates instances turn by turn.
+* **Order and routing.** Round ``t`` holds turn ``t`` of every chosen session (session order).
+  ``routing="alternate"`` (the default) sends turn ``t`` of session ``s`` to instance
+  ``(s + t) % N``: every session moves to the next instance at each turn (and a round is spread
+  evenly over the instances); ``"round-robin"`` sends the ``p``-th request of that order to
+  instance ``p % N`` (with an odd number of sessions and ``N = 2`` that alternates too).
 * **Bounds** (vLLM semantics: only full blocks are cached, a hit covers at most
   ``(len - 1) // block`` blocks so one token is always computed): the hit tokens of one
   unbounded cache shared by every request (:func:`hit_bound` with one group) and of one
@@ -34,7 +36,11 @@ from radixkv.bench.traces import (
 )
 from radixkv.errors import InvalidArgumentError
 
-__all__ = ["Workload", "alternation", "build_workload", "find_sessions", "hit_bound", "to_vocab"]
+__all__ = ["ROUTINGS", "Workload", "alternation", "build_workload", "find_sessions", "hit_bound", "to_vocab"]
+
+
+#: How the router picks an instance (see the module doc).
+ROUTINGS = ("alternate", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class Workload:
         prompts: int32 token ids per request (within ``[0, vocab)``).
         session: session index per request (0 .. ``n_sessions - 1``).
         turn: turn index within its session per request.
-        instance: the round-robin router's choice per request.
+        instance: the router's choice per request.
         trace_index: the request's line in the Mooncake trace.
         n_instances: instances behind the router.
     """
@@ -126,14 +132,17 @@ def _scaled(trace: MooncakeTrace, rows: Sequence[int], tokens_per_block: int) ->
 
 
 def build_workload(path: str, *, sessions: int, turns: int, tokens_per_block: int, max_prompt: int,
-                   vocab: int, n_instances: int = 2, scan: int | None = 4000) -> Workload:
+                   vocab: int, n_instances: int = 2, scan: int | None = 4000,
+                   routing: str = "alternate") -> Workload:
     """The first ``sessions`` sessions of the trace's first ``scan`` requests with at least
     ``turns`` turns whose first ``turns`` scaled prompts fit ``max_prompt`` tokens; their first
-    ``turns`` turns, round by round, routed round robin over ``n_instances``.
+    ``turns`` turns, round by round, routed over ``n_instances`` by ``routing`` (see the module doc).
 
     Raises:
         InvalidArgumentError: bad sizes, or fewer qualifying sessions than asked for.
     """
+    if routing not in ROUTINGS:
+        raise InvalidArgumentError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     if sessions < 1 or turns < 1 or tokens_per_block < 1 or max_prompt < 2 or n_instances < 1:
         raise InvalidArgumentError("sessions, turns, tokens_per_block, n_instances must be >= 1, max_prompt >= 2")
     trace = load_mooncake(path, limit=scan, block_size=MOONCAKE_BLOCK_SIZE)
@@ -147,13 +156,17 @@ def build_workload(path: str, *, sessions: int, turns: int, tokens_per_block: in
             f"only {len(chosen)} sessions of >= {turns} turns with prompts <= {max_prompt} tokens "
             f"in the first {scan} requests of {path}; ask for fewer or raise max_prompt")
     order = [(t, s) for t in range(turns) for s in range(sessions)]
+    if routing == "alternate":
+        instance = np.asarray([(s + t) % n_instances for t, s in order], dtype=np.int64)
+    else:
+        instance = np.arange(len(order), dtype=np.int64) % n_instances
     rows = [chosen[s][t] for t, s in order]
     small = _scaled(trace, rows, tokens_per_block)
     prompts = [to_vocab(small.tokens(i), vocab) for i in range(len(small))]
     return Workload(prompts=prompts,
                     session=np.asarray([s for _, s in order], dtype=np.int64),
                     turn=np.asarray([t for t, _ in order], dtype=np.int64),
-                    instance=np.arange(len(order), dtype=np.int64) % n_instances,
+                    instance=instance,
                     trace_index=np.asarray(rows, dtype=np.int64), n_instances=int(n_instances))
 
 

@@ -105,6 +105,21 @@ def test_workload_on_the_bundled_trace(vt):
     assert 0 < local < shared < w.prompt_tokens
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_alternate_routing_moves_every_session_at_every_turn(vt, n):
+    # an even session count: round robin would keep each session on one instance with N = 2
+    w = vt.build_workload(str(TRACE), sessions=4, turns=3, tokens_per_block=16, max_prompt=600, vocab=4096,
+                          n_instances=n)
+    assert vt.alternation(w) == 1.0
+    assert np.array_equal(w.instance, (w.session + w.turn) % n)
+    rr = vt.build_workload(str(TRACE), sessions=4, turns=3, tokens_per_block=16, max_prompt=600, vocab=4096,
+                           routing="round-robin")
+    assert vt.alternation(rr) == 0.0
+    with pytest.raises(InvalidArgumentError):
+        vt.build_workload(str(TRACE), sessions=4, turns=3, tokens_per_block=16, max_prompt=600, vocab=4096,
+                          routing="random")
+
+
 def test_workload_refuses_too_many_sessions(vt):
     with pytest.raises(InvalidArgumentError):
         vt.build_workload(str(TRACE), sessions=10_000, turns=3, tokens_per_block=16, max_prompt=600,
