@@ -227,9 +227,13 @@ def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int)
         finally:
             _stop(insts)
     med = [float(np.median(x)) for x in walls]
+    per_round = np.asarray(walls[1]) / np.asarray(walls[0])
+    q1, q2, q3 = (float(x) for x in np.quantile(per_round, [0.25, 0.5, 0.75]))
     return {"rounds": args.miss_ab, "prompt_len": prompt_len, "hit_tokens": cached,
             "without_ms_median": round(med[0], 2), "with_radixkv_ms_median": round(med[1], 2),
             "ratio": round(med[1] / med[0], 4), "ratio_ok": med[1] <= TARGET_COLD_RATIO * med[0],
+            "round_ratio_median": round(q2, 4), "round_ratio_iqr": [round(q1, 4), round(q3, 4)],
+            "rounds_with_faster": int((per_round < 1).sum()),
             "without_ms": [round(x, 2) for x in walls[0]], "with_radixkv_ms": [round(x, 2) for x in walls[1]]}
 
 
@@ -268,7 +272,9 @@ def _table(doc: dict[str, Any]) -> str:
     if ab:
         lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab['prompt_len']} tokens): without connector "
                      f"{ab['without_ms_median']:.1f} ms, with radixkv {ab['with_radixkv_ms_median']:.1f} ms, "
-                     f"ratio {ab['ratio']:.3f}")
+                     f"ratio {ab['ratio']:.3f}; per round: median {ab['round_ratio_median']:.3f}, IQR "
+                     f"[{ab['round_ratio_iqr'][0]:.3f}, {ab['round_ratio_iqr'][1]:.3f}], with radixkv faster in "
+                     f"{ab['rounds_with_faster']} of {ab['rounds']}")
     for name, err in doc.get("failed", {}).items():
         lines.append(f"{name:<26}FAILED: {err.strip().splitlines()[-1][:120] if err.strip() else '?'}")
     for name, t in doc.get("targets", {}).items():

@@ -9,6 +9,13 @@ gather and one scatter per layer and K/V over all the step's tokens (``index_sel
 ``index_copy_`` on the manager side, advanced indexing on vLLM's ``[blocks, block, heads,
 head_dim]`` views): no per-token Python loop.
 
+Index misses (see :mod:`~radixkv.integrations.vllm.scheduler_side`): the step's
+:class:`AllocOp` s are sent as one ``alloc_extend`` from a thread of the worker's own, with a
+client of its own, when the step starts (``start_allocs``), so the round trip overlaps the
+forward; ``save`` waits for it (bounded by the call deadline) and resolves the ops with
+``row == -1`` to the allocated row, skipping the prefix the manager held. A request it could
+not allocate (capacity, manager away) is reported ``unallocated`` and not saved.
+
 An op of a manager epoch this worker cannot map (the manager restarted again) is not done:
 its load is reported as failed (vLLM recomputes those blocks) and its save as failed (the
 scheduler releases the request). A load from an epoch already mapped is done even if that
@@ -19,12 +26,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from radixkv.errors import InvalidArgumentError
+from radixkv.engine.protocol import ExtendItem
+from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.integrations.vllm.layout import (
     KVShape,
     LayoutMismatchError,
@@ -35,13 +44,17 @@ from radixkv.integrations.vllm.layout import (
     row_geometry,
 )
 from radixkv.integrations.vllm.link import ManagerLink
-from radixkv.integrations.vllm.scheduler_side import CopyOp
+from radixkv.integrations.vllm.scheduler_side import AllocOp, CopyOp
 
 __all__ = ["WorkerSide"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
 
 _KEEP_EPOCHS = 2  # mapped epochs kept (the current one and the one before a restart)
+_MAX_ROWS = 4096  # allocated rows remembered (a request aborted mid-prefill leaves its entry)
+
+#: req_id -> (epoch, row, prefix, n_full), or None: not allocated.
+Allocated = dict[str, tuple[int, int, int, int] | None]
 
 
 class WorkerSide:
@@ -56,7 +69,14 @@ class WorkerSide:
         self._geometry: RowGeometry | None = None  # the same in every layer, or None: index the views
         self._buffers: dict[int, Any] = {}  # epoch -> WorkerBuffers
         self.counters: dict[str, int] = {"loaded_tokens": 0, "saved_tokens": 0, "failed_load_tokens": 0,
-                                         "failed_save_tokens": 0, "mapped_epochs": 0}
+                                         "failed_save_tokens": 0, "mapped_epochs": 0, "allocs": 0,
+                                         "alloc_failures": 0}
+        self._alloc_pool: ThreadPoolExecutor | None = None
+        self._alloc_client: Any = None  # used by the alloc thread only
+        self._pending: dict[str, Future[Allocated]] = {}
+        self._rows_of: dict[str, tuple[int, int, int, int]] = {}  # req_id -> (epoch, row, prefix, n_full)
+        self._allocated: dict[str, tuple[int, int]] = {}  # to report: req_id -> (row, prefix)
+        self._unallocated: set[str] = set()  # to report
 
     # ------------------------------------------------------------------ set-up
     def register(self, layers: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -192,12 +212,113 @@ class WorkerSide:
         return set(np.unique(slots // self.shape.page_size).tolist())
 
     def save(self, ops: Sequence[CopyOp]) -> tuple[dict[str, int], set[str]]:
-        """Copy vLLM's blocks of the ops into the manager rows. Returns (saved: req id ->
-        end token, failed req ids)."""
-        done, failed = self._copy(ops, to_vllm=False)
+        """Copy vLLM's blocks of the ops into the manager rows (ops with ``row == -1``: the
+        row this worker allocated, past the manager's prefix). Returns (saved: req id -> end
+        token, failed req ids); what was allocated is reported by ``take_alloc_report``."""
+        saved: dict[str, int] = {}
+        todo, failed_ids = self._resolve(ops, saved)
+        done, failed = self._copy(todo, to_vllm=False) if todo else ([], [])
         self.counters["saved_tokens"] += sum(op.end - op.start for op in done)
         self.counters["failed_save_tokens"] += sum(op.end - op.start for op in failed)
-        saved: dict[str, int] = {}
         for op in done:
             saved[op.req_id] = max(saved.get(op.req_id, 0), op.end)
-        return saved, {op.req_id for op in failed}
+        return saved, failed_ids | {op.req_id for op in failed}
+
+    # ------------------------------------------------------------------ allocs (index misses)
+    def start_allocs(self, ops: Sequence[AllocOp]) -> None:
+        """Send ``ops`` as one ``alloc_extend`` from the alloc thread; returns at once."""
+        if not ops:
+            return
+        if self._alloc_pool is None:
+            self._alloc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-alloc")
+        fut = self._alloc_pool.submit(self._alloc, list(ops))
+        for op in ops:
+            self._pending[op.req_id] = fut
+
+    def _alloc(self, ops: list[AllocOp]) -> Allocated:
+        """(alloc thread) One batch call; a batch refused for capacity / bad input is retried
+        one request at a time, so one long prompt does not cost the others their save."""
+        out: Allocated = {op.req_id: None for op in ops}
+        batches = [ops]
+        while batches:
+            batch = batches.pop()
+            try:
+                if self._alloc_client is None:
+                    self._alloc_client = self.link.new_client()
+                session = batch[0].session
+                if any(op.session != session for op in batch):
+                    raise InvalidArgumentError("alloc ops of several sessions in one step")
+                res = self._alloc_client.alloc_extend(
+                    session, [ExtendItem(op.mrid, op.tokens, op.extra_key) for op in batch])
+            except (CapacityError, InvalidArgumentError) as e:
+                if len(batch) > 1:
+                    batches.extend([op] for op in batch)
+                else:
+                    logger.debug("radixkv: %s not cached: %s", batch[0].req_id, e)
+                continue
+            except Exception as e:  # the manager went away: these misses are not cached
+                logger.warning("radixkv: alloc of %d request(s) failed (%s: %s)", len(batch), type(e).__name__, e)
+                client, self._alloc_client = self._alloc_client, None
+                if client is not None:
+                    _close_quietly(client)
+                continue
+            for op, r in zip(batch, res, strict=True):
+                out[op.req_id] = (int(op.session.epoch), int(r.req_pool_idx), int(r.prefix_len), op.n_full)
+        return out
+
+    def _resolve(self, ops: Sequence[CopyOp], saved: dict[str, int]) -> tuple[list[CopyOp], set[str]]:
+        """Ops with ``row == -1`` -> the allocated row, from the manager's prefix on (an op
+        inside the prefix is reported saved, nothing to copy). Returns (ops to copy, failed)."""
+        todo: list[CopyOp] = []
+        failed: set[str] = set()
+        for op in ops:
+            if op.row >= 0:
+                todo.append(op)
+                continue
+            fut = self._pending.pop(op.req_id, None)
+            if fut is not None:
+                got = fut.result()[op.req_id]  # _alloc never raises; the call has a deadline
+                self.counters["allocs" if got is not None else "alloc_failures"] += 1
+                if got is None:
+                    self._unallocated.add(op.req_id)
+                else:
+                    self._rows_of[op.req_id] = got
+                    self._allocated[op.req_id] = (got[1], got[2])
+                    while len(self._rows_of) > _MAX_ROWS:
+                        del self._rows_of[next(iter(self._rows_of))]
+            entry = self._rows_of.get(op.req_id)
+            if entry is None:
+                if op.req_id not in self._unallocated:
+                    failed.add(op.req_id)  # a row forgotten (aborted long ago): release
+                continue
+            epoch, row, prefix, n_full = entry
+            if op.end >= n_full:
+                del self._rows_of[op.req_id]
+            if op.end <= prefix:
+                saved[op.req_id] = max(saved.get(op.req_id, 0), op.end)
+                continue
+            start = max(op.start, prefix)
+            todo.append(op._replace(epoch=epoch, row=row, start=start, slots=op.slots[start - op.start:]))
+        return todo, failed
+
+    def take_alloc_report(self) -> tuple[dict[str, tuple[int, int]], set[str]]:
+        """(allocated: req id -> (row, prefix), unallocated req ids) since the last take."""
+        out = (self._allocated, self._unallocated)
+        self._allocated, self._unallocated = {}, set()
+        return out
+
+    def close(self) -> None:
+        """Stop the alloc thread (after its call), close its client and the link."""
+        if self._alloc_pool is not None:
+            self._alloc_pool.shutdown(wait=True)
+        if self._alloc_client is not None:
+            _close_quietly(self._alloc_client)
+            self._alloc_client = None
+        self.link.close()
+
+
+def _close_quietly(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:  # a broken channel: nothing left to close
+        pass
