@@ -1,6 +1,8 @@
 """A fake vLLM engine for the connector's tests without vLLM: its scheduler and worker halves
 (``SchedulerSide`` + ``WorkerSide``) and a paged KV cache in vLLM's CPU layout
 ``[blocks, kv_heads, block_size, 2 * head_dim]``, stepped in the connector's order."""
+import time
+
 import torch
 
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
@@ -33,6 +35,10 @@ class Engine:
         g = torch.Generator().manual_seed(seed)
         self.kv = [torch.randn(blocks, HEADS, BS, 2 * HD, generator=g) for _ in range(LAYERS)]
         self.worker.register([(f"model.layers.{i}.attn", t) for i, t in enumerate(self.kv)])
+        deadline = time.monotonic() + 30
+        while self.index is not None and not self.worker.alloc_ready:  # it connects in the background
+            assert time.monotonic() < deadline, "the worker's alloc client did not connect"
+            time.sleep(0.005)
 
     def step(self, scheduled, blocks_of, finish_before_report=()):
         """One step: allocs sent, loads, saves, the worker's report (``finish_before_report``:

@@ -9,12 +9,13 @@ gather and one scatter per layer and K/V over all the step's tokens (``index_sel
 ``index_copy_`` on the manager side, advanced indexing on vLLM's ``[blocks, block, heads,
 head_dim]`` views): no per-token Python loop.
 
-Index misses (see :mod:`~radixkv.integrations.vllm.scheduler_side`): the step's
-:class:`AllocOp` s are sent as one ``alloc_extend`` from a thread of the worker's own, with a
-client of its own, when the step starts (``start_allocs``), so the round trip overlaps the
-forward; ``save`` waits for it (bounded by the call deadline) and resolves the ops with
-``row == -1`` to the allocated row, skipping the prefix the manager held. A request it could
-not allocate (capacity, manager away) is reported ``unallocated`` and not saved.
+Index misses (see :mod:`~radixkv.integrations.vllm.scheduler_side`): each of the step's
+:class:`AllocOp` s is sent as an ``alloc_extend`` when the step starts (``start_allocs``), on a
+client of the worker's own, and its reply is read in ``save``, after the forward: the round
+trip overlaps the forward. No Python thread makes the call (one would wait for the GIL the
+forward holds at every hand-off). The ops with ``row == -1`` go to the allocated row, past the
+prefix the manager held. A request it could not allocate (capacity, manager away) is reported
+``unallocated`` and not saved.
 
 An op of a manager epoch this worker cannot map (the manager restarted again) is not done:
 its load is reported as failed (vLLM recomputes those blocks) and its save as failed (the
@@ -25,8 +26,8 @@ request when matched, so nobody rewrote them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,9 +54,6 @@ logger = logging.getLogger("radixkv.integrations.vllm")
 _KEEP_EPOCHS = 2  # mapped epochs kept (the current one and the one before a restart)
 _MAX_ROWS = 4096  # allocated rows remembered (a request aborted mid-prefill leaves its entry)
 
-#: req_id -> (epoch, row, prefix, n_full), or None: not allocated.
-Allocated = dict[str, tuple[int, int, int, int] | None]
-
 
 class WorkerSide:
     """See the module doc. ``link``: the worker's :class:`ManagerLink` (no keep-alive, no background reconnect);
@@ -71,9 +69,9 @@ class WorkerSide:
         self.counters: dict[str, int] = {"loaded_tokens": 0, "saved_tokens": 0, "failed_load_tokens": 0,
                                          "failed_save_tokens": 0, "mapped_epochs": 0, "allocs": 0,
                                          "alloc_failures": 0}
-        self._alloc_pool: ThreadPoolExecutor | None = None
-        self._alloc_client: Any = None  # used by the alloc thread only
-        self._pending: dict[str, Future[Allocated]] = {}
+        self._alloc_client: Any = None  # its own client (connected in the background)
+        self._connecting: threading.Thread | None = None
+        self._pending: dict[str, tuple[AllocOp, Callable[[], Any] | None]] = {}  # sent, reply not read
         self._rows_of: dict[str, tuple[int, int, int, int]] = {}  # req_id -> (epoch, row, prefix, n_full)
         self._allocated: dict[str, tuple[int, int]] = {}  # to report: req_id -> (row, prefix)
         self._unallocated: set[str] = set()  # to report
@@ -95,6 +93,7 @@ class WorkerSide:
             if str(t.dtype).removeprefix("torch.") != s.dtype:
                 raise LayoutMismatchError(f"vLLM KV cache of {name} is {t.dtype}, expected {s.dtype}")
         self._map_current(strict=True)
+        self._client_now()  # the alloc client connects in the background, ready for the first miss
 
     def _map_current(self, strict: bool = False) -> int | None:
         """Attach, map the manager's pools, detach. Returns the epoch mapped (None: the
@@ -226,45 +225,55 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ allocs (index misses)
     def start_allocs(self, ops: Sequence[AllocOp]) -> None:
-        """Send ``ops`` as one ``alloc_extend`` from the alloc thread; returns at once."""
-        if not ops:
-            return
-        if self._alloc_pool is None:
-            self._alloc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixkv-alloc")
-        fut = self._alloc_pool.submit(self._alloc, list(ops))
+        """Send one ``alloc_extend`` per op now, without waiting for the replies (a unary
+        call each, no thread: a Python thread would wait for the GIL the forward holds).
+        Without a client yet (one connects in the background) the ops are not allocated."""
+        client = self._client_now() if ops else None
         for op in ops:
-            self._pending[op.req_id] = fut
+            reply: Callable[[], Any] | None = None
+            if client is not None:
+                try:
+                    reply = client.alloc_extend_async(op.session, [ExtendItem(op.mrid, op.tokens, op.extra_key)])
+                except Exception as e:  # refused before sending (stale session, bad input)
+                    logger.debug("radixkv: alloc of %s not sent (%s: %s)", op.req_id, type(e).__name__, e)
+            self._pending[op.req_id] = (op, reply)
 
-    def _alloc(self, ops: list[AllocOp]) -> Allocated:
-        """(alloc thread) One batch call; a batch refused for capacity / bad input is retried
-        one request at a time, so one long prompt does not cost the others their save."""
-        out: Allocated = {op.req_id: None for op in ops}
-        batches = [ops]
-        while batches:
-            batch = batches.pop()
-            try:
-                if self._alloc_client is None:
-                    self._alloc_client = self.link.new_client()
-                session = batch[0].session
-                if any(op.session != session for op in batch):
-                    raise InvalidArgumentError("alloc ops of several sessions in one step")
-                res = self._alloc_client.alloc_extend(
-                    session, [ExtendItem(op.mrid, op.tokens, op.extra_key) for op in batch])
-            except (CapacityError, InvalidArgumentError) as e:
-                if len(batch) > 1:
-                    batches.extend([op] for op in batch)
-                else:
-                    logger.debug("radixkv: %s not cached: %s", batch[0].req_id, e)
-                continue
-            except Exception as e:  # the manager went away: these misses are not cached
-                logger.warning("radixkv: alloc of %d request(s) failed (%s: %s)", len(batch), type(e).__name__, e)
-                client, self._alloc_client = self._alloc_client, None
-                if client is not None:
-                    _close_quietly(client)
-                continue
-            for op, r in zip(batch, res, strict=True):
-                out[op.req_id] = (int(op.session.epoch), int(r.req_pool_idx), int(r.prefix_len), op.n_full)
-        return out
+    @property
+    def alloc_ready(self) -> bool:
+        """The alloc client is connected (until then index misses are not cached)."""
+        return self._alloc_client is not None
+
+    def _client_now(self) -> Any | None:
+        """The alloc client, or None while one connects in a background thread."""
+        if self._alloc_client is None and (self._connecting is None or not self._connecting.is_alive()):
+            self._connecting = threading.Thread(target=self._connect_alloc_client, name="radixkv-alloc-connect",
+                                                daemon=True)
+            self._connecting.start()
+        return self._alloc_client
+
+    def _connect_alloc_client(self) -> None:
+        try:
+            self._alloc_client = self.link.new_client()
+        except Exception as e:  # the manager is away: misses are not cached until it is back
+            logger.debug("radixkv: worker alloc client not connected (%s: %s)", type(e).__name__, e)
+
+    def _take_alloc(self, req_id: str) -> tuple[int, int, int, int] | None:
+        """Wait for the reply of ``req_id``'s alloc: (epoch, row, prefix, n_full) or None."""
+        op, reply = self._pending.pop(req_id)
+        if reply is None:
+            return None
+        try:
+            res = reply()[0]
+        except (CapacityError, InvalidArgumentError) as e:  # longer than the pool / context
+            logger.debug("radixkv: %s not cached: %s", req_id, e)
+            return None
+        except Exception as e:  # the manager went away: a new client next time
+            logger.warning("radixkv: alloc of %s failed (%s: %s)", req_id, type(e).__name__, e)
+            client, self._alloc_client = self._alloc_client, None
+            if client is not None:
+                _close_quietly(client)
+            return None
+        return int(op.session.epoch), int(res.req_pool_idx), int(res.prefix_len), op.n_full
 
     def _resolve(self, ops: Sequence[CopyOp], saved: dict[str, int]) -> tuple[list[CopyOp], set[str]]:
         """Ops with ``row == -1`` -> the allocated row, from the manager's prefix on (an op
@@ -275,9 +284,8 @@ class WorkerSide:
             if op.row >= 0:
                 todo.append(op)
                 continue
-            fut = self._pending.pop(op.req_id, None)
-            if fut is not None:
-                got = fut.result()[op.req_id]  # _alloc never raises; the call has a deadline
+            if op.req_id in self._pending:
+                got = self._take_alloc(op.req_id)
                 self.counters["allocs" if got is not None else "alloc_failures"] += 1
                 if got is None:
                     self._unallocated.add(op.req_id)
@@ -308,9 +316,7 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
-        """Stop the alloc thread (after its call), close its client and the link."""
-        if self._alloc_pool is not None:
-            self._alloc_pool.shutdown(wait=True)
+        """Close the alloc client and the link."""
         if self._alloc_client is not None:
             _close_quietly(self._alloc_client)
             self._alloc_client = None
