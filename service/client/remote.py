@@ -47,7 +47,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -234,7 +234,7 @@ class RemoteCacheEngine:
         resp = self._scall(session, "Match", pb.MatchRequest(session=ref, queries=wire.match_queries_to_msg(qs)))
         return wire.match_infos_from_msg(resp, len(qs))
 
-    def _extend_request(self, session: Session, items: Sequence[ExtendItem]) -> pb.AllocExtendRequest:
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> list[ExtendResult]:
         ref = self._session(session)
         try:
             its = V.as_items(items, ExtendItem, "items")
@@ -244,36 +244,11 @@ class RemoteCacheEngine:
                               V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        return pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its))
-
-    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> list[ExtendResult]:
-        resp = self._scall(session, "AllocExtend", self._extend_request(session, items))
+        resp = self._scall(session, "AllocExtend",
+                           pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
         results = wire.extend_results_from_msg(resp)
         self.local.observe_extend(session, results)
         return results
-
-    def alloc_extend_async(self, session: Session, items: Sequence[ExtendItem]) -> Callable[[], list[ExtendResult]]:
-        """``alloc_extend`` sent now, its reply read later: returns a function that waits for
-        it (raising the mapped error). One unary call, no retry, no Step stream, no thread of
-        the caller's: for a caller that overlaps the round trip with work that holds the GIL
-        (a model's forward), where a call from another Python thread would wait for the GIL
-        at each hand-off. Call the function once, from any thread."""
-        request = self._extend_request(session, items)
-        with self.local.guard(session, self._apply):
-            self.rpc_counts["AllocExtend"] = self.rpc_counts.get("AllocExtend", 0) + 1
-            md = self._md + ((REQUEST_ID_KEY, secrets.token_hex(12)),)
-            fut = self._stub.AllocExtend.future(request, metadata=md, timeout=self._timeout)
-
-        def reply() -> list[ExtendResult]:
-            with self.local.guard(session, None):
-                try:
-                    resp = fut.result()
-                except grpc.RpcError as e:
-                    raise error_from_rpc(e) from None
-            results = wire.extend_results_from_msg(resp)
-            self.local.observe_extend(session, results)
-            return results
-        return reply
 
     def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
         self._session(session)

@@ -12,12 +12,7 @@ Keys (``address`` is required):
   before it tries the manager again;
 * ``recompute_load_failures`` (true): set vLLM's ``kv_load_failure_policy`` to
   ``"recompute"``, so that a load that cannot be done (the manager restarted between the
-  match and the load) recomputes the tokens instead of failing the request;
-* ``match_index`` (true): keep an index of the first blocks the manager holds, fed by its KV
-  events (``radixkv serve --enable-kv-events``; without them every request asks), and answer a
-  request whose first block is not there with no hit and no round trip (its blocks are still
-  saved: the worker allocates their row while the forward runs). ``false``: every request asks
-  the manager (no hit is ever lost to the index's lag).
+  match and the load) recomputes the tokens instead of failing the request.
 """
 from __future__ import annotations
 
@@ -40,7 +35,6 @@ class ConnectorConfig:
     call_timeout_s: float = 10.0
     retry_interval_s: float = 2.0
     recompute_load_failures: bool = True
-    match_index: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -66,7 +60,6 @@ class ConnectorConfig:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                     raise InvalidArgumentError(f"RadixKVConnector: {key} must be a number > 0, got {v!r}")
                 d[key] = float(v)
-        for key in ("recompute_load_failures", "match_index"):
-            if key in d and not isinstance(d[key], bool):
-                raise InvalidArgumentError(f"RadixKVConnector: {key} must be a bool")
+        if "recompute_load_failures" in d and not isinstance(d["recompute_load_failures"], bool):
+            raise InvalidArgumentError("RadixKVConnector: recompute_load_failures must be a bool")
         return cls(**d)

@@ -7,12 +7,10 @@ and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role):
 =============================  ==============================================================
 vLLM hook                      what happens
 =============================  ==============================================================
-``get_num_new_matched_tokens``  ``alloc_extend``: match + lock the cached prefix (whole blocks);
-                                0 with no call when the first block is not in the manager
+``get_num_new_matched_tokens``  ``alloc_extend``: match + lock the cached prefix (whole blocks)
 ``update_state_after_alloc``    the accepted hit is planned for loading
 ``build_connector_meta``        the step's load and save ops (``RadixKVConnectorMetadata``)
-``start_load_kv``               worker: index misses' ``alloc_extend`` sent (its own thread);
-                                one gather/scatter per layer, manager -> vLLM
+``start_load_kv``               worker: one gather/scatter per layer, manager -> vLLM
 ``wait_for_save``               worker: one gather/scatter per layer, vLLM -> manager
 ``build_connector_worker_meta`` worker -> scheduler: what was saved / failed
 ``update_connector_output``     ``cache_finished`` of fully saved prompts (queued, batched)
@@ -47,10 +45,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.config import ConnectorConfig
-from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
 from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, dtype_name
 from radixkv.integrations.vllm.link import ManagerLink
-from radixkv.integrations.vllm.scheduler_side import AllocOp, CopyOp, ScheduledReq, SchedulerSide
+from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide
 from radixkv.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -75,19 +72,15 @@ class RadixKVConnectorMetadata(KVConnectorMetadata):
 
     loads: list[CopyOp] = field(default_factory=list)
     saves: list[CopyOp] = field(default_factory=list)
-    allocs: list[AllocOp] = field(default_factory=list)
 
 
 @dataclass
 class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, one step: ``saved[req_id]``: saved up to this token; ``failed``:
-    requests whose save failed; ``allocated[req_id] = (row, prefix)`` / ``unallocated``: the
-    index misses the worker allocated / could not allocate."""
+    requests whose save failed."""
 
     saved: dict[str, int] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
-    allocated: dict[str, tuple[int, int]] = field(default_factory=dict)
-    unallocated: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, RadixKVWorkerMetadata):
@@ -95,11 +88,7 @@ class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
         saved = dict(self.saved)
         for k, v in other.saved.items():  # a request is saved as far as every worker saved it
             saved[k] = min(saved[k], v) if k in saved else v
-        return RadixKVWorkerMetadata(saved, self.failed | other.failed, {**self.allocated, **other.allocated},
-                                     self.unallocated | other.unallocated)
-
-    def empty(self) -> bool:
-        return not (self.saved or self.failed or self.allocated or self.unallocated)
+        return RadixKVWorkerMetadata(saved, self.failed | other.failed)
 
 
 @dataclass
@@ -184,18 +173,14 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._deltas = _Deltas()
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._feed: IndexFeed | None = None
         self._load_errors: set[int] = set()
         self._report = RadixKVWorkerMetadata()
         if role == KVConnectorRole.SCHEDULER:
             link = ManagerLink(self._cfg, "vllm-scheduler", validate=self._check_manager)
-            index = FirstBlockIndex(self._shape.page_size) if self._cfg.match_index else None
-            self._sched = SchedulerSide(link, self._shape.page_size, index)
+            self._sched = SchedulerSide(link, self._shape.page_size)
             link.get(force=True)  # connect now (a shape mismatch raises here)
             if isinstance(link.last_error, LayoutMismatchError):
                 raise link.last_error
-            if index is not None:
-                self._feed = IndexFeed(index, link).start()
         else:
             link = ManagerLink(self._cfg, "vllm-worker", keepalive=False, background=False)
             self._worker = WorkerSide(link, self._shape)
@@ -219,12 +204,9 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata):
+        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.loads:
             return
-        if meta.allocs:
-            self._worker.start_allocs(meta.allocs)  # overlaps the forward; save() waits for it
-        if meta.loads:
-            self._load_errors |= self._worker.load(meta.loads)
+        self._load_errors |= self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are done in start_load_kv, before the forward
@@ -237,17 +219,14 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.saves:
             return
         saved, failed = self._worker.save(meta.saves)
-        allocated, unallocated = self._worker.take_alloc_report()
-        r = self._report
-        self._report = RadixKVWorkerMetadata({**r.saved, **saved}, r.failed | failed, {**r.allocated, **allocated},
-                                             r.unallocated | unallocated)
+        self._report = RadixKVWorkerMetadata({**self._report.saved, **saved}, self._report.failed | failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if self._report.empty():
+        if not self._report.saved and not self._report.failed:
             return None
         out, self._report = self._report, RadixKVWorkerMetadata()
         return out
@@ -316,14 +295,14 @@ class RadixKVConnector(KVConnectorBase_V1):
         except Exception:
             logger.exception("radixkv: planning the step's copies failed; no copies this step")
             return RadixKVConnectorMetadata()
-        return RadixKVConnectorMetadata(plan.loads, plan.saves, plan.allocs)
+        return RadixKVConnectorMetadata(plan.loads, plan.saves)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._sched is not None
         meta = connector_output.kv_connector_worker_meta
         try:
             if isinstance(meta, RadixKVWorkerMetadata):
-                self._sched.on_worker_report(meta.saved, meta.failed, meta.allocated, meta.unallocated)
+                self._sched.on_worker_report(meta.saved, meta.failed)
             else:
                 self._sched.on_worker_report({})
         except Exception:
@@ -341,9 +320,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         side = self._sched or self._worker
         if side is not None:
             logger.info("radixkv connector counters: %s", {**side.counters, **side.link.counters})
-        if self._feed is not None:
-            self._feed.close()
         if self._sched is not None:
             self._sched.close()
         elif self._worker is not None:
-            self._worker.close()
+            self._worker.link.close()

@@ -32,23 +32,13 @@ one generated token the output leaves in the very step that queues the commit).
 
 The lock is held from the first ask until the commit or release lands, so an eviction between the
 match and the load can never hand a row to another request.
-
-**Misses without a round trip.** With a :class:`FirstBlockIndex` (fed by the manager's KV
-events) a request whose first block the manager does not hold is answered 0 at once, with no
-call. Its whole blocks are still saved: the first save op of such a request has ``row == -1``
-and comes with an :class:`AllocOp`; the *worker* sends that ``alloc_extend`` (under this
-side's session) from a thread of its own when the step starts, so the round trip overlaps the
-forward, and copies into the row once the forward is done, skipping any prefix the manager
-turned out to hold (the index lagged: a lost hit, never a wrong row). The worker reports the
-row and prefix (``allocated``) or that nothing was allocated (``unallocated``) with the step;
-the commit and release are then as above.
 """
 from __future__ import annotations
 
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,10 +47,9 @@ import numpy as np
 from radixkv.engine.protocol import ExtendItem, Session
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.integrations.vllm.call_queue import CallQueue
-from radixkv.integrations.vllm.first_blocks import FirstBlockIndex
 from radixkv.integrations.vllm.link import ManagerLink
 
-__all__ = ["AllocOp", "CopyOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
+__all__ = ["CopyOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
 
@@ -77,23 +66,9 @@ class CopyOp(NamedTuple):
     slots: np.ndarray
 
 
-class AllocOp(NamedTuple):
-    """For the worker: ``alloc_extend`` of ``tokens`` (the whole prompt, int32) as manager
-    request ``mrid`` under ``session``; the request's save ops with ``row == -1`` go to that
-    row. ``n_full``: the prompt's tokens in whole blocks (the last token saved)."""
-
-    req_id: str
-    session: Session
-    mrid: str
-    tokens: np.ndarray
-    extra_key: str | None
-    n_full: int
-
-
 class StepPlan(NamedTuple):
     loads: list[CopyOp]
     saves: list[CopyOp]
-    allocs: list[AllocOp]
 
 
 class ScheduledReq(NamedTuple):
@@ -119,13 +94,6 @@ class _Req:
     saved: int = 0  # the worker reported [prefix, saved) saved
     broken: bool = False  # a save failed: release, never commit
     finished: bool = False  # vLLM finished it; waiting for the last save report
-    alloc: AllocOp | None = None  # the worker allocates the row (an index miss); None: allocated here
-    alloc_sent: bool = False  # the AllocOp went to the worker; its report has not come yet
-
-    @property
-    def at_worker(self) -> bool:
-        """The row is the worker's to allocate and it has not reported it yet."""
-        return self.alloc is not None and self.row < 0 and self.session is not None
 
     def complete(self) -> bool:
         return not self.broken and self.saved >= self.n_full
@@ -145,21 +113,18 @@ class SchedulerSide:
     """See the module doc. ``link``: the scheduler's :class:`ManagerLink`; ``block_size``:
     vLLM's (== the manager's page size, checked at attach)."""
 
-    def __init__(self, link: ManagerLink, block_size: int, index: FirstBlockIndex | None = None):
+    def __init__(self, link: ManagerLink, block_size: int):
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
-        if index is not None and index.page_size != block_size:
-            raise InvalidArgumentError(f"index page size {index.page_size} != block size {block_size}")
         self.link = link
         self.bs = block_size
-        self.index = index
         self._reqs: dict[str, _Req] = {}
         self._ids = itertools.count()
         self._calls = CallQueue()
         self.counters: dict[str, int] = {
             "queries": 0, "query_tokens": 0, "matched_tokens": 0, "offered_tokens": 0,
             "loaded_tokens": 0, "saved_tokens": 0, "committed_requests": 0, "released_requests": 0,
-            "uncacheable_requests": 0, "dropped_requests": 0, "index_misses": 0, "index_lost_hits": 0,
+            "uncacheable_requests": 0, "dropped_requests": 0,
         }
 
     # ------------------------------------------------------------------ helpers
@@ -195,24 +160,14 @@ class SchedulerSide:
         n_full = n // self.bs * self.bs
         if not cacheable or n_full == 0:
             return 0
-        # the whole prompt: the manager matches at most n - 1 tokens (so this is vLLM's cap
-        # too), and caches only its whole pages; the tail's slot is freed at the commit
-        tokens = np.asarray(prompt, dtype=np.int32)
-        if self.index is not None and not self.index.may_hold(extra_key, tokens):
-            live = self.link.get()
-            if live is None:
-                return 0
-            # no call: the worker allocates the row with the first save (see the module doc)
-            session = live[1].session
-            st.session, st.n_full = session, n_full
-            st.alloc = AllocOp(req_id, session, st.mrid, tokens, extra_key, n_full)
-            self.counters["index_misses"] += 1
-            return 0
         self.flush()  # the client is not shared with the queue's thread; see earlier commits
         got = self.link.get()
         if got is None:
             return 0
         client, info = got
+        # the whole prompt: the manager matches at most n - 1 tokens (so this is vLLM's cap
+        # too), and caches only its whole pages; the tail's slot is freed at the commit
+        tokens = np.asarray(prompt, dtype=np.int32)
         self.counters["queries"] += 1
         self.counters["query_tokens"] += n
         try:
@@ -250,7 +205,6 @@ class SchedulerSide:
         self._flush_finished()
         loads: list[CopyOp] = []
         saves: list[CopyOp] = []
-        allocs: list[AllocOp] = []
         current = self._session()
         for sr in scheduled:
             st = self._reqs.get(sr.req_id)
@@ -268,47 +222,26 @@ class SchedulerSide:
             upto = min(st.n_full, (sr.num_computed + sr.num_scheduled) // self.bs * self.bs)
             if upto > st.issued:
                 blocks = blocks if blocks is not None else block_ids_of(sr.req_id)
-                if st.alloc is not None and not st.alloc_sent:
-                    allocs.append(st.alloc)
-                    st.alloc_sent = True
                 saves.append(CopyOp(sr.req_id, st.session.epoch, st.row, st.issued, upto,
                                     vllm_slots(blocks, st.issued, upto, self.bs)))
                 st.issued = upto
-        return StepPlan(loads, saves, allocs)
+        return StepPlan(loads, saves)
 
     # ------------------------------------------------------------------ 4. commit
-    def on_worker_report(self, saved: dict[str, int], failed: Iterable[str] = (),
-                         allocated: Mapping[str, tuple[int, int]] | None = None,
-                         unallocated: Iterable[str] = ()) -> None:
+    def on_worker_report(self, saved: dict[str, int], failed: Iterable[str] = ()) -> None:
         """The worker's report of one step: ``saved[req_id]``: saved up to this token;
-        ``failed``: requests whose save could not be done (released, never committed);
-        ``allocated[req_id] = (row, prefix)``: the row the worker allocated for an index miss
-        and the prefix the manager held (locked; not saved again); ``unallocated``: index
-        misses the worker could not allocate (nothing to release: forgotten)."""
-        for req_id in unallocated:
-            st = self._reqs.get(req_id)
-            if st is not None and st.at_worker:
-                st.session = None
-                self.counters["uncacheable_requests"] += 1
-        for req_id, (row, prefix) in (allocated or {}).items():
-            st = self._reqs.get(req_id)
-            if st is None or not st.at_worker or st.session is None:
-                continue
-            st.row, st.prefix = int(row), int(prefix)
-            st.issued, st.saved = max(st.issued, st.prefix), max(st.saved, st.prefix)
-            self.counters["matched_tokens"] += st.prefix
-            self.counters["index_lost_hits"] += st.prefix > 0
+        ``failed``: requests whose save could not be done (released, never committed)."""
         for req_id in failed:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.broken = True
         for req_id, end in saved.items():
             st = self._reqs.get(req_id)
-            if st is not None and st.session is not None and not st.at_worker:
+            if st is not None and st.session is not None:
                 st.saved = max(st.saved, min(int(end), st.issued))
         current = self._session()
         commit = [(rid, st) for rid, st in self._reqs.items() if st.session is not None and st.complete()
-                  and not st.at_worker and st.session == current]
+                  and st.session == current]
         got = self.link.get()
         if commit and current is not None and got is not None:
             client = got[0]
@@ -329,24 +262,20 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         if st is None:
             return
-        if st.session is not None and not st.broken and (st.issued >= st.n_full > st.saved or st.alloc_sent
-                                                          and st.at_worker):
-            st.finished = True  # the step that saved its last blocks (or allocated) reports right after
+        if st.session is not None and not st.broken and st.issued >= st.n_full > st.saved:
+            st.finished = True  # the step that saved its last blocks reports right after
             return
         del self._reqs[req_id]
         self._drop([st])
 
     def _flush_finished(self) -> None:
-        done = [rid for rid, st in self._reqs.items() if st.finished and not (st.alloc_sent and st.at_worker)]
+        done = [rid for rid, st in self._reqs.items() if st.finished]
         states = [self._reqs.pop(rid) for rid in done]
         self._drop(states)
 
     def _drop(self, states: list[_Req]) -> None:
         """Release, in one call, the manager requests of ``states`` (current session only;
         an old session's were reclaimed with it)."""
-        for st in states:
-            if st.at_worker:  # the worker never allocated it (not sent, or reported unallocated)
-                st.session = None
         live = [st for st in states if st.session is not None]
         if not live:
             return

@@ -9,14 +9,6 @@ gather and one scatter per layer and K/V over all the step's tokens (``index_sel
 ``index_copy_`` on the manager side, advanced indexing on vLLM's ``[blocks, block, heads,
 head_dim]`` views): no per-token Python loop.
 
-Index misses (see :mod:`~radixkv.integrations.vllm.scheduler_side`): each of the step's
-:class:`AllocOp` s is sent as an ``alloc_extend`` when the step starts (``start_allocs``), on a
-client of the worker's own, and its reply is read in ``save``, after the forward: the round
-trip overlaps the forward. No Python thread makes the call (one would wait for the GIL the
-forward holds at every hand-off). The ops with ``row == -1`` go to the allocated row, past the
-prefix the manager held. A request it could not allocate (capacity, manager away) is reported
-``unallocated`` and not saved.
-
 An op of a manager epoch this worker cannot map (the manager restarted again) is not done:
 its load is reported as failed (vLLM recomputes those blocks) and its save as failed (the
 scheduler releases the request). A load from an epoch already mapped is done even if that
@@ -26,15 +18,13 @@ request when matched, so nobody rewrote them.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from radixkv.engine.protocol import ExtendItem
-from radixkv.errors import CapacityError, InvalidArgumentError
+from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.layout import (
     KVShape,
     LayoutMismatchError,
@@ -45,14 +35,13 @@ from radixkv.integrations.vllm.layout import (
     row_geometry,
 )
 from radixkv.integrations.vllm.link import ManagerLink
-from radixkv.integrations.vllm.scheduler_side import AllocOp, CopyOp
+from radixkv.integrations.vllm.scheduler_side import CopyOp
 
 __all__ = ["WorkerSide"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
 
 _KEEP_EPOCHS = 2  # mapped epochs kept (the current one and the one before a restart)
-_MAX_ROWS = 4096  # allocated rows remembered (a request aborted mid-prefill leaves its entry)
 
 
 class WorkerSide:
@@ -67,14 +56,7 @@ class WorkerSide:
         self._geometry: RowGeometry | None = None  # the same in every layer, or None: index the views
         self._buffers: dict[int, Any] = {}  # epoch -> WorkerBuffers
         self.counters: dict[str, int] = {"loaded_tokens": 0, "saved_tokens": 0, "failed_load_tokens": 0,
-                                         "failed_save_tokens": 0, "mapped_epochs": 0, "allocs": 0,
-                                         "alloc_failures": 0}
-        self._alloc_client: Any = None  # its own client (connected in the background)
-        self._connecting: threading.Thread | None = None
-        self._pending: dict[str, tuple[AllocOp, Callable[[], Any] | None]] = {}  # sent, reply not read
-        self._rows_of: dict[str, tuple[int, int, int, int]] = {}  # req_id -> (epoch, row, prefix, n_full)
-        self._allocated: dict[str, tuple[int, int]] = {}  # to report: req_id -> (row, prefix)
-        self._unallocated: set[str] = set()  # to report
+                                         "failed_save_tokens": 0, "mapped_epochs": 0}
 
     # ------------------------------------------------------------------ set-up
     def register(self, layers: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -93,7 +75,6 @@ class WorkerSide:
             if str(t.dtype).removeprefix("torch.") != s.dtype:
                 raise LayoutMismatchError(f"vLLM KV cache of {name} is {t.dtype}, expected {s.dtype}")
         self._map_current(strict=True)
-        self._client_now()  # the alloc client connects in the background, ready for the first miss
 
     def _map_current(self, strict: bool = False) -> int | None:
         """Attach, map the manager's pools, detach. Returns the epoch mapped (None: the
@@ -211,120 +192,12 @@ class WorkerSide:
         return set(np.unique(slots // self.shape.page_size).tolist())
 
     def save(self, ops: Sequence[CopyOp]) -> tuple[dict[str, int], set[str]]:
-        """Copy vLLM's blocks of the ops into the manager rows (ops with ``row == -1``: the
-        row this worker allocated, past the manager's prefix). Returns (saved: req id -> end
-        token, failed req ids); what was allocated is reported by ``take_alloc_report``."""
-        saved: dict[str, int] = {}
-        todo, failed_ids = self._resolve(ops, saved)
-        done, failed = self._copy(todo, to_vllm=False) if todo else ([], [])
+        """Copy vLLM's blocks of the ops into the manager rows. Returns (saved: req id ->
+        end token, failed req ids)."""
+        done, failed = self._copy(ops, to_vllm=False)
         self.counters["saved_tokens"] += sum(op.end - op.start for op in done)
         self.counters["failed_save_tokens"] += sum(op.end - op.start for op in failed)
+        saved: dict[str, int] = {}
         for op in done:
             saved[op.req_id] = max(saved.get(op.req_id, 0), op.end)
-        return saved, failed_ids | {op.req_id for op in failed}
-
-    # ------------------------------------------------------------------ allocs (index misses)
-    def start_allocs(self, ops: Sequence[AllocOp]) -> None:
-        """Send one ``alloc_extend`` per op now, without waiting for the replies (a unary
-        call each, no thread: a Python thread would wait for the GIL the forward holds).
-        Without a client yet (one connects in the background) the ops are not allocated."""
-        client = self._client_now() if ops else None
-        for op in ops:
-            reply: Callable[[], Any] | None = None
-            if client is not None:
-                try:
-                    reply = client.alloc_extend_async(op.session, [ExtendItem(op.mrid, op.tokens, op.extra_key)])
-                except Exception as e:  # refused before sending (stale session, bad input)
-                    logger.debug("radixkv: alloc of %s not sent (%s: %s)", op.req_id, type(e).__name__, e)
-            self._pending[op.req_id] = (op, reply)
-
-    @property
-    def alloc_ready(self) -> bool:
-        """The alloc client is connected (until then index misses are not cached)."""
-        return self._alloc_client is not None
-
-    def _client_now(self) -> Any | None:
-        """The alloc client, or None while one connects in a background thread."""
-        if self._alloc_client is None and (self._connecting is None or not self._connecting.is_alive()):
-            self._connecting = threading.Thread(target=self._connect_alloc_client, name="radixkv-alloc-connect",
-                                                daemon=True)
-            self._connecting.start()
-        return self._alloc_client
-
-    def _connect_alloc_client(self) -> None:
-        try:
-            self._alloc_client = self.link.new_client()
-        except Exception as e:  # the manager is away: misses are not cached until it is back
-            logger.debug("radixkv: worker alloc client not connected (%s: %s)", type(e).__name__, e)
-
-    def _take_alloc(self, req_id: str) -> tuple[int, int, int, int] | None:
-        """Wait for the reply of ``req_id``'s alloc: (epoch, row, prefix, n_full) or None."""
-        op, reply = self._pending.pop(req_id)
-        if reply is None:
-            return None
-        try:
-            res = reply()[0]
-        except (CapacityError, InvalidArgumentError) as e:  # longer than the pool / context
-            logger.debug("radixkv: %s not cached: %s", req_id, e)
-            return None
-        except Exception as e:  # the manager went away: a new client next time
-            logger.warning("radixkv: alloc of %s failed (%s: %s)", req_id, type(e).__name__, e)
-            client, self._alloc_client = self._alloc_client, None
-            if client is not None:
-                _close_quietly(client)
-            return None
-        return int(op.session.epoch), int(res.req_pool_idx), int(res.prefix_len), op.n_full
-
-    def _resolve(self, ops: Sequence[CopyOp], saved: dict[str, int]) -> tuple[list[CopyOp], set[str]]:
-        """Ops with ``row == -1`` -> the allocated row, from the manager's prefix on (an op
-        inside the prefix is reported saved, nothing to copy). Returns (ops to copy, failed)."""
-        todo: list[CopyOp] = []
-        failed: set[str] = set()
-        for op in ops:
-            if op.row >= 0:
-                todo.append(op)
-                continue
-            if op.req_id in self._pending:
-                got = self._take_alloc(op.req_id)
-                self.counters["allocs" if got is not None else "alloc_failures"] += 1
-                if got is None:
-                    self._unallocated.add(op.req_id)
-                else:
-                    self._rows_of[op.req_id] = got
-                    self._allocated[op.req_id] = (got[1], got[2])
-                    while len(self._rows_of) > _MAX_ROWS:
-                        del self._rows_of[next(iter(self._rows_of))]
-            entry = self._rows_of.get(op.req_id)
-            if entry is None:
-                if op.req_id not in self._unallocated:
-                    failed.add(op.req_id)  # a row forgotten (aborted long ago): release
-                continue
-            epoch, row, prefix, n_full = entry
-            if op.end >= n_full:
-                del self._rows_of[op.req_id]
-            if op.end <= prefix:
-                saved[op.req_id] = max(saved.get(op.req_id, 0), op.end)
-                continue
-            start = max(op.start, prefix)
-            todo.append(op._replace(epoch=epoch, row=row, start=start, slots=op.slots[start - op.start:]))
-        return todo, failed
-
-    def take_alloc_report(self) -> tuple[dict[str, tuple[int, int]], set[str]]:
-        """(allocated: req id -> (row, prefix), unallocated req ids) since the last take."""
-        out = (self._allocated, self._unallocated)
-        self._allocated, self._unallocated = {}, set()
-        return out
-
-    def close(self) -> None:
-        """Close the alloc client and the link."""
-        if self._alloc_client is not None:
-            _close_quietly(self._alloc_client)
-            self._alloc_client = None
-        self.link.close()
-
-
-def _close_quietly(client: Any) -> None:
-    try:
-        client.close()
-    except Exception:  # a broken channel: nothing left to close
-        pass
+        return saved, {op.req_id for op in failed}
