@@ -70,7 +70,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request")
     ap.add_argument("--miss-ab", type=int, default=0,
                     help="rounds of the no-hit A/B (one instance without, one with the connector, "
-                         "same prompt at once); 0: skip (default)")
+                         "same prompt); 0: skip (default)")
+    ap.add_argument("--miss-ab-order", choices=("together", "sequential"), default="sequential",
+                    help="the A/B's two requests of a round at once, or one after the other, the first "
+                         "alternating (default %(default)s)")
     ap.add_argument("--kv-cache-mb", type=int, default=128, help="each instance's KV cache (MiB)")
     ap.add_argument("--engine-process", action="store_true",
                     help="run each instance's engine core in its own process (as vllm serve does; "
@@ -208,7 +211,9 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
 def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int) -> dict[str, Any]:
     """What a request with no hit costs with the connector: instance 0 without it, instance 1
     with it (one manager), started together; each round sends the same fresh random prompt
-    to both at once, so both see the same machine load. Medians of the wall times."""
+    to both, at once (``--miss-ab-order together``: both see the same machine load, and
+    compete for it) or one after the other, the first alternating from round to round
+    (``sequential``: neither runs while the other does). Medians of the wall times."""
     from vllm_configs import shared_side
 
     rng = np.random.default_rng(777)
@@ -219,7 +224,13 @@ def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int)
             cached = 0
             for r in range(args.miss_ab + 1):                 # round 0: warm-up, not counted
                 prompt = rng.integers(0, spec["vocab"], prompt_len).astype(np.int32)
-                outs = _dispatch(insts, [[(-1, prompt)], [(-1, prompt)]])
+                if args.miss_ab_order == "together":
+                    outs = _dispatch(insts, [[(-1, prompt)], [(-1, prompt)]])
+                else:
+                    first = r % 2
+                    outs = [[], []]
+                    for k in (first, 1 - first):
+                        outs[k] = _dispatch([insts[k]], [[(-1, prompt)]])[0]
                 if r:
                     for k in (0, 1):
                         walls[k].append(outs[k][0]["wall"] * 1e3)
@@ -233,7 +244,7 @@ def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int)
             "without_ms_median": round(med[0], 2), "with_radixkv_ms_median": round(med[1], 2),
             "ratio": round(med[1] / med[0], 4), "ratio_ok": med[1] <= TARGET_COLD_RATIO * med[0],
             "round_ratio_median": round(q2, 4), "round_ratio_iqr": [round(q1, 4), round(q3, 4)],
-            "rounds_with_faster": int((per_round < 1).sum()),
+            "rounds_with_faster": int((per_round < 1).sum()), "order": args.miss_ab_order,
             "without_ms": [round(x, 2) for x in walls[0]], "with_radixkv_ms": [round(x, 2) for x in walls[1]]}
 
 
@@ -270,7 +281,8 @@ def _table(doc: dict[str, Any]) -> str:
         lines.append(f"{label:<26}{wl['prompt_tokens'] - hits:>12}{hits:>9}")
     ab = doc.get("miss_ab")
     if ab:
-        lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab['prompt_len']} tokens): without connector "
+        lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab.get('order', 'together')}, {ab['prompt_len']} "
+                     "tokens): without connector "
                      f"{ab['without_ms_median']:.1f} ms, with radixkv {ab['with_radixkv_ms_median']:.1f} ms, "
                      f"ratio {ab['ratio']:.3f}; per round: median {ab['round_ratio_median']:.3f}, IQR "
                      f"[{ab['round_ratio_iqr'][0]:.3f}, {ab['round_ratio_iqr'][1]:.3f}], with radixkv faster in "
