@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from process_group import end_group
 from vllm_trace import ROUTINGS, Workload, alternation, build_workload, hit_bound
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -124,6 +125,7 @@ def _stop(insts: list[Any]) -> None:
         if p.is_alive():
             p.terminate()
             p.join()
+        end_group(p.pid)
 
 
 def _dispatch(insts: list[Any], batches: list[list[Any]]) -> list[list[dict[str, float]]]:

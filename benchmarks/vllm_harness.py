@@ -17,10 +17,13 @@ import time
 import traceback
 from multiprocessing import get_context
 
+from process_group import end_group, lead_group
+
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _engine_main(conn, kwargs, env):
+    lead_group()  # vLLM's own children go with this process when the harness stops it
     os.environ.update(env)
     try:
         from vllm import LLM, SamplingParams
@@ -105,6 +108,7 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
+        end_group(self.proc.pid)
 
 
 class ManagerProcess:

@@ -24,6 +24,8 @@ import time
 import traceback
 from typing import Any
 
+from process_group import lead_group
+
 __all__ = ["engine_kwargs", "instance_main"]
 
 Result = dict[str, float]
@@ -81,6 +83,7 @@ def _serve(conn: Any, llm: Any, max_tokens: int) -> None:
 
 def instance_main(conn: Any, spec: dict[str, Any]) -> None:
     """Entry point of the spawned instance process."""
+    lead_group()  # vLLM's own children go with this process when the router stops it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))

@@ -15,6 +15,7 @@ import secrets
 import time
 
 import pytest
+from process_group import members
 from vllm_harness import EngineProcess, ManagerProcess
 from vllm_model import TinyLlama, make_tiny_llama
 
@@ -74,6 +75,8 @@ def cluster(tmp_path_factory):
             if isinstance(e, EngineProcess):
                 e.stop()
         manager.stop()
+        left = {name: members(e.proc.pid) for name, e in engines.items() if isinstance(e, EngineProcess)}
+        assert not any(left.values()), f"engine processes left behind after stop: {left}"
 
 
 def wait_for_sessions(manager, n, timeout_s=120.0):
