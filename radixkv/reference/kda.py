@@ -152,28 +152,50 @@ class KDALayer:
         return self._out(kda_recurrent(q, k, v, g, beta).o)
 
     # ---- incremental ---------------------------------------------------------------------
-    def extend(self, x: torch.Tensor, cache, slot: int, fresh: bool) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, cache, slot: int, fresh: bool,
+               track: tuple[int, int] | None = None) -> torch.Tensor:
         """Continue one sequence by ``x [T, hidden]`` from its state in ``slot`` of ``cache``
         (``cache.conv[0] [slots+1, K-1, C]``, ``cache.temporal [slots+1, H, D, D]``; zeros instead
-        when ``fresh``), write the new state back to ``slot``, return ``[T, hidden]``."""
+        when ``fresh``), write the new state back to ``slot``, return ``[T, hidden]``.
+        ``track = (track_slot, n)``: also write the state after the first ``n`` of the ``T``
+        tokens (``1 <= n <= T``) into ``track_slot`` (the prefill is split there)."""
         conv_all, ssm_all = cache.conv[0], cache.temporal
         init_conv = None if fresh else conv_all[slot]
         init_ssm = None if fresh else ssm_all[slot]
-        qkv, conv_state = causal_conv1d_fn(x @ self.w_qkv, self.conv_w, self.conv_b, init_conv, "silu")
+        raw = x @ self.w_qkv
+        qkv, conv_state = causal_conv1d_fn(raw, self.conv_w, self.conv_b, init_conv, "silu")
         q, k, v = self._split(qkv)
         g, beta = self._gates(x)
-        out = kda_chunked(q, k, v, g, beta, init_ssm, self.config.chunk_size)
+        cs = self.config.chunk_size
+        if track is None:
+            out = kda_chunked(q, k, v, g, beta, init_ssm, cs)
+            o = out.o
+        else:
+            t_slot, n = track
+            head = kda_chunked(q[:n], k[:n], v[:n], g[:n], beta[:n], init_ssm, cs)
+            out = kda_chunked(q[n:], k[n:], v[n:], g[n:], beta[n:], head.final_state, cs)
+            o = torch.cat([head.o, out.o])
+            kw = self.config.conv_kernel
+            hist = raw.new_zeros(kw - 1, raw.shape[1]) if init_conv is None else init_conv.to(raw.dtype)
+            conv_all[t_slot] = torch.cat([hist, raw[:n]])[n:n + kw - 1].to(conv_all.dtype)  # last K-1 inputs
+            ssm_all[t_slot] = head.final_state.to(ssm_all.dtype)
         conv_all[slot] = conv_state.to(conv_all.dtype)
         ssm_all[slot] = out.final_state.to(ssm_all.dtype)
-        return self._out(out.o)
+        return self._out(o)
 
-    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: str | None) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: str | None,
+               track: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One token for each of ``B`` requests: ``x [B, hidden]``, ``slots [B]`` (int64, already
-        validated); states updated in place by the fused kernels. Returns ``[B, hidden]``."""
+        validated); states updated in place by the fused kernels. ``track = (src, dst)``: then
+        copy the new states of slots ``src`` into slots ``dst``. Returns ``[B, hidden]``."""
         qkv = causal_conv1d_update(
             x @ self.w_qkv, cache.conv[0], self.conv_w, self.conv_b, "silu", slots, backend=backend, checks=False
         )
         q, k, v = self._split(qkv)
         g, beta = self._gates(x)
         o = kda_decode(q, k, v, g, beta, cache.temporal, slots, backend=backend, checks=False)
+        if track is not None:  # the state after this token, for the requests passing a boundary
+            src, dst = track
+            cache.conv[0][dst] = cache.conv[0][src]
+            cache.temporal[dst] = cache.temporal[src]
         return self._out(o)
