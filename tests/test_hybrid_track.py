@@ -203,3 +203,42 @@ def test_interval_must_be_a_page_multiple():
         run.extend([Req("a", toks(20, np.random.default_rng(0)))])
     assert run.pool.available_size() == 6
     assert isinstance(run.tree, MambaRadixCache) and VOCAB
+
+
+@pytest.mark.parametrize("ps", PAGES)
+def test_embedded_engine_issue_case(ps):
+    """The issue's run with the embedded engine, as a new user would: extend a prompt of
+    2.5 pages, decode one token, finish; the same prompt again gets the last page end with a
+    state hit (tracking is on by default at page sizes > 1), and its logits equal a
+    from-scratch run."""
+    from radixkv.demo_workers import engine_config_for
+    from radixkv.engine import CacheEngine
+    from radixkv.engine.protocol import DecodeItem, ExtendItem
+    from radixkv.reference import HybridConfig, HybridModel, ModelCache
+
+    mcfg = HybridConfig(vocab=VOCAB, hidden=16, num_heads=2, head_dim=8, layer_pattern="KFKK", chunk_size=8)
+    model = HybridModel(mcfg)
+    eng = CacheEngine(engine_config_for(mcfg, page_size=ps, kv_tokens=64 * 16, state_slots=8, request_rows=4,
+                                       max_context_len=256))
+    mc = ModelCache.over(eng.worker_buffers())
+    s = eng.attach().session
+    prompt = toks(5 * ps // 2 if ps > 1 else 40, np.random.default_rng(ps))
+
+    def run(rid, tokens):
+        (r,) = eng.alloc_extend(s, [ExtendItem(rid, tokens)])
+        out = model.extend(tokens[r.start:], r.start, eng.pools.req_to_token_pool.req_to_token[
+            r.req_pool_idx, :r.start].long(), r.out_cache_loc, r.mamba_slot, mc,
+            track_slot=r.track_slot, track_seqlen=r.track_seqlen)
+        d = eng.alloc_decode(s, [DecodeItem(rid, 7)])
+        out2 = model.decode(torch.tensor([7]), d.req_pool_indices, d.seq_lens, d.out_cache_loc, d.mamba_slots, mc,
+                            d.track_slots if d.track_slots.size else None)
+        eng.cache_finished(s, [rid])
+        eng.check_invariants()
+        ref = model.forward_reference(np.concatenate([tokens, [7]]))
+        assert (torch.cat([out, out2]) - ref[r.start:]).abs().max().item() <= 1e-9
+        return r.prefix_len
+
+    assert run("a", prompt) == 0
+    again = np.concatenate([prompt, [7, 3]]).astype(np.int32)  # the same text, one more token
+    assert run("b", again) == (prompt.size + 1) // ps * ps > 0  # page 1: 41, the state handed over
+    assert eng.stats().state_evictable >= 1
