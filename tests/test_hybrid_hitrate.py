@@ -218,7 +218,8 @@ def test_cli_hybrid_pages_tracked_and_untracked(trace_file, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [
-    ["--engine", "blocksim"], ["--track", "sometimes"], ["--pages", "0"], ["--admission", "sometimes"], ["--state-policy", "mru"],
+    ["--engine", "blocksim"], ["--track", "sometimes"], ["--pages", "0"], ["--admission", "sometimes"],
+    ["--state-policy", "mru"],
     ["--checkpoint", "maybe"], ["--chunk", "0"], ["--page-size", "2"], ["--policy", "nope"],
 ])
 def test_cli_hybrid_usage_errors(trace_file, extra, capsys):
