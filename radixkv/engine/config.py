@@ -205,7 +205,7 @@ class EngineConfig:
     @property
     def conv_state_shape(self) -> tuple[int, int]:
         """Per-slot conv state of one KDA layer: ``(conv_kernel - 1, 3 * heads * head_dim)``
-        (q|k|v channels concatenated, as ``KimiLinearStateShape`` and the reference model)."""
+        (q|k|v channels concatenated: ``KimiLinearStateShape.pool_conv``, the reference model)."""
         return (self.conv_kernel - 1, 3 * self.kda_num_heads * self.kda_head_dim)
 
     @property
