@@ -24,6 +24,7 @@ __all__ = [
     "Arena", "ArenaLayout", "TensorSpec", "plan_layout",
     "ReqToTokenPool",
     "KVCache", "KVSizeBytes", "MHATokenToKVPool", "MLATokenToKVPool",
-    "KimiLinearStateShape", "KimiLinearCacheParams", "Mamba2StateDType", "Mamba2LayerCache", "MambaCache", "MambaPool", "MambaStateSizeBytes",
+    "KimiLinearStateShape", "KimiLinearCacheParams", "Mamba2StateDType",
+    "Mamba2LayerCache", "MambaCache", "MambaPool", "MambaStateSizeBytes",
     "HybridLinearKVPool", "HybridReqToTokenPool",
 ]
