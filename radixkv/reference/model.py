@@ -286,7 +286,8 @@ class HybridModel:
         for lid, block in enumerate(self.blocks):
             h = _rmsnorm(x, block.norm1, eps)
             if isinstance(block.mixer, KDALayer):
-                out = block.mixer.extend(h, self._mamba(lid, pools), state_slot, fresh=start_pos == 0, track=track)
+                out = block.mixer.extend(h, self._mamba(lid, pools), state_slot, fresh=start_pos == 0, track=track,
+                                         backend=self.backend)
             else:
                 out = block.mixer.extend(h, start_pos, pools.kv_pool, self._kv_id(lid, pools), prefix, new)
             x = block.mlp_residual(x + out, eps)
