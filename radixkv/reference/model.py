@@ -132,7 +132,9 @@ class _Block:
 
 class HybridModel:
     """The reference hybrid model. ``HybridModel(config, device="cpu", *, backend=None)``;
-    ``backend`` selects the decode kernels (``None``: Triton on CUDA, torch elsewhere).
+    ``backend`` selects the decode kernels (``None``: Triton on CUDA, torch elsewhere) and,
+    given explicitly, the chunked prefill of ``extend`` (default torch: its Triton kernel is
+    verified under the interpreter, not yet on a GPU).
 
     Methods (all validate fully before touching any pool, and raise typed errors from
     ``radixkv.errors``; state is unchanged on error):
@@ -150,6 +152,8 @@ class HybridModel:
         self.config = config
         self.device = torch.device(device)
         self.backend = resolve_backend(backend, self.device)
+        # the chunked prefill kernel is checked under the Triton interpreter only: opt-in
+        self.extend_backend = resolve_backend(backend, self.device) if backend is not None else "torch"
         gen = torch.Generator().manual_seed(config.seed)
         draw = lambda *s, scale=1.0, shift=0.0: (  # noqa: E731
             torch.randn(*s, generator=gen, dtype=torch.float64) * scale + shift
@@ -287,7 +291,7 @@ class HybridModel:
             h = _rmsnorm(x, block.norm1, eps)
             if isinstance(block.mixer, KDALayer):
                 out = block.mixer.extend(h, self._mamba(lid, pools), state_slot, fresh=start_pos == 0, track=track,
-                                         backend=self.backend)
+                                         backend=self.extend_backend)
             else:
                 out = block.mixer.extend(h, start_pos, pools.kv_pool, self._kv_id(lid, pools), prefix, new)
             x = block.mlp_residual(x + out, eps)
