@@ -126,6 +126,10 @@ class PoolRequest(Protocol):
     rid: str
     req_pool_idx: int | None
     mamba_pool_idx: int | None
+    # the track buffer of a hybrid row (radixkv.scheduler.track); None / 0 / None without one
+    mamba_ping_pong_track_buffer: list[int] | None
+    mamba_next_track_idx: int
+    mamba_last_track_seqlen: int | None
 
 
 class CacheRequest(PoolRequest, Protocol):

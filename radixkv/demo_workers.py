@@ -152,7 +152,8 @@ class HybridWorker:
             if prefix is None:
                 prefix = r.prefix_len
             row = self.buffers.req_to_token[r.req_pool_idx, :r.start].to(torch.int64)
-            out = model.extend(prompt[r.start:r.seq_len], r.start, row, r.out_cache_loc, r.mamba_slot, mc)
+            out = model.extend(prompt[r.start:r.seq_len], r.start, row, r.out_cache_loc, r.mamba_slot, mc,
+                               track_slot=r.track_slot, track_seqlen=r.track_seqlen)
             logits.update({r.start + j: out[j] for j in range(out.shape[0])})
             computed += r.seq_len - r.start
             last = out[-1]
@@ -164,7 +165,7 @@ class HybridWorker:
             nxt = int(torch.argmax(last))
             d = e.alloc_decode(s, [DecodeItem(rid, nxt)])
             out = model.decode(torch.tensor([nxt], device=dev), d.req_pool_indices, d.seq_lens, d.out_cache_loc,
-                               d.mamba_slots, mc)
+                               d.mamba_slots, mc, d.track_slots if d.track_slots.size else None)
             pos = int(d.seq_lens[0]) - 1
             logits[pos] = out[0]
             tokens.append(np.array([nxt], dtype=np.int32))

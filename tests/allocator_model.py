@@ -4,7 +4,8 @@ of ``TokenToKVPoolAllocator`` (ids are token slots) and ``PagedTokenToKVPoolAllo
 
 ``FreeListModel`` keeps SGLang's semantics on plain lists: ``free_pages`` hands out ids in
 order; with ``need_sort`` freed ids wait in ``release`` and are merged and sorted into
-``free_pages`` only when an allocation would otherwise fall short. It also tracks the
+``free_pages`` whenever an allocation finds ``free_pages`` short (before the size check, as
+the seed: a failed allocation still merges). It also tracks the
 documented lifetime of a backup: the ``free_pages`` ring holds ``2 * size`` entries and the
 ``release_pages`` ring ``size``, written at ever-growing absolute positions (a restore moves
 the write position back); a backup survives while nothing was written a whole ring length
@@ -46,11 +47,13 @@ class FreeListModel:
         self.ring_hw = max(self.ring_hw, self.ring_head + len(self.free_pages) + n)
 
     def alloc(self, n):
-        """``n`` ids in hand-out order, or None when fewer are available (unchanged)."""
-        if n > self.available():
-            return None
-        if n > len(self.free_pages):  # only possible with need_sort (release is empty otherwise)
+        """``n`` ids in hand-out order, or None when fewer are available. As the seed: with
+        need_sort the release list is merged first whenever free_pages falls short, so a
+        call that returns None may still have merged."""
+        if self.need_sort and n > len(self.free_pages):
             self.merge()
+        if n > len(self.free_pages):
+            return None
         out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
         self.ring_head += n
         return out

@@ -42,14 +42,19 @@ def toks(n, rng):
 class Runner:
     """Pools + tree + model; records every logit by (request, position) and checks them."""
 
-    def __init__(self, dtype=torch.float64, ps=1, kv=512, slots=8, rows=6, width=160, device="cpu", **tree_kw):
+    def __init__(self, dtype=torch.float64, ps=1, kv=512, slots=8, rows=6, width=160, device="cpu",
+                 track=False, interval=None, **tree_kw):
+        """``track``: the request pool's ``mamba_ping_pong_track_buffer`` (two more slots per
+        row, added to ``slots``), every ``interval`` tokens (default: the page size)."""
         self.model, self.dtype, self.ps, self.dev = model(dtype, device), dtype, ps, torch.device(device)
         cfg = self.model.config
         self.kv = MHATokenToKVPool(kv, ps, dtype, cfg.num_heads, cfg.head_dim, len(cfg.full_layer_ids), device)
+        slots += 2 * rows if track else 0
         self.mamba = MambaPool(slots, cfg.conv_state_shape, cfg.temporal_state_shape, len(cfg.kda_layer_ids), dtype,
                                device)
         self.hkv = HybridLinearKVPool(self.kv, list(cfg.full_layer_ids), self.mamba)
-        self.pool = HybridReqToTokenPool(rows, width, mamba_pool=self.mamba, device=device)
+        self.pool = HybridReqToTokenPool(rows, width, mamba_pool=self.mamba, device=device,
+                                         enable_mamba_extra_buffer=track, mamba_track_interval=interval)
         self.alloc = (TokenToKVPoolAllocator(kv, device) if ps == 1
                       else PagedTokenToKVPoolAllocator(kv, ps, device))
         self.tree = MambaRadixCache(self.pool, self.alloc, page_size=ps, **tree_kw)
@@ -62,7 +67,9 @@ class Runner:
         for i, r in enumerate(reqs):
             p, s = int(b.prefix_lens[i]), int(b.seq_lens_cpu[i])
             row = self.pool.req_to_token[r.req_pool_idx, :s].long()
-            out = self.model.extend(r.fill_ids[p:s], p, row[:p], row[p:s], r.mamba_pool_idx, self.pools)
+            tr = {} if b.mamba_track_indices is None else dict(
+                track_slot=int(b.mamba_track_indices[i]), track_seqlen=int(b.mamba_track_seqlens[i]))
+            out = self.model.extend(r.fill_ids[p:s], p, row[:p], row[p:s], r.mamba_pool_idx, self.pools, **tr)
             self.logits.setdefault(r.rid, {}).update({p + j: out[j] for j in range(s - p)})
             if r not in self.running:
                 self.running.append(r)
@@ -76,7 +83,8 @@ class Runner:
         out_loc = alloc_for_decode(b)
         last = torch.tensor([int(r.fill_ids[r.seq_len - 1]) for r in reqs], device=self.dev)
         out = self.model.decode(last, b.req_pool_indices, b.seq_lens, out_loc,
-                                torch.tensor([r.mamba_pool_idx for r in reqs], device=self.dev), self.pools)
+                                torch.tensor([r.mamba_pool_idx for r in reqs], device=self.dev), self.pools,
+                                b.mamba_track_indices)
         for r, lg in zip(reqs, out):
             self.logits[r.rid][r.seq_len - 1] = lg
         self.check()

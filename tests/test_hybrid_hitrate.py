@@ -133,7 +133,7 @@ def test_helpers_and_bad_arguments():
 
 
 # ---------------------------------------------------------------------- the CLI
-RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "state_slots", "admission",
+RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "track", "state_slots", "admission",
                "state_policy", "checkpoint", "hit_tokens", "token_hit_rate", "kv_hit_tokens", "kv_hit_rate",
                "lost_tokens", "lost_rate", "state_hits", "state_hit_rate", "flop_saved", "evicted_tokens",
                "evicted_states", "states_end", "kv_tokens_end"}
@@ -195,8 +195,31 @@ def test_cli_hybrid_flow_engine_agrees_with_tree(trace_file, tmp_path):
     assert strip[0] == strip[1]
 
 
+def test_cli_hybrid_pages_tracked_and_untracked(trace_file, tmp_path):
+    """``--pages 1,3,8 --track on,off``: the tree replay and the real flow agree at every
+    page size; tracking never loses a state hit to the untracked replay and, with prompts
+    ending off the page grid, gains some."""
+    docs = []
+    for eng in ("tree", "flow"):
+        out = tmp_path / f"p-{eng}.json"
+        assert main(["--trace", trace_file, "--block-size", "4", "--hybrid", "--engine", eng,
+                     "--capacity-frac", "4", "--state-slots", "100", "--admission", "every", "--state-policy", "lru",
+                     "--checkpoint", "off", "--chunk", "5", "--pages", "1,3,8", "--track", "on,off",
+                     "--json", str(out), "--no-progress"]) == 0
+        docs.append(json.loads(out.read_text()))
+    assert docs[0]["results"] == docs[1]["results"]
+    res = {(r["page_size"], r["track"]): r for r in docs[0]["results"]}
+    assert sorted(res) == [(1, True), (3, False), (3, True), (8, False), (8, True)]
+    assert {k["page_size"] for k in docs[0]["kv_only"]} == {1, 3, 8}
+    for ps in (3, 8):
+        assert res[ps, True]["state_hits"] >= res[ps, False]["state_hits"]
+    assert sum(res[ps, True]["hit_tokens"] - res[ps, False]["hit_tokens"] for ps in (3, 8)) > 0
+    assert all(r["state_hits"] > 0 for r in res.values() if r["track"])
+
+
 @pytest.mark.parametrize("extra", [
-    ["--engine", "blocksim"], ["--admission", "sometimes"], ["--state-policy", "mru"],
+    ["--engine", "blocksim"], ["--track", "sometimes"], ["--pages", "0"], ["--admission", "sometimes"],
+    ["--state-policy", "mru"],
     ["--checkpoint", "maybe"], ["--chunk", "0"], ["--page-size", "2"], ["--policy", "nope"],
 ])
 def test_cli_hybrid_usage_errors(trace_file, extra, capsys):

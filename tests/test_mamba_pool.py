@@ -32,28 +32,45 @@ def assert_unchanged(pool, snap):
 
 # -- KimiLinearStateShape ----------------------------------------------------------------
 def test_seed_example_conv_3x4096_temporal_32x128x128():
-    """Seed 8.2: conv kernel 4 -> (3, 4096); 32 heads of 128 -> (32, 128, 128). The 4096 is
-    one projection's width (32 * 128), so it is passed as proj_size."""
-    s = KimiLinearStateShape.create(num_heads=32, head_dim=128, conv_kernel_size=4, proj_size=4096)
-    assert s.conv == (3, 4096)
+    """Seed 8.2, without extra arguments: conv kernel 4 -> (3, 4096) (one projection of
+    32 * 128 channels, the seed's proj_size formula); 32 heads of 128 -> (32, 128, 128)."""
+    s = KimiLinearStateShape.create(num_heads=32, head_dim=128, conv_kernel_size=4)
+    assert s.conv == (3, 4096) and s.proj_size == 4096
     assert s.temporal == (32, 128, 128)
+    assert s.pool_conv == (3, 3 * 4096)  # q, k and v windows in the pool's one conv tensor
 
 
 def test_seed_example_slot_size_is_2_mib_per_layer():
-    """Seed 8.6: 32 heads x 128 x 128 x 4 B = 2 MB of temporal state per request and layer."""
-    s = KimiLinearStateShape.create(32, 128, 4, proj_size=4096)
+    """Seed 8.6: 32 heads x 128 x 128 x 4 B = 2 MB of temporal state per request and layer;
+    the conv windows of q, k and v are three (3, 4096) states."""
+    s = KimiLinearStateShape.create(32, 128, 4)
     pool = MambaPool.from_state_shape(1, s, 1, torch.float32)
     assert pool.slot_bytes.temporal_bytes == 2 * 1024 * 1024
-    assert pool.slot_bytes.conv_bytes == 3 * 4096 * 4
+    assert pool.slot_bytes.conv_bytes == 3 * (3 * 4096 * 4)
     assert pool.temporal_state.shape == (1, 2, 32, 128, 128)
-    assert pool.conv_state.shape == (1, 2, 3, 4096)
+    assert pool.conv_state.shape == (1, 2, 3, 3 * 4096)
 
 
-def test_default_proj_size_is_qkv_concatenated_and_tp_divides():
+def test_cache_params_seed_example():
+    from radixkv.memory import KimiLinearCacheParams, Mamba2StateDType
+
     s = KimiLinearStateShape.create(32, 128, 4)
-    assert s.proj_size == 32 * 128 * 3 and s.conv == (3, 12288)
+    p = KimiLinearCacheParams(shape=s, layers=[0, 1, 2, 4], dtype=Mamba2StateDType("float32", torch.float32))
+    assert p.num_layers == 4 and p.layers == (0, 1, 2, 4)
+    assert p.mamba_cache_per_req == 4 * (2 * 1024 * 1024 + 3 * 3 * 4096 * 4)
+    pool = KimiLinearCacheParams(KimiLinearStateShape.create(2, 8, 4), [1, 3]).pool(3)
+    assert pool.conv_state.shape == (2, 4, 3, 48) and pool.temporal_state.shape == (2, 4, 2, 8, 8)
+    for bad in (dict(shape=(3, 4), layers=[0]), dict(shape=s, layers=[]), dict(shape=s, layers=[2, 1]),
+                dict(shape=s, layers=[0], dtype=("int9", "float32"))):
+        with pytest.raises(InvalidArgumentError):
+            KimiLinearCacheParams(**bad)
+
+
+def test_default_proj_size_and_tp_divides():
+    s = KimiLinearStateShape.create(32, 128, 4)
+    assert s.proj_size == 32 * 128 and s.conv == (3, 4096)
     s2 = KimiLinearStateShape.create(32, 128, 4, tp_world_size=4)
-    assert s2.conv == (3, 3072) and s2.temporal == (8, 128, 128)
+    assert s2.conv == (3, 1024) and s2.temporal == (8, 128, 128) and s2.pool_conv == (3, 3072)
     with pytest.raises(InvalidArgumentError, match="num_heads"):
         KimiLinearStateShape.create(32, 128, 4, tp_world_size=3)
     with pytest.raises(InvalidArgumentError, match="proj_size"):

@@ -195,6 +195,9 @@ def test_alloc_extend_out_of_pages_returns_none_unchanged(device):
         a = PagedTokenToKVPoolAllocator(16, 4, device, need_sort=need_sort)
         x = a.alloc(12)
         a.free(x[:4])  # one page pending (need_sort) or free
+        if need_sort:  # as the seed, a short call merges release_pages before failing
+            assert a.alloc_extend(T([0], device), T([9], device), T([-1], device), 9) is None
+            assert a.release_pages.tolist() == [] and a.free_pages.tolist() == [1, 4]
         before = state_of(a)
         assert a.alloc_extend(T([0], device), T([9], device), T([-1], device), 9) is None
         assert_unchanged(a, before)

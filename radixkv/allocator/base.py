@@ -39,13 +39,22 @@ class BaseKVAllocator:
         size: usable KV slots (``num_pages * page_size``); slot ids run up to
             ``size + page_size - 1`` because page 0 (slots ``0..page_size-1``) is reserved.
         page_size, num_pages, device, need_sort, checks.
+        dtype: the KV dtype of the pool served (SGLang's ``dtype`` argument; kept for
+            reference, the allocator hands out ids only). ``None`` when not given.
+        enable_memory_saver: accepted for SGLang's signature; changes nothing.
+        free_group, is_not_in_free_group: SGLang's names for the open free group (the id
+            tensors freed into it so far) and whether none is open.
     """
 
     page_size: int = 1
 
     def __init__(self, size: int, page_size: int, device: torch.device | str, need_sort: bool,
                  kvcache: KVPool | None,
-                 checks: bool, kind: str):
+                 checks: bool, kind: str, dtype: torch.dtype | None = None, enable_memory_saver: bool = False):
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise InvalidArgumentError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        self.dtype = dtype
+        self.enable_memory_saver = bool(enable_memory_saver)
         size = check_count(size, "size")
         page_size = check_count(page_size, "page_size")
         if page_size < 1:
@@ -96,6 +105,17 @@ class BaseKVAllocator:
     def merge_and_sort_free(self) -> None:
         """Merge ``release_pages`` into ``free_pages`` and sort it. O(F log F)."""
         self._fl.merge_and_sort()
+
+    @property
+    def is_not_in_free_group(self) -> bool:
+        """SGLang's flag: no free group is open (frees go straight to the free list)."""
+        return not self._fl.in_group
+
+    @property
+    def free_group(self) -> list[torch.Tensor]:
+        """SGLang's list of the id tensors freed into the open group (a copy; empty when
+        none is open)."""
+        return self._fl.group_ids()
 
     def free_group_begin(self) -> None:
         """Open a free group: frees until ``free_group_end()`` are validated one by one

@@ -138,14 +138,14 @@ class PageFreeList(HostViews):
 
     # ------------------------------------------------------------------ alloc
     def ensure(self, n: int) -> bool:
-        """Make the first ``n`` ids of ``free_pages`` ready to take: False (nothing
-        changed) when fewer than ``n`` are available; merges ``release_pages`` first when
-        ``free_pages`` alone falls short. O(1), or O(F log F) for a merge."""
-        if n > self.available():
-            return False
-        if n > len(self._ring):
+        """Make the first ``n`` ids of ``free_pages`` ready to take, or return False (no id
+        handed out) when fewer than ``n`` are available. As SGLang's ``alloc``: under
+        need_sort, ``release_pages`` is merged into ``free_pages`` (sorted) whenever
+        ``free_pages`` alone falls short, *before* the size check, so a failed call still
+        leaves the merged order for the next one. O(1), or O(F log F) for a merge."""
+        if self.need_sort and n > len(self._ring):
             self.merge_and_sort()
-        return True
+        return n <= len(self._ring)
 
     def peek(self, n: int) -> torch.Tensor:
         """The first ``n`` ids of ``free_pages`` (int32; a view valid until the next
@@ -169,7 +169,8 @@ class PageFreeList(HostViews):
         set_mask(self._not_in_use, self.host_mask(), ids, value)
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` ids (int64, on device) or None when fewer are available (unchanged)."""
+        """``n`` ids (int64, on device) or None when fewer are available (none handed out;
+        under need_sort ``release_pages`` was merged, see ``ensure``)."""
         if not self.ensure(n):
             return None
         return self.commit(n)
@@ -240,6 +241,10 @@ class PageFreeList(HostViews):
     @property
     def in_group(self) -> bool:
         return self._group is not None
+
+    def group_ids(self) -> list[torch.Tensor]:
+        """The id tensors freed into the open group (a new list; empty when none)."""
+        return list(self._group or ())
 
     # ------------------------------------------------------------------ backup
     def backup(self) -> FreeListState:

@@ -56,8 +56,10 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
     """
 
     def __init__(self, size: int, page_size: int, device: torch.device | str = "cpu",
-                 need_sort: bool = False, kvcache: KVPool | None = None, checks: bool = True):
-        super().__init__(size, page_size, device, need_sort, kvcache, checks, kind="page")
+                 need_sort: bool = False, kvcache: KVPool | None = None, checks: bool = True, *,
+                 dtype: torch.dtype | None = None, enable_memory_saver: bool = False):
+        super().__init__(size, page_size, device, need_sort, kvcache, checks, kind="page", dtype=dtype,
+                         enable_memory_saver=enable_memory_saver)
         self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
         self._offsets_host = np.arange(self.page_size, dtype=np.int64)
         ps = self.page_size

@@ -22,12 +22,15 @@ class TokenToKVPoolAllocator(BaseKVAllocator):
             ``free_pages`` only when an ``alloc`` would otherwise fall short.
         kvcache: the KV buffer object this allocator serves (``get_kvcache()``).
         checks: validate ``free`` (off only for benchmarks: bad frees then corrupt state).
+        dtype, enable_memory_saver: SGLang's arguments, by keyword (see ``BaseKVAllocator``;
+            SGLang's positional order is ``(size, dtype, device, kvcache, need_sort)``).
     """
 
     def __init__(self, size: int, device: torch.device | str = "cpu", need_sort: bool = False,
                  kvcache: KVPool | None = None,
-                 checks: bool = True):
-        super().__init__(size, 1, device, need_sort, kvcache, checks, kind="slot")
+                 checks: bool = True, *, dtype: torch.dtype | None = None, enable_memory_saver: bool = False):
+        super().__init__(size, 1, device, need_sort, kvcache, checks, kind="slot", dtype=dtype,
+                         enable_memory_saver=enable_memory_saver)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """``need_size`` free slots (int64 on ``device``), or None (state unchanged) when

@@ -2,7 +2,11 @@
 
 A hybrid model can skip a prefix only where the cache holds both its KV *and* the recurrent
 state at its end, so two budgets matter: KV tokens and state slots. Each prompt runs as a
-chunked prefill (prompts only: a request ends at its prompt), page size 1:
+chunked prefill (prompts only: a request ends at its prompt), at page size 1 (below) or
+larger: then KV goes in whole pages and a state only at a page end -- with state tracking
+(``track``, the default: the request pool's ``mamba_ping_pong_track_buffer``, interval =
+page size) the state at the last page end each step passed; without it only a step that
+ends on a page end leaves a state:
 
     m = match_prefix(prompt[:-1])        # prefix_len: deepest cached state; kv_prefix_len: KV
     lock m.last_node; take the request's working slot (evict a state if the pool is full)
@@ -36,15 +40,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
-from radixkv.allocator import TokenToKVPoolAllocator
+from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache import RadixCache
-from radixkv.cache.mamba_policies import FlopStateOrder, StateEvictionOrder
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.mamba_policies import FlopModel, FlopStateOrder, StateEvictionOrder
+from radixkv.cache.mamba_radix_cache import MambaMatchResult, MambaRadixCache
+from radixkv.cache.radix_cache import MatchResult
 from radixkv.errors import InvalidArgumentError
 from radixkv.memory import HybridReqToTokenPool, KimiLinearStateShape, MambaPool, ReqToTokenPool
 from radixkv.scheduler.batch import Batch
@@ -93,10 +98,11 @@ def kv_budget(unique_tokens: int, frac: float, max_prompt: int) -> int:
     return max(int(unique_tokens * frac), int(max_prompt) + 1)
 
 
-def chunk_ends(m, size: int, chunk: int, checkpoint: bool) -> list:
+def chunk_ends(m: MatchResult | MambaMatchResult, size: int, chunk: int, checkpoint: bool) -> list[int]:
     """Where the prefill of a ``size``-token prompt stops: the checkpoint at ``kv_prefix_len``
     (when the KV match passes the deepest state), then every ``chunk`` tokens from there."""
-    ends = [m.kv_prefix_len] if checkpoint and m.prefix_len < m.kv_prefix_len else []
+    kv_len = getattr(m, "kv_prefix_len", m.prefix_len)
+    ends = [kv_len] if checkpoint and m.prefix_len < kv_len else []
     start = ends[-1] if ends else m.prefix_len
     while start + chunk < size:
         start += chunk
@@ -131,9 +137,9 @@ class HybridReplayResult(NamedTuple):
         """KV-matched tokens that could not be skipped for lack of a state."""
         return self.kv_hit_tokens - self.hit_tokens
 
-    def as_bench_dict(self) -> dict:
+    def as_bench_dict(self) -> dict[str, float | int]:
         """``bench_mamba.py``'s per-run JSON (rounded; FLOP fields only with states)."""
-        out = {"hit_rate": round(self.token_hit_rate, 4), "seconds": round(self.seconds, 1)}
+        out: dict[str, float | int] = {"hit_rate": round(self.token_hit_rate, 4), "seconds": round(self.seconds, 1)}
         if self.states_end is not None:
             out["flop_saved"] = round(self.flops_saved / self.flops_total, 4) if self.flops_total else 0.0
             out["states_in_tree_end"] = self.states_end
@@ -144,7 +150,7 @@ class HybridReplayResult(NamedTuple):
 class _Tally:
     """Running totals of a replay, and the counting wrapper around ``tree.evict``."""
 
-    def __init__(self, tree, model):
+    def __init__(self, tree: RadixCache, model: FlopModel | None):
         self.tree, self.model = tree, model
         self.n = self.prompt = self.hit = self.kv = self.state_hits = 0
         self.flops = [0.0, 0.0]
@@ -152,8 +158,8 @@ class _Tally:
         self.t0 = time.perf_counter()
         evict = tree.evict
 
-        def counted(num_tokens, num_states=None):
-            r = evict(num_tokens) if num_states is None else evict(num_tokens, num_states)
+        def counted(num_tokens: int, num_states: int | None = None) -> Any:
+            r = evict(num_tokens) if num_states is None else evict(num_tokens, num_states)  # type: ignore[call-arg]
             if isinstance(r, tuple):
                 self.ev_tok += int(r[0])
                 self.ev_st += int(r[1])
@@ -161,7 +167,7 @@ class _Tally:
                 self.ev_tok += int(r)
             return r
 
-        tree.evict = counted  # instance attribute: the flow's evictions are counted too
+        setattr(tree, "evict", counted)  # noqa: B010 - an instance attribute: the flow's evictions count too
 
     def add(self, pre: int, kv: int, size: int) -> None:
         self.n += 1
@@ -170,11 +176,11 @@ class _Tally:
         self.kv += kv
         self.state_hits += pre > 0
         if self.model is not None:
-            self.flops[0] += float(self.model.prefix_flops(pre))
-            self.flops[1] += float(self.model.prefix_flops(size))
+            self.flops[0] += float(self.model.prefix_flops(np.asarray(pre)))
+            self.flops[1] += float(self.model.prefix_flops(np.asarray(size)))
 
-    def result(self, mamba) -> HybridReplayResult:
-        tree = self.tree
+    def result(self, mamba: MambaPool | None) -> HybridReplayResult:
+        tree: Any = self.tree  # a MambaRadixCache when mamba is set
         tree.check_invariants()
         return HybridReplayResult(self.n, self.prompt, self.hit, self.kv, self.state_hits, self.flops[0],
                                   self.flops[1], self.ev_tok, self.ev_st, int(tree.total_size()),
@@ -182,13 +188,21 @@ class _Tally:
                                   time.perf_counter() - self.t0)
 
 
-def _pool_size(slots: int, working_slot: bool) -> int:
+def _pool_size(slots: int, working_slot: bool, track_slots: int = 0) -> int:
+    """The Mamba pool for ``slots`` (plus the working slot, plus a tracking request's
+    ``track_slots``)."""
     if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < (0 if working_slot else 2):
         raise InvalidArgumentError(f"state slots must be an int >= {0 if working_slot else 2}, got {slots!r}")
-    return int(slots) + (1 if working_slot else 0)
+    return int(slots) + (1 if working_slot else 0) + track_slots
 
 
-def _trim(tree, slots: int) -> None:
+def _check_page(page_size: int) -> int:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise InvalidArgumentError(f"page_size must be an int >= 1, got {page_size!r}")
+    return int(page_size)
+
+
+def _trim(tree: MambaRadixCache, slots: int) -> None:
     """Keep at most ``slots`` states between requests (``working_slot`` mode)."""
     excess = tree.mamba_total_size() - slots
     if excess > 0:
@@ -197,17 +211,20 @@ def _trim(tree, slots: int) -> None:
 
 def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chunk: int,
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
-                kv_policy: str = "lru", working_slot: bool = False, progress=None) -> HybridReplayResult:
+                kv_policy: str = "lru", working_slot: bool = False, progress: Any = None,
+                page_size: int = 1, track: bool = True) -> HybridReplayResult:
     """The tree's own API with the flow's request semantics (see the module docstring);
     KV rows are virtual ids (no allocator: the tree plus the running request hold at most
     ``kv_tokens``, which must exceed the longest prompt). ``admission None``: KV-only tree.
+    ``page_size`` / ``track``: see the module docstring.
 
-    Raises InvalidArgumentError for bad slots / policy names (before any work).
+    Raises InvalidArgumentError for bad slots / page size / policy names (before any work).
     """
+    ps = _check_page(page_size)
     mamba = None if admission is None else mamba_pool(_pool_size(slots, working_slot))
-    tree = (RadixCache(None, None, eviction_policy=kv_policy) if mamba is None else
-            MambaRadixCache(None, None, eviction_policy=kv_policy, mamba_pool=mamba, admission_policy=admission,
-                            state_eviction_policy=policy, checks=False))
+    tree: Any = (RadixCache(None, None, page_size=ps, eviction_policy=kv_policy) if admission is None else
+                 MambaRadixCache(None, None, page_size=ps, eviction_policy=kv_policy, mamba_pool=mamba,
+                                 admission_policy=admission, state_eviction_policy=policy, checks=False))
     tally = _Tally(tree, None if mamba is None else tree.flop_model)
     next_row = 1
     for toks in requests:
@@ -223,30 +240,37 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
         if mamba is not None:
             if mamba.available_size() == 0:
                 tree.evict(0, 1)
-            slot = int(mamba.alloc(1)[0])  # never None: the request pins at most its own node
+            slot = int(cast(torch.Tensor, mamba.alloc(1))[0])  # never None: the request pins one node at most
         rows = np.concatenate([m.device_indices.numpy(), np.arange(next_row, next_row + size, dtype=np.int64)])
         next_row += size
         for end in chunk_ends(m, size, chunk, checkpoint):
+            a = end - end % ps  # the page end the tree can hold (= end at page size 1)
+            stated = a == end or track  # a state there: the step's own, or the tracked one
             short = tree.total_size() + (end - held) - kv_tokens
             if short > 0:
                 tree.evict(short)
             if end == size:
                 if slot is None:
-                    tree.insert(toks, rows[:size])
+                    tree.insert(toks[:a], rows[:a])
+                elif a and stated:
+                    tree.insert_with_state(toks[:a], rows[:a], slot)  # kept, or freed
                 else:
-                    tree.insert_with_state(toks, rows[:size], slot)  # kept, or freed
+                    tree.insert(toks[:a], rows[:a])
+                    cast(MambaPool, mamba).free(slot)
                 break
-            if mamba is None:  # a KV-only tree gains nothing from chunk-end inserts
+            if mamba is None or a == 0:  # a KV-only tree gains nothing from chunk-end inserts
                 continue
-            node = tree.insert_with_state(toks[:end], rows[:end], None).node
+            if a == held:  # no new page: nothing new to insert, no state the tree lacks here
+                continue
+            node = tree.insert_with_state(toks[:a], rows[:a], None).node
             tree.inc_lock_ref(node)
             tree.dec_lock_ref(locked)
-            locked, held = node, end
-            if tree.state_slot(node) is None and tree.admission.admit(tree, node, False):
+            locked, held = node, a
+            if stated and tree.state_slot(node) is None and tree.admission.admit(tree, node, False):
                 if mamba.available_size() == 0:
                     tree.evict(0, 1)
                 if mamba.available_size():
-                    tree.insert_with_state(toks[:end], rows[:end], int(mamba.alloc(1)[0]))
+                    tree.insert_with_state(toks[:a], rows[:a], int(cast(torch.Tensor, mamba.alloc(1))[0]))
         tree.dec_lock_ref(locked)
         if working_slot and mamba is not None:
             _trim(tree, slots)
@@ -256,20 +280,28 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
 
 def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int, slots: int, chunk: int,
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
-                kv_policy: str = "lru", working_slot: bool = False, progress=None) -> HybridReplayResult:
+                kv_policy: str = "lru", working_slot: bool = False, progress: Any = None,
+                page_size: int = 1, track: bool = True) -> HybridReplayResult:
     """The same through the real scheduler flow and pools (a ``TokenToKVPoolAllocator`` of
-    ``kv_tokens``, request rows ``max_prompt + 1`` wide). Exact but slow at trace scale (the
+    ``kv_tokens`` -- paged above page size 1 --, request rows ``max_prompt + 1`` wide, the
+    track buffer above page size 1 with ``track``). Exact but slow at trace scale (the
     allocator's work grows with the pool): a cross-check of :func:`replay_tree`."""
+    ps = _check_page(page_size)
     width = int(max_prompt) + 1
-    alloc = TokenToKVPoolAllocator(kv_tokens, device="cpu")
+    kv_tokens = -(-kv_tokens // ps) * ps
+    alloc: Any = (TokenToKVPoolAllocator(kv_tokens, device="cpu") if ps == 1
+                  else PagedTokenToKVPoolAllocator(kv_tokens, ps, "cpu"))
     mamba = None
+    tracking = track and ps > 1
+    pool: ReqToTokenPool
+    tree: Any
     if admission is None:
         pool = ReqToTokenPool(2, width)
-        tree = RadixCache(pool, alloc, eviction_policy=kv_policy)
+        tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=kv_policy)
     else:
-        mamba = mamba_pool(_pool_size(slots, working_slot))
-        pool = HybridReqToTokenPool(2, width, mamba_pool=mamba)
-        tree = MambaRadixCache(pool, alloc, eviction_policy=kv_policy, admission_policy=admission,
+        mamba = mamba_pool(_pool_size(slots, working_slot, 2 if tracking else 0))
+        pool = HybridReqToTokenPool(2, width, mamba_pool=mamba, enable_mamba_extra_buffer=tracking)
+        tree = MambaRadixCache(pool, alloc, page_size=ps, eviction_policy=kv_policy, admission_policy=admission,
                                state_eviction_policy=policy)
     tally = _Tally(tree, None if mamba is None else tree.flop_model)
     for i, toks in enumerate(requests):
@@ -277,7 +309,7 @@ def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int,
             progress.update(1)
         if toks.size < 2:
             continue
-        r = Req(i, toks)
+        r = Req(str(i), toks)
         m = tree.match_prefix(toks[:toks.size - 1])  # what alloc_for_extend will find
         pre = m.prefix_len
         for j, end in enumerate(chunk_ends(m, toks.size, chunk, checkpoint)):
@@ -293,6 +325,7 @@ def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int,
     return tally.result(mamba)
 
 
-def configs_of(admissions: list[str], state_policies: list[StatePolicy], checkpoints: list[bool]) -> list:
+def configs_of(admissions: list[str], state_policies: list[StatePolicy],
+               checkpoints: list[bool]) -> list[tuple[str, StatePolicy, bool]]:
     """Every (admission, state policy, checkpoint) combination, in that nesting order."""
     return [(a, p, c) for a in admissions for p in state_policies for c in checkpoints]

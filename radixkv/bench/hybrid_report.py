@@ -11,6 +11,11 @@ result adds ``state_slots``, ``admission``, ``state_policy``, ``checkpoint``, th
 state (``state_hits``, ``state_hit_rate`` = their share of the requests), prefill FLOPs
 saved, evicted tokens and states. ``capacity_tokens`` is ``int(frac * unique_tokens)``
 raised to the longest prompt + 1 (one request must fit).
+
+``--pages 1,16,64`` replays at each page size (``page_size`` in every result and ``kv_only``
+entry); above page 1 a state is cached at a page end, tracked there by the request's
+``mamba_ping_pong_track_buffer`` (``--track on``, the default; ``on,off`` adds untracked
+runs, ``track: false``, where only a step ending on a page end leaves a state).
 """
 from __future__ import annotations
 
@@ -58,6 +63,8 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint", default="on",
                    help="Marconi's checkpoint at kv_prefix_len: on, off or on,off")
     g.add_argument("--chunk", type=int, default=8192, help="chunked-prefill size in tokens (default 8192)")
+    g.add_argument("--pages", type=_ints, default=[1], help="page sizes of the replay, comma-separated (default 1)")
+    g.add_argument("--track", default="on", help="state tracking at page ends above page 1: on, off or on,off")
 
 
 def hybrid_settings(args: argparse.Namespace) -> dict:
@@ -81,15 +88,22 @@ def hybrid_settings(args: argparse.Namespace) -> dict:
     if args.chunk < 1:
         raise InvalidArgumentError(f"--chunk must be >= 1, got {args.chunk}")
     if args.page_size not in (None, 1):
-        raise InvalidArgumentError("--hybrid replays at page size 1 (token granularity); drop --page-size")
+        raise InvalidArgumentError("--hybrid takes its page sizes from --pages; drop --page-size")
+    tracks = [c.strip().lower() for c in args.track.split(",") if c.strip()]
+    if not tracks or any(c not in ck for c in tracks):
+        raise InvalidArgumentError(f"--track takes on, off or on,off; got {args.track!r}")
+    if 0 in args.pages:
+        raise InvalidArgumentError("--pages must be >= 1")
     return {"engine": engine, "slots": list(args.state_slots), "chunk": int(args.chunk),
-            "configs": configs_of(adm, states, [ck[c] for c in cks])}
+            "configs": configs_of(adm, states, [ck[c] for c in cks]), "pages": list(args.pages),
+            "tracks": [ck[c] for c in tracks]}
 
 
-def _replay(src, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm, pol, ckpt, kv_policy, bar):
+def _replay(src, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm, pol, ckpt, kv_policy, bar,
+            ps: int = 1, track: bool = True):
     if engine == "tree":
-        return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar)
-    return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar)
+        return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track)
+    return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track)
 
 
 def measure_hybrid(src, fracs: list[float], kv_policies: list[str], settings: dict,
@@ -104,34 +118,39 @@ def measure_hybrid(src, fracs: list[float], kv_policies: list[str], settings: di
     max_prompt = int(bt.prompt_len.max()) if len(bt.prompt_len) else 1
     doc = {
         "mode": "hybrid", "trace": src.name, "requests": src.n_requests, "prompt_tokens": src.prompt_tokens,
-        "unique_tokens": src.unique_tokens, "engine": engine, "chunk": chunk, "page_size": 1,
+        "unique_tokens": src.unique_tokens, "engine": engine, "chunk": chunk, "page_size": settings["pages"][0],
+        "page_sizes": settings["pages"],
         "bounds": {
             "infinite_capacity": bt.infinite_hit_tokens() / src.prompt_tokens,
             "belady": {f"{f:g}": belady(bt, int(f * src.unique_tokens)).token_hit_rate for f in fracs},
         },
         "kv_only": [], "results": [],
     }
-    for pol in kv_policies:
-        for f in fracs:
-            cap = kv_budget(src.unique_tokens, f, max_prompt)
-            with Progress(src.n_requests, f"kv-only {pol} @ {f:g}", enabled=show_progress) as bar:
-                r = _replay(src, engine, max_prompt, cap, 0, chunk, None, "lru", False, pol, bar)
-            doc["kv_only"].append({"policy": pol, "capacity_frac": f, "capacity_tokens": cap,
-                                   "hit_tokens": r.hit_tokens, "token_hit_rate": r.hit_tokens / src.prompt_tokens,
-                                   "evicted_tokens": r.evicted_tokens})
-            for slots in settings["slots"]:
-                for adm, spol, ckpt in settings["configs"]:
-                    label = f"{pol} @ {f:g}, {slots} slots, {adm}+{state_policy_label(spol)}"
-                    with Progress(src.n_requests, label, enabled=show_progress) as bar:
-                        r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar)
-                    doc["results"].append(_row(src, r, pol, f, cap, slots, adm, spol, ckpt))
+    for ps in settings["pages"]:
+        tracks = settings["tracks"] if ps > 1 else [True]
+        for pol in kv_policies:
+            for f in fracs:
+                cap = kv_budget(src.unique_tokens, f, max_prompt)
+                with Progress(src.n_requests, f"kv-only {pol} @ {f:g}", enabled=show_progress) as bar:
+                    r = _replay(src, engine, max_prompt, cap, 0, chunk, None, "lru", False, pol, bar, ps)
+                doc["kv_only"].append({"policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": ps,
+                                       "hit_tokens": r.hit_tokens,
+                                       "token_hit_rate": r.hit_tokens / src.prompt_tokens,
+                                       "evicted_tokens": r.evicted_tokens})
+                for slots in settings["slots"]:
+                    for (adm, spol, ckpt), track in ((c, t) for c in settings["configs"] for t in tracks):
+                        label = f"{pol} @ {f:g}, {slots} slots, {adm}+{state_policy_label(spol)}, page {ps}"
+                        with Progress(src.n_requests, label, enabled=show_progress) as bar:
+                            r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar,
+                                        ps, track)
+                        doc["results"].append(_row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps, track))
     return doc
 
 
-def _row(src, r, pol, f, cap, slots, adm, spol, ckpt) -> dict:
+def _row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps=1, track=True) -> dict:
     prompt, n = src.prompt_tokens, max(src.n_requests, 1)
     return {
-        "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": 1,
+        "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": ps, "track": track,
         "state_slots": slots, "admission": adm, "state_policy": state_policy_label(spol), "checkpoint": ckpt,
         "hit_tokens": r.hit_tokens, "token_hit_rate": r.hit_tokens / prompt,
         "kv_hit_tokens": r.kv_hit_tokens, "kv_hit_rate": r.kv_hit_tokens / prompt,
@@ -145,6 +164,8 @@ def _row(src, r, pol, f, cap, slots, adm, spol, ckpt) -> dict:
 
 def _label(r: dict, many_policies: bool) -> str:
     s = f"{r['state_slots']} slots, {r['admission']}+{r['state_policy']}{'+ckpt' if r['checkpoint'] else ''}"
+    if r.get("page_size", 1) > 1:
+        s = f"page {r['page_size']}{'' if r.get('track', True) else ' untracked'}: {s}"
     return f"{r['policy']}: {s}" if many_policies else s
 
 
@@ -169,9 +190,10 @@ def hybrid_tables(doc: dict) -> str:
             out.append(f"| {lab} | " + " | ".join(f"{100 * row[f]:.2f}" if f in row else "" for f in fracs) + " |")
     at = out.index(rule) + 1 + len({_label(r, many) for r in doc["results"]})
     tail = []
-    for pol in dict.fromkeys(r["policy"] for r in doc["kv_only"]):
-        row = {r["capacity_frac"]: r["token_hit_rate"] for r in doc["kv_only"] if r["policy"] == pol}
-        tail.append(f"| kv-only radix{f' ({pol})' if many else ''} | "
+    for pol, ps in dict.fromkeys((r["policy"], r.get("page_size", 1)) for r in doc["kv_only"]):
+        row = {r["capacity_frac"]: r["token_hit_rate"] for r in doc["kv_only"]
+               if r["policy"] == pol and r.get("page_size", 1) == ps}
+        tail.append(f"| kv-only radix{f' ({pol})' if many else ''}{f' page {ps}' if ps > 1 else ''} | "
                     + " | ".join(f"{100 * row[f]:.2f}" if f in row else "" for f in fracs) + " |")
     bel = {float(k): v for k, v in doc["bounds"]["belady"].items()}
     tail.append("| belady (KV, offline) | "
@@ -196,9 +218,10 @@ def plot_hybrid(doc: dict, path: str) -> str | None:
     lines: dict[str, Any] = {}
     for r in doc["results"]:
         lines.setdefault(_label(r, many), []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
-    for pol in dict.fromkeys(r["policy"] for r in doc["kv_only"]):
-        lines[f"kv-only radix ({pol})"] = [(r["capacity_frac"], 100 * r["token_hit_rate"])
-                                          for r in doc["kv_only"] if r["policy"] == pol]
+    for pol, ps in dict.fromkeys((r["policy"], r.get("page_size", 1)) for r in doc["kv_only"]):
+        lines[f"kv-only radix ({pol}){f' page {ps}' if ps > 1 else ''}"] = [
+            (r["capacity_frac"], 100 * r["token_hit_rate"]) for r in doc["kv_only"]
+            if r["policy"] == pol and r.get("page_size", 1) == ps]
     for lab, pts in lines.items():
         pts.sort()
         style = "-." if lab.startswith("kv-only") else "-"

@@ -105,8 +105,8 @@ def check_state_conservation(cache: MambaRadixCache, running_reqs: Sequence[Any]
     if running_reqs is not None:
         held: dict[int, str] = {}
         for r in running_reqs:
-            if r.mamba_pool_idx is not None:
-                s = int(r.mamba_pool_idx)
+            own = [] if r.mamba_pool_idx is None else [int(r.mamba_pool_idx)]
+            for s in own + [int(t) for t in getattr(r, "mamba_ping_pong_track_buffer", None) or ()]:
                 if s in held:
                     raise InvariantError(f"Mamba slot {s} held by two running requests "
                                          f"(duplicated): {held[s]!r} and {r.rid!r}")
@@ -124,7 +124,10 @@ def _mapped_slots(cache: MambaRadixCache) -> dict[int, str]:
     rows = torch.arange(1, pool.size + 1)
     used = ~pool.free_slots.is_free(rows).cpu()
     slots = mapping.cpu()[1:][used].tolist()
-    return {int(s): f"row {int(r)}" for s, r in zip(slots, rows[used].tolist())}
+    held = {int(s): f"row {int(r)}" for s, r in zip(slots, rows[used].tolist())}
+    owners = getattr(pool, "track_slot_owners", None)
+    held.update({s: f"row {r} (track)" for s, r in (owners() if owners is not None else {}).items()})
+    return held
 
 
 def pretty_print(cache: MambaRadixCache, max_tokens: int = 8) -> str:

@@ -69,6 +69,14 @@ class EngineConfig:
             decode steps (0: none). A decode step of requests that all have reserved slots
             makes no allocator call, so a remote client can answer it locally
             (:mod:`radixkv.scheduler.decode_reserve`). Page size 1 only.
+        mamba_track_interval: hybrid models: every request row also holds the
+            ``mamba_ping_pong_track_buffer`` (two more state slots, out of ``state_slots``) and
+            the worker writes the state at each multiple of this interval its steps pass
+            (``ExtendResult.track_slot`` / ``DecodeResult.track_slots``), so a request ending
+            off the page grid still leaves a cacheable state (:mod:`radixkv.scheduler.track`).
+            ``None`` (default): the page size when ``page_size > 1``, no tracking at page size
+            1 (every position is a page end there). 0: no tracking (an unaligned end then
+            caches no state). Else a multiple of ``page_size``; not with ``decode_reserve``.
 
     Raises ``InvalidArgumentError`` naming the field for any bad value.
     """
@@ -95,6 +103,7 @@ class EngineConfig:
     max_requests_per_session: int = 64
     checks: bool = True
     decode_reserve: int = 0
+    mamba_track_interval: int | None = None
 
     def __post_init__(self) -> None:
         for name, lo in _INT_MIN.items():
@@ -105,6 +114,16 @@ class EngineConfig:
         if self.decode_reserve and self.page_size != 1:
             raise InvalidArgumentError(
                 f"EngineConfig.decode_reserve ({self.decode_reserve}) needs page_size 1, got {self.page_size}")
+        iv = self.mamba_track_interval
+        if iv is not None and (isinstance(iv, bool) or not isinstance(iv, int) or iv < 0):
+            raise InvalidArgumentError(f"EngineConfig.mamba_track_interval must be None or an int >= 0, got {iv!r}")
+        if iv and iv % self.page_size:
+            raise InvalidArgumentError(
+                f"EngineConfig.mamba_track_interval ({self.mamba_track_interval}) must be a multiple of "
+                f"page_size ({self.page_size})")
+        if iv and self.decode_reserve:
+            raise InvalidArgumentError("EngineConfig.mamba_track_interval and decode_reserve exclude each other "
+                                       "(a decode answered from a reserve cannot name its track slot)")
         if self.kv_tokens % self.page_size:
             raise InvalidArgumentError(
                 f"EngineConfig.kv_tokens ({self.kv_tokens}) must be a multiple of page_size "
@@ -162,6 +181,14 @@ class EngineConfig:
         return "K" in self.layer_types
 
     @property
+    def track_interval(self) -> int | None:
+        """The state-tracking interval of a hybrid config (``None``: no tracking)."""
+        iv = self.mamba_track_interval
+        if not self.is_hybrid or iv == 0 or (iv is None and self.page_size == 1):
+            return None
+        return iv or self.page_size
+
+    @property
     def num_layers(self) -> int:
         return len(self.layer_types)
 
@@ -178,7 +205,7 @@ class EngineConfig:
     @property
     def conv_state_shape(self) -> tuple[int, int]:
         """Per-slot conv state of one KDA layer: ``(conv_kernel - 1, 3 * heads * head_dim)``
-        (q|k|v channels concatenated, as ``KimiLinearStateShape`` and the reference model)."""
+        (q|k|v channels concatenated: ``KimiLinearStateShape.pool_conv``, the reference model)."""
         return (self.conv_kernel - 1, 3 * self.kda_num_heads * self.kda_head_dim)
 
     @property

@@ -18,7 +18,10 @@ counters of a failed call are discounted).
 Hybrid models (``K`` layers): the tree is a ``MambaRadixCache``; a new request's state slot
 (``mamba_slot``) gets a fork of the matched state, or zeros. The worker advances it with each
 forward, so when cached the slot holds the state after ``kv_committed_len`` tokens; the tree
-keeps it (a fork for unfinished requests) only at a page-aligned node end.
+keeps it (a fork for unfinished requests) only at a page-aligned node end. With state tracking
+(``EngineConfig.mamba_track_interval``, on by default at page sizes > 1) the results also name a
+track slot where the worker writes the state at the last interval boundary the step passes;
+that state is what the tree keeps when the request's own one is off the page grid.
 
 Events: one queue, KV and (hybrid) state events in the tree's order, read by ``take_events``
 (dicts) or ``drain_events`` (objects, no session). ``stats`` / ``check_invariants`` live in
@@ -266,12 +269,14 @@ class CacheEngine:
         self._top_up(reqs)
         out = _filled(batch.out_cache_loc).to("cpu", torch.int64).numpy()
         pre, seq = _filled(batch.prefix_lens).tolist(), _filled(batch.seq_lens_cpu).tolist()
+        t_slots = [0] * len(reqs) if batch.mamba_track_indices is None else batch.mamba_track_indices.tolist()
+        t_lens = [-1] * len(reqs) if batch.mamba_track_seqlens is None else batch.mamba_track_seqlens.tolist()
         results, pos = [], 0
         for i, r in enumerate(reqs):
             n = seq[i] - pre[i]
             results.append(ExtendResult(r.rid, _row(r), 0 if known[i] else pre[i], pre[i],
                                         seq[i], out[pos:pos + n].copy(), self._slot(r),
-                                        r.decode_reserve.copy()))
+                                        r.decode_reserve.copy(), int(t_slots[i]), int(t_lens[i])))
             pos += n
         return results
 
@@ -315,7 +320,9 @@ class CacheEngine:
                             np.array([r.req_pool_idx for r in reqs], dtype=np.int64),
                             np.array([self._slot(r) for r in reqs], dtype=np.int64),
                             reserved_slots(reqs).copy(),
-                            np.array([r.decode_reserve.size for r in reqs], dtype=np.int64))
+                            np.array([r.decode_reserve.size for r in reqs], dtype=np.int64),
+                            _EMPTY.copy() if batch.mamba_track_indices is None
+                            else batch.mamba_track_indices.to("cpu", torch.int64).numpy().copy())
 
     # ------------------------------------------------------------------ cache / release
     def cache_unfinished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:

@@ -87,7 +87,8 @@ def state_counts(engine: CacheEngine) -> StateConservation:
     mp = engine.pools.mamba_pool
     if mp is None:
         return StateConservation(0, 0, 0, 0, 0)
-    held = sum(1 for r in engine._reqs.values() if r.mamba_pool_idx is not None)
+    held = sum((r.mamba_pool_idx is not None) + len(r.mamba_ping_pong_track_buffer or ())
+               for r in engine._reqs.values())  # its own slot and its track buffer's
     tree = cast("MambaRadixCache", engine.tree)  # a hybrid config builds the Mamba tree
     return StateConservation(int(mp.size), int(mp.available_size()), int(tree.mamba_evictable_size()),
                              int(tree.mamba_protected_size()), held)

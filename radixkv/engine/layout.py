@@ -21,7 +21,7 @@ import torch
 from radixkv.engine.config import EngineConfig
 from radixkv.memory import ArenaLayout, MambaPool, MHATokenToKVPool, ReqToTokenPool, plan_layout
 from radixkv.memory.arena import DEFAULT_ALIGNMENT
-from radixkv.memory.hybrid import MAPPING, OWNER
+from radixkv.memory.hybrid import MAPPING, OWNER, TRACK, TRACK_SIZE
 
 __all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "plan_arenas", "build_kv_pool", "build_mamba_pool",
            "register_embedded", "find_embedded"]
@@ -46,6 +46,8 @@ def plan_arenas(config: EngineConfig) -> dict[str, ArenaLayout]:
         (ReqToTokenPool.TABLE, (c.request_rows + 1, c.max_context_len), torch.int32)]
     if c.is_hybrid:
         r2t += [(MAPPING, (c.request_rows + 1,), torch.int32), (OWNER, (c.state_slots + 1,), torch.int32)]
+        if c.track_interval is not None:
+            r2t.append((TRACK, (c.request_rows + 1, TRACK_SIZE), torch.int32))
     n_full = len(c.full_layer_ids)
     shape = (c.kv_tokens + c.page_size, c.head_num, c.head_dim)
     sd = _store_dtype(c.kv_dtype)

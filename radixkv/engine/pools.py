@@ -90,7 +90,9 @@ class EnginePools:
             self.mamba_pool = build_mamba_pool(config, buffers.get("mamba"))
             self.req_to_token_pool: ReqToTokenPool = HybridReqToTokenPool(
                 config.request_rows, config.max_context_len, self.mamba_pool, device=dev,
-                checks=config.checks, buffer=buffers.get("req_to_token"))
+                checks=config.checks, buffer=buffers.get("req_to_token"),
+                enable_mamba_extra_buffer=config.track_interval is not None,
+                mamba_track_interval=config.track_interval)
             self.hybrid_kv_pool = HybridLinearKVPool(self.kv_pool, list(config.full_layer_ids),
                                                      self.mamba_pool,
                                                      linear_layer_ids=list(config.kda_layer_ids))

@@ -106,7 +106,9 @@ class ExtendResult(NamedTuple):
     ``start`` already have KV (``prefix_len`` of them reused from the cache by this call, the
     rest committed by earlier chunks). For hybrid models ``mamba_slot`` holds the recurrent
     state after ``start`` tokens (a copy-on-write fork of the cached state on a hit, zeros for
-    a fresh start); ``-1`` for KV-only models.
+    a fresh start); ``-1`` for KV-only models. With state tracking
+    (``EngineConfig.mamba_track_interval``) the worker also writes the state after
+    ``track_seqlen`` tokens into slot ``track_slot`` (0 / -1: this step passes no boundary).
     """
 
     rid: str
@@ -117,6 +119,8 @@ class ExtendResult(NamedTuple):
     out_cache_loc: np.ndarray  # int64, seq_len - start entries
     mamba_slot: int = -1
     reserved: np.ndarray = _NO_SLOTS  # int64: its decode reserve after the call, front first
+    track_slot: int = 0
+    track_seqlen: int = -1
 
 
 class DecodeItem(NamedTuple):
@@ -129,7 +133,9 @@ class DecodeItem(NamedTuple):
 
 class DecodeResult(NamedTuple):
     """Per request (in call order): the new token's KV slot and the length after the step;
-    and each request's decode reserve after the step (``EngineConfig.decode_reserve``)."""
+    and each request's decode reserve after the step (``EngineConfig.decode_reserve``).
+    ``track_slots`` (state tracking, else empty): where the worker also copies the request's
+    new state (it sits at an interval boundary), 0 for none."""
 
     out_cache_loc: np.ndarray  # int64 [B]
     seq_lens: np.ndarray  # int64 [B]
@@ -137,6 +143,7 @@ class DecodeResult(NamedTuple):
     mamba_slots: np.ndarray  # int64 [B], -1 for KV-only models
     reserved: np.ndarray = _NO_SLOTS  # int64: the requests' decode reserves after the call, concatenated
     reserved_lens: np.ndarray = _NO_SLOTS  # int64 [B]: each request's share of ``reserved``
+    track_slots: np.ndarray = _NO_SLOTS  # int64 [B] with state tracking, else empty
 
 
 class CacheResult(NamedTuple):

@@ -2,7 +2,11 @@
 
 * :class:`HybridReqToTokenPool` -- a :class:`ReqToTokenPool` whose requests also hold one
   :class:`MambaPool` slot each; ``req_index_to_mamba_index_mapping[row]`` is the slot of the
-  request holding ``row`` (0 for a free row).
+  request holding ``row`` (0 for a free row). With ``enable_mamba_extra_buffer`` each row
+  also holds a ``mamba_ping_pong_track_buffer``: two more slots, written alternately by the
+  model with the state at the last ``mamba_track_interval``-aligned position the request
+  passed (see :mod:`radixkv.scheduler.track`), so the tree can cache a state at a position
+  it can hold (a page end) although the request's own state sits past it.
 * :class:`HybridLinearKVPool` (in :mod:`radixkv.memory.hybrid_kv`, re-exported here) --
   routes global layer ids: full-attention layers to a KV pool, linear (KDA) layers to the
   Mamba pool's layers.
@@ -23,6 +27,8 @@ from radixkv.validation import check_range, index_tensor
 
 MAPPING = "req_index_to_mamba_index_mapping"
 OWNER = "mamba_index_to_req_index"
+TRACK = "mamba_ping_pong_track_buffer"
+TRACK_SIZE = 2  # ping-pong: the step being prepared writes one while the last one is read
 
 
 class HybridReqToTokenPool(ReqToTokenPool):
@@ -37,6 +43,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     A slot outlives its row when freed with ``free_mamba_cache=False`` (the request, or a
     cache, keeps ``req.mamba_pool_idx``); such a request keeps that slot on its next ``alloc``.
+
+    ``enable_mamba_extra_buffer``: every new row also takes ``TRACK_SIZE`` (2) slots, its
+    ``mamba_ping_pong_track_buffer`` (int32 ``[size+1, 2]`` in the arena, row -> slots; also
+    ``req.mamba_ping_pong_track_buffer``), allocated with the row and freed with it, all or
+    nothing. ``mamba_track_interval`` (default: the tree's page size) is where states are
+    tracked; it must be a multiple of the page size (checked by ``MambaRadixCache``).
     """
 
     def __init__(self, size: int, max_context_len: int, mamba_pool: MambaPool | None = None, *,
@@ -47,8 +59,15 @@ class HybridReqToTokenPool(ReqToTokenPool):
                  conv_dtype: torch.dtype | str | None = None,
                  temporal_dtype: torch.dtype | str | None = None,
                  device: str | torch.device = "cpu", checks: bool = True,
-                 buffer: torch.Tensor | None = None, alignment: int = DEFAULT_ALIGNMENT):
+                 buffer: torch.Tensor | None = None, alignment: int = DEFAULT_ALIGNMENT,
+                 enable_mamba_extra_buffer: bool = False, mamba_track_interval: int | None = None,
+                 enable_memory_saver: bool = False):
         device = torch.device(device)
+        if mamba_track_interval is not None and (isinstance(mamba_track_interval, bool) or not isinstance(
+                mamba_track_interval, int) or mamba_track_interval < 1):
+            raise InvalidArgumentError(f"mamba_track_interval must be an int >= 1, got {mamba_track_interval!r}")
+        self.enable_mamba_extra_buffer = bool(enable_mamba_extra_buffer)
+        self.mamba_track_interval = mamba_track_interval
         if mamba_pool is None:
             if conv_state_shape is None or temporal_state_shape is None or num_mamba_layers is None:
                 raise InvalidArgumentError("pass a mamba_pool, or conv_state_shape, temporal_state_shape "
@@ -61,13 +80,23 @@ class HybridReqToTokenPool(ReqToTokenPool):
         elif mamba_pool.device.type != device.type:
             raise InvalidArgumentError(f"mamba_pool is on {mamba_pool.device}, the pool on {device}")
         self.mamba_pool = mamba_pool
-        super().__init__(size, max_context_len, device, checks=checks, buffer=buffer, alignment=alignment)
+        super().__init__(size, max_context_len, device, checks=checks, buffer=buffer, alignment=alignment,
+                         enable_memory_saver=enable_memory_saver)
         self.req_index_to_mamba_index_mapping: torch.Tensor = self.arena[MAPPING]
         self._slot_owner: torch.Tensor = self.arena[OWNER]
+        self.mamba_ping_pong_track_buffer: torch.Tensor | None = (
+            self.arena[TRACK] if self.enable_mamba_extra_buffer else None)
 
     def _extra_entries(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        return [(MAPPING, (self.size + 1,), torch.int32),
-                (OWNER, (self.mamba_pool.size + 1,), torch.int32)]
+        extra: list[tuple[str, tuple[int, ...], torch.dtype]] = [(MAPPING, (self.size + 1,), torch.int32),
+                 (OWNER, (self.mamba_pool.size + 1,), torch.int32)]
+        if self.enable_mamba_extra_buffer:
+            extra.append((TRACK, (self.size + 1, TRACK_SIZE), torch.int32))
+        return extra
+
+    def track_slots_per_row(self) -> int:
+        """Extra state slots a row takes: ``TRACK_SIZE`` with the track buffer, else 0."""
+        return TRACK_SIZE if self.enable_mamba_extra_buffer else 0
 
     # -- alloc / free ---------------------------------------------------------------------
     def _validate_slots(self, reqs: list[PoolRequest]) -> None:
@@ -106,12 +135,18 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self._validate_slots(reqs)
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         new_slots = [r for r in reqs if r.mamba_pool_idx is None]
-        if len(new_rows) > self.available_size() or len(new_slots) > self.mamba_pool.available_size():
+        n_track = self.track_slots_per_row() * len(new_rows)
+        if len(new_rows) > self.available_size() \
+                or len(new_slots) + n_track > self.mamba_pool.available_size():
             return None
         if new_slots:
             slots = cast(torch.Tensor, self.mamba_pool.alloc(len(new_slots)))  # checked: enough free
             for r, s in zip(new_slots, slots.tolist()):
                 r.mamba_pool_idx = int(s)
+        if n_track:
+            track = cast(torch.Tensor, self.mamba_pool.alloc(n_track)).view(len(new_rows), TRACK_SIZE)
+            for r, pair in zip(new_rows, track.tolist()):
+                _set_track(r, [int(t) for t in pair])
         if new_rows:
             rows = cast(torch.Tensor, self.free_slots.alloc(len(new_rows)))  # checked: enough free
             for r, row in zip(new_rows, rows.tolist()):
@@ -120,6 +155,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
             slots_t = torch.tensor([r.mamba_pool_idx for r in new_rows], dtype=torch.int64, device=self.device)
             self.req_index_to_mamba_index_mapping[rows_t] = slots_t.to(torch.int32)
             self._slot_owner[slots_t] = rows_t.to(torch.int32)
+            if n_track:
+                cast(torch.Tensor, self.mamba_ping_pong_track_buffer)[rows_t] = track.to(self.device, torch.int32)
         return cast(list[int], [r.req_pool_idx for r in reqs])  # every request holds a row now
 
     def free(self, req: PoolRequest, free_mamba_cache: bool = True) -> None:
@@ -137,10 +174,19 @@ class HybridReqToTokenPool(ReqToTokenPool):
             raise InvalidArgumentError(
                 f"request {getattr(req, 'rid', req)!r}: mamba_pool_idx {req.mamba_pool_idx} is not "
                 f"the slot {slot} its row {row} maps to")
+        track = self.mamba_ping_pong_track_buffer
+        pair = [int(t) for t in track[row].tolist()] if track is not None else []
+        if pair and getattr(req, "mamba_ping_pong_track_buffer", None) not in (None, pair):
+            raise InvalidArgumentError(f"request {getattr(req, 'rid', req)!r}: its track buffer "
+                                       f"{req.mamba_ping_pong_track_buffer} is not its row's {pair}")
         self.req_index_to_mamba_index_mapping[row] = 0
         self._slot_owner[slot] = 0
         self.free_slots.free(torch.tensor([row], dtype=torch.int64))
         req.req_pool_idx = None
+        if pair:
+            cast(torch.Tensor, track)[row] = 0
+            self.mamba_pool.free(pair)
+            _set_track(req, None)
         if free_mamba_cache:
             self.mamba_pool.free(slot)
             req.mamba_pool_idx = None
@@ -151,6 +197,8 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self.mamba_pool.clear()
         self.req_index_to_mamba_index_mapping.zero_()
         self._slot_owner.zero_()
+        if self.mamba_ping_pong_track_buffer is not None:
+            self.mamba_ping_pong_track_buffer.zero_()
 
     # -- lookups --------------------------------------------------------------------------
     def get_mamba_indices(self, req_pool_indices: IndexLike) -> torch.Tensor:
@@ -160,6 +208,17 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if self.checks:
             check_range(idx, 0, self.size + 1, "req_pool_indices")
         return self.req_index_to_mamba_index_mapping[idx]
+
+    def get_track_slots(self, req_pool_indices: IndexLike) -> torch.Tensor:
+        """The ``mamba_ping_pong_track_buffer`` rows (int32 ``[n, 2]``) of ``req_pool_indices``.
+        Raises ``InvalidArgumentError`` without the track buffer, ``InvalidIndexError`` for a
+        row outside ``[0, size]`` (with ``checks``)."""
+        if self.mamba_ping_pong_track_buffer is None:
+            raise InvalidArgumentError("this pool has no track buffer (enable_mamba_extra_buffer=False)")
+        idx = index_tensor(req_pool_indices, self.device, "req_pool_indices")
+        if self.checks:
+            check_range(idx, 0, self.size + 1, "req_pool_indices")
+        return self.mamba_ping_pong_track_buffer[idx]
 
     def mamba2_layer_cache(self, layer_id: LayerLike) -> Mamba2LayerCache:
         """The Mamba pool's views of linear layer ``layer_id`` (see ``MambaPool``)."""
@@ -203,12 +262,45 @@ class HybridReqToTokenPool(ReqToTokenPool):
             if bool(back.any()):
                 raise InvariantError(f"mamba slots whose owner is not their row: "
                                      f"{describe_ids(slots[back].tolist())}")
+        self._check_track(in_use, slots)
         owned = torch.nonzero(owner).flatten()
         if int(owner[0]) != 0 or owned.numel() != slots.numel():
             extra = owned[~torch.isin(owned, slots)] if owned.numel() else owned
             raise InvariantError(f"mamba slots owned by no row in use: {describe_ids(extra.tolist())}")
         if reqs is not None:
             self._check_req_slots(reqs, mapping, owner)
+
+    def _check_track(self, in_use: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows in use hold two allocated track slots, distinct from every other slot held
+        by a row; free rows hold none."""
+        if self.mamba_ping_pong_track_buffer is None:
+            return
+        track = self.mamba_ping_pong_track_buffer.cpu().to(torch.int64)[1:]
+        stale = torch.nonzero(~in_use & (track != 0).any(1)).flatten() + 1
+        if stale.numel():
+            raise InvariantError(f"free rows still holding track slots: {describe_ids(stale.tolist())}")
+        used = track[in_use].flatten()
+        bad = used[(used < 1) | (used > self.mamba_pool.size)]
+        if bad.numel():
+            raise InvariantError(f"rows in use with track slots out of range: {describe_ids(bad.tolist())}")
+        every, _ = torch.sort(torch.cat([used, slots]))
+        dup = torch.unique(every[1:][every[1:] == every[:-1]])
+        if dup.numel():
+            raise InvariantError(f"track slots held twice (or also a row's state slot): "
+                                 f"{describe_ids(dup.tolist())}")
+        if used.numel():
+            free = self.mamba_pool.free_slots.is_free(used.to(self.mamba_pool.device)).cpu()
+            if bool(free.any()):
+                raise InvariantError(f"track slots that are free: {describe_ids(used[free].tolist())}")
+
+    def track_slot_owners(self) -> dict[int, int]:
+        """``{track slot: row}`` for every row in use (empty without the track buffer). O(size)."""
+        if self.mamba_ping_pong_track_buffer is None:
+            return {}
+        rows = torch.arange(1, self.size + 1, dtype=torch.int64)
+        in_use = ~self.free_slots.is_free(rows).cpu()
+        track = self.mamba_ping_pong_track_buffer.cpu().to(torch.int64)[1:][in_use]
+        return {int(s): int(r) for r, pair in zip(rows[in_use].tolist(), track.tolist()) for s in pair}
 
     def _check_req_slots(self, reqs: list[PoolRequest], mapping: torch.Tensor, owner: torch.Tensor) -> None:
         held = [int(r.mamba_pool_idx) for r in reqs if r.mamba_pool_idx is not None]
@@ -232,6 +324,14 @@ class HybridReqToTokenPool(ReqToTokenPool):
                 raise InvariantError(f"slots held without a row that are free: "
                                      f"{describe_ids(t[free].tolist())}; or mapped by a row: "
                                      f"{describe_ids(t[mapped].tolist())}")
+
+
+def _set_track(req: PoolRequest, pair: list[int] | None) -> None:
+    """A request's track buffer (SGLang's ``Req`` fields): its two slots, which one the next
+    tracked step writes, and the position the last written one holds (none yet)."""
+    req.mamba_ping_pong_track_buffer = pair
+    req.mamba_next_track_idx = 0
+    req.mamba_last_track_seqlen = None
 
 
 # The hybrid KV pool lives in its own module; importable from here too.

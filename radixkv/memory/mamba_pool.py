@@ -50,18 +50,19 @@ def _check_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 class KimiLinearStateShape(NamedTuple):
-    """State shapes of one KDA (Kimi Delta Attention) layer on one tensor-parallel rank.
+    """State shapes of one KDA (Kimi Delta Attention) layer on one tensor-parallel rank, by
+    the seed's formula (section 8.2, SGLang's ``KimiLinearStateShape.create``):
 
     * ``conv = (conv_kernel_size - 1, proj_size / tp)``: the causal conv1d's window of the
-      last ``conv_kernel_size - 1`` inputs.
+      last ``conv_kernel_size - 1`` inputs of ONE projection, ``proj_size`` defaulting to
+      ``num_heads * head_dim`` -- the seed's example ``(3, 4096)`` for 32 heads of 128;
     * ``temporal = (num_heads / tp, head_dim, head_dim)``: one ``head_dim x head_dim``
       delta-rule state per head.
 
-    ``proj_size`` (the conv's channel count) defaults to ``num_heads * head_dim * 3``: the
-    q, k and v projections concatenated into ONE conv state, since a ``MambaPool`` holds one
-    conv tensor per layer. (SGLang keeps three conv states of ``num_heads * head_dim``
-    channels each instead; the seed's example ``conv (3, 4096)`` for 32 heads of 128 is one
-    of those, i.e. ``proj_size=4096`` here.)
+    A KDA layer convolves ``num_conv_states`` (3: q, k and v) projections; SGLang keeps three
+    conv tensors of ``conv``'s shape, a ``MambaPool`` keeps one with their channels
+    concatenated: :attr:`pool_conv`, ``(conv_kernel_size - 1, 3 * proj_size / tp)`` (what
+    :meth:`MambaPool.from_state_shape` allocates, and the reference model's layout).
     """
 
     conv: tuple[int, int]
@@ -71,11 +72,18 @@ class KimiLinearStateShape(NamedTuple):
     conv_kernel_size: int
     proj_size: int
     tp_world_size: int
+    num_conv_states: int = 3
+
+    @property
+    def pool_conv(self) -> tuple[int, int]:
+        """The one conv state a ``MambaPool`` keeps per layer: q|k|v channels concatenated."""
+        return (self.conv[0], self.conv[1] * self.num_conv_states)
 
     @classmethod
     def create(cls, num_heads: int, head_dim: int, conv_kernel_size: int,
                proj_size: int | None = None, tp_world_size: int = 1) -> KimiLinearStateShape:
-        """Shapes for one rank of ``tp_world_size``.
+        """Shapes for one rank of ``tp_world_size`` (``proj_size`` default ``num_heads *
+        head_dim``).
 
         Raises:
             InvalidArgumentError: a non-positive argument, ``conv_kernel_size < 2``, or
@@ -86,7 +94,7 @@ class KimiLinearStateShape(NamedTuple):
         _check_pos("conv_kernel_size", conv_kernel_size, 2)
         _check_pos("tp_world_size", tp_world_size)
         if proj_size is None:
-            proj_size = num_heads * head_dim * 3
+            proj_size = num_heads * head_dim
         _check_pos("proj_size", proj_size)
         for name, v in (("num_heads", num_heads), ("proj_size", proj_size)):
             if v % tp_world_size:
@@ -167,8 +175,9 @@ class MambaPool:
     def from_state_shape(cls, size: int, shape: KimiLinearStateShape, num_layers: int,
                          dtype: torch.dtype | str = torch.float32,
                          device: str | torch.device = "cpu", **kwargs) -> MambaPool:
-        """A pool for layers of the given :class:`KimiLinearStateShape`."""
-        return cls(size, shape.conv, shape.temporal, num_layers, dtype, device, **kwargs)
+        """A pool for layers of the given :class:`KimiLinearStateShape` (its conv state is
+        ``shape.pool_conv``: the q, k and v windows in one tensor)."""
+        return cls(size, shape.pool_conv, shape.temporal, num_layers, dtype, device, **kwargs)
 
     # -- slots ----------------------------------------------------------------------------
     def available_size(self) -> int:

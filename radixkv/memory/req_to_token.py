@@ -44,6 +44,8 @@ class ReqToTokenPool:
         checks: validate index ranges in :meth:`write` (on CUDA, one device sync per tensor
             index part).
         buffer: attach to an existing arena buffer (see ``Arena``) instead of allocating.
+        enable_memory_saver: accepted for SGLang's signature; radixkv has no memory saver
+            (the table is always resident), so it changes nothing.
 
     ``alloc`` / ``free`` are O(number of requests) host work; ``write`` is one scatter.
     """
@@ -52,7 +54,8 @@ class ReqToTokenPool:
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu", *,
                  checks: bool = True, buffer: torch.Tensor | None = None,
-                 alignment: int = DEFAULT_ALIGNMENT):
+                 alignment: int = DEFAULT_ALIGNMENT, enable_memory_saver: bool = False):
+        self.enable_memory_saver = bool(enable_memory_saver)
         self.size = _positive_int("size", size)
         self.max_context_len = _positive_int("max_context_len", max_context_len)
         self.device = torch.device(device)

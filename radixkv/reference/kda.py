@@ -20,7 +20,8 @@ Gated delta rule, per head, state ``S [D_k, D_v]`` indexed ``[key_dim, value_dim
 A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D])``, zeros at the start.
 
 * ``kda_recurrent``: the rule token by token (the ground truth, used by ``forward_reference``).
-* ``kda_chunked``: the same map computed chunk by chunk in parallel form (used by ``extend``):
+* ``kda_chunked`` / ``chunk_kda`` (:mod:`radixkv.kernels.kda_chunk`; ``extend`` runs
+  ``chunk_kda``: torch, or the Triton kernel on CUDA): the same map chunk by chunk in parallel form:
   within a chunk with start state ``S0`` and in-chunk cumulative log decay ``G_t = sum_{s<=t}
   g_s``, the pseudo-values ``U`` solve the unit lower-triangular system
   ``(I + A) U = beta * (V - (exp(G) * K) S0)`` with ``A[t, s] = beta_t * sum_d k_t[d] k_s[d]
@@ -33,32 +34,21 @@ A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D])``, zeros at
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from radixkv.kernels.kda_chunk import CHUNK, KDAOutput, chunk_kda, kda_chunked  # noqa: F401 (re-exported)
 from radixkv.kernels.kda_decode import kda_decode
 from radixkv.reference.config import HybridConfig
-
-
-class KDAOutput(NamedTuple):
-    """Outputs ``o [T, H, D_v]`` and the state after the last token ``[H, D_k, D_v]``."""
-
-    o: torch.Tensor
-    final_state: torch.Tensor
-
-
-def _zero_state(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=q.dtype, device=q.device)
 
 
 def kda_recurrent(q, k, v, g, beta, initial_state: torch.Tensor | None = None) -> KDAOutput:
     """The gated delta rule token by token (ground truth). ``q, k, g [T, H, D_k]``,
     ``v [T, H, D_v]``, ``beta [T, H]``, ``initial_state [H, D_k, D_v]`` or ``None`` (zeros).
     Cost: O(T * H * D_k * D_v) in a Python loop over T (vectorised over heads)."""
-    state = _zero_state(q, v) if initial_state is None else initial_state.to(q.dtype).clone()
+    state = (q.new_zeros(q.shape[1], q.shape[2], v.shape[2]) if initial_state is None
+             else initial_state.to(q.dtype).clone())
     outs = []
     for t in range(q.shape[0]):
         state = state * torch.exp(g[t])[:, :, None]
@@ -66,35 +56,6 @@ def kda_recurrent(q, k, v, g, beta, initial_state: torch.Tensor | None = None) -
         state = state + k[t][:, :, None] * v_new[:, None, :]
         outs.append((state * q[t][:, :, None]).sum(1))
     o = torch.stack(outs) if outs else v.new_zeros(v.shape)
-    return KDAOutput(o, state)
-
-
-def kda_chunked(q, k, v, g, beta, initial_state: torch.Tensor | None = None, chunk_size: int = 16) -> KDAOutput:
-    """The same map as ``kda_recurrent`` in chunked parallel form (see the module docstring).
-    Same shapes and contract; ``chunk_size`` >= 1."""
-    state = _zero_state(q, v) if initial_state is None else initial_state.to(q.dtype)
-    # heads first: [H, T, D]
-    qh, kh, vh, gh = (t.transpose(0, 1) for t in (q, k, v, g))
-    bh = beta.transpose(0, 1)
-    outs = []
-    for start in range(0, q.shape[0], chunk_size):
-        sl = slice(start, start + chunk_size)
-        qc, kc, vc, gc, bc = qh[:, sl], kh[:, sl], vh[:, sl], gh[:, sl], bh[:, sl]
-        length = qc.shape[1]
-        cum = gc.cumsum(1)  # [H, L, Dk]
-        diff = cum[:, :, None, :] - cum[:, None, :, :]  # [H, t, s, Dk]: G_t - G_s
-        pos = torch.arange(length, device=q.device)
-        causal = pos[:, None] >= pos[None, :]  # [t, s]: s <= t
-        decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
-        strict = (pos[:, None] > pos[None, :]).to(q.dtype)  # s < t
-        attn_kk = torch.einsum("htd,hsd,htsd->hts", kc, kc, decay) * strict * bc[:, :, None]
-        attn_qk = torch.einsum("htd,hsd,htsd->hts", qc, kc, decay)
-        rhs = bc[:, :, None] * (vc - (kc * torch.exp(cum)) @ state)
-        u = torch.linalg.solve_triangular(attn_kk, rhs, upper=False, unitriangular=True)
-        outs.append((qc * torch.exp(cum)) @ state + attn_qk @ u)
-        last = cum[:, -1:, :]  # [H, 1, Dk]
-        state = torch.exp(last).transpose(1, 2) * state + (kc * torch.exp(last - cum)).transpose(1, 2) @ u
-    o = torch.cat(outs, dim=1).transpose(0, 1) if outs else v.new_zeros(v.shape)
     return KDAOutput(o, state)
 
 
@@ -152,28 +113,59 @@ class KDALayer:
         return self._out(kda_recurrent(q, k, v, g, beta).o)
 
     # ---- incremental ---------------------------------------------------------------------
-    def extend(self, x: torch.Tensor, cache, slot: int, fresh: bool) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, cache, slot: int, fresh: bool,
+               track: tuple[int, int] | None = None, backend: str | None = None) -> torch.Tensor:
         """Continue one sequence by ``x [T, hidden]`` from its state in ``slot`` of ``cache``
         (``cache.conv[0] [slots+1, K-1, C]``, ``cache.temporal [slots+1, H, D, D]``; zeros instead
-        when ``fresh``), write the new state back to ``slot``, return ``[T, hidden]``."""
+        when ``fresh``), write the new state back to ``slot``, return ``[T, hidden]``.
+        ``track = (track_slot, n)``: also write the state after the first ``n`` of the ``T``
+        tokens (``1 <= n <= T``) into ``track_slot`` (the prefill is split there)."""
         conv_all, ssm_all = cache.conv[0], cache.temporal
         init_conv = None if fresh else conv_all[slot]
         init_ssm = None if fresh else ssm_all[slot]
-        qkv, conv_state = causal_conv1d_fn(x @ self.w_qkv, self.conv_w, self.conv_b, init_conv, "silu")
+        raw = x @ self.w_qkv
+        qkv, conv_state = causal_conv1d_fn(raw, self.conv_w, self.conv_b, init_conv, "silu")
         q, k, v = self._split(qkv)
         g, beta = self._gates(x)
-        out = kda_chunked(q, k, v, g, beta, init_ssm, self.config.chunk_size)
+        cs = self.config.chunk_size
+        be = backend if cs == CHUNK else "torch"  # the Triton kernel runs the seed's chunk size only
+
+        def run(lo: int, hi: int, h0: torch.Tensor | None) -> KDAOutput:  # one sequence of the varlen call
+            cu = torch.tensor([0, hi - lo], dtype=torch.int64, device=x.device)
+            r = chunk_kda(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], cu,
+                          None if h0 is None else h0[None], chunk_size=cs, backend=be)
+            return KDAOutput(r.o, r.final_state[0])
+
+        n_tok = x.shape[0]
+        if track is None:
+            out = run(0, n_tok, init_ssm)
+            o = out.o
+        else:
+            t_slot, n = track
+            head = run(0, n, init_ssm)
+            out = run(n, n_tok, head.final_state) if n < n_tok else head
+            o = torch.cat([head.o, out.o]) if n < n_tok else head.o
+            kw = self.config.conv_kernel
+            hist = raw.new_zeros(kw - 1, raw.shape[1]) if init_conv is None else init_conv.to(raw.dtype)
+            conv_all[t_slot] = torch.cat([hist, raw[:n]])[n:n + kw - 1].to(conv_all.dtype)  # last K-1 inputs
+            ssm_all[t_slot] = head.final_state.to(ssm_all.dtype)
         conv_all[slot] = conv_state.to(conv_all.dtype)
         ssm_all[slot] = out.final_state.to(ssm_all.dtype)
-        return self._out(out.o)
+        return self._out(o)
 
-    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: str | None) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: str | None,
+               track: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One token for each of ``B`` requests: ``x [B, hidden]``, ``slots [B]`` (int64, already
-        validated); states updated in place by the fused kernels. Returns ``[B, hidden]``."""
+        validated); states updated in place by the fused kernels. ``track = (src, dst)``: then
+        copy the new states of slots ``src`` into slots ``dst``. Returns ``[B, hidden]``."""
         qkv = causal_conv1d_update(
             x @ self.w_qkv, cache.conv[0], self.conv_w, self.conv_b, "silu", slots, backend=backend, checks=False
         )
         q, k, v = self._split(qkv)
         g, beta = self._gates(x)
         o = kda_decode(q, k, v, g, beta, cache.temporal, slots, backend=backend, checks=False)
+        if track is not None:  # the state after this token, for the requests passing a boundary
+            src, dst = track
+            cache.conv[0][dst] = cache.conv[0][src]
+            cache.temporal[dst] = cache.temporal[src]
         return self._out(o)

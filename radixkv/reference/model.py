@@ -132,7 +132,9 @@ class _Block:
 
 class HybridModel:
     """The reference hybrid model. ``HybridModel(config, device="cpu", *, backend=None)``;
-    ``backend`` selects the decode kernels (``None``: Triton on CUDA, torch elsewhere).
+    ``backend`` selects the decode kernels (``None``: Triton on CUDA, torch elsewhere) and,
+    given explicitly, the chunked prefill of ``extend`` (default torch: its Triton kernel is
+    verified under the interpreter, not yet on a GPU).
 
     Methods (all validate fully before touching any pool, and raise typed errors from
     ``radixkv.errors``; state is unchanged on error):
@@ -150,6 +152,8 @@ class HybridModel:
         self.config = config
         self.device = torch.device(device)
         self.backend = resolve_backend(backend, self.device)
+        # the chunked prefill kernel is checked under the Triton interpreter only: opt-in
+        self.extend_backend = resolve_backend(backend, self.device) if backend is not None else "torch"
         gen = torch.Generator().manual_seed(config.seed)
         draw = lambda *s, scale=1.0, shift=0.0: (  # noqa: E731
             torch.randn(*s, generator=gen, dtype=torch.float64) * scale + shift
@@ -238,7 +242,8 @@ class HybridModel:
 
     # ---- incremental -----------------------------------------------------------------------
     def extend(
-        self, token_ids_new, start_pos: int, kv_rows_prefix, kv_rows_new, state_slot: int, pools: ModelCache
+        self, token_ids_new, start_pos: int, kv_rows_prefix, kv_rows_new, state_slot: int, pools: ModelCache,
+        *, track_slot: int | None = None, track_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Run ``T`` new tokens of ONE request at positions ``start_pos..start_pos+T-1``.
 
@@ -246,9 +251,12 @@ class HybridModel:
         ``req_to_token[req_pool_idx, :start_pos]``); ``kv_rows_new [T]``: fresh rows for the new
         tokens (``out_cache_loc``), written here for every full layer. ``state_slot``: the
         request's Mamba slot; its state is read (unless ``start_pos == 0``: zeros) and replaced
-        by the state after the last new token. Chunked prefill = successive extends. Returns
-        the logits of the new tokens ``[T, vocab]``. Cost: O(T * (start_pos + T)) attention,
-        O(T * chunk * D + T * D^2) per KDA layer.
+        by the state after the last new token. Chunked prefill = successive extends.
+        ``track_slot`` / ``track_seqlen`` (the flow's ``mamba_track_indices`` /
+        ``mamba_track_seqlens``; slot 0 or position -1: none): also write the state after
+        ``track_seqlen`` tokens (``start_pos < track_seqlen <= start_pos + T``) into
+        ``track_slot``, another slot. Returns the logits of the new tokens ``[T, vocab]``.
+        Cost: O(T * (start_pos + T)) attention, O(T * chunk * D + T * D^2) per KDA layer.
         """
         ids = self._tokens(token_ids_new)
         if ids.numel() == 0:
@@ -275,20 +283,35 @@ class HybridModel:
             if not is_int or not 1 <= state_slot < num_slots:
                 raise InvalidIndexError(f"state_slot must be an int in 1..{num_slots - 1}, got {state_slot!r}")
             state_slot = int(state_slot)
+        track = self._check_track(track_slot, track_seqlen, start_pos, ids.numel(), state_slot, num_slots)
 
         x = self.embed.index_select(0, ids)
         eps = self.config.norm_eps
         for lid, block in enumerate(self.blocks):
             h = _rmsnorm(x, block.norm1, eps)
             if isinstance(block.mixer, KDALayer):
-                out = block.mixer.extend(h, self._mamba(lid, pools), state_slot, fresh=start_pos == 0)
+                out = block.mixer.extend(h, self._mamba(lid, pools), state_slot, fresh=start_pos == 0, track=track,
+                                         backend=self.extend_backend)
             else:
                 out = block.mixer.extend(h, start_pos, pools.kv_pool, self._kv_id(lid, pools), prefix, new)
             x = block.mlp_residual(x + out, eps)
         return self._logits(x)
 
+    def _check_track(self, slot, seqlen, start: int, n: int, state_slot: int,
+                     num_slots: int | None) -> tuple[int, int] | None:
+        """``(track slot, tokens of this extend before the tracked position)`` or ``None``."""
+        if slot is None or seqlen is None or int(slot) == 0 or int(seqlen) < 0 or num_slots is None:
+            return None
+        slot, seqlen = int(slot), int(seqlen)
+        if not 1 <= slot < num_slots or slot == state_slot:
+            raise InvalidIndexError(f"track_slot must be in 1..{num_slots - 1} and not state_slot, got {slot}")
+        if not start < seqlen <= start + n:
+            raise InvalidArgumentError(f"track_seqlen {seqlen} outside ({start}, {start + n}]")
+        return slot, seqlen - start
+
     def decode(
-        self, token_ids, req_pool_indices, seq_lens, out_cache_loc, state_slots, pools: ModelCache
+        self, token_ids, req_pool_indices, seq_lens, out_cache_loc, state_slots, pools: ModelCache,
+        track_slots=None,
     ) -> torch.Tensor:
         """One new token for each of ``B`` requests (batched).
 
@@ -297,7 +320,9 @@ class HybridModel:
         must already be recorded at ``req_to_token[req_pool_indices[b], seq_lens[b] - 1]``
         (SGLang's convention: the scheduler writes the table before the forward). The earlier
         rows come from ``pools.req_to_token``. ``state_slots[b]``: its Mamba slot, advanced in
-        place. Requests, rows and slots must be distinct. Returns ``[B, vocab]``.
+        place. Requests, rows and slots must be distinct. ``track_slots [B]`` (the flow's
+        ``mamba_track_indices``, 0: none): where to copy request b's new state as well (the
+        state after ``seq_lens[b]`` tokens, an aligned position). Returns ``[B, vocab]``.
         Cost: O(B * max(seq_lens)) attention, O(B * H * D^2) per KDA layer.
         """
         ids = self._tokens(token_ids)
@@ -337,6 +362,16 @@ class HybridModel:
                 raise InvalidArgumentError("out_cache_loc differs from req_to_token[req_pool_indices, seq_lens - 1]")
         if num_slots is not None:
             slots = validate_slot_indices(slots, num_slots, name="state_slots", device=dev, allow_padding=False)
+        track = None
+        if track_slots is not None and num_slots is not None:
+            dst = _index_tensor(track_slots, "track_slots", dev)
+            if dst.numel() != batch:
+                raise LengthMismatchError(f"track_slots has {dst.numel()} entries for {batch} requests")
+            on = dst != 0
+            if bool(on.any()):
+                _check_rows(dst[on], num_slots, "track_slots")
+                _check_distinct(torch.cat([dst[on], slots]), "state_slots and track_slots")
+                track = (slots[on], dst[on])
 
         x = self.embed.index_select(0, ids)
         positions = lens - 1
@@ -344,7 +379,7 @@ class HybridModel:
         for lid, block in enumerate(self.blocks):
             h = _rmsnorm(x, block.norm1, eps)
             if isinstance(block.mixer, KDALayer):
-                out = block.mixer.decode(h, self._mamba(lid, pools), slots, self.backend)
+                out = block.mixer.decode(h, self._mamba(lid, pools), slots, self.backend, track)
             else:
                 out = block.mixer.decode(h, positions, pools.kv_pool, self._kv_id(lid, pools), loc, rows, valid)
             x = block.mlp_residual(x + out, eps)

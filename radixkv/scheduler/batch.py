@@ -47,7 +47,10 @@ class Batch:
 
     Filled by the flow (``None`` before): ``req_pool_indices`` and ``seq_lens`` (int64 on the
     pool's device), ``seq_lens_cpu``, ``prefix_lens``, ``extend_lens`` (int64 host tensors),
-    ``out_cache_loc`` (int64 on the device), ``forward_mode``.
+    ``out_cache_loc`` (int64 on the device), ``forward_mode``; with a track buffer
+    (:mod:`radixkv.scheduler.track`) ``mamba_track_indices`` (int64 on the device, 0: none)
+    and ``mamba_track_seqlens`` (int64 host, -1: none): where the model writes the state at
+    the aligned position the step passes.
     """
 
     reqs: list[Req]
@@ -62,6 +65,8 @@ class Batch:
     prefix_lens: torch.Tensor | None = None
     extend_lens: torch.Tensor | None = None
     out_cache_loc: torch.Tensor | None = None
+    mamba_track_indices: torch.Tensor | None = None
+    mamba_track_seqlens: torch.Tensor | None = None
     forward_mode: str = field(default=ForwardMode.IDLE)
 
     def __post_init__(self) -> None:

@@ -28,7 +28,10 @@ the forward of the step a flow call prepared, the state is at ``kv_committed_len
 ``cache_unfinished_req`` / ``release_kv_cache`` (called after that forward) take it.
 ``alloc_for_extend`` matches up to the deepest cached *state*, evicts states when the Mamba
 pool cannot give each new request a slot, and forks the matched state into it
-(``tree.fork_states``; zeros without a hit). Decode takes no slot; the KV it evicts takes the
+(``tree.fork_states``; zeros without a hit); with a track buffer both flow calls also
+say where the step writes the state at the aligned position it passes
+(:mod:`radixkv.scheduler.track`), which ``cache_*_req`` cache when the request's own state
+is past the last page end. Decode takes no slot; the KV it evicts takes the
 evicted leaves' states along. ``release_kv_cache`` leaves the slot to the tree or frees it.
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ from radixkv.kernels.write_cache_indices import write_cache_indices
 from radixkv.scheduler.batch import Batch, ForwardMode
 from radixkv.scheduler.decode_reserve import free_reserves
 from radixkv.scheduler.req import Req
+from radixkv.scheduler.track import prepare_track, track_interval
 
 __all__ = [
     "Conservation",
@@ -162,6 +166,7 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
         if r.req_pool_idx is None and (r.last_node is not None or r.kv_committed_len):
             raise InvalidArgumentError(f"request {r.rid!r} has no row but holds a lock or KV")
     _check_rows_free(pool, reqs)
+    track_interval(pool, ps)  # a bad interval raises before anything changes
 
     locked: list[Any] = []  # the tree's nodes
     matches: list[PrefixMatch | None] = [None] * len(reqs)
@@ -184,7 +189,10 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
         ext = seq - pre
         need = pages_needed(pre, seq, ps)
         state_pool = getattr(pool, "mamba_pool", None)
-        need_states = sum(r.mamba_pool_idx is None for r in reqs) if state_pool is not None else 0
+        need_states = 0
+        if state_pool is not None:  # a slot per request without one, the track buffers of new rows
+            need_states = sum(r.mamba_pool_idx is None for r in reqs) + getattr(
+                pool, "track_slots_per_row", lambda: 0)() * sum(r.req_pool_idx is None for r in reqs)
         _make_room(tree, allocator, need, "alloc_for_extend", state_pool, need_states)
 
         new_rows = [r for r in reqs if r.req_pool_idx is None]
@@ -228,6 +236,7 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
     batch.seq_lens_cpu, batch.seq_lens = seq, seq.to(dev)
     batch.out_cache_loc = out
     batch.forward_mode = ForwardMode.EXTEND
+    prepare_track(batch, reqs, pre, seq)
     return out
 
 
@@ -266,6 +275,7 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
         if r.seq_len > width:
             raise CapacityError(f"request {r.rid!r}: {r.seq_len} tokens exceed the row width {width}",
                                 requested=r.seq_len, available=width)
+    track_interval(pool, ps)  # a bad interval raises before anything changes
     pos = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64)
     rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     res = [i for i, r in enumerate(reqs) if r.decode_reserve.size] if ps == 1 else []
@@ -309,6 +319,7 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
     batch.seq_lens_cpu, batch.seq_lens = pos + 1, pos_d + 1
     batch.out_cache_loc = out
     batch.forward_mode = ForwardMode.DECODE
+    prepare_track(batch, reqs, pos, pos + 1)
     return out
 
 

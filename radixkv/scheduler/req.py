@@ -34,6 +34,11 @@ class Req:
         mamba_pool_idx: its Mamba state slot (hybrid models), else ``None``.
         kv_committed_len: tokens of ``fill_ids`` whose KV rows are written in its row.
         cache_protected_len: tokens at the head of its row that belong to the tree (locked).
+        mamba_ping_pong_track_buffer: its two track slots (hybrid pools with
+            ``enable_mamba_extra_buffer``), allocated and freed with its row; ``None`` else.
+        mamba_next_track_idx: which of the two the next tracked step writes (0 or 1).
+        mamba_last_track_seqlen: the position of the state the last tracked step wrote
+            (into the other one), ``None`` before any (:mod:`radixkv.scheduler.track`).
         decode_reserve: int64 KV slots (page size 1) allocated ahead for its next decode
             tokens, used front first (:mod:`radixkv.scheduler.decode_reserve`); empty by
             default. They are held by the request, in no row column and not in the tree.
@@ -51,6 +56,9 @@ class Req:
     kv_committed_len: int = 0
     cache_protected_len: int = 0
     finished: bool = False
+    mamba_ping_pong_track_buffer: list[int] | None = None
+    mamba_next_track_idx: int = 0
+    mamba_last_track_seqlen: int | None = None
     decode_reserve: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     def __post_init__(self) -> None:

@@ -148,14 +148,15 @@ def extend_results_to_msg(results: Sequence[ExtendResult]) -> pb.AllocExtendResp
         pb.ExtendResult(rid=r.rid, req_pool_idx=int(r.req_pool_idx), prefix_len=int(r.prefix_len),
                         start=int(r.start), seq_len=int(r.seq_len),
                         out_cache_loc_i64=pack(r.out_cache_loc, I64), mamba_slot=int(r.mamba_slot),
-                        reserved_i64=pack(r.reserved, I64))
+                        reserved_i64=pack(r.reserved, I64), track_slot=int(r.track_slot),
+                        track_seqlen=int(r.track_seqlen))
         for r in results])
 
 
 def extend_results_from_msg(msg: pb.AllocExtendResponse) -> list[ExtendResult]:
     return [ExtendResult(m.rid, int(m.req_pool_idx), int(m.prefix_len), int(m.start), int(m.seq_len),
                          unpack_i64(m.out_cache_loc_i64, "out_cache_loc"), int(m.mamba_slot),
-                         unpack_i64(m.reserved_i64, "reserved"))
+                         unpack_i64(m.reserved_i64, "reserved"), int(m.track_slot), int(m.track_seqlen))
             for m in msg.results]
 
 
@@ -176,7 +177,8 @@ def decode_result_to_msg(r: DecodeResult) -> pb.AllocDecodeResponse:
     return pb.AllocDecodeResponse(out_cache_loc_i64=pack(r.out_cache_loc, I64), seq_lens_i64=pack(r.seq_lens, I64),
                                   req_pool_indices_i64=pack(r.req_pool_indices, I64),
                                   mamba_slots_i64=pack(r.mamba_slots, I64), reserved_i64=pack(r.reserved, I64),
-                                  reserved_lens_i64=pack(r.reserved_lens, I64))
+                                  reserved_lens_i64=pack(r.reserved_lens, I64),
+                                  track_slots_i64=pack(r.track_slots, I64))
 
 
 def decode_result_from_msg(msg: pb.AllocDecodeResponse, n: int) -> DecodeResult:
@@ -190,7 +192,10 @@ def decode_result_from_msg(msg: pb.AllocDecodeResponse, n: int) -> DecodeResult:
         raise LengthMismatchError(f"reserved_lens: {lens.size} values for {n} entries")
     if int(lens.sum()) != reserved.size or (lens.size and int(lens.min()) < 0):
         raise LengthMismatchError(f"reserved_lens add up to {int(lens.sum())}, reserved has {reserved.size}")
-    return DecodeResult(*arrays, reserved, lens)
+    track = unpack_i64(msg.track_slots_i64, "track_slots")
+    if track.size and track.size != n:
+        raise LengthMismatchError(f"track_slots: {track.size} values for {n} entries")
+    return DecodeResult(*arrays, reserved, lens, track)
 
 
 def apply_decodes_to_msg(session: Session, calls: Sequence[pb.AllocDecodeRequest]) -> pb.ApplyDecodesRequest:

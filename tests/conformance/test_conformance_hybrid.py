@@ -33,8 +33,10 @@ HYBRID_TREE = "radixkv.cache.mamba_radix_cache"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec(HYBRID_TREE) is None,
                                 reason=f"hybrid prefix caching needs {HYBRID_TREE}")
 
+# mamba_track_interval=0: these tests pin down the untracked behaviour; state tracking (the
+# default at page sizes > 1) is tested at the end of this file
 HYBRID = dict(layer_types="KKKF" * 2, kda_num_heads=2, kda_head_dim=8, conv_kernel=4, state_slots=16,
-              request_rows=8, kv_tokens=512, max_context_len=128)
+              request_rows=8, kv_tokens=512, max_context_len=128, mamba_track_interval=0)
 KDA_LAYERS = [i for i, c in enumerate(HYBRID["layer_types"]) if c == "K"]
 
 
@@ -370,3 +372,46 @@ def test_embedded_audit_names_leaked_and_double_freed_slots():
     pool.free([a.mamba_slot])
     with pytest.raises(InvariantError, match=rf"(double-freed|free).*\b{a.mamba_slot}\b"):
         e.check_invariants()
+
+
+def test_state_tracking_caches_the_last_page_end(engine_factory):
+    """State tracking (the default at page 16): each row holds two more slots (its
+    ``mamba_ping_pong_track_buffer``); a step passing a page end names one of them
+    (``track_slot`` / ``track_slots``) for the state there, and the tree caches that state
+    when the request's own one is off the grid. The fake model writes "the state after n
+    tokens" as the value n."""
+    e, s, buf = _engine(engine_factory, 16, mamba_track_interval=None)
+    p = toks(np.arange(1, 41))
+    (a,) = e.alloc_extend(s, [ExtendItem("a", p)])
+    assert a.track_seqlen == 32 and a.track_slot not in (0, a.mamba_slot)
+    assert e.stats().state_held == 3  # its own slot and the two of its track buffer
+    write_state(buf, a.mamba_slot, 40.0)
+    write_state(buf, a.track_slot, 32.0)
+    d = e.alloc_decode(s, [DecodeItem("a", 3)])
+    assert d.track_slots.tolist() == [0]  # 41: no page end passed
+    write_state(buf, a.mamba_slot, 41.0)
+    assert e.cache_finished(s, ["a"])[0].cached_len == 32
+    st = e.stats()
+    assert st.state_held == 0 and st.state_evictable == 1 and st.state_available == 15
+    assert_law(st)
+    text = np.concatenate([p, toks([3, 9])])
+    (m,) = e.match(s, [MatchQuery(text)])
+    assert (m.prefix_len, m.kv_prefix_len) == (32, 32)  # untracked: (0, 32)
+    (b,) = e.alloc_extend(s, [ExtendItem("b", text)])
+    assert (b.prefix_len, b.start, b.track_slot, b.track_seqlen) == (32, 32, 0, -1)
+    assert state_is(buf, b.mamba_slot, 32.0)  # a fork of the tracked state
+    written = []
+    for t in range(6):  # 43 .. 48: the last step passes the page end at 48
+        d = e.alloc_decode(s, [DecodeItem("b", 5 + t)])
+        written.append(int(d.track_slots[0]))
+        write_state(buf, b.mamba_slot, float(d.seq_lens[0]))
+        if written[-1]:
+            write_state(buf, written[-1], float(d.seq_lens[0]))
+    assert written[:5] == [0] * 5 and written[5] not in (0, b.mamba_slot)
+    assert e.cache_unfinished(s, ["b"]) == [CacheResult("b", 48)]
+    e.release(s, ["b"])
+    longer = np.concatenate([text, toks(np.arange(5, 11)), toks([1, 2])])
+    (c,) = e.alloc_extend(s, [ExtendItem("c", longer)])
+    assert c.prefix_len == 48 and state_is(buf, c.mamba_slot, 48.0)
+    e.release(s, ["c"])
+    assert_law(e.stats())

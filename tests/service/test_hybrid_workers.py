@@ -3,11 +3,13 @@ socket in a fresh temp directory, and two worker processes started with ``spawn`
 not survive fork), each running the reference hybrid model (KDA + full attention, fp64)
 over the manager's shared buffers.
 
-Worker A prefills a prompt, writing its KV and KDA states into the shared buffers, and
-caches it (the tree keeps A's state slot). Worker B extends the prompt plus a continuation:
-the manager hands it A's KV rows and a fork of A's state; B reads both straight from the
-shared buffers (its model does), computes only the continuation, then decodes two greedy
-tokens. This process (no pools, no cache) recomputes everything from scratch with
+Worker A prefills a prompt off the page grid (40 tokens, page 16) and decodes past a page
+end (to 49), writing its KV and KDA states into the shared buffers -- and, at each page end
+its steps pass, the state there into its ``mamba_ping_pong_track_buffer`` slot (state
+tracking) -- and caches it (the tree keeps the tracked state at 48). Worker B extends A's
+text plus a continuation: the manager hands it A's KV rows and a fork of that state; B reads
+both straight from the shared buffers (its model does), computes only the continuation, then
+decodes two greedy tokens. This process (no pools, no cache) recomputes everything from scratch with
 ``forward_reference``: B's logits must equal it within 1e-9, and the KV and state B saw must
 be bit-identical to what A wrote. Bounded in time; the server is always stopped and must
 exit 0 leaving no shared-memory file behind.
@@ -21,7 +23,9 @@ import torch
 from service_util import run_worker, start_server, stop_server
 
 PAGE = 16
-PROMPT_LEN = 48  # a page end: the tree can keep A's final state
+PROMPT_LEN = 40  # off the page grid: only a tracked state can be cached
+A_DECODES = 9  # A ends at 49: its decode passes the page end at 48
+CACHED = 48
 TOL = 1e-9
 
 
@@ -58,16 +62,30 @@ def _state(wb, slot):
 
 
 def worker_a(address, token, prompt, q):
-    """Prefill ``prompt`` from scratch, cache it; report its logits, KV and final state."""
+    """Prefill ``prompt`` from scratch, decode ``A_DECODES`` greedy tokens writing the tracked
+    states, cache it; report its logits, tokens, KV and the last tracked state."""
     try:
-        from radixkv.engine.protocol import ExtendItem
+        from radixkv.engine.protocol import DecodeItem, ExtendItem
         from radixkv.reference.model import ModelCache
 
         c, s, wb, model = _setup(address, token, "worker-A")
+        mc = ModelCache.over(wb)
         (r,) = c.alloc_extend(s, [ExtendItem("a", prompt)])
-        logits = model.extend(prompt, 0, r.out_cache_loc[:0], r.out_cache_loc, r.mamba_slot, ModelCache.over(wb))
-        report = {"prefix_len": r.prefix_len, "logits": logits.cpu().numpy(), "kv": _full_kv(wb, r.out_cache_loc),
-                  "state": _state(wb, r.mamba_slot)}
+        tracked = [(r.track_slot, r.track_seqlen)]
+        logits = [model.extend(prompt, 0, r.out_cache_loc[:0], r.out_cache_loc, r.mamba_slot, mc,
+                               track_slot=r.track_slot, track_seqlen=r.track_seqlen)]
+        fed = [prompt]
+        for _ in range(A_DECODES):
+            nxt = int(torch.argmax(logits[-1][-1]))
+            d = c.alloc_decode(s, [DecodeItem("a", nxt)])
+            logits.append(model.decode(torch.tensor([nxt]), d.req_pool_indices, d.seq_lens, d.out_cache_loc,
+                                       d.mamba_slots, mc, d.track_slots))
+            tracked.append((int(d.track_slots[0]), int(d.seq_lens[0])))
+            fed.append(np.array([nxt], dtype=np.int32))
+        slot, pos = [t for t in tracked if t[0] > 0][-1]
+        rows = wb.req_to_token[r.req_pool_idx, :CACHED].to(torch.int64)
+        report = {"prefix_len": r.prefix_len, "logits": torch.cat(logits).cpu().numpy(), "kv": _full_kv(wb, rows),
+                  "state": _state(wb, slot), "tracked_at": pos, "tokens": np.concatenate(fed)}
         report["cached_len"] = c.cache_finished(s, ["a"])[0].cached_len
         c.detach(s)
         c.close()
@@ -91,13 +109,14 @@ def worker_b(address, token, prompt, continuation, q):
         prefix_rows = wb.req_to_token[r.req_pool_idx, :r.start].to(torch.int64)
         report = {"match": tuple(m), "prefix_len": r.prefix_len, "start": r.start,
                   "kv": _full_kv(wb, prefix_rows), "state": _state(wb, r.mamba_slot)}
-        out = model.extend(full[r.start:], r.start, prefix_rows, r.out_cache_loc, r.mamba_slot, mc)
+        out = model.extend(full[r.start:], r.start, prefix_rows, r.out_cache_loc, r.mamba_slot, mc,
+                           track_slot=r.track_slot, track_seqlen=r.track_seqlen)
         logits, fed = [out], [full]
         for _ in range(2):
             nxt = int(torch.argmax(logits[-1][-1]))
             d = c.alloc_decode(s, [DecodeItem("b", nxt)])
             logits.append(model.decode(torch.tensor([nxt]), d.req_pool_indices, d.seq_lens, d.out_cache_loc,
-                                       d.mamba_slots, mc))
+                                       d.mamba_slots, mc, d.track_slots))
             fed.append(np.array([nxt], dtype=np.int32))
         report["cached_len"] = c.cache_finished(s, ["b"])[0].cached_len
         report["logits"] = torch.cat(logits).cpu().numpy()
@@ -139,24 +158,26 @@ def test_worker_b_reuses_worker_a_kv_and_state_across_processes(hybrid_server):
     srv = hybrid_server
 
     a = run_worker(worker_a, srv.address, srv.token, prompt)
-    assert a["prefix_len"] == 0 and a["cached_len"] == PROMPT_LEN
-    ref_a = model.forward_reference(prompt).numpy()
+    a_tokens = a["tokens"]
+    assert a["prefix_len"] == 0 and a_tokens.size == PROMPT_LEN + A_DECODES
+    assert a["tracked_at"] == CACHED and a["cached_len"] == CACHED  # the decode passed 48
+    ref_a = model.forward_reference(a_tokens).numpy()
     assert np.abs(a["logits"] - ref_a).max() <= TOL
 
-    b = run_worker(worker_b, srv.address, srv.token, prompt, cont)
-    assert b["match"] == (PROMPT_LEN, PROMPT_LEN)
-    assert b["prefix_len"] == b["start"] == PROMPT_LEN  # nothing of the prompt recomputed
+    b = run_worker(worker_b, srv.address, srv.token, a_tokens, cont)
+    assert b["match"] == (CACHED, CACHED)
+    assert b["prefix_len"] == b["start"] == CACHED  # nothing before the tracked state recomputed
     for got, wrote in zip(b["kv"], a["kv"]):  # the KV rows B was handed hold A's K/V, bit for bit
         np.testing.assert_array_equal(got, wrote)
-    for got, wrote in zip(b["state"], a["state"]):  # B's slot holds a fork of A's final state
+    for got, wrote in zip(b["state"], a["state"]):  # B's slot holds a fork of A's tracked state
         np.testing.assert_array_equal(got, wrote)
     assert any(np.abs(x).max() > 0 for x in b["state"])  # a real state, not a zero start
     tokens = b["tokens"]
-    assert tokens.size == PROMPT_LEN + cont.size + 2
+    assert tokens.size == a_tokens.size + cont.size + 2
     ref = model.forward_reference(tokens).numpy()
-    got = b["logits"]  # positions PROMPT_LEN .. end-1: the continuation, then the 2 decode steps
-    assert got.shape == (cont.size + 2, model.config.vocab)
-    diff = np.abs(got - ref[PROMPT_LEN:]).max()
+    got = b["logits"]  # positions CACHED .. end-1: the rest of A's text and the continuation, then 2 decodes
+    assert got.shape == (tokens.size - CACHED, model.config.vocab)
+    diff = np.abs(got - ref[CACHED:]).max()
     assert diff <= TOL, f"logits differ from a from-scratch run by {diff:.3g}"
     assert b["cached_len"] == tokens.size - tokens.size % PAGE
 

@@ -144,7 +144,7 @@ class AllocExtendRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
 
 class ExtendResult(_message.Message):
-    __slots__ = ("rid", "req_pool_idx", "prefix_len", "start", "seq_len", "out_cache_loc_i64", "mamba_slot", "reserved_i64")
+    __slots__ = ("rid", "req_pool_idx", "prefix_len", "start", "seq_len", "out_cache_loc_i64", "mamba_slot", "reserved_i64", "track_slot", "track_seqlen")
     RID_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_IDX_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,8 @@ class ExtendResult(_message.Message):
     OUT_CACHE_LOC_I64_FIELD_NUMBER: _ClassVar[int]
     MAMBA_SLOT_FIELD_NUMBER: _ClassVar[int]
     RESERVED_I64_FIELD_NUMBER: _ClassVar[int]
+    TRACK_SLOT_FIELD_NUMBER: _ClassVar[int]
+    TRACK_SEQLEN_FIELD_NUMBER: _ClassVar[int]
     rid: str
     req_pool_idx: int
     prefix_len: int
@@ -161,7 +163,9 @@ class ExtendResult(_message.Message):
     out_cache_loc_i64: bytes
     mamba_slot: int
     reserved_i64: bytes
-    def __init__(self, rid: _Optional[str] = ..., req_pool_idx: _Optional[int] = ..., prefix_len: _Optional[int] = ..., start: _Optional[int] = ..., seq_len: _Optional[int] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot: _Optional[int] = ..., reserved_i64: _Optional[bytes] = ...) -> None: ...
+    track_slot: int
+    track_seqlen: int
+    def __init__(self, rid: _Optional[str] = ..., req_pool_idx: _Optional[int] = ..., prefix_len: _Optional[int] = ..., start: _Optional[int] = ..., seq_len: _Optional[int] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot: _Optional[int] = ..., reserved_i64: _Optional[bytes] = ..., track_slot: _Optional[int] = ..., track_seqlen: _Optional[int] = ...) -> None: ...
 
 class AllocExtendResponse(_message.Message):
     __slots__ = ("results",)
@@ -180,20 +184,22 @@ class AllocDecodeRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., rids: _Optional[_Iterable[str]] = ..., token_ids_i32: _Optional[bytes] = ...) -> None: ...
 
 class AllocDecodeResponse(_message.Message):
-    __slots__ = ("out_cache_loc_i64", "seq_lens_i64", "req_pool_indices_i64", "mamba_slots_i64", "reserved_i64", "reserved_lens_i64")
+    __slots__ = ("out_cache_loc_i64", "seq_lens_i64", "req_pool_indices_i64", "mamba_slots_i64", "reserved_i64", "reserved_lens_i64", "track_slots_i64")
     OUT_CACHE_LOC_I64_FIELD_NUMBER: _ClassVar[int]
     SEQ_LENS_I64_FIELD_NUMBER: _ClassVar[int]
     REQ_POOL_INDICES_I64_FIELD_NUMBER: _ClassVar[int]
     MAMBA_SLOTS_I64_FIELD_NUMBER: _ClassVar[int]
     RESERVED_I64_FIELD_NUMBER: _ClassVar[int]
     RESERVED_LENS_I64_FIELD_NUMBER: _ClassVar[int]
+    TRACK_SLOTS_I64_FIELD_NUMBER: _ClassVar[int]
     out_cache_loc_i64: bytes
     seq_lens_i64: bytes
     req_pool_indices_i64: bytes
     mamba_slots_i64: bytes
     reserved_i64: bytes
     reserved_lens_i64: bytes
-    def __init__(self, out_cache_loc_i64: _Optional[bytes] = ..., seq_lens_i64: _Optional[bytes] = ..., req_pool_indices_i64: _Optional[bytes] = ..., mamba_slots_i64: _Optional[bytes] = ..., reserved_i64: _Optional[bytes] = ..., reserved_lens_i64: _Optional[bytes] = ...) -> None: ...
+    track_slots_i64: bytes
+    def __init__(self, out_cache_loc_i64: _Optional[bytes] = ..., seq_lens_i64: _Optional[bytes] = ..., req_pool_indices_i64: _Optional[bytes] = ..., mamba_slots_i64: _Optional[bytes] = ..., reserved_i64: _Optional[bytes] = ..., reserved_lens_i64: _Optional[bytes] = ..., track_slots_i64: _Optional[bytes] = ...) -> None: ...
 
 class ApplyDecodesRequest(_message.Message):
     __slots__ = ("session", "calls")
