@@ -55,10 +55,12 @@ from radixkv.service.server.auth import TokenAuthInterceptor
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
 from radixkv.service.server.listen import bind
+from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire.auth import Token
+from radixkv.service.wire.limits import CallLimits
 from radixkv.service.wire.shm import SharedBuffers, remove_stale_files
 from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -102,6 +104,7 @@ class ServeOptions(NamedTuple):
     kv_events: PublisherConfig | None = None  # the ZMQ outlet (vLLM wire); None: off
     events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
     events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
+    call_limits: CallLimits | None = None  # entries/tokens per call; None: sized from the pool
 
 
 class CacheManagerServer:
@@ -111,7 +114,9 @@ class CacheManagerServer:
         config: the engine config (device, pool sizes, model shape, policies, lease TTL).
         token: the auth token every RPC but health must present.
         options: :class:`ServeOptions`.
-        clock, epoch: passed to the engine (tests inject a clock).
+        clock, epoch: passed to the engine (tests inject a clock). Without a clock the leases
+            run on a :class:`~radixkv.service.server.loop_clock.LoopClock` (``lease_clock``):
+            the manager's own stalls do not count against a worker's lease.
 
     Raises (constructor) ``InvalidArgumentError`` for a bad config, an unusable shared-
     memory directory, or a CUDA device without CUDA. Nothing is left behind when it raises.
@@ -133,6 +138,9 @@ class CacheManagerServer:
             stale = remove_stale_files(self.shared.shm_dir)
             if stale:
                 log.warning("removed %d pool file(s) of managers that are no longer running", len(stale))
+        self.lease_clock: LoopClock | None = None
+        if clock is None:
+            clock = self.lease_clock = LoopClock()
         try:
             for name, plan in plan_arenas(config).items():
                 self.shared.allocate(name, plan.total_bytes)
@@ -165,7 +173,8 @@ class CacheManagerServer:
         self._closing = asyncio.Event()
         self.events = EventHub(engine_event_source(self.engine), int(o.events_ring_size), encode=encode_record)
         self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing,
-                                             quarantine_s=float(o.quarantine_s), events=self.events)
+                                             quarantine_s=float(o.quarantine_s), events=self.events,
+                                             limits=o.call_limits)
         n = int(o.max_message_bytes)
         self._server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected)],
@@ -199,6 +208,8 @@ class CacheManagerServer:
             self.metrics_port = self.metrics.start_http(int(o.metrics_port), o.metrics_addr)
         self.metrics.update(self.engine.stats())
         self._sweeper = asyncio.ensure_future(self._sweep_loop())
+        if self.lease_clock is not None:
+            self.lease_clock.start()
         self.outlets.start(self._closing)
         log.info("radixkv cache manager listening on %s (device %s, %d KV tokens, epoch %d)",
                  self.address, self.config.device, self.config.kv_tokens, self.engine.epoch)
@@ -267,6 +278,8 @@ class CacheManagerServer:
                 pass
         if self.outlets is not None:
             await self.outlets.stop_pumping()
+        if self.lease_clock is not None:
+            await self.lease_clock.stop()
         n = len(self.engine.sessions)
         self.engine.close()
         if self.servicer is not None:
@@ -313,6 +326,9 @@ def _check_options(o: ServeOptions) -> None:
     e = o.events_interval_s
     if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 60:
         raise InvalidArgumentError(f"events_interval_s must be a number in (0, 60], got {e!r}")
+    if o.call_limits is not None and not (isinstance(o.call_limits, CallLimits) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in o.call_limits)):
+        raise InvalidArgumentError(f"call_limits must be a CallLimits of ints >= 1, got {o.call_limits!r}")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
         raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
 

@@ -52,6 +52,7 @@ from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.errors import status_of
+from radixkv.service.wire.limits import CallLimits, check_raw, limits_for
 from radixkv.service.wire.shm import SharedBuffers
 from radixkv.service.wire.step import error_to_msg
 
@@ -85,12 +86,18 @@ class CacheManagerServicer:
         replies: the reply cache of idempotent calls (default: 64 per session, 64 MiB).
         events: the event hub over the engine's tree (default: one with the default ring);
             ``TakeEvents`` and ``WatchEvents`` read it, the server pumps it and adds outlets.
+        limits: the entries and tokens one call may carry (default: sized from the engine's
+            pool and rows, :func:`~radixkv.service.wire.limits.limits_for`), checked on the raw
+            request before it is decoded (:meth:`parse_request`).
     """
 
     def __init__(self, engine: Any, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,
                  quarantine_s: float = 0.0, replies: ReplyCache | None = None,
-                 events: EventHub | None = None):
+                 events: EventHub | None = None, limits: CallLimits | None = None):
         self.engine = engine
+        cfg = engine.config
+        self.limits = limits if limits is not None else limits_for(cfg.kv_tokens, cfg.request_rows,
+                                                                   cfg.decode_reserve)
         self.shared = shared
         self.metrics = metrics
         self.closing = closing
@@ -133,6 +140,21 @@ class CacheManagerServicer:
             if self.pump_after_calls:
                 self.pump_events()
 
+    def parse_request(self, cls: Any, raw: Any, method: str) -> Any:
+        """``raw`` as a ``cls`` message, after its entries and tokens were counted on the raw
+        bytes against :attr:`limits` (``RequestLimitError`` naming the limit, before any
+        decoding). Raises ``InvalidArgumentError`` for bytes that are not a message."""
+        if isinstance(raw, (bytes, bytearray, memoryview)):
+            check_raw(method, raw, self.limits)
+        return parse(cls, raw, method)
+
+    def live_session(self, msg: pb.SessionRef) -> Session:
+        """The session a request names, checked live (and its lease renewed) before any work
+        is done for it: a stale session's call costs O(1), whatever it carries."""
+        session = wire.session_from_msg(msg)
+        self.engine.heartbeat(session)
+        return session
+
     def pump_events(self) -> int:
         """Append the engine's pending events to the hub and run its outlets, when there
         are any (one O(1) test otherwise). Returns how many were appended."""
@@ -162,33 +184,18 @@ class CacheManagerServicer:
     # ------------------------------------------------------------------ the step
     @_rpc("Match", pb.MatchRequest)
     def Match(self, request: pb.MatchRequest) -> pb.MatchResponse:
-        session = wire.session_from_msg(request.session)
-        try:
-            queries = wire.match_queries_from_msg(request.queries)
-        except InvalidArgumentError:
-            self.engine.heartbeat(session)  # a stale session reports that first
-            raise
-        return wire.match_infos_to_msg(self.engine.match(session, queries))
+        session = self.live_session(request.session)
+        return wire.match_infos_to_msg(self.engine.match(session, wire.match_queries_from_msg(request.queries)))
 
     @_rpc("AllocExtend", pb.AllocExtendRequest)
     def AllocExtend(self, request: pb.AllocExtendRequest) -> pb.AllocExtendResponse:
-        session = wire.session_from_msg(request.session)
-        try:
-            items = wire.extend_items_from_msg(request.items)
-        except InvalidArgumentError:
-            self.engine.heartbeat(session)
-            raise
-        return wire.extend_results_to_msg(self.engine.alloc_extend(session, items))
+        session = self.live_session(request.session)
+        return wire.extend_results_to_msg(self.engine.alloc_extend(session, wire.extend_items_from_msg(request.items)))
 
     @_rpc("AllocDecode", pb.AllocDecodeRequest)
     def AllocDecode(self, request: pb.AllocDecodeRequest) -> pb.AllocDecodeResponse:
-        session = wire.session_from_msg(request.session)
-        try:
-            items = wire.decode_items_from_msg(request)
-        except InvalidArgumentError:
-            self.engine.heartbeat(session)
-            raise
-        return wire.decode_result_to_msg(self.engine.alloc_decode(session, items))
+        session = self.live_session(request.session)
+        return wire.decode_result_to_msg(self.engine.alloc_decode(session, wire.decode_items_from_msg(request)))
 
     @_rpc("ApplyDecodes", pb.ApplyDecodesRequest)
     def ApplyDecodes(self, request: pb.ApplyDecodesRequest) -> pb.ApplyDecodesResponse:
@@ -198,20 +205,18 @@ class CacheManagerServicer:
         fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k`` and
         ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``
         twice. O(total items)."""
-        session = wire.session_from_msg(request.session)
-        if not request.calls:
-            self.engine.heartbeat(session)  # a stale session still reports that
+        try:
+            session = self.live_session(request.session)
+        except RadixKVError as e:  # stale: call 0 cannot run
+            if request.calls:
+                e.args = (f"ApplyDecodes call 0 of {len(request.calls)}: {e}",) + e.args[1:]
+            raise
         for k, call in enumerate(request.calls):
             try:
                 if call.HasField("session") and (call.session.session_id, call.session.epoch) != \
                         (request.session.session_id, request.session.epoch):
                     raise InvalidArgumentError("a replayed call names another session")
-                try:
-                    items = wire.decode_items_from_msg(call)
-                except InvalidArgumentError:
-                    self.engine.heartbeat(session)
-                    raise
-                self.engine.alloc_decode(session, items)
+                self.engine.alloc_decode(session, wire.decode_items_from_msg(call))
             except RadixKVError as e:
                 e.args = (f"ApplyDecodes call {k} of {len(request.calls)}: {e}",) + e.args[1:]
                 if k == 0:

@@ -4,7 +4,8 @@ Split out of :mod:`radixkv.service.server.servicer` (which re-exports ``parse`` 
 ``request_id_of``). The handlers are registered with raw-bytes (de)serializers, so every
 call goes through :func:`unary_rpc`'s wrapper:
 
-1. parse the request bytes (:func:`parse`: bytes that are not a valid message -- garbage,
+1. count the request's entries and tokens on its raw bytes against the servicer's limits,
+   then parse them (``servicer.parse_request``, :func:`parse`: bytes that are not a valid message -- garbage,
    truncated, invalid UTF-8 in a string -- are ``InvalidArgumentError``, answered
    INVALID_ARGUMENT, never INTERNAL);
 2. fence the sessions whose lease ran out while their worker may still run
@@ -68,7 +69,7 @@ def unary_rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
             t0 = time.perf_counter()
             code = "OK"
             try:
-                request = parse(request_cls, raw, name)
+                request = self.parse_request(request_cls, raw, name)
                 self.quarantine.fence_due()
                 rid = request_id_of(context) if idempotent else None
                 reply, delay = self.answer(name, body, request, raw, rid)
