@@ -56,6 +56,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                      help="unix:///DIR/NAME.sock (DIR is made 0700; default %(default)s) or HOST:PORT")
     net.add_argument("--token", default=None, help=f"auth token (prefer --token-file or ${TOKEN_ENV})")
     net.add_argument("--token-file", default=None, help="read the auth token from this file")
+    net.add_argument("--allow-readable-token-file", action="store_true",
+                     help="accept token files that group or others may read (refused by default)")
+    net.add_argument("--operator-token-file", default=None,
+                     help="the operator token (Flush, CheckInvariants need it then; a worker token is refused)")
     net.add_argument("--tls-cert", default=None, help="TCP: server certificate (PEM)")
     net.add_argument("--tls-key", default=None, help="TCP: server private key (PEM)")
     net.add_argument("--tls-ca", default=None, help="TCP: require client certificates signed by this CA")
@@ -131,7 +135,10 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         tls_key=args.tls_key, tls_ca=args.tls_ca, allow_insecure_tcp=args.allow_insecure_tcp,
         check_idle=args.check_idle, max_concurrent_rpcs=args.max_concurrent_rpcs,
         quarantine_s=args.quarantine_s, kv_events=config_from_args(args),
-        events_ring_size=args.kv_events_ring_size, events_interval_s=args.kv_events_interval_s)
+        events_ring_size=args.kv_events_ring_size, events_interval_s=args.kv_events_interval_s,
+        operator_token=resolve_token(token_file=args.operator_token_file,
+                                     allow_readable=args.allow_readable_token_file)
+        if args.operator_token_file else None)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -146,7 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
         config = engine_config_from_args(args)
-        token = resolve_token(args.token, args.token_file)
+        token = resolve_token(args.token, args.token_file, allow_readable=args.allow_readable_token_file)
         options = serve_options_from_args(args)
         return asyncio.run(serve(config, token, options))
     except (RadixKVError, OSError) as e:

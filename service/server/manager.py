@@ -54,6 +54,7 @@ import grpc
 from radixkv.service.server.auth import TokenAuthInterceptor
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
+from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
 from radixkv.service.server.listen import bind
 from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
@@ -105,6 +106,7 @@ class ServeOptions(NamedTuple):
     events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
     events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
     call_limits: CallLimits | None = None  # entries/tokens per call; None: sized from the pool
+    operator_token: Token | None = None  # given: Flush / CheckInvariants need it (server/auth.py)
 
 
 class CacheManagerServer:
@@ -127,6 +129,8 @@ class CacheManagerServer:
         if not isinstance(token, Token):
             raise InvalidArgumentError("token must be a radixkv.service.wire.auth.Token")
         _check_options(options)
+        if options.operator_token is not None and options.operator_token.matches(token.reveal()):
+            raise InvalidArgumentError("the operator token must differ from the workers' token")
         if options.kv_events is not None and not config.enable_kv_events:
             raise InvalidArgumentError("the ZMQ event outlet (--kv-events-endpoint) needs --enable-kv-events")
         self.config = config
@@ -151,6 +155,7 @@ class CacheManagerServer:
             self.shared.close()
             raise
         self._token = token
+        self._reject_log = PeriodicCount(self._log_rejected)
         self._closing: asyncio.Event | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
@@ -177,7 +182,8 @@ class CacheManagerServer:
                                              limits=o.call_limits)
         n = int(o.max_message_bytes)
         self._server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected)],
+            interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected,
+                                               operator_token=o.operator_token)],
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=int(o.max_concurrent_rpcs))
@@ -213,11 +219,17 @@ class CacheManagerServer:
         self.outlets.start(self._closing)
         log.info("radixkv cache manager listening on %s (device %s, %d KV tokens, epoch %d)",
                  self.address, self.config.device, self.config.kv_tokens, self.engine.epoch)
+        for exposure in exposure_warnings(o):
+            log.warning("exposed: %s", exposure)
         return self.address
 
     def _rejected(self, method: str) -> None:
         self.metrics.auth_failed(method)
-        log.info("rejected a call to %s: missing or wrong auth token", method)
+        self._reject_log.add(method)
+
+    @staticmethod
+    def _log_rejected(n: int, last: str) -> None:
+        log.info("rejected %d call(s) with a missing or wrong auth token (the last to %s)", n, last)
 
     # ------------------------------------------------------------------ run
     async def _sweep_loop(self) -> None:
@@ -286,6 +298,7 @@ class CacheManagerServer:
             self.servicer.quarantine.close()
         if self.outlets is not None:
             self.outlets.close()  # pump what is left, AllBlocksCleared, close the ZMQ sockets
+        self._reject_log.flush()
         log.info("shut down: %d session(s) revoked", n)
         self.metrics.stop_http()
         await self._cleanup_files()
@@ -329,6 +342,8 @@ def _check_options(o: ServeOptions) -> None:
     if o.call_limits is not None and not (isinstance(o.call_limits, CallLimits) and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in o.call_limits)):
         raise InvalidArgumentError(f"call_limits must be a CallLimits of ints >= 1, got {o.call_limits!r}")
+    if o.operator_token is not None and not isinstance(o.operator_token, Token):
+        raise InvalidArgumentError("operator_token must be a radixkv.service.wire.auth.Token or None")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
         raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
 

@@ -1,0 +1,107 @@
+"""Careless deployments and calls between sessions (issue 17, items 7 and 8): the operator
+token, a readable token file refused, exposures warned about, rejected calls logged once a
+period with a count."""
+import logging
+import os
+
+import numpy as np
+import pytest
+from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
+from radixkv.service.server.manager import CacheManagerServer, ServeOptions
+from radixkv.service.wire.auth import Token, resolve_token
+from tooling.testing import ThreadedServer
+
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.protocol import ExtendItem
+from radixkv.errors import InvalidArgumentError, PermissionDeniedError, UnauthenticatedError
+from radixkv.events.zmq_flags import PublisherConfig
+
+OPERATOR = "the-operator-token-1234"
+
+
+def test_with_an_operator_token_a_worker_cannot_flush():
+    opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, operator_token=Token(OPERATOR))
+    with ThreadedServer({"kv_tokens": 256}, options=opts) as srv:
+        c = srv.client()
+        s = c.attach("w").session
+        c.alloc_extend(s, [ExtendItem("r", np.arange(8, dtype=np.int32))])
+        c.cache_finished(s, ["r"])
+        with pytest.raises(PermissionDeniedError, match="operator token"):
+            c.flush(s)
+        with pytest.raises(PermissionDeniedError, match="operator token"):
+            c.check_invariants()
+        from radixkv.service.client import connect
+
+        op = connect(srv.address, token=OPERATOR, wait_s=30)
+        try:
+            os_ = op.attach("operator").session
+            assert op.flush(os_) is True
+            op.check_invariants()
+        finally:
+            op.close()
+        assert c.stats(s).kv_evictable == 0
+
+
+def test_the_operator_token_must_differ():
+    with pytest.raises(InvalidArgumentError, match="differ"):
+        CacheManagerServer(EngineConfig(kv_tokens=64), Token(OPERATOR),
+                           ServeOptions(operator_token=Token(OPERATOR)))
+
+
+def test_a_token_file_readable_by_others_is_refused_unless_allowed(tmp_path):
+    f = tmp_path / "tok"
+    f.write_text("a-token-in-a-file-123\n")
+    os.chmod(f, 0o644)
+    with pytest.raises(PermissionDeniedError, match="--allow-readable-token-file"):
+        resolve_token(token_file=str(f), allow_readable=False)
+    assert resolve_token(token_file=str(f), allow_readable=True).reveal() == "a-token-in-a-file-123"
+    os.chmod(f, 0o600)
+    assert resolve_token(token_file=str(f), allow_readable=False).reveal() == "a-token-in-a-file-123"
+
+
+def test_serve_refuses_a_readable_token_file(tmp_path, capsys):
+    from radixkv.service.server.cli import main
+
+    f = tmp_path / "tok"
+    f.write_text("a-token-in-a-file-123\n")
+    os.chmod(f, 0o644)
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    assert main(["serve", "--address", f"unix://{d}/s.sock", "--token-file", str(f), "--kv-tokens", "64"]) == 2
+    assert "readable by others" in capsys.readouterr().err
+
+
+def test_each_exposure_is_named():
+    safe = ServeOptions(operator_token=Token(OPERATOR))
+    assert exposure_warnings(safe) == []
+    warned = exposure_warnings(ServeOptions(
+        address="0.0.0.0:5000", allow_insecure_tcp=True, metrics_port=9100, metrics_addr="0.0.0.0",
+        kv_events=PublisherConfig(endpoint="tcp://*:5557")))
+    assert len(warned) == 4
+    assert "plaintext TCP on '0.0.0.0'" in warned[0] and "Prometheus" in warned[1]
+    assert "tcp://*:5557" in warned[2] and "operator" in warned[3]
+    assert exposure_warnings(safe._replace(kv_events=PublisherConfig(endpoint="ipc:///run/x"))) == []
+    assert exposure_warnings(safe._replace(address="127.0.0.1:5000", metrics_port=1)) == []
+
+
+def test_rejected_calls_are_logged_once_a_period_with_a_count(caplog):
+    now = [0.0]
+    lines = []
+    pc = PeriodicCount(lambda n, last: lines.append((n, last)), period_s=10.0, clock=lambda: now[0])
+    for i in range(1000):
+        pc.add(f"m{i}")
+    now[0] = 10.0
+    pc.add("late")
+    pc.flush()
+    assert lines == [(1, "m0"), (1000, "late")] and pc.total == 1001
+    caplog.set_level(logging.INFO, logger="radixkv.service")
+    with ThreadedServer({"kv_tokens": 64}) as srv:
+        from radixkv.service.client import connect
+
+        bad = connect(srv.address, token="not-the-right-token", wait_s=30)
+        for _ in range(50):
+            with pytest.raises(UnauthenticatedError):
+                bad.stats()
+        bad.close()
+    rejected = [r.getMessage() for r in caplog.records if "missing or wrong auth token" in r.getMessage()]
+    assert 1 <= len(rejected) < 50 and sum(int(m.split()[1]) for m in rejected) == 50, rejected
