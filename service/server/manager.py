@@ -51,7 +51,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
-from radixkv.service.server.auth import TokenAuthInterceptor
+from radixkv.service.server.auth import DEFAULT_HEALTH_BUDGET, TokenAuthInterceptor
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
 from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
@@ -107,6 +107,7 @@ class ServeOptions(NamedTuple):
     events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
     call_limits: CallLimits | None = None  # entries/tokens per call; None: sized from the pool
     operator_token: Token | None = None  # given: Flush / CheckInvariants need it (server/auth.py)
+    health_rpcs: int = DEFAULT_HEALTH_BUDGET  # unauthenticated health calls in flight, on top of the limit
 
 
 class CacheManagerServer:
@@ -183,10 +184,13 @@ class CacheManagerServer:
         n = int(o.max_message_bytes)
         self._server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected,
-                                               operator_token=o.operator_token)],
+                                               operator_token=o.operator_token, health_budget=o.health_rpcs,
+                                               call_budget=int(o.max_concurrent_rpcs))],
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
                      ("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=int(o.max_concurrent_rpcs))
+            # the budgets (server/auth.py) hold the limits; gRPC's own is a backstop above
+            # their sum, with room for the calls they are refusing
+            maximum_concurrent_rpcs=2 * (int(o.max_concurrent_rpcs) + int(o.health_rpcs)))
         add_to_server(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -342,6 +346,9 @@ def _check_options(o: ServeOptions) -> None:
     if o.call_limits is not None and not (isinstance(o.call_limits, CallLimits) and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in o.call_limits)):
         raise InvalidArgumentError(f"call_limits must be a CallLimits of ints >= 1, got {o.call_limits!r}")
+    h = o.health_rpcs
+    if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= 1 << 16:
+        raise InvalidArgumentError(f"health_rpcs must be an int in [1, 65536], got {h!r}")
     if o.operator_token is not None and not isinstance(o.operator_token, Token):
         raise InvalidArgumentError("operator_token must be a radixkv.service.wire.auth.Token or None")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):

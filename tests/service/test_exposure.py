@@ -105,3 +105,37 @@ def test_rejected_calls_are_logged_once_a_period_with_a_count(caplog):
         bad.close()
     rejected = [r.getMessage() for r in caplog.records if "missing or wrong auth token" in r.getMessage()]
     assert 1 <= len(rejected) < 50 and sum(int(m.split()[1]) for m in rejected) == 50, rejected
+
+
+def test_unauthenticated_health_streams_never_take_a_workers_slot():
+    """With --max-concurrent-rpcs 4, sixteen Health.Watch streams without a token: the
+    health budget (2 here) refuses the rest at once, and a worker's calls are all served."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, max_concurrent_rpcs=4, health_rpcs=2)
+    with ThreadedServer({"kv_tokens": 64}, options=opts) as srv:
+        path = srv.address[len("unix://"):]
+        chans = [grpc.insecure_channel("unix:" + path) for _ in range(16)]
+        try:
+            watches = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest()) for ch in chans]
+            codes = {}
+            for w in watches:
+                try:
+                    next(w)  # SERVING: this stream holds a health slot
+                    code = "OPEN"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                codes[code] = codes.get(code, 0) + 1
+            assert codes == {"OPEN": 2, "RESOURCE_EXHAUSTED": 14}, codes
+            c = srv.client()
+            s = c.attach("w").session
+            for _ in range(4):
+                c.stats(s)
+            c.heartbeat(s)
+            assert srv.call(lambda server: server.servicer is not None)
+            for w in watches:
+                w.cancel()
+        finally:
+            for ch in chans:
+                ch.close()

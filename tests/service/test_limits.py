@@ -157,3 +157,12 @@ def test_a_stall_of_the_manager_does_not_expire_a_live_lease():
         assert s.session_id in list(srv.call(stall_then_sweep))
         c.heartbeat(s)
         assert srv.call(lambda server: server.lease_clock.stalls) >= 1
+
+
+def test_a_watcher_cannot_ask_for_a_poll_shorter_than_the_floor():
+    from radixkv.service.server.servicer import DEFAULT_WATCH_POLL_S, MIN_WATCH_POLL_S, watch_poll_s
+
+    assert watch_poll_s(0.001) == MIN_WATCH_POLL_S >= 0.05
+    assert watch_poll_s(2.0) == 2.0
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 61.0):
+        assert watch_poll_s(bad) == DEFAULT_WATCH_POLL_S
