@@ -134,28 +134,46 @@ def remove_stale_files(directory: str) -> list[str]:
     return removed
 
 
-def map_shm_buffer(desc: ShmDescriptor) -> torch.Tensor:
+def map_shm_buffer(desc: ShmDescriptor, owner_uid: int | None = None) -> torch.Tensor:
     """Map a manager's shared-memory file: a ``uint8`` tensor aliasing its bytes. O(1) (mmap).
 
+    Only a manager's pool file is mapped (the descriptor comes from whatever answers at the
+    address, so it is checked as hostile): an absolute path whose name has the pool-file
+    pattern (``radixkv-<pid>-<hex>-<pool>.buf``), opened without following a link, a regular
+    file owned by ``owner_uid`` (default: this user) with mode exactly 0600 and exactly
+    ``desc.nbytes`` bytes. The checks and the mapping are of the same open file (mapped
+    through ``/proc/self/fd``), so the name cannot be swapped in between.
+
     Raises:
-        InvalidArgumentError: the file is missing or smaller than ``desc.nbytes``.
-        PermissionDeniedError: the file is not ours or is readable/writable by others.
+        InvalidArgumentError: the file is missing, not a pool file, or not of the stated size.
+        PermissionDeniedError: the file is not the owner's or its mode is not 0600.
     """
     _check_size(int(desc.nbytes))
+    path = str(desc.path)
+    if not os.path.isabs(path) or os.path.normpath(path) != path or \
+            not _MANAGER_FILE_RE.match(os.path.basename(path)):
+        raise InvalidArgumentError(f"shared buffer {path!r} is not a manager's pool file "
+                                   "(an absolute radixkv-<pid>-<hex>-<pool>.buf path)")
     try:
-        st = os.stat(desc.path)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise InvalidArgumentError(f"shared buffer {desc.path!r} is not there: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidArgumentError(f"shared buffer {desc.path!r} is not a regular file")
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionDeniedError(
-            f"shared buffer {desc.path!r} must be owned by this user with mode 0600 "
-            f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
-    if st.st_size < desc.nbytes:
-        raise InvalidArgumentError(
-            f"shared buffer {desc.path!r} has {st.st_size} bytes, expected {desc.nbytes}")
-    return torch.from_file(desc.path, shared=True, size=int(desc.nbytes), dtype=torch.uint8)
+        raise InvalidArgumentError(f"shared buffer {path!r} cannot be opened (no link is followed): "
+                                   f"{e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgumentError(f"shared buffer {path!r} is not a regular file")
+        uid = os.getuid() if owner_uid is None else int(owner_uid)
+        if st.st_uid != uid or st.st_mode & 0o777 != 0o600:
+            raise PermissionDeniedError(
+                f"shared buffer {path!r} must be owned by uid {uid} with mode 0600 "
+                f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+        if st.st_size != desc.nbytes:
+            raise InvalidArgumentError(
+                f"shared buffer {path!r} has {st.st_size} bytes, the layout states {desc.nbytes}")
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=int(desc.nbytes), dtype=torch.uint8)
+    finally:
+        os.close(fd)
 
 
 def export_cuda_buffer(buffer: torch.Tensor) -> CudaIpcDescriptor:

@@ -139,3 +139,37 @@ def test_unauthenticated_health_streams_never_take_a_workers_slot():
         finally:
             for ch in chans:
                 ch.close()
+
+
+def test_the_client_sends_no_token_to_a_socket_that_could_be_anyones(tmp_path):
+    """A fake manager on a socket in a directory others may use (issue 17, item 3): the
+    client refuses before sending anything; and a peer of another uid is refused."""
+    import socket
+
+    from radixkv.service.client import connect
+    from radixkv.service.client.channel import check_socket_peer
+
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    os.chmod(wide, 0o755)
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fake.bind(str(wide / "s.sock"))
+    fake.listen(4)
+    fake.settimeout(0)
+    try:
+        with pytest.raises(PermissionDeniedError, match="mode 0700"):
+            connect(f"unix://{wide}/s.sock", token="a-token-for-the-manager", wait_s=5)
+        with pytest.raises(BlockingIOError):
+            fake.accept()  # nobody connected: nothing was sent
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o777)  # world-writable, no sticky bit
+        inner = shared / "mine"
+        inner.mkdir(mode=0o700)
+        with pytest.raises(PermissionDeniedError, match="sticky"):
+            connect(f"unix://{inner}/s.sock", token="a-token-for-the-manager", wait_s=0)
+        assert check_socket_peer(str(wide / "s.sock")) == os.getpid()
+        with pytest.raises(PermissionDeniedError, match="runs as uid"):
+            check_socket_peer(str(wide / "s.sock"), manager_uid=os.getuid() + 1)
+    finally:
+        fake.close()
