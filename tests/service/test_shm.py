@@ -15,7 +15,6 @@ from radixkv.service.wire.shm import (
 
 from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
 
-
 POOL = "radixkv-1-0123abcd-kv.buf"  # a manager's pool-file name
 
 
@@ -187,3 +186,22 @@ def test_hybrid_pools_over_shared_files_alias_a_workers_mapping(tmp_path):
                      torch.zeros(1, cfg.head_num, cfg.head_dim))
     assert float(pools.kv_pool.get_key_buffer(0)[5].sum()) == cfg.head_num * cfg.head_dim
     sb.close()
+
+
+def test_a_live_managers_set_is_never_swept_whatever_its_pid(tmp_path):
+    """Ownership is the set's flock, not its pid (issue 17, item 4): a manager in another pid
+    namespace has a pid that names no process here, and its files must stay; once no process
+    holds the lock (the manager died), the set and its lock file go."""
+    from radixkv.service.wire.shm import remove_stale_files
+
+    unseen = "radixkv-4194399-0123abcd"  # above any pid_max: no process here has this pid
+    sb = SharedBuffers("cpu", str(tmp_path), prefix=unseen)
+    sb.allocate("kv", 64)
+    assert sorted(os.listdir(tmp_path)) == [unseen + "-kv.buf", unseen + ".lock"]
+    assert remove_stale_files(str(tmp_path)) == []
+    sb.check_invariants()
+    os.close(sb._lock_fd)  # the manager dies: its lock goes with its fds
+    sb._lock_fd = None
+    removed = sorted(os.path.basename(p) for p in remove_stale_files(str(tmp_path)))
+    assert removed == [unseen + "-kv.buf", unseen + ".lock"] and os.listdir(tmp_path) == []
+    sb.close()  # the files are gone already: fine
