@@ -45,6 +45,7 @@ from radixkv.service.server.event_hub import EventHub, HubRecord, engine_event_s
 from radixkv.service.server.idempotency import ReplyCache, digest
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.quarantine import Quarantine
+from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
 from radixkv.service.server.unary_rpc import parse, request_id_of  # re-exported
 from radixkv.service.server.unary_rpc import unary_rpc as _rpc
@@ -158,6 +159,27 @@ class CacheManagerServicer:
         session = wire.session_from_msg(msg)
         self.engine.heartbeat(session)
         return session
+
+    async def answer_async(self, name: str, body: Callable[[Any, Any], Any], request: Any, raw: bytes,
+                           rid: str | None) -> tuple[bytes, float]:
+        """:meth:`answer`, except that a large ``Match`` runs in slices that yield to the loop
+        (:mod:`radixkv.service.server.sliced_match`), with the same reply cache."""
+        if name != "Match" or not needs_slices(request):
+            return self.answer(name, body, request, raw, rid)
+        try:
+            scope, key = f"s:{request.session.session_id}", digest(name, bytes(raw))
+            if rid is not None:
+                kept = self.replies.lookup(scope, rid, key)
+                if kept is not None:
+                    return kept, 0.0
+            reply = (await match_in_slices(self, request)).SerializeToString()
+            if rid is None:
+                return reply, 0.0
+            self.replies.store(scope, rid, key, reply)
+            return reply, float(self.reply_delays.get(name) or 0.0)
+        finally:
+            if self.pump_after_calls:
+                self.pump_events()
 
     def pump_events(self) -> int:
         """Append the engine's pending events to the hub and run its outlets, when there

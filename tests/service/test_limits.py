@@ -166,3 +166,53 @@ def test_a_watcher_cannot_ask_for_a_poll_shorter_than_the_floor():
     assert watch_poll_s(2.0) == 2.0
     for bad in (0.0, -1.0, float("nan"), float("inf"), 61.0):
         assert watch_poll_s(bad) == DEFAULT_WATCH_POLL_S
+
+
+def test_a_large_match_runs_in_slices_that_let_other_calls_in():
+    """A Match of 300 queries is matched in slices of 64 with a turn of the loop between
+    them: a task ready meanwhile runs between the first and the second slice, not after the
+    Match (the loop is not held for the whole call)."""
+    import asyncio
+    import types
+
+    from radixkv.service.server.sliced_match import match_in_slices, needs_slices
+
+    from radixkv.engine import CacheEngine
+
+    eng = CacheEngine({"kv_tokens": 256})
+    session = eng.attach("w").session
+    order = []
+    real = eng.match
+    eng.match = lambda sess, qs: order.append(len(qs)) or real(sess, qs)
+    servicer = types.SimpleNamespace(engine=eng, live_session=lambda msg: session)
+    request = pb.MatchRequest(queries=[pb.MatchQuery(token_ids_i32=wire.pack(np.arange(i % 50), wire.I32))
+                                       for i in range(300)])
+    assert needs_slices(request) and not needs_slices(pb.MatchRequest(queries=[pb.MatchQuery()] * 64))
+
+    async def main():
+        async def other_call():
+            order.append("other")
+
+        ready = asyncio.ensure_future(other_call())
+        resp = await match_in_slices(servicer, request)
+        await ready
+        return resp
+
+    resp = asyncio.run(main())
+    assert order == [64, "other", 64, 64, 64, 44], order
+    assert len(wire.unpack_i64(resp.prefix_len_i64, "p")) == 300
+
+
+def test_a_sliced_match_answers_as_an_unsliced_one():
+    with ThreadedServer({"kv_tokens": 256}) as srv:
+        c = srv.client()
+        s = c.attach("big").session
+        c.alloc_extend(s, [ExtendItem("r", np.arange(40, dtype=np.int32))])
+        c.cache_finished(s, ["r"])
+        queries = [MatchQuery(np.arange(i % 50, dtype=np.int32)) for i in range(300)]
+        want = [m.prefix_len for k in range(0, 300, 60) for m in c.match(s, queries[k:k + 60])]  # unsliced
+        assert [m.prefix_len for m in c.match(s, queries)] == want
+        bad = queries[:200] + [MatchQuery(np.array([-5], dtype=np.int32))]
+        with pytest.raises(InvalidArgumentError, match=r"queries\[200\]"):
+            c.match(s, bad)
+        c.check_invariants()
