@@ -80,6 +80,11 @@ DEFAULT_MAX_CONCURRENT_RPCS = 256
 #: not reused until the process is gone, or for at most this long. ``--quarantine-s 0`` turns
 #: it off (a lease then means exactly what it says).
 DEFAULT_QUARANTINE_S = 30.0
+#: A connection that has not completed its handshake (for plaintext: sent nothing) within
+#: this long is closed by gRPC (``grpc.server_handshake_timeout_ms``; its default is 120 s, and
+#: 300 silent connections held that long kept every client out at a 256-fd limit). gRPC offers
+#: no hook to count these closes, so they are not logged.
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 #: How often the pump task hands new events to the ZMQ outlet (its added latency at most).
 DEFAULT_EVENTS_INTERVAL_S = 0.005
 
@@ -108,6 +113,7 @@ class ServeOptions(NamedTuple):
     call_limits: CallLimits | None = None  # entries/tokens per call; None: sized from the pool
     operator_token: Token | None = None  # given: Flush / CheckInvariants need it (server/auth.py)
     health_rpcs: int = DEFAULT_HEALTH_BUDGET  # unauthenticated health calls in flight, on top of the limit
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # a connection silent that long is closed
 
 
 class CacheManagerServer:
@@ -187,7 +193,8 @@ class CacheManagerServer:
                                                operator_token=o.operator_token, health_budget=o.health_rpcs,
                                                call_budget=int(o.max_concurrent_rpcs))],
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
-                     ("grpc.so_reuseport", 0)],
+                     ("grpc.so_reuseport", 0),
+                     ("grpc.server_handshake_timeout_ms", max(1, int(float(o.handshake_timeout_s) * 1000)))],
             # the budgets (server/auth.py) hold the limits; gRPC's own is a backstop above
             # their sum, with room for the calls they are refusing
             maximum_concurrent_rpcs=2 * (int(o.max_concurrent_rpcs) + int(o.health_rpcs)))
@@ -346,6 +353,9 @@ def _check_options(o: ServeOptions) -> None:
     if o.call_limits is not None and not (isinstance(o.call_limits, CallLimits) and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in o.call_limits)):
         raise InvalidArgumentError(f"call_limits must be a CallLimits of ints >= 1, got {o.call_limits!r}")
+    t = o.handshake_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+        raise InvalidArgumentError(f"handshake_timeout_s must be a number in (0, 3600], got {t!r}")
     h = o.health_rpcs
     if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= 1 << 16:
         raise InvalidArgumentError(f"health_rpcs must be an int in [1, 65536], got {h!r}")

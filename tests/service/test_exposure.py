@@ -173,3 +173,23 @@ def test_the_client_sends_no_token_to_a_socket_that_could_be_anyones(tmp_path):
             check_socket_peer(str(wide / "s.sock"), manager_uid=os.getuid() + 1)
     finally:
         fake.close()
+
+
+def test_a_connection_that_never_speaks_http2_is_closed():
+    """gRPC closes a connection that has not completed its handshake within
+    ``handshake_timeout_s`` (its own default is 120 s); the 60 s read timeout is only a hang
+    guard (issue 17, item 5)."""
+    import socket
+
+    opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, handshake_timeout_s=1.0)
+    with ThreadedServer({"kv_tokens": 64}, options=opts) as srv:
+        sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sk.connect(srv.address[len("unix://"):])
+        sk.settimeout(60)
+        try:
+            while sk.recv(4096):  # the server's SETTINGS, then EOF when it closes
+                pass
+        finally:
+            sk.close()
+        c = srv.client()
+        c.heartbeat(c.attach("w").session)  # a real client is unaffected
