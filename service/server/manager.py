@@ -70,6 +70,7 @@ from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.zmq_flags import PublisherConfig
 
 __all__ = ["CacheManagerServer", "ServeOptions", "serve", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
+           "DEFAULT_HANDSHAKE_TIMEOUT_S",
            "DEFAULT_EVENTS_INTERVAL_S"]
 
 log = logging.getLogger("radixkv.service")

@@ -216,3 +216,19 @@ def test_a_sliced_match_answers_as_an_unsliced_one():
         with pytest.raises(InvalidArgumentError, match=r"queries\[200\]"):
             c.match(s, bad)
         c.check_invariants()
+
+
+def test_serve_flags_set_the_limits():
+    import argparse
+
+    from radixkv.service.server.cli import add_serve_arguments, call_limits_from_args, serve_options_from_args
+
+    from radixkv.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    o = serve_options_from_args(p.parse_args(["--health-rpcs", "3", "--handshake-timeout-s", "2.5"]))
+    assert (o.health_rpcs, o.handshake_timeout_s, o.call_limits) == (3, 2.5, None)
+    cfg = EngineConfig(kv_tokens=4096, request_rows=64, decode_reserve=4)
+    assert call_limits_from_args(p.parse_args([]), cfg) is None
+    assert call_limits_from_args(p.parse_args(["--max-call-items", "10"]), cfg) == CallLimits(10, 1 << 16, 40)
