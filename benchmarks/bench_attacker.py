@@ -20,7 +20,10 @@ p50/p99 latency in both runs and their ratio, calls whose session had gone stale
 that expired: must be 0), the abuser's calls by status, and at the end conservation and the
 manager's invariants (``check_invariants``).
 
-Usage: ``python benchmarks/bench_attacker.py [oversize|load|all] [--seconds 15]``. Timing is
+``watchers``: (events on) the manager's CPU and a worker's heartbeat p50 while idle, then
+with ``--watchers`` WatchEvents streams that ask for a 1 ms poll (clamped by the manager).
+
+Usage: ``python benchmarks/bench_attacker.py [oversize|load|watchers|all] [--seconds 15]``. Timing is
 never asserted; on a shared machine the figures are provisional (the load average is printed).
 """
 from __future__ import annotations
@@ -104,6 +107,49 @@ def oversize(address: str, token: str, server_pid: int) -> dict:
     c.detach(s)
     c.close()
     ch.close()
+    return out
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid`` so far (utime + stime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def watchers(address: str, token: str, server_pid: int, n: int, seconds: float) -> dict:
+    import grpc
+    from radixkv.service.client import connect
+    from radixkv.service.wire import codec as wire
+    from radixkv.service.wire._gen import cache_manager_pb2 as pb
+
+    c = connect(address, token=token, wait_s=60, timeout_s=60)
+    s = c.attach("beater").session
+
+    def measure() -> dict:
+        cpu0, t0 = proc_cpu_s(server_pid), time.monotonic()
+        lat = []
+        while time.monotonic() - t0 < seconds:
+            t = time.perf_counter()
+            c.heartbeat(s)
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.01)
+        return {"manager_cpu_pct": round(100 * (proc_cpu_s(server_pid) - cpu0) / (time.monotonic() - t0), 1),
+                "heartbeat_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
+                "heartbeat_max_ms": round(max(lat) * 1e3, 2)}
+
+    out = {"idle": measure()}
+    ch = grpc.insecure_channel("unix:" + address[len("unix://"):])
+    w = c.attach("watcher").session
+    req = pb.WatchEventsRequest(session=wire.session_to_msg(w), from_now=True, poll_interval_s=0.001)
+    call = ch.unary_stream("/radixkv.v1.CacheManager/WatchEvents")
+    streams = [call(req.SerializeToString(), metadata=(("authorization", "Bearer " + token),)) for _ in range(n)]
+    time.sleep(1.0)
+    out[f"{n}_watchers_at_1ms"] = measure()
+    for st in streams:
+        st.cancel()
+    ch.close()
+    c.close()
     return out
 
 
@@ -218,7 +264,8 @@ def run_load(ctx, address: str, token: str, args, limits, abuse: bool) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("part", nargs="?", default="all", choices=["oversize", "load", "all"])
+    ap.add_argument("part", nargs="?", default="all", choices=["oversize", "load", "watchers", "all"])
+    ap.add_argument("--watchers", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=15.0, help="each load run (default %(default)s)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
@@ -240,7 +287,8 @@ def main(argv=None) -> int:
     flags = sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in CONFIG.items()), [])
     server = ctx.Process(target=serve_main, daemon=True,
                          args=(["serve", "--address", address, "--token-file", tok_file, "--log-level", "WARNING",
-                                "--sweep-interval-s", "0.5", "--max-message-bytes", str(64 << 20)] + flags,))
+                                "--sweep-interval-s", "0.5", "--max-message-bytes", str(64 << 20)] + flags
+                               + (["--enable-kv-events"] if args.part == "watchers" else []),))
     server.start()
     limits = tuple(limits_for(CONFIG["kv_tokens"], CONFIG["request_rows"]))
     report: dict = {"config": CONFIG, "limits": limits, "load_avg_start": os.getloadavg()}
@@ -248,6 +296,8 @@ def main(argv=None) -> int:
         admin = connect(address, token=token, wait_s=120, timeout_s=300)
         if args.part in ("oversize", "all"):
             report["oversize"] = oversize(address, token, server.pid)
+        if args.part == "watchers":
+            report["watchers"] = watchers(address, token, server.pid, args.watchers, min(args.seconds, 10.0))
         if args.part in ("load", "all"):
             report["alone"] = run_load(ctx, address, token, args, limits, abuse=False)
             report["with_abuser"] = run_load(ctx, address, token, args, limits, abuse=True)
