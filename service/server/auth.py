@@ -4,8 +4,9 @@
 Budgets: calls with a right token count against ``call_budget`` (``--max-concurrent-rpcs``),
 calls that need no token (the health service) against a small one of their own
 (``health_budget``, default :data:`DEFAULT_HEALTH_BUDGET`); one more call than its budget is
-answered RESOURCE_EXHAUSTED at once. gRPC's own limit is set to their sum (plus room for the
-calls refused here), so unauthenticated streams never take a worker's slot.
+answered RESOURCE_EXHAUSTED at once. gRPC's own limit (which counts calls from their
+arrival, queued ones included) is set to their sum, so unauthenticated streams never take a
+worker's slot.
 
 With an operator token (``--operator-token-file``), the operator calls (:data:`OPERATOR_METHODS`:
 ``Flush`` empties the tree every worker shares, ``CheckInvariants`` walks every structure)

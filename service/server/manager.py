@@ -196,9 +196,10 @@ class CacheManagerServer:
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
                      ("grpc.so_reuseport", 0),
                      ("grpc.server_handshake_timeout_ms", max(1, int(float(o.handshake_timeout_s) * 1000)))],
-            # the budgets (server/auth.py) hold the limits; gRPC's own is a backstop above
-            # their sum, with room for the calls they are refusing
-            maximum_concurrent_rpcs=2 * (int(o.max_concurrent_rpcs) + int(o.health_rpcs)))
+            # gRPC's own limit counts calls from their arrival (queued ones too) and bounds the
+            # sum; the budgets (server/auth.py) split it: health calls never take more than
+            # theirs, so a worker always has --max-concurrent-rpcs
+            maximum_concurrent_rpcs=int(o.max_concurrent_rpcs) + int(o.health_rpcs))
         add_to_server(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
