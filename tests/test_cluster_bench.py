@@ -176,7 +176,8 @@ def test_process_managers_serve_exactly_the_inproc_hits():
 
 
 def test_processes_are_stopped_when_starting_or_replaying_fails():
-    bad = ManagerProcesses(1, 1024, PAGE, extra_args=["--eviction-policy", "nope"])
+    bad = ManagerProcesses(1, 1024, PAGE, extra_args=["--eviction-policy", "nope"], start_timeout_s=600,
+                           stop_timeout_s=600)
     with pytest.raises(ManagerStartError, match="eviction_policy"):
         bad.start()
     assert bad.returncodes == [2] and gone(bad.pids) and not os.path.exists(bad.directory)
@@ -185,7 +186,9 @@ def test_processes_are_stopped_when_starting_or_replaying_fails():
         yield from requests(5, seed=1)
         raise RuntimeError("trace file truncated")
 
-    procs = ManagerProcesses(1, 1024, PAGE)
+    # generous hang guards: a loaded machine may take long to start or stop a manager, and
+    # a SIGKILL after a short stop timeout would fail the returncode check for no fault
+    procs = ManagerProcesses(1, 1024, PAGE, start_timeout_s=600, stop_timeout_s=600)
     with pytest.raises(RuntimeError, match="truncated"):
         with procs:
             m = procs.managers[0]

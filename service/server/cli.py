@@ -26,15 +26,18 @@ import logging
 import sys
 from typing import Any
 
+from radixkv.service.server.auth import DEFAULT_HEALTH_BUDGET
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE
 from radixkv.service.server.manager import (
     DEFAULT_EVENTS_INTERVAL_S,
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_RPCS,
     DEFAULT_QUARANTINE_S,
     ServeOptions,
     serve,
 )
 from radixkv.service.wire.auth import TOKEN_ENV, resolve_token
+from radixkv.service.wire.limits import CallLimits, limits_for
 from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 from radixkv.engine.config import EngineConfig
@@ -56,6 +59,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                      help="unix:///DIR/NAME.sock (DIR is made 0700; default %(default)s) or HOST:PORT")
     net.add_argument("--token", default=None, help=f"auth token (prefer --token-file or ${TOKEN_ENV})")
     net.add_argument("--token-file", default=None, help="read the auth token from this file")
+    net.add_argument("--allow-readable-token-file", action="store_true",
+                     help="accept token files that group or others may read (refused by default)")
+    net.add_argument("--operator-token-file", default=None,
+                     help="the operator token (Flush, CheckInvariants need it then; a worker token is refused)")
     net.add_argument("--tls-cert", default=None, help="TCP: server certificate (PEM)")
     net.add_argument("--tls-key", default=None, help="TCP: server private key (PEM)")
     net.add_argument("--tls-ca", default=None, help="TCP: require client certificates signed by this CA")
@@ -67,6 +74,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                      help="calls in flight at once, open streams included (a worker holds two: "
                           "keep-alive and Step); beyond it a call gets RESOURCE_EXHAUSTED at once "
                           "(default %(default)s)")
+    net.add_argument("--max-call-items", type=int, default=None,
+                     help="entries (queries, items, rids) one call may carry (default max(1024, 4 x rows))")
+    net.add_argument("--max-call-tokens", type=int, default=None,
+                     help="token ids one call may carry (default max(65536, 4 x kv tokens))")
+    net.add_argument("--health-rpcs", type=int, default=DEFAULT_HEALTH_BUDGET,
+                     help="unauthenticated health calls in flight at once, apart from --max-concurrent-rpcs "
+                          "(default %(default)s)")
+    net.add_argument("--handshake-timeout-s", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT_S,
+                     help="close a connection that has not completed its handshake by then (default %(default)s)")
     net.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     run = parser.add_argument_group("running")
     run.add_argument("--shm-dir", default=None, help="directory of the shared-memory pool files (default /dev/shm)")
@@ -131,7 +147,20 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         tls_key=args.tls_key, tls_ca=args.tls_ca, allow_insecure_tcp=args.allow_insecure_tcp,
         check_idle=args.check_idle, max_concurrent_rpcs=args.max_concurrent_rpcs,
         quarantine_s=args.quarantine_s, kv_events=config_from_args(args),
-        events_ring_size=args.kv_events_ring_size, events_interval_s=args.kv_events_interval_s)
+        events_ring_size=args.kv_events_ring_size, events_interval_s=args.kv_events_interval_s,
+        health_rpcs=args.health_rpcs, handshake_timeout_s=args.handshake_timeout_s,
+        operator_token=resolve_token(token_file=args.operator_token_file,
+                                     allow_readable=args.allow_readable_token_file)
+        if args.operator_token_file else None)
+
+
+def call_limits_from_args(args: argparse.Namespace, config: EngineConfig) -> CallLimits | None:
+    """``--max-call-items`` / ``--max-call-tokens`` over the pool's defaults (None: neither given)."""
+    if args.max_call_items is None and args.max_call_tokens is None:
+        return None
+    d = limits_for(config.kv_tokens, config.request_rows, config.decode_reserve)
+    items = args.max_call_items or d.max_items
+    return CallLimits(items, args.max_call_tokens or d.max_tokens, items * max(1, config.decode_reserve))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -146,8 +175,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
         config = engine_config_from_args(args)
-        token = resolve_token(args.token, args.token_file)
+        token = resolve_token(args.token, args.token_file, allow_readable=args.allow_readable_token_file)
         options = serve_options_from_args(args)
+        options = options._replace(call_limits=call_limits_from_args(args, config))
         return asyncio.run(serve(config, token, options))
     except (RadixKVError, OSError) as e:
         print(f"radixkv serve: {type(e).__name__}: {e}", file=sys.stderr)

@@ -51,14 +51,17 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
-from radixkv.service.server.auth import TokenAuthInterceptor
+from radixkv.service.server.auth import DEFAULT_HEALTH_BUDGET, TokenAuthInterceptor
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
+from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
 from radixkv.service.server.listen import bind
+from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire.auth import Token
+from radixkv.service.wire.limits import CallLimits
 from radixkv.service.wire.shm import SharedBuffers, remove_stale_files
 from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -67,6 +70,7 @@ from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.zmq_flags import PublisherConfig
 
 __all__ = ["CacheManagerServer", "ServeOptions", "serve", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
+           "DEFAULT_HANDSHAKE_TIMEOUT_S",
            "DEFAULT_EVENTS_INTERVAL_S"]
 
 log = logging.getLogger("radixkv.service")
@@ -77,6 +81,11 @@ DEFAULT_MAX_CONCURRENT_RPCS = 256
 #: not reused until the process is gone, or for at most this long. ``--quarantine-s 0`` turns
 #: it off (a lease then means exactly what it says).
 DEFAULT_QUARANTINE_S = 30.0
+#: A connection that has not completed its handshake (for plaintext: sent nothing) within
+#: this long is closed by gRPC (``grpc.server_handshake_timeout_ms``; its default is 120 s, and
+#: 300 silent connections held that long kept every client out at a 256-fd limit). gRPC offers
+#: no hook to count these closes, so they are not logged.
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
 #: How often the pump task hands new events to the ZMQ outlet (its added latency at most).
 DEFAULT_EVENTS_INTERVAL_S = 0.005
 
@@ -102,6 +111,10 @@ class ServeOptions(NamedTuple):
     kv_events: PublisherConfig | None = None  # the ZMQ outlet (vLLM wire); None: off
     events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
     events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
+    call_limits: CallLimits | None = None  # entries/tokens per call; None: sized from the pool
+    operator_token: Token | None = None  # given: Flush / CheckInvariants need it (server/auth.py)
+    health_rpcs: int = DEFAULT_HEALTH_BUDGET  # unauthenticated health calls in flight, on top of the limit
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # a connection silent that long is closed
 
 
 class CacheManagerServer:
@@ -111,7 +124,9 @@ class CacheManagerServer:
         config: the engine config (device, pool sizes, model shape, policies, lease TTL).
         token: the auth token every RPC but health must present.
         options: :class:`ServeOptions`.
-        clock, epoch: passed to the engine (tests inject a clock).
+        clock, epoch: passed to the engine (tests inject a clock). Without a clock the leases
+            run on a :class:`~radixkv.service.server.loop_clock.LoopClock` (``lease_clock``):
+            the manager's own stalls do not count against a worker's lease.
 
     Raises (constructor) ``InvalidArgumentError`` for a bad config, an unusable shared-
     memory directory, or a CUDA device without CUDA. Nothing is left behind when it raises.
@@ -122,6 +137,8 @@ class CacheManagerServer:
         if not isinstance(token, Token):
             raise InvalidArgumentError("token must be a radixkv.service.wire.auth.Token")
         _check_options(options)
+        if options.operator_token is not None and options.operator_token.matches(token.reveal()):
+            raise InvalidArgumentError("the operator token must differ from the workers' token")
         if options.kv_events is not None and not config.enable_kv_events:
             raise InvalidArgumentError("the ZMQ event outlet (--kv-events-endpoint) needs --enable-kv-events")
         self.config = config
@@ -133,6 +150,9 @@ class CacheManagerServer:
             stale = remove_stale_files(self.shared.shm_dir)
             if stale:
                 log.warning("removed %d pool file(s) of managers that are no longer running", len(stale))
+        self.lease_clock: LoopClock | None = None
+        if clock is None:
+            clock = self.lease_clock = LoopClock()
         try:
             for name, plan in plan_arenas(config).items():
                 self.shared.allocate(name, plan.total_bytes)
@@ -143,6 +163,7 @@ class CacheManagerServer:
             self.shared.close()
             raise
         self._token = token
+        self._reject_log = PeriodicCount(self._log_rejected)
         self._closing: asyncio.Event | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
@@ -165,13 +186,20 @@ class CacheManagerServer:
         self._closing = asyncio.Event()
         self.events = EventHub(engine_event_source(self.engine), int(o.events_ring_size), encode=encode_record)
         self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing,
-                                             quarantine_s=float(o.quarantine_s), events=self.events)
+                                             quarantine_s=float(o.quarantine_s), events=self.events,
+                                             limits=o.call_limits)
         n = int(o.max_message_bytes)
         self._server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected)],
+            interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected,
+                                               operator_token=o.operator_token, health_budget=o.health_rpcs,
+                                               call_budget=int(o.max_concurrent_rpcs))],
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
-                     ("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=int(o.max_concurrent_rpcs))
+                     ("grpc.so_reuseport", 0),
+                     ("grpc.server_handshake_timeout_ms", max(1, int(float(o.handshake_timeout_s) * 1000)))],
+            # gRPC's own limit counts calls from their arrival (queued ones too) and bounds the
+            # sum; the budgets (server/auth.py) split it: health calls never take more than
+            # theirs, so a worker always has --max-concurrent-rpcs
+            maximum_concurrent_rpcs=int(o.max_concurrent_rpcs) + int(o.health_rpcs))
         add_to_server(self.servicer, self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -199,14 +227,22 @@ class CacheManagerServer:
             self.metrics_port = self.metrics.start_http(int(o.metrics_port), o.metrics_addr)
         self.metrics.update(self.engine.stats())
         self._sweeper = asyncio.ensure_future(self._sweep_loop())
+        if self.lease_clock is not None:
+            self.lease_clock.start()
         self.outlets.start(self._closing)
         log.info("radixkv cache manager listening on %s (device %s, %d KV tokens, epoch %d)",
                  self.address, self.config.device, self.config.kv_tokens, self.engine.epoch)
+        for exposure in exposure_warnings(o):
+            log.warning("exposed: %s", exposure)
         return self.address
 
     def _rejected(self, method: str) -> None:
         self.metrics.auth_failed(method)
-        log.info("rejected a call to %s: missing or wrong auth token", method)
+        self._reject_log.add(method)
+
+    @staticmethod
+    def _log_rejected(n: int, last: str) -> None:
+        log.info("rejected %d call(s) with a missing or wrong auth token (the last to %s)", n, last)
 
     # ------------------------------------------------------------------ run
     async def _sweep_loop(self) -> None:
@@ -267,12 +303,15 @@ class CacheManagerServer:
                 pass
         if self.outlets is not None:
             await self.outlets.stop_pumping()
+        if self.lease_clock is not None:
+            await self.lease_clock.stop()
         n = len(self.engine.sessions)
         self.engine.close()
         if self.servicer is not None:
             self.servicer.quarantine.close()
         if self.outlets is not None:
             self.outlets.close()  # pump what is left, AllBlocksCleared, close the ZMQ sockets
+        self._reject_log.flush()
         log.info("shut down: %d session(s) revoked", n)
         self.metrics.stop_http()
         await self._cleanup_files()
@@ -313,6 +352,17 @@ def _check_options(o: ServeOptions) -> None:
     e = o.events_interval_s
     if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 60:
         raise InvalidArgumentError(f"events_interval_s must be a number in (0, 60], got {e!r}")
+    if o.call_limits is not None and not (isinstance(o.call_limits, CallLimits) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in o.call_limits)):
+        raise InvalidArgumentError(f"call_limits must be a CallLimits of ints >= 1, got {o.call_limits!r}")
+    t = o.handshake_timeout_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+        raise InvalidArgumentError(f"handshake_timeout_s must be a number in (0, 3600], got {t!r}")
+    h = o.health_rpcs
+    if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= 1 << 16:
+        raise InvalidArgumentError(f"health_rpcs must be an int in [1, 65536], got {h!r}")
+    if o.operator_token is not None and not isinstance(o.operator_token, Token):
+        raise InvalidArgumentError("operator_token must be a radixkv.service.wire.auth.Token or None")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
         raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
 

@@ -45,6 +45,7 @@ from radixkv.service.server.event_hub import EventHub, HubRecord, engine_event_s
 from radixkv.service.server.idempotency import ReplyCache, digest
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.quarantine import Quarantine
+from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
 from radixkv.service.server.unary_rpc import parse, request_id_of  # re-exported
 from radixkv.service.server.unary_rpc import unary_rpc as _rpc
@@ -52,6 +53,7 @@ from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.errors import status_of
+from radixkv.service.wire.limits import CallLimits, check_raw, limits_for
 from radixkv.service.wire.shm import SharedBuffers
 from radixkv.service.wire.step import error_to_msg
 
@@ -65,6 +67,10 @@ log = logging.getLogger("radixkv.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheManager"].full_name
 DEFAULT_WATCH_POLL_S = 0.05
+#: The shortest poll a watcher may ask for: events are pushed as they come (the hub wakes its
+#: waiters), so the poll only renews the watcher's lease; 200 watchers at 1 ms took the
+#: manager to 98 % CPU (issue 17, item 6).
+MIN_WATCH_POLL_S = 0.05
 #: Events one WatchEvents read hands to the stream before it looks again (bounded work).
 WATCH_CHUNK = 256
 #: Encoded events one TakeEvents reply carries at most (the rest wait for the next call).
@@ -85,12 +91,18 @@ class CacheManagerServicer:
         replies: the reply cache of idempotent calls (default: 64 per session, 64 MiB).
         events: the event hub over the engine's tree (default: one with the default ring);
             ``TakeEvents`` and ``WatchEvents`` read it, the server pumps it and adds outlets.
+        limits: the entries and tokens one call may carry (default: sized from the engine's
+            pool and rows, :func:`~radixkv.service.wire.limits.limits_for`), checked on the raw
+            request before it is decoded (:meth:`parse_request`).
     """
 
     def __init__(self, engine: Any, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,
                  quarantine_s: float = 0.0, replies: ReplyCache | None = None,
-                 events: EventHub | None = None):
+                 events: EventHub | None = None, limits: CallLimits | None = None):
         self.engine = engine
+        cfg = engine.config
+        self.limits = limits if limits is not None else limits_for(cfg.kv_tokens, cfg.request_rows,
+                                                                   cfg.decode_reserve)
         self.shared = shared
         self.metrics = metrics
         self.closing = closing
@@ -133,6 +145,42 @@ class CacheManagerServicer:
             if self.pump_after_calls:
                 self.pump_events()
 
+    def parse_request(self, cls: Any, raw: Any, method: str) -> Any:
+        """``raw`` as a ``cls`` message, after its entries and tokens were counted on the raw
+        bytes against :attr:`limits` (``RequestLimitError`` naming the limit, before any
+        decoding). Raises ``InvalidArgumentError`` for bytes that are not a message."""
+        if isinstance(raw, (bytes, bytearray, memoryview)):
+            check_raw(method, raw, self.limits)
+        return parse(cls, raw, method)
+
+    def live_session(self, msg: pb.SessionRef) -> Session:
+        """The session a request names, checked live (and its lease renewed) before any work
+        is done for it: a stale session's call costs O(1), whatever it carries."""
+        session = wire.session_from_msg(msg)
+        self.engine.heartbeat(session)
+        return session
+
+    async def answer_async(self, name: str, body: Callable[[Any, Any], Any], request: Any, raw: bytes,
+                           rid: str | None) -> tuple[bytes, float]:
+        """:meth:`answer`, except that a large ``Match`` runs in slices that yield to the loop
+        (:mod:`radixkv.service.server.sliced_match`), with the same reply cache."""
+        if name != "Match" or not needs_slices(request):
+            return self.answer(name, body, request, raw, rid)
+        try:
+            scope, key = f"s:{request.session.session_id}", digest(name, bytes(raw))
+            if rid is not None:
+                kept = self.replies.lookup(scope, rid, key)
+                if kept is not None:
+                    return kept, 0.0
+            reply = (await match_in_slices(self, request)).SerializeToString()
+            if rid is None:
+                return reply, 0.0
+            self.replies.store(scope, rid, key, reply)
+            return reply, float(self.reply_delays.get(name) or 0.0)
+        finally:
+            if self.pump_after_calls:
+                self.pump_events()
+
     def pump_events(self) -> int:
         """Append the engine's pending events to the hub and run its outlets, when there
         are any (one O(1) test otherwise). Returns how many were appended."""
@@ -162,33 +210,18 @@ class CacheManagerServicer:
     # ------------------------------------------------------------------ the step
     @_rpc("Match", pb.MatchRequest)
     def Match(self, request: pb.MatchRequest) -> pb.MatchResponse:
-        session = wire.session_from_msg(request.session)
-        try:
-            queries = wire.match_queries_from_msg(request.queries)
-        except InvalidArgumentError:
-            self.engine.heartbeat(session)  # a stale session reports that first
-            raise
-        return wire.match_infos_to_msg(self.engine.match(session, queries))
+        session = self.live_session(request.session)
+        return wire.match_infos_to_msg(self.engine.match(session, wire.match_queries_from_msg(request.queries)))
 
     @_rpc("AllocExtend", pb.AllocExtendRequest)
     def AllocExtend(self, request: pb.AllocExtendRequest) -> pb.AllocExtendResponse:
-        session = wire.session_from_msg(request.session)
-        try:
-            items = wire.extend_items_from_msg(request.items)
-        except InvalidArgumentError:
-            self.engine.heartbeat(session)
-            raise
-        return wire.extend_results_to_msg(self.engine.alloc_extend(session, items))
+        session = self.live_session(request.session)
+        return wire.extend_results_to_msg(self.engine.alloc_extend(session, wire.extend_items_from_msg(request.items)))
 
     @_rpc("AllocDecode", pb.AllocDecodeRequest)
     def AllocDecode(self, request: pb.AllocDecodeRequest) -> pb.AllocDecodeResponse:
-        session = wire.session_from_msg(request.session)
-        try:
-            items = wire.decode_items_from_msg(request)
-        except InvalidArgumentError:
-            self.engine.heartbeat(session)
-            raise
-        return wire.decode_result_to_msg(self.engine.alloc_decode(session, items))
+        session = self.live_session(request.session)
+        return wire.decode_result_to_msg(self.engine.alloc_decode(session, wire.decode_items_from_msg(request)))
 
     @_rpc("ApplyDecodes", pb.ApplyDecodesRequest)
     def ApplyDecodes(self, request: pb.ApplyDecodesRequest) -> pb.ApplyDecodesResponse:
@@ -198,20 +231,18 @@ class CacheManagerServicer:
         fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k`` and
         ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``
         twice. O(total items)."""
-        session = wire.session_from_msg(request.session)
-        if not request.calls:
-            self.engine.heartbeat(session)  # a stale session still reports that
+        try:
+            session = self.live_session(request.session)
+        except RadixKVError as e:  # stale: call 0 cannot run
+            if request.calls:
+                e.args = (f"ApplyDecodes call 0 of {len(request.calls)}: {e}",) + e.args[1:]
+            raise
         for k, call in enumerate(request.calls):
             try:
                 if call.HasField("session") and (call.session.session_id, call.session.epoch) != \
                         (request.session.session_id, request.session.epoch):
                     raise InvalidArgumentError("a replayed call names another session")
-                try:
-                    items = wire.decode_items_from_msg(call)
-                except InvalidArgumentError:
-                    self.engine.heartbeat(session)
-                    raise
-                self.engine.alloc_decode(session, items)
+                self.engine.alloc_decode(session, wire.decode_items_from_msg(call))
             except RadixKVError as e:
                 e.args = (f"ApplyDecodes call {k} of {len(request.calls)}: {e}",) + e.args[1:]
                 if k == 0:
@@ -370,8 +401,7 @@ class CacheManagerServicer:
             except Exception as exc:
                 st = status_of(exc)
                 await context.abort(st.code, st.details, st.trailing_metadata)
-            p = request.poll_interval_s
-            poll = p if 0 < p <= 60 else DEFAULT_WATCH_POLL_S  # NaN, inf, <= 0: the default
+            poll = watch_poll_s(request.poll_interval_s)
             while not self.closing.is_set():
                 res = hub.read(cursor, WATCH_CHUNK)
                 if res.lost is not None:
@@ -392,6 +422,14 @@ class CacheManagerServicer:
         finally:
             if cursor is not None:
                 hub.unsubscribe(cursor)
+
+
+def watch_poll_s(asked: float) -> float:
+    """The poll interval of a watcher that asked for ``asked`` seconds: clamped to
+    ``[MIN_WATCH_POLL_S, 60]``; NaN, inf and ``<= 0`` get the default."""
+    if not 0 < asked <= 60:
+        return DEFAULT_WATCH_POLL_S
+    return max(MIN_WATCH_POLL_S, float(asked))
 
 
 def encode_record(record: HubRecord) -> bytes:

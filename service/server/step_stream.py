@@ -47,10 +47,10 @@ async def _one(servicer: Any, raw: bytes) -> bytes:
             raise InvalidArgumentError(f"Step: {step.method!r:.80} is not a step method {list(STEP_METHODS)}")
         name = step.method
         body, request_cls = spec
-        request = parse(request_cls, step.request, name)
+        request = servicer.parse_request(request_cls, step.request, name)
         servicer.quarantine.fence_due()
         rid = check_request_id(step.request_id) if step.request_id else None
-        reply, delay = servicer.answer(name, body, request, step.request, rid)
+        reply, delay = await servicer.answer_async(name, body, request, step.request, rid)
         if delay:  # fault injection, as on the unary path
             await asyncio.sleep(delay)
         return pb.StepResponse(reply=reply).SerializeToString()

@@ -4,12 +4,14 @@ Split out of :mod:`radixkv.service.server.servicer` (which re-exports ``parse`` 
 ``request_id_of``). The handlers are registered with raw-bytes (de)serializers, so every
 call goes through :func:`unary_rpc`'s wrapper:
 
-1. parse the request bytes (:func:`parse`: bytes that are not a valid message -- garbage,
+1. count the request's entries and tokens on its raw bytes against the servicer's limits,
+   then parse them (``servicer.parse_request``, :func:`parse`: bytes that are not a valid message -- garbage,
    truncated, invalid UTF-8 in a string -- are ``InvalidArgumentError``, answered
    INVALID_ARGUMENT, never INTERNAL);
 2. fence the sessions whose lease ran out while their worker may still run
    (``servicer.quarantine.fence_due()``);
-3. run the body through ``servicer.answer`` (the reply cache of a call carrying
+3. run the body through ``servicer.answer_async`` (a large ``Match`` in slices that yield
+   to the loop; the reply cache of a call carrying
    ``radixkv-request-id`` metadata, :func:`request_id_of`; the event pump after the call);
 4. map any exception to its status (:func:`radixkv.service.wire.errors.status_of`; a non-radixkv
    exception is logged with its traceback and answered INTERNAL) and time the call into
@@ -68,10 +70,10 @@ def unary_rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
             t0 = time.perf_counter()
             code = "OK"
             try:
-                request = parse(request_cls, raw, name)
+                request = self.parse_request(request_cls, raw, name)
                 self.quarantine.fence_due()
                 rid = request_id_of(context) if idempotent else None
-                reply, delay = self.answer(name, body, request, raw, rid)
+                reply, delay = await self.answer_async(name, body, request, raw, rid)
                 if delay:  # fault injection: the reply is late (the client may time out)
                     await asyncio.sleep(delay)
                 return reply

@@ -16,7 +16,7 @@ import hmac
 import os
 from collections.abc import Sequence
 
-from radixkv.errors import InvalidArgumentError
+from radixkv.errors import InvalidArgumentError, PermissionDeniedError
 
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
@@ -56,19 +56,28 @@ class Token:
 
 
 def resolve_token(token: str | None = None, token_file: str | None = None,
-                  env_var: str = TOKEN_ENV) -> Token:
+                  env_var: str = TOKEN_ENV, *, allow_readable: bool = True) -> Token:
     """The token from (first match) ``token``, the file ``token_file`` (stripped), or ``env_var``.
+    ``allow_readable=False`` (the manager's default): a token file that group or others may
+    read is refused.
 
     Raises:
         InvalidArgumentError: none given, the file is unreadable/empty, or the token is too
             short (< 8 characters) or not printable ASCII.
+        PermissionDeniedError: the file is readable by group or others and ``allow_readable``
+            is False.
     """
     if token_file:
         try:
             with open(token_file, encoding="utf-8") as f:
+                mode = os.fstat(f.fileno()).st_mode
                 token = f.read().strip()
         except OSError as e:
             raise InvalidArgumentError(f"cannot read the token file {token_file!r}: {e.strerror}") from None
+        if not allow_readable and mode & 0o044:
+            raise PermissionDeniedError(
+                f"the token file {token_file!r} is readable by others (mode {oct(mode & 0o777)}): "
+                f"chmod 600 it, or pass --allow-readable-token-file")
     elif token is None:
         token = os.environ.get(env_var)
     if not token:

@@ -34,6 +34,12 @@ class MessageTooLargeError(E.CapacityError):
     bytes when the transport said them)."""
 
 
+class RequestLimitError(E.CapacityError):
+    """A call with more entries or tokens than the manager's per-call limits allow (checked
+    before the request is decoded; the message names the limit, ``requested``/``available``
+    say by how much)."""
+
+
 class ServiceUnavailableError(E.RadixKVError):
     """The manager cannot be reached (down, restarting, or the call timed out)."""
 
@@ -42,7 +48,7 @@ class ServiceUnavailableError(E.RadixKVError):
 
 def _all_error_types() -> dict[str, type[E.RadixKVError]]:
     found: dict[str, type[E.RadixKVError]] = {}
-    for mod_types in (vars(E).values(), (MessageTooLargeError, ServiceUnavailableError)):
+    for mod_types in (vars(E).values(), (MessageTooLargeError, RequestLimitError, ServiceUnavailableError)):
         for t in mod_types:
             if isinstance(t, type) and issubclass(t, E.RadixKVError):
                 found[t.__name__] = t

@@ -17,6 +17,7 @@ values; :mod:`radixkv.service.wire.codec` turns them into ``PoolMapping`` messag
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import stat
@@ -29,8 +30,10 @@ from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDenie
 
 DEFAULT_SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
-#: Names of the manager's pool files: ``radixkv-<pid>-<8 hex>-<pool>.buf``.
-_MANAGER_FILE_RE = re.compile(r"^radixkv-(\d+)-[0-9a-f]{8}-[A-Za-z0-9_]+\.buf$")
+#: Names of the manager's pool files: ``radixkv-<pid>-<8 hex>-<pool>.buf``, and of the lock
+#: file of the set: ``radixkv-<pid>-<8 hex>.lock``.
+_MANAGER_FILE_RE = re.compile(r"^(?P<set>radixkv-\d+-[0-9a-f]{8})-[A-Za-z0-9_]+\.buf$")
+_LOCK_FILE_RE = re.compile(r"^(?P<set>radixkv-\d+-[0-9a-f]{8})\.lock$")
 
 
 class ShmDescriptor(NamedTuple):
@@ -111,51 +114,110 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def lock_set(directory: str, prefix: str) -> int:
+    """Create and ``flock`` the lock file ``<prefix>.lock`` of a manager's pool set; returns
+    its fd, which the manager holds (the lock with it) until it exits, whatever its pid
+    namespace. Raises ``InvalidArgumentError`` when it exists or cannot be made."""
+    path = os.path.join(directory, prefix + ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise InvalidArgumentError(f"cannot create the pool lock file {path!r}: {e.strerror}") from None
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+    return fd
+
+
+def _set_is_locked(directory: str, prefix: str) -> bool | None:
+    """Whether a live manager holds the lock of set ``prefix`` (None: the set has no lock
+    file, an older manager's)."""
+    try:
+        fd = os.open(os.path.join(directory, prefix + ".lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True  # cannot tell: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # drops the lock if this call took it
+
+
 def remove_stale_files(directory: str) -> list[str]:
     """Remove pool files left by managers that died without cleaning up (SIGKILL, crash):
-    files named like a manager's (``radixkv-<pid>-<hex>-<pool>.buf``), owned by this user,
-    whose pid is no longer running. Returns the removed paths. O(files in ``directory``)."""
+    files named like a manager's (``radixkv-<pid>-<hex>-<pool>.buf``, and the set's
+    ``radixkv-<pid>-<hex>.lock``), owned by this user, of sets whose lock no process holds.
+    Ownership never depends on pids (a manager in another pid namespace holds its lock just
+    the same); only a set without a lock file (an older manager's) is judged by its pid.
+    Returns the removed paths. O(files in ``directory``)."""
     removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    sets: dict[str, list[str]] = {}
     for name in names:
-        m = _MANAGER_FILE_RE.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        m = _MANAGER_FILE_RE.match(name) or _LOCK_FILE_RE.match(name)
+        if m is not None:
+            sets.setdefault(m.group("set"), []).append(name)
+    for prefix, files in sets.items():
+        locked = _set_is_locked(directory, prefix)
+        if locked or (locked is None and _pid_alive(int(prefix.split("-")[1]))):
             continue
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid == os.getuid() and stat.S_ISREG(os.lstat(path).st_mode):
-                os.unlink(path)
-                removed.append(path)
-        except OSError:
-            continue
+        for name in sorted(files, key=lambda n: n.endswith(".lock")):  # the lock file last
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+                if st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode):
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue
     return removed
 
 
-def map_shm_buffer(desc: ShmDescriptor) -> torch.Tensor:
+def map_shm_buffer(desc: ShmDescriptor, owner_uid: int | None = None) -> torch.Tensor:
     """Map a manager's shared-memory file: a ``uint8`` tensor aliasing its bytes. O(1) (mmap).
 
+    Only a manager's pool file is mapped (the descriptor comes from whatever answers at the
+    address, so it is checked as hostile): an absolute path whose name has the pool-file
+    pattern (``radixkv-<pid>-<hex>-<pool>.buf``), opened without following a link, a regular
+    file owned by ``owner_uid`` (default: this user) with mode exactly 0600 and exactly
+    ``desc.nbytes`` bytes. The checks and the mapping are of the same open file (mapped
+    through ``/proc/self/fd``), so the name cannot be swapped in between.
+
     Raises:
-        InvalidArgumentError: the file is missing or smaller than ``desc.nbytes``.
-        PermissionDeniedError: the file is not ours or is readable/writable by others.
+        InvalidArgumentError: the file is missing, not a pool file, or not of the stated size.
+        PermissionDeniedError: the file is not the owner's or its mode is not 0600.
     """
     _check_size(int(desc.nbytes))
+    path = str(desc.path)
+    if not os.path.isabs(path) or os.path.normpath(path) != path or \
+            not _MANAGER_FILE_RE.match(os.path.basename(path)):
+        raise InvalidArgumentError(f"shared buffer {path!r} is not a manager's pool file "
+                                   "(an absolute radixkv-<pid>-<hex>-<pool>.buf path)")
     try:
-        st = os.stat(desc.path)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise InvalidArgumentError(f"shared buffer {desc.path!r} is not there: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidArgumentError(f"shared buffer {desc.path!r} is not a regular file")
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionDeniedError(
-            f"shared buffer {desc.path!r} must be owned by this user with mode 0600 "
-            f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
-    if st.st_size < desc.nbytes:
-        raise InvalidArgumentError(
-            f"shared buffer {desc.path!r} has {st.st_size} bytes, expected {desc.nbytes}")
-    return torch.from_file(desc.path, shared=True, size=int(desc.nbytes), dtype=torch.uint8)
+        raise InvalidArgumentError(f"shared buffer {path!r} cannot be opened (no link is followed): "
+                                   f"{e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgumentError(f"shared buffer {path!r} is not a regular file")
+        uid = os.getuid() if owner_uid is None else int(owner_uid)
+        if st.st_uid != uid or st.st_mode & 0o777 != 0o600:
+            raise PermissionDeniedError(
+                f"shared buffer {path!r} must be owned by uid {uid} with mode 0600 "
+                f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+        if st.st_size != desc.nbytes:
+            raise InvalidArgumentError(
+                f"shared buffer {path!r} has {st.st_size} bytes, the layout states {desc.nbytes}")
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=int(desc.nbytes), dtype=torch.uint8)
+    finally:
+        os.close(fd)
 
 
 def export_cuda_buffer(buffer: torch.Tensor) -> CudaIpcDescriptor:
@@ -218,8 +280,11 @@ class SharedBuffers:
         self.buffers: dict[str, torch.Tensor] = {}
         self.descriptors: dict[str, Descriptor] = {}
         self._closed = False
+        self._lock_fd: int | None = None
         if self.device.type == "cpu" and not os.path.isdir(self.shm_dir):
             raise InvalidArgumentError(f"shared-memory directory {self.shm_dir!r} does not exist")
+        if self.device.type == "cpu" and _LOCK_FILE_RE.match(prefix + ".lock"):
+            self._lock_fd = lock_set(self.shm_dir, prefix)  # a manager's set: held while it runs
 
     def allocate(self, pool: str, nbytes: int) -> torch.Tensor:
         """One zeroed buffer of ``nbytes`` for ``pool`` (a new name). Returns the tensor."""
@@ -261,6 +326,13 @@ class SharedBuffers:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            try:
+                os.unlink(os.path.join(self.shm_dir, self.prefix + ".lock"))
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def check_invariants(self) -> None:
         bad = []

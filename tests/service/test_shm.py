@@ -15,9 +15,11 @@ from radixkv.service.wire.shm import (
 
 from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
 
+POOL = "radixkv-1-0123abcd-kv.buf"  # a manager's pool-file name
+
 
 def test_create_is_0600_zeroed_and_aliases_a_second_mapping(tmp_path):
-    t, d = create_shm_buffer(str(tmp_path), "p-kv.buf", 4096)
+    t, d = create_shm_buffer(str(tmp_path), POOL, 4096)
     st = os.stat(d.path)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 4096
     assert t.dtype == torch.uint8 and t.numel() == 4096 and int(t.sum()) == 0
@@ -30,9 +32,9 @@ def test_create_is_0600_zeroed_and_aliases_a_second_mapping(tmp_path):
 
 
 def test_create_never_reuses_a_file(tmp_path):
-    create_shm_buffer(str(tmp_path), "x.buf", 64)
+    create_shm_buffer(str(tmp_path), POOL, 64)
     with pytest.raises(InvalidArgumentError, match="cannot create"):
-        create_shm_buffer(str(tmp_path), "x.buf", 64)
+        create_shm_buffer(str(tmp_path), POOL, 64)
     with pytest.raises(InvalidArgumentError):
         create_shm_buffer(str(tmp_path), "../evil", 64)
     with pytest.raises(InvalidArgumentError):
@@ -40,15 +42,39 @@ def test_create_never_reuses_a_file(tmp_path):
 
 
 def test_map_refuses_wider_modes_missing_and_short_files(tmp_path):
-    _, d = create_shm_buffer(str(tmp_path), "x.buf", 64)
+    _, d = create_shm_buffer(str(tmp_path), POOL, 64)
     os.chmod(d.path, 0o644)
     with pytest.raises(PermissionDeniedError):
         map_shm_buffer(d)
     os.chmod(d.path, 0o600)
     with pytest.raises(InvalidArgumentError, match="has 64 bytes"):
         map_shm_buffer(ShmDescriptor(d.path, 128))
-    with pytest.raises(InvalidArgumentError, match="not there"):
-        map_shm_buffer(ShmDescriptor(str(tmp_path / "nope"), 64))
+    with pytest.raises(InvalidArgumentError, match="cannot be opened"):
+        map_shm_buffer(ShmDescriptor(str(tmp_path / "radixkv-1-0123abcd-nope.buf"), 64))
+
+
+def test_map_refuses_what_is_not_a_managers_pool_file(tmp_path):
+    """A fake manager names files of its choosing (issue 17, item 3): only a regular file
+    with the pool-file name, reached without a link, of exactly the stated size, 0600 and
+    this user's is mapped."""
+    secret = tmp_path / "id_rsa"  # this user's, 0600: what a fake manager would name
+    secret.write_bytes(b"k" * 64)
+    os.chmod(secret, 0o600)
+    with pytest.raises(InvalidArgumentError, match="not a manager's pool file"):
+        map_shm_buffer(ShmDescriptor(str(secret), 64))
+    link = tmp_path / "radixkv-1-0123abcd-kv.buf"
+    link.symlink_to(secret)
+    with pytest.raises(InvalidArgumentError, match="no link is followed"):
+        map_shm_buffer(ShmDescriptor(str(link), 64))
+    with pytest.raises(InvalidArgumentError, match="not a manager's pool file"):
+        map_shm_buffer(ShmDescriptor(str(tmp_path / "sub" / ".." / "radixkv-1-0123abcd-kv.buf"), 64))
+    _, d = create_shm_buffer(str(tmp_path), "radixkv-2-0123abcd-kv.buf", 128)
+    with pytest.raises(InvalidArgumentError, match="the layout states 64"):
+        map_shm_buffer(ShmDescriptor(d.path, 64))  # larger than stated: not the pool file
+    with pytest.raises(PermissionDeniedError, match="uid"):
+        map_shm_buffer(d, owner_uid=os.getuid() + 1)
+    assert map_shm_buffer(d).numel() == 128
+    assert secret.read_bytes() == b"k" * 64
 
 
 def test_shared_buffers_lifecycle(tmp_path):
@@ -141,7 +167,7 @@ def test_hybrid_pools_over_shared_files_alias_a_workers_mapping(tmp_path):
 
     cfg = EngineConfig(layer_types="KF", kv_tokens=64, state_slots=4, request_rows=4, max_context_len=32,
                        kda_head_dim=8)
-    sb = SharedBuffers("cpu", str(tmp_path), prefix="h")
+    sb = SharedBuffers("cpu", str(tmp_path), prefix="radixkv-1-0123abcd")
     for name, plan in plan_arenas(cfg).items():
         sb.allocate(name, plan.total_bytes)
     assert sorted(sb.descriptors) == ["kv", "mamba", "req_to_token"]
@@ -160,3 +186,22 @@ def test_hybrid_pools_over_shared_files_alias_a_workers_mapping(tmp_path):
                      torch.zeros(1, cfg.head_num, cfg.head_dim))
     assert float(pools.kv_pool.get_key_buffer(0)[5].sum()) == cfg.head_num * cfg.head_dim
     sb.close()
+
+
+def test_a_live_managers_set_is_never_swept_whatever_its_pid(tmp_path):
+    """Ownership is the set's flock, not its pid (issue 17, item 4): a manager in another pid
+    namespace has a pid that names no process here, and its files must stay; once no process
+    holds the lock (the manager died), the set and its lock file go."""
+    from radixkv.service.wire.shm import remove_stale_files
+
+    unseen = "radixkv-4194399-0123abcd"  # above any pid_max: no process here has this pid
+    sb = SharedBuffers("cpu", str(tmp_path), prefix=unseen)
+    sb.allocate("kv", 64)
+    assert sorted(os.listdir(tmp_path)) == [unseen + "-kv.buf", unseen + ".lock"]
+    assert remove_stale_files(str(tmp_path)) == []
+    sb.check_invariants()
+    os.close(sb._lock_fd)  # the manager dies: its lock goes with its fds
+    sb._lock_fd = None
+    removed = sorted(os.path.basename(p) for p in remove_stale_files(str(tmp_path)))
+    assert removed == [unseen + "-kv.buf", unseen + ".lock"] and os.listdir(tmp_path) == []
+    sb.close()  # the files are gone already: fine

@@ -1,0 +1,139 @@
+"""What one call may ask for, checked on the request's raw bytes before it is decoded.
+
+Decoding a message costs in proportion to its items, not its bytes: an empty ``MatchQuery``
+is two bytes on the wire but a Python object, a numpy array and an engine lookup on the
+manager. A call's items (queries, extend items, decode rids, replayed calls, rids to cache or
+release) and its tokens are therefore bounded by :class:`CallLimits` *before* the message is
+parsed: :func:`check_raw` walks the protobuf wire format of the request (tags and lengths
+only, never the payloads) and stops as soon as a count passes its limit, so refusing a hostile
+call costs O(limit), whatever its size. A refused call is ``RequestLimitError``
+(RESOURCE_EXHAUSTED) naming the limit.
+
+The field numbers below are those of ``proto/radixkv/v1/cache_manager.proto``;
+``tests/service/test_limits.py`` checks them against the generated descriptors.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from radixkv.service.wire.errors import RequestLimitError
+
+from radixkv.errors import InvalidArgumentError
+
+__all__ = ["CallLimits", "check_raw", "limits_for", "SPECS"]
+
+
+class CallLimits(NamedTuple):
+    """Per-call bounds. ``max_items``: entries of one call (queries, items, rids);
+    ``max_tokens``: token ids of one call; ``max_replayed_items``: decode rids of one
+    ``ApplyDecodes`` (all its calls together)."""
+
+    max_items: int
+    max_tokens: int
+    max_replayed_items: int
+
+
+def limits_for(kv_tokens: int, request_rows: int, decode_reserve: int = 0) -> CallLimits:
+    """The default limits of a pool: a call names at most 4x the rows (and at least 1024)
+    entries and 4x the pool (at least 64 Ki) tokens; a replay at most one call per reserved
+    decode step (``decode_reserve``, at least 1) of that many rids."""
+    items = max(1024, 4 * int(request_rows))
+    return CallLimits(items, max(1 << 16, 4 * int(kv_tokens)), items * max(1, int(decode_reserve)))
+
+
+class _Spec(NamedTuple):
+    items: int  # the repeated field whose entries are counted
+    sub_tokens: int  # in each entry (a sub-message): the bytes field of int32 tokens (0: none)
+    tokens: int  # at the top level: a bytes field of int32 tokens (0: none)
+    replay: bool  # entries are AllocDecodeRequests (ApplyDecodes)
+
+
+#: The requests with entries to count: (repeated field, token field inside an entry, token
+#: field at the top, replay?).
+SPECS: dict[str, _Spec] = {
+    "Match": _Spec(2, 1, 0, False),  # MatchRequest.queries[].token_ids_i32
+    "AllocExtend": _Spec(2, 2, 0, False),  # AllocExtendRequest.items[].token_ids_i32
+    "AllocDecode": _Spec(2, 0, 3, False),  # AllocDecodeRequest.rids, .token_ids_i32
+    "ApplyDecodes": _Spec(2, 0, 0, True),  # ApplyDecodesRequest.calls[] (AllocDecodeRequest)
+    "CacheUnfinished": _Spec(2, 0, 0, False),  # CacheRequest.rids
+    "CacheFinished": _Spec(2, 0, 0, False),
+    "Release": _Spec(2, 0, 0, False),  # ReleaseRequest.rids
+}
+
+
+def _varint(buf: memoryview, i: int, end: int) -> tuple[int, int]:
+    shift = value = 0
+    while i < end and shift < 64:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+    raise InvalidArgumentError("the request is not a valid message (a broken varint)")
+
+
+def _fields(buf: memoryview, i: int, end: int):
+    """``(field number, start, stop)`` of each length-delimited field in ``buf[i:end]``
+    (other wire types are skipped). Raises ``InvalidArgumentError`` for broken framing."""
+    while i < end:
+        key, i = _varint(buf, i, end)
+        wire_type = key & 7
+        if wire_type == 2:
+            n, i = _varint(buf, i, end)
+            if i + n > end:
+                raise InvalidArgumentError("the request is not a valid message (a field runs past its end)")
+            yield key >> 3, i, i + n
+            i += n
+        elif wire_type == 0:
+            _, i = _varint(buf, i, end)
+        elif wire_type == 1:
+            i += 8
+        elif wire_type == 5:
+            i += 4
+        else:  # groups are not in this schema
+            raise InvalidArgumentError(f"the request is not a valid message (wire type {wire_type})")
+    if i != end:
+        raise InvalidArgumentError("the request is not a valid message (broken framing)")
+
+
+def _refuse(method: str, what: str, limit_name: str, limit: int) -> RequestLimitError:
+    return RequestLimitError(f"{method}: more than {limit} {what} in one call (limit {limit_name}={limit})",
+                             requested=limit + 1, available=limit)
+
+
+def check_raw(method: str, raw: bytes | bytearray | memoryview, limits: CallLimits) -> None:
+    """Raise ``RequestLimitError`` when the ``method`` request in ``raw`` has more entries
+    or tokens than ``limits`` allow (other methods: nothing to check). O(min(entries, limit));
+    framing the parser would refuse may raise ``InvalidArgumentError`` here first."""
+    spec = SPECS.get(method)
+    if spec is None:
+        return
+    buf = memoryview(raw).cast("B")
+    items = tokens = calls = 0
+    item_limit = limits.max_replayed_items if spec.replay else limits.max_items
+    for field, a, b in _fields(buf, 0, len(buf)):
+        if field == spec.items:
+            if spec.replay:  # an AllocDecodeRequest: count it, its rids and its tokens
+                calls += 1
+                if calls > limits.max_items:
+                    raise _refuse(method, "replayed calls", "max_items", limits.max_items)
+                for f, c, d in _fields(buf, a, b):
+                    if f == 2:
+                        items += 1
+                        if items > item_limit:
+                            raise _refuse(method, "replayed decode items", "max_replayed_items", item_limit)
+                    elif f == 3:
+                        tokens += (d - c) // 4
+            else:
+                items += 1
+                if items > item_limit:
+                    raise _refuse(method, "entries", "max_items", item_limit)
+                if spec.sub_tokens:
+                    for f, c, d in _fields(buf, a, b):
+                        if f == spec.sub_tokens:
+                            tokens += (d - c) // 4
+        elif field == spec.tokens:
+            tokens += (b - a) // 4
+        if tokens > limits.max_tokens:
+            raise _refuse(method, "tokens", "max_tokens", limits.max_tokens)
