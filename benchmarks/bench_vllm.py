@@ -1,4 +1,4 @@
-"""``radixkv bench vllm``: vLLM instances behind a round-robin router, with and without a shared cache.
+"""``benchmarks/bench_vllm.py``: vLLM instances behind a round-robin router, with and without a shared cache.
 
 N instances on a multi-turn trace, with vLLM's own prefix caching only, with the radixkv
 connector (one shared manager), and (where it runs) with LMCache's multi-process connector;
@@ -316,7 +316,7 @@ def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, shape: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="radixkv bench vllm", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/bench_vllm.py", description=__doc__.split("\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
     from vllm_model import TinyLlama, make_tiny_llama
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
-        print(f"radixkv bench vllm: unknown configurations {unknown}; choose from {', '.join(CONFIGS)}",
+        print(f"bench_vllm: unknown configurations {unknown}; choose from {', '.join(CONFIGS)}",
               file=sys.stderr)
         return 2
     try:
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                            tokens_per_block=args.tokens_per_block, max_prompt=args.max_prompt,
                            vocab=shape.vocab_size, n_instances=args.instances)
     except RadixKVError as exc:
-        print(f"radixkv bench vllm: {exc}", file=sys.stderr)
+        print(f"bench_vllm: {exc}", file=sys.stderr)
         return 2
     shared = hit_bound(w.prompts, args.block_size)
     local = hit_bound(w.prompts, args.block_size, w.instance)

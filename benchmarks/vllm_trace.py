@@ -1,4 +1,4 @@
-"""The multi-turn workload of ``radixkv bench vllm``: Mooncake conversation sessions cut down
+"""The multi-turn workload of ``benchmarks/bench_vllm.py``: Mooncake conversation sessions cut down
 to what a small CPU machine runs, as vLLM token-id prompts, plus the offline hit bounds.
 
 * **Sessions.** The Mooncake trace has no session ids; its ``hash_ids`` are chained (one id
