@@ -300,9 +300,10 @@ def plot(doc: dict, path: str) -> str | None:
     by: dict[str, list[tuple[float, float]]] = {}
     for r in doc["results"]:
         by.setdefault(r["policy"], []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
-    for pol, pts in by.items():
+    for i, (pol, pts) in enumerate(by.items()):   # shrinking markers: a policy on another stays visible
         pts.sort()
-        ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="o", zorder=3, label=pol)
+        ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>ph"[i % 9],
+                markersize=max(3, 8 - i), zorder=3, label=pol)
     # The bounds under the policies, thick and pale, so a policy on a bound leaves it visible.
     inf = 100 * doc["bounds"]["infinite_capacity"]
     ax.axhline(inf, color="tab:grey", linewidth=4, alpha=0.4, zorder=1, label="infinite capacity")
@@ -310,7 +311,10 @@ def plot(doc: dict, path: str) -> str | None:
     ax.plot([b[0] for b in bel], [b[1] for b in bel], color="black", linestyle="--", marker="s", markersize=4,
             zorder=2, label="belady (offline)")
     ax.set_xscale("log")
+    ticks = sorted({100 * r["capacity_frac"] for r in doc["results"]})
+    ax.set_xticks(ticks)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}%"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("cache capacity (% of the unique prompt tokens)")
     ax.set_ylabel("token hit rate (% of prompt tokens)")
     ax.set_ylim(0, max(inf, 1.0) * 1.1)
