@@ -51,7 +51,7 @@ def run_hitrate(argv: list[str], make_block_policy: Callable | None = None,
     from radixkv.bench import hitrate, radix_engine
     from radixkv.errors import RadixKVError
 
-    parser = argparse.ArgumentParser(prog=prog, description=hitrate.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=hitrate.DESCRIPTION)
     hitrate.add_arguments(parser)
     args = parser.parse_args(argv)
     args.policy = resolve_policies(args.policy)
