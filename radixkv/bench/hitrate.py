@@ -341,8 +341,8 @@ def _floats(text: str) -> list[float]:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
-    if not vals or any(not 0 < v <= 1 for v in vals):
-        raise argparse.ArgumentTypeError("capacity fractions must be in (0, 1] (1: every unique prompt token fits)")
+    if not vals or any(not 0 < v for v in vals):
+        raise argparse.ArgumentTypeError("capacity fractions must be > 0")
     return vals
 
 
@@ -357,8 +357,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache page / simulator block size (default: the block size for traces, 16 for "
                              "workloads)")
     parser.add_argument("--capacity-frac", type=_floats, default="0.01,0.02,0.05,0.1,0.25,0.5",
-                        help="capacities as fractions (0, 1] of the unique prompt tokens, comma-separated "
-                             "(default %(default)s)")
+                        help="capacities as fractions (0, 1] of the unique prompt tokens (at 1 everything "
+                             "fits; --hybrid also takes more), comma-separated (default %(default)s)")
     parser.add_argument("--policy", default="lru",
                         help="eviction policies, comma-separated (default %(default)s; 'default': the "
                              f"RadixCache's default, {default_policy_name()}). blocksim: {_policy_names(True)}; "
@@ -383,6 +383,9 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
     ``make_block_policy``: as in :func:`measure` (the research CLI passes its own)."""
     t0 = time.perf_counter()
     try:
+        if not getattr(args, "hybrid", False) and max(args.capacity_frac) > 1:
+            raise InvalidArgumentError(f"--capacity-frac {max(args.capacity_frac):g}: capacities are fractions "
+                                       f"(0, 1] of the unique prompt tokens (at 1 everything fits)")
         src = load_source(args.trace, args.workload, args.block_size, args.page_size, args.limit, args.seed)
         policies = [default_policy_name() if p.strip().lower() == "default" else p.strip()
                     for p in args.policy.split(",") if p.strip()]
