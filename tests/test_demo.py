@@ -81,3 +81,13 @@ def test_bad_arguments(bad):
 
     with pytest.raises(InvalidArgumentError):
         run_demo(embedded=True, **bad)
+
+
+def test_the_cli_shows_the_demo_defaults():
+    """``radixkv demo --help`` states run_demo's defaults without importing torch for them."""
+    import inspect
+
+    from radixkv.cli import DEMO_DEFAULTS
+
+    params = inspect.signature(run_demo).parameters
+    assert {k: params[k].default for k in DEMO_DEFAULTS} == DEMO_DEFAULTS
