@@ -1,6 +1,8 @@
-"""Package map: ``radixkv/`` installs as ``radixkv`` and ``service/`` as ``radixkv.service``,
-and the optional C extension ``radixkv.cache._native`` (the RadixCache's compiled walks; the
-install goes on without it when no C compiler is present, see radixkv/cache/native.py).
+"""Package map: ``radixkv/`` installs as ``radixkv``, ``service/`` as ``radixkv.service``, the
+wire schema ``proto/radixkv/v1/*.proto`` as data of ``radixkv.proto`` (for clients in other
+languages: ``importlib.resources.files("radixkv.proto")``), and the optional C extension
+``radixkv.cache._native`` (the RadixCache's compiled walks; the install goes on without it when
+no C compiler is present, see radixkv/cache/native.py).
 
 Everything else is declared in pyproject.toml.
 """
@@ -14,9 +16,9 @@ _svc = ["radixkv.service"] + [
 ]
 
 setup(
-    packages=_lib + _svc,
-    package_dir={"radixkv": "radixkv", "radixkv.service": "service"},
-    package_data={"radixkv": ["data/**/*", "py.typed"], "radixkv.service": ["*.proto"]},
+    packages=_lib + _svc + ["radixkv.proto"],
+    package_dir={"radixkv": "radixkv", "radixkv.service": "service", "radixkv.proto": "proto/radixkv/v1"},
+    package_data={"radixkv": ["data/**/*", "py.typed"], "radixkv.proto": ["*.proto"]},
     ext_modules=[Extension("radixkv.cache._native", ["radixkv/cache/csrc/module.c"],
                            depends=[str(p) for p in Path("radixkv/cache/csrc").glob("*.[ch]")],
                            extra_compile_args=["-O3"], optional=True)],

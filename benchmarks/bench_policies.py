@@ -1,4 +1,4 @@
-"""``radixkv bench policies``: ``radixkv bench hitrate`` (exactly its flags) with the block-level
+"""``benchmarks/bench_policies.py``: ``radixkv bench hitrate`` (exactly its flags) with the block-level
 research policies of ``benchmarks/policy_research`` available to the simulator
 (``--engine blocksim``, the default): slru (the queue design), 2q, s3fifo, arc, wtinylfu,
 lru2, probation, aplru (the block design the RadixCache's aplru was ported from) and odlru.
@@ -21,7 +21,7 @@ from radixkv.bench.cli import run_hitrate  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    return run_hitrate(list(args), make_block_policy=make_block_policy, prog="radixkv bench policies")
+    return run_hitrate(list(args), make_block_policy=make_block_policy, prog="benchmarks/bench_policies.py")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The configurations of ``radixkv bench vllm``: what each instance's ``kv_transfer_config`` is
+"""The configurations of ``benchmarks/bench_vllm.py``: what each instance's ``kv_transfer_config`` is
 and which shared process (if any) runs beside the instances.
 
 * ``local``: vLLM's own prefix caching only (no connector, nothing shared);

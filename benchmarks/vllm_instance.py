@@ -1,4 +1,4 @@
-"""One vLLM instance of ``radixkv bench vllm``: a ``spawn``-ed process that owns an offline
+"""One vLLM instance of ``benchmarks/bench_vllm.py``: a ``spawn``-ed process that owns an offline
 ``vllm.LLM`` and serves the router's requests one at a time over a pipe.
 
 Messages (parent -> instance): ``("run", [(request_id, int32 prompt), ...])`` answers a list

@@ -1,4 +1,4 @@
-"""The multi-turn workload of ``radixkv bench vllm``: Mooncake conversation sessions cut down
+"""The multi-turn workload of ``benchmarks/bench_vllm.py``: Mooncake conversation sessions cut down
 to what a small CPU machine runs, as vLLM token-id prompts, plus the offline hit bounds.
 
 * **Sessions.** The Mooncake trace has no session ids; its ``hash_ids`` are chained (one id
@@ -32,6 +32,7 @@ from radixkv.bench.traces import (
     MOONCAKE_BLOCK_SIZE,
     BlockTrace,
     MooncakeTrace,
+    find_sessions,
     load_mooncake,
 )
 from radixkv.errors import InvalidArgumentError
@@ -74,35 +75,6 @@ class Workload:
     def rounds(self) -> list[np.ndarray]:
         """Request indices of each round (turn ``t`` of every session), in dispatch order."""
         return [np.flatnonzero(self.turn == t) for t in range(int(self.turn.max()) + 1)]
-
-
-def find_sessions(trace: MooncakeTrace, min_shared: int = 2) -> list[list[int]]:
-    """Chains of requests (trace indices, in trace order) where each continues the previous
-    one (see the module docstring). Requests continued by two later ones start a branch: the
-    later continuation opens a new chain, so every chain is linear."""
-    if min_shared < 1:
-        raise InvalidArgumentError(f"min_shared must be >= 1, got {min_shared}")
-    off, ids = trace.hash_offsets, trace.hash_ids
-    last_full: dict[int, int] = {}          # block id -> latest request whose last full block it is
-    chain_of: dict[int, int] = {}           # request -> chain index
-    chains: list[list[int]] = []
-    for i in range(len(trace)):
-        h = ids[off[i]:off[i + 1]]
-        pred = -1
-        for k in range(len(h) - 1, min_shared - 2, -1):   # deepest shared prefix first
-            j = last_full.get(int(h[k]))
-            if j is not None:
-                pred = j
-                break
-        if pred >= 0 and chains[chain_of[pred]][-1] == pred:
-            chain_of[i] = chain_of[pred]
-            chains[chain_of[i]].append(i)
-        else:
-            chain_of[i] = len(chains)
-            chains.append([i])
-        if len(h) >= 2:
-            last_full[int(h[-2])] = i
-    return chains
 
 
 def to_vocab(tokens: np.ndarray, vocab: int, salt: int = 0) -> np.ndarray:

@@ -11,6 +11,8 @@ Layers (bottom up), following SGLang's memory pool:
 * ``radixkv.engine``     the cache-engine protocol and ``CacheEngine`` (embedded mode)
 * ``radixkv.service``    the gRPC cache manager and ``connect()`` (service mode)
 """
+from typing import TYPE_CHECKING, Any
+
 from radixkv.errors import (  # noqa: F401
     CapacityError,
     DoubleFreeError,
@@ -26,15 +28,61 @@ from radixkv.errors import (  # noqa: F401
 
 __version__ = "0.1.0"
 
+#: The public classes and functions importable from ``radixkv`` itself, each loaded from its
+#: layer on first use (module ``__getattr__``), so that ``import radixkv`` stays cheap: no
+#: torch pools, no tree, no gRPC until one of them is touched.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"), "radixkv.allocator"),
+    **dict.fromkeys(("ReqToTokenPool", "MHATokenToKVPool", "MLATokenToKVPool", "MambaPool",
+                     "HybridLinearKVPool", "HybridReqToTokenPool"), "radixkv.memory"),
+    **dict.fromkeys(("RadixCache", "RadixKey", "MambaRadixCache", "MatchResult", "EvictionPolicy",
+                     "register_policy", "available_policies"), "radixkv.cache"),
+    **dict.fromkeys(("Req", "Batch", "alloc_for_extend", "alloc_for_decode", "release_kv_cache"),
+                    "radixkv.scheduler"),
+    **dict.fromkeys(("CacheEngine", "EngineConfig", "ExtendItem", "DecodeItem", "MatchQuery", "EngineStats"),
+                    "radixkv.engine"),
+    "connect": "radixkv.service.client",
+}
 
-def __getattr__(name):
-    # Lazy: importing radixkv stays cheap (no torch pools, no gRPC) until these are used.
-    if name in ("CacheEngine", "EngineConfig"):
-        from radixkv import engine
+__all__ = [
+    "CapacityError", "DoubleFreeError", "InvalidArgumentError", "InvalidIndexError", "InvariantError",
+    "NotFoundError", "PermissionDeniedError", "RadixKVError", "StaleSessionError", "UnauthenticatedError",
+    "__version__", *_LAZY,
+]
 
-        return getattr(engine, name)
-    if name == "connect":
-        from radixkv.service.client import connect
+if TYPE_CHECKING:
+    from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: F401
+    from radixkv.cache import (  # noqa: F401
+        EvictionPolicy,
+        MambaRadixCache,
+        MatchResult,
+        RadixCache,
+        RadixKey,
+        available_policies,
+        register_policy,
+    )
+    from radixkv.engine import CacheEngine, DecodeItem, EngineConfig, EngineStats, ExtendItem, MatchQuery  # noqa: F401
+    from radixkv.memory import (  # noqa: F401
+        HybridLinearKVPool,
+        HybridReqToTokenPool,
+        MambaPool,
+        MHATokenToKVPool,
+        MLATokenToKVPool,
+        ReqToTokenPool,
+    )
+    from radixkv.scheduler import Batch, Req, alloc_for_decode, alloc_for_extend, release_kv_cache  # noqa: F401
 
-        return connect
-    raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value          # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -2,15 +2,18 @@
 
 :func:`run_demo` starts the cache manager (``radixkv serve``) on a Unix socket in a fresh
 0700 temp directory and spawns worker processes (``multiprocessing`` spawn: gRPC does not
-survive fork). Each worker runs the reference hybrid model (KDA + full attention, fp64)
-over its share of the first requests of the bundled Mooncake ``conversation`` trace:
-prefill through ``alloc_extend`` (reusing cached KV and forking cached states straight from
-the manager's shared buffers), a few greedy decode steps, ``cache_finished``; and every
-logit it computed is compared with a from-scratch ``forward_reference``. The parent shows
-a progress bar, then a table (token hit rate, requests/s, RPC p50/p99, pool usage, logits
-checked), checks the manager's invariants and shuts it down (SIGTERM, exit code 0, shared
-memory removed). ``embedded=True`` runs the same requests in one process against
-``CacheEngine``. The return value is non-zero when any check fails.
+survive fork). Each worker runs the reference hybrid model (KDA + full attention, fp64) over
+its share of multi-turn conversations of the bundled Mooncake ``conversation`` trace
+(:func:`conversation_prompts`: each later turn resends the earlier ones, the reuse a prefix
+cache is for; one conversation stays on one worker, as a session-affine router does, and the
+workers share the one cache): prefill through ``alloc_extend`` (reusing cached KV and forking
+cached states straight from the manager's shared buffers), a few greedy decode steps,
+``cache_finished``; and every logit it computed is compared with a from-scratch
+``forward_reference``. The parent shows a progress bar (tqdm), then a table (token hit rate
+beside its unbounded-cache bound, the prefill computation saved, requests/s, RPC p50/p99,
+pool usage, logits checked), checks the manager's invariants and shuts it down (SIGTERM, exit
+code 0, shared memory removed). ``embedded=True`` runs the same requests in one process
+against ``CacheEngine``. The return value is non-zero when any check fails.
 
 The trace is scaled to run in seconds on a laptop CPU: each 512-token block becomes
 ``tokens_per_block`` pseudo-tokens (the partial last block proportionally fewer), mapped
@@ -30,7 +33,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 import torch
@@ -43,9 +46,9 @@ from radixkv.demo_workers import (
     engine_config_for,
     worker_main,
 )
-from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError
 
-__all__ = ["run_demo", "run_walkthrough", "scaled_prompts", "token_hash"]
+__all__ = ["run_demo", "run_walkthrough", "conversation_prompts", "token_hash"]
 
 BLOCK = 512  # tokens per Mooncake hash block
 
@@ -60,31 +63,60 @@ def token_hash(pseudo: np.ndarray, vocab: int) -> np.ndarray:
     return (x % np.uint64(vocab)).astype(np.int32)
 
 
-def scaled_prompts(n: int, tokens_per_block: int, vocab: int,
-                   trace: str = "conversation") -> tuple[list[np.ndarray], np.ndarray]:
-    """The first ``n`` requests of a bundled Mooncake trace as int32 prompts (see the module
-    docstring), and their ``output_length``. Vectorized over blocks."""
-    from radixkv.bench.traces import load_mooncake
+class Conversations(NamedTuple):
+    """The demo's requests in trace order: int32 prompts, ``output_length`` and conversation
+    index of each, and how many conversations."""
+
+    prompts: list[np.ndarray]
+    outputs: np.ndarray
+    session: np.ndarray
+    n_sessions: int
+
+
+def conversation_prompts(n: int, tokens_per_block: int, vocab: int, *, min_turns: int = 3,
+                         max_blocks: int = 48, scan: int = 3000, trace: str = "conversation") -> Conversations:
+    """The first ``n`` requests (trace order) of the conversations of at least ``min_turns``
+    turns whose prompts stay within ``max_blocks`` blocks, among the first ``scan`` requests
+    of a bundled Mooncake trace (:func:`radixkv.bench.traces.find_sessions`), as int32
+    prompts (see the module docstring). Raises ``InvalidArgumentError`` when there are fewer."""
+    from radixkv.bench.traces import find_sessions, load_mooncake
     from radixkv.data import mooncake_trace
 
-    t = load_mooncake(str(mooncake_trace(trace)), limit=n)
+    t = load_mooncake(str(mooncake_trace(trace)), limit=scan)
     k = int(tokens_per_block)
     off = t.hash_offsets
     n_blk = np.diff(off)
+    chains = [c for c in find_sessions(t) if len(c) >= min_turns and int(n_blk[c].max()) <= max_blocks]
+    session = np.full(len(t), -1, dtype=np.int64)
+    taken = 0
+    for s, c in enumerate(chains):
+        if taken >= n:
+            break
+        session[c] = s
+        taken += len(c)
+    rows = np.flatnonzero(session >= 0)[:n]
+    if rows.size < n:
+        raise InvalidArgumentError(f"only {rows.size} requests in conversations of >= {min_turns} turns "
+                                   f"within the first {scan} of the trace; ask for fewer")
     last = t.input_length - t.block_size * (n_blk - 1)
     lens = (n_blk - 1) * k + np.maximum(1, -(-last * k // t.block_size))
-    tokens = token_hash((t.hash_ids[:, None] * k + np.arange(k)).reshape(-1), vocab)
-    return [tokens[o * k:o * k + ln] for o, ln in zip(off[:-1].tolist(), lens.tolist())], t.output_length
+    prompts = []
+    for r in rows.tolist():
+        pseudo = (t.hash_ids[off[r]:off[r + 1], None] * k + np.arange(k)).reshape(-1)[:lens[r]]
+        prompts.append(token_hash(pseudo, vocab))
+    sess = np.unique(session[rows], return_inverse=True)[1]
+    return Conversations(prompts, t.output_length[rows], sess, int(sess.max()) + 1)
 
 
 # ----------------------------------------------------------------------------- the main job
-def run_demo(embedded: bool = False, requests: int = 120, device: str = "cpu", *, decode_tokens: int = 4,
-             tokens_per_block: int = 16, workers: int = 2, verify_every: int = 1, page_size: int = 1,
+def run_demo(embedded: bool = False, requests: int = 96, device: str = "cpu", *, decode_tokens: int = 4,
+             tokens_per_block: int = 16, workers: int = 2, verify_every: int = 1, page_size: int = 16,
              kv_tokens: int = 32768, state_slots: int = 96, timeout_s: float = 600.0,
              out: TextIO | None = None) -> int:
     """Run the demo (see the module docstring) and print its table to ``out`` (stdout).
 
-    ``requests``: how many trace requests, dealt round-robin to ``workers``; each decodes
+    ``requests``: how many requests of :func:`conversation_prompts`; conversation ``s`` runs
+    on worker ``s % workers``, in trace order; each decodes
     ``min(decode_tokens, output_length)`` tokens; every ``verify_every``-th request of a
     worker is checked against ``forward_reference`` (1: all). Returns 0 when every check
     passed, 1 otherwise (a mismatch, a worker error, broken invariants, an unclean stop)."""
@@ -92,16 +124,20 @@ def run_demo(embedded: bool = False, requests: int = 120, device: str = "cpu", *
     if requests < 1 or workers < 1 or decode_tokens < 0 or verify_every < 0:
         raise InvalidArgumentError("requests and workers must be >= 1, decode_tokens and verify_every >= 0")
     model = demo_model_config()
-    prompts, outputs = scaled_prompts(requests, tokens_per_block, model.vocab)
-    steps = np.minimum(outputs, decode_tokens).tolist()
+    conv = conversation_prompts(requests, tokens_per_block, model.vocab)
+    prompts = conv.prompts
+    steps = np.minimum(conv.outputs, decode_tokens).tolist()
     width = -(-(max(p.size for p in prompts) + decode_tokens + 1) // 64) * 64
     cfg = engine_config_for(model, device=device, kv_tokens=max(kv_tokens, 4 * width), page_size=page_size,
                             state_slots=state_slots, request_rows=max(8, 2 * workers), max_context_len=width,
                             lease_ttl_s=60.0)
-    jobs = [[(f"req-{i:04d}", prompts[i], int(steps[i])) for i in range(w, len(prompts), workers)]
+    jobs = [[(f"req-{i:04d}", prompts[i], int(steps[i])) for i in range(len(prompts)) if conv.session[i] % workers == w]
             for w in range(workers)]
     mode = "embedded (one process)" if embedded else f"service: manager + {workers} worker processes"
-    print(f"radixkv demo [{mode}] on {device}: {len(prompts)} requests of the Mooncake conversation trace,\n"
+    print(f"radixkv demo [{mode}] on {device}: {len(prompts)} requests of {conv.n_sessions} multi-turn "
+          f"conversations of the Mooncake conversation trace\n"
+          f"  (each turn resends the earlier ones; a conversation stays on one worker, the workers share one cache, "
+          f"page size {page_size});\n"
           f"  each 512-token block -> {tokens_per_block} pseudo-tokens, mapped into the model's {model.vocab}-token "
           f"vocab by a fixed per-token hash (equal prefixes stay equal);\n"
           f"  model {model.layer_pattern} (KDA + full attention) fp64, hidden {model.hidden}; "
@@ -114,7 +150,9 @@ def run_demo(embedded: bool = False, requests: int = 120, device: str = "cpu", *
     res["tol"] = TOLERANCE[model.dtype]
     from radixkv.bench.traces import BlockTrace
 
-    res["bound"] = BlockTrace.from_token_requests(prompts, 1).infinite_hit_tokens()
+    # the order both runs take (the workers' k-th requests side by side), at the cache's page size
+    order = [jobs[w][k][1] for k in range(max(map(len, jobs))) for w in range(workers) if k < len(jobs[w])]
+    res["bound"] = BlockTrace.from_token_requests(order, page_size).infinite_hit_tokens()
     return _report(res, out)
 
 
@@ -282,12 +320,15 @@ def _report(res: dict[str, Any], out: TextIO) -> int:
     st = res.get("stats")
     win = res.get("window") or (None, None)
     serving = (win[1] - win[0]) if win[1] is not None else 0.0
+    decoded = sum(r["decoded"] for r in reps)
+    prefill = sum(r["computed"] for r in reps) - decoded
     rows = [
-        ("requests", f"{n} ({sum(r['decoded'] for r in reps)} tokens decoded)"),
-        ("prompt tokens", f"{prompt} ({sum(r['computed'] for r in reps)} computed)"),
-        ("token hit rate", f"{hit / prompt:.1%} of prompt tokens skipped (state + KV reused; KV alone cached "
-                           f"{kv_hit / prompt:.1%}); an unbounded cache: {res['bound'] / prompt:.1%}"
-                           if prompt else "-"),
+        ("requests", f"{n} ({decoded} tokens decoded)"),
+        ("token hit rate", f"{hit / prompt:.1%} of prompt tokens reused (state + KV; KV alone cached "
+                           f"{kv_hit / prompt:.1%}); bound (an unbounded cache, same order): "
+                           f"{res['bound'] / prompt:.1%}" if prompt else "-"),
+        ("prefill computed", f"{prefill} of {prompt} prompt tokens: {1 - prefill / prompt:.1%} of the prefill "
+                             f"computation saved" if prompt else "-"),
         ("state checkpoints", f"{sum(r['checkpoints'] for r in reps)} chunk ends cached with their state"),
         ("requests/s", (f"{n / serving:.1f} ({serving:.1f} s serving" + ("" if res["embedded"] else
                         f"; {res['wall_s']:.1f} s in all, with process start-up") + ")") if serving else "-"),
@@ -368,6 +409,8 @@ def run_walkthrough(device: str = "cpu") -> int:
         batch = Batch(reqs, pool, alloc, tree, kv_pool=kv)
         (alloc_for_decode if decode else alloc_for_extend)(batch)
         running.extend(r for r in reqs if r not in running)
+        if batch.prefix_lens is None or batch.extend_lens is None or batch.out_cache_loc is None:
+            raise InvariantError("the scheduler left the batch without its allocation")
         # stand-in for a forward pass: each new token's K/V is its token id
         new = torch.cat([torch.as_tensor(r.fill_ids[int(p):int(p) + int(e)])
                          for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)])

@@ -32,7 +32,7 @@ import torch
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery, Session
-from radixkv.errors import InvalidArgumentError
+from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.reference import HybridConfig, HybridModel, ModelCache
 
 __all__ = ["demo_model_config", "engine_config_for", "TimedEngine", "RequestReport", "HybridWorker",
@@ -48,7 +48,7 @@ PROTOCOL_CALLS = frozenset({"attach", "heartbeat", "detach", "match", "alloc_ext
 def demo_model_config(**changes: Any) -> HybridConfig:
     """The demo's model: Kimi-Linear-like ``KKKF`` (3 KDA layers per full-attention layer),
     hidden 32, 2 heads of 8, vocab 512, fp64 (so a cached run equals a fresh one to 1e-9)."""
-    base = dict(vocab=512, hidden=32, num_heads=2, head_dim=8, conv_kernel=4, layer_pattern="KKKF",
+    base: dict[str, Any] = dict(vocab=512, hidden=32, num_heads=2, head_dim=8, conv_kernel=4, layer_pattern="KKKF",
                 dtype=torch.float64, seed=0, mlp_mult=2, chunk_size=16)
     base.update(changes)
     return HybridConfig(**base)
@@ -144,8 +144,9 @@ class HybridWorker:
         (m,) = e.match(s, [MatchQuery(prompt[:-1])])
         ends = self.plan_chunks(T, m.prefix_len, m.kv_prefix_len)
         logits: dict[int, torch.Tensor] = {}
-        sent, prefix, computed = 0, None, 0
-        last = None
+        sent, computed = 0, 0
+        prefix: int | None = None
+        last: torch.Tensor | None = None
         for i, end in enumerate(ends):
             (r,) = e.alloc_extend(s, [ExtendItem(rid, prompt[sent:end])])
             sent = end
@@ -159,6 +160,8 @@ class HybridWorker:
             last = out[-1]
             if i + 1 < len(ends):
                 e.cache_unfinished(s, [rid])
+        if prefix is None or last is None:   # plan_chunks always ends at the prompt's end
+            raise InvariantError(f"request {rid!r}: no prefill chunk was planned ({T} tokens, ends {ends})")
         tokens = [prompt]
         dev = model.device
         for _ in range(decode_steps):
@@ -176,9 +179,9 @@ class HybridWorker:
         if verify:
             fed = np.concatenate(tokens)
             ref = model.forward_reference(fed)
-            pos = sorted(logits)
-            got = torch.stack([logits[p] for p in pos])
-            diff = float((got - ref[pos]).abs().max())
+            positions = sorted(logits)
+            got = torch.stack([logits[p] for p in positions])
+            diff = float((got - ref[positions]).abs().max())
             ok = diff <= self.tol
         return RequestReport(rid, self.name, T, int(prefix), int(m.kv_prefix_len), computed, decode_steps,
                              len(ends) - 1, bool(verify), diff, ok)

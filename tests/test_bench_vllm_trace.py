@@ -1,4 +1,4 @@
-"""benchmarks/vllm_trace.py: the workload and offline bounds of ``radixkv bench vllm``.
+"""benchmarks/vllm_trace.py: the workload and offline bounds of ``benchmarks/bench_vllm.py``.
 
 No vLLM here: the session chains, the token mapping and the hit bounds are checked against
 independent counts (a dict of block prefixes replayed request by request)."""

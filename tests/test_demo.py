@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixkv import demo_workers
-from radixkv.demo import run_demo, run_walkthrough, scaled_prompts, token_hash
+from radixkv.demo import conversation_prompts, run_demo, run_walkthrough, token_hash
 
 
 def _run(**kw):
@@ -32,15 +32,19 @@ def test_walkthrough_runs_and_verifies(capsys):
     assert "they hold its prompt tokens" in out
 
 
-def test_scaled_trace_keeps_prefixes():
-    prompts, outputs = scaled_prompts(5, 16, 512)
-    assert len(prompts) == 5 and outputs.shape == (5,)
-    assert all(p.dtype == np.int32 and p.min() >= 0 and p.max() < 512 for p in prompts)
-    # every conversation of the trace starts with block 0 (a shared system prompt): 16 equal tokens
-    assert all(np.array_equal(p[:16], prompts[0][:16]) for p in prompts)
-    assert not np.array_equal(prompts[0][16:32], prompts[1][16:32])
-    # 6758 tokens = 13 full blocks + 102 tokens -> 13 * 16 + ceil(102 * 16 / 512) = 212
-    assert prompts[0].size == 212
+def test_conversations_resend_their_earlier_turns():
+    conv = conversation_prompts(12, 16, 512)
+    assert len(conv.prompts) == 12 and conv.outputs.shape == conv.session.shape == (12,)
+    assert all(p.dtype == np.int32 and p.min() >= 0 and p.max() < 512 for p in conv.prompts)
+    assert conv.n_sessions == len(set(conv.session.tolist())) and conv.n_sessions < 12   # multi-turn
+    follow = 0
+    for s in range(conv.n_sessions):
+        turns = [conv.prompts[i] for i in np.flatnonzero(conv.session == s)]
+        for prev, nxt in zip(turns, turns[1:]):
+            full = (prev.size - 1) // 16 * 16          # the earlier turn's full blocks come back
+            assert nxt.size > full and np.array_equal(nxt[:full], prev[:full])
+            follow += 1
+    assert follow == 12 - conv.n_sessions
     x = np.arange(1000, dtype=np.int64)
     assert np.array_equal(token_hash(x, 97), token_hash(x.copy(), 97))
 
@@ -50,8 +54,10 @@ def test_embedded_demo_checks_every_request():
     assert code == 0, out
     assert _checked(out) == (6, 6)
     assert "invariants         hold" in out and "demo passed" in out
-    hit = float(re.search(r"token hit rate\s+([\d.]+)%", out).group(1))
-    assert hit > 0  # later requests fork the state checkpointed at the shared first block
+    m = re.search(r"token hit rate\s+([\d.]+)% .* bound \(an unbounded cache, same order\): ([\d.]+)%", out)
+    hit, bound = float(m.group(1)), float(m.group(2))
+    assert 0 < hit <= bound      # later turns fork the state checkpointed at the earlier turn's end
+    assert re.search(r"prefill computed\s+\d+ of \d+ prompt tokens: [\d.]+% of the prefill computation saved", out)
 
 
 def test_a_failed_check_fails_the_demo(monkeypatch):
@@ -75,3 +81,13 @@ def test_bad_arguments(bad):
 
     with pytest.raises(InvalidArgumentError):
         run_demo(embedded=True, **bad)
+
+
+def test_the_cli_shows_the_demo_defaults():
+    """``radixkv demo --help`` states run_demo's defaults without importing torch for them."""
+    import inspect
+
+    from radixkv.cli import DEMO_DEFAULTS
+
+    params = inspect.signature(run_demo).parameters
+    assert {k: params[k].default for k in DEMO_DEFAULTS} == DEMO_DEFAULTS

@@ -11,7 +11,7 @@ from radixkv.bench import hitrate
 from radixkv.bench.hitrate import BlockSimAdapter, add_arguments, main, run
 from radixkv.bench.progress import Progress
 
-TOP_KEYS = {"trace", "requests", "prompt_tokens", "unique_tokens", "bounds", "results"}
+TOP_KEYS = {"trace", "engine", "page_size", "requests", "prompt_tokens", "unique_tokens", "bounds", "results"}
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "hit_tokens",
                "token_hit_rate", "evicted_tokens"}
 
@@ -50,7 +50,10 @@ def test_trace_json_schema_and_table(trace_file, tmp_path, capsys):
     assert doc["bounds"]["infinite_capacity"] == pytest.approx(32 / 58)
     full = [r for r in doc["results"] if r["capacity_frac"] == 1.0]
     assert all(r["hit_tokens"] == 32 and r["evicted_tokens"] == 0 for r in full)
+    assert doc["engine"] == "blocksim" and doc["page_size"] == 4
     stdout = capsys.readouterr().out
+    assert "tiny_trace, 6 requests, engine blocksim, page size 4" in stdout
+    assert "token hit rate (% of prompt tokens) by cache capacity" in stdout
     assert "| policy | 25% | 50% | 100% |" in stdout
     for row in ("| lru |", "| lfu |", "| belady (offline) |", "| infinite capacity |"):
         assert row in stdout
@@ -63,8 +66,9 @@ def test_workload_json_to_stdout_with_research_policies(capsys):
     rc = policies_main(["--workload", "few-shot", "--limit", "80", "--page-size", "8", "--capacity-frac", "0.1",
                         "--policy", "lru,s3fifo,aplru", "--json", "-", "--no-progress"])
     assert rc == 0
-    text = capsys.readouterr().out
-    doc = json.loads(text[text.index("\n{") + 1:])
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)                    # stdout holds the JSON alone
+    assert "| lru |" in captured.err                  # the table went to stderr
     _check_schema(doc, ["lru", "s3fifo", "aplru"], [0.1], 8)
     assert doc["trace"] == "few-shot(seed=0)" and doc["requests"] == 80
     assert doc["bounds"]["belady"]["0.1"] >= max(r["token_hit_rate"] for r in doc["results"])
@@ -104,6 +108,9 @@ def test_missing_trace_and_bad_args(tmp_path, capsys):
         main(["--trace", "x", "--workload", "agent"])
     with pytest.raises(SystemExit):
         main(["--workload", "agent", "--capacity-frac", "0,abc"])
+    capsys.readouterr()
+    assert main(["--workload", "agent", "--capacity-frac", "0.5,1.5"]) == 2   # above every unique token
+    assert "(0, 1]" in capsys.readouterr().err
 
 
 def test_run_is_callable_from_another_parser(trace_file, tmp_path):
@@ -140,19 +147,32 @@ def test_replay_driver_counts():
     assert (tight.hit_tokens, tight.evicted_tokens) == (0, 16)   # 8 cached, evicted twice
 
 
-def test_progress_bar():
+def test_progress_bar_is_tqdm_and_quiet_off_a_terminal():
     buf = io.StringIO()
-    with Progress(4, "x", stream=buf, enabled=True, min_interval=0.0) as bar:
+    with Progress(4, "x", stream=buf, enabled=True) as bar:
         bar.update(2)
-        assert bar.render().startswith("[###############...............]  50% 2/4 x")
-        bar.update(5)
-        assert bar.done == 4
+        bar.update(2)
     text = buf.getvalue()
-    assert text.startswith("\r[") and text.endswith("\n") and "100% 4/4" in text
+    assert "x: 100%" in text and "4/4" in text and "req/s" in text
     quiet = io.StringIO()
     with Progress(4, stream=quiet) as bar:            # StringIO is not a terminal
         bar.update(4)
     assert quiet.getvalue() == ""
+
+
+def test_progress_reaches_the_total_with_the_batched_simulator(trace_file, monkeypatch):
+    """blocksim reports every 256 requests: the bar still ends at 100%."""
+    ends = []
+    real = hitrate.Progress
+
+    def spy(*a, **k):
+        bar = real(*a, **{**k, "enabled": True, "stream": io.StringIO()})
+        ends.append(bar)
+        return bar
+
+    monkeypatch.setattr(hitrate, "Progress", spy)
+    assert main(["--trace", trace_file, "--block-size", "4", "--capacity-frac", "0.5"]) == 0
+    assert ends and all(b.n == b.total == 6 for b in ends)
 
 
 def test_bundled_trace_shorthand(tmp_path):

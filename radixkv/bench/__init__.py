@@ -12,9 +12,9 @@ with pluggable eviction policies, the offline (Belady) bound and the replay CLI.
 * :mod:`radixkv.bench.hybrid_hitrate`   KV + Mamba-state replay through the MambaRadixCache
 * :mod:`radixkv.bench.hybrid_report`    ``bench hitrate --hybrid``: grid, JSON, tables, plot
 * :mod:`radixkv.bench.cluster`          N managers behind a KV-aware router (``bench cluster``)
-* :mod:`radixkv.bench.cli`              ``radixkv bench``: one front door for every benchmark
+* :mod:`radixkv.bench.cli`              ``radixkv bench``: hitrate and cluster (the rest: benchmarks/)
 
 Block-level policy research the RadixCache does not run (queue baselines, history
 policies, odlru, oracles) is in ``benchmarks/policy_research`` of a source checkout
-(``radixkv bench policies``).
+(``benchmarks/bench_policies.py``).
 """

@@ -216,7 +216,7 @@ class TreePolicy(KeyPolicy):
             raise InvalidArgumentError(
                 f"eviction policy {policy.name!r} keeps per-node state in hooks and runs on the "
                 f"tree only (--engine radix); its block-level research variant runs with "
-                f"'radixkv bench policies' from a source checkout")
+                f"benchmarks/bench_policies.py of a source checkout")
         self.policy = policy
         self.name = policy.name
         self._node = BlockNode()

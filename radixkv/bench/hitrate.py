@@ -42,7 +42,12 @@ from radixkv.bench.traces import MOONCAKE_BLOCK_SIZE, BlockTrace, load_mooncake
 from radixkv.bench.workloads import WORKLOADS, make_workload
 from radixkv.errors import InvalidArgumentError, RadixKVError
 
-__all__ = ["ReplayCache", "ReplayResult", "BlockSimAdapter", "replay", "register_engine",
+#: What ``radixkv bench hitrate --help`` says it does.
+DESCRIPTION = ("Prefix hit rate (matched prompt tokens / all prompt tokens) of eviction policies, replayed "
+               "over a Mooncake trace or a generated workload at capacities given as fractions of the "
+               "stream's unique prompt tokens, beside the infinite-capacity and Belady bounds.")
+
+__all__ = ["DESCRIPTION", "ReplayCache", "ReplayResult", "BlockSimAdapter", "replay", "register_engine",
            "ENGINES", "Source", "load_source", "measure", "add_arguments", "run", "main"]
 
 
@@ -224,6 +229,8 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
     bt = src.blocks
     doc: dict[str, Any] = {
         "trace": src.name,
+        "engine": engine,
+        "page_size": src.page_size,
         "requests": src.n_requests,
         "prompt_tokens": src.prompt_tokens,
         "unique_tokens": src.unique_tokens,
@@ -245,6 +252,7 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
                 else:
                     rr = replay(src.tokens(), ENGINES[engine](cap, pol, src.page_size), progress=bar)
                     hit, ev = rr.hit_tokens, rr.evicted_tokens
+                bar.update(bar.total - bar.n)                # the simulator reports in batches
             doc["results"].append({
                 "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": src.page_size,
                 "hit_tokens": int(hit), "token_hit_rate": hit / src.prompt_tokens, "evicted_tokens": int(ev),
@@ -252,12 +260,20 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
     return doc
 
 
+def describe(doc: dict) -> str:
+    """One line naming what was replayed: trace, engine, page size, requests."""
+    engine = doc.get("engine")
+    return (f"{doc['trace']}, {doc['requests']} requests" + (f", engine {engine}" if engine else "")
+            + (f", page size {doc['page_size']}" if doc.get("page_size") else ""))
+
+
 def markdown_table(doc: dict) -> str:
     """Policies as rows, capacities as columns, hit rates in percent; bounds as last rows."""
     fracs = sorted({r["capacity_frac"] for r in doc["results"]} | {float(k) for k in doc["bounds"]["belady"]})
     head = "| policy | " + " | ".join(f"{100 * f:g}%" for f in fracs) + " |"
-    lines = [f"{doc['trace']}: {doc['requests']} requests, {doc['prompt_tokens']} prompt tokens, "
-             f"{doc['unique_tokens']} unique", "", head, "| --- |" + " ---: |" * len(fracs)]
+    lines = [f"{describe(doc)}: {doc['prompt_tokens']} prompt tokens, {doc['unique_tokens']} unique",
+             "token hit rate (% of prompt tokens) by cache capacity (columns: % of the unique prompt tokens)",
+             "", head, "| --- |" + " ---: |" * len(fracs)]
     by: dict[str, dict[float, float]] = {}
     for r in doc["results"]:
         by.setdefault(r["policy"], {})[r["capacity_frac"]] = r["token_hit_rate"]
@@ -274,6 +290,7 @@ def plot(doc: dict, path: str) -> str | None:
     """Hit rate vs capacity per policy with the bounds; returns a note when skipped."""
     try:
         import matplotlib
+        import matplotlib.ticker
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -283,16 +300,25 @@ def plot(doc: dict, path: str) -> str | None:
     by: dict[str, list[tuple[float, float]]] = {}
     for r in doc["results"]:
         by.setdefault(r["policy"], []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
-    for pol, pts in by.items():
+    for i, (pol, pts) in enumerate(by.items()):   # shrinking markers: a policy on another stays visible
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
-    bel = sorted((float(k), 100 * v) for k, v in doc["bounds"]["belady"].items())
-    ax.plot([b[0] for b in bel], [b[1] for b in bel], "k--", label="belady (offline)")
-    ax.axhline(100 * doc["bounds"]["infinite_capacity"], color="grey", linestyle=":", label="infinite capacity")
+        ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>ph"[i % 9],
+                markersize=max(3, 8 - i), zorder=3, label=pol)
+    # The bounds under the policies, thick and pale, so a policy on a bound leaves it visible.
+    inf = 100 * doc["bounds"]["infinite_capacity"]
+    ax.axhline(inf, color="tab:grey", linewidth=4, alpha=0.4, zorder=1, label="infinite capacity")
+    bel = sorted((100 * float(k), 100 * v) for k, v in doc["bounds"]["belady"].items())
+    ax.plot([b[0] for b in bel], [b[1] for b in bel], color="black", linestyle="--", marker="s", markersize=4,
+            zorder=2, label="belady (offline)")
     ax.set_xscale("log")
-    ax.set_xlabel("capacity (fraction of unique prompt tokens)")
-    ax.set_ylabel("token hit rate (%)")
-    ax.set_title(doc["trace"])
+    ticks = sorted({100 * r["capacity_frac"] for r in doc["results"]})
+    ax.set_xticks(ticks)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}%"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("cache capacity (% of the unique prompt tokens)")
+    ax.set_ylabel("token hit rate (% of prompt tokens)")
+    ax.set_ylim(0, max(inf, 1.0) * 1.1)
+    ax.set_title(describe(doc), fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -301,6 +327,15 @@ def plot(doc: dict, path: str) -> str | None:
 
 
 # ---------------------------------------------------------------------- CLI
+def _policy_names(blocks: bool) -> str:
+    """The RadixCache's policy names, those the block simulator runs (``blocks``) or all."""
+    from radixkv.bench.block_policy import runs_on_blocks
+    from radixkv.cache.eviction import available_policies
+    from radixkv.cache.eviction import make_policy as make_tree_policy
+
+    return ", ".join(n for n in available_policies() if not blocks or runs_on_blocks(make_tree_policy(n)))
+
+
 def _floats(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
@@ -317,18 +352,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", help="Mooncake JSONL trace path, or 'conversation' / 'synthetic' (bundled)")
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload instead of a trace")
     parser.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE,
-                        help="tokens per trace hash block (pseudo-token expansion); default 512")
+                        help="tokens per trace hash block (pseudo-token expansion; default %(default)s)")
     parser.add_argument("--page-size", type=int, default=None,
-                        help="cache page / simulator block size (default: block size for traces, 16 for workloads)")
-    parser.add_argument("--capacity-frac", type=_floats, default=[0.01, 0.02, 0.05, 0.1, 0.25, 0.5],
-                        help="capacities as fractions of unique prompt tokens, comma-separated")
-    parser.add_argument("--policy", default="lru", help="eviction policies, comma-separated")
+                        help="cache page / simulator block size (default: the block size for traces, 16 for "
+                             "workloads)")
+    parser.add_argument("--capacity-frac", type=_floats, default="0.01,0.02,0.05,0.1,0.25,0.5",
+                        help="capacities as fractions (0, 1] of the unique prompt tokens (at 1 everything "
+                             "fits; --hybrid also takes more), comma-separated (default %(default)s)")
+    parser.add_argument("--policy", default="lru",
+                        help="eviction policies, comma-separated (default %(default)s; 'default': the "
+                             f"RadixCache's default, {default_policy_name()}). blocksim: {_policy_names(True)}; "
+                             f"radix: {_policy_names(False)}")
     parser.add_argument("--engine", default=None,
-                        help="blocksim (default) or a registered engine (radix); with --hybrid: tree (default) or flow")
-    parser.add_argument("--json", dest="json_out", help="write the JSON document here ('-' for stdout)")
+                        help="blocksim (default) or radix (the real RadixCache); with --hybrid: tree (default) "
+                             "or flow")
+    parser.add_argument("--json", dest="json_out",
+                        help="write the JSON document here ('-': stdout, and the tables go to stderr)")
     parser.add_argument("--plot", help="PNG path (default: the --json path with .png)")
-    parser.add_argument("--limit", type=int, default=None, help="first N requests of the trace / workload size")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="first N requests of the trace (default: all) / workload size")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="never draw the progress bar")
     from radixkv.bench.hybrid_report import add_hybrid_arguments
 
@@ -340,6 +383,9 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
     ``make_block_policy``: as in :func:`measure` (the research CLI passes its own)."""
     t0 = time.perf_counter()
     try:
+        if not getattr(args, "hybrid", False) and max(args.capacity_frac) > 1:
+            raise InvalidArgumentError(f"--capacity-frac {max(args.capacity_frac):g}: capacities are fractions "
+                                       f"(0, 1] of the unique prompt tokens (at 1 everything fits)")
         src = load_source(args.trace, args.workload, args.block_size, args.page_size, args.limit, args.seed)
         policies = [default_policy_name() if p.strip().lower() == "default" else p.strip()
                     for p in args.policy.split(",") if p.strip()]
@@ -362,7 +408,8 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
     hybrid = doc.get("mode") == "hybrid"
     if hybrid:
         from radixkv.bench.hybrid_report import hybrid_tables, plot_hybrid
-    print(hybrid_tables(doc) if hybrid else markdown_table(doc))
+    table_out = sys.stderr if args.json_out == "-" else sys.stdout   # stdout: the JSON alone
+    print(hybrid_tables(doc) if hybrid else markdown_table(doc), file=table_out)
     print(f"\n({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.json_out:
         text = json.dumps(doc, indent=2)
@@ -380,7 +427,7 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m radixkv.bench.hitrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m radixkv.bench.hitrate", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from radixkv.errors import AlignmentError, InvalidArgumentError, describe_ids
 
-__all__ = ["BlockTrace", "MooncakeTrace", "RequestBlocks", "load_mooncake", "MOONCAKE_BLOCK_SIZE"]
+__all__ = ["BlockTrace", "MooncakeTrace", "RequestBlocks", "find_sessions", "load_mooncake", "MOONCAKE_BLOCK_SIZE"]
 
 #: Tokens per ``hash_ids`` block in the Mooncake traces.
 MOONCAKE_BLOCK_SIZE = 512
@@ -336,3 +336,36 @@ def load_mooncake(path: str, limit: int | None = None, block_size: int = MOONCAK
             f"{path}: input_length does not fit len(hash_ids) blocks of {block_size} for requests {describe_ids(bad)}")
     name = os.path.splitext(os.path.basename(path))[0]
     return MooncakeTrace(name, np.asarray(ts, np.int64), il_arr, np.asarray(ol, np.int64), off, ids, block_size)
+
+
+def find_sessions(trace: MooncakeTrace, min_shared: int = 2) -> list[list[int]]:
+    """Conversations: chains of requests (trace indices, in trace order) where each continues
+    the previous one. The trace has no session ids, but its ``hash_ids`` are chained (one id
+    names a whole prefix), so a request continues an earlier one when it contains that
+    request's last *full* block (``hash_ids[-2]``); the predecessor is the latest such request
+    sharing at least ``min_shared`` blocks (the trace's common root block alone does not make a
+    conversation). A request continued by two later ones starts a branch: the later
+    continuation opens a new chain, so every chain is linear. One dict probe per block."""
+    if min_shared < 1:
+        raise InvalidArgumentError(f"min_shared must be >= 1, got {min_shared}")
+    off, ids = trace.hash_offsets, trace.hash_ids
+    last_full: dict[int, int] = {}          # block id -> latest request whose last full block it is
+    chain_of: dict[int, int] = {}           # request -> chain index
+    chains: list[list[int]] = []
+    for i in range(len(trace)):
+        h = ids[off[i]:off[i + 1]]
+        pred = -1
+        for k in range(len(h) - 1, min_shared - 2, -1):   # deepest shared prefix first
+            j = last_full.get(int(h[k]))
+            if j is not None:
+                pred = j
+                break
+        if pred >= 0 and chains[chain_of[pred]][-1] == pred:
+            chain_of[i] = chain_of[pred]
+            chains[chain_of[i]].append(i)
+        else:
+            chain_of[i] = len(chains)
+            chains.append([i])
+        if len(h) >= 2:
+            last_full[int(h[-2])] = i
+    return chains

@@ -33,6 +33,7 @@ event loop, and in-process users call it from one thread (or hold their own lock
 from __future__ import annotations
 
 import copy
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -80,6 +81,8 @@ if TYPE_CHECKING:
 __all__ = ["CacheEngine"]
 
 _EMPTY = np.empty(0, dtype=np.int64)
+#: DEBUG: the engine's decisions (sessions opened and reclaimed, prefix reuse per extend, evictions).
+log = logging.getLogger(__name__)
 
 
 def _filled(t: torch.Tensor | None) -> torch.Tensor:
@@ -155,7 +158,9 @@ class CacheEngine:
     def attach(self, worker_name: str = "") -> AttachInfo:
         """Open a session. Raises ``CapacityError`` at ``max_sessions``. O(1)."""
         self.sweep()
-        return AttachInfo(self.sessions.open(worker_name), self.layout())
+        session = self.sessions.open(worker_name)
+        log.debug("session %s attached (worker %r)", session.session_id, worker_name)
+        return AttachInfo(session, self.layout())
 
     def heartbeat(self, session: Session) -> float:
         """Renew the lease; returns the seconds it now has left."""
@@ -172,6 +177,7 @@ class CacheEngine:
         ``StaleSessionError`` quoting ``reason``. Returns how many requests it held.
         O(tokens its requests hold privately)."""
         rids = self.sessions.rids(session_id)
+        log.debug("session %s %s: %d running request(s) aborted", session_id, reason, len(rids))
         self._abort([self._reqs[r] for r in rids])
         self.sessions.close(session_id, reason)
         for r in rids:
@@ -278,6 +284,9 @@ class CacheEngine:
                                         seq[i], out[pos:pos + n].copy(), self._slot(r),
                                         r.decode_reserve.copy(), int(t_slots[i]), int(t_lens[i])))
             pos += n
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("alloc_extend: %s", ", ".join(f"{r.rid} {p}/{q} tokens reused"
+                                                    for r, p, q in zip(reqs, pre, seq)))
         return results
 
     def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
@@ -371,7 +380,9 @@ class CacheEngine:
         n = check_count(num_tokens, "num_tokens")
         k = check_count(num_states, "num_states")
         if not self.config.is_hybrid:
-            return EvictResult(self.tree.evict(n) if n else 0, 0)
+            got = self.tree.evict(n) if n else 0
+            log.debug("evict: %d tokens asked, %d evicted", n, got)
+            return EvictResult(got, 0)
         if not n and not k:
             return EvictResult(0, 0)
         res = cast("MambaRadixCache", self.tree).evict(n, k)

@@ -27,12 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser, prefix: str = "kv-events") ->
     g.add_argument(f"--{prefix}-replay-endpoint", default=None,
                    help="ROUTER endpoint answering replay requests, e.g. tcp://*:5558")
     g.add_argument(f"--{prefix}-topic", default="", help="topic frame of every message (default: empty)")
-    g.add_argument(f"--{prefix}-buffer-steps", type=int, default=10_000, help="batches kept for replay")
-    g.add_argument(f"--{prefix}-hwm", type=int, default=100_000, help="PUB send high-water mark")
+    g.add_argument(f"--{prefix}-buffer-steps", type=int, default=10_000,
+                   help="batches kept for replay (default %(default)s)")
+    g.add_argument(f"--{prefix}-hwm", type=int, default=100_000, help="PUB send high-water mark (default %(default)s)")
     g.add_argument(f"--{prefix}-layout", choices=LAYOUTS, default="array",
-                   help="event layout: array (array_like structs) or map")
+                   help="event layout: array (array_like structs) or map (default %(default)s)")
     g.add_argument(f"--{prefix}-state-events", choices=STATE_POLICIES, default="drop",
-                   help="hybrid state events on this stream: drop (vLLM-safe), inline, error")
+                   help="hybrid state events on this stream: drop (vLLM-safe), inline, error (default %(default)s)")
 
 
 class PublisherConfig(NamedTuple):

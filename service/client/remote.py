@@ -44,6 +44,7 @@ The client is thread-safe as gRPC channels are; the engine behind it serializes 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import time
@@ -83,6 +84,8 @@ from radixkv.engine.protocol import (
 from radixkv.errors import InvalidArgumentError, RadixKVError
 
 __all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
+
+log = logging.getLogger(__name__)
 
 
 class RemoteCacheEngine:
@@ -125,6 +128,7 @@ class RemoteCacheEngine:
         self.steps: StepLane | None = StepLane(self._stub, self._md, self._timeout) if step_stream else None
         self.local = LocalDecodes(local_decode)  # the per-session tables of local decode steps
         self.rpc_counts: dict[str, int] = {}  # calls sent (retries not counted), by method name
+        self._attached: dict[tuple[str, int], Session] = {}  # sessions close() detaches
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, request: Any, request_id: str | None = None, idempotent: bool = True) -> Any:
@@ -198,7 +202,9 @@ class RemoteCacheEngine:
             if m.pool not in layout.get("pools", {}):
                 raise InvalidArgumentError(f"the manager sent a mapping for unknown pool {m.pool!r}")
             layout["pools"][m.pool]["mapping"] = wire.descriptor_to_dict(wire.mapping_from_msg(m))
-        return AttachInfo(wire.session_from_msg(resp.session), layout)
+        session = wire.session_from_msg(resp.session)
+        self._attached[(session.session_id, session.epoch)] = session
+        return AttachInfo(session, layout)
 
     def heartbeat(self, session: Session) -> float:
         """Renew the lease (pending local decodes stay pending)."""
@@ -212,6 +218,7 @@ class RemoteCacheEngine:
         req = pb.DetachRequest(session=self._session(session))
         self.local.drop(session)
         self._call("Detach", req)
+        self._attached.pop((session.session_id, session.epoch), None)
 
     def start_keepalive(self, session: Session, interval_s: float | None = None) -> KeepAlive:
         """Keep ``session`` alive from a background stream (every ``interval_s``, default
@@ -379,9 +386,18 @@ class RemoteCacheEngine:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stop keep-alive streams and the Step stream, close the channel (sessions are not
-        detached). Pending local decodes are replayed first (best effort: logged on failure)."""
+        """Detach the sessions this client attached and has not detached, stop keep-alive
+        streams and the Step stream, close the channel. Pending local decodes are replayed
+        first (best effort: logged on failure); a session the manager no longer knows (its
+        lease ran out, the manager restarted) is skipped, as is an unreachable manager (it
+        reclaims the session when the lease runs out). Idempotent."""
         self.local.close(self._apply)
+        for key, session in list(self._attached.items()):
+            self._attached.pop(key, None)
+            try:
+                self.detach(session)
+            except RadixKVError as e:
+                log.debug("close(): session %s not detached: %s", session.session_id, e)
         for ka in self._keepalives:
             ka.stop()
         self._keepalives.clear()

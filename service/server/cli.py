@@ -52,6 +52,53 @@ def _engine_fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(EngineConfig))
 
 
+def _choices() -> dict[str, str]:
+    from radixkv.cache.eviction import available_policies
+    from radixkv.engine.config import ADMISSION_POLICIES
+
+    return {"eviction_policy": f": one of {', '.join(available_policies())}",
+            "admission_policy": f": one of {', '.join(ADMISSION_POLICIES)}",
+            "device": ": cpu, cuda or cuda:N"}
+
+
+_FIELD_CHOICES = _choices()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``,
+    ``message`` (and ``exception`` when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+        from datetime import datetime, timezone
+
+        doc = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """The root logger on stderr at ``level`` (a name, any case), as text or JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler], force=True)
+
+
+def _cuda_missing(device: str) -> str | None:
+    """Why ``device`` cannot be used here (one line), or None."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--device {device}: CUDA is not available (torch {torch.__version__}, "
+                f"{'built without CUDA' if torch.version.cuda is None else 'no CUDA device visible'})")
+    return None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every ``serve`` option to ``parser`` (a sub-parser). Returns it."""
     net = parser.add_argument_group("listening")
@@ -94,12 +141,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                      help="hold what an expired session held (not reused: a paused worker may still "
                           "write it) while its worker process still runs, at most this many seconds; "
                           "0 turns quarantine off (default %(default)s: on)")
-    run.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    run.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint")
+    run.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus /metrics on this port (0: any free port; default: no endpoint)")
+    run.add_argument("--metrics-addr", default="127.0.0.1",
+                     help="address of the metrics endpoint (default %(default)s)")
     run.add_argument("--torch-threads", type=int, default=1,
                      help="torch intra-op threads of the manager: its own CPU work is small bookkeeping "
                           "ops, extra threads only contend (default %(default)s)")
-    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                     help="any case; DEBUG adds radixkv's own decisions (sessions, evictions, leases) "
+                          "(default %(default)s)")
+    run.add_argument("--log-format", default="text", choices=["text", "json"],
+                     help="json: one JSON object per line (time, level, logger, message) for log "
+                          "shippers (default %(default)s)")
     add_kv_event_arguments(parser)  # --kv-events-endpoint ... (the ZMQ outlet; off without an endpoint)
     ev = parser.add_argument_group("KV event hub (every event outlet: gRPC streams, TakeEvents, ZMQ)")
     ev.add_argument("--kv-events-ring-size", type=int, default=DEFAULT_RING_SIZE,
@@ -113,13 +167,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                           "KV heads, head_dim, dtype) over --config, under the flags")
     for f in _engine_fields():
         flag = "--" + f.name.replace("_", "-")
+        extra = _FIELD_CHOICES.get(f.name, "")
         if f.type in (bool, "bool"):
             eng.add_argument(flag, dest=f"cfg_{f.name}", action=argparse.BooleanOptionalAction, default=None,
                              help=f"EngineConfig.{f.name} (default {f.default})")
         else:
             kind = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
             eng.add_argument(flag, dest=f"cfg_{f.name}", type=kind, default=None, metavar=f.name.upper(),
-                             help=f"EngineConfig.{f.name} (default {f.default!r})")
+                             help=f"EngineConfig.{f.name}{extra} (default {f.default!r})")
     return parser
 
 
@@ -166,8 +221,7 @@ def call_limits_from_args(args: argparse.Namespace, config: EngineConfig) -> Cal
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT. Returns the exit code (0 after a graceful
     shutdown; 2 when the arguments, the config or the address are unusable)."""
-    logging.basicConfig(level=getattr(logging, args.log_level, logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         if args.torch_threads < 1:
             raise InvalidArgumentError(f"--torch-threads must be >= 1, got {args.torch_threads}")
@@ -175,6 +229,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
         config = engine_config_from_args(args)
+        missing = _cuda_missing(str(config.device))
+        if missing:
+            print(f"radixkv serve: {missing}", file=sys.stderr)
+            return 2
         token = resolve_token(args.token, args.token_file, allow_readable=args.allow_readable_token_file)
         options = serve_options_from_args(args)
         options = options._replace(call_limits=call_limits_from_args(args, config))

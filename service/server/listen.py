@@ -1,11 +1,13 @@
 """Where the cache manager listens: Unix-socket and TCP addresses, socket-directory safety,
 TLS credentials.
 
-A Unix socket by default (``unix:///dir/name.sock``): the directory is created 0700 when
-missing, and refused when it is not ours or allows group/other access; a stale socket file
-(nobody listening) is replaced, a live one refused. TCP (``host:port``) on request: with TLS
-(``tls_cert``/``tls_key``, and ``tls_ca`` to require client certificates), or without it on
-loopback only unless ``allow_insecure_tcp``.
+A Unix socket by default (:func:`default_address`: ``$XDG_RUNTIME_DIR/radixkv-manager/manager.sock``,
+else ``<temp dir>/radixkv-manager-<uid>/manager.sock``; the directory name is no importable
+package name, so a process started in the temp directory never imports it as ``radixkv``).
+The directory is created 0700 when missing, and refused when it is not ours or allows
+group/other access; a stale socket file (nobody listening) is replaced, a live one refused.
+TCP (``host:port``) on request: with TLS (``tls_cert``/``tls_key``, and ``tls_ca`` to require
+client certificates), or without it on loopback only unless ``allow_insecure_tcp``.
 
 Pure host-side helpers; :class:`~radixkv.service.server.manager.CacheManagerServer` calls
 :func:`bind` once at start-up.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import tempfile
 from typing import Any, NamedTuple
 
 import grpc
@@ -22,10 +25,25 @@ from radixkv.service.wire.transport import read_file, unix_socket_path
 
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError
 
-__all__ = ["LOOPBACK", "Bound", "prepare_unix_socket", "bind"]
+__all__ = ["LOOPBACK", "Bound", "default_socket_dir", "default_address", "prepare_unix_socket", "bind"]
 
 #: Hosts a plaintext TCP listener may bind without ``allow_insecure_tcp``.
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def default_socket_dir() -> str:
+    """This user's directory for the manager's socket: ``$XDG_RUNTIME_DIR/radixkv-manager``
+    when that runtime directory exists (per user, 0700, cleared at logout), else
+    ``<temp dir>/radixkv-manager-<uid>``. Neither name is a valid Python identifier."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        return os.path.join(runtime, "radixkv-manager")
+    return os.path.join(tempfile.gettempdir(), f"radixkv-manager-{os.getuid()}")
+
+
+def default_address() -> str:
+    """``unix://`` + :func:`default_socket_dir` + ``/manager.sock``."""
+    return f"unix://{default_socket_dir()}/manager.sock"
 
 
 class Bound(NamedTuple):

@@ -55,7 +55,7 @@ from radixkv.service.server.auth import DEFAULT_HEALTH_BUDGET, TokenAuthIntercep
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
 from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
-from radixkv.service.server.listen import bind
+from radixkv.service.server.listen import bind, default_address
 from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
@@ -93,7 +93,7 @@ DEFAULT_EVENTS_INTERVAL_S = 0.005
 class ServeOptions(NamedTuple):
     """How the server listens and behaves (the engine's shape is the ``EngineConfig``)."""
 
-    address: str = "unix:///tmp/radixkv/manager.sock"
+    address: str = default_address()  # this user's socket directory (listen.default_socket_dir)
     shm_dir: str | None = None  # default /dev/shm (else the temp dir)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 5.0
@@ -230,11 +230,26 @@ class CacheManagerServer:
         if self.lease_clock is not None:
             self.lease_clock.start()
         self.outlets.start(self._closing)
-        log.info("radixkv cache manager listening on %s (device %s, %d KV tokens, epoch %d)",
-                 self.address, self.config.device, self.config.kv_tokens, self.engine.epoch)
+        log.info("%s", self.startup_line())
         for exposure in exposure_warnings(o):
             log.warning("exposed: %s", exposure)
         return self.address
+
+    def startup_line(self) -> str:
+        """What the manager logs once listening: version, address, pool shape and policies,
+        the metrics endpoint and the event outlets."""
+        from radixkv import __version__
+
+        c, o = self.config, self.options
+        metrics = (f"http://{o.metrics_addr}:{self.metrics_port}/metrics" if self.metrics_port is not None
+                   else "off (--metrics-port)")
+        outlets = ["gRPC WatchEvents/TakeEvents"] if c.enable_kv_events else []
+        if o.kv_events is not None:
+            outlets.append(f"ZMQ {o.kv_events.endpoint}")
+        return (f"radixkv {__version__} cache manager listening on {self.address}: device {c.device}, "
+                f"{c.kv_tokens} KV tokens, page size {c.page_size}, eviction {c.eviction_policy}, admission "
+                f"{c.admission_policy}, epoch {self.engine.epoch}; metrics {metrics}; KV events "
+                f"{' + '.join(outlets) if outlets else 'off (--enable-kv-events)'}")
 
     def _rejected(self, method: str) -> None:
         self.metrics.auth_failed(method)

@@ -7,23 +7,36 @@ changes the engine is too often; the server refreshes at every lease sweep and o
 RPC); the HTTP exporter thread only ever reads that snapshot, never the engine, so no lock
 is needed around the engine.
 
-Exported (prefix ``radixkv_``):
+Exported (Prometheus conventions: cumulative counts are counters ending in ``_total``, names
+carry their unit; vLLM's names where vLLM has the metric, so that dashboards and hit-rate
+queries written for vLLM work):
 
-* ``rpc_latency_seconds{method,code}`` histogram; ``rpc_total`` via its ``_count``;
-* ``auth_failures_total{method}``;
-* ``kv_tokens{state=available|evictable|protected|held}``, ``kv_capacity_tokens``;
-* ``state_slots{state=...}``, ``state_capacity_slots``; ``rows_available``, ``rows_capacity``;
-* ``sessions``, ``requests``, ``hit_rate``;
-* ``queries_total``, ``queried_tokens_total``, ``hit_tokens_total``, ``inserted_tokens_total``,
-  ``evicted_tokens_total`` (counters, from the engine's cumulative stats);
-* ``quarantined_sessions`` (gauge), ``quarantine_released{why=gone|timeout}`` (since start),
-  ``reply_cache_bytes`` and ``reply_cache_hits`` (idempotent retries answered from the cache).
+* ``radixkv_build_info{version}`` (always 1), and the process collector's ``process_*``
+  (CPU seconds, resident memory, open file descriptors, start time);
+* ``radixkv_rpc_latency_seconds{method,code}`` histogram (its ``_count``: calls);
+  ``radixkv_auth_failures_total{method}``;
+* ``radixkv_prefix_cache_queries_total`` / ``radixkv_prefix_cache_hits_total``: prompt tokens
+  looked up / found in the cache (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``;
+  hit rate: ``rate(..._hits_total[5m]) / rate(..._queries_total[5m])``);
+  ``radixkv_match_queries_total`` (lookups), ``radixkv_inserted_tokens_total``,
+  ``radixkv_evicted_tokens_total``;
+* ``radixkv_kv_cache_usage_perc``: the fraction (0..1) of KV slots held by running requests
+  or locked in the tree (vLLM's ``kv_cache_usage_perc``; evictable cached slots count as
+  free, as in vLLM); ``radixkv_kv_tokens{state=available|evictable|protected|held}``,
+  ``radixkv_kv_capacity_tokens``;
+* ``radixkv_state_slots{state=...}``, ``radixkv_state_capacity_slots`` (Mamba states);
+  ``radixkv_request_rows{state=available|used}``, ``radixkv_request_rows_capacity``;
+* ``radixkv_sessions``, ``radixkv_running_requests`` (gauges);
+* ``radixkv_quarantined_sessions`` (gauge), ``radixkv_quarantine_released_sessions_total{why=gone|timeout}``,
+  ``radixkv_reply_cache_bytes`` (gauge), ``radixkv_reply_cache_hits_total`` (idempotent retries
+  answered from the reply cache).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -34,13 +47,33 @@ LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5
 
 
 class _StatsCollector(Collector):
+    """The engine snapshot and the reliability figures, as the families the docstring lists."""
+
     def __init__(self) -> None:
         self.stats: EngineStats | None = None
+        self.reliability: tuple[Any, int, int] | None = None  # (QuarantineStats, reply bytes, reply hits)
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._engine()
+        yield from self._reliability()
+
+    def _engine(self) -> Iterator[Metric]:
         s = self.stats
         if s is None:
             return
+        yield CounterMetricFamily("radixkv_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  value=s.queried_tokens)
+        yield CounterMetricFamily("radixkv_prefix_cache_hits", "prompt tokens found in the prefix cache",
+                                  value=s.hit_tokens)
+        for name, value, doc in (("match_queries", s.queries, "prefix lookups"),
+                                 ("inserted_tokens", s.inserted_tokens, "tokens inserted into the tree"),
+                                 ("evicted_tokens", s.evicted_tokens, "tokens evicted from the tree")):
+            yield CounterMetricFamily(f"radixkv_{name}", doc, value=value)
+        used = s.kv_protected + s.kv_held
+        yield GaugeMetricFamily("radixkv_kv_cache_usage_perc",
+                                "fraction (0..1) of KV slots held by running requests or locked in the tree "
+                                "(evictable cached slots count as free)",
+                                value=used / s.kv_capacity if s.kv_capacity else 0.0)
         kv = GaugeMetricFamily("radixkv_kv_tokens", "KV slots by state (tokens)", labels=["state"])
         st = GaugeMetricFamily("radixkv_state_slots", "Mamba state slots by state", labels=["state"])
         for state in ("available", "evictable", "protected", "held"):
@@ -48,20 +81,34 @@ class _StatsCollector(Collector):
             st.add_metric([state], getattr(s, f"state_{state}"))
         yield kv
         yield st
+        rows = GaugeMetricFamily("radixkv_request_rows", "req_to_token rows by state", labels=["state"])
+        rows.add_metric(["available"], s.rows_available)
+        rows.add_metric(["used"], s.rows_capacity - s.rows_available)
+        yield rows
         for name, value, doc in (
             ("kv_capacity_tokens", s.kv_capacity, "KV capacity (tokens)"),
             ("state_capacity_slots", s.state_capacity, "Mamba state capacity (slots)"),
-            ("rows_capacity", s.rows_capacity, "req_to_token rows"),
-            ("rows_available", s.rows_available, "free req_to_token rows"),
+            ("request_rows_capacity", s.rows_capacity, "req_to_token rows"),
             ("sessions", s.sessions, "attached sessions"),
-            ("requests", s.requests, "running requests"),
-            ("hit_rate", s.hit_rate, "hit tokens / queried tokens since start"),
+            ("running_requests", s.requests, "running requests"),
         ):
             yield GaugeMetricFamily(f"radixkv_{name}", doc, value=value)
-        for name, value in (("queries", s.queries), ("queried_tokens", s.queried_tokens),
-                            ("hit_tokens", s.hit_tokens), ("inserted_tokens", s.inserted_tokens),
-                            ("evicted_tokens", s.evicted_tokens)):
-            yield CounterMetricFamily(f"radixkv_{name}", f"engine {name.replace('_', ' ')}", value=value)
+
+    def _reliability(self) -> Iterator[Metric]:
+        if self.reliability is None:
+            return
+        q, reply_bytes, reply_hits = self.reliability
+        yield GaugeMetricFamily("radixkv_quarantined_sessions", "expired sessions whose holdings are quarantined",
+                                value=q.held)
+        rel = CounterMetricFamily("radixkv_quarantine_released_sessions", "quarantined sessions released",
+                                  labels=["why"])
+        rel.add_metric(["gone"], q.released_gone)
+        rel.add_metric(["timeout"], q.released_timeout)
+        yield rel
+        yield GaugeMetricFamily("radixkv_reply_cache_bytes", "bytes of kept replies (idempotent calls)",
+                                value=reply_bytes)
+        yield CounterMetricFamily("radixkv_reply_cache_hits", "retries answered from the reply cache",
+                                  value=reply_hits)
 
 
 class ServiceMetrics:
@@ -73,14 +120,10 @@ class ServiceMetrics:
                                      ["method", "code"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.auth_failures = Counter("radixkv_auth_failures", "calls rejected for a missing or wrong token",
                                      ["method"], registry=self.registry)
-        self.quarantined = Gauge("radixkv_quarantined_sessions", "expired sessions whose holdings are quarantined",
-                                 registry=self.registry)
-        self.quarantine_released = Gauge("radixkv_quarantine_released", "quarantined sessions released since start",
-                                         ["why"], registry=self.registry)
-        self.reply_cache_bytes = Gauge("radixkv_reply_cache_bytes", "bytes of kept replies (idempotent calls)",
-                                       registry=self.registry)
-        self.reply_cache_hits = Gauge("radixkv_reply_cache_hits", "retries answered from the reply cache",
-                                      registry=self.registry)
+        from radixkv import __version__
+
+        Info("radixkv_build", "the radixkv version serving", registry=self.registry).info({"version": __version__})
+        ProcessCollector(registry=self.registry)
         self._stats = _StatsCollector()
         self.registry.register(self._stats)
         self._http: tuple[object, object] | None = None
@@ -95,13 +138,10 @@ class ServiceMetrics:
         """Replace the engine snapshot the exporter serves (call from the engine's loop)."""
         self._stats.stats = stats
 
-    def update_reliability(self, quarantine: object, reply_bytes: int, reply_hits: int) -> None:
-        """Refresh the quarantine and reply-cache gauges (a ``QuarantineStats``)."""
-        self.quarantined.set(quarantine.held)
-        self.quarantine_released.labels("gone").set(quarantine.released_gone)
-        self.quarantine_released.labels("timeout").set(quarantine.released_timeout)
-        self.reply_cache_bytes.set(reply_bytes)
-        self.reply_cache_hits.set(reply_hits)
+    def update_reliability(self, quarantine: Any, reply_bytes: int, reply_hits: int) -> None:
+        """Replace the quarantine (a ``QuarantineStats``: cumulative releases) and reply-cache
+        snapshot the exporter serves (call from the engine's loop)."""
+        self._stats.reliability = (quarantine, int(reply_bytes), int(reply_hits))
 
     def exposition(self) -> bytes:
         """The text format a Prometheus scrape gets."""

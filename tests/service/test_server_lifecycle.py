@@ -203,14 +203,43 @@ def test_metrics_endpoint():
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         assert 'radixkv_rpc_latency_seconds_count{code="OK",method="AllocExtend"} 1.0' in text
         assert 'radixkv_kv_tokens{state="evictable"} 10.0' in text
-        assert "radixkv_sessions 1.0" in text and "radixkv_hit_rate" in text
+        assert "radixkv_sessions 1.0" in text and "radixkv_running_requests 0.0" in text
         assert "radixkv_evicted_tokens_total" in text
+        # vLLM's names: token counters of prefix lookups and hits, and the usage ratio
+        assert "radixkv_prefix_cache_queries_total 9.0" in text      # the prompt but its last token
+        assert "radixkv_prefix_cache_hits_total 0.0" in text         # a fresh tree
+        assert "radixkv_kv_cache_usage_perc 0.0" in text             # the 10 cached tokens are evictable
+        c.alloc_extend(s, [ExtendItem("n", np.arange(1, 13, dtype=np.int32))])   # 10 cached + 2 new
+        c.stats()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        assert "radixkv_prefix_cache_queries_total 20.0" in text
+        assert "radixkv_prefix_cache_hits_total 10.0" in text
+        assert f"radixkv_kv_cache_usage_perc {12 / 128}" in text     # 10 locked + 2 held of 128
+        c.release(s, ["n"])
+        assert 'radixkv_build_info{version="' in text and "process_resident_memory_bytes" in text
+        types = {ln.split()[2]: ln.split()[3] for ln in text.splitlines() if ln.startswith("# TYPE")}
+        assert all(name.endswith("_total") for name, kind in types.items() if kind == "counter"), types
         with connect(srv.address, token="wrong-token-here") as bad:
             with pytest.raises(Exception):  # noqa: B017
                 bad.stats()
         text = srv.server.metrics.exposition().decode()
         assert 'radixkv_auth_failures_total{method="Stats"} 1.0' in text
         c.detach(s)
+
+
+def test_reliability_metrics_are_counters_with_units():
+    from types import SimpleNamespace
+
+    from radixkv.service.server.metrics import ServiceMetrics
+
+    m = ServiceMetrics()
+    m.update_reliability(SimpleNamespace(held=2, released_gone=3, released_timeout=1), 4096, 7)
+    text = m.exposition().decode()
+    assert "radixkv_quarantined_sessions 2.0" in text
+    assert 'radixkv_quarantine_released_sessions_total{why="gone"} 3.0' in text
+    assert 'radixkv_quarantine_released_sessions_total{why="timeout"} 1.0' in text
+    assert "radixkv_reply_cache_bytes 4096.0" in text and "radixkv_reply_cache_hits_total 7.0" in text
+    assert "# TYPE radixkv_reply_cache_hits_total counter" in text
 
 
 def test_keepalive_stream_end_detaches_and_stale_epoch_is_refused():
