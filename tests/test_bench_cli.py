@@ -61,11 +61,25 @@ def test_hitrate_help_has_exactly_the_module_flags(capsys):
         assert flag in out
 
 
-def test_only_the_packaged_benchmarks_are_offered(capsys):
-    """What ``radixkv bench`` offers works from a wheel: the checkout's scripts are not verbs."""
+def test_only_the_packaged_benchmarks_are_offered_without_a_checkout(capsys, monkeypatch):
+    """What ``radixkv bench`` offers works from a wheel: the checkout's scripts are not verbs there."""
     assert bench_cli.SUBCOMMANDS == ("hitrate", "cluster")
+    monkeypatch.setattr(bench_cli, "checkout_benchmarks", lambda: None)
     assert main(["bench", "radix"]) == 2
     assert "unknown benchmark 'radix'" in capsys.readouterr().err
+    assert main(["bench", "--help"]) == 0
+    assert "vllm" not in capsys.readouterr().out
+
+
+def test_a_checkout_also_offers_its_benchmark_scripts(capsys):
+    """From this source checkout ``radixkv bench vllm`` (issue 16's command) and the other
+    scripts are verbs: listed in the help and run as ``python benchmarks/bench_NAME.py``."""
+    assert bench_cli.checkout_benchmarks() is not None
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, (script, _) in bench_cli.SCRIPTS.items():
+        assert f"\n  {name}" in out and script in out
+    assert main(["bench", "allocator", "--help"]) == 0
 
 
 def test_hitrate_radix_engine_writes_the_json_schema(trace_file, tmp_path, capsys):

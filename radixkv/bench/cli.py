@@ -7,19 +7,40 @@
 * ``radixkv bench cluster ...``: N managers behind a KV-aware router (:mod:`radixkv.bench.cluster`).
 
 The other benchmarks (latency, allocator, service, Mamba, SGLang and vLLM comparisons,
-policy research) are scripts of a source checkout: ``python benchmarks/bench_NAME.py``.
+policy research) are scripts of a source checkout: ``python benchmarks/bench_NAME.py``. Run
+from a checkout (or an editable install of one), ``radixkv bench NAME`` runs them too and the
+help lists them; an installed wheel neither lists nor offers them.
 
 Exit code: the benchmark's (2 for a usage error here).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 
-__all__ = ["SUBCOMMANDS", "resolve_policies", "run_hitrate", "main"]
+__all__ = ["SCRIPTS", "SUBCOMMANDS", "checkout_benchmarks", "resolve_policies", "run_hitrate", "main"]
 
 SUBCOMMANDS = ("hitrate", "cluster")
+#: checkout-only verb -> (script in ``benchmarks/``, what it measures)
+SCRIPTS: dict[str, tuple[str, str]] = {
+    "radix": ("bench_radix.py", "RadixCache per-op latency, hit rate and memory"),
+    "allocator": ("bench_allocator.py", "KV allocator alloc/free cost"),
+    "service": ("bench_service.py", "the gRPC cache manager vs the embedded engine"),
+    "mamba": ("bench_mamba.py", "MambaRadixCache latency and state-hit rates"),
+    "vs-sglang": ("bench_vs_sglang.py", "SGLang's caches beside radixkv's in one run"),
+    "policies": ("bench_policies.py", "the block-level research policies on the simulator"),
+    "vllm": ("bench_vllm.py", "vLLM instances: own prefix caching vs the radixkv connector"),
+}
+
+
+def checkout_benchmarks() -> str | None:
+    """``benchmarks/`` beside the package when it runs from a source checkout, else None."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(here, "benchmarks")
+    return path if os.path.isfile(os.path.join(path, SCRIPTS["radix"][0])) else None
 
 _HELP = """usage: radixkv bench {hitrate,cluster} [options]
 
@@ -70,11 +91,19 @@ def run_hitrate(argv: list[str], make_block_policy: Callable | None = None,
     return int(hitrate.run(args, make_block_policy) or 0)
 
 
+def _help(bench_dir: str | None) -> str:
+    if bench_dir is None:
+        return _HELP
+    rows = "".join(f"  {name:<10} {what} (benchmarks/{script})\n" for name, (script, what) in SCRIPTS.items())
+    return _HELP + "\nFrom this source checkout also:\n" + rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """``radixkv bench NAME [options]``; see the module docstring."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    bench_dir = checkout_benchmarks()
     if not argv or argv[0] in ("-h", "--help"):
-        print(_HELP, end="")
+        print(_help(bench_dir), end="")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name == "hitrate":
@@ -83,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         from radixkv.bench import cluster
 
         return cluster.main(rest)
-    print(f"radixkv bench: unknown benchmark {name!r}; choose from {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    if name in SCRIPTS and bench_dir is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return subprocess.call([sys.executable, os.path.join(bench_dir, SCRIPTS[name][0]), *rest])
+    offered = SUBCOMMANDS + (tuple(SCRIPTS) if bench_dir is not None else ())
+    print(f"radixkv bench: unknown benchmark {name!r}; choose from {', '.join(offered)}", file=sys.stderr)
     return 2
 
 
