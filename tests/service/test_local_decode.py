@@ -254,6 +254,10 @@ def pair():
     assert not p.srv.shm_files()
 
 
+#: The client methods whose pending replay rides on their Step message.
+RIDING = ("match", "alloc_extend", "alloc_decode", "cache_unfinished", "cache_finished", "release", "evict")
+
+
 class Driver:
     """Both engines, sessions on each, and a model of every request's reserve (from the
     embedded replies) that predicts which decode calls the client answers locally."""
@@ -268,7 +272,7 @@ class Driver:
         self.r2t_emb = pair.emb.pools.req_to_token_pool.req_to_token
         self.known = [{} for _ in self.s]  # rid -> reserve length, per session
         self.live = [[] for _ in self.s]
-        self.local_decodes = self.rpc_decodes = 0
+        self.local_decodes = self.rpc_decodes = self.ridden = 0
 
     def rpcs(self):
         return sum(self.c.rpc_counts.values())
@@ -277,15 +281,20 @@ class Driver:
         """``local``: the client should answer the call itself (else it replays first)."""
         out = []
         pending = self.c.local.pending(self.s[si][1])
-        applied = self.c.rpc_counts.get("ApplyDecodes", 0)
+        applied, flushes = self.c.rpc_counts.get("ApplyDecodes", 0), self.c.local.flushes
+        ride = self.c.steps is not None and self.c.steps.rides_replay and method in RIDING
         for k, engine in enumerate((self.emb, self.c)):
             try:
                 out.append(("ok", getattr(engine, method)(self.s[si][k], *args)))
             except RadixKVError as e:
                 out.append(("err", type(e).__name__))
         assert _norm(out[0]) == _norm(out[1]), f"{method}: embedded {out[0]} != remote {out[1]}"
-        # a call not answered locally replays the local decodes before it, with one RPC
-        assert self.c.rpc_counts.get("ApplyDecodes", 0) == applied + (1 if pending and not local else 0)
+        # a call not answered locally replays the local decodes before it: one replay, riding
+        # on the call's Step message when the stream's manager runs them, else its own RPC
+        replays = 1 if pending and not local else 0
+        assert self.c.local.flushes == flushes + replays
+        assert self.c.rpc_counts.get("ApplyDecodes", 0) == applied + (0 if ride else replays)
+        self.ridden += replays if ride else 0
         if out[0][0] == "err":
             self.known[si].clear()  # the client drops the session's table on an error
         return out[0]
@@ -384,7 +393,9 @@ def test_lockstep_with_local_decode(pair, step_stream):
     d, counts, st = run_scheduler(pair, 11, 260, step_stream=step_stream)
     assert d.local_decodes > 40 and d.rpc_decodes > 10, (d.local_decodes, d.rpc_decodes)
     assert st.local_calls == d.local_decodes and st.replayed_calls == d.local_decodes
-    assert counts.get("AllocDecode", 0) == d.rpc_decodes and counts["ApplyDecodes"] <= d.local_decodes
+    assert counts.get("AllocDecode", 0) == d.rpc_decodes and st.flushes <= d.local_decodes
+    assert counts.get("ApplyDecodes", 0) == st.flushes - d.ridden
+    assert (d.ridden > 10) == step_stream, d.ridden  # over the stream most replays ride on a call
 
 
 def test_lockstep_without_local_decode(pair):
