@@ -453,3 +453,40 @@ def test_apply_decodes_error_names_the_call_and_keeps_the_calls_before(pair):
     d.decode(0, ["y1"], rng)  # both agree on where y1 stands
     d.idle()
     d.close()
+
+
+@pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
+def test_a_replay_riding_on_a_call_runs_first_and_a_failed_one_stops_the_call(pair, step_stream):
+    from radixkv.service.client.step_lane import Replay
+
+    rng = np.random.default_rng(5)
+    d = Driver(pair, pair.client(local_decode=False, step_stream=step_stream), n_sessions=1)
+    d.extend(0, "z1", toks(rng, 6))  # over the stream, the manager's answer says it runs replays
+    assert (d.c.steps is not None and d.c.steps.rides_replay) == step_stream
+    (e_s, r_s) = d.s[0]
+    bad = Replay(replay_request(r_s, [PendingCall(["z1"], np.array([3], np.int32)),
+                                      PendingCall(["nobody"], np.array([3], np.int32))]), "ride-1")
+    req = pb.CacheRequest(session=wire.session_to_msg(r_s), rids=["z1"])
+    sent = dict(d.c.rpc_counts)
+    with pytest.raises(NotFoundError, match="ApplyDecodes call 1 of 2"):
+        d.c._call("CacheFinished", req, replay=bad)
+    assert not bad.applied  # the replay stopped at call 1: the call did not run
+    # riding over the stream: no ApplyDecodes RPC; unary: the replay went first on its own
+    assert d.c.rpc_counts.get("ApplyDecodes", 0) - sent.get("ApplyDecodes", 0) == (0 if step_stream else 1)
+    pair.emb.alloc_decode(e_s, [DecodeItem("z1", 3)])  # call 0 stays applied, once
+    # the same replay sent again (a broken stream's fallback) gets the kept reply: call 0 not twice
+    with pytest.raises(NotFoundError, match="ApplyDecodes call 1 of 2"):
+        d.c._call("CacheFinished", req, replay=bad)
+    good = Replay(replay_request(r_s, [PendingCall(["z1"], np.array([4], np.int32))]), "ride-2")
+    res = d.c._call("CacheUnfinished", req, replay=good)
+    assert good.applied and res.results[0].rid == "z1"
+    pair.emb.alloc_decode(e_s, [DecodeItem("z1", 4)])
+    assert pair.emb.cache_unfinished(e_s, ["z1"])[0].cached_len == res.results[0].cached_len
+    again = Replay(good.request, "ride-2")  # a retry of that replay: answered, not applied twice
+    d.c._call("Release", pb.ReleaseRequest(session=wire.session_to_msg(r_s), rids=["z1"]), replay=again)
+    assert again.applied
+    pair.emb.release(e_s, ["z1"])
+    d.live[0].remove("z1")
+    d.known[0].pop("z1", None)
+    d.idle()
+    d.close()
