@@ -249,29 +249,34 @@ class LocalDecodes:
             t = self._table(session, False)
             if t is None:
                 return None
+            reqs = t.reqs
             rids = [it.rid for it in items]
-            ents = [t.reqs.get(rid) for rid in rids]
-            if any(e is None or e.left() < 2 for e in ents) or len(set(rids)) != b:
+            ents = [reqs.get(rid) for rid in rids]
+            for e in ents:
+                if e is None or e.reserve.size - e.head < 2:
+                    return None
+            if len(set(rids)) != b:
                 return None
-            out = np.fromiter((e.reserve[e.head] for e in ents), np.int64, b)
-            pos = np.fromiter((e.seq_len for e in ents), np.int64, b)
-            rows = np.fromiter((e.row for e in ents), np.int64, b)
-            mamba = np.fromiter((e.mamba for e in ents), np.int64, b)
+            # one (b, 4) array: each request's next slot, seq_len, row, Mamba slot
+            cols = np.array([(e.reserve[e.head], e.seq_len, e.row, e.mamba) for e in ents], np.int64)
+            out, pos, rows, mamba = cols.T.copy()
             r2t = self._req_to_token.get(int(session[1]))
             if r2t is not None:
                 self._write(r2t, rows, pos, out)
             tokens = np.fromiter((it.token_id for it in items), np.int32, b)
-            for e in ents:
+            parts, lens = [], []
+            for rid, e in zip(rids, ents):
                 e.head += 1
                 e.seq_len += 1
-            reserved = np.concatenate([e.reserve[e.head:] for e in ents])
-            lens = np.fromiter((e.left() for e in ents), np.int64, b)
-            for rid, e in zip(rids, ents):
-                if e.left() < 2:  # the next step may top up: the manager has to answer it
-                    del t.reqs[rid]
+                rest = e.reserve[e.head:]
+                parts.append(rest)
+                lens.append(rest.size)
+                if rest.size < 2:  # the next step may top up: the manager has to answer it
+                    del reqs[rid]
+            reserved = np.concatenate(parts)
             t.pending.append(PendingCall(rids, tokens))
             self.local_calls += 1
-            return DecodeResult(out, pos + 1, rows, mamba, reserved, lens)
+            return DecodeResult(out, pos + 1, rows, mamba, reserved, np.array(lens, np.int64))
 
     @staticmethod
     def _write(r2t: torch.Tensor, rows: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:

@@ -275,8 +275,9 @@ class RemoteCacheEngine:
         try:
             its = V.as_items(items, DecodeItem, "items")
             V.check_rids([it.rid for it in its])
-            its = [DecodeItem(it.rid, V.check_token_id(it.token_id, f"items[{i}] ({it.rid!r})"))
-                   for i, it in enumerate(its)]
+            for i, it in enumerate(its):  # an item is rebuilt only when its token id is not a plain int
+                if type(it.token_id) is not int or not 0 <= it.token_id < 1 << 31:
+                    its[i] = DecodeItem(it.rid, V.check_token_id(it.token_id, f"items[{i}] ({it.rid!r})"))
         except InvalidArgumentError as e:
             self._reject(session, e)
         local = self.local.try_local(session, its)
