@@ -39,9 +39,10 @@ BOTH the server and the embedded engine (the same work on each side): every runn
 holds N KV slots ahead, so a decode step whose requests all hold >= 2 needs no allocator
 call and the client answers it locally, replaying it on the manager before the session's
 next call (``radixkv.service.client.local_decode``; ``--no-local-decode``: every decode is an RPC).
-With 8 decode steps per request and N >= 9, a scheduler step is 3 RPCs (AllocExtend,
-ApplyDecodes, CacheFinished) instead of 10; ``rpcs_per_step`` is what the workers sent
-(their clients' counters over the timed run) per scheduler step.
+With 8 decode steps per request and N >= 9, a scheduler step is 2 calls over the Step stream
+(AllocExtend, and CacheFinished with the ApplyDecodes replay riding on it; 3 with
+``--transport unary``) instead of 10; ``rpcs_per_step`` is what the workers sent (their
+clients' counters over the timed run) per scheduler step.
 
     python benchmarks/bench_service.py [--workers 1 2 4] [--batches 1 8 32] [--requests 256]
                                        [--min-steps 16] [--transport stream|unary]

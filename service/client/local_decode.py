@@ -18,7 +18,9 @@ mapped ``req_to_token`` when this client mapped the manager's buffers (without t
 nothing on the worker can read that row; the manager writes it at the replay).
 :meth:`LocalDecodes.flush` sends the log as one ``ApplyDecodes`` RPC (the manager runs
 ``alloc_decode`` for each logged call, in order); the client flushes before every other call
-of the session, so the manager has replayed everything before anything can observe it.
+of the session, so the manager has replayed everything before anything can observe it. Over
+a Step stream the log instead rides on the session's next step call (:meth:`LocalDecodes.guard`
+with ``ride``; one message, the manager replays it just before running the call).
 
 The table holds only requests with >= 2 reserved slots (nothing local can be done for the
 others until a reply refreshes them). It is dropped for a session on any error the manager
@@ -69,7 +71,7 @@ class LocalDecodeStats(NamedTuple):
     pending_calls: int  # logged calls not yet replayed, all sessions
     local_calls: int  # decode calls answered locally
     replayed_calls: int  # logged calls sent in successful flushes
-    flushes: int  # ApplyDecodes RPCs sent (failed ones included)
+    flushes: int  # replays sent, as ApplyDecodes RPCs or riding on a call (failed ones included)
     drops: int  # session tables dropped (an error, detach, an epoch change, close)
 
 
@@ -195,17 +197,38 @@ class LocalDecodes:
             return len(t.pending)
 
     @contextlib.contextmanager
-    def guard(self, session: Session, send: Callable[[Session, list[PendingCall]], Any] | None) -> Iterator[None]:
+    def guard(self, session: Session, send: Callable[[Session, list[PendingCall]], Any] | None,
+              ride: bool = False) -> Iterator[list[PendingCall]]:
         """Around one call of ``session``: first :meth:`flush` with ``send``; when the body
         (or the flush) raises a ``RadixKVError``, the session's table is dropped. ``send``
         None (a heartbeat): no flush, and only a ``StaleSessionError`` drops the table (a
-        transport error must not lose the log of a session that may still live)."""
+        transport error must not lose the log of a session that may still live).
+
+        ``ride``: no flush; the pending log is taken out and yielded (``[]`` when empty) for
+        the body to send with its call, the manager replaying it first (one message for
+        both), and to add to ``replayed_calls`` once the manager applied it. The lock is
+        held until the body ends, so the log still leaves in order; a body that raises
+        drops the table as a failed flush does."""
         try:
-            if send is not None:
-                self.flush(session, send)
-            yield
+            if not ride:
+                if send is not None:
+                    self.flush(session, send)
+                yield []
+                return
+            with self.lock:
+                t = self._tables.get(_key(session))
+                if t is not None and t.pending:
+                    calls, t.pending = t.pending, []
+                    self.flushes += 1
+                    try:  # the body counts the replayed calls (the manager says it applied them)
+                        yield calls
+                    except BaseException:
+                        self.drop(session)
+                        raise
+                    return
+            yield []
         except RadixKVError as e:
-            if send is not None or isinstance(e, StaleSessionError):
+            if send is not None or ride or isinstance(e, StaleSessionError):
                 n = self.drop(session)
                 if n:
                     log.warning("session %s: %d locally answered decode call(s) not replayed (%s)",
@@ -226,29 +249,34 @@ class LocalDecodes:
             t = self._table(session, False)
             if t is None:
                 return None
+            reqs = t.reqs
             rids = [it.rid for it in items]
-            ents = [t.reqs.get(rid) for rid in rids]
-            if any(e is None or e.left() < 2 for e in ents) or len(set(rids)) != b:
+            ents = [reqs.get(rid) for rid in rids]
+            for e in ents:
+                if e is None or e.reserve.size - e.head < 2:
+                    return None
+            if len(set(rids)) != b:
                 return None
-            out = np.fromiter((e.reserve[e.head] for e in ents), np.int64, b)
-            pos = np.fromiter((e.seq_len for e in ents), np.int64, b)
-            rows = np.fromiter((e.row for e in ents), np.int64, b)
-            mamba = np.fromiter((e.mamba for e in ents), np.int64, b)
+            # one (b, 4) array: each request's next slot, seq_len, row, Mamba slot
+            cols = np.array([(e.reserve[e.head], e.seq_len, e.row, e.mamba) for e in ents], np.int64)
+            out, pos, rows, mamba = cols.T.copy()
             r2t = self._req_to_token.get(int(session[1]))
             if r2t is not None:
                 self._write(r2t, rows, pos, out)
             tokens = np.fromiter((it.token_id for it in items), np.int32, b)
-            for e in ents:
+            parts, lens = [], []
+            for rid, e in zip(rids, ents):
                 e.head += 1
                 e.seq_len += 1
-            reserved = np.concatenate([e.reserve[e.head:] for e in ents])
-            lens = np.fromiter((e.left() for e in ents), np.int64, b)
-            for rid, e in zip(rids, ents):
-                if e.left() < 2:  # the next step may top up: the manager has to answer it
-                    del t.reqs[rid]
+                rest = e.reserve[e.head:]
+                parts.append(rest)
+                lens.append(rest.size)
+                if rest.size < 2:  # the next step may top up: the manager has to answer it
+                    del reqs[rid]
+            reserved = np.concatenate(parts)
             t.pending.append(PendingCall(rids, tokens))
             self.local_calls += 1
-            return DecodeResult(out, pos + 1, rows, mamba, reserved, lens)
+            return DecodeResult(out, pos + 1, rows, mamba, reserved, np.array(lens, np.int64))
 
     @staticmethod
     def _write(r2t: torch.Tensor, rows: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:

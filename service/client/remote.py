@@ -37,7 +37,9 @@ reply it kept: a retried ``alloc_extend`` never allocates twice.
 Local decode (default; ``connect(..., local_decode=False)``: off): a decode step whose
 requests all hold >= 2 reserved KV slots (``EngineConfig.decode_reserve``) is answered here
 without an RPC and replayed on the manager (``ApplyDecodes``) before the session's next
-other call (:mod:`radixkv.service.client.local_decode`). ``rpc_counts``: calls sent, by method.
+other call (:mod:`radixkv.service.client.local_decode`); over a Step stream the replay rides
+on that call's message (the manager runs it just before the call). ``rpc_counts``: calls
+sent (RPCs and stream messages), by method; a replay riding on a call is not one.
 
 The client is thread-safe as gRPC channels are; the engine behind it serializes calls.
 """
@@ -55,7 +57,7 @@ import grpc
 from radixkv.service.client.channel import open_channel
 from radixkv.service.client.keepalive import KeepAlive
 from radixkv.service.client.local_decode import LocalDecodes, PendingCall, replay_request
-from radixkv.service.client.step_lane import StepLane
+from radixkv.service.client.step_lane import Replay, StepLane
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc
@@ -131,11 +133,14 @@ class RemoteCacheEngine:
         self._attached: dict[tuple[str, int], Session] = {}  # sessions close() detaches
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: str, request: Any, request_id: str | None = None, idempotent: bool = True) -> Any:
+    def _call(self, method: str, request: Any, request_id: str | None = None, idempotent: bool = True,
+              replay: Replay | None = None) -> Any:
         """One call (``method``: its name); with ``idempotent`` it carries a
         request id (``request_id`` or a fresh one) and is retried with it on UNAVAILABLE /
         DEADLINE_EXCEEDED. With ``step_stream`` a step method's first try goes over the
-        Step stream (see :mod:`radixkv.service.server.step_stream`), the rest over unary calls."""
+        Step stream (see :mod:`radixkv.service.server.step_stream`), the rest over unary calls.
+        ``replay`` (an ApplyDecodes request and its request id) rides on the stream message;
+        a call that goes as a unary one sends it first as its own ApplyDecodes call."""
         name = method
         method = getattr(self._stub, name)
         self.rpc_counts[name] = self.rpc_counts.get(name, 0) + 1
@@ -148,9 +153,12 @@ class RemoteCacheEngine:
         for attempt in range(self.retries + 1):
             try:
                 if attempt == 0 and self.steps is not None and rid is not None and name in REPLY_TYPES:
-                    reply = self.steps.call(name, request, rid)
+                    reply = self.steps.call(name, request, rid, replay)
                     if reply is not None:
                         return reply
+                if replay is not None and not replay.applied:  # may have run: its id gets the kept reply
+                    self._check_replay(self._call("ApplyDecodes", replay.request, request_id=replay.request_id))
+                    replay.applied = True
                 return method(request, metadata=md, timeout=self._timeout)
             except grpc.RpcError as e:
                 err = error_from_rpc(e)
@@ -171,12 +179,24 @@ class RemoteCacheEngine:
         return wire.session_to_msg(session)
 
     def _scall(self, session: Session, method: str, request: Any) -> Any:
-        """A call of ``session``, after the replay of its pending local decodes."""
-        with self.local.guard(session, self._apply):
-            return self._call(method, request)
+        """A call of ``session``, after the replay of its pending local decodes (riding on
+        the call when it goes over a Step stream whose manager runs such replays)."""
+        ride = self.steps is not None and method in REPLY_TYPES and self.steps.rides_replay
+        with self.local.guard(session, self._apply, ride) as calls:
+            if not calls:
+                return self._call(method, request)
+            replay = Replay(replay_request(session, calls), secrets.token_hex(12))
+            try:
+                return self._call(method, request, replay=replay)
+            finally:
+                if replay.applied:  # also when the call itself then failed
+                    self.local.replayed_calls += len(calls)
 
     def _apply(self, session: Session, calls: list[PendingCall]) -> None:
-        resp = self._call("ApplyDecodes", replay_request(session, calls))
+        self._check_replay(self._call("ApplyDecodes", replay_request(session, calls)))
+
+    @staticmethod
+    def _check_replay(resp: pb.ApplyDecodesResponse) -> None:
         if resp.HasField("error"):  # call k >= 1 failed, calls before it stay applied
             raise error_from_rpc(StepRpcError.from_msg(resp.error))
 
@@ -262,8 +282,9 @@ class RemoteCacheEngine:
         try:
             its = V.as_items(items, DecodeItem, "items")
             V.check_rids([it.rid for it in its])
-            its = [DecodeItem(it.rid, V.check_token_id(it.token_id, f"items[{i}] ({it.rid!r})"))
-                   for i, it in enumerate(its)]
+            for i, it in enumerate(its):  # an item is rebuilt only when its token id is not a plain int
+                if type(it.token_id) is not int or not 0 <= it.token_id < 1 << 31:
+                    its[i] = DecodeItem(it.rid, V.check_token_id(it.token_id, f"items[{i}] ({it.rid!r})"))
         except InvalidArgumentError as e:
             self._reject(session, e)
         local = self.local.try_local(session, its)

@@ -19,9 +19,18 @@ import grpc
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
 
-__all__ = ["StepStream", "StepLane"]
+__all__ = ["StepStream", "StepLane", "Replay"]
 
 _END = object()
+
+class Replay:
+    """An ``ApplyDecodesRequest`` riding on a call, its own request id, and whether the
+    manager said it applied every call (set by whoever sent it)."""
+
+    __slots__ = ("request", "request_id", "applied")
+
+    def __init__(self, request: pb.ApplyDecodesRequest, request_id: str):
+        self.request, self.request_id, self.applied = request, request_id, False
 
 
 class StepStream:
@@ -56,17 +65,21 @@ class StepStream:
                 self._call.cancel()
                 return
 
-    def call(self, method: str, request: Any, request_id: str) -> Any | None:
-        """Send ``request`` (a unary request message of ``method``) and return the reply
-        message; raise :class:`StepRpcError` when the call failed (in the stream, or past
-        its deadline: ``DEADLINE_EXCEEDED``). Returns None when the stream broke otherwise
-        (``broken`` is then set; the call may or may not have run: send it again with the
-        same request id)."""
+    def call(self, method: str, request: Any, request_id: str, replay: Replay | None = None) -> Any | None:
+        """Send ``request`` (a unary request message of ``method``), with ``replay`` (an
+        ``ApplyDecodes`` request and its request id) riding on it when given, and return the
+        reply message; raise :class:`StepRpcError` when the call (or the replay before it)
+        failed (in the stream, or past its deadline: ``DEADLINE_EXCEEDED``). Returns None
+        when the stream broke otherwise (``broken`` is then set; the replay and the call may
+        or may not have run: send them again with the same request ids)."""
         if self.broken:
             return None
         self._since = time.monotonic()
-        self._requests.put(pb.StepRequest(method=method, request=request.SerializeToString(),
-                                          request_id=request_id))
+        msg = pb.StepRequest(method=method, request=request.SerializeToString(), request_id=request_id)
+        if replay is not None:
+            msg.replay = replay.request.SerializeToString()
+            msg.replay_request_id = replay.request_id
+        self._requests.put(msg)
         try:
             resp = next(self._call)
         except (grpc.RpcError, StopIteration) as e:
@@ -79,11 +92,15 @@ class StepStream:
         finally:
             self._since = None
         self.calls += 1
+        self.rides_replay = resp.rides_replay
+        if replay is not None:
+            replay.applied = resp.replayed
         if resp.WhichOneof("result") == "error":
             raise StepRpcError.from_msg(resp.error)
         return REPLY_TYPES[method].FromString(resp.reply)
 
     unimplemented = False  # the manager has no Step method (an older one)
+    rides_replay = False  # the manager runs a replay riding on a call (said in its answers)
 
     def _break(self) -> None:
         self.broken = True
@@ -117,9 +134,17 @@ class StepLane:
         self.reopen_at = 0.0  # monotonic
         self.fallbacks = 0  # calls that found the stream broken (sent again over unary calls)
 
-    def call(self, method: str, request: Any, request_id: str) -> Any | None:
-        """The reply of ``method`` over the stream, or None (busy, broken or not served:
-        send it as a unary call with the same request id). Raises :class:`StepRpcError`."""
+    @property
+    def rides_replay(self) -> bool:
+        """The open stream's manager runs a replay riding on a call (False before its first
+        answer, and for an older manager, which would ignore the replay)."""
+        s = self.stream
+        return self.enabled and s is not None and s.rides_replay
+
+    def call(self, method: str, request: Any, request_id: str, replay: Replay | None = None) -> Any | None:
+        """The reply of ``method`` over the stream (``replay`` riding on it, see
+        :meth:`StepStream.call`), or None (busy, broken or not served: send the replay, then
+        the call, as unary calls with the same request ids). Raises :class:`StepRpcError`."""
         if not self.enabled or not self._lock.acquire(blocking=False):
             return None
         try:
@@ -128,7 +153,7 @@ class StepLane:
                 if time.monotonic() < self.reopen_at:
                     return None
                 s = self.stream = StepStream(self._stub, self._md, self._timeout)
-            reply = s.call(method, request, request_id)
+            reply = s.call(method, request, request_id, replay)
             if reply is None:  # broken: this call goes over the unary path
                 self.stream = None
                 self.fallbacks += 1

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.wire.errors import status_of
+from radixkv.service.wire.errors import RpcStatus, status_of
 from radixkv.service.wire.request_id import check_request_id
 from radixkv.service.wire.step import STEP_METHODS, error_to_msg
 
@@ -35,14 +35,14 @@ def _bodies(servicer: Any) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
 
 
 async def _one(servicer: Any, raw: bytes) -> bytes:
-    """Run one StepRequest (as its unary call would run) and return the StepResponse bytes."""
-    from radixkv.service.server.servicer import parse
-
+    """Run one StepRequest (the replay riding on it first, then the call, each as its unary
+    call would run, with no await between them) and return the StepResponse bytes."""
     t0 = time.perf_counter()
-    name, code = "Step", "OK"
+    name, code, replayed = "Step", "OK", False
     try:
         step = parse(pb.StepRequest, raw, "Step")
-        spec = _bodies(servicer).get(step.method)
+        bodies = _bodies(servicer)
+        spec = bodies.get(step.method)
         if spec is None:
             raise InvalidArgumentError(f"Step: {step.method!r:.80} is not a step method {list(STEP_METHODS)}")
         name = step.method
@@ -50,18 +50,58 @@ async def _one(servicer: Any, raw: bytes) -> bytes:
         request = servicer.parse_request(request_cls, step.request, name)
         servicer.quarantine.fence_due()
         rid = check_request_id(step.request_id) if step.request_id else None
+        if step.replay:
+            failed = _replay(servicer, bodies["ApplyDecodes"], step)
+            if failed is not None:  # the call does not run: it ends with the replay's error
+                code, out = failed
+                return out
+            replayed = True
         reply, delay = await servicer.answer_async(name, body, request, step.request, rid)
         if delay:  # fault injection, as on the unary path
             await asyncio.sleep(delay)
-        return pb.StepResponse(reply=reply).SerializeToString()
+        return pb.StepResponse(reply=reply, rides_replay=True, replayed=replayed).SerializeToString()
     except Exception as exc:  # mapped, never leaked as a traceback
         st = status_of(exc)
         code = st.code.name
         if not isinstance(exc, RadixKVError):
             log.exception("internal error in Step/%s", name)
-        return error_to_msg(st).SerializeToString()
+        return _error_bytes(st, replayed)
     finally:
         servicer.metrics.observe(name, code, time.perf_counter() - t0)
+
+
+def _replay(servicer: Any, spec: tuple[Callable[[Any, Any], Any], Any],
+            step: pb.StepRequest) -> tuple[str, bytes] | None:
+    """Run the ``ApplyDecodes`` riding on ``step`` as its unary call would run (request id
+    ``step.replay_request_id``, same reply cache). None when every replayed call applied;
+    (status code name, StepResponse bytes) of its error when one failed at call k >= 1
+    (answered in its reply). Raises what the call raises (a failure at call 0: nothing changed)."""
+    t0 = time.perf_counter()
+    code = "OK"
+    try:
+        body, request_cls = spec
+        request = servicer.parse_request(request_cls, step.replay, "ApplyDecodes")  # limits first
+        rid = check_request_id(step.replay_request_id) if step.replay_request_id else None
+        reply, _ = servicer.answer("ApplyDecodes", body, request, step.replay, rid)
+        got = pb.ApplyDecodesResponse.FromString(reply)
+        if not got.HasField("error"):
+            return None
+        code = _NAMES.get(got.error.code, grpc.StatusCode.UNKNOWN.name)
+        return code, pb.StepResponse(error=got.error, rides_replay=True).SerializeToString()
+    except Exception as exc:
+        code = status_of(exc).code.name
+        raise
+    finally:
+        servicer.metrics.observe("ApplyDecodes", code, time.perf_counter() - t0)
+
+
+_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def _error_bytes(st: RpcStatus, replayed: bool) -> bytes:
+    msg = error_to_msg(st)
+    msg.rides_replay, msg.replayed = True, replayed
+    return msg.SerializeToString()
 
 
 async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:

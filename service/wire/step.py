@@ -19,6 +19,13 @@ second one:
   client turns into the same ``radixkv.errors`` type with the one mapping
   (``radixkv.service.wire.errors.error_from_rpc``). A failed call does not end the stream.
 
+A :class:`pb.StepRequest` may also carry a replay (``replay``: an ``ApplyDecodesRequest``,
+``replay_request_id``: its own request id), the session's locally answered decode steps: the
+manager runs it first, as the ``ApplyDecodes`` call would run, then the call, with no other
+call between them, so the replay costs no message of its own. A failed replay is the
+message's error (the call does not run). The manager sets ``rides_replay`` in every answer; a
+worker sends a replay only on a stream whose manager said so (an older one would ignore it).
+
 Only :data:`STEP_METHODS` travel on it (session-scoped, idempotent calls); anything else is
 answered INVALID_ARGUMENT in the stream. The stream ends when the worker closes it or the
 manager starts shutting down (``closing``); a worker whose stream broke sends the call over

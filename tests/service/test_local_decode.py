@@ -254,6 +254,10 @@ def pair():
     assert not p.srv.shm_files()
 
 
+#: The client methods whose pending replay rides on their Step message.
+RIDING = ("match", "alloc_extend", "alloc_decode", "cache_unfinished", "cache_finished", "release", "evict")
+
+
 class Driver:
     """Both engines, sessions on each, and a model of every request's reserve (from the
     embedded replies) that predicts which decode calls the client answers locally."""
@@ -268,7 +272,7 @@ class Driver:
         self.r2t_emb = pair.emb.pools.req_to_token_pool.req_to_token
         self.known = [{} for _ in self.s]  # rid -> reserve length, per session
         self.live = [[] for _ in self.s]
-        self.local_decodes = self.rpc_decodes = 0
+        self.local_decodes = self.rpc_decodes = self.ridden = 0
 
     def rpcs(self):
         return sum(self.c.rpc_counts.values())
@@ -277,15 +281,20 @@ class Driver:
         """``local``: the client should answer the call itself (else it replays first)."""
         out = []
         pending = self.c.local.pending(self.s[si][1])
-        applied = self.c.rpc_counts.get("ApplyDecodes", 0)
+        applied, flushes = self.c.rpc_counts.get("ApplyDecodes", 0), self.c.local.flushes
+        ride = self.c.steps is not None and self.c.steps.rides_replay and method in RIDING
         for k, engine in enumerate((self.emb, self.c)):
             try:
                 out.append(("ok", getattr(engine, method)(self.s[si][k], *args)))
             except RadixKVError as e:
                 out.append(("err", type(e).__name__))
         assert _norm(out[0]) == _norm(out[1]), f"{method}: embedded {out[0]} != remote {out[1]}"
-        # a call not answered locally replays the local decodes before it, with one RPC
-        assert self.c.rpc_counts.get("ApplyDecodes", 0) == applied + (1 if pending and not local else 0)
+        # a call not answered locally replays the local decodes before it: one replay, riding
+        # on the call's Step message when the stream's manager runs them, else its own RPC
+        replays = 1 if pending and not local else 0
+        assert self.c.local.flushes == flushes + replays
+        assert self.c.rpc_counts.get("ApplyDecodes", 0) == applied + (0 if ride else replays)
+        self.ridden += replays if ride else 0
         if out[0][0] == "err":
             self.known[si].clear()  # the client drops the session's table on an error
         return out[0]
@@ -384,7 +393,9 @@ def test_lockstep_with_local_decode(pair, step_stream):
     d, counts, st = run_scheduler(pair, 11, 260, step_stream=step_stream)
     assert d.local_decodes > 40 and d.rpc_decodes > 10, (d.local_decodes, d.rpc_decodes)
     assert st.local_calls == d.local_decodes and st.replayed_calls == d.local_decodes
-    assert counts.get("AllocDecode", 0) == d.rpc_decodes and counts["ApplyDecodes"] <= d.local_decodes
+    assert counts.get("AllocDecode", 0) == d.rpc_decodes and st.flushes <= d.local_decodes
+    assert counts.get("ApplyDecodes", 0) == st.flushes - d.ridden
+    assert (d.ridden > 10) == step_stream, d.ridden  # over the stream most replays ride on a call
 
 
 def test_lockstep_without_local_decode(pair):
@@ -440,5 +451,42 @@ def test_apply_decodes_error_names_the_call_and_keeps_the_calls_before(pair):
     with pytest.raises(RadixKVError, match="another session"):
         d.c._call("ApplyDecodes", pb.ApplyDecodesRequest(session=wire.session_to_msg(r_s), calls=[other]))
     d.decode(0, ["y1"], rng)  # both agree on where y1 stands
+    d.idle()
+    d.close()
+
+
+@pytest.mark.parametrize("step_stream", [True, False], ids=["stream", "unary"])
+def test_a_replay_riding_on_a_call_runs_first_and_a_failed_one_stops_the_call(pair, step_stream):
+    from radixkv.service.client.step_lane import Replay
+
+    rng = np.random.default_rng(5)
+    d = Driver(pair, pair.client(local_decode=False, step_stream=step_stream), n_sessions=1)
+    d.extend(0, "z1", toks(rng, 6))  # over the stream, the manager's answer says it runs replays
+    assert (d.c.steps is not None and d.c.steps.rides_replay) == step_stream
+    (e_s, r_s) = d.s[0]
+    bad = Replay(replay_request(r_s, [PendingCall(["z1"], np.array([3], np.int32)),
+                                      PendingCall(["nobody"], np.array([3], np.int32))]), "ride-1")
+    req = pb.CacheRequest(session=wire.session_to_msg(r_s), rids=["z1"])
+    sent = dict(d.c.rpc_counts)
+    with pytest.raises(NotFoundError, match="ApplyDecodes call 1 of 2"):
+        d.c._call("CacheFinished", req, replay=bad)
+    assert not bad.applied  # the replay stopped at call 1: the call did not run
+    # riding over the stream: no ApplyDecodes RPC; unary: the replay went first on its own
+    assert d.c.rpc_counts.get("ApplyDecodes", 0) - sent.get("ApplyDecodes", 0) == (0 if step_stream else 1)
+    pair.emb.alloc_decode(e_s, [DecodeItem("z1", 3)])  # call 0 stays applied, once
+    # the same replay sent again (a broken stream's fallback) gets the kept reply: call 0 not twice
+    with pytest.raises(NotFoundError, match="ApplyDecodes call 1 of 2"):
+        d.c._call("CacheFinished", req, replay=bad)
+    good = Replay(replay_request(r_s, [PendingCall(["z1"], np.array([4], np.int32))]), "ride-2")
+    res = d.c._call("CacheUnfinished", req, replay=good)
+    assert good.applied and res.results[0].rid == "z1"
+    pair.emb.alloc_decode(e_s, [DecodeItem("z1", 4)])
+    assert pair.emb.cache_unfinished(e_s, ["z1"])[0].cached_len == res.results[0].cached_len
+    again = Replay(good.request, "ride-2")  # a retry of that replay: answered, not applied twice
+    d.c._call("Release", pb.ReleaseRequest(session=wire.session_to_msg(r_s), rids=["z1"]), replay=again)
+    assert again.applied
+    pair.emb.release(e_s, ["z1"])
+    d.live[0].remove("z1")
+    d.known[0].pop("z1", None)
     d.idle()
     d.close()

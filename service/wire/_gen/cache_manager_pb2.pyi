@@ -440,14 +440,18 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., poll_interval_s: _Optional[float] = ..., start_seq: _Optional[int] = ..., from_now: _Optional[bool] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("method", "request", "request_id")
+    __slots__ = ("method", "request", "request_id", "replay", "replay_request_id")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     method: str
     request: bytes
     request_id: str
-    def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    replay: bytes
+    replay_request_id: str
+    def __init__(self, method: _Optional[str] = ..., request: _Optional[bytes] = ..., request_id: _Optional[str] = ..., replay: _Optional[bytes] = ..., replay_request_id: _Optional[str] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "details", "trailing_keys", "trailing_values")
@@ -462,9 +466,13 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_keys: _Optional[_Iterable[str]] = ..., trailing_values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("reply", "error")
+    __slots__ = ("reply", "error", "rides_replay", "replayed")
     REPLY_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RIDES_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     reply: bytes
     error: StepError
-    def __init__(self, reply: _Optional[bytes] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    rides_replay: bool
+    replayed: bool
+    def __init__(self, reply: _Optional[bytes] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., rides_replay: _Optional[bool] = ..., replayed: _Optional[bool] = ...) -> None: ...
