@@ -37,6 +37,8 @@ def _bodies(servicer: Any) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
 async def _one(servicer: Any, raw: bytes) -> bytes:
     """Run one StepRequest (the replay riding on it first, then the call, each as its unary
     call would run, with no await between them) and return the StepResponse bytes."""
+    from radixkv.service.server.servicer import parse
+
     t0 = time.perf_counter()
     name, code, replayed = "Step", "OK", False
     try:
