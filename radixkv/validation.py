@@ -95,6 +95,9 @@ def index_tensor(idx: object, device: torch.device | str, what: str = "indices",
         InvalidArgumentError: not integer-typed (bool, float and complex are rejected), or
             a sequence when ``sequences`` is False.
     """
+    if type(idx) is torch.Tensor and idx.dtype is torch.int64 and idx.dim() == 1 \
+            and idx.device == torch.device(device):
+        return idx  # already what is asked (the allocators' frees): no dispatch
     if isinstance(idx, torch.Tensor):
         t = idx
     elif isinstance(idx, np.ndarray):
