@@ -33,13 +33,14 @@ __all__ = [
     "check_count", "check_same_length",
     "sort_ids", "repeated", "index_tensor", "check_range", "check_unique", "check_ids_to_free",
     "check_allocated", "layer_index",
-    "as_token_array", "check_tokens", "check_token_id",
+    "as_token_array", "int32_tokens", "check_tokens", "check_token_id",
     "check_rid", "check_rids", "check_extra_key", "check_priority", "as_items",
 ]
 
 MAX_RID_LEN = 256
 MAX_EXTRA_KEY_LEN = 1024
 _I32 = np.dtype(np.int32)
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 # Above this many ids a CPU sort goes through numpy: torch's CPU sort is several times
 # slower, worst on presorted input (a merge of ascending lists, a request's slots).
@@ -94,6 +95,9 @@ def index_tensor(idx: object, device: torch.device | str, what: str = "indices",
         InvalidArgumentError: not integer-typed (bool, float and complex are rejected), or
             a sequence when ``sequences`` is False.
     """
+    if type(idx) is torch.Tensor and idx.dtype is torch.int64 and idx.dim() == 1 \
+            and idx.device == torch.device(device):
+        return idx  # already what is asked (the allocators' frees): no dispatch
     if isinstance(idx, torch.Tensor):
         t = idx
     elif isinstance(idx, np.ndarray):
@@ -252,6 +256,39 @@ def as_token_array(tokens: object) -> np.ndarray:
             raise InvalidArgumentError(f"token ids must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int32)
     return np.ascontiguousarray(arr.reshape(-1))
+
+
+def int32_tokens(tokens: object, what: str = "token ids") -> np.ndarray:
+    """Token ids (a list, numpy array or torch tensor of integers, 1-D, any integer dtype)
+    as a contiguous int32 numpy array in native byte order: no copy when they already are
+    one, else one range check and one conversion. The one coercion of the tree's keys
+    (``RadixKey``), the KV-event block hashes and the router's queries. O(n).
+
+    Raises:
+        InvalidArgumentError: raw bytes, not 1-D, a non-integer dtype, or values outside
+            int32.
+    """
+    if type(tokens) is np.ndarray and tokens.dtype == _I32 and tokens.ndim == 1:  # hot path
+        return tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            raise InvalidArgumentError(f"{what} must be integers, got dtype {tokens.dtype}")
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"pass {what} as a sequence of ints, not raw bytes")
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.dtype != _I32:
+        if arr.size == 0:
+            return np.empty(0, dtype=_I32)
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"{what} must be integers, got dtype {arr.dtype}")
+        # argmin / argmax: one typed loop each (see check_ids_to_free)
+        if int(arr[arr.argmin()]) < _I32_MIN or int(arr[arr.argmax()]) > _I32_MAX:
+            raise InvalidArgumentError(f"{what} do not fit in int32")
+        arr = arr.astype(_I32)
+    return np.ascontiguousarray(arr)
 
 
 def check_tokens(tokens: object, what: str, allow_empty: bool = False) -> np.ndarray:

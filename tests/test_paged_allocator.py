@@ -96,6 +96,11 @@ def test_free_frees_whole_pages(device, free_path):
         ([8, 28], DoubleFreeError, "[7]"),  # page 7 never allocated
         ([8, 9, 8], DoubleFreeError, "[8]"),  # slot repeated in the call
         ([8, 9, 9], DoubleFreeError, "[9]"),  # repeated back to back
+        # runs of consecutive slots (the per-run checks of free_runs, then the exact path)
+        (list(range(4, 16)), DoubleFreeError, "[3]"),  # a run over freed page 3
+        (list(range(16, 24)) + list(range(4, 18)), DoubleFreeError, "[16, 17]"),  # overlap
+        (list(range(0, 8)), InvalidIndexError, "[0, 1, 2, 3]"),  # reaches page 0
+        (list(range(16, 37)), InvalidIndexError, "[36]"),  # reaches past the last page
     ],
 )
 def test_free_bad_indices_leave_state_unchanged(device, need_sort, slots, err, named, free_path):

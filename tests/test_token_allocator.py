@@ -115,6 +115,11 @@ def test_merge_and_sort_free_explicit(device):
         ([3, 9], DoubleFreeError, "[9]"),  # never allocated
         ([3, 1], DoubleFreeError, "[1]"),  # freed before (free list or release_pages)
         ([3, 4, 3], DoubleFreeError, "[3]"),  # repeated in the call
+        # runs of consecutive ids (the per-run checks of free_runs, then the exact path)
+        ([4, 5, 6, 7, 8], DoubleFreeError, "7"),  # a run reaching into free ids
+        ([5, 6, 3, 4, 5], DoubleFreeError, "[5]"),  # two overlapping runs
+        ([0, 1, 2, 3], InvalidIndexError, "[0]"),
+        ([3, 4, 5, 6, 7, 8, 9, 10, 11], InvalidIndexError, "[11]"),
     ],
 )
 def test_free_bad_indices_leave_state_unchanged(device, need_sort, ids, err, named):

@@ -54,6 +54,23 @@ from radixkv.validation import check_count, check_ids_to_free, sort_ids
 
 _OWNER_IDS = itertools.count(1)
 _MAX_LIVE_BACKUPS = 1024
+# A free goes through ``free_runs`` when its ids form at most this many runs of consecutive
+# ids (an evicted leaf's rows are one or a few runs): the run checks loop over runs in Python.
+MAX_RUNS = 16
+
+
+def id_runs(a: np.ndarray, max_runs: int = MAX_RUNS) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(starts, ends)`` of the maximal runs of consecutive ascending ids in the 1-D int64
+    array ``a`` (``a[i + 1] == a[i] + 1`` inside a run; ``ends`` exclusive), in ``a``'s
+    order, or None when ``a`` is empty or has more than ``max_runs`` runs. O(len(a))."""
+    if a.size == 0:
+        return None
+    breaks = np.flatnonzero(a[1:] - a[:-1] != 1)
+    if breaks.size >= max_runs:
+        return None
+    if breaks.size == 0:
+        return a[:1], a[-1:] + 1
+    return a[np.concatenate(([0], breaks + 1))], a[np.append(breaks, a.size - 1)] + 1
 
 
 class StaleBackupError(StaleSessionError):
@@ -203,6 +220,11 @@ class PageFreeList(HostViews):
                 ids, self._not_in_use, 1, self.num_ids,
                 kind=self.kind, check_duplicates=not known_unique,
             )
+        self._push(ids)
+        self._mark(ids, True)
+
+    def _push(self, ids: torch.Tensor) -> None:
+        """Put validated ids on the open group, ``release_pages`` or ``free_pages``."""
         if self._group is not None:
             self._group.append(ids)
             self._group_count += int(ids.numel())
@@ -210,7 +232,38 @@ class PageFreeList(HostViews):
             self._rel.push(ids)
         else:
             self._ring.push(ids)
-        self._mark(ids, True)
+
+    def free_runs(self, starts: np.ndarray, ends: np.ndarray, ids: np.ndarray | None = None) -> bool:
+        """Return the ids of the runs ``[starts[j], ends[j])`` (int64 numpy arrays of r runs)
+        with the checks of ``free``, vectorised over runs instead of ids: a range check, an
+        overlap check of the runs sorted by start (an id in two runs, or twice in one, is a
+        repeat) and a not-in-use check of each run's slice of the mask. ``ids``: the same
+        ids in the caller's order (what goes on the free list); default ascending. CPU only.
+
+        Returns False, changing nothing, when a check fails or there is no host mask: the
+        caller's exact path then finds and names the bad ids. O(k + r log r); the caller
+        keeps r small (a Python loop over runs checks the mask slices)."""
+        host = self.host_mask()
+        if host is None:
+            return False
+        if starts.size > 1:
+            order = np.argsort(starts, kind="stable")
+            starts, ends = starts[order], ends[order]
+            if np.count_nonzero(starts[1:] < ends[:-1]):
+                return False
+        lo, hi = starts.tolist(), ends.tolist()
+        if lo[0] < 1 or max(hi) > self.num_ids + 1:
+            return False
+        for s, e in zip(lo, hi):
+            if s >= e or np.count_nonzero(host[s:e]):
+                return False
+        if ids is None:
+            ids = (np.arange(lo[0], hi[0], dtype=np.int64) if len(lo) == 1 else
+                   np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in zip(lo, hi)]))
+        self._push(torch.from_numpy(ids))
+        for s, e in zip(lo, hi):  # mark per run: slices, no scatter
+            host[s:e] = True
+        return True
 
     def free_one(self, i: int) -> None:
         """Return the one id ``i`` (an int the caller validated: in range and in use): the
@@ -346,6 +399,8 @@ class PageFreeList(HostViews):
 
 
 __all__ = [
+    "MAX_RUNS",
+    "id_runs",
     "FreeGroupError",
     "FreeListCounts",
     "FreeListState",

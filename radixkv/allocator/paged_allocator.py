@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from radixkv.allocator.base import BaseKVAllocator
+from radixkv.allocator.page_free_list import id_runs
 from radixkv.contracts import IndexLike, KVPool
 from radixkv.errors import (
     AlignmentError,
@@ -281,6 +282,13 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
                     return False
                 self._fl.free_one(page)
                 return True
+        slot_runs = id_runs(a)
+        if slot_runs is not None:  # a few runs of consecutive slots (a leaf's, a request's)
+            # run [s, e) of slots covers pages [s >> shift, ((e - 1) >> shift) + 1);
+            # free_runs range-checks those pages (page 0 or beyond the last: a slot outside
+            # [lo, hi]) and finds a page in two runs as an overlap (then the exact path)
+            starts, ends = slot_runs
+            return self._fl.free_runs(starts >> shift, ((ends - 1) >> shift) + 1)
         if a[a.argmin()] < lo or a[a.argmax()] > hi:
             return False
         pages = a >> shift

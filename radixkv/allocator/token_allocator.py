@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from radixkv.allocator.base import BaseKVAllocator
+from radixkv.allocator.page_free_list import id_runs
 from radixkv.contracts import IndexLike, KVPool
 from radixkv.validation import check_count, check_range, index_tensor
 
@@ -41,12 +42,20 @@ class TokenToKVPoolAllocator(BaseKVAllocator):
 
     def free(self, free_index: IndexLike) -> None:
         """Return slots (int32/int64 tensor or numpy array, any shape). Inside a free group
-        they are released at ``free_group_end()``. O(k log k) with checks.
+        they are released at ``free_group_end()``. O(k log k) with checks; O(k) when the
+        slots form a few runs of consecutive ids (a leaf's rows, a request's).
 
         Raises (state unchanged): InvalidArgumentError (non-integer dtype),
         InvalidIndexError (slot 0 or > size), DoubleFreeError (already free, pending
         release, in the open group, or repeated in the call)."""
-        self._fl.free(index_tensor(free_index, self.device, "free_index", sequences=False))
+        ids = index_tensor(free_index, self.device, "free_index", sequences=False)
+        if self.checks and ids.device.type == "cpu":
+            # an evicted leaf's / a request's slots are a few runs of consecutive ids:
+            # checked per run (no sort); anything else, or a bad free, takes the exact path
+            runs = id_runs(ids.numpy())
+            if runs is not None and self._fl.free_runs(*runs, ids=ids.numpy()):
+                return
+        self._fl.free(ids)
 
     def is_free(self, indices: IndexLike) -> torch.Tensor:
         """Bool tensor: whether each slot is not in use (free, pending or in a group).

@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from radixkv.errors import AlignmentError, InvalidArgumentError
+from radixkv.validation import int32_tokens
 
 __all__ = ["DEFAULT_SEED", "HASH_BITS", "Seed", "block_hashes", "chain_root", "encode_extra_key",
            "check_hash", "page_tokens"]
@@ -122,22 +123,12 @@ def page_tokens(token_ids: Any, page_size: int) -> np.ndarray:
     """Validated tokens as a little-endian int32 array (no copy when already one)."""
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
-    if hasattr(token_ids, "detach"):  # torch tensor
-        token_ids = token_ids.detach().cpu().numpy()
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"token_ids must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidArgumentError(f"token_ids must be integers, got dtype {arr.dtype}")
+    arr = int32_tokens(token_ids, "token_ids")
     if arr.size % page_size:
         raise AlignmentError(
             f"{arr.size} tokens is not a whole number of pages of {page_size} tokens"
         )
-    if arr.dtype != np.dtype("<i4"):
-        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-            raise InvalidArgumentError("token_ids do not fit in int32")
-        arr = arr.astype("<i4")
-    return np.ascontiguousarray(arr)
+    return arr
 
 
 def block_hashes(

@@ -17,40 +17,15 @@ from __future__ import annotations
 from typing import Any, overload
 
 import numpy as np
-import torch
 
 from radixkv.errors import InvalidArgumentError
+from radixkv.validation import int32_tokens
 
 __all__ = ["RadixKey", "as_radix_key", "common_prefix_tokens", "TOKEN_BYTES"]
 
 #: Bytes per token id in a key's buffer.
 TOKEN_BYTES = 4
 _I32 = np.dtype(np.int32)
-_I32_MIN = int(np.iinfo(np.int32).min)
-_I32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _token_bytes(token_ids: Any) -> bytes:
-    """Validate ``token_ids`` (list, numpy array or torch tensor of ints, 1-D) and return
-    them as int32 bytes. O(n): at most one conversion and one copy."""
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dtype == torch.bool or token_ids.is_floating_point() or token_ids.is_complex():
-            raise InvalidArgumentError(f"token ids must be integers, got dtype {token_ids.dtype}")
-        token_ids = token_ids.detach().cpu().numpy()
-    if isinstance(token_ids, (bytes, bytearray, memoryview)):
-        raise InvalidArgumentError("pass token ids as a sequence of ints, not raw bytes")
-    arr = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"token ids must be 1-D, got shape {arr.shape}")
-    if arr.dtype != _I32:
-        if arr.size == 0:
-            return b""
-        if arr.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"token ids must be integers, got dtype {arr.dtype}")
-        if int(arr[arr.argmin()]) < _I32_MIN or int(arr[arr.argmax()]) > _I32_MAX:  # rows.row_max
-            raise InvalidArgumentError("token ids do not fit in int32")
-        arr = arr.astype(_I32)
-    return arr.tobytes()
 
 
 class RadixKey:
@@ -85,7 +60,7 @@ class RadixKey:
             raise InvalidArgumentError(
                 f"extra_key must be hashable, got {type(extra_key).__name__}"
             ) from None
-        buf = token_ids._buf if isinstance(token_ids, RadixKey) else _token_bytes(token_ids)
+        buf = token_ids._buf if isinstance(token_ids, RadixKey) else int32_tokens(token_ids).tobytes()
         self._buf = buf
         self.token_ids = np.frombuffer(buf, dtype=_I32)
         self.extra_key = extra_key

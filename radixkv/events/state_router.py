@@ -42,6 +42,7 @@ from radixkv.cache.events import AllBlocksCleared
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.dynamo import DynamoEventAdapter, DynamoNamespace, default_namespace, tokens_hashes
 from radixkv.events.state_events import StateIndex, any_event_from_dict
+from radixkv.validation import int32_tokens
 
 __all__ = ["StateAwareIndex", "StateAwareScore", "EVENTS_LOST"]
 
@@ -63,15 +64,6 @@ def _check_worker(worker: Any) -> int:
     if isinstance(worker, bool) or not isinstance(worker, (int, np.integer)) or not 0 <= int(worker) < _U64:
         raise InvalidArgumentError(f"worker must be an int in [0, 2**64) (Dynamo worker id), got {worker!r}")
     return int(worker)
-
-
-def _aligned_tokens(tokens: Any, page_size: int) -> np.ndarray:
-    if hasattr(tokens, "detach"):  # torch
-        tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"tokens must be 1-D, got shape {arr.shape}")
-    return arr[:arr.size - arr.size % page_size]
 
 
 class StateAwareIndex:
@@ -159,7 +151,8 @@ class StateAwareIndex:
     def scores(self, tokens: Any, extra_key: Any = None) -> dict[int, StateAwareScore]:
         """Per manager with a KV overlap, its :class:`StateAwareScore` for a request of
         ``tokens`` (the full blocks of them) in namespace ``extra_key``."""
-        toks = _aligned_tokens(tokens, self.page_size)
+        toks = int32_tokens(tokens, "tokens")
+        toks = toks[:toks.size - toks.size % self.page_size]
         if not toks.size:
             return {}
         kv = self.kv_index.scores(tokens_hashes(toks, self.page_size, extra_key, self.namespace_fn))

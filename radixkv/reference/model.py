@@ -40,7 +40,7 @@ from radixkv.kernels.state_copy import resolve_backend, validate_slot_indices
 from radixkv.reference.attention import FullAttentionLayer
 from radixkv.reference.config import HybridConfig
 from radixkv.reference.kda import KDALayer
-from radixkv.validation import as_token_array
+from radixkv.validation import as_token_array, index_tensor
 
 LAYER_ID_MODES = ("global", "local")
 
@@ -82,15 +82,6 @@ class ModelCache:
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _index_tensor(x, name: str, device: torch.device) -> torch.Tensor:
-    """An int32/int64 1-D tensor (or numpy array) as int64 on ``device``."""
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(x)
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64) or x.dim() != 1:
-        raise InvalidArgumentError(f"{name} must be a 1-D int32/int64 tensor, got {x!r:.80}")
-    return x.to(device=device, dtype=torch.int64)
 
 
 def _check_rows(rows: torch.Tensor, num_rows: int, name: str) -> None:
@@ -265,8 +256,8 @@ class HybridModel:
             raise InvalidArgumentError(f"start_pos must be an int >= 0, got {start_pos!r}")
         start_pos = int(start_pos)
         num_rows, num_slots = self._check_pools(pools)
-        prefix = _index_tensor(kv_rows_prefix, "kv_rows_prefix", self.device)
-        new = _index_tensor(kv_rows_new, "kv_rows_new", self.device)
+        prefix = index_tensor(kv_rows_prefix, self.device, "kv_rows_prefix", sequences=False)
+        new = index_tensor(kv_rows_new, self.device, "kv_rows_new", sequences=False)
         if prefix.numel() != start_pos:
             raise LengthMismatchError(f"kv_rows_prefix has {prefix.numel()} rows, start_pos is {start_pos}")
         if new.numel() != ids.numel():
@@ -327,10 +318,10 @@ class HybridModel:
         """
         ids = self._tokens(token_ids)
         dev = self.device
-        rpi = _index_tensor(req_pool_indices, "req_pool_indices", dev)
-        lens = _index_tensor(seq_lens, "seq_lens", dev)
-        loc = _index_tensor(out_cache_loc, "out_cache_loc", dev)
-        slots = _index_tensor(state_slots, "state_slots", dev)
+        rpi = index_tensor(req_pool_indices, dev, "req_pool_indices", sequences=False)
+        lens = index_tensor(seq_lens, dev, "seq_lens", sequences=False)
+        loc = index_tensor(out_cache_loc, dev, "out_cache_loc", sequences=False)
+        slots = index_tensor(state_slots, dev, "state_slots", sequences=False)
         batch = ids.numel()
         if batch == 0:
             raise InvalidArgumentError("decode needs at least one request")
