@@ -355,7 +355,7 @@ class HybridModel:
             slots = validate_slot_indices(slots, num_slots, name="state_slots", device=dev, allow_padding=False)
         track = None
         if track_slots is not None and num_slots is not None:
-            dst = _index_tensor(track_slots, "track_slots", dev)
+            dst = index_tensor(track_slots, dev, "track_slots", sequences=False)
             if dst.numel() != batch:
                 raise LengthMismatchError(f"track_slots has {dst.numel()} entries for {batch} requests")
             on = dst != 0
