@@ -228,3 +228,33 @@ def test_cli_process_mode_reports_what_inproc_mode_reports(tmp_path):
     for a, b in zip(docs["inproc"]["results"], proc["results"]):
         assert b["mode"] == "process" and b["requests"] == 30
         assert {k: v for k, v in a.items() if k not in strip} == {k: v for k, v in b.items() if k not in strip}
+
+
+def test_replay_counts_every_request_on_the_progress_bar():
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    bar = Bar()
+    r = replay_on([InprocManager(256, 16) for _ in range(2)], requests(), 256, 16, "kv", "python", progress=bar)
+    assert bar.n == r.requests == 150
+
+
+def test_cli_draws_a_bar_per_router_on_stderr_unless_told_not_to(capsys, monkeypatch):
+    import radixkv.bench.cluster as cluster
+
+    drawn = []
+    real = cluster.Progress
+    monkeypatch.setattr(cluster, "Progress", lambda total, label, enabled=None: drawn.append((total, label, enabled))
+                        or real(total, label, enabled=False))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert run(p.parse_args(["--trace", "synthetic", "--limit", "20", "--managers", "2", "--index", "python",
+                             "--routers", "kv,round_robin"])) == 0
+    assert drawn == [(20, "kv router", None), (20, "round_robin router", None)]
+    drawn.clear()
+    assert run(p.parse_args(["--trace", "synthetic", "--limit", "20", "--managers", "2", "--index", "python",
+                             "--routers", "kv", "--no-progress"])) == 0
+    assert drawn == [(20, "kv router", False)]

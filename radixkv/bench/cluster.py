@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from radixkv.bench.progress import Progress
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
@@ -137,11 +138,13 @@ def _check_sizes(n_managers: int, capacity: int, page_size: int) -> None:
 
 
 def replay_on(managers: Sequence[Any], requests: Iterable[np.ndarray], capacity: int, page_size: int,
-              router: str = "kv", index: str = "auto", slack: float = 0.25) -> ClusterResult:
+              router: str = "kv", index: str = "auto", slack: float = 0.25,
+              progress: Any = None) -> ClusterResult:
     """Replay ``requests`` (int32 token arrays) on ``managers`` (each with ``serve(toks) ->
     hit``, ``take_events()``, ``cached_tokens()`` and ``mode``; empty caches of
     ``capacity`` tokens), routed by ``router`` (``kv`` / ``kv_bounded`` / ``round_robin``;
-    ``slack`` for ``kv_bounded``). See the module doc.
+    ``slack`` for ``kv_bounded``); ``progress.update(1)`` after each request when given.
+    See the module doc.
 
     Raises InvalidArgumentError for bad sizes or router; the managers' errors pass through.
     O(tokens) per request plus the managers' own cost."""
@@ -174,6 +177,8 @@ def replay_on(managers: Sequence[Any], requests: Iterable[np.ndarray], capacity:
         stats[w] += (1, toks.size, hit, toks.size - hit)
         routes.append(w)
         hits.append(hit)
+        if progress is not None:
+            progress.update(1)
         if idx is not None:
             exact += sc.get(w, 0) * page_size == hit
             routed += 1
@@ -268,14 +273,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mocker", action="store_true",
                         help="also run Dynamo's run_mocker_trace_replay (needs ai-dynamo-runtime)")
     parser.add_argument("--json", dest="json_out", help="write the JSON document here ('-' for stdout only)")
+    parser.add_argument("--no-progress", action="store_true", help="never draw the progress bar (drawn on a terminal)")
 
 
 def _replay_routers(src: Any, routers: list[str], cap: int, args: argparse.Namespace,
                     doc: dict[str, Any]) -> list[ClusterResult]:
     """Each router on fresh managers: new in-process ones, or the same processes flushed."""
+    show = False if args.no_progress else None
     if args.managers_mode == "inproc":
-        return [replay_cluster(src.tokens(), args.managers, cap, args.page_size, r, args.index, args.slack)
-                for r in routers]
+        out = []
+        for r in routers:
+            with Progress(src.n_requests, f"{r} router", enabled=show) as bar:
+                out.append(replay_on([InprocManager(cap, args.page_size) for _ in range(args.managers)],
+                                     src.tokens(), cap, args.page_size, r, args.index, args.slack, bar))
+        return out
     from radixkv.bench.cluster_procs import ManagerProcesses, sigterm_raises
 
     t0 = time.perf_counter()
@@ -286,7 +297,9 @@ def _replay_routers(src: Any, routers: list[str], cap: int, args: argparse.Names
         out = []
         for r in routers:
             procs.reset()
-            out.append(replay_on(procs.managers, src.tokens(), cap, args.page_size, r, args.index, args.slack))
+            with Progress(src.n_requests, f"{r} router", enabled=show) as bar:
+                out.append(replay_on(procs.managers, src.tokens(), cap, args.page_size, r, args.index,
+                                     args.slack, bar))
     return out
 
 
