@@ -59,13 +59,16 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--state-slots", type=_ints, default=[128, 512],
                    help="states the cache may keep (the running request's slot comes on top), comma-separated "
                         "(default 128,512)")
-    g.add_argument("--admission", default="every,branch", help="state admission policies: every, branch (default every,branch)")
-    g.add_argument("--state-policy", default="lru,flop", help="state eviction orders: lru, flop, flop:ALPHA (default lru,flop)")
+    g.add_argument("--admission", default="every,branch",
+                   help="state admission policies: every, branch (default every,branch)")
+    g.add_argument("--state-policy", default="lru,flop",
+                   help="state eviction orders: lru, flop, flop:ALPHA (default lru,flop)")
     g.add_argument("--checkpoint", default="on",
                    help="Marconi's checkpoint at kv_prefix_len: on, off or on,off (default on)")
     g.add_argument("--chunk", type=int, default=8192, help="chunked-prefill size in tokens (default 8192)")
     g.add_argument("--pages", type=_ints, default=[1], help="page sizes of the replay, comma-separated (default 1)")
-    g.add_argument("--track", default="on", help="state tracking at page ends above page 1: on, off or on,off (default on)")
+    g.add_argument("--track", default="on",
+                   help="state tracking at page ends above page 1: on, off or on,off (default on)")
 
 
 def hybrid_settings(args: argparse.Namespace) -> dict:
