@@ -281,3 +281,29 @@ def test_copy_from_triton_backend_matches_torch(device, pairs):
     assert torch.equal(pools[1].temporal_state[:, dst], temp[:, src])
     with pytest.raises(InvalidArgumentError):
         pool_on(device, copy_backend="cuda-magic")
+
+
+def test_slot_views_zero_and_copy_write_the_slot_in_every_layer_only():
+    """The kept per-slot views (alloc_one's zero fill, the tree's one-state fork) write
+    exactly the slot's states in every layer, and stay current across writes."""
+    from radixkv.memory.mamba_pool import SlotViews
+
+    pool = MambaPool(4, (3, 2), (2, 2), num_layers=2)
+    a, b = pool.alloc_one(), pool.alloc_one()
+    pool.conv_state[:, a] = 7.0
+    pool.temporal_state[:, a] = 5.0
+    before_c, before_t = pool.conv_state.clone(), pool.temporal_state.clone()
+    views = pool.slot_views
+    assert isinstance(views, SlotViews)
+    views.copy(a, b)
+    assert torch.equal(pool.conv_state[:, b], before_c[:, a])
+    assert torch.equal(pool.temporal_state[:, b], before_t[:, a])
+    others = [s for s in range(pool.size + 1) if s != b]
+    assert torch.equal(pool.conv_state[:, others], before_c[:, others])
+    pool.conv_state[:, a] = 3.0  # a write through the pool tensor shows in the kept view
+    assert torch.equal(views[a][0], pool.conv_state[:, a])
+    views.zero(a)
+    assert not pool.conv_state[:, a].any() and not pool.temporal_state[:, a].any()
+    assert torch.equal(pool.conv_state[:, b], before_c[:, a])
+    ids = pool.alloc(1)
+    assert ids.dtype == torch.int64 and ids.shape == (1,) and not pool.conv_state[:, int(ids[0])].any()

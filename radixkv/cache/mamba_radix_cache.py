@@ -61,6 +61,7 @@ from radixkv.cache.tree_node import TreeNode
 from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable, StatePool
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states
+from radixkv.memory.mamba_pool import SlotViews
 
 __all__ = ["MambaRadixCache", "MambaMatchResult", "MambaInsertResult", "MambaEvictResult"]
 
@@ -155,6 +156,11 @@ class MambaRadixCache(RadixCache):
         self.state_order = make_state_order(state_eviction_policy)
         self.flop_model = flop_model if flop_model is not None else FlopModel.from_pool(pool)
         self.mamba_pool = pool
+        views = getattr(pool, "slot_views", None)  # a MambaPool's own; else kept here
+        if not (isinstance(views, SlotViews) and views.conv is pool.conv_state
+                and views.temporal is pool.temporal_state):
+            views = SlotViews(pool.conv_state, pool.temporal_state)
+        self._views = views  # per-slot state views: one fork or zero fill without indexing
         self.checks = bool(checks)
         table = EventStateTable if enable_kv_events else StateTable  # no event work without events
         self._states = table(pool.size, bool(getattr(self.state_order, "needs_ancestors", False)))
@@ -262,8 +268,7 @@ class MambaRadixCache(RadixCache):
         if miss:
             pool = self.mamba_pool
             if len(miss) == 1:
-                pool.conv_state[:, miss[0]].zero_()
-                pool.temporal_state[:, miss[0]].zero_()
+                self._views.zero(miss[0])
             else:
                 m = torch.tensor(miss, dtype=torch.int64, device=pool.device)
                 pool.conv_state[:, m] = 0
@@ -278,11 +283,9 @@ class MambaRadixCache(RadixCache):
         self._check_node(node)
         src = self._states.slot_of.get(node)
         if src is not None:
-            self._copy([src], [dst])
+            self._views.copy(src, dst)
             return True
-        pool = self.mamba_pool
-        pool.conv_state[:, dst].zero_()
-        pool.temporal_state[:, dst].zero_()
+        self._views.zero(dst)
         return False
 
     # ------------------------------------------------------------------ insert
@@ -401,11 +404,10 @@ class MambaRadixCache(RadixCache):
     def _copy(self, src: list[int], dst: list[int]) -> None:
         """Copy states ``src[i] -> dst[i]`` (validated disjoint by the callers): one pair
         with two slice copies, more with the state-copy kernel (Triton on CUDA)."""
-        pool = self.mamba_pool
         if len(src) == 1:
-            pool.conv_state[:, dst[0]].copy_(pool.conv_state[:, src[0]])
-            pool.temporal_state[:, dst[0]].copy_(pool.temporal_state[:, src[0]])
+            self._views.copy(src[0], dst[0])
             return
+        pool = self.mamba_pool
         s = torch.tensor(src, dtype=torch.int64, device=pool.device)
         d = torch.tensor(dst, dtype=torch.int64, device=pool.device)
         copy_states(pool.conv_state, pool.temporal_state, s, d, backend=pool.copy_backend, checks=False)

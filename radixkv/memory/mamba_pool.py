@@ -128,6 +128,43 @@ class MambaStateSizeBytes(NamedTuple):
     temporal_bytes: int
 
 
+class SlotViews:
+    """Per-slot views of a pool's ``conv`` and ``temporal`` state tensors (``[layers, slots,
+    ...]``): ``views[i]`` is ``(conv[:, i], temporal[:, i])``, made on first use and kept.
+
+    Why: indexing ``t[:, i]`` costs ~2-3 µs of Python and ATen dispatch per call, and the
+    per-request paths (zero a slot on alloc, fork one state) index four times; a kept view
+    costs nothing more. The views stay current because a pool's state tensors are allocated
+    once and only ever written in place. Memory: two small tensor headers per slot used.
+    Slots are not checked here: the callers validated them.
+    """
+
+    __slots__ = ("conv", "temporal", "_views")
+
+    def __init__(self, conv: torch.Tensor, temporal: torch.Tensor):
+        self.conv, self.temporal = conv, temporal
+        self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * int(conv.shape[1])
+
+    def __getitem__(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self._views[slot]
+        if v is None:
+            v = self._views[slot] = (self.conv[:, slot], self.temporal[:, slot])
+        return v
+
+    def zero(self, slot: int) -> None:
+        """Zero slot ``slot``'s states in every layer (two in-place fills)."""
+        c, t = self[slot]
+        c.zero_()
+        t.zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s states into slot ``dst`` in every layer (two in-place copies)."""
+        cs, ts = self[src]
+        cd, td = self[dst]
+        cd.copy_(cs)
+        td.copy_(ts)
+
+
 class MambaPool:
     """State slots ``1..size`` of ``num_layers`` linear-attention layers.
 
@@ -170,6 +207,7 @@ class MambaPool:
         self.temporal_state: torch.Tensor = self.arena["temporal"]
         self.mamba_cache = MambaCache(conv=[self.conv_state], temporal=self.temporal_state)
         self.free_slots = FreeSlots(size, device=self.device)
+        self.slot_views = SlotViews(self.conv_state, self.temporal_state)
 
     @classmethod
     def from_state_shape(cls, size: int, shape: KimiLinearStateShape, num_layers: int,
@@ -192,7 +230,8 @@ class MambaPool:
         """
         if n == 1 and type(n) is int:
             i = self.alloc_one()
-            return None if i is None else torch.tensor([i], dtype=torch.int64, device=self.device)
+            # torch.full: a third of torch.tensor([i])'s cost (no Python list to convert)
+            return None if i is None else torch.full((1,), i, dtype=torch.int64, device=self.device)
         ids = self.free_slots.alloc(n)
         if ids is None or ids.numel() == 0:
             return ids
@@ -203,11 +242,10 @@ class MambaPool:
     def alloc_one(self) -> int | None:
         """One slot as an int with its states zeroed in every layer (the slot ``alloc(1)``
         would give), or ``None`` when none is free. Two in-place slice writes, no index
-        tensors: the per-request case of a scheduler."""
+        tensors (the slot's kept :class:`SlotViews`): the per-request case of a scheduler."""
         i = self.free_slots.alloc_one()
         if i is not None:
-            self.conv_state[:, i].zero_()
-            self.temporal_state[:, i].zero_()
+            self.slot_views.zero(i)
         return i
 
     def _slots(self, idx: IndexLike, what: str) -> torch.Tensor:
