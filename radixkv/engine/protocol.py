@@ -46,11 +46,20 @@ __all__ = [
 
 
 class Session(NamedTuple):
-    """A worker's handle: pass it to every call. ``epoch`` changes when the manager restarts."""
+    """A worker's handle: pass it to every call. ``epoch`` changes when the manager restarts.
+
+    ``secret``: what binds the handle to its attacher. The remote manager returns it with the
+    session and refuses a call naming a live session without it (the id alone is no
+    credential); the embedded engine (one process, no boundary) leaves it empty. Its repr
+    hides it."""
 
     session_id: str
     epoch: int
     lease_ttl_s: float
+    secret: bytes = b""
+
+    def __repr__(self) -> str:
+        return f"Session(session_id={self.session_id!r}, epoch={self.epoch}, lease_ttl_s={self.lease_ttl_s})"
 
 
 class AttachInfo(NamedTuple):

@@ -331,8 +331,8 @@ class SessionTable:
 
 
 def _session_fields(session: Session) -> tuple[str, int]:
-    """``(session_id, epoch)`` of a ``Session`` (or a 3-tuple shaped like one)."""
-    if not isinstance(session, tuple) or len(session) != 3:
+    """``(session_id, epoch)`` of a ``Session`` (or a 3- or 4-tuple shaped like one)."""
+    if not isinstance(session, tuple) or len(session) not in (3, 4):
         raise InvalidArgumentError(f"expected a Session, got {type(session).__name__}")
     sid, epoch = session[0], session[1]
     if not isinstance(sid, str) or isinstance(epoch, bool) or not isinstance(epoch, int):

@@ -88,11 +88,12 @@ class _Req:
 
 
 class _Table:
-    __slots__ = ("reqs", "pending")
+    __slots__ = ("reqs", "pending", "session")
 
-    def __init__(self) -> None:
+    def __init__(self, session: Session) -> None:
         self.reqs: dict[str, _Req] = {}
         self.pending: list[PendingCall] = []
+        self.session = session  # with its secret: a replay for a session-less call names it
 
 
 def _key(session: Session) -> _Key:
@@ -136,7 +137,7 @@ class LocalDecodes:
             self._epoch = key[1]
         t = self._tables.get(key)
         if t is None and create:
-            t = self._tables[key] = _Table()
+            t = self._tables[key] = _Table(session)
         return t
 
     def map_req_to_token(self, epoch: int, table: torch.Tensor) -> None:
@@ -321,18 +322,18 @@ class LocalDecodes:
         """Flush every session with a pending log (a session-less call that observes the
         whole engine, e.g. stats). Raises the first error (after dropping that table)."""
         with self.lock:
-            keys = [k for k, t in self._tables.items() if t.pending]
-            return sum(self.flush(Session(sid, epoch, 0.0), send) for sid, epoch in keys)
+            pending = [t.session for t in self._tables.values() if t.pending]
+            return sum(self.flush(s, send) for s in pending)
 
     def close(self, send: Callable[[Session, list[PendingCall]], Any]) -> None:
         """The client closes: flush every pending log, best effort (a failure is logged;
         its table dropped), then drop every table."""
         with self.lock:
-            for sid, epoch in [k for k, t in self._tables.items() if t.pending]:
+            for session in [t.session for t in self._tables.values() if t.pending]:
                 try:
-                    self.flush(Session(sid, epoch, 0.0), send)
+                    self.flush(session, send)
                 except Exception as e:  # noqa: BLE001 - closing goes on
-                    log.warning("session %s: replaying local decodes at close failed: %s: %s", sid,
+                    log.warning("session %s: replaying local decodes at close failed: %s: %s", session[0],
                                 type(e).__name__, e)
             self.drops += len(self._tables)
             self._tables.clear()

@@ -216,7 +216,10 @@ class RemoteCacheEngine:
         # load: the pool views and what EngineConfig's checks import. They load here, before the
         # session's lease starts, so that loading them never takes lease time.
         _load_pool_views()
-        resp = self._call("Attach", pb.AttachRequest(worker_name=worker_name, pid=pid))
+        # A fresh nonce per attach (its retries send the same request): the manager keeps
+        # Attach replies per nonce, so no other client's request id can get this session.
+        resp = self._call("Attach", pb.AttachRequest(worker_name=worker_name, pid=pid,
+                                                     client_nonce=secrets.token_bytes(16)))
         layout = json.loads(resp.layout_json)
         for m in resp.mappings:
             if m.pool not in layout.get("pools", {}):

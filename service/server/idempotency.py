@@ -4,8 +4,9 @@ A worker whose call timed out cannot know whether the manager ran it: the reply 
 been lost after the engine allocated. Retrying blindly would allocate twice (a second
 ``AllocExtend`` of a known rid appends its tokens again). So a unary call may carry the
 metadata ``radixkv-request-id``; the manager keeps the serialized reply of every successful
-call under ``(scope, request id)`` (the scope is the session id; ``Attach`` has one scope
-for the manager) together with a digest of the request bytes:
+call under ``(scope, request id)`` (the scope is the session id; for ``Attach``, which has
+no session yet, a hash of the client's ``client_nonce``, so two clients never share a
+reply) together with a digest of the request bytes:
 
 * same id, same request bytes: the kept reply is returned and the engine is not called;
 * same id, other bytes or another method: ``InvalidArgumentError`` (a client bug);

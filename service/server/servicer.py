@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import time
@@ -45,6 +46,7 @@ from radixkv.service.server.event_hub import EventHub, HubRecord, engine_event_s
 from radixkv.service.server.idempotency import ReplyCache, digest
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.quarantine import Quarantine
+from radixkv.service.server.session_keys import SessionKeys
 from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
 from radixkv.service.server.unary_rpc import parse, request_id_of  # re-exported
@@ -75,7 +77,8 @@ MIN_WATCH_POLL_S = 0.05
 WATCH_CHUNK = 256
 #: Encoded events one TakeEvents reply carries at most (the rest wait for the next call).
 TAKE_MAX_BYTES = 8 << 20
-ATTACH_SCOPE = "attach"  # the reply-cache scope of Attach (no session yet)
+#: An idempotent Attach's ``client_nonce``: at least this many bytes (and at most 64).
+MIN_CLIENT_NONCE = 16
 
 
 class CacheManagerServicer:
@@ -107,6 +110,7 @@ class CacheManagerServicer:
         self.metrics = metrics
         self.closing = closing
         self.quarantine = Quarantine(engine, quarantine_s)
+        self.session_keys = SessionKeys()
         self.replies = replies if replies is not None else ReplyCache()
         layout = engine.layout()
         for p in layout.get("pools", {}).values():
@@ -133,7 +137,7 @@ class CacheManagerServicer:
         try:
             if rid is None:
                 return body(self, request).SerializeToString(), 0.0
-            scope = ATTACH_SCOPE if name == "Attach" else f"s:{request.session.session_id}"
+            scope = reply_scope(name, request)
             key = digest(name, bytes(raw))
             kept = self.replies.lookup(scope, rid, key)
             if kept is not None:
@@ -153,10 +157,17 @@ class CacheManagerServicer:
             check_raw(method, raw, self.limits)
         return parse(cls, raw, method)
 
+    def session_of(self, msg: pb.SessionRef) -> Session:
+        """The session a request names, once it is live and the request carries its secret
+        (:mod:`radixkv.service.server.session_keys`): ``StaleSessionError`` /
+        ``SessionSecretError`` before any work is done for it. O(1)."""
+        return self.session_keys.check(self.engine, msg)
+
     def live_session(self, msg: pb.SessionRef) -> Session:
-        """The session a request names, checked live (and its lease renewed) before any work
-        is done for it: a stale session's call costs O(1), whatever it carries."""
-        session = wire.session_from_msg(msg)
+        """The session a request names, checked live and its secret (:meth:`session_of`), and
+        its lease renewed, before any work is done for it: a stale session's call costs O(1),
+        whatever it carries."""
+        session = self.session_of(msg)
         self.engine.heartbeat(session)
         return session
 
@@ -167,7 +178,7 @@ class CacheManagerServicer:
         if name != "Match" or not needs_slices(request):
             return self.answer(name, body, request, raw, rid)
         try:
-            scope, key = f"s:{request.session.session_id}", digest(name, bytes(raw))
+            scope, key = reply_scope(name, request), digest(name, bytes(raw))
             if rid is not None:
                 kept = self.replies.lookup(scope, rid, key)
                 if kept is not None:
@@ -195,16 +206,16 @@ class CacheManagerServicer:
         info = self.engine.attach(request.worker_name)
         self.quarantine.register(info.session.session_id, pid)
         mappings = [wire.mapping_to_msg(pool, self.shared.descriptor(pool)) for pool in self.shared.descriptors]
-        return pb.AttachResponse(session=wire.session_to_msg(info.session), layout_json=self._layout_json,
+        return pb.AttachResponse(session=self.session_keys.ref(info.session), layout_json=self._layout_json,
                                  mappings=mappings)
 
     @_rpc("Heartbeat", pb.HeartbeatRequest)
     def Heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(lease_left_s=self.engine.heartbeat(wire.session_from_msg(request.session)))
+        return pb.HeartbeatResponse(lease_left_s=self.engine.heartbeat(self.session_of(request.session)))
 
     @_rpc("Detach", pb.DetachRequest)
     def Detach(self, request: pb.DetachRequest) -> pb.DetachResponse:
-        self.engine.detach(wire.session_from_msg(request.session))
+        self.engine.detach(self.session_of(request.session))
         return pb.DetachResponse()
 
     # ------------------------------------------------------------------ the step
@@ -253,42 +264,42 @@ class CacheManagerServicer:
     @_rpc("CacheUnfinished", pb.CacheRequest)
     def CacheUnfinished(self, request: pb.CacheRequest) -> pb.CacheResponse:
         return wire.cache_results_to_msg(
-            self.engine.cache_unfinished(wire.session_from_msg(request.session), list(request.rids)))
+            self.engine.cache_unfinished(self.session_of(request.session), list(request.rids)))
 
     @_rpc("CacheFinished", pb.CacheRequest)
     def CacheFinished(self, request: pb.CacheRequest) -> pb.CacheResponse:
         return wire.cache_results_to_msg(
-            self.engine.cache_finished(wire.session_from_msg(request.session), list(request.rids)))
+            self.engine.cache_finished(self.session_of(request.session), list(request.rids)))
 
     @_rpc("Release", pb.ReleaseRequest)
     def Release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
-        self.engine.release(wire.session_from_msg(request.session), list(request.rids))
+        self.engine.release(self.session_of(request.session), list(request.rids))
         return pb.ReleaseResponse()
 
     @_rpc("Evict", pb.EvictRequest)
     def Evict(self, request: pb.EvictRequest) -> pb.EvictResponse:
         return wire.evict_result_to_msg(
-            self.engine.evict(wire.session_from_msg(request.session), int(request.num_tokens),
+            self.engine.evict(self.session_of(request.session), int(request.num_tokens),
                               int(request.num_states)))
 
     # ------------------------------------------------------------------ stats / admin
     @_rpc("Stats", pb.StatsRequest, idempotent=False)
     def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
-        session = wire.session_from_msg(request.session) if request.HasField("session") else None
+        session = self.session_of(request.session) if request.HasField("session") else None
         stats = self.engine.stats(session)
         self.metrics.update(stats)
         return wire.stats_to_msg(stats)
 
     @_rpc("Flush", pb.FlushRequest)
     def Flush(self, request: pb.FlushRequest) -> pb.FlushResponse:
-        return pb.FlushResponse(flushed=bool(self.engine.flush(wire.session_from_msg(request.session))))
+        return pb.FlushResponse(flushed=bool(self.engine.flush(self.session_of(request.session))))
 
     @_rpc("TakeEvents", pb.TakeEventsRequest)
     def TakeEvents(self, request: pb.TakeEventsRequest) -> pb.TakeEventsResponse:
         """The events no TakeEvents caller has taken, oldest first, up to ``max_events``
         (0: all, within ``TAKE_MAX_BYTES``); an ``events_lost`` marker first when the ring
         dropped some before anyone took them."""
-        self.engine.heartbeat(wire.session_from_msg(request.session))
+        self.engine.heartbeat(self.session_of(request.session))
         n = int(request.max_events)
         if n < 0:
             raise InvalidArgumentError(f"max_events must be >= 0, got {n}")
@@ -330,7 +341,7 @@ class CacheManagerServicer:
         self.quarantine.forget_ended()
         sessions = self.engine.sessions
         self.replies.retain((f"s:{sid}" for sid in sessions.session_ids()), sessions.now(),
-                            grace_s=sessions.lease_ttl_s, keep=(ATTACH_SCOPE,))
+                            grace_s=sessions.lease_ttl_s)
         return expired, released
 
     # ------------------------------------------------------------------ streams
@@ -353,7 +364,7 @@ class CacheManagerServicer:
                 t0 = time.perf_counter()
                 try:
                     request = parse(pb.HeartbeatRequest, raw, "KeepAlive")
-                    this = wire.session_from_msg(request.session)
+                    this = self.session_of(request.session)
                     if session is not None and this[:2] != session[:2]:
                         raise InvalidArgumentError("a keep-alive stream serves one session")
                     self.quarantine.fence_due()
@@ -393,7 +404,7 @@ class CacheManagerServicer:
         try:
             try:
                 request = parse(pb.WatchEventsRequest, raw, "WatchEvents")
-                session = wire.session_from_msg(request.session)
+                session = self.session_of(request.session)
                 self.quarantine.fence_due()
                 self.engine.heartbeat(session)
                 hub.pump()
@@ -422,6 +433,20 @@ class CacheManagerServicer:
         finally:
             if cursor is not None:
                 hub.unsubscribe(cursor)
+
+
+def reply_scope(name: str, request: Any) -> str:
+    """The reply-cache scope of an idempotent call: its session, or for ``Attach`` (no
+    session yet) its ``client_nonce`` (hashed), so two clients using one request id never
+    share a reply, i.e. a session and its secret. Raises ``InvalidArgumentError`` for an
+    idempotent Attach without a nonce of 16..64 bytes."""
+    if name != "Attach":
+        return f"s:{request.session.session_id}"
+    nonce = bytes(request.client_nonce)
+    if not MIN_CLIENT_NONCE <= len(nonce) <= 64:
+        raise InvalidArgumentError(f"an Attach with a request id needs a client_nonce of {MIN_CLIENT_NONCE}..64 "
+                                   f"random bytes (the same for its retries), got {len(nonce)}")
+    return "a:" + hashlib.blake2b(nonce, digest_size=16).hexdigest()
 
 
 def watch_poll_s(asked: float) -> float:

@@ -89,11 +89,15 @@ def session_to_msg(session: Session) -> pb.SessionRef:
         raise StaleSessionError(f"session {sid!r} is from epoch {int(epoch)}, not this manager's")
     ttl = session[2] if len(session) > 2 else 0.0
     ttl = float(ttl) if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) else 0.0
-    return pb.SessionRef(session_id=sid, epoch=int(epoch), lease_ttl_s=ttl)
+    secret = session[3] if len(session) > 3 else b""
+    if not isinstance(secret, bytes):
+        raise InvalidArgumentError("a Session's secret is bytes")
+    return pb.SessionRef(session_id=sid, epoch=int(epoch), lease_ttl_s=ttl, secret=secret)
 
 
 def session_from_msg(msg: pb.SessionRef) -> Session:
-    return Session(msg.session_id, int(msg.epoch), float(msg.lease_ttl_s))
+    """The session a message names, with the secret it carries."""
+    return Session(msg.session_id, int(msg.epoch), float(msg.lease_ttl_s), bytes(msg.secret))
 
 
 # --------------------------------------------------------------------------- match

@@ -40,6 +40,11 @@ class RequestLimitError(E.CapacityError):
     say by how much)."""
 
 
+class SessionSecretError(E.PermissionDeniedError):
+    """A call naming a live session without that session's secret (the one its ``Attach``
+    returned): the session id alone is no credential. Nothing was done for it."""
+
+
 class ServiceUnavailableError(E.RadixKVError):
     """The manager cannot be reached (down, restarting, or the call timed out)."""
 
@@ -48,7 +53,8 @@ class ServiceUnavailableError(E.RadixKVError):
 
 def _all_error_types() -> dict[str, type[E.RadixKVError]]:
     found: dict[str, type[E.RadixKVError]] = {}
-    for mod_types in (vars(E).values(), (MessageTooLargeError, RequestLimitError, ServiceUnavailableError)):
+    for mod_types in (vars(E).values(), (MessageTooLargeError, RequestLimitError, SessionSecretError,
+                                           ServiceUnavailableError)):
         for t in mod_types:
             if isinstance(t, type) and issubclass(t, E.RadixKVError):
                 found[t.__name__] = t

@@ -49,8 +49,9 @@ def test_same_request_id_gets_the_kept_reply_and_allocates_once():
         c = srv.client()
         ch, call = _raw(srv)
         try:
-            a1 = pb.AttachResponse.FromString(call("Attach", pb.AttachRequest(worker_name="w"), rid="att-1"))
-            a2 = pb.AttachResponse.FromString(call("Attach", pb.AttachRequest(worker_name="w"), rid="att-1"))
+            att = pb.AttachRequest(worker_name="w", client_nonce=b"n" * 16)  # one client's nonce
+            a1 = pb.AttachResponse.FromString(call("Attach", att, rid="att-1"))
+            a2 = pb.AttachResponse.FromString(call("Attach", att, rid="att-1"))
             assert a1.session.session_id == a2.session.session_id and c.stats().sessions == 1
             ref = a1.session
             first = call("AllocExtend", _extend(ref, "r", 40), rid="x-1")

@@ -19,6 +19,7 @@ import time
 import grpc
 import numpy as np
 from radixkv.service.client import connect
+from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from reliability_util import ServerProcess, check_law, percentiles
 
@@ -79,7 +80,7 @@ def test_overload_is_refused_quickly_and_never_queues_without_bound():
             assert len(ok) == LIMIT_SESSIONS and len(refused_attach) == 64 - LIMIT_SESSIONS
             for s in ok[1:]:
                 c.detach(s)
-            session = pb.SessionRef(session_id=ok[0].session_id, epoch=ok[0].epoch, lease_ttl_s=ok[0].lease_ttl_s)
+            session = wire.session_to_msg(ok[0])
 
             t0 = time.monotonic()
             results = _flood(srv.address, srv.token, session, 1200, 40_000)
@@ -121,7 +122,7 @@ def test_calls_beyond_the_limit_are_answered_at_once_not_queued():
     with ThreadedServer({"kv_tokens": 256}, options=opts) as srv:
         c = srv.client()
         s = c.attach("slow").session
-        ref = pb.SessionRef(session_id=s.session_id, epoch=s.epoch, lease_ttl_s=s.lease_ttl_s)
+        ref = wire.session_to_msg(s)
         srv.call(lambda server: server.servicer.reply_delays.update(Heartbeat=3.0))
         ch = grpc.insecure_channel("unix:" + srv.address[len("unix://"):])
         md = (("authorization", "Bearer " + srv.token),)

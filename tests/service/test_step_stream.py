@@ -103,7 +103,7 @@ def test_errors_arrive_in_the_stream_as_the_same_types(srv):
 def test_a_request_id_means_the_same_call_on_both_paths(srv):
     c, s = stream_client(srv)
     u = srv.client()
-    req = pb.AllocExtendRequest(session=pb.SessionRef(session_id=s.session_id, epoch=s.epoch),
+    req = pb.AllocExtendRequest(session=pb.SessionRef(session_id=s.session_id, epoch=s.epoch, secret=s.secret),
                                 items=[pb.ExtendItem(rid="once", token_ids_i32=toks(16).tobytes())])
     first = c._call("AllocExtend", req, request_id="req-1")  # over the stream
     assert c.steps.stream.calls == 1
@@ -133,7 +133,7 @@ def raw_stream(srv, messages):
 
 def test_hostile_stream_messages_are_answered_invalid_argument_in_the_stream(srv):
     c, s = stream_client(srv)
-    ref = pb.SessionRef(session_id=s.session_id, epoch=s.epoch)
+    ref = pb.SessionRef(session_id=s.session_id, epoch=s.epoch, secret=s.secret)
     ok = pb.StepRequest(method="Heartbeat", request=pb.HeartbeatRequest(session=ref).SerializeToString())
     msgs = [b"\xff\xff\xff",  # not a StepRequest
             pb.StepRequest(method="Attach", request=pb.AttachRequest().SerializeToString()).SerializeToString(),
@@ -228,8 +228,9 @@ def test_shutdown_ends_idle_streams_promptly():
         assert c.steps.stream is not None
         raw = ch.stream_stream("/radixkv.v1.CacheManager/Step")(
             iter(sent.get, None), metadata=(("authorization", "Bearer " + srv.token),))
+        ref = pb.SessionRef(session_id=s.session_id, epoch=s.epoch, secret=s.secret)
         sent.put(pb.StepRequest(method="Heartbeat", request=pb.HeartbeatRequest(
-            session=pb.SessionRef(session_id=s.session_id, epoch=s.epoch)).SerializeToString()).SerializeToString())
+            session=ref).SerializeToString()).SerializeToString())
         assert pb.StepResponse.FromString(next(raw)).WhichOneof("result") == "reply"  # open, now idle
         srv.stop()
         assert raw.code() == grpc.StatusCode.OK  # ended by the shutdown, not cancelled after the grace

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionRef(_message.Message):
-    __slots__ = ("session_id", "epoch", "lease_ttl_s")
+    __slots__ = ("session_id", "epoch", "lease_ttl_s", "secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     lease_ttl_s: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class ShmFile(_message.Message):
     __slots__ = ("path", "nbytes")
@@ -60,12 +62,14 @@ class PoolMapping(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., shm: _Optional[_Union[ShmFile, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("worker_name", "pid")
+    __slots__ = ("worker_name", "pid", "client_nonce")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     pid: int
-    def __init__(self, worker_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    client_nonce: bytes
+    def __init__(self, worker_name: _Optional[str] = ..., pid: _Optional[int] = ..., client_nonce: _Optional[bytes] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session", "layout_json", "mappings")
