@@ -214,23 +214,26 @@ def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> dict[s
     ctx = mp.get_context("spawn")
     res: dict[str, Any] = {"reports": [], "latencies": [], "errors": [], "peak": (0, 0)}
     tmp = tempfile.mkdtemp(prefix="radixkv-demo-")  # 0700
-    token = secrets.token_urlsafe(24)
-    token_file, cfg_file, shm = (os.path.join(tmp, n) for n in ("token", "engine.json", "shm"))
+    token, operator = secrets.token_urlsafe(24), secrets.token_urlsafe(24)  # the workers', the monitor's
+    token_file, operator_file, cfg_file, shm = (os.path.join(tmp, n) for n in ("token", "operator", "engine.json",
+                                                                                 "shm"))
     os.mkdir(shm, 0o700)
-    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, token.encode())
-    os.close(fd)
+    for path, secret in ((token_file, token), (operator_file, operator)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secret.encode())
+        os.close(fd)
     with open(cfg_file, "w", encoding="utf-8") as f:
         json.dump(cfg.to_dict(), f)
     address = f"unix://{tmp}/manager.sock"
-    argv = ["serve", "--address", address, "--token-file", token_file, "--config", cfg_file, "--shm-dir", shm,
-            "--log-level", "WARNING", "--grace-s", "2", "--sweep-interval-s", "0.5"]
+    argv = ["serve", "--address", address, "--token-file", token_file, "--operator-token-file", operator_file,
+            "--config", cfg_file, "--shm-dir", shm, "--log-level", "WARNING", "--grace-s", "2",
+            "--sweep-interval-s", "0.5"]
     server = ctx.Process(target=serve_main, args=(argv,), name="radixkv-manager", daemon=True)
     procs: list[Any] = []
     deadline = time.monotonic() + timeout_s
     try:
         server.start()
-        with connect(address, token=token, wait_s=120, timeout_s=60) as mon:
+        with connect(address, token=operator, wait_s=120, timeout_s=60) as mon:  # CheckInvariants needs it
             q = ctx.Queue()
             for w, js in enumerate(jobs):
                 p = ctx.Process(target=worker_main, args=(address, token, f"worker-{w}", model_cfg, js, verify_every,
