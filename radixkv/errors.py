@@ -62,7 +62,9 @@ class NotFoundError(RadixKVError, KeyError):
 
 
 class PermissionDeniedError(RadixKVError):
-    """An operation on something another session owns."""
+    """An operation the caller is not allowed: a wrong session secret, an operator call
+    without the operator token, an unsafe file or socket. (Another session's request is a
+    ``NotFoundError``: request ids are per session.)"""
 
     code = "PERMISSION_DENIED"
 

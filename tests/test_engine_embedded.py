@@ -49,7 +49,7 @@ def test_refused_chunk_and_decode_leave_the_request_as_it_was():
     e = CacheEngine(EngineConfig(kv_tokens=32, max_context_len=64))
     s = e.attach().session
     e.alloc_extend(s, [ExtendItem("a", toks(range(20)))])
-    req = e._reqs["a"]
+    req = e._reqs[(s.session_id, "a")]
     before = (req.fill_ids.copy(), req.kv_committed_len, e.stats())
     with pytest.raises(CapacityError):
         e.alloc_extend(s, [ExtendItem("a", toks(range(20)))])  # 20 more slots, 12 free

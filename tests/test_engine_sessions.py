@@ -13,7 +13,6 @@ from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
     NotFoundError,
-    PermissionDeniedError,
     StaleSessionError,
 )
 
@@ -30,7 +29,6 @@ class SessionTableMachine(RuleBasedStateMachine):
         self.table = SessionTable(TTL, max_sessions=4, max_requests_per_session=3, clock=self.clock, epoch=7)
         self.deadline = {}
         self.rids = {}
-        self.owner = {}
         self.sessions = {}
         self.n = 0
 
@@ -100,15 +98,14 @@ class SessionTableMachine(RuleBasedStateMachine):
             self.table.close(sid)
 
     def _forget(self, sid):
-        for rid in self.rids.pop(sid):
-            del self.owner[rid]
+        del self.rids[sid]
         del self.deadline[sid]
 
     @precondition(lambda self: self.deadline)
     @rule(data=st.data(), rid=st.sampled_from([f"r{i}" for i in range(8)]))
     def add(self, data, rid):
         sid = data.draw(st.sampled_from(sorted(self.deadline)))
-        if rid in self.owner:
+        if rid in self.rids[sid]:  # ids are per session: another session's rid is free here
             with pytest.raises(InvalidArgumentError):
                 self.table.add_requests(sid, [rid])
         elif len(self.rids[sid]) >= 3:
@@ -116,37 +113,28 @@ class SessionTableMachine(RuleBasedStateMachine):
                 self.table.add_requests(sid, [rid])
         else:
             self.table.add_requests(sid, [rid])
-            self.owner[rid] = sid
             self.rids[sid].add(rid)
 
     @precondition(lambda self: self.deadline)
     @rule(data=st.data(), rid=st.sampled_from([f"r{i}" for i in range(8)]))
     def classify_and_remove(self, data, rid):
         sid = data.draw(st.sampled_from(sorted(self.deadline)))
-        owner = self.owner.get(rid)
-        if owner is not None and owner != sid:
-            for must in (True, False):
-                with pytest.raises(PermissionDeniedError):
-                    self.table.classify(sid, [rid], must_exist=must)
-            with pytest.raises(PermissionDeniedError):
-                self.table.remove_requests(sid, [rid])
-        elif owner is None:
+        if rid not in self.rids[sid]:  # unknown here, whether another session holds it or not
             assert self.table.classify(sid, [rid], must_exist=False) == [False]
+            with pytest.raises(NotFoundError):
+                self.table.classify(sid, [rid], must_exist=True)
             with pytest.raises(NotFoundError):
                 self.table.remove_requests(sid, [rid])
         else:
             assert self.table.classify(sid, [rid], must_exist=True) == [True]
             self.table.remove_requests(sid, [rid])
-            del self.owner[rid]
             self.rids[sid].discard(rid)
 
     @invariant()
     def agrees(self):
         self.table.check_invariants()
         assert len(self.table) == len(self.deadline)
-        assert self.table.request_count() == len(self.owner)
-        for rid, sid in self.owner.items():
-            assert self.table.owner(rid) == sid
+        assert self.table.request_count() == sum(len(r) for r in self.rids.values())
         for sid in self.deadline:
             assert set(self.table.rids(sid)) == self.rids[sid]
 
@@ -155,12 +143,12 @@ TestSessionTable = SessionTableMachine.TestCase
 TestSessionTable.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
-def test_invariants_name_the_leak():
+def test_invariants_name_the_session_over_its_limit():
     t = SessionTable(1.0, 2, 2, clock=ManualClock(), epoch=1)
     s = t.open()
-    t.add_requests(s.session_id, ["a"])
-    t._owner["ghost"] = s.session_id  # corrupt on purpose
-    with pytest.raises(InvariantError, match="ghost"):
+    t.add_requests(s.session_id, ["a", "b"])
+    t._sessions[s.session_id].rids["c"] = None  # corrupt on purpose
+    with pytest.raises(InvariantError, match=f"{s.session_id!r} owns 3 requests, limit 2"):
         t.check_invariants()
 
 

@@ -8,8 +8,9 @@ into ``alloc_for_extend`` / ``alloc_for_decode`` / ``cache_unfinished_req`` /
 
 Every call, in this order: expired leases are reclaimed (O(1) when none is due); the
 session is checked (unknown / ended / expired / other epoch -> ``StaleSessionError``) and
-its lease renewed; the whole input is validated (types, int32 token arrays, lengths, rid
-ownership -> ``NotFoundError`` / ``PermissionDeniedError``, repeated rids ->
+its lease renewed; the whole input is validated (types, int32 token arrays, lengths, rids
+the session does not own -> ``NotFoundError``: ids are per session, so another session's rid
+is an unknown one; repeated rids ->
 ``InvalidArgumentError``, limits -> ``CapacityError``); only then does anything change. A
 call that raises leaves pools, tree, requests, sessions and the reported counters as they
 were (the flow is all-or-nothing; appended tokens are rolled back; the tree's query
@@ -138,7 +139,7 @@ class CacheEngine:
         self.sessions = SessionTable(self.config.lease_ttl_s, self.config.max_sessions,
                                      self.config.max_requests_per_session, clock=clock, epoch=epoch)
         self._layout = self.pools.layout(mappings)
-        self._reqs: dict[str, EngineReq] = {}
+        self._reqs: dict[tuple[str, str], EngineReq] = {}  # (session id, rid): ids are per session
         self._events: deque[Event] = deque()
         self._discount = [0, 0, 0]  # queries, queried tokens, hit tokens of calls that raised
 
@@ -178,10 +179,10 @@ class CacheEngine:
         O(tokens its requests hold privately)."""
         rids = self.sessions.rids(session_id)
         log.debug("session %s %s: %d running request(s) aborted", session_id, reason, len(rids))
-        self._abort([self._reqs[r] for r in rids])
+        self._abort([self._reqs[(session_id, r)] for r in rids])
         self.sessions.close(session_id, reason)
         for r in rids:
-            del self._reqs[r]
+            del self._reqs[(session_id, r)]
         return len(rids)
 
     def sweep(self, now: float | None = None) -> list[str]:
@@ -207,7 +208,7 @@ class CacheEngine:
     def _own(self, sid: str, rids: object) -> list[EngineReq]:
         ids = check_rids(rids)
         self.sessions.classify(sid, ids, must_exist=True)
-        return [self._reqs[r] for r in ids]
+        return [self._reqs[(sid, r)] for r in ids]
 
     # ------------------------------------------------------------------ queries
     def match(self, session: Session, queries: Sequence[MatchQuery]) -> list[MatchInfo]:
@@ -229,7 +230,7 @@ class CacheEngine:
         request gets KV slots for its new tokens, evicting KV and states as needed.
 
         Raises ``InvalidArgumentError`` (bad items, repeated rids, no tokens),
-        ``PermissionDeniedError`` (another session's rid), ``CapacityError`` (over
+        ``CapacityError`` (over
         ``max_context_len``, ``max_requests_per_session``, rows, or KV or state slots even
         after eviction).
         Cost: the flow's, O(batch + tokens) vectorized."""
@@ -244,7 +245,7 @@ class CacheEngine:
         self.sessions.check_room(sid, known.count(False))
         limit = self.config.max_context_len
         for rid, tok, k in zip(rids, toks, known):
-            total = (self._reqs[rid].seq_len if k else 0) + tok.size
+            total = (self._reqs[(sid, rid)].seq_len if k else 0) + tok.size
             if total > limit:
                 raise CapacityError(f"request {rid!r}: {total} tokens exceed max_context_len {limit}",
                                     requested=total, available=limit)
@@ -253,7 +254,7 @@ class CacheEngine:
         reqs, marks = [], []
         for it, tok, k in zip(its, toks, known):
             if k:
-                r = self._reqs[it.rid]
+                r = self._reqs[(sid, it.rid)]
                 marks.append((r, r.mark()))
                 r.append_tokens(tok)
             else:
@@ -271,7 +272,7 @@ class CacheEngine:
         new = [r for r, k in zip(reqs, known) if not k]
         self.sessions.add_requests(sid, [r.rid for r in new])
         for r in new:
-            self._reqs[r.rid] = r
+            self._reqs[(sid, r.rid)] = r
         self._top_up(reqs)
         out = _filled(batch.out_cache_loc).to("cpu", torch.int64).numpy()
         pre, seq = _filled(batch.prefix_lens).tolist(), _filled(batch.seq_lens_cpu).tolist()
@@ -298,9 +299,8 @@ class CacheEngine:
         applies the same top-up). A call whose requests all held >= 2 reserved slots is
         therefore computable from earlier results, which remote clients rely on.
 
-        Raises ``InvalidArgumentError`` / ``NotFoundError`` / ``PermissionDeniedError`` for
-        bad items or rids, ``CapacityError`` (``max_context_len``, or KV even after
-        eviction). O(batch) vectorized."""
+        Raises ``InvalidArgumentError`` / ``NotFoundError`` for bad items or rids,
+        ``CapacityError`` (``max_context_len``, or KV even after eviction). O(batch) vectorized."""
         sid = self._enter(session)
         its = as_items(items, DecodeItem, "items")
         reqs = self._own(sid, [it.rid for it in its])
@@ -449,4 +449,4 @@ class CacheEngine:
     def _forget(self, sid: str, reqs: list[EngineReq]) -> None:
         self.sessions.remove_requests(sid, [r.rid for r in reqs])
         for r in reqs:
-            del self._reqs[r.rid]
+            del self._reqs[(sid, r.rid)]

@@ -70,12 +70,12 @@ def check_invariants(engine: CacheEngine) -> None:
     else:
         engine.tree.check_invariants()
     engine.sessions.check_invariants()
-    owned = {rid for sid in engine.sessions.session_ids() for rid in engine.sessions.rids(sid)}
+    owned = {(sid, rid) for sid in engine.sessions.session_ids() for rid in engine.sessions.rids(sid)}
     if owned != set(engine._reqs):
         raise InvariantError(f"requests without a session (leaked): {sorted(set(engine._reqs) - owned)}; "
                              f"session rids without a request: {sorted(owned - set(engine._reqs))}")
-    bad = [rid for rid, r in engine._reqs.items()
-           if r.rid != rid or r.req_pool_idx is None or r.kv_committed_len != r.seq_len]
+    bad = [key for key, r in engine._reqs.items()
+           if r.rid != key[1] or r.req_pool_idx is None or r.kv_committed_len != r.seq_len]
     if bad:
         raise InvariantError(f"running requests without a row or with uncommitted tokens: {bad}")
     engine._batch(reqs).check_invariants()

@@ -21,12 +21,13 @@ int64 numpy arrays.
 Sessions and leases: ``attach`` opens a session (id + epoch + lease TTL). A session is kept
 alive by calls and ``heartbeat``; when its lease expires (or ``detach`` is called) every row,
 lock, KV slot and state slot its requests held is reclaimed, and later calls under it raise
-``StaleSessionError``. A session may touch only its own requests.
+``StaleSessionError``. A session may touch only its own requests; request ids are per
+session (two sessions may use the same rid; another session's rid is an unknown one).
 
 Errors (all subclasses of ``RadixKVError``): bad input -> ``InvalidArgumentError``; out of
 capacity after eviction -> ``CapacityError`` (with requested/available); stale or unknown
-session -> ``StaleSessionError``; unknown request -> ``NotFoundError``; a request of another
-session -> ``PermissionDeniedError``. A call that raises changes nothing.
+session -> ``StaleSessionError``; unknown request (another session's included) ->
+``NotFoundError``. A call that raises changes nothing.
 """
 from __future__ import annotations
 

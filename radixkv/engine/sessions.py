@@ -9,8 +9,9 @@ drive lease expiry by hand.
 * Its lease runs out ``lease_ttl_s`` after its last renewal (every call renews it). A
   session is *expired* once ``clock() >= expires_at``; :meth:`due` lists those, oldest
   first, and the engine reclaims and :meth:`close` s them.
-* Request ids (``rid``) are unique across all live sessions: ``owner(rid)`` is the session
-  holding it. A session may touch only its own requests.
+* Request ids (``rid``) are scoped per session: two sessions may use the same rid
+  independently, and a session sees only its own (another session's rid is answered as an
+  unknown one: no session can probe or take another's ids).
 * A session can be *fenced* (:meth:`fence`): from then on every lookup refuses it as stale
   and :meth:`due` no longer lists it, but it keeps its rids (so nothing it held is freed)
   until the owner of the table reclaims and :meth:`close` s it. The service uses this to
@@ -34,7 +35,6 @@ from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
     NotFoundError,
-    PermissionDeniedError,
     StaleSessionError,
 )
 
@@ -94,7 +94,6 @@ class SessionTable:
         self.clock: Clock = clock if clock is not None else time.monotonic
         self.epoch = epoch if epoch is not None else secrets.randbits(62) + 1
         self._sessions: dict[str, SessionRecord] = {}
-        self._owner: dict[str, str] = {}  # rid -> session id
         self._heap: list[tuple[float, int, str]] = []  # (expires_at, seq, sid); stale entries allowed
         self._seq = 0
         self._ended: OrderedDict[str, str] = OrderedDict()  # sid -> why it ended
@@ -188,8 +187,6 @@ class SessionTable:
         Raises ``StaleSessionError`` when the session is not live."""
         rec = self._live(session_id)
         rids = list(rec.rids)
-        for rid in rids:
-            del self._owner[rid]
         del self._sessions[session_id]
         self._ended[session_id] = reason
         while len(self._ended) > _ENDED_MEMORY:
@@ -222,30 +219,21 @@ class SessionTable:
 
     # ------------------------------------------------------------------ requests
     def request_count(self) -> int:
-        return len(self._owner)
-
-    def owner(self, rid: str) -> str | None:
-        """The session owning ``rid``, or ``None``."""
-        return self._owner.get(rid)
+        """Requests of all live sessions. O(sessions)."""
+        return sum(len(rec.rids) for rec in self._sessions.values())
 
     def rids(self, session_id: str) -> list[str]:
         return list(self._live(session_id).rids)
 
     def classify(self, session_id: str, rids: Sequence[str], must_exist: bool) -> list[bool]:
-        """For each rid, whether ``session_id`` owns it (``True``) or nobody does
-        (``False``); changes nothing. O(len(rids)).
+        """For each rid, whether ``session_id`` owns it; changes nothing. O(len(rids)).
 
-        Raises ``PermissionDeniedError`` for a rid of another session, and with
-        ``must_exist`` ``NotFoundError`` for a rid nobody owns."""
-        self._live(session_id)
-        out = []
-        for rid in rids:
-            owner = self._owner.get(rid)
-            if owner is not None and owner != session_id:
-                raise PermissionDeniedError(f"request {rid!r} belongs to another session")
-            if owner is None and must_exist:
-                raise NotFoundError(f"unknown request {rid!r}")
-            out.append(owner is not None)
+        With ``must_exist`` raises ``NotFoundError`` for a rid it does not own (another
+        session's rid included: ids are per session)."""
+        own = self._live(session_id).rids
+        out = [rid in own for rid in rids]
+        if must_exist and not all(out):
+            raise NotFoundError(f"unknown request {rids[out.index(False)]!r}")
         return out
 
     def check_room(self, session_id: str, new: int) -> None:
@@ -260,36 +248,34 @@ class SessionTable:
     def add_requests(self, session_id: str, rids: Iterable[str]) -> None:
         """Record that ``session_id`` owns ``rids`` (validated first, all or nothing).
 
-        Raises ``InvalidArgumentError`` (a rid already owned, or repeated),
+        Raises ``InvalidArgumentError`` (a rid it already owns, or repeated),
         ``CapacityError`` (over ``max_requests_per_session``)."""
         rids = list(rids)
         rec = self._live(session_id)
-        taken = [r for r in rids if r in self._owner]
+        taken = [r for r in rids if r in rec.rids]
         if taken or len(set(rids)) != len(rids):
             raise InvalidArgumentError(f"request ids already in use or repeated: {taken or rids}")
         self.check_room(session_id, len(rids))
         for rid in rids:
-            self._owner[rid] = session_id
             rec.rids[rid] = None
 
     def remove_requests(self, session_id: str, rids: Iterable[str]) -> None:
         """Forget that ``session_id`` owns ``rids`` (validated first, all or nothing).
 
-        Raises ``NotFoundError`` / ``PermissionDeniedError`` for a rid it does not own."""
+        Raises ``NotFoundError`` for a rid it does not own."""
         rids = list(rids)
         rec = self._live(session_id)
         self.classify(session_id, rids, must_exist=True)
         if len(set(rids)) != len(rids):
             raise InvalidArgumentError(f"request ids repeated: {rids}")
         for rid in rids:
-            del self._owner[rid]
             del rec.rids[rid]
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """The rid -> session map and the per-session rid sets are inverse to each other,
-        every session is within its limits, and every live session has a heap entry at its
-        deadline. Raises ``InvariantError`` naming the sessions / rids."""
+        """Every session is within its limits, none is both live and ended, and every live
+        session has a heap entry at its deadline. Raises ``InvariantError`` naming the
+        sessions. (Whether each rid has its request is the engine's audit.)"""
         if len(self._sessions) > self.max_sessions:
             raise InvariantError(f"{len(self._sessions)} sessions live, limit {self.max_sessions}")
         for sid, rec in self._sessions.items():
@@ -298,17 +284,8 @@ class SessionTable:
             if len(rec.rids) > self.max_requests_per_session:
                 raise InvariantError(f"session {sid!r} owns {len(rec.rids)} requests, limit "
                                      f"{self.max_requests_per_session}")
-            wrong = [r for r in rec.rids if self._owner.get(r) != sid]
-            if wrong:
-                raise InvariantError(f"session {sid!r} lists requests the owner map gives elsewhere: {wrong}")
             if sid in self._ended:
                 raise InvariantError(f"session {sid!r} is both live and ended")
-        orphans = [r for r, sid in self._owner.items()
-                   if sid not in self._sessions or r not in self._sessions[sid].rids]
-        if orphans:
-            raise InvariantError(f"requests owned by no live session's list (leaked): {orphans}")
-        if sum(len(r.rids) for r in self._sessions.values()) != len(self._owner):
-            raise InvariantError("per-session request counts do not add up to the owner map")
         filed = {(sid, exp) for exp, _, sid in self._heap}
         missing = [sid for sid, rec in self._sessions.items()
                    if rec.fenced_at is None and (sid, rec.expires_at) not in filed]

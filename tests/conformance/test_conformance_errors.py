@@ -1,5 +1,7 @@
 """Every kind of bad call raises its typed error and changes nothing (stats and the
 request-to-token table compared before and after, invariants checked after)."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,6 @@ from radixkv.errors import (
     CapacityError,
     InvalidArgumentError,
     NotFoundError,
-    PermissionDeniedError,
     RadixKVError,
 )
 
@@ -33,18 +34,42 @@ def env(request, engine_factory, clock):
     return e, s, other, buf, ps
 
 
-def test_other_sessions_request_is_permission_denied(env):
+def test_another_sessions_request_is_unknown_here(env):
+    """Request ids are per session (issue 17, item 7): a rid only another session holds is
+    answered exactly as one nobody holds (NotFoundError, the same message), so no session can
+    probe another's ids; the call changes nothing."""
     e, s, other, buf, _ = env
     calls = [
-        lambda: e.alloc_extend(s, [ExtendItem("theirs", toks([1]))]),
-        lambda: e.alloc_extend(s, [ExtendItem("new", toks([1])), ExtendItem("theirs", toks([1]))]),
-        lambda: e.alloc_decode(s, [DecodeItem("mine", 1), DecodeItem("theirs", 1)]),
-        lambda: e.cache_unfinished(s, ["theirs"]),
-        lambda: e.cache_finished(s, ["mine", "theirs"]),
-        lambda: e.release(s, ["theirs"]),
+        lambda rid: e.alloc_decode(s, [DecodeItem("mine", 1), DecodeItem(rid, 1)]),
+        lambda rid: e.cache_unfinished(s, [rid]),
+        lambda rid: e.cache_finished(s, ["mine", rid]),
+        lambda rid: e.release(s, [rid]),
     ]
     for call in calls:
-        expect_unchanged(e, PermissionDeniedError, call, buf)
+        theirs = expect_unchanged(e, NotFoundError, functools.partial(call, "theirs"), buf)
+        ghost = expect_unchanged(e, NotFoundError, functools.partial(call, "ghost"), buf)
+        assert str(theirs).replace("theirs", "ghost") == str(ghost)
+
+
+def test_two_sessions_use_the_same_request_id_independently(env):
+    """A session can create a request under an id another session holds; each sees only its
+    own, and ending one leaves the other as it was."""
+    e, s, other, buf, _ = env
+    before = e.stats()
+    (mine,) = e.alloc_extend(s, [ExtendItem("theirs", toks(np.arange(200, 210)))])
+    assert (mine.rid, mine.prefix_len, mine.seq_len) == ("theirs", 0, 10)
+    assert e.stats().requests == before.requests + 1
+    # each session's "theirs" is its own: the other's has 20 tokens, this session's 10
+    assert e.alloc_decode(other, [DecodeItem("theirs", 5)]).seq_lens.tolist() == [21]
+    assert e.alloc_decode(s, [DecodeItem("theirs", 5)]).seq_lens.tolist() == [11]
+    e.release(s, ["theirs"])
+    with pytest.raises(NotFoundError):
+        e.release(s, ["theirs"])
+    e.alloc_decode(other, [DecodeItem("theirs", 6)])  # still there, at 22 tokens
+    e.cache_finished(other, ["theirs"])
+    with pytest.raises(NotFoundError):
+        e.cache_finished(other, ["theirs"])
+    assert e.stats().requests == before.requests - 1
 
 
 def test_unknown_request_is_not_found(env):

@@ -2,8 +2,9 @@
 bytes, oversize messages, missing / wrong tokens.
 
 The server (a real one on a thread, Unix socket) must never crash or answer INTERNAL /
-UNKNOWN: bad input is INVALID_ARGUMENT, other sessions' requests PERMISSION_DENIED, unknown
-ones NOT_FOUND, stale sessions FAILED_PRECONDITION, full pools RESOURCE_EXHAUSTED; and after
+UNKNOWN: bad input is INVALID_ARGUMENT, a wrong session secret (or a missing operator
+token) PERMISSION_DENIED, unknown requests (another session's included: ids are per session)
+NOT_FOUND, stale sessions FAILED_PRECONDITION, full pools RESOURCE_EXHAUSTED; and after
 every example its invariants and the conservation law hold.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from radixkv.service.wire.request_id import REQUEST_ID_KEY
 from tooling.testing import ThreadedServer
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery, Session
-from radixkv.errors import PermissionDeniedError, StaleSessionError
+from radixkv.errors import NotFoundError, PermissionDeniedError, StaleSessionError
 
 
 def _toks(n: int) -> np.ndarray:
@@ -91,3 +91,31 @@ def test_attach_idempotency_keys_are_scoped_per_client():
             c.detach(wire.session_from_msg(ref))
         c.close()
 
+
+
+def test_request_ids_are_per_session_over_the_wire():
+    """Another worker's rid is NOT_FOUND, worded as one nobody holds (no probing), and free to
+    use for its own request; the victim's request is untouched."""
+    with ThreadedServer({"kv_tokens": 256}) as srv:
+        victim, abuser = srv.client(), srv.client()
+        s = victim.attach("victim").session
+        (v,) = victim.alloc_extend(s, [ExtendItem("r1", _toks(8))])
+        own = abuser.attach("abuser").session
+        probes = {}
+        for rid in ("r1", "never-used"):
+            with pytest.raises(NotFoundError) as e:
+                abuser.cache_finished(own, [rid])
+            probes[rid] = e.value
+        assert type(probes["r1"]) is type(probes["never-used"])
+        assert str(probes["r1"]).replace("r1", "never-used") == str(probes["never-used"])
+        (a,) = abuser.alloc_extend(own, [ExtendItem("r1", _toks(3))])  # the same id, its own request
+        assert a.req_pool_idx != v.req_pool_idx and a.seq_len == 3
+        abuser.release(own, ["r1"])
+        assert victim.stats(s).requests == 1
+        assert victim.alloc_decode(s, [DecodeItem("r1", 9)]).seq_lens.tolist() == [9]
+        victim.cache_finished(s, ["r1"])
+        victim.detach(s)
+        abuser.detach(own)
+        victim.check_invariants()
+        victim.close()
+        abuser.close()

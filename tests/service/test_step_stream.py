@@ -84,7 +84,7 @@ def test_errors_arrive_in_the_stream_as_the_same_types(srv):
     with pytest.raises(E.NotFoundError, match="nope"):
         c.alloc_decode(s, [DecodeItem("nope", 1)])
     step = c.steps.stream
-    with pytest.raises(E.PermissionDeniedError):
+    with pytest.raises(E.NotFoundError, match="theirs"):  # request ids are per session
         c.cache_finished(s, ["theirs"])
     with pytest.raises(E.CapacityError) as ei:
         c.alloc_extend(s, [ExtendItem("big", toks(300))])
