@@ -9,10 +9,12 @@ arrival, queued ones included) is set to their sum, so unauthenticated streams n
 worker's slot.
 
 With an operator token (``--operator-token-file``), the operator calls (:data:`OPERATOR_METHODS`:
-``Flush`` empties the tree every worker shares, ``CheckInvariants`` walks every structure)
+``Flush`` empties the tree every worker shares, ``Evict`` drops its unlocked prefixes,
+``CheckInvariants`` walks every structure)
 need it: a worker's token gets ``PERMISSION_DENIED`` for them. The operator token is accepted
 for every other call too. Without one, the worker token may make them (the manager warns at
-start-up).
+start-up). Workers never need ``Evict``: an allocation that lacks room evicts what it needs
+itself (all or nothing).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ DEFAULT_HEALTH_BUDGET = 8
 #: The gRPC health service's methods: the only calls that need no token.
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 #: The calls that need the operator token when the manager has one.
-OPERATOR_METHODS = frozenset(f"/radixkv.v1.CacheManager/{m}" for m in ("Flush", "CheckInvariants"))
+OPERATOR_METHODS = frozenset(f"/radixkv.v1.CacheManager/{m}" for m in ("Flush", "Evict", "CheckInvariants"))
 
 
 def _rejecting_handler(handler: grpc.RpcMethodHandler, method: str,

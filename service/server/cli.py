@@ -109,7 +109,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     net.add_argument("--allow-readable-token-file", action="store_true",
                      help="accept token files that group or others may read (refused by default)")
     net.add_argument("--operator-token-file", default=None,
-                     help="the operator token (Flush, CheckInvariants need it then; a worker token is refused)")
+                     help="the operator token (Flush, Evict, CheckInvariants need it then; a worker token is refused)")
     net.add_argument("--tls-cert", default=None, help="TCP: server certificate (PEM)")
     net.add_argument("--tls-key", default=None, help="TCP: server private key (PEM)")
     net.add_argument("--tls-ca", default=None, help="TCP: require client certificates signed by this CA")

@@ -112,7 +112,7 @@ class ServeOptions(NamedTuple):
     events_ring_size: int = DEFAULT_RING_SIZE  # events the hub keeps for watchers / TakeEvents
     events_interval_s: float = DEFAULT_EVENTS_INTERVAL_S  # pump period while the ZMQ outlet is on
     call_limits: CallLimits | None = None  # entries/tokens per call; None: sized from the pool
-    operator_token: Token | None = None  # given: Flush / CheckInvariants need it (server/auth.py)
+    operator_token: Token | None = None  # given: Flush / Evict / CheckInvariants need it (server/auth.py)
     health_rpcs: int = DEFAULT_HEALTH_BUDGET  # unauthenticated health calls in flight, on top of the limit
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # a connection silent that long is closed
 
@@ -187,7 +187,7 @@ class CacheManagerServer:
         self.events = EventHub(engine_event_source(self.engine), int(o.events_ring_size), encode=encode_record)
         self.servicer = CacheManagerServicer(self.engine, self.shared, self.metrics, self._closing,
                                              quarantine_s=float(o.quarantine_s), events=self.events,
-                                             limits=o.call_limits)
+                                             limits=o.call_limits, operator_token=o.operator_token)
         n = int(o.max_message_bytes)
         self._server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected,

@@ -54,6 +54,7 @@ from radixkv.service.server.unary_rpc import unary_rpc as _rpc
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.auth import Token
 from radixkv.service.wire.errors import status_of
 from radixkv.service.wire.limits import CallLimits, check_raw, limits_for
 from radixkv.service.wire.shm import SharedBuffers
@@ -101,8 +102,10 @@ class CacheManagerServicer:
 
     def __init__(self, engine: Any, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,
                  quarantine_s: float = 0.0, replies: ReplyCache | None = None,
-                 events: EventHub | None = None, limits: CallLimits | None = None):
+                 events: EventHub | None = None, limits: CallLimits | None = None,
+                 operator_token: Token | None = None):
         self.engine = engine
+        self.operator_token = operator_token  # the Step stream's operator calls check it (step_stream.py)
         cfg = engine.config
         self.limits = limits if limits is not None else limits_for(cfg.kv_tokens, cfg.request_rows,
                                                                    cfg.decode_reserve)

@@ -13,11 +13,12 @@ from typing import Any
 
 import grpc
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire.auth import presented_token
 from radixkv.service.wire.errors import RpcStatus, status_of
 from radixkv.service.wire.request_id import check_request_id
 from radixkv.service.wire.step import STEP_METHODS, error_to_msg
 
-from radixkv.errors import InvalidArgumentError, RadixKVError
+from radixkv.errors import InvalidArgumentError, PermissionDeniedError, RadixKVError
 
 __all__ = ["serve_step_stream"]
 
@@ -34,9 +35,15 @@ def _bodies(servicer: Any) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
     return got
 
 
-async def _one(servicer: Any, raw: bytes) -> bytes:
+#: Step methods that need the operator token when the manager has one (the unary calls'
+#: check is the interceptor's, ``server/auth.py``; a stream is opened once, so it is checked here).
+OPERATOR_STEP_METHODS = frozenset({"Evict"})
+
+
+async def _one(servicer: Any, raw: bytes, operator: bool = True) -> bytes:
     """Run one StepRequest (the replay riding on it first, then the call, each as its unary
-    call would run, with no await between them) and return the StepResponse bytes."""
+    call would run, with no await between them) and return the StepResponse bytes.
+    ``operator``: whether the stream may make operator calls."""
     from radixkv.service.server.servicer import parse
 
     t0 = time.perf_counter()
@@ -48,6 +55,8 @@ async def _one(servicer: Any, raw: bytes) -> bytes:
         if spec is None:
             raise InvalidArgumentError(f"Step: {step.method!r:.80} is not a step method {list(STEP_METHODS)}")
         name = step.method
+        if not operator and name in OPERATOR_STEP_METHODS:
+            raise PermissionDeniedError(f"/radixkv.v1.CacheManager/{name} needs the operator token")
         body, request_cls = spec
         request = servicer.parse_request(request_cls, step.request, name)
         servicer.quarantine.fence_due()
@@ -115,6 +124,8 @@ async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.
     one task per servicer waits for ``closing`` and cancels the open streams' tasks."""
     if servicer.closing.is_set():
         return
+    token = getattr(servicer, "operator_token", None)
+    operator = token is None or token.matches(presented_token(context.invocation_metadata()))
     tasks = _stream_tasks(servicer)
     task = asyncio.current_task()
     tasks.add(task)
@@ -123,7 +134,7 @@ async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.
             raw = await context.read()
             if raw is grpc.aio.EOF:
                 return
-            await context.write(await _one(servicer, raw))
+            await context.write(await _one(servicer, raw, operator))
     except asyncio.CancelledError:
         if servicer.closing.is_set():
             return  # ended by the shutdown: the stream ends OK

@@ -19,7 +19,7 @@ from radixkv.events.zmq_flags import PublisherConfig
 OPERATOR = "the-operator-token-1234"
 
 
-def test_with_an_operator_token_a_worker_cannot_flush():
+def test_with_an_operator_token_a_worker_cannot_flush_or_evict():
     opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, operator_token=Token(OPERATOR))
     with ThreadedServer({"kv_tokens": 256}, options=opts) as srv:
         c = srv.client()
@@ -29,12 +29,19 @@ def test_with_an_operator_token_a_worker_cannot_flush():
         with pytest.raises(PermissionDeniedError, match="operator token"):
             c.flush(s)
         with pytest.raises(PermissionDeniedError, match="operator token"):
+            c.evict(s, 1000)  # over the Step stream (the client's default)
+        u = srv.client(step_stream=False)
+        with pytest.raises(PermissionDeniedError, match="operator token"):
+            u.evict(u.attach("unary").session, 1000)  # as a unary call
+        with pytest.raises(PermissionDeniedError, match="operator token"):
             c.check_invariants()
+        assert c.stats(s).kv_evictable == 8  # refused calls changed nothing
         from radixkv.service.client import connect
 
         op = connect(srv.address, token=OPERATOR, wait_s=30)
         try:
             os_ = op.attach("operator").session
+            assert op.evict(os_, 4).tokens >= 4
             assert op.flush(os_) is True
             op.check_invariants()
         finally:
