@@ -13,7 +13,7 @@ A request is one ``LLM.generate`` call (greedy, ``max_tokens`` tokens, ``ignore_
 * ``ttft``: ``RequestOutput.metrics.first_token_latency`` (vLLM's own, arrival to first token);
 * ``wall``: the generate call's wall time seen by the instance;
 * ``cpu``: CPU seconds (user + system) this process and its children (an engine core of its
-  own) had used when the request started.
+  own) had used when the request started (vLLM's worker processes left out: they busy-poll).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on one thread
 (``OMP_NUM_THREADS=1``, no vLLM thread binding): one instance, one process, one core's worth.
@@ -60,12 +60,16 @@ def _counters(llm: Any) -> list[tuple[str, dict[str, str], float]]:
 
 
 def _tree_cpu() -> float:
+    """CPU seconds of this process and its children, vLLM's worker processes left out: they
+    busy-poll for a second after every step, which would swamp what a request costs."""
     import psutil
 
     me = psutil.Process()
     total = 0.0
     for p in [me, *me.children(recursive=True)]:
         try:
+            if any("VLLM::Worker" in part for part in p.cmdline()):
+                continue
             t = p.cpu_times()
         except psutil.Error:  # a child that just ended
             continue
