@@ -75,6 +75,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--miss-ab-order", choices=("together", "sequential"), default="sequential",
                     help="the A/B's two requests of a round at once, or one after the other, the first "
                          "alternating (default %(default)s)")
+    ap.add_argument("--miss-ab-gap-s", type=float, default=0.0,
+                    help="sequential A/B: pause before each request (vLLM's worker processes busy-poll "
+                         "for 1 s after each step, so with --engine-process a gap > 1 s keeps the other "
+                         "instances' idle workers off the cores; default %(default)s)")
+    ap.add_argument("--miss-ab-sync", action="store_true",
+                    help="the A/B also runs a third instance with the connector's defer_miss_saves off "
+                         "(every miss matched in its step: the connector before the deferred save)")
     ap.add_argument("--kv-cache-mb", type=int, default=128, help="each instance's KV cache (MiB)")
     ap.add_argument("--engine-process", action="store_true",
                     help="run each instance's engine core in its own process (as vllm serve does; "
@@ -212,42 +219,76 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
 
 def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int) -> dict[str, Any]:
     """What a request with no hit costs with the connector: instance 0 without it, instance 1
-    with it (one manager), started together; each round sends the same fresh random prompt
-    to both, at once (``--miss-ab-order together``: both see the same machine load, and
-    compete for it) or one after the other, the first alternating from round to round
-    (``sequential``: neither runs while the other does). Medians of the wall times."""
+    with it (one manager; ``--miss-ab-sync``: instance 2 with it and ``defer_miss_saves``
+    off, every miss matched in the step), started together; each round sends the same fresh
+    random prompt to every instance, at once (``--miss-ab-order together``: they see the same
+    machine load, and compete for it) or one after the other, the first rotating from round
+    to round (``sequential``: none runs while another does). Medians of the wall times; per
+    instance also the CPU seconds of its processes (frontend and engine core) from a
+    request's start to the next's, so work a request leaves after its output (a deferred
+    save) is charged to it."""
     from vllm_configs import shared_side
 
     rng = np.random.default_rng(777)
     with shared_side("radixkv", spec, manager_args=args.manager_args, log_dir=args.log_dir) as kvt:
-        insts = _start([dict(spec, kv_transfer_config=None), dict(spec, kv_transfer_config=kvt)])
+        specs = [dict(spec, kv_transfer_config=None), dict(spec, kv_transfer_config=kvt)]
+        if args.miss_ab_sync:
+            # a namespace of its own: the two connector instances get the same prompts, and
+            # must not hit each other's saves
+            extra = dict(kvt["kv_connector_extra_config"], defer_miss_saves=False, namespace="miss-ab-sync")
+            specs.append(dict(spec, kv_transfer_config=dict(kvt, kv_connector_extra_config=extra)))
+        n = len(specs)
+        insts = _start(specs)
         try:
-            walls: list[list[float]] = [[], []]
+            walls: list[list[float]] = [[] for _ in range(n)]
+            cpus: list[list[float]] = [[] for _ in range(n)]
             cached = 0
-            for r in range(args.miss_ab + 1):                 # round 0: warm-up, not counted
+            for r in range(args.miss_ab + 2):                 # round 0: warm-up; the last: CPU end mark
                 prompt = rng.integers(0, spec["vocab"], prompt_len).astype(np.int32)
                 if args.miss_ab_order == "together":
-                    outs = _dispatch(insts, [[(-1, prompt)], [(-1, prompt)]])
+                    outs = _dispatch(insts, [[(-1, prompt)]] * n)
                 else:
-                    first = r % 2
-                    outs = [[], []]
-                    for k in (first, 1 - first):
+                    outs = [[] for _ in range(n)]
+                    for k in [(r + j) % n for j in range(n)]:
+                        time.sleep(args.miss_ab_gap_s)   # the others' engines idle again
                         outs[k] = _dispatch([insts[k]], [[(-1, prompt)]])[0]
-                if r:
-                    for k in (0, 1):
+                for k in range(n):
+                    if r:
+                        cpus[k].append(outs[k][0]["cpu"])
+                    if 0 < r <= args.miss_ab:
                         walls[k].append(outs[k][0]["wall"] * 1e3)
                         cached += int(outs[k][0]["cached"])
         finally:
             _stop(insts)
-    med = [float(np.median(x)) for x in walls]
-    per_round = np.asarray(walls[1]) / np.asarray(walls[0])
-    q1, q2, q3 = (float(x) for x in np.quantile(per_round, [0.25, 0.5, 0.75]))
-    return {"rounds": args.miss_ab, "prompt_len": prompt_len, "hit_tokens": cached,
-            "without_ms_median": round(med[0], 2), "with_radixkv_ms_median": round(med[1], 2),
-            "ratio": round(med[1] / med[0], 4), "ratio_ok": med[1] <= TARGET_COLD_RATIO * med[0],
-            "round_ratio_median": round(q2, 4), "round_ratio_iqr": [round(q1, 4), round(q3, 4)],
-            "rounds_with_faster": int((per_round < 1).sum()), "order": args.miss_ab_order,
-            "without_ms": [round(x, 2) for x in walls[0]], "with_radixkv_ms": [round(x, 2) for x in walls[1]]}
+    cpu_ms = [np.diff(c) * 1e3 for c in cpus]
+    out: dict[str, Any] = {"rounds": args.miss_ab, "prompt_len": prompt_len, "hit_tokens": cached,
+                           "order": args.miss_ab_order, "without_ms_median": round(float(np.median(walls[0])), 2),
+                           "without_ms": [round(x, 2) for x in walls[0]]}
+    for k, name in list(enumerate(("with_radixkv", "with_radixkv_sync")))[:n - 1]:
+        out[name] = _ab_side(walls[0], walls[k + 1], cpu_ms[0], cpu_ms[k + 1], rng)
+    return out
+
+
+def _ab_side(base: list[float], wall: list[float], base_cpu: np.ndarray, cpu: np.ndarray,
+             rng: np.random.Generator) -> dict[str, Any]:
+    """One connector instance against the one without: medians, the per-round ratio's median,
+    quartiles and a 95 % bootstrap interval of its median; the mean CPU per request (CPU
+    times come in 10 ms ticks: the mean, not the median)."""
+    def summary(ratio: np.ndarray) -> dict[str, Any]:
+        q1, q2, q3 = (float(x) for x in np.quantile(ratio, [0.25, 0.5, 0.75]))
+        boot = np.median(ratio[rng.integers(0, ratio.size, (2000, ratio.size))], axis=1)
+        lo, hi = (float(x) for x in np.quantile(boot, [0.025, 0.975]))
+        return {"median": round(q2, 4), "iqr": [round(q1, 4), round(q3, 4)], "ci95": [round(lo, 4), round(hi, 4)]}
+
+    w = np.asarray(wall)
+    ratio = w / np.asarray(base)
+    return {"ms_median": round(float(np.median(w)), 2),
+            "ratio_of_medians": round(float(np.median(w) / np.median(base)), 4),
+            "round_ratio": summary(ratio), "rounds_faster": int((ratio < 1).sum()),
+            "ratio_ok": bool(np.median(ratio) <= TARGET_COLD_RATIO),
+            "cpu_ms_mean": round(float(np.mean(cpu)), 2), "cpu_ms_mean_without": round(float(np.mean(base_cpu)), 2),
+            "cpu_mean_ratio": round(float(np.mean(cpu) / np.mean(base_cpu)), 4),
+            "ms": [round(x, 2) for x in wall]}
 
 
 def _check(results: dict[str, dict[str, Any]], bound: int) -> dict[str, Any]:
@@ -283,12 +324,17 @@ def _table(doc: dict[str, Any]) -> str:
         lines.append(f"{label:<26}{wl['prompt_tokens'] - hits:>12}{hits:>9}")
     ab = doc.get("miss_ab")
     if ab:
-        lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab.get('order', 'together')}, {ab['prompt_len']} "
-                     "tokens): without connector "
-                     f"{ab['without_ms_median']:.1f} ms, with radixkv {ab['with_radixkv_ms_median']:.1f} ms, "
-                     f"ratio {ab['ratio']:.3f}; per round: median {ab['round_ratio_median']:.3f}, IQR "
-                     f"[{ab['round_ratio_iqr'][0]:.3f}, {ab['round_ratio_iqr'][1]:.3f}], with radixkv faster in "
-                     f"{ab['rounds_with_faster']} of {ab['rounds']}")
+        lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab['order']}, {ab['prompt_len']} tokens): without "
+                     f"connector {ab['without_ms_median']:.1f} ms")
+        for name in ("with_radixkv", "with_radixkv_sync"):
+            if name in ab:
+                x, rr = ab[name], ab[name]["round_ratio"]
+                lines.append(f"  {name}: {x['ms_median']:.1f} ms; per-round ratio {rr['median']:.3f} IQR "
+                             f"[{rr['iqr'][0]:.3f}, {rr['iqr'][1]:.3f}] 95% "
+                             f"[{rr['ci95'][0]:.3f}, {rr['ci95'][1]:.3f}], "
+                             f"faster in {x['rounds_faster']}; CPU per request (mean, workers left out) "
+                             f"{x['cpu_ms_mean']:.1f} ms vs {x['cpu_ms_mean_without']:.1f} ms without, ratio "
+                             f"{x['cpu_mean_ratio']:.3f}")
     for name, err in doc.get("failed", {}).items():
         lines.append(f"{name:<26}FAILED: {err.strip().splitlines()[-1][:120] if err.strip() else '?'}")
     for name, t in doc.get("targets", {}).items():
@@ -331,7 +377,8 @@ def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, shape: 
             doc.setdefault("failed", {})[name] = str(exc)[-4000:]
             print(f"[bench vllm] {name} failed: {str(exc)[-2000:]}", file=sys.stderr, flush=True)
     if args.miss_ab > 0:
-        print("[bench vllm] no-hit A/B: starting 2 instances", file=sys.stderr, flush=True)
+        print(f"[bench vllm] no-hit A/B: starting {3 if args.miss_ab_sync else 2} instances", file=sys.stderr,
+              flush=True)
         try:
             doc["miss_ab"] = run_miss_ab(spec, args, int(np.median([len(p) for p in w.prompts])))
         except RuntimeError as exc:

@@ -79,7 +79,8 @@ def _manager_cmd(d: str, spec: dict[str, Any], extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "radixkv", "serve", "--address", f"unix://{d}/s.sock",
             "--token-file", os.path.join(d, "token"), "--model-config", spec["model"],
             "--page-size", str(spec["block_size"]), "--kv-tokens", str(spec["manager_kv_tokens"]),
-            "--max-context-len", str(spec["max_model_len"]), *extra]
+            "--max-context-len", str(spec["max_model_len"]),
+            "--enable-kv-events", *extra]  # the events feed the connector's first-block index
 
 
 @contextlib.contextmanager

@@ -11,7 +11,9 @@ A request is one ``LLM.generate`` call (greedy, ``max_tokens`` tokens, ``ignore_
   (its prefix-cache hits plus a connector's external hits), so ``prompt - cached`` is what
   this instance prefilled;
 * ``ttft``: ``RequestOutput.metrics.first_token_latency`` (vLLM's own, arrival to first token);
-* ``wall``: the generate call's wall time seen by the instance.
+* ``wall``: the generate call's wall time seen by the instance;
+* ``cpu``: CPU seconds (user + system) this process and its children (an engine core of its
+  own) had used when the request started (vLLM's worker processes left out: they busy-poll).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on one thread
 (``OMP_NUM_THREADS=1``, no vLLM thread binding): one instance, one process, one core's worth.
@@ -57,6 +59,24 @@ def _counters(llm: Any) -> list[tuple[str, dict[str, str], float]]:
         return []
 
 
+def _tree_cpu() -> float:
+    """CPU seconds of this process and its children, vLLM's worker processes left out: they
+    busy-poll for a second after every step, which would swamp what a request costs."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            if any("VLLM::Worker" in part for part in p.cmdline()):
+                continue
+            t = p.cpu_times()
+        except psutil.Error:  # a child that just ended
+            continue
+        total += t.user + t.system
+    return total
+
+
 def _serve(conn: Any, llm: Any, max_tokens: int) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -71,13 +91,14 @@ def _serve(conn: Any, llm: Any, max_tokens: int) -> None:
             continue
         out: list[Result] = []
         for rid, prompt in msg[1]:
+            cpu = _tree_cpu()
             t0 = time.perf_counter()
             (res,) = llm.generate([TokensPrompt(prompt_token_ids=prompt.tolist())], params, use_tqdm=False)
             wall = time.perf_counter() - t0
             m = res.metrics
             out.append({"id": int(rid), "prompt": len(prompt), "cached": int(res.num_cached_tokens or 0),
                         "ttft": float(m.first_token_latency) if m is not None and m.first_token_latency else wall,
-                        "wall": wall})
+                        "wall": wall, "cpu": cpu})
         conn.send(out)
 
 

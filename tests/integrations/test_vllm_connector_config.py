@@ -12,6 +12,8 @@ def test_the_documented_keys():
                                     "retry_interval_s": 1})
     assert c.address.startswith("unix://") and c.namespace == "llama-8b" and c.retry_interval_s == 1.0
     assert c.recompute_load_failures is True and c.connect_timeout_s == 2.0
+    assert c.defer_miss_saves == "auto"
+    assert ConnectorConfig.from_extra({"address": "x:1", "defer_miss_saves": False}).defer_miss_saves is False
 
 
 @pytest.mark.parametrize("extra, word", [
@@ -21,6 +23,8 @@ def test_the_documented_keys():
     ({"address": "x:1", "retry_interval_s": float("nan")}, "retry_interval_s"),
     ({"address": "x:1", "namespace": 3}, "namespace"),
     ({"address": "x:1", "recompute_load_failures": "yes"}, "recompute_load_failures"),
+    ({"address": "x:1", "defer_miss_saves": "yes"}, "defer_miss_saves"),
+    ({"address": "x:1", "defer_miss_saves": 1}, "defer_miss_saves"),
 ])
 def test_bad_configs_name_the_key(extra, word):
     with pytest.raises(InvalidArgumentError, match=word):

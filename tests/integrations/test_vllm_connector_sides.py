@@ -12,18 +12,15 @@ import numpy as np
 import pytest
 import torch
 from tooling.testing import ThreadedServer
+from tooling.vllm_fake import BS, HD, HEADS, KEY, LAYERS, SHAPE, Engine, idle
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
 from radixkv.integrations.vllm.config import ConnectorConfig
-from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, paged_kv_views
+from radixkv.integrations.vllm.layout import LayoutMismatchError, paged_kv_views
 from radixkv.integrations.vllm.link import ManagerLink
-from radixkv.integrations.vllm.scheduler_side import ScheduledReq, SchedulerSide, vllm_slots
+from radixkv.integrations.vllm.scheduler_side import ScheduledReq, vllm_slots
 from radixkv.integrations.vllm.worker_side import WorkerSide
-
-BS, HEADS, HD, LAYERS = 4, 2, 8, 2
-SHAPE = KVShape(LAYERS, HEADS, HD, "float32", BS)
-KEY = "vllm|test-model"
 
 
 @pytest.fixture(scope="module")
@@ -35,49 +32,6 @@ def manager(tmp_path_factory):
         tok.write_text(srv.token)
         srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
         yield srv
-
-
-class Engine:
-    """One fake vLLM engine: its scheduler and worker halves and a paged KV cache."""
-
-    def __init__(self, cfg, blocks=16, seed=0):
-        self.sched = SchedulerSide(ManagerLink(cfg, "sched"), BS)
-        self.sched.link.get(force=True)  # as the connector does at engine start
-        self.worker = WorkerSide(ManagerLink(cfg, "worker", keepalive=False, background=False), SHAPE)
-        g = torch.Generator().manual_seed(seed)
-        self.kv = [torch.randn(blocks, HEADS, BS, 2 * HD, generator=g) for _ in range(LAYERS)]
-        self.worker.register([(f"model.layers.{i}.attn", t) for i, t in enumerate(self.kv)])
-
-    def step(self, scheduled, blocks_of):
-        plan = self.sched.build_plan(scheduled, lambda rid: blocks_of[rid])
-        failed_blocks = self.worker.load(plan.loads)
-        saved, failed = self.worker.save(plan.saves)
-        self.sched.on_worker_report(saved, failed)
-        self.sched.check_invariants()
-        return plan, failed_blocks
-
-    def token_kv(self, blocks, n):
-        """K/V of tokens [0, n) of a request with ``blocks``: [layers, n, heads, hd] each."""
-        slots = torch.from_numpy(vllm_slots(blocks, 0, n, BS))
-        ks, vs = [], []
-        for t in self.kv:
-            k, v = paged_kv_views(t, BS, HEADS, HD)
-            ks.append(k[slots // BS, slots % BS])
-            vs.append(v[slots // BS, slots % BS])
-        return torch.stack(ks), torch.stack(vs)
-
-    def close(self):
-        self.sched.close()
-
-
-def idle(manager, *engines):
-    """The manager's live requests and protected tokens, once ``engines``' queued commits
-    and releases are sent."""
-    for e in engines:
-        e.sched.flush()
-    c = manager.client()
-    st = c.stats()
-    return st.requests, st.kv_protected
 
 
 def test_b_loads_exactly_what_a_saved(manager):
@@ -133,7 +87,7 @@ def test_prompt_longer_than_the_pool_is_computed_not_cached(manager):
     assert e.sched.num_new_matched_tokens("big", prompt, 0, KEY) == 0
     assert e.sched.counters["uncacheable_requests"] == 1
     plan, _ = e.step([ScheduledReq("big", 0, len(prompt))], {"big": list(range(16))})
-    assert plan == ([], [])
+    assert plan == ([], [], [])
     e.sched.finished("big")
     assert idle(manager, e) == (0, 0)
     e.close()
@@ -158,7 +112,7 @@ def test_a_dead_manager_means_no_hit_and_no_copies(tmp_path):
     e = Engine(cfg)  # register does not need the manager
     assert e.sched.num_new_matched_tokens("r", list(range(16)), 0, KEY) == 0
     plan, failed = e.step([ScheduledReq("r", 0, 16)], {"r": [0, 1, 2, 3]})
-    assert plan == ([], []) and not failed
+    assert plan == ([], [], []) and not failed
     assert e.sched.link.counters["connect_failures"] >= 1
     e.sched.finished("r")
     e.close()

@@ -2,7 +2,10 @@
 
 Engines (started once, in parallel, each in its own spawned process): ``ref`` has no cache at
 all (no connector, vLLM prefix caching off), ``a`` and ``b`` use the connector (vLLM prefix
-caching off, so every reuse comes through the manager). A tiny Llama with random fp32 weights
+caching off, so every reuse comes through the manager). ``a``'s engine core runs its own loop
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``, as in ``vllm serve``), so its misses take the deferred
+save (answered with no round trip, saved after the request); ``b`` is an in-process ``LLM``
+and asks the manager for every request. A tiny Llama with random fp32 weights
 is made at test time (nothing downloaded). The manager is started only after the engines:
 they start without it and connect when it comes up.
 
@@ -14,14 +17,19 @@ import random
 import secrets
 import time
 
+import numpy as np
 import pytest
 from process_group import members
 from vllm_harness import EngineProcess, ManagerProcess
 from vllm_model import TinyLlama, make_tiny_llama
 
+from radixkv.engine.protocol import MatchQuery
+
 BLOCK = 32
 POOL_TOKENS = 512  # the manager's KV pool: 16 blocks
 MAX_TOKENS = 16
+NAMESPACE = "tiny-llama"
+OWN_LOOP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 def tokens(seed, n):
@@ -47,17 +55,18 @@ def cluster(tmp_path_factory):
     address = f"unix://{sock}/s.sock"
     manager = ManagerProcess(address, token_file, str(shm),
                              ["--model-config", model, "--page-size", str(BLOCK), "--kv-tokens", str(POOL_TOKENS),
-                              "--max-context-len", "1024", "--lease-ttl-s", "30"])
+                              "--max-context-len", "1024", "--lease-ttl-s", "30", "--enable-kv-events"])
     evict_flag = str(root / "evict-now")
     common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=BLOCK,
                   max_model_len=1024, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
                   distributed_executor_backend="uni", disable_log_stats=False, seed=0)
-    extra = {"address": address, "token_file": token_file, "retry_interval_s": 0.5, "connect_timeout_s": 1.0}
+    extra = {"address": address, "token_file": token_file, "retry_interval_s": 0.5, "connect_timeout_s": 1.0,
+             "namespace": NAMESPACE}
     ktc = dict(kv_connector="RadixKVConnector", kv_connector_module_path="radixkv.integrations.vllm",
                kv_role="kv_both", kv_connector_extra_config=extra)
     engines = {
         "ref": EngineProcess("ref", common),
-        "a": EngineProcess("a", {**common, "kv_transfer_config": ktc}),
+        "a": EngineProcess("a", {**common, "kv_transfer_config": ktc}, env=OWN_LOOP),
         "b": EngineProcess("b", {**common, "kv_transfer_config": {
             **ktc, "kv_connector": "EvictingRadixKVConnector", "kv_connector_module_path": "vllm_test_connector",
             "kv_connector_extra_config": dict(extra)}}, env={"RADIXKV_TEST_EVICT_FLAG": evict_flag}),
@@ -110,6 +119,22 @@ def settled(manager, timeout_s=30.0):
     return st
 
 
+def holds(manager, prompt, n, timeout_s=60.0):
+    """Wait until the manager's tree holds ``n`` tokens of ``prompt`` in this namespace (A's
+    deferred save lands after vLLM returned A's output); a timeout fails the test."""
+    c = manager.client()
+    session = c.attach("probe").session
+    try:
+        q = MatchQuery(np.asarray(prompt, np.int32), f"vllm|{NAMESPACE}")
+        deadline = time.monotonic() + timeout_s
+        while c.match(session, [q])[0].prefix_len < n:
+            assert time.monotonic() < deadline, f"the manager does not hold {n} tokens of the prompt"
+            time.sleep(0.01)
+    finally:
+        c.detach(session)
+        c.close()
+
+
 def check_b(cluster, prompt, want_cached, populate=None):
     """A runs ``populate`` (default: ``prompt``), then B runs ``prompt``: B's tokens equal
     ref's and vLLM counted ``want_cached`` tokens from the connector."""
@@ -118,6 +143,7 @@ def check_b(cluster, prompt, want_cached, populate=None):
     a_out, _ = run(cluster["a"], populate if populate is not None else prompt)
     if populate is None:  # A computed it, or loaded what B or A saved before
         assert a_out == ref_out
+    holds(cluster["manager"], prompt, want_cached)
     settled(cluster["manager"])
     before = ext_hits(cluster["b"])
     out, cached = run(cluster["b"], prompt)

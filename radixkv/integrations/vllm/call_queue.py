@@ -29,25 +29,28 @@ class CallQueue:
 
     def __init__(self, name: str = "radixkv-commit"):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._last: Future[None] | None = None
+        self._last: Future[Any] | None = None
         self._failures: list[tuple[Any, BaseException]] = []
         self._mu = threading.Lock()  # guards _failures and counters (the sender thread writes them)
         self.counters: dict[str, int] = {"sent": 0, "failed": 0}
 
-    def submit(self, client: Any, fn: Callable[[], Any]) -> None:
-        """Queue ``fn()`` (a call on ``client``); returns at once."""
+    def submit(self, client: Any, fn: Callable[[], Any]) -> Future[Any]:
+        """Queue ``fn()`` (a call on ``client``); returns at once. The future's result is
+        ``fn()``'s, or ``None`` when it raised (the exception goes to ``take_failures``)."""
         self._last = self._pool.submit(self._run, client, fn)
+        return self._last
 
-    def _run(self, client: Any, fn: Callable[[], Any]) -> None:
+    def _run(self, client: Any, fn: Callable[[], Any]) -> Any:
         try:
-            fn()
+            out = fn()
         except Exception as e:  # kept for the caller's thread: the link is not the sender's
             with self._mu:
                 self.counters["failed"] += 1
                 self._failures.append((client, e))
-        else:
-            with self._mu:
-                self.counters["sent"] += 1
+            return None
+        with self._mu:
+            self.counters["sent"] += 1
+        return out
 
     @property
     def busy(self) -> bool:

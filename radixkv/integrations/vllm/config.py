@@ -12,7 +12,15 @@ Keys (``address`` is required):
   before it tries the manager again;
 * ``recompute_load_failures`` (true): set vLLM's ``kv_load_failure_policy`` to
   ``"recompute"``, so that a load that cannot be done (the manager restarted between the
-  match and the load) recomputes the tokens instead of failing the request.
+  match and the load) recomputes the tokens instead of failing the request;
+* ``defer_miss_saves`` (``"auto"``): answer a request whose first block the manager does not
+  hold with no hit and no round trip (an index of the manager's first blocks fed by its KV
+  events: ``radixkv serve --enable-kv-events``; without them every request asks), and save its
+  blocks off its steps: the row is allocated from a background thread and the copy runs in a
+  later step, after the request if it has finished (vLLM keeps its blocks until then).
+  ``"auto"``: on when vLLM's engine core runs its own loop (``VLLM_ENABLE_V1_MULTIPROCESSING``,
+  vLLM's default; ``vllm serve``), since an in-process ``LLM`` steps again only at its next
+  ``generate`` (until then other engines would not see the prompt); ``true`` / ``false``.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ class ConnectorConfig:
     call_timeout_s: float = 10.0
     retry_interval_s: float = 2.0
     recompute_load_failures: bool = True
+    defer_miss_saves: bool | str = "auto"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -62,4 +71,7 @@ class ConnectorConfig:
                 d[key] = float(v)
         if "recompute_load_failures" in d and not isinstance(d["recompute_load_failures"], bool):
             raise InvalidArgumentError("RadixKVConnector: recompute_load_failures must be a bool")
+        if "defer_miss_saves" in d and not isinstance(d["defer_miss_saves"], bool) and d["defer_miss_saves"] != "auto":
+            raise InvalidArgumentError(f"RadixKVConnector: defer_miss_saves must be true, false or 'auto', "
+                                       f"got {d['defer_miss_saves']!r}")
         return cls(**d)

@@ -7,22 +7,26 @@ and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role):
 =============================  ==============================================================
 vLLM hook                      what happens
 =============================  ==============================================================
-``get_num_new_matched_tokens``  ``alloc_extend``: match + lock the cached prefix (whole blocks)
+``get_num_new_matched_tokens``  ``alloc_extend``: match + lock the cached prefix (whole blocks);
+                                an index miss: 0, its ``alloc_extend`` queued (deferred save)
 ``update_state_after_alloc``    the accepted hit is planned for loading
 ``build_connector_meta``        the step's load and save ops (``RadixKVConnectorMetadata``)
 ``start_load_kv``               worker: one gather/scatter per layer, manager -> vLLM
 ``wait_for_save``               worker: one gather/scatter per layer, vLLM -> manager
+``get_finished``                worker: finished requests whose kept blocks were saved
 ``build_connector_worker_meta`` worker -> scheduler: what was saved / failed
 ``update_connector_output``     ``cache_finished`` of fully saved prompts (queued, batched)
-``request_finished``            ``release`` of a request that ended before its save (queued)
+``request_finished``            ``release`` of a request that ended before its save (queued);
+                                keep the blocks of one whose deferred save is not done
 =============================  ==============================================================
 
 Queued calls are sent from a background thread, in order, off the step (see
 :mod:`~radixkv.integrations.vllm.scheduler_side`).
 
 Loads are synchronous (done before the forward that reads them); saves complete before the
-step returns. Every hook catches its own failures: a manager fault makes the engine serve
-without the shared cache (warning log, counters in ``RadixKVStats``), never crash it.
+step returns (a deferred save: in a later step, after the request if it finished). Every
+hook catches its own failures: a manager fault makes the engine serve without the shared cache
+(warning log, counters in ``RadixKVStats``), never crash it.
 Hybrid (Mamba / linear-attention / sliding-window) and MLA models, quantized KV caches and
 tensor / pipeline parallel engines are refused at start-up.
 """
@@ -45,6 +49,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.config import ConnectorConfig
+from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
 from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, dtype_name
 from radixkv.integrations.vllm.link import ManagerLink
 from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide
@@ -68,10 +73,12 @@ _MAX_KEY = 1024  # radixkv's extra_key limit
 
 @dataclass
 class RadixKVConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, one step: the copies to do."""
+    """Scheduler -> worker, one step: the copies to do; ``finish``: requests to report
+    finished sending after the saves (their kept blocks are freed)."""
 
     loads: list[CopyOp] = field(default_factory=list)
     saves: list[CopyOp] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +156,16 @@ def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig 
                                    "(use 'auto': the model dtype)")
 
 
+def _defer_misses(cfg: ConnectorConfig) -> bool:
+    """``defer_miss_saves``; ``"auto"``: when vLLM's engine core runs its own loop (it steps
+    again at once to finish a deferred save; an in-process ``LLM`` only at its next call)."""
+    if cfg.defer_miss_saves != "auto":
+        return bool(cfg.defer_miss_saves)
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+
+
 def _kv_shape(vllm_config: VllmConfig) -> KVShape:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     return KVShape(int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()),
@@ -173,14 +190,19 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._deltas = _Deltas()
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._feed: IndexFeed | None = None
         self._load_errors: set[int] = set()
         self._report = RadixKVWorkerMetadata()
+        self._sent: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             link = ManagerLink(self._cfg, "vllm-scheduler", validate=self._check_manager)
-            self._sched = SchedulerSide(link, self._shape.page_size)
+            index = FirstBlockIndex(self._shape.page_size) if _defer_misses(self._cfg) else None
+            self._sched = SchedulerSide(link, self._shape.page_size, index)
             link.get(force=True)  # connect now (a shape mismatch raises here)
             if isinstance(link.last_error, LayoutMismatchError):
                 raise link.last_error
+            if index is not None:
+                self._feed = IndexFeed(index, link).start()
         else:
             link = ManagerLink(self._cfg, "vllm-worker", keepalive=False, background=False)
             self._worker = WorkerSide(link, self._shape)
@@ -216,10 +238,16 @@ class RadixKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.saves:
+        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata):
             return
-        saved, failed = self._worker.save(meta.saves)
-        self._report = RadixKVWorkerMetadata({**self._report.saved, **saved}, self._report.failed | failed)
+        if meta.saves:
+            saved, failed = self._worker.save(meta.saves)
+            self._report = RadixKVWorkerMetadata({**self._report.saved, **saved}, self._report.failed | failed)
+        self._sent.update(meta.finish)  # saved or failed: vLLM may free their blocks now
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        out, self._sent = self._sent, set()
+        return out or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -294,8 +322,8 @@ class RadixKVConnector(KVConnectorBase_V1):
             plan = self._sched.build_plan(scheduled, block_ids_of)
         except Exception:
             logger.exception("radixkv: planning the step's copies failed; no copies this step")
-            return RadixKVConnectorMetadata()
-        return RadixKVConnectorMetadata(plan.loads, plan.saves)
+            return RadixKVConnectorMetadata(finish=self._sched.take_finish())  # kept blocks never leak
+        return RadixKVConnectorMetadata(plan.loads, plan.saves, plan.finish)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._sched is not None
@@ -311,7 +339,7 @@ class RadixKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._sched is not None:
             try:
-                self._sched.finished(request.request_id)
+                return self._sched.finished(request.request_id, block_ids), None
             except Exception:
                 logger.exception("radixkv: release of %s failed", request.request_id)
         return False, None
@@ -320,6 +348,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         side = self._sched or self._worker
         if side is not None:
             logger.info("radixkv connector counters: %s", {**side.counters, **side.link.counters})
+        if self._feed is not None:
+            self._feed.close()
         if self._sched is not None:
             self._sched.close()
         elif self._worker is not None:

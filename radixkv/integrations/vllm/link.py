@@ -85,6 +85,16 @@ class ManagerLink:
         self._start_background()
         return None
 
+    def current(self) -> Live | None:
+        """The live ``(client, info)`` or ``None``, with no side effect (any thread may ask;
+        only the link's own thread may call on the client)."""
+        return self._live
+
+    def new_client(self) -> Any:
+        """A new connected client to the manager (not attached; the caller closes it): for a
+        thread of its own, since a client is never shared between threads."""
+        return self._connect(self.cfg)
+
     def _try_once(self) -> bool:
         with self._lock:
             if self._live is not None:

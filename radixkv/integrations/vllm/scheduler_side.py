@@ -32,6 +32,16 @@ one generated token the output leaves in the very step that queues the commit).
 
 The lock is held from the first ask until the commit or release lands, so an eviction between the
 match and the load can never hand a row to another request.
+
+**Misses off the step** (with a :class:`FirstBlockIndex`, fed by the manager's KV events). A
+request whose first block the manager does not hold is answered 0 at once, with no call: its
+``alloc_extend`` is queued (sent from the queue's thread, like a commit) and its saves wait for
+the reply (``_settle``). If vLLM finishes the request before they are done, ``finished`` asks
+vLLM to keep its blocks (``delay_free_blocks``); a later step copies them once the row is known
+and names the request in the plan's ``finish`` list, which the worker reports as finished
+sending (vLLM then frees the blocks). The alloc locks whatever prefix the manager turns out to
+hold (the index lagged: a lost hit); the save skips it, so no shared row is ever written. An
+alloc the manager refuses (capacity, context) or that fails leaves nothing to save or release.
 """
 from __future__ import annotations
 
@@ -39,14 +49,16 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from radixkv.engine.protocol import ExtendItem, Session
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.integrations.vllm.call_queue import CallQueue
+from radixkv.integrations.vllm.first_blocks import FirstBlockIndex
 from radixkv.integrations.vllm.link import ManagerLink
 
 __all__ = ["CopyOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
@@ -67,8 +79,12 @@ class CopyOp(NamedTuple):
 
 
 class StepPlan(NamedTuple):
+    """The step's copies; ``finish``: finished requests whose blocks vLLM kept for a deferred
+    save, to be reported finished sending after this step's saves (frees the blocks)."""
+
     loads: list[CopyOp]
     saves: list[CopyOp]
+    finish: list[str]
 
 
 class ScheduledReq(NamedTuple):
@@ -94,6 +110,10 @@ class _Req:
     saved: int = 0  # the worker reported [prefix, saved) saved
     broken: bool = False  # a save failed: release, never commit
     finished: bool = False  # vLLM finished it; waiting for the last save report
+    deferred: bool = False  # an index miss: its row comes from ``pending``, its save may outlive it
+    pending: Future[Any] | None = None  # the queued alloc_extend, until its reply is taken
+    computed: int = 0  # tokens with KV in vLLM after the request's last scheduled step
+    kept: list[int] | None = None  # finished; vLLM keeps these blocks until the plan's ``finish``
 
     def complete(self) -> bool:
         return not self.broken and self.saved >= self.n_full
@@ -109,22 +129,45 @@ def vllm_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) 
     return blocks[t // block_size] * block_size + t % block_size
 
 
+def _alloc_one(client: Any, session: Session, item: ExtendItem) -> Any:
+    """``alloc_extend`` of one item, from the queue's thread: the result, or the error of a
+    prompt the manager cannot take (capacity, context: not a manager fault, so not raised)."""
+    try:
+        return client.alloc_extend(session, [item])[0]
+    except (CapacityError, InvalidArgumentError) as e:
+        return e
+
+
+def _release(client: Any, session: Session, reqs: list[tuple[str, Future[Any] | None]]) -> None:
+    """``release`` of ``reqs`` (mrid, deferred alloc or None), from the queue's thread: a
+    deferred alloc queued earlier has its reply by now; one the manager refused holds nothing."""
+    mrids = [m for m, fut in reqs if fut is None or not (fut.result() is None or isinstance(fut.result(), Exception))]
+    if mrids:
+        client.release(session, mrids)
+
+
 class SchedulerSide:
     """See the module doc. ``link``: the scheduler's :class:`ManagerLink`; ``block_size``:
-    vLLM's (== the manager's page size, checked at attach)."""
+    vLLM's (== the manager's page size, checked at attach); ``index``: answer index misses
+    with no call and save them off the step (see the module doc)."""
 
-    def __init__(self, link: ManagerLink, block_size: int):
+    def __init__(self, link: ManagerLink, block_size: int, index: FirstBlockIndex | None = None):
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
+        if index is not None and index.page_size != block_size:
+            raise InvalidArgumentError(f"index page size {index.page_size} != block size {block_size}")
         self.link = link
         self.bs = block_size
+        self.index = index
         self._reqs: dict[str, _Req] = {}
         self._ids = itertools.count()
         self._calls = CallQueue()
+        self._finish: list[str] = []  # kept requests planned, not yet handed to vLLM
         self.counters: dict[str, int] = {
             "queries": 0, "query_tokens": 0, "matched_tokens": 0, "offered_tokens": 0,
             "loaded_tokens": 0, "saved_tokens": 0, "committed_requests": 0, "released_requests": 0,
-            "uncacheable_requests": 0, "dropped_requests": 0,
+            "uncacheable_requests": 0, "dropped_requests": 0, "index_misses": 0, "index_lost_hits": 0,
+            "deferred_saves": 0,
         }
 
     # ------------------------------------------------------------------ helpers
@@ -160,14 +203,16 @@ class SchedulerSide:
         n_full = n // self.bs * self.bs
         if not cacheable or n_full == 0:
             return 0
+        # the whole prompt: the manager matches at most n - 1 tokens (so this is vLLM's cap
+        # too), and caches only its whole pages; the tail's slot is freed at the commit
+        tokens = np.asarray(prompt, dtype=np.int32)
+        if self.index is not None and not self.index.may_hold(extra_key, tokens):
+            return self._defer(st, tokens, extra_key, n_full)
         self.flush()  # the client is not shared with the queue's thread; see earlier commits
         got = self.link.get()
         if got is None:
             return 0
         client, info = got
-        # the whole prompt: the manager matches at most n - 1 tokens (so this is vLLM's cap
-        # too), and caches only its whole pages; the tail's slot is freed at the commit
-        tokens = np.asarray(prompt, dtype=np.int32)
         self.counters["queries"] += 1
         self.counters["query_tokens"] += n
         try:
@@ -188,6 +233,41 @@ class SchedulerSide:
         self.counters["offered_tokens"] += offered
         return offered
 
+    def _defer(self, st: _Req, tokens: np.ndarray, extra_key: str | None, n_full: int) -> int:
+        """An index miss: no hit; its ``alloc_extend`` is queued, not awaited."""
+        session = self._session()
+        got = self.link.get()
+        if session is None or got is None:
+            return 0
+        client = got[0]
+        st.session, st.n_full, st.deferred = session, n_full, True
+        st.pending = self._calls.submit(client, functools.partial(
+            _alloc_one, client, session, ExtendItem(st.mrid, tokens, extra_key)))
+        self.counters["queries"] += 1
+        self.counters["query_tokens"] += int(tokens.size)
+        self.counters["index_misses"] += 1
+        return 0
+
+    def _settle(self, st: _Req) -> bool:
+        """Take a deferred alloc's reply if it has come; False while it has not. A refused or
+        failed alloc leaves nothing at the manager (a failure is reaped: the link fails)."""
+        fut = st.pending
+        if fut is None:
+            return True
+        if not fut.done():
+            return False
+        st.pending = None
+        res = fut.result()
+        if res is None or isinstance(res, Exception):
+            self.counters["uncacheable_requests"] += res is not None
+            st.session = None
+            return True
+        st.row, st.prefix = int(res.req_pool_idx), int(res.prefix_len) // self.bs * self.bs
+        st.issued = st.saved = st.prefix  # the manager's prefix is not written again
+        self.counters["matched_tokens"] += st.prefix
+        self.counters["index_lost_hits"] += st.prefix > 0
+        return True
+
     # ------------------------------------------------------------------ 2. accepted
     def after_alloc(self, req_id: str, num_external: int) -> None:
         st = self._reqs.get(req_id)
@@ -206,10 +286,14 @@ class SchedulerSide:
         loads: list[CopyOp] = []
         saves: list[CopyOp] = []
         current = self._session()
+        self._plan_kept(current, saves)
         for sr in scheduled:
             st = self._reqs.get(sr.req_id)
             if st is None or st.session is None:
                 continue
+            st.computed = sr.num_computed + sr.num_scheduled
+            if not self._settle(st) or st.session is None:
+                continue  # its row is not known yet: its blocks are saved in a later step
             blocks: Sequence[int] | None = None
             if st.load is not None and not st.load_planned:
                 blocks = block_ids_of(sr.req_id)
@@ -225,7 +309,29 @@ class SchedulerSide:
                 saves.append(CopyOp(sr.req_id, st.session.epoch, st.row, st.issued, upto,
                                     vllm_slots(blocks, st.issued, upto, self.bs)))
                 st.issued = upto
-        return StepPlan(loads, saves)
+        return StepPlan(loads, saves, self.take_finish())
+
+    def take_finish(self) -> list[str]:
+        """The kept requests planned to finish since the last take (``build_plan`` returns
+        them; after a failed plan the caller takes them, so kept blocks are always freed)."""
+        out, self._finish = self._finish, []
+        return out
+
+    def _plan_kept(self, current: Session | None, saves: list[CopyOp]) -> None:
+        """Finished requests whose blocks vLLM kept: once the alloc's reply is in, their last
+        save (into ``saves``) and their ids (``take_finish``: the worker reports them finished,
+        which frees the blocks); they are committed or released with this step's report."""
+        for rid, st in self._reqs.items():
+            if st.kept is None or st.finished or not self._settle(st):
+                continue
+            upto = self._kept_upto(st)
+            if st.session is not None and st.session == current and not st.broken and upto > st.issued:
+                saves.append(CopyOp(rid, st.session.epoch, st.row, st.issued, upto,
+                                    vllm_slots(st.kept, st.issued, upto, self.bs)))
+                st.issued = upto
+                self.counters["deferred_saves"] += 1
+            st.finished = True
+            self._finish.append(rid)
 
     # ------------------------------------------------------------------ 4. commit
     def on_worker_report(self, saved: dict[str, int], failed: Iterable[str] = ()) -> None:
@@ -256,17 +362,30 @@ class SchedulerSide:
         self._flush_finished()
 
     # ------------------------------------------------------------------ 5. end
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str, block_ids: Sequence[int] | None = None) -> bool:
         """vLLM finished (or aborted) the request: forget it now, or after the report of
-        the save still in flight for it (committed or released then)."""
+        the save still in flight for it (committed or released then). True: a deferred save
+        is not done yet, vLLM must keep its blocks ``block_ids`` (see ``build_plan``'s ``finish``)."""
         st = self._reqs.get(req_id)
         if st is None:
-            return
+            return False
+        self._settle(st)
+        if (block_ids is not None and st.deferred and st.session is not None and not st.broken
+                and (st.pending is not None or st.issued < self._kept_upto(st, len(block_ids)))):
+            st.kept = [int(b) for b in block_ids]
+            return True
         if st.session is not None and not st.broken and st.issued >= st.n_full > st.saved:
             st.finished = True  # the step that saved its last blocks reports right after
-            return
+            return False
         del self._reqs[req_id]
         self._drop([st])
+        return False
+
+    def _kept_upto(self, st: _Req, n_blocks: int | None = None) -> int:
+        """The end of a finished request's savable tokens: whole prompt blocks vLLM computed
+        and still holds (``n_blocks``: its kept blocks)."""
+        n_blocks = len(st.kept or ()) if n_blocks is None else n_blocks
+        return min(st.n_full, st.computed // self.bs * self.bs, n_blocks * self.bs)
 
     def _flush_finished(self) -> None:
         done = [rid for rid, st in self._reqs.items() if st.finished]
@@ -280,13 +399,13 @@ class SchedulerSide:
         if not live:
             return
         current = self._session()
-        mine = [st.mrid for st in live if st.session == current]
+        mine = [(st.mrid, st.pending) for st in live if st.session == current]
         self.counters["dropped_requests"] += len(live) - len(mine)
         if mine and current is not None:
             got = self.link.get()
             if got is not None:
                 client = got[0]
-                self._calls.submit(client, functools.partial(client.release, current, mine))
+                self._calls.submit(client, functools.partial(_release, client, current, mine))
                 self.counters["released_requests"] += len(mine)
         for st in live:
             st.session = None

@@ -1,0 +1,165 @@
+"""``FirstBlockIndex``: which first blocks the manager holds, so that a request whose first
+block it does not hold is answered "no hit" without a round trip.
+
+A key is ``(extra_key, the first page's tokens)``: a request can only hit the manager's tree
+if the tree holds its first page under its namespace. The index is fed by the manager's KV
+events (``WatchEvents``, needs ``radixkv serve --enable-kv-events``): a ``BlockStored`` with no
+parent block adds its first page, a ``BlockRemoved`` of that page's hash removes it,
+``AllBlocksCleared`` empties the index.
+
+Correctness never depends on it. ``may_hold`` answers ``True`` ("ask the manager") whenever the
+index is not *ready*: no stream, a stream that ended, a gap in the events (``EventsLost``),
+a manager without events. A ready index can lag the manager by the events in flight: a key
+stored a moment ago may be missing (a *false negative*: the request is computed, the hit is
+lost, and the save finds the manager's prefix and skips it), a key removed a moment ago may
+still be there (a *false positive*: one round trip that finds no hit).
+
+:class:`IndexFeed` keeps an index fed from a daemon thread: with its own client, it watches
+the events of the link's current session from the manager's first event (as far as the
+manager's ring holds them: a gap leaves the index not ready for that stream); when the stream
+ends it marks the index not ready and starts again once the link has a session.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.integrations.vllm.link import ManagerLink
+
+__all__ = ["FirstBlockIndex", "IndexFeed"]
+
+logger = logging.getLogger("radixkv.integrations.vllm")
+
+
+class FirstBlockIndex:
+    """See the module doc. Thread-safe (the feed thread applies, vLLM's scheduler asks)."""
+
+    def __init__(self, page_size: int):
+        if page_size < 1:
+            raise InvalidArgumentError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._keys: Counter[tuple[str, bytes]] = Counter()
+        self._by_hash: dict[int, tuple[str, bytes]] = {}  # first page's block hash -> key
+        self._ready = False
+        self._mu = threading.Lock()
+        self.counters: dict[str, int] = {"events": 0, "gaps": 0, "streams": 0}
+
+    def _key(self, extra_key: Any, tokens: np.ndarray) -> tuple[str, bytes]:
+        return str(extra_key), np.ascontiguousarray(tokens[:self.page_size], dtype="<i4").tobytes()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def may_hold(self, extra_key: Any, tokens: np.ndarray) -> bool:
+        """Whether the manager may hold the first page of ``tokens`` (int32, at least one
+        page) under ``extra_key``: ``False`` only when the index is ready and lacks it."""
+        if not self._ready:
+            return True
+        key = self._key(extra_key, tokens)
+        with self._mu:
+            return self._ready is False or key in self._keys
+
+    def reset(self, ready: bool) -> None:
+        """Forget every key; ``ready``: a fresh stream from the manager's first event."""
+        with self._mu:
+            self._keys.clear()
+            self._by_hash.clear()
+            self._ready = ready
+            if ready:
+                self.counters["streams"] += 1
+
+    def apply(self, events: Iterable[Mapping[str, Any]]) -> None:
+        """Apply event dicts (``watch_events`` form), in order."""
+        with self._mu:
+            for e in events:
+                self.counters["events"] += 1
+                kind = e.get("type")
+                if kind == "BlockStored":
+                    if e.get("parent_block_hash") is None and e["block_hashes"]:
+                        tokens = np.asarray(e["token_ids"][:self.page_size], dtype=np.int32)
+                        key = self._key(e.get("extra_key"), tokens)
+                        h = int(e["block_hashes"][0])
+                        if h not in self._by_hash:
+                            self._by_hash[h] = key
+                            self._keys[key] += 1
+                elif kind == "BlockRemoved":
+                    for h in map(int, e["block_hashes"]):
+                        if h in self._by_hash:
+                            key = self._by_hash.pop(h)
+                            self._keys[key] -= 1
+                            if self._keys[key] <= 0:
+                                del self._keys[key]
+                elif kind == "AllBlocksCleared":
+                    self._keys.clear()
+                    self._by_hash.clear()
+                elif kind == "EventsLost":  # the stream skipped events: unsure until the next one
+                    self.counters["gaps"] += 1
+                    self._ready = False
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def check_invariants(self) -> None:
+        """Every key's count is the number of first-page hashes mapping to it."""
+        with self._mu:
+            want = Counter(self._by_hash.values())
+            if want != self._keys:
+                bad = sorted(set(want.items()) ^ set(self._keys.items()))
+                raise InvariantError(f"first-block index: counts disagree with the hashes for {bad[:8]}")
+
+
+class IndexFeed:
+    """Feeds ``index`` from the manager's events of ``link``'s session (see the module doc)."""
+
+    def __init__(self, index: FirstBlockIndex, link: ManagerLink):
+        self.index = index
+        self.link = link
+        self._closed = threading.Event()
+        self._client: Any = None
+        self._thread = threading.Thread(target=self._run, name="radixkv-index", daemon=True)
+
+    def start(self) -> IndexFeed:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        wait_s = self.link.cfg.retry_interval_s
+        while not self._closed.is_set():
+            live = self.link.current()
+            if live is None or not live[1].layout["config"].get("enable_kv_events"):
+                self._closed.wait(min(wait_s, 0.5))  # no session, or a manager without events
+                continue
+            session = live[1].session
+            try:
+                self._client = self.link.new_client()
+                if self._closed.is_set():
+                    break
+                self.index.reset(ready=True)
+                for ev in self._client.watch_events(session, start_seq=0):
+                    self.index.apply((ev,))
+            except Exception as e:  # the manager went away / the session ended: unsure until back
+                logger.debug("radixkv: event stream ended (%s: %s)", type(e).__name__, e)
+            finally:
+                self.index.reset(ready=False)
+                self._close_client()
+            self._closed.wait(wait_s)
+
+    def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # a broken channel: nothing left to close
+                pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._close_client()  # cancels the stream
+        self.index.reset(ready=False)
