@@ -101,9 +101,8 @@ def _key(session: Session) -> _Key:
 
 
 def replay_request(session: Session, calls: Sequence[PendingCall]) -> pb.ApplyDecodesRequest:
-    """The ``ApplyDecodes`` request replaying ``calls`` (no session of their own). O(items)."""
-    return wire.apply_decodes_to_msg(session, [
-        pb.AllocDecodeRequest(rids=c.rids, token_ids_i32=wire.pack(c.token_ids, wire.I32)) for c in calls])
+    """The ``ApplyDecodes`` request replaying ``calls`` (packed). O(items)."""
+    return wire.apply_decodes_to_msg(session, calls)
 
 
 class LocalDecodes:

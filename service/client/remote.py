@@ -274,9 +274,8 @@ class RemoteCacheEngine:
                               V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._scall(session, "AllocExtend",
-                           pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
-        results = wire.extend_results_from_msg(resp)
+        resp = self._scall(session, "AllocExtend", wire.extend_request_to_msg(ref, its))
+        results = wire.extend_results_from_msg(resp, [it.rid for it in its])
         self.local.observe_extend(session, results)
         return results
 
@@ -306,11 +305,11 @@ class RemoteCacheEngine:
 
     def cache_unfinished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        return wire.cache_results_from_msg(self._scall(session, "CacheUnfinished", req))
+        return wire.cache_results_from_msg(self._scall(session, "CacheUnfinished", req), req.rids)
 
     def cache_finished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        results = wire.cache_results_from_msg(self._scall(session, "CacheFinished", req))
+        results = wire.cache_results_from_msg(self._scall(session, "CacheFinished", req), req.rids)
         self.local.forget(session, req.rids)
         return results
 
