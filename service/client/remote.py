@@ -131,6 +131,7 @@ class RemoteCacheEngine:
         self.local = LocalDecodes(local_decode)  # the per-session tables of local decode steps
         self.rpc_counts: dict[str, int] = {}  # calls sent (retries not counted), by method name
         self._attached: dict[tuple[str, int], Session] = {}  # sessions close() detaches
+        self._refs: dict[Any, pb.SessionRef] = {}  # the message of each session named lately
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, request: Any, request_id: str | None = None, idempotent: bool = True,
@@ -176,7 +177,17 @@ class RemoteCacheEngine:
         raise error
 
     def _session(self, session: Session) -> pb.SessionRef:
-        return wire.session_to_msg(session)
+        """``session`` as a message (checked); kept per session: the step calls name it each."""
+        try:
+            ref = self._refs.get(session)
+        except TypeError:  # unhashable: not a Session
+            ref = None
+        if ref is None:
+            ref = wire.session_to_msg(session)
+            if len(self._refs) >= 64:
+                self._refs.clear()
+            self._refs[session] = ref
+        return ref
 
     def _scall(self, session: Session, method: str, request: Any) -> Any:
         """A call of ``session``, after the replay of its pending local decodes (riding on
@@ -281,6 +292,9 @@ class RemoteCacheEngine:
 
     def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
         self._session(session)
+        local = self.local.try_local(session, items)  # checks what it answers: None for anything else
+        if local is not None:
+            return local
         try:
             its = V.as_items(items, DecodeItem, "items")
             V.check_rids([it.rid for it in its])
