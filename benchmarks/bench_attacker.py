@@ -75,6 +75,7 @@ def oversize(address: str, token: str, server_pid: int) -> dict:
     from radixkv.service.wire import codec as wire
     from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
+    from radixkv.engine.protocol import ExtendItem
     from radixkv.errors import StaleSessionError
 
     c = connect(address, token=token, wait_s=60, timeout_s=300)
@@ -90,9 +91,8 @@ def oversize(address: str, token: str, server_pid: int) -> dict:
     for name, method, raw in (
             ("match_500k_empty", "Match", pb.MatchRequest(session=ref, queries=[pb.MatchQuery()] * 500_000)),
             ("match_4M_empty", "Match", pb.MatchRequest(session=ref, queries=[pb.MatchQuery()] * 4_000_000)),
-            ("alloc_extend_2M_stale", "AllocExtend", pb.AllocExtendRequest(
-                session=wire.session_to_msg(dead),
-                items=[pb.ExtendItem(rid="r", token_ids_i32=b"\x01\x00\x00\x00")] * 2_000_000))):
+            ("alloc_extend_2M_stale", "AllocExtend", wire.extend_request_to_msg(
+                wire.session_to_msg(dead), [ExtendItem("r", np.ones(1, np.int32))] * 2_000_000))):
         data = raw.SerializeToString()
         code, secs = raw_call(ch, method, data, token)
         out[name] = {"bytes": len(data), "code": code, "seconds": round(secs, 3)}
@@ -122,6 +122,7 @@ def watchers(address: str, token: str, server_pid: int, n: int, seconds: float) 
     from radixkv.service.client import connect
     from radixkv.service.wire import codec as wire
     from radixkv.service.wire._gen import cache_manager_pb2 as pb
+
 
     c = connect(address, token=token, wait_s=60, timeout_s=60)
     s = c.attach("beater").session
@@ -186,6 +187,8 @@ def abuser_main(address: str, token: str, limits: tuple[int, int, int], health_s
     from radixkv.service.wire import codec as wire
     from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
+    from radixkv.engine.protocol import ExtendItem
+
     max_items, max_tokens, _ = limits
     c = connect(address, token=token, wait_s=60, timeout_s=300)
     s = c.attach("abuser").session
@@ -194,8 +197,7 @@ def abuser_main(address: str, token: str, limits: tuple[int, int, int], health_s
     per = max_tokens // max_items
     match = pb.MatchRequest(session=ref, queries=[pb.MatchQuery(
         token_ids_i32=wire.pack(np.arange(i * per, (i + 1) * per) % 30000, wire.I32)) for i in range(max_items)])
-    extend = pb.AllocExtendRequest(session=ref, items=[
-        pb.ExtendItem(rid=f"a{i}", token_ids_i32=wire.pack([i], wire.I32)) for i in range(max_items)])
+    extend = wire.extend_request_to_msg(ref, [ExtendItem(f"a{i}", np.array([i], np.int32)) for i in range(max_items)])
     calls = [("Match", match.SerializeToString()), ("AllocExtend", extend.SerializeToString())]
     path = address[len("unix://"):]
     ch = grpc.insecure_channel("unix:" + path)

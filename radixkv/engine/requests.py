@@ -64,6 +64,14 @@ class EngineReq(Req):
         self._n += 1
         self._sync()
 
+    def append_outputs(self, tokens: np.ndarray) -> None:
+        """Append generated tokens, as :meth:`append_output` for each (amortized O(len))."""
+        k = int(tokens.size)
+        self._reserve(k)
+        self._buf[self._n:self._n + k] = tokens
+        self._n += k
+        self._sync()
+
     def append_tokens(self, tokens: np.ndarray) -> None:
         """Append more input: to the prompt while nothing was decoded, else after the
         output (the order of ``fill_ids`` is the order tokens arrived). O(len(tokens))

@@ -101,9 +101,8 @@ def _key(session: Session) -> _Key:
 
 
 def replay_request(session: Session, calls: Sequence[PendingCall]) -> pb.ApplyDecodesRequest:
-    """The ``ApplyDecodes`` request replaying ``calls`` (no session of their own). O(items)."""
-    return wire.apply_decodes_to_msg(session, [
-        pb.AllocDecodeRequest(rids=c.rids, token_ids_i32=wire.pack(c.token_ids, wire.I32)) for c in calls])
+    """The ``ApplyDecodes`` request replaying ``calls`` (packed). O(items)."""
+    return wire.apply_decodes_to_msg(session, calls)
 
 
 class LocalDecodes:
@@ -240,44 +239,56 @@ class LocalDecodes:
     def try_local(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult | None:
         """The result of decode call ``items`` when it needs no allocator call (see the module
         doc), with the call logged and the table advanced; None (nothing changed) when it
-        may need one or anything is unknown. ``items`` were validated by the caller (token
-        ids in int32). Raises ``InvariantError`` (nothing changed) when a known slot falls
-        outside the mapped ``req_to_token``. O(B + reserved slots of the B requests)."""
-        b = len(items)
-        if not self.enabled or b == 0:
+        may need one, anything is unknown, or ``items`` is not a list/tuple of ``DecodeItem``
+        whose token ids are ints in ``[0, 2**31)`` and whose rids are distinct (the caller
+        validates those and asks again). Raises ``InvariantError`` (nothing changed) when a
+        known slot falls outside the mapped ``req_to_token``. O(B + reserved slots of the B
+        requests)."""
+        if not self.enabled or type(items) not in (list, tuple) or not items:
             return None
+        b = len(items)
         with self.lock:
             t = self._table(session, False)
             if t is None:
                 return None
             reqs = t.reqs
-            rids = [it.rid for it in items]
-            ents = [reqs.get(rid) for rid in rids]
-            for e in ents:
-                if e is None or e.reserve.size - e.head < 2:
+            rids, ents, toks = [], [], []
+            for it in items:  # the table's keys are rids the manager answered: valid str
+                if type(it) is not DecodeItem:
                     return None
+                rid, tok = it
+                e = reqs.get(rid) if isinstance(rid, str) else None
+                if e is None or e.reserve.size - e.head < 2 or type(tok) is not int or not 0 <= tok < 1 << 31:
+                    return None
+                rids.append(rid)
+                ents.append(e)
+                toks.append(tok)
             if len(set(rids)) != b:
                 return None
-            # one (b, 4) array: each request's next slot, seq_len, row, Mamba slot
-            cols = np.array([(e.reserve[e.head], e.seq_len, e.row, e.mamba) for e in ents], np.int64)
-            out, pos, rows, mamba = cols.T.copy()
+            # the reserves now, one after the other: each request takes the first slot of its own
+            cur = [e.reserve[e.head:] for e in ents]
+            sizes = np.array([c.size for c in cur], np.int64)
+            flat = np.concatenate(cur)
+            heads = np.cumsum(sizes) - sizes
+            out = flat[heads]
+            keep = np.ones(flat.size, bool)
+            keep[heads] = False
+            reserved, lens = flat[keep], sizes - 1
+            pos = np.array([e.seq_len for e in ents], np.int64)
+            rows = np.array([e.row for e in ents], np.int64)
+            mamba = np.array([e.mamba for e in ents], np.int64)
             r2t = self._req_to_token.get(int(session[1]))
             if r2t is not None:
                 self._write(r2t, rows, pos, out)
-            tokens = np.fromiter((it.token_id for it in items), np.int32, b)
-            parts, lens = [], []
+            tokens = np.array(toks, np.int32)
             for rid, e in zip(rids, ents):
                 e.head += 1
                 e.seq_len += 1
-                rest = e.reserve[e.head:]
-                parts.append(rest)
-                lens.append(rest.size)
-                if rest.size < 2:  # the next step may top up: the manager has to answer it
+                if e.reserve.size - e.head < 2:  # the next step may top up: the manager has to answer it
                     del reqs[rid]
-            reserved = np.concatenate(parts)
             t.pending.append(PendingCall(rids, tokens))
             self.local_calls += 1
-            return DecodeResult(out, pos + 1, rows, mamba, reserved, np.array(lens, np.int64))
+            return DecodeResult(out, pos + 1, rows, mamba, reserved, lens)
 
     @staticmethod
     def _write(r2t: torch.Tensor, rows: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:

@@ -131,6 +131,7 @@ class RemoteCacheEngine:
         self.local = LocalDecodes(local_decode)  # the per-session tables of local decode steps
         self.rpc_counts: dict[str, int] = {}  # calls sent (retries not counted), by method name
         self._attached: dict[tuple[str, int], Session] = {}  # sessions close() detaches
+        self._refs: dict[Any, pb.SessionRef] = {}  # the message of each session named lately
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, request: Any, request_id: str | None = None, idempotent: bool = True,
@@ -176,7 +177,17 @@ class RemoteCacheEngine:
         raise error
 
     def _session(self, session: Session) -> pb.SessionRef:
-        return wire.session_to_msg(session)
+        """``session`` as a message (checked); kept per session: the step calls name it each."""
+        try:
+            ref = self._refs.get(session)
+        except TypeError:  # unhashable: not a Session
+            ref = None
+        if ref is None:
+            ref = wire.session_to_msg(session)
+            if len(self._refs) >= 64:
+                self._refs.clear()
+            self._refs[session] = ref
+        return ref
 
     def _scall(self, session: Session, method: str, request: Any) -> Any:
         """A call of ``session``, after the replay of its pending local decodes (riding on
@@ -274,14 +285,16 @@ class RemoteCacheEngine:
                               V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
         except InvalidArgumentError as e:
             self._reject(session, e)
-        resp = self._scall(session, "AllocExtend",
-                           pb.AllocExtendRequest(session=ref, items=wire.extend_items_to_msg(its)))
-        results = wire.extend_results_from_msg(resp)
+        resp = self._scall(session, "AllocExtend", wire.extend_request_to_msg(ref, its))
+        results = wire.extend_results_from_msg(resp, [it.rid for it in its])
         self.local.observe_extend(session, results)
         return results
 
     def alloc_decode(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult:
         self._session(session)
+        local = self.local.try_local(session, items)  # checks what it answers: None for anything else
+        if local is not None:
+            return local
         try:
             its = V.as_items(items, DecodeItem, "items")
             V.check_rids([it.rid for it in its])
@@ -306,11 +319,11 @@ class RemoteCacheEngine:
 
     def cache_unfinished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        return wire.cache_results_from_msg(self._scall(session, "CacheUnfinished", req))
+        return wire.cache_results_from_msg(self._scall(session, "CacheUnfinished", req), req.rids)
 
     def cache_finished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]:
         req = pb.CacheRequest(session=self._session(session), rids=self._rids(session, rids))
-        results = wire.cache_results_from_msg(self._scall(session, "CacheFinished", req))
+        results = wire.cache_results_from_msg(self._scall(session, "CacheFinished", req), req.rids)
         self.local.forget(session, req.rids)
         return results
 

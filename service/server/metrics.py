@@ -127,9 +127,13 @@ class ServiceMetrics:
         self._stats = _StatsCollector()
         self.registry.register(self._stats)
         self._http: tuple[object, object] | None = None
+        self._latency: dict[tuple[str, str], Any] = {}  # rpc_latency's child per (method, code)
 
     def observe(self, method: str, code: str, seconds: float) -> None:
-        self.rpc_latency.labels(method, code).observe(seconds)
+        child = self._latency.get((method, code))
+        if child is None:  # labels() costs a lock and a tuple build per call: once per pair
+            child = self._latency[(method, code)] = self.rpc_latency.labels(method, code)
+        child.observe(seconds)
 
     def auth_failed(self, method: str) -> None:
         self.auth_failures.labels(method.rsplit("/", 1)[-1] or "?").inc()

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import numpy as np
 from radixkv.service.server.event_hub import EventHub, HubRecord, engine_event_source
 from radixkv.service.server.idempotency import ReplyCache, digest
 from radixkv.service.server.metrics import ServiceMetrics
@@ -60,7 +61,8 @@ from radixkv.service.wire.limits import CallLimits, check_raw, limits_for
 from radixkv.service.wire.shm import SharedBuffers
 from radixkv.service.wire.step import error_to_msg
 
-from radixkv.engine.protocol import Session
+from radixkv.engine.decode_replay import replay_decodes
+from radixkv.engine.protocol import DecodeItem, Session
 from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
 
 __all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
@@ -230,7 +232,7 @@ class CacheManagerServicer:
     @_rpc("AllocExtend", pb.AllocExtendRequest)
     def AllocExtend(self, request: pb.AllocExtendRequest) -> pb.AllocExtendResponse:
         session = self.live_session(request.session)
-        return wire.extend_results_to_msg(self.engine.alloc_extend(session, wire.extend_items_from_msg(request.items)))
+        return wire.extend_results_to_msg(self.engine.alloc_extend(session, wire.extend_items_from_msg(request)))
 
     @_rpc("AllocDecode", pb.AllocDecodeRequest)
     def AllocDecode(self, request: pb.AllocDecodeRequest) -> pb.AllocDecodeResponse:
@@ -240,29 +242,36 @@ class CacheManagerServicer:
     @_rpc("ApplyDecodes", pb.ApplyDecodesRequest)
     def ApplyDecodes(self, request: pb.ApplyDecodesRequest) -> pb.ApplyDecodesResponse:
         """Replay decode steps a client answered from its reserves: ``alloc_decode`` for
-        each call in order (see ``radixkv.service.client.local_decode``). An error at call ``k``
-        names ``ApplyDecodes call k`` in its message; at ``k == 0`` (nothing changed) it
-        fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k`` and
-        ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``
-        twice. O(total items)."""
+        each call in order (see ``radixkv.service.client.local_decode``), the leading calls
+        that need no allocator call in one batched update
+        (:func:`radixkv.engine.decode_replay.replay_decodes`), the rest one by one. An error
+        at call ``k`` names ``ApplyDecodes call k`` in its message; at ``k == 0`` (nothing
+        changed) it fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k``
+        and ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``
+        twice. A request whose packed fields disagree fails whole. O(total items)."""
+        n = len(request.call_lens_i32) // 4
         try:
             session = self.live_session(request.session)
         except RadixKVError as e:  # stale: call 0 cannot run
-            if request.calls:
-                e.args = (f"ApplyDecodes call 0 of {len(request.calls)}: {e}",) + e.args[1:]
+            if n:
+                e.args = (f"ApplyDecodes call 0 of {n}: {e}",) + e.args[1:]
             raise
-        for k, call in enumerate(request.calls):
+        rids, lens, idx, toks = wire.apply_decodes_from_msg(request)
+        done = replay_decodes(self.engine, session, rids, lens, idx, toks)
+        if done == n:
+            return pb.ApplyDecodesResponse(applied=n)
+        ends = np.cumsum(lens, dtype=np.int64).tolist()
+        for k in range(done, n):
+            a = ends[k - 1] if k else 0
+            items = [DecodeItem(rids[i], t) for i, t in zip(idx[a:ends[k]].tolist(), toks[a:ends[k]].tolist())]
             try:
-                if call.HasField("session") and (call.session.session_id, call.session.epoch) != \
-                        (request.session.session_id, request.session.epoch):
-                    raise InvalidArgumentError("a replayed call names another session")
-                self.engine.alloc_decode(session, wire.decode_items_from_msg(call))
+                self.engine.alloc_decode(session, items)
             except RadixKVError as e:
-                e.args = (f"ApplyDecodes call {k} of {len(request.calls)}: {e}",) + e.args[1:]
+                e.args = (f"ApplyDecodes call {k} of {n}: {e}",) + e.args[1:]
                 if k == 0:
                     raise
                 return pb.ApplyDecodesResponse(applied=k, error=error_to_msg(status_of(e)).error)
-        return pb.ApplyDecodesResponse(applied=len(request.calls))
+        return pb.ApplyDecodesResponse(applied=n)
 
     @_rpc("CacheUnfinished", pb.CacheRequest)
     def CacheUnfinished(self, request: pb.CacheRequest) -> pb.CacheResponse:

@@ -71,6 +71,52 @@ def _count(arr: np.ndarray, n: int, field: str) -> np.ndarray:
     return arr
 
 
+def pack_strs(strs: Sequence[str | None]) -> tuple[str, bytes]:
+    """``strs`` packed: their concatenation and the length of each in characters (-1 for
+    None). O(total length)."""
+    return "".join(s for s in strs if s is not None), pack([-1 if s is None else len(s) for s in strs], I32)
+
+
+def unpack_strs(text: str, lens_data: bytes, field: str, optional: bool = False, n: int | None = None) -> list[Any]:
+    """Inverse of :func:`pack_strs` (lengths of -1 are None only when ``optional``).
+
+    Raises:
+        InvalidArgumentError: a length below 0 (-1 when ``optional``), or lengths that do
+            not add up to ``len(text)``; ``LengthMismatchError``: not ``n`` lengths (when given).
+    """
+    lens = unpack_i32(lens_data, field + "_lens").astype(np.int64)
+    if n is not None:
+        _count(lens, n, field + "_lens")
+    if lens.size and int(lens.min()) < (-1 if optional else 0):
+        raise InvalidArgumentError(f"{field}_lens: a negative length")
+    ends = np.cumsum(np.maximum(lens, 0))
+    if (int(ends[-1]) if ends.size else 0) != len(text):
+        raise InvalidArgumentError(f"{field}_lens: add up to {int(ends[-1]) if ends.size else 0}, {field} has "
+                                   f"{len(text)} characters")
+    b = ends.tolist()
+    a = [0] + b[:-1]
+    if not optional:
+        return [text[i:j] for i, j in zip(a, b)]
+    return [None if n < 0 else text[i:j] for i, j, n in zip(a, b, lens.tolist())]
+
+
+def _split(flat: np.ndarray, lens: np.ndarray, field: str) -> list[np.ndarray]:
+    """``flat`` cut into consecutive pieces of ``lens`` values (views). Raises
+    ``InvalidArgumentError`` for a negative length or lengths not adding up to ``flat.size``."""
+    if lens.size and int(lens.min()) < 0:
+        raise InvalidArgumentError(f"{field}: a negative length")
+    ends = np.cumsum(lens, dtype=np.int64)
+    if (int(ends[-1]) if ends.size else 0) != flat.size:
+        raise LengthMismatchError(f"{field}: lengths add up to {int(ends[-1]) if ends.size else 0}, "
+                                  f"{flat.size} values sent")
+    b = ends.tolist()
+    return [flat[i:j] for i, j in zip([0] + b[:-1], b)]
+
+
+def _concat(arrays: Sequence[np.ndarray], dtype: np.dtype) -> bytes:
+    return np.concatenate(arrays).astype(dtype, copy=False).tobytes() if len(arrays) else b""
+
+
 # --------------------------------------------------------------------------- sessions
 
 
@@ -132,36 +178,58 @@ def match_infos_from_msg(msg: pb.MatchResponse, n: int) -> list[MatchInfo]:
 # --------------------------------------------------------------------------- extend
 
 
-def extend_items_to_msg(items: Sequence[ExtendItem]) -> list[pb.ExtendItem]:
-    out = []
-    for it in items:
-        m = pb.ExtendItem(rid=it.rid, token_ids_i32=pack(it.token_ids, I32), priority=int(it.priority))
-        if it.extra_key is not None:
-            m.extra_key = it.extra_key
-        out.append(m)
-    return out
+def extend_request_to_msg(ref: pb.SessionRef, items: Sequence[ExtendItem]) -> pb.AllocExtendRequest:
+    """The packed ``AllocExtendRequest`` of ``items`` (validated: int32 token arrays)."""
+    rids, rid_lens = pack_strs([it.rid for it in items])
+    toks = [it.token_ids for it in items]
+    m = pb.AllocExtendRequest(session=ref, rids=rids, rid_lens_i32=rid_lens, token_ids_i32=_concat(toks, I32),
+                              token_lens_i32=pack([t.size for t in toks], I32))
+    keys = [it.extra_key for it in items]
+    if any(k is not None for k in keys):
+        m.extra_keys, m.extra_key_lens_i32 = pack_strs(keys)
+    if any(it.priority for it in items):
+        m.priorities_i64 = pack([int(it.priority) for it in items], I64)
+    return m
 
 
-def extend_items_from_msg(msgs: Sequence[pb.ExtendItem]) -> list[ExtendItem]:
-    return [ExtendItem(m.rid, unpack_i32(m.token_ids_i32, "token_ids"),
-                       m.extra_key if m.HasField("extra_key") else None, int(m.priority)) for m in msgs]
+def extend_items_from_msg(msg: pb.AllocExtendRequest) -> list[ExtendItem]:
+    """The items of a packed ``AllocExtendRequest`` (token arrays are views of one copy).
+    Raises ``InvalidArgumentError`` / ``LengthMismatchError`` for fields that disagree."""
+    rids = unpack_strs(msg.rids, msg.rid_lens_i32, "rids")
+    n = len(rids)
+    lens = _count(unpack_i32(msg.token_lens_i32, "token_lens"), n, "token_lens")
+    toks = _split(unpack_i32(msg.token_ids_i32, "token_ids"), lens, "token_lens")
+    if msg.extra_key_lens_i32 or msg.extra_keys:
+        keys = unpack_strs(msg.extra_keys, msg.extra_key_lens_i32, "extra_keys", optional=True, n=n)
+    else:
+        keys = [None] * n
+    pri = _count(unpack_i64(msg.priorities_i64, "priorities"), n, "priorities").tolist() \
+        if msg.priorities_i64 else [0] * n
+    return [ExtendItem(*it) for it in zip(rids, toks, keys, pri)]
+
+
+_EXTEND_COLS = ("req_pool_idx", "prefix_len", "start", "seq_len", "mamba_slot", "track_slot", "track_seqlen")
 
 
 def extend_results_to_msg(results: Sequence[ExtendResult]) -> pb.AllocExtendResponse:
-    return pb.AllocExtendResponse(results=[
-        pb.ExtendResult(rid=r.rid, req_pool_idx=int(r.req_pool_idx), prefix_len=int(r.prefix_len),
-                        start=int(r.start), seq_len=int(r.seq_len),
-                        out_cache_loc_i64=pack(r.out_cache_loc, I64), mamba_slot=int(r.mamba_slot),
-                        reserved_i64=pack(r.reserved, I64), track_slot=int(r.track_slot),
-                        track_seqlen=int(r.track_seqlen))
-        for r in results])
+    cols = np.array([[getattr(r, f) for f in _EXTEND_COLS] for r in results], dtype=I64).reshape(-1, 7).T.copy()
+    res = [r.reserved for r in results]
+    return pb.AllocExtendResponse(**{f + "_i64": c.tobytes() for f, c in zip(_EXTEND_COLS, cols)},
+                                  out_cache_loc_i64=_concat([r.out_cache_loc for r in results], I64),
+                                  reserved_i64=_concat(res, I64), reserved_lens_i64=pack([x.size for x in res], I64))
 
 
-def extend_results_from_msg(msg: pb.AllocExtendResponse) -> list[ExtendResult]:
-    return [ExtendResult(m.rid, int(m.req_pool_idx), int(m.prefix_len), int(m.start), int(m.seq_len),
-                         unpack_i64(m.out_cache_loc_i64, "out_cache_loc"), int(m.mamba_slot),
-                         unpack_i64(m.reserved_i64, "reserved"), int(m.track_slot), int(m.track_seqlen))
-            for m in msg.results]
+def extend_results_from_msg(msg: pb.AllocExtendResponse, rids: Sequence[str]) -> list[ExtendResult]:
+    """The results of the extend of ``rids`` (in their order). Raises ``LengthMismatchError``
+    when a field does not have one value per rid or the slot counts do not add up."""
+    n = len(rids)
+    cols = {f: _count(unpack_i64(getattr(msg, f + "_i64"), f), n, f) for f in _EXTEND_COLS}
+    out = _split(unpack_i64(msg.out_cache_loc_i64, "out_cache_loc"), cols["seq_len"] - cols["start"], "out_cache_loc")
+    res = _split(unpack_i64(msg.reserved_i64, "reserved"),
+                 _count(unpack_i64(msg.reserved_lens_i64, "reserved_lens"), n, "reserved_lens"), "reserved_lens")
+    c = [cols[f].tolist() for f in _EXTEND_COLS]
+    return [ExtendResult(rid, c[0][i], c[1][i], c[2][i], c[3][i], out[i], c[4][i], res[i], c[5][i], c[6][i])
+            for i, rid in enumerate(rids)]
 
 
 # --------------------------------------------------------------------------- decode
@@ -202,20 +270,42 @@ def decode_result_from_msg(msg: pb.AllocDecodeResponse, n: int) -> DecodeResult:
     return DecodeResult(*arrays, reserved, lens, track)
 
 
-def apply_decodes_to_msg(session: Session, calls: Sequence[pb.AllocDecodeRequest]) -> pb.ApplyDecodesRequest:
-    """The replay of ``calls`` (AllocDecodeRequests with no session of their own)."""
-    return pb.ApplyDecodesRequest(session=session_to_msg(session), calls=calls)
+def apply_decodes_to_msg(session: Session, calls: Sequence[tuple[Sequence[str], np.ndarray]]) -> pb.ApplyDecodesRequest:
+    """The packed replay of decode ``calls`` (each: its rids and their int32 tokens). O(items)."""
+    index: dict[str, int] = {}
+    idx = [index.setdefault(rid, len(index)) for rids, _ in calls for rid in rids]
+    rids, rid_lens = pack_strs(list(index))
+    return pb.ApplyDecodesRequest(session=session_to_msg(session), rids=rids, rid_lens_i32=rid_lens,
+                                  call_lens_i32=pack([len(r) for r, _ in calls], I32),
+                                  rid_index_i32=pack(idx, I32), token_ids_i32=_concat([t for _, t in calls], I32))
+
+
+def apply_decodes_from_msg(msg: pb.ApplyDecodesRequest) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """A packed replay as ``(rids, call_lens, rid_index, token_ids)``: the distinct rids, items
+    per call, and per item (calls concatenated) its rid's index and its token (int32 arrays).
+    Raises ``InvalidArgumentError`` / ``LengthMismatchError`` when they disagree (an index
+    outside ``rids``, counts that do not add up)."""
+    rids = unpack_strs(msg.rids, msg.rid_lens_i32, "rids")
+    lens = unpack_i32(msg.call_lens_i32, "call_lens")
+    idx = unpack_i32(msg.rid_index_i32, "rid_index")
+    toks = _count(unpack_i32(msg.token_ids_i32, "token_ids"), idx.size, "token_ids")
+    if lens.size and int(lens.min()) < 0 or int(lens.sum(dtype=np.int64)) != idx.size:
+        raise LengthMismatchError(f"call_lens: add up to {int(lens.sum(dtype=np.int64))}, {idx.size} items sent")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(rids)):
+        raise InvalidArgumentError(f"rid_index: an index outside the {len(rids)} rids")
+    return rids, lens, idx, toks
 
 
 # --------------------------------------------------------------------------- cache / evict / stats
 
 
 def cache_results_to_msg(results: Sequence[CacheResult]) -> pb.CacheResponse:
-    return pb.CacheResponse(results=[pb.CacheResult(rid=r.rid, cached_len=int(r.cached_len)) for r in results])
+    return pb.CacheResponse(cached_len_i64=pack([r.cached_len for r in results], I64))
 
 
-def cache_results_from_msg(msg: pb.CacheResponse) -> list[CacheResult]:
-    return [CacheResult(m.rid, int(m.cached_len)) for m in msg.results]
+def cache_results_from_msg(msg: pb.CacheResponse, rids: Sequence[str]) -> list[CacheResult]:
+    lens = _count(unpack_i64(msg.cached_len_i64, "cached_len"), len(rids), "cached_len").tolist()
+    return [CacheResult(*r) for r in zip(rids, lens)]
 
 
 def evict_result_to_msg(r: EvictResult) -> pb.EvictResponse:

@@ -6,7 +6,8 @@ manager. A call's items (queries, extend items, decode rids, replayed calls, rid
 release) and its tokens are therefore bounded by :class:`CallLimits` *before* the message is
 parsed: :func:`check_raw` walks the protobuf wire format of the request (tags and lengths
 only, never the payloads) and stops as soon as a count passes its limit, so refusing a hostile
-call costs O(limit), whatever its size. A refused call is ``RequestLimitError``
+call costs O(limit), whatever its size. A batch packed into int32 byte fields (one value per
+entry, issue 20) is counted from a field's length alone: O(1) per field. A refused call is ``RequestLimitError``
 (RESOURCE_EXHAUSTED) naming the limit.
 
 The field numbers below are those of ``proto/radixkv/v1/cache_manager.proto``;
@@ -42,22 +43,27 @@ def limits_for(kv_tokens: int, request_rows: int, decode_reserve: int = 0) -> Ca
 
 
 class _Spec(NamedTuple):
-    items: int  # the repeated field whose entries are counted
+    items: int  # the repeated field whose entries are counted (0: none)
     sub_tokens: int  # in each entry (a sub-message): the bytes field of int32 tokens (0: none)
     tokens: int  # at the top level: a bytes field of int32 tokens (0: none)
-    replay: bool  # entries are AllocDecodeRequests (ApplyDecodes)
+    #: packed int32 fields, one value per entry: (field, the limit it counts against, what)
+    packed: tuple[tuple[int, str, str], ...] = ()
 
 
 #: The requests with entries to count: (repeated field, token field inside an entry, token
-#: field at the top, replay?).
+#: field at the top, packed int32 fields of one value per entry and the limit each counts
+#: against: ``max_items``, or ``max_replayed_items`` for a replay's decode items).
 SPECS: dict[str, _Spec] = {
-    "Match": _Spec(2, 1, 0, False),  # MatchRequest.queries[].token_ids_i32
-    "AllocExtend": _Spec(2, 2, 0, False),  # AllocExtendRequest.items[].token_ids_i32
-    "AllocDecode": _Spec(2, 0, 3, False),  # AllocDecodeRequest.rids, .token_ids_i32
-    "ApplyDecodes": _Spec(2, 0, 0, True),  # ApplyDecodesRequest.calls[] (AllocDecodeRequest)
-    "CacheUnfinished": _Spec(2, 0, 0, False),  # CacheRequest.rids
-    "CacheFinished": _Spec(2, 0, 0, False),
-    "Release": _Spec(2, 0, 0, False),  # ReleaseRequest.rids
+    "Match": _Spec(2, 1, 0),  # MatchRequest.queries[].token_ids_i32
+    "AllocExtend": _Spec(0, 0, 5, ((4, "max_items", "entries"),)),  # AllocExtendRequest: rid_lens_i32, token_ids_i32
+    "AllocDecode": _Spec(2, 0, 3),  # AllocDecodeRequest.rids, .token_ids_i32
+    # ApplyDecodesRequest: rid_lens_i32 (distinct rids), call_lens_i32 (calls), rid_index_i32
+    # (decode items), token_ids_i32
+    "ApplyDecodes": _Spec(0, 0, 7, ((4, "max_items", "rids"), (5, "max_items", "replayed calls"),
+                                    (6, "max_replayed_items", "replayed decode items"))),
+    "CacheUnfinished": _Spec(2, 0, 0),  # CacheRequest.rids
+    "CacheFinished": _Spec(2, 0, 0),
+    "Release": _Spec(2, 0, 0),  # ReleaseRequest.rids
 }
 
 
@@ -110,30 +116,24 @@ def check_raw(method: str, raw: bytes | bytearray | memoryview, limits: CallLimi
     if spec is None:
         return
     buf = memoryview(raw).cast("B")
-    items = tokens = calls = 0
-    item_limit = limits.max_replayed_items if spec.replay else limits.max_items
+    items = tokens = 0
+    packed = {f: (name, what) for f, name, what in spec.packed}
+    counted: dict[int, int] = {}
     for field, a, b in _fields(buf, 0, len(buf)):
         if field == spec.items:
-            if spec.replay:  # an AllocDecodeRequest: count it, its rids and its tokens
-                calls += 1
-                if calls > limits.max_items:
-                    raise _refuse(method, "replayed calls", "max_items", limits.max_items)
+            items += 1
+            if items > limits.max_items:
+                raise _refuse(method, "entries", "max_items", limits.max_items)
+            if spec.sub_tokens:
                 for f, c, d in _fields(buf, a, b):
-                    if f == 2:
-                        items += 1
-                        if items > item_limit:
-                            raise _refuse(method, "replayed decode items", "max_replayed_items", item_limit)
-                    elif f == 3:
+                    if f == spec.sub_tokens:
                         tokens += (d - c) // 4
-            else:
-                items += 1
-                if items > item_limit:
-                    raise _refuse(method, "entries", "max_items", item_limit)
-                if spec.sub_tokens:
-                    for f, c, d in _fields(buf, a, b):
-                        if f == spec.sub_tokens:
-                            tokens += (d - c) // 4
-        elif field == spec.tokens:
+        elif field in packed:  # every occurrence counts (the parser keeps the last one)
+            counted[field] = n = counted.get(field, 0) + (b - a) // 4
+            name, what = packed[field]
+            if n > getattr(limits, name):
+                raise _refuse(method, what, name, getattr(limits, name))
+        if field == spec.tokens:
             tokens += (b - a) // 4
         if tokens > limits.max_tokens:
             raise _refuse(method, "tokens", "max_tokens", limits.max_tokens)

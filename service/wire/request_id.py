@@ -23,6 +23,6 @@ def check_request_id(value: Any) -> str:
         except UnicodeDecodeError:
             raise InvalidArgumentError("a request id must be printable ASCII") from None
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_REQUEST_ID_LEN \
-            or any(not 0x21 <= ord(c) <= 0x7E for c in value):
+            or not (value.isascii() and value.isprintable()) or " " in value:  # 0x21..0x7E, no loop
         raise InvalidArgumentError(f"a request id must be 1..{MAX_REQUEST_ID_LEN} printable ASCII characters")
     return value

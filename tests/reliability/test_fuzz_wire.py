@@ -19,9 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixkv.service.server.manager import ServeOptions
 from radixkv.service.server.servicer import STREAM_METHODS, UNARY_METHODS
+from radixkv.service.wire import codec
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from reliability_util import check_law
 from tooling.testing import ThreadedServer
+
+from radixkv.engine.protocol import ExtendItem
 
 ALLOWED = {"OK", "INVALID_ARGUMENT", "PERMISSION_DENIED", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
 MAX_MSG = 1 << 16
@@ -46,8 +49,8 @@ class Wire:
         self.a = self._attach("A")
         self.b = self._attach("B")
         for ref, rid in ((self.a, "a-1"), (self.b, "b-1")):
-            self.call("AllocExtend", pb.AllocExtendRequest(session=ref, items=[pb.ExtendItem(
-                rid=rid, token_ids_i32=np.arange(1, 9, dtype="<i4").tobytes())]))
+            items = [ExtendItem(rid, np.arange(1, 9, dtype=np.int32))]
+            self.call("AllocExtend", codec.extend_request_to_msg(ref, items))
 
     def _attach(self, name):
         return pb.AttachResponse.FromString(self.call("Attach", pb.AttachRequest(worker_name=name))).session
@@ -101,6 +104,22 @@ TOKEN_BYTES = st.one_of(
 EXTRA = st.one_of(st.none(), st.text(max_size=8), st.just("k" * 2000), st.just(""))
 
 
+LENS = st.lists(st.integers(-2, 12), max_size=4).map(lambda v: np.asarray(v, "<i4").tobytes())
+TOKENS = st.lists(st.integers(0, 30000), max_size=40).map(lambda v: np.asarray(v, np.int32))
+DECODE_CALL = st.lists(st.tuples(RIDS, st.integers(-(1 << 31), (1 << 31) - 1)), max_size=4).map(
+    lambda v: ([r for r, _ in v], np.asarray([t for _, t in v], np.int32)))
+
+
+def _packed_extend(s, items):
+    return "AllocExtend", codec.extend_request_to_msg(s, [ExtendItem(*it) for it in items])
+
+
+def _packed_replay(s, calls):
+    msg = codec.apply_decodes_to_msg(("x", 0), calls)
+    msg.session.CopyFrom(s)
+    return "ApplyDecodes", msg
+
+
 def _opt(msg, field, value):
     if value is not None:
         setattr(msg, field, value)
@@ -111,8 +130,6 @@ def by_method(w):
     """One strategy of ``(method, message)`` per unary RPC (all but CheckInvariants, which
     takes no input and runs after every example anyway)."""
     sess = sessions(w)
-    ext_item = st.builds(lambda rid, tok, ek, pr: _opt(pb.ExtendItem(rid=rid, token_ids_i32=tok, priority=pr),
-                                                       "extra_key", ek), RIDS, TOKEN_BYTES, EXTRA, I64)
     rids = st.lists(RIDS, max_size=4)
     return {
         "Attach": st.builds(lambda n, pid: ("Attach", pb.AttachRequest(worker_name=n, pid=pid)),
@@ -121,14 +138,20 @@ def by_method(w):
         "Match": st.builds(lambda s, q: ("Match", pb.MatchRequest(session=s, queries=q)), sess,
                            st.lists(st.builds(lambda t, ek: _opt(pb.MatchQuery(token_ids_i32=t), "extra_key", ek),
                                               TOKEN_BYTES, EXTRA), max_size=3)),
-        "AllocExtend": st.builds(lambda s, it: ("AllocExtend", pb.AllocExtendRequest(session=s, items=it)), sess,
-                                 st.lists(ext_item, max_size=3)),
+        "AllocExtend": st.one_of(  # packed well, and packed fields that may disagree
+            st.builds(_packed_extend, sess, st.lists(st.tuples(RIDS, TOKENS, EXTRA, I64), max_size=3)),
+            st.builds(lambda s, r, rl, t, tl, ek, ekl, pr: ("AllocExtend", pb.AllocExtendRequest(
+                session=s, rids=r, rid_lens_i32=rl, token_ids_i32=t, token_lens_i32=tl, extra_keys=ek,
+                extra_key_lens_i32=ekl, priorities_i64=pr)), sess, st.text(max_size=12), LENS, TOKEN_BYTES, LENS,
+                st.text(max_size=8), LENS, st.binary(max_size=24))),
         "AllocDecode": st.builds(lambda s, r, t: ("AllocDecode", pb.AllocDecodeRequest(session=s, rids=r,
                                                                                        token_ids_i32=t)),
                                  sess, rids, TOKEN_BYTES),
-        "ApplyDecodes": st.builds(lambda s, c: ("ApplyDecodes", pb.ApplyDecodesRequest(session=s, calls=c)), sess,
-                                  st.lists(st.builds(lambda r, t: pb.AllocDecodeRequest(rids=r, token_ids_i32=t),
-                                                     rids, TOKEN_BYTES), max_size=3)),
+        "ApplyDecodes": st.one_of(
+            st.builds(_packed_replay, sess, st.lists(DECODE_CALL, max_size=3)),
+            st.builds(lambda s, r, rl, cl, ix, t: ("ApplyDecodes", pb.ApplyDecodesRequest(
+                session=s, rids=r, rid_lens_i32=rl, call_lens_i32=cl, rid_index_i32=ix, token_ids_i32=t)),
+                sess, st.text(max_size=12), LENS, LENS, LENS, TOKEN_BYTES)),
         "CacheUnfinished": st.builds(lambda s, r: ("CacheUnfinished", pb.CacheRequest(session=s, rids=r)), sess, rids),
         "CacheFinished": st.builds(lambda s, r: ("CacheFinished", pb.CacheRequest(session=s, rids=r)), sess, rids),
         "Release": st.builds(lambda s, r: ("Release", pb.ReleaseRequest(session=s, rids=r)), sess, rids),
@@ -214,8 +237,8 @@ def test_garbage_on_streams_and_bad_utf8(wire):
 
 def test_oversize_messages_are_refused(wire):
     before = wire.call("Stats", pb.StatsRequest())
-    big = pb.AllocExtendRequest(session=wire.a, items=[pb.ExtendItem(
-        rid="big", token_ids_i32=np.ones(MAX_MSG // 4 + 16, dtype="<i4").tobytes())]).SerializeToString()
+    big = codec.extend_request_to_msg(wire.a, [ExtendItem("big", np.ones(MAX_MSG // 4 + 16, dtype=np.int32))]) \
+        .SerializeToString()
     assert len(big) > MAX_MSG
     assert wire.raw("AllocExtend", big) == "RESOURCE_EXHAUSTED"
     assert wire.raw("Attach", b"\x0a" + b"\x80\x80\x08" + b"x" * (MAX_MSG + 8)) == "RESOURCE_EXHAUSTED"

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 from radixkv.service.server.idempotency import ReplyCache
+from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.request_id import REQUEST_ID_KEY
 from reliability_util import check_law
@@ -40,8 +41,7 @@ def _raw(srv):
 
 
 def _extend(ref, rid, n):
-    toks = np.arange(1, n + 1, dtype="<i4").tobytes()
-    return pb.AllocExtendRequest(session=ref, items=[pb.ExtendItem(rid=rid, token_ids_i32=toks)])
+    return wire.extend_request_to_msg(ref, [ExtendItem(rid, np.arange(1, n + 1, dtype=np.int32))])
 
 
 def test_same_request_id_gets_the_kept_reply_and_allocates_once():

@@ -14,7 +14,7 @@ from radixkv.service.wire.errors import RequestLimitError
 from radixkv.service.wire.limits import SPECS, CallLimits, check_raw, limits_for
 from tooling.testing import ThreadedServer
 
-from radixkv.engine.protocol import ExtendItem, MatchQuery
+from radixkv.engine.protocol import ExtendItem, MatchQuery, Session
 from radixkv.errors import InvalidArgumentError, StaleSessionError
 
 LIMITS = CallLimits(max_items=100, max_tokens=1000, max_replayed_items=300)
@@ -26,14 +26,19 @@ REQUEST_OF = {"Match": pb.MatchRequest, "AllocExtend": pb.AllocExtendRequest, "A
 def test_the_specs_name_the_proto_fields():
     for method, spec in SPECS.items():
         desc = REQUEST_OF[method].DESCRIPTOR
-        items = desc.fields_by_number[spec.items]
-        assert items.is_repeated, method
-        if spec.sub_tokens:
-            assert items.message_type.fields_by_number[spec.sub_tokens].name == "token_ids_i32"
+        if spec.items:
+            items = desc.fields_by_number[spec.items]
+            assert items.is_repeated, method
+            if spec.sub_tokens:
+                assert items.message_type.fields_by_number[spec.sub_tokens].name == "token_ids_i32"
         if spec.tokens:
             assert desc.fields_by_number[spec.tokens].name == "token_ids_i32"
-        if spec.replay:
-            assert items.message_type is pb.AllocDecodeRequest.DESCRIPTOR
+        for field, _, _ in spec.packed:
+            assert desc.fields_by_number[field].name.endswith("_i32"), (method, field)
+    by_name = pb.ApplyDecodesRequest.DESCRIPTOR.fields_by_name
+    assert [f for f, _, _ in SPECS["ApplyDecodes"].packed] == [by_name[n].number for n in
+                                                              ("rid_lens_i32", "call_lens_i32", "rid_index_i32")]
+    assert SPECS["AllocExtend"].packed[0][0] == pb.AllocExtendRequest.DESCRIPTOR.fields_by_name["rid_lens_i32"].number
 
 
 def test_default_limits_grow_with_the_pool():
@@ -54,9 +59,15 @@ def test_entries_and_tokens_over_the_limits_are_refused_naming_the_limit():
     assert (e.value.requested, e.value.available) == (101, 100)
     with pytest.raises(RequestLimitError, match="max_tokens=1000"):
         check_raw("Match", _match(2, 501), LIMITS)
-    ext = pb.AllocExtendRequest(items=[pb.ExtendItem(rid="r", token_ids_i32=wire.pack(np.zeros(1001), wire.I32))])
+    ref = pb.SessionRef(session_id="s", epoch=1)
+    ext = wire.extend_request_to_msg(ref, [ExtendItem("r", np.zeros(1001, np.int32))])
     with pytest.raises(RequestLimitError, match="max_tokens"):
         check_raw("AllocExtend", ext.SerializeToString(), LIMITS)
+    check_raw("AllocExtend", wire.extend_request_to_msg(ref, [ExtendItem("r", np.zeros(1, np.int32))] * 100)
+              .SerializeToString(), LIMITS)
+    with pytest.raises(RequestLimitError, match="101 entries|max_items=100"):
+        check_raw("AllocExtend", wire.extend_request_to_msg(ref, [ExtendItem("r", np.zeros(1, np.int32))] * 101)
+                  .SerializeToString(), LIMITS)
     dec = pb.AllocDecodeRequest(rids=[str(i) for i in range(101)], token_ids_i32=wire.pack(np.zeros(101), wire.I32))
     with pytest.raises(RequestLimitError, match="max_items"):
         check_raw("AllocDecode", dec.SerializeToString(), LIMITS)
@@ -65,13 +76,21 @@ def test_entries_and_tokens_over_the_limits_are_refused_naming_the_limit():
             check_raw(what, pb.CacheRequest(rids=["x"] * 101).SerializeToString(), LIMITS)
     with pytest.raises(RequestLimitError, match="max_items"):
         check_raw("Release", pb.ReleaseRequest(rids=["x"] * 101).SerializeToString(), LIMITS)
-    call = pb.AllocDecodeRequest(rids=["a"] * 100, token_ids_i32=wire.pack(np.zeros(100), wire.I32))
-    check_raw("ApplyDecodes", pb.ApplyDecodesRequest(calls=[call] * 3).SerializeToString(), LIMITS)
+    s1 = Session("s", 1, 1.0)
+    call = ([f"a{i}" for i in range(100)], np.zeros(100, np.int32))
+    check_raw("ApplyDecodes", wire.apply_decodes_to_msg(s1, [call] * 3).SerializeToString(), LIMITS)
     with pytest.raises(RequestLimitError, match="max_replayed_items=300"):
-        check_raw("ApplyDecodes", pb.ApplyDecodesRequest(calls=[call] * 4).SerializeToString(), LIMITS)
+        check_raw("ApplyDecodes", wire.apply_decodes_to_msg(s1, [call] * 4).SerializeToString(), LIMITS)
     with pytest.raises(RequestLimitError, match="replayed calls"):
-        check_raw("ApplyDecodes", pb.ApplyDecodesRequest(calls=[pb.AllocDecodeRequest()] * 101).SerializeToString(),
-                  LIMITS)
+        check_raw("ApplyDecodes", wire.apply_decodes_to_msg(s1, [([], np.zeros(0, np.int32))] * 101)
+                  .SerializeToString(), LIMITS)
+    with pytest.raises(RequestLimitError, match="rids"):
+        wide = [([f"b{i}" for i in range(101)], np.zeros(101, np.int32))]
+        check_raw("ApplyDecodes", wire.apply_decodes_to_msg(s1, wide).SerializeToString(), LIMITS)
+    # a packed field sent twice counts twice (the parser keeps the last one; the bound holds)
+    twice = wire.apply_decodes_to_msg(s1, [call] * 2).SerializeToString()
+    with pytest.raises(RequestLimitError, match="max_items=100"):  # 200 rids; 400 items
+        check_raw("ApplyDecodes", twice + wire.apply_decodes_to_msg(s1, [call] * 2).SerializeToString(), LIMITS)
     check_raw("Stats", b"\xff" * 10, LIMITS)  # no entries to count: not looked at
 
 

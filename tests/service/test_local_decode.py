@@ -45,7 +45,7 @@ def toks(rng, n):
 def test_wire_carries_reserves():
     res = [ExtendResult("a", 3, 2, 2, 5, np.array([7, 8, 9], np.int64), -1, np.array([11, 12], np.int64)),
            ExtendResult("b", 4, 0, 0, 1, np.array([1], np.int64), 2)]
-    back = wire.extend_results_from_msg(wire.extend_results_to_msg(res))
+    back = wire.extend_results_from_msg(wire.extend_results_to_msg(res), ["a", "b"])
     assert _norm(back) == _norm(res)
     r = DecodeResult(*(np.array([i, i + 1], np.int64) for i in range(4)), np.array([5, 6, 7], np.int64),
                      np.array([1, 2], np.int64))
@@ -60,9 +60,8 @@ def test_replay_request_round_trips():
     calls = [PendingCall(["a", "b"], np.array([5, 2**31 - 1], np.int32)), PendingCall(["a"], np.array([0], np.int32))]
     msg = pb.ApplyDecodesRequest.FromString(replay_request(S1, calls).SerializeToString())
     assert (msg.session.session_id, msg.session.epoch) == ("s1", 7)
-    assert [[(it.rid, it.token_id) for it in wire.decode_items_from_msg(c)] for c in msg.calls] == \
-        [[("a", 5), ("b", 2**31 - 1)], [("a", 0)]]
-    assert not any(c.HasField("session") for c in msg.calls)
+    rids, lens, idx, toks = wire.apply_decodes_from_msg(msg)
+    assert (rids, lens.tolist(), idx.tolist(), toks.tolist()) == (["a", "b"], [2, 1], [0, 1, 0], [5, 2**31 - 1, 0])
 
 
 def test_serve_flag_and_config_file_key(tmp_path):
@@ -446,10 +445,10 @@ def test_apply_decodes_error_names_the_call_and_keeps_the_calls_before(pair):
     pair.emb.alloc_decode(e_s, [DecodeItem("y1", 3)])  # once, as the manager did
     empty = pb.ApplyDecodesRequest(session=wire.session_to_msg(r_s))
     assert d.c._call("ApplyDecodes", empty).applied == 0
-    other = pb.AllocDecodeRequest(session=pb.SessionRef(session_id="else", epoch=r_s.epoch), rids=["y1"],
-                                  token_ids_i32=wire.pack([1], wire.I32))
-    with pytest.raises(RadixKVError, match="another session"):
-        d.c._call("ApplyDecodes", pb.ApplyDecodesRequest(session=wire.session_to_msg(r_s), calls=[other]))
+    broken = replay_request(r_s, [PendingCall(["y1"], np.array([1], np.int32))])
+    broken.rid_index_i32 = wire.pack([1], wire.I32)  # names a rid the request does not carry
+    with pytest.raises(RadixKVError, match="rid_index"):  # refused whole: nothing applied
+        d.c._call("ApplyDecodes", broken)
     d.decode(0, ["y1"], rng)  # both agree on where y1 stands
     d.idle()
     d.close()
@@ -479,9 +478,9 @@ def test_a_replay_riding_on_a_call_runs_first_and_a_failed_one_stops_the_call(pa
         d.c._call("CacheFinished", req, replay=bad)
     good = Replay(replay_request(r_s, [PendingCall(["z1"], np.array([4], np.int32))]), "ride-2")
     res = d.c._call("CacheUnfinished", req, replay=good)
-    assert good.applied and res.results[0].rid == "z1"
+    assert good.applied and len(res.cached_len_i64) == 8
     pair.emb.alloc_decode(e_s, [DecodeItem("z1", 4)])
-    assert pair.emb.cache_unfinished(e_s, ["z1"])[0].cached_len == res.results[0].cached_len
+    assert pair.emb.cache_unfinished(e_s, ["z1"]) == wire.cache_results_from_msg(res, ["z1"])
     again = Replay(good.request, "ride-2")  # a retry of that replay: answered, not applied twice
     d.c._call("Release", pb.ReleaseRequest(session=wire.session_to_msg(r_s), rids=["z1"]), replay=again)
     assert again.applied

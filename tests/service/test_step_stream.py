@@ -16,6 +16,7 @@ import pytest
 from radixkv.service.client import connect
 from radixkv.service.client.step_lane import StepLane
 from radixkv.service.server.manager import ServeOptions
+from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.errors import ServiceUnavailableError
 from radixkv.service.wire.step import StepRpcError, error_to_msg
@@ -103,8 +104,8 @@ def test_errors_arrive_in_the_stream_as_the_same_types(srv):
 def test_a_request_id_means_the_same_call_on_both_paths(srv):
     c, s = stream_client(srv)
     u = srv.client()
-    req = pb.AllocExtendRequest(session=pb.SessionRef(session_id=s.session_id, epoch=s.epoch, secret=s.secret),
-                                items=[pb.ExtendItem(rid="once", token_ids_i32=toks(16).tobytes())])
+    req = wire.extend_request_to_msg(pb.SessionRef(session_id=s.session_id, epoch=s.epoch, secret=s.secret),
+                                     [ExtendItem("once", toks(16))])
     first = c._call("AllocExtend", req, request_id="req-1")  # over the stream
     assert c.steps.stream.calls == 1
     held = c.stats().kv_held

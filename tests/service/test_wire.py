@@ -78,16 +78,50 @@ def test_match_round_trip():
 
 def test_extend_round_trip():
     items = [ExtendItem("a", np.array([1, 2, 3], np.int32)), ExtendItem("b", np.array([9], np.int32), "k", -4)]
-    back = wire.extend_items_from_msg(wire.extend_items_to_msg(items))
+    ref = pb.SessionRef(session_id="s", epoch=1)
+    back = wire.extend_items_from_msg(wire.extend_request_to_msg(ref, items))
     assert [(b.rid, b.extra_key, b.priority) for b in back] == [("a", None, 0), ("b", "k", -4)]
     assert all(np.array_equal(a.token_ids, b.token_ids) and b.token_ids.dtype == np.int32
                for a, b in zip(items, back))
+    assert wire.extend_items_from_msg(wire.extend_request_to_msg(ref, [])) == []
+    uni = [ExtendItem("é€", np.array([1], np.int32), ""), ExtendItem("𝔵", np.array([2], np.int32), "ü")]
+    assert [(b.rid, b.extra_key) for b in wire.extend_items_from_msg(wire.extend_request_to_msg(ref, uni))] == \
+        [("é€", ""), ("𝔵", "ü")]
     res = [ExtendResult("a", 3, 2, 2, 5, np.array([7, 8, 9], np.int64), -1),
            ExtendResult("b", 4, 0, 0, 0, np.zeros(0, np.int64), 6)]
-    back = wire.extend_results_from_msg(wire.extend_results_to_msg(res))
+    back = wire.extend_results_from_msg(wire.extend_results_to_msg(res), ["a", "b"])
     for a, b in zip(res, back):
         assert a[:5] == b[:5] and a.mamba_slot == b.mamba_slot
         assert np.array_equal(a.out_cache_loc, b.out_cache_loc) and b.out_cache_loc.dtype == np.int64
+    with pytest.raises(LengthMismatchError):
+        wire.extend_results_from_msg(wire.extend_results_to_msg(res), ["a"])
+
+
+def test_packed_fields_that_disagree_are_refused():
+    ref = pb.SessionRef(session_id="s", epoch=1)
+    good = wire.extend_request_to_msg(ref, [ExtendItem("ab", np.array([1, 2], np.int32), "k", 3)])
+    for field, value, err in (("rid_lens_i32", wire.pack([3], wire.I32), InvalidArgumentError),
+                              ("rid_lens_i32", wire.pack([-1, 3], wire.I32), InvalidArgumentError),
+                              ("rid_lens_i32", b"\x01", InvalidArgumentError),
+                              ("token_lens_i32", wire.pack([3], wire.I32), LengthMismatchError),
+                              ("token_lens_i32", wire.pack([2, 0], wire.I32), LengthMismatchError),
+                              ("token_lens_i32", wire.pack([-1], wire.I32), InvalidArgumentError),
+                              ("extra_key_lens_i32", wire.pack([1, -1], wire.I32), LengthMismatchError),
+                              ("extra_key_lens_i32", wire.pack([-2], wire.I32), InvalidArgumentError),
+                              ("priorities_i64", wire.pack([1, 2], wire.I64), LengthMismatchError)):
+        bad = pb.AllocExtendRequest()
+        bad.CopyFrom(good)
+        setattr(bad, field, value)
+        with pytest.raises(err):
+            wire.extend_items_from_msg(bad)
+    msg = wire.apply_decodes_to_msg(Session("s", 1, 1.0), [(["a", "b"], np.array([5, 6], np.int32))])
+    for field, value in (("rid_index_i32", [0, 2]), ("rid_index_i32", [0, -1]), ("call_lens_i32", [3]),
+                         ("call_lens_i32", [3, -1]), ("token_ids_i32", [5])):
+        bad = pb.ApplyDecodesRequest()
+        bad.CopyFrom(msg)
+        setattr(bad, field, wire.pack(value, wire.I32))
+        with pytest.raises((InvalidArgumentError, LengthMismatchError)):
+            wire.apply_decodes_from_msg(bad)
 
 
 def test_decode_round_trip_and_count_mismatch():
@@ -105,7 +139,9 @@ def test_decode_round_trip_and_count_mismatch():
 
 def test_small_results_round_trip():
     cr = [CacheResult("a", 16), CacheResult("b", 0)]
-    assert wire.cache_results_from_msg(wire.cache_results_to_msg(cr)) == cr
+    assert wire.cache_results_from_msg(wire.cache_results_to_msg(cr), ["a", "b"]) == cr
+    with pytest.raises(LengthMismatchError):
+        wire.cache_results_from_msg(wire.cache_results_to_msg(cr), ["a"])
     assert wire.evict_result_from_msg(wire.evict_result_to_msg(EvictResult(5, 1))) == EvictResult(5, 1)
     s = EngineStats(*range(1, len(EngineStats._fields) + 1))
     assert wire.stats_from_msg(wire.stats_to_msg(s)) == s

@@ -57,8 +57,11 @@ if __name__ == "__main__" and os.environ.get(STANDBY_NICE_ENV):
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
+from radixkv.service.wire import codec as wire  # noqa: E402
 from radixkv.service.wire._gen import cache_manager_pb2 as pb  # noqa: E402
 from radixkv.service.wire._gen import cache_manager_pb2_grpc as pb_grpc  # noqa: E402
+
+from radixkv.engine.protocol import ExtendItem  # noqa: E402
 
 KILL_POINTS = ("after_alloc", "after_cache_unfinished", "mid_call", "mid_batch", "after_decode")
 _MAX_LINE = 4000  # < PIPE_BUF: one atomic write
@@ -166,16 +169,16 @@ class _Worker:
             self.n += 1
             rid = f"{self.session.session_id}-{self.n}"
             t = self.prompt()
-            items.append(pb.ExtendItem(rid=rid, token_ids_i32=t.astype("<i4").tobytes()))
+            items.append(ExtendItem(rid, t.astype(np.int32)))
             toks.append(t)
-        req = pb.AllocExtendRequest(session=self.session, items=items)
+        req = wire.extend_request_to_msg(self.session, items)
         if self.kill_at == "mid_call" and self.rng.random() < 0.5:
             self.stub.AllocExtend.future(req, metadata=self.md, timeout=self.timeout)
             time.sleep(float(self.rng.random()) * 0.002)
             self.point("mid_call")
         resp = self.call(self.stub.AllocExtend, req)
-        for r in resp.results:
-            locs = np.frombuffer(r.out_cache_loc_i64, dtype="<i8")
+        for r in wire.extend_results_from_msg(resp, [it.rid for it in items]):
+            locs = r.out_cache_loc
             half = len(locs) // 2
             self.kv.write(locs[:half], self.marker)
             self.point("mid_batch")

@@ -127,55 +127,49 @@ class MatchResponse(_message.Message):
     kv_prefix_len_i64: bytes
     def __init__(self, prefix_len_i64: _Optional[bytes] = ..., kv_prefix_len_i64: _Optional[bytes] = ...) -> None: ...
 
-class ExtendItem(_message.Message):
-    __slots__ = ("rid", "token_ids_i32", "extra_key", "priority")
-    RID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_I32_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_KEY_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    rid: str
-    token_ids_i32: bytes
-    extra_key: str
-    priority: int
-    def __init__(self, rid: _Optional[str] = ..., token_ids_i32: _Optional[bytes] = ..., extra_key: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
-
 class AllocExtendRequest(_message.Message):
-    __slots__ = ("session", "items")
+    __slots__ = ("session", "rids", "rid_lens_i32", "token_ids_i32", "token_lens_i32", "extra_keys", "extra_key_lens_i32", "priorities_i64")
     SESSION_FIELD_NUMBER: _ClassVar[int]
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    RID_LENS_I32_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_I32_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LENS_I32_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEY_LENS_I32_FIELD_NUMBER: _ClassVar[int]
+    PRIORITIES_I64_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
-    items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
-
-class ExtendResult(_message.Message):
-    __slots__ = ("rid", "req_pool_idx", "prefix_len", "start", "seq_len", "out_cache_loc_i64", "mamba_slot", "reserved_i64", "track_slot", "track_seqlen")
-    RID_FIELD_NUMBER: _ClassVar[int]
-    REQ_POOL_IDX_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
-    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
-    OUT_CACHE_LOC_I64_FIELD_NUMBER: _ClassVar[int]
-    MAMBA_SLOT_FIELD_NUMBER: _ClassVar[int]
-    RESERVED_I64_FIELD_NUMBER: _ClassVar[int]
-    TRACK_SLOT_FIELD_NUMBER: _ClassVar[int]
-    TRACK_SEQLEN_FIELD_NUMBER: _ClassVar[int]
-    rid: str
-    req_pool_idx: int
-    prefix_len: int
-    start: int
-    seq_len: int
-    out_cache_loc_i64: bytes
-    mamba_slot: int
-    reserved_i64: bytes
-    track_slot: int
-    track_seqlen: int
-    def __init__(self, rid: _Optional[str] = ..., req_pool_idx: _Optional[int] = ..., prefix_len: _Optional[int] = ..., start: _Optional[int] = ..., seq_len: _Optional[int] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot: _Optional[int] = ..., reserved_i64: _Optional[bytes] = ..., track_slot: _Optional[int] = ..., track_seqlen: _Optional[int] = ...) -> None: ...
+    rids: str
+    rid_lens_i32: bytes
+    token_ids_i32: bytes
+    token_lens_i32: bytes
+    extra_keys: str
+    extra_key_lens_i32: bytes
+    priorities_i64: bytes
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., rids: _Optional[str] = ..., rid_lens_i32: _Optional[bytes] = ..., token_ids_i32: _Optional[bytes] = ..., token_lens_i32: _Optional[bytes] = ..., extra_keys: _Optional[str] = ..., extra_key_lens_i32: _Optional[bytes] = ..., priorities_i64: _Optional[bytes] = ...) -> None: ...
 
 class AllocExtendResponse(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[ExtendResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[ExtendResult, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("req_pool_idx_i64", "prefix_len_i64", "start_i64", "seq_len_i64", "out_cache_loc_i64", "mamba_slot_i64", "reserved_i64", "reserved_lens_i64", "track_slot_i64", "track_seqlen_i64")
+    REQ_POOL_IDX_I64_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_I64_FIELD_NUMBER: _ClassVar[int]
+    START_I64_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_I64_FIELD_NUMBER: _ClassVar[int]
+    OUT_CACHE_LOC_I64_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_SLOT_I64_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_I64_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_LENS_I64_FIELD_NUMBER: _ClassVar[int]
+    TRACK_SLOT_I64_FIELD_NUMBER: _ClassVar[int]
+    TRACK_SEQLEN_I64_FIELD_NUMBER: _ClassVar[int]
+    req_pool_idx_i64: bytes
+    prefix_len_i64: bytes
+    start_i64: bytes
+    seq_len_i64: bytes
+    out_cache_loc_i64: bytes
+    mamba_slot_i64: bytes
+    reserved_i64: bytes
+    reserved_lens_i64: bytes
+    track_slot_i64: bytes
+    track_seqlen_i64: bytes
+    def __init__(self, req_pool_idx_i64: _Optional[bytes] = ..., prefix_len_i64: _Optional[bytes] = ..., start_i64: _Optional[bytes] = ..., seq_len_i64: _Optional[bytes] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot_i64: _Optional[bytes] = ..., reserved_i64: _Optional[bytes] = ..., reserved_lens_i64: _Optional[bytes] = ..., track_slot_i64: _Optional[bytes] = ..., track_seqlen_i64: _Optional[bytes] = ...) -> None: ...
 
 class AllocDecodeRequest(_message.Message):
     __slots__ = ("session", "rids", "token_ids_i32")
@@ -206,12 +200,20 @@ class AllocDecodeResponse(_message.Message):
     def __init__(self, out_cache_loc_i64: _Optional[bytes] = ..., seq_lens_i64: _Optional[bytes] = ..., req_pool_indices_i64: _Optional[bytes] = ..., mamba_slots_i64: _Optional[bytes] = ..., reserved_i64: _Optional[bytes] = ..., reserved_lens_i64: _Optional[bytes] = ..., track_slots_i64: _Optional[bytes] = ...) -> None: ...
 
 class ApplyDecodesRequest(_message.Message):
-    __slots__ = ("session", "calls")
+    __slots__ = ("session", "rids", "rid_lens_i32", "call_lens_i32", "rid_index_i32", "token_ids_i32")
     SESSION_FIELD_NUMBER: _ClassVar[int]
-    CALLS_FIELD_NUMBER: _ClassVar[int]
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    RID_LENS_I32_FIELD_NUMBER: _ClassVar[int]
+    CALL_LENS_I32_FIELD_NUMBER: _ClassVar[int]
+    RID_INDEX_I32_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_I32_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
-    calls: _containers.RepeatedCompositeFieldContainer[AllocDecodeRequest]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., calls: _Optional[_Iterable[_Union[AllocDecodeRequest, _Mapping]]] = ...) -> None: ...
+    rids: str
+    rid_lens_i32: bytes
+    call_lens_i32: bytes
+    rid_index_i32: bytes
+    token_ids_i32: bytes
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., rids: _Optional[str] = ..., rid_lens_i32: _Optional[bytes] = ..., call_lens_i32: _Optional[bytes] = ..., rid_index_i32: _Optional[bytes] = ..., token_ids_i32: _Optional[bytes] = ...) -> None: ...
 
 class ApplyDecodesResponse(_message.Message):
     __slots__ = ("applied", "error")
@@ -229,19 +231,11 @@ class CacheRequest(_message.Message):
     rids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., rids: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class CacheResult(_message.Message):
-    __slots__ = ("rid", "cached_len")
-    RID_FIELD_NUMBER: _ClassVar[int]
-    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
-    rid: str
-    cached_len: int
-    def __init__(self, rid: _Optional[str] = ..., cached_len: _Optional[int] = ...) -> None: ...
-
 class CacheResponse(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[CacheResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[CacheResult, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("cached_len_i64",)
+    CACHED_LEN_I64_FIELD_NUMBER: _ClassVar[int]
+    cached_len_i64: bytes
+    def __init__(self, cached_len_i64: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session", "rids")
