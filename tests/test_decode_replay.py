@@ -28,7 +28,7 @@ def _state(e):
     reqs = e._reqs
     rows = e.pools.req_to_token_pool.req_to_token
     return ({rid: (r.seq_len, r.kv_committed_len, r.fill_ids.tolist(), r.decode_reserve.tolist(),
-                   rows[r.req_pool_idx, :r.seq_len].tolist()) for rid, r in reqs.items()},
+                   rows[r.req_pool_idx, :r.seq_len].tolist()) for (_sid, rid), r in reqs.items()},  # one session each
             e.stats())
 
 
