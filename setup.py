@@ -2,7 +2,8 @@
 wire schema ``proto/radixkv/v1/*.proto`` as data of ``radixkv.proto`` (for clients in other
 languages: ``importlib.resources.files("radixkv.proto")``), and the optional C extension
 ``radixkv.cache._native`` (the RadixCache's compiled walks; the install goes on without it when
-no C compiler is present, see radixkv/cache/native.py).
+no C compiler is present, see radixkv/cache/native.py) and likewise ``radixkv.allocator._native``
+(the KV allocators' checked free, see radixkv/allocator/native.py).
 
 Everything else is declared in pyproject.toml.
 """
@@ -21,5 +22,7 @@ setup(
     package_data={"radixkv": ["data/**/*", "py.typed"], "radixkv.proto": ["*.proto"]},
     ext_modules=[Extension("radixkv.cache._native", ["radixkv/cache/csrc/module.c"],
                            depends=[str(p) for p in Path("radixkv/cache/csrc").glob("*.[ch]")],
+                           extra_compile_args=["-O3"], optional=True),
+                 Extension("radixkv.allocator._native", ["radixkv/allocator/csrc/free.c"],
                            extra_compile_args=["-O3"], optional=True)],
 )

@@ -10,6 +10,8 @@ Every operation costs O(number of ids moved); nothing is O(capacity) except ``re
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -74,6 +76,22 @@ class IdRing(HostViews):
         self.tail += n
         if self.tail > self.high_water:
             self.high_water = self.tail
+
+    def push_with(self, write: Callable[[np.ndarray, int], int], most: int) -> bool:
+        """Append what ``write(host_buffer, position)`` writes into the buffer from the tail's
+        slot (wrapping), at most ``most`` ids; it returns how many it wrote, or a negative
+        number when it wrote nothing. On CPU only, and only when ``most`` more ids fit;
+        returns whether ids were appended. O(1) plus ``write``."""
+        host = self._host()
+        if host is None or len(self) + most > self.capacity:
+            return False
+        n = write(host, self.tail % self.capacity)
+        if n < 0:
+            return False
+        self.tail += n
+        if self.tail > self.high_water:
+            self.high_water = self.tail
+        return True
 
     def _host(self) -> np.ndarray | None:
         """The numpy view of ``buf`` on CPU (cached, see :mod:`.host_view`), else ``None``."""

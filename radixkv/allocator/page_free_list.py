@@ -42,6 +42,7 @@ from typing import NamedTuple, cast
 import numpy as np
 import torch
 
+from radixkv.allocator import native
 from radixkv.allocator.host_view import HostViews, set_mask
 from radixkv.allocator.id_ring import IdRing
 from radixkv.allocator.invariants import check_free_lists
@@ -232,6 +233,23 @@ class PageFreeList(HostViews):
             self._rel.push(ids)
         else:
             self._ring.push(ids)
+
+    def free_host(self, ids: np.ndarray, shift: int = 0, ascending: bool = False) -> bool:
+        """The checked free of the slot ids ``ids`` (a 1-D int64 numpy array; pages are
+        ``ids >> shift``) in one compiled pass (:mod:`radixkv.allocator.native`): the checks
+        of ``free`` (range, not in use, no repeat) and the push, pages in ``ids``' order, or
+        ascending when ``ascending`` (as the paged allocator's numpy path pushes them). It takes
+        a free only when it is valid with each page's slots one ascending run (an evicted
+        leaf's rows, a request's); otherwise, when not built, off CPU or with a group open,
+        it returns False with nothing changed and the caller's path frees or names the bad
+        ids. O(k), plus O(p log p) to sort p unsorted pages."""
+        mark = native.mark_free
+        host = self.host_mask()
+        if mark is None or host is None or self._group is not None:
+            return False
+        num_ids = self.num_ids
+        return (self._rel if self.need_sort else self._ring).push_with(
+            lambda ring, pos: cast(int, mark(ids, host, ring, pos, shift, num_ids, ascending)), ids.size)
 
     def free_runs(self, starts: np.ndarray, ends: np.ndarray, ids: np.ndarray | None = None) -> bool:
         """Return the ids of the runs ``[starts[j], ends[j])`` (int64 numpy arrays of r runs)

@@ -271,6 +271,8 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
         changed) when any check fails, so the torch path finds and names the bad slots."""
         a = slots.numpy()
         shift = cast(int, self._shift)  # the caller checked: a power-of-two page size
+        if self._fl.free_host(a, shift, ascending=True):  # compiled, when built: one pass
+            return True
         host_mask = cast(np.ndarray, self._fl.host_mask())  # on CPU the view exists
         lo, hi = self.page_size, (self.num_pages + 1) * self.page_size - 1
         if a.size <= self.page_size:  # a few slots, maybe of one page (a request's tail)

@@ -50,8 +50,11 @@ class TokenToKVPoolAllocator(BaseKVAllocator):
         release, in the open group, or repeated in the call)."""
         ids = index_tensor(free_index, self.device, "free_index", sequences=False)
         if self.checks and ids.device.type == "cpu":
-            # an evicted leaf's / a request's slots are a few runs of consecutive ids:
-            # checked per run (no sort); anything else, or a bad free, takes the exact path
+            # the compiled one-pass free when built; else an evicted leaf's / a request's
+            # slots are a few runs of consecutive ids: checked per run (no sort); anything
+            # else, or a bad free, takes the exact path
+            if self._fl.free_host(ids.numpy()):
+                return
             runs = id_runs(ids.numpy())
             if runs is not None and self._fl.free_runs(*runs, ids=ids.numpy()):
                 return

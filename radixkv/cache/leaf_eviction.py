@@ -26,15 +26,17 @@ def pop_victim(cache: RadixCache) -> TreeNode | None:
     O(log L) amortized."""
     leaves = cache._leaves
     while leaves:
-        node: TreeNode = leaves[0]
+        node: TreeNode = leaves.pop(0)  # one O(log L) step; put back below when stale
         if cache._lazy:
-            k = cache._sort_key(node)
+            try:
+                k = cache._sort_key(node)
+            except BaseException:  # a policy's sort_key failed: the index stays as it was
+                leaves.add(node)
+                raise
             if k != node.skey:  # touched since it was filed: re-file, look again
-                leaves.pop(0)
                 node.skey = k
                 leaves.add(node)
                 continue
-        leaves.pop(0)
         node.skey = None
         return node
     return None
