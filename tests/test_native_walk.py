@@ -311,6 +311,7 @@ def test_compiled_paths_leak_no_references():
         m2 = c.match_prefix(short)
         m3 = c.match_prefix(big)
         c.insert(key, value)
+        c._insert(key, value, 0)  # the compiled entry's (prefix, node, path) form
         native.narrow(arr.ctypes.data, arr.size, i % 40)
         node = native.new_node(i, leaf, leaf.kbuf, leaf.vbuf, i, 0)
         del m, m2, m3, node
@@ -425,3 +426,36 @@ def test_native_true_needs_the_extension(monkeypatch):
         RadixCache(native=True)
     assert RadixCache().native is False
     assert RadixCache(native=False).native is False
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_compiled_insert_path_form_agrees_with_python(page_size):
+    """``_insert`` (the ``(prefix, node, path)`` form that ``cache_*_req`` and
+    MambaRadixCache use) goes through the compiled entry on a native cache: the same prefix,
+    end node and path (node ids, tokens, rows) as the pure cache's, on inserts that extend,
+    branch, split and repeat, and the same trees after each."""
+    rng = np.random.default_rng(page_size)
+    t = Twin(page_size)
+    assert t.c._cinsert is native.insert and t.p._cinsert is not native.insert
+    seqs = []
+    for _ in range(300):
+        if seqs and rng.random() < 0.7:
+            base = seqs[rng.integers(len(seqs))]
+            tokens = np.concatenate([base[:int(rng.integers(0, len(base) + 1))],
+                                     rng.integers(0, 3, int(rng.integers(0, 30)))])
+        else:
+            tokens = rng.integers(0, 3, int(rng.integers(1, 60)))
+        n = len(tokens) - len(tokens) % page_size
+        tokens = tokens[:n].astype(np.int32)
+        rows = torch.arange(t.next_row, t.next_row + n, dtype=torch.int64)
+        t.next_row += n
+        prio = int(rng.integers(0, 3))
+        a = t.c._insert(RadixKey(tokens), rows, prio)
+        b = t.p._insert(RadixKey(tokens), rows.clone(), prio)
+        assert a[0] == b[0]
+        assert (a[1].id, a[1].kbuf, a[1].vbuf) == (b[1].id, b[1].kbuf, b[1].vbuf)
+        assert [(x.id, x.kbuf, x.vbuf) for x in a[2]] == [(x.id, x.kbuf, x.vbuf) for x in b[2]]
+        seqs.append(tokens)
+        if rng.random() < 0.1:
+            assert t.c.evict(20) == t.p.evict(20)
+        t.check()

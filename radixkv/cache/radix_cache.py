@@ -156,6 +156,9 @@ class RadixCache(InsertMixin):
         self._cfind = native_mod.find if use else None
         self._cnarrow = native_mod.narrow if use else None
         self._new_node = native_mod.new_node if use else TreeNode
+        # _insert's entry (cache_*_req, MambaRadixCache.insert): the compiled insert, which
+        # takes the common case whole and hands the others to the Python insert
+        self._cinsert = native_mod.insert if use else InsertMixin.insert
         if use and type(self) is RadixCache:
             # the one place the class is chosen: match_prefix and insert become the compiled
             # entries (NativeRadixCache, below); subclasses (MambaRadixCache) keep their own

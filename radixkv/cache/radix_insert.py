@@ -64,6 +64,7 @@ class InsertMixin:
     _cfind: Callable[[TreeNode, bytes, int, int], tuple[int, TreeNode, list[TreeNode], TreeNode | None]] | None
     _cnarrow: Callable[[int, int, int], bytes | None] | None
     _new_node: Callable[..., TreeNode]
+    _cinsert: Callable[..., Any]  # the compiled insert entry, or InsertMixin.insert
 
     if TYPE_CHECKING:
         def _new_id(self) -> int: ...
@@ -218,8 +219,11 @@ class InsertMixin:
 
 
     def _insert(self, key: RadixKey, value: Any, priority: int) -> Any:
-        """``insert`` returning ``(prefix, node, path)`` (the cache's own callers)."""
-        return InsertMixin.insert(self, key, value, priority, None, True)
+        """``insert`` returning ``(prefix, node, path)`` (the cache's own callers, and
+        MambaRadixCache's insert): the compiled entry when the cache uses the compiled paths
+        (``_cinsert``, set by ``RadixCache.__init__``; it hands what it does not take to the
+        Python ``insert``), else the Python ``insert``."""
+        return self._cinsert(self, key, value, priority, None, True)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut the first ``m`` bytes (whole pages, 0 < m < len) of ``child`` into a new parent

@@ -7,7 +7,7 @@ static PyObject *py_insert = NULL;  /* InsertMixin.insert, radix_insert.py (the 
 static PyObject *t_int64 = NULL, *t_tensor = NULL;
 static PyObject *s_kv_events, *s_on_insert, *s_lazy, *s_dtype, *s_ndim, *s_is_cpu, *s_is_contiguous,
     *s_is_neg, *s_data_ptr, *s_next_id, *s_leaves, *s_remove, *s_add, *s_evictable, *s_sort_key, *s_inserts,
-    *s_inserted_tokens;
+    *s_inserted_tokens, *s_numel;
 
 PyDoc_STRVAR(bind_insert_doc, "bind_insert(py_insert, torch.Tensor, torch.int64): the Python insert "
                               "that insert() hands every case it does not take itself.");
@@ -23,6 +23,7 @@ static PyObject *bind_insert(PyObject *self, PyObject *args) {
     INTERN(s_next_id, "_next_id"); INTERN(s_leaves, "_leaves"); INTERN(s_remove, "remove");
     INTERN(s_add, "add"); INTERN(s_evictable, "_evictable"); INTERN(s_sort_key, "_sort_key");
     INTERN(s_inserts, "inserts"); INTERN(s_inserted_tokens, "inserted_tokens");
+    INTERN(s_numel, "numel");
 #undef INTERN
     Py_INCREF(f); Py_XSETREF(py_insert, f);
     Py_INCREF(tt); Py_XSETREF(t_tensor, tt);
@@ -30,18 +31,24 @@ static PyObject *bind_insert(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* o.name += delta for an int attribute. */
-static int add_to_attr(PyObject *o, PyObject *name, Py_ssize_t delta) {
+/* o.name += delta for an int attribute; the new value (a new reference), or NULL with an
+ * error set. */
+static PyObject *incr_attr(PyObject *o, PyObject *name, Py_ssize_t delta) {
     PyObject *v = PyObject_GetAttr(o, name), *d = NULL, *r = NULL;
     if (v != NULL && (d = PyLong_FromSsize_t(delta)) != NULL)
         r = PyNumber_Add(v, d);
     Py_XDECREF(v);
     Py_XDECREF(d);
-    if (r == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(o, name, r);
-    Py_DECREF(r);
-    return rc;
+    if (r != NULL && PyObject_SetAttr(o, name, r) < 0)
+        Py_CLEAR(r);
+    return r;
+}
+
+/* o.name += delta for an int attribute. 0, or -1 with an error set. */
+static int add_to_attr(PyObject *o, PyObject *name, Py_ssize_t delta) {
+    PyObject *r = incr_attr(o, name, delta);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
 }
 
 /* Consumes v (a new reference, or NULL after an error): 1 when v is want, 0 when it is not,
@@ -57,29 +64,34 @@ static int is(PyObject *v, PyObject *want) {
 #define call_is_true(o, name) is(PyObject_CallMethodNoArgs((o), (name)), Py_True)
 
 PyDoc_STRVAR(insert_doc,
-"insert(key, value, priority=0, extra_key=None) -> int\n\n"
-"Insert key (whole pages) with its KV rows; returns the tokens already cached: see\n"
+"insert(key, value, priority=0, extra_key=None, _path=False) -> int | (int, node, path)\n\n"
+"Insert key (whole pages) with its KV rows; returns the tokens already cached (with _path:\n"
+"also the node where the key ends and the matched path): see\n"
 "radixkv.cache.radix_insert.InsertMixin.insert, the contract and the reference. This compiled entry\n"
 "takes the common case whole (a RadixKey, a contiguous 1-D CPU int64 tensor, an int\n"
-"priority, an existing namespace, no split, no KV events, a policy without hooks) and hands\n"
-"every other call to it unchanged, before changing anything.");
+"priority, extra_key None, an existing namespace, no split, no KV events, a policy without\n"
+"hooks) and hands every other call to it unchanged, before changing anything.");
 
 static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *self, *key, *value, *prio, *res = NULL;
     PyObject *buf = NULL, *ek = NULL, *pbo = NULL, *heads = NULL, *head = NULL, *found = NULL, *tail = NULL,
         *leaf = NULL, *clock = NULL, *v = NULL;
     long long p = 0;
+    int want_path = 0;
     if (py_insert == NULL || node_type == NULL || key_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "radixkv.cache._native: bind()/bind_match()/bind_insert() not called");
         return NULL;
     }
-    if (kwnames != NULL || nargs < 3 || nargs > 4 || Py_TYPE(args[1]) != key_type ||
-        Py_TYPE(args[2]) != (PyTypeObject *)t_tensor || (nargs == 4 && !PyLong_CheckExact(args[3])))
+    /* (self, key, value[, priority[, extra_key None[, _path True/False]]]), positional only */
+    if (kwnames != NULL || nargs < 3 || nargs > 6 || Py_TYPE(args[1]) != key_type ||
+        Py_TYPE(args[2]) != (PyTypeObject *)t_tensor || (nargs >= 4 && !PyLong_CheckExact(args[3])) ||
+        (nargs >= 5 && args[4] != Py_None) || (nargs == 6 && args[5] != Py_True && args[5] != Py_False))
         return PyObject_Vectorcall(py_insert, args, nargs, kwnames);
+    want_path = nargs == 6 && args[5] == Py_True;
     self = args[0];
     key = args[1];
     value = args[2];
-    prio = nargs == 4 ? args[3] : NULL;
+    prio = nargs >= 4 ? args[3] : NULL;
     if (prio != NULL) {
         int overflow;
         p = PyLong_AsLongLongAndOverflow(prio, &overflow);
@@ -112,8 +124,12 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t pb, n = PyBytes_GET_SIZE(buf);
     if (page_bytes(pbo, &pb) < 0)
         goto done;
-    Py_ssize_t rows = PyObject_Size(value);
-    if (rows < 0)
+    /* value.numel() (1-D: its length); len(tensor) runs Tensor.__len__ in Python (~1.2 us) */
+    if ((v = PyObject_CallMethodNoArgs(value, s_numel)) == NULL)
+        goto done;
+    Py_ssize_t rows = PyLong_AsSsize_t(v);
+    Py_CLEAR(v);
+    if (rows == -1 && PyErr_Occurred())
         goto done;
     if (n == 0 || n % pb || rows != n >> 2)
         goto python;  /* Python raises AlignmentError / LengthMismatchError, or returns 0 */
@@ -175,7 +191,7 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     }
     if (pos < n) {
         PyObject *ptail = NULL, *page = NULL, *idobj = NULL, *tk = NULL, *pr = NULL, *leaves = NULL, *r = NULL;
-        int bad = add_to_attr(self, s_next_id, 1) < 0 || (idobj = PyObject_GetAttr(self, s_next_id)) == NULL ||
+        int bad = (idobj = incr_attr(self, s_next_id, 1)) == NULL ||
                   (ptail = PyBytes_FromStringAndSize(PyBytes_AS_STRING(buf) + pos, n - pos)) == NULL ||
                   (tk = PyLong_FromLongLong(++tick)) == NULL || (pr = PyLong_FromLongLong(p)) == NULL;
         if (!bad) {
@@ -233,6 +249,8 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     }
     Py_DECREF(m);
     res = PyLong_FromSsize_t(pos >> 2);
+    if (res != NULL && want_path)  /* (prefix, the node where the key ends, the matched path) */
+        Py_SETREF(res, PyTuple_Pack(3, res, leaf != NULL ? leaf : node, path));
     goto done;
 python:
     res = PyObject_Vectorcall(py_insert, args, nargs, NULL);

@@ -123,7 +123,11 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     if (PyObject_SetAttr(self, s_clock, PyTuple_GET_ITEM(w, 2)) < 0 || get(self, s_qlog, &log) < 0)
         goto done;
     if (log != Py_None) {
-        PyObject *q = Py_BuildValue("(nn)", nbytes >> 2, pos >> 2);
+        PyObject *qa = PyLong_FromSsize_t(nbytes >> 2), *qb = PyLong_FromSsize_t(pos >> 2), *q = NULL;
+        if (qa != NULL && qb != NULL)
+            q = PyTuple_Pack(2, qa, qb);
+        Py_XDECREF(qa);
+        Py_XDECREF(qb);
         if (q == NULL || PyList_Append(log, q) < 0) {
             Py_XDECREF(q);
             goto done;
