@@ -45,7 +45,8 @@ def exposure_warnings(o: Any) -> list[str]:
                 out.append(f"the ZMQ event outlet listens on {ep!r}: it has no authentication and its events "
                            "carry prompt token ids; bind loopback or ipc://")
     if o.operator_token is None:
-        out.append("no --operator-token-file: every worker token may Flush the shared tree and run CheckInvariants")
+        out.append("no --operator-token-file: every worker token may Flush or Evict the shared tree and run "
+                   "CheckInvariants")
     return out
 
 
