@@ -1,10 +1,11 @@
 """``RadixCache.evict``: walking the evictable-leaf index (the mechanics; the order comes
 from the policy, see :mod:`radixkv.cache.eviction`).
 
-The index is a ``SortedKeyList`` of the unlocked leaves keyed by the sort key each was
-filed under (``node.skey``). Popping its front is O(log L); a leaf whose key went stale
-since it was filed (lazy policies) is re-filed instead of evicted, and a parent whose last
-child goes is filed in turn, so an eviction costs O(evicted nodes x log L).
+The index (:class:`radixkv.cache.leaf_index.LeafIndex`, a heap) holds the unlocked leaves
+keyed by the sort key each was filed under (``node.skey``), ties in filing order. Popping
+its front is O(log L); a leaf whose key went stale since it was filed (lazy policies) is
+re-filed instead of evicted, and a parent whose last child goes is filed in turn, so an
+eviction costs O(evicted nodes x log L).
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ def pop_victim(cache: RadixCache) -> TreeNode | None:
     (lazy policies) is re-filed first. The one place both trees take a victim.
     O(log L) amortized."""
     leaves = cache._leaves
-    while leaves:
-        node: TreeNode = leaves.pop(0)  # one O(log L) step; put back below when stale
+    while (node := leaves.pop()) is not None:  # one O(log L) step; put back below when stale
         if cache._lazy:
             try:
                 k = cache._sort_key(node)

@@ -34,16 +34,15 @@ the reference. Either class gives the same results.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
-from sortedcontainers import SortedKeyList
 
 from radixkv.cache import leaf_eviction, req_cache, tree_audit
 from radixkv.cache import native as native_mod
 from radixkv.cache.eviction import EvictionPolicy, make_policy
+from radixkv.cache.leaf_index import LeafIndex
 from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
@@ -145,7 +144,7 @@ class RadixCache(InsertMixin):
         # there cost ~0.8 µs in the bench's cycle (cold frame); None: the subclass records
         self._qlog: list[tuple[int, int]] | None = self._metrics.query_log
         self._qfold = 2 * metrics_window
-        self._leaves = SortedKeyList(key=attrgetter("skey"))
+        self._leaves: LeafIndex[TreeNode] = LeafIndex()
         if native and not native_mod.available():
             raise InvalidArgumentError(f"native=True but {native_mod.unavailable_reason}")
         use = native_mod.available() if native is None else bool(native)

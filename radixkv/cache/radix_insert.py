@@ -52,7 +52,7 @@ class InsertMixin:
     kv_events: KVEventRecorder | None
     _pb: int
     _heads: dict[Any, NamespaceHead]
-    _leaves: Any  # a sortedcontainers.SortedKeyList of the evictable leaves
+    _leaves: Any  # the evictable leaves (radixkv.cache.leaf_index.LeafIndex)
     _clock: int
     _next_id: int
     _evictable: int

@@ -120,10 +120,7 @@ def _check_leaves(cache: RadixCache, nodes: list[TreeNode]) -> None:
         stale = [n.id for n in filed.values() if n.skey is None or sort_key(n) != n.skey]
     if stale:
         _fail("leaves filed under a wrong sort key", stale)
-    try:
-        cache._leaves._check()
-    except AssertionError as e:
-        raise InvariantError(f"RadixCache: evictable-leaf index corrupt: {e}") from None
+    cache._leaves.check_invariants()
 
 
 def _check_rows(cache: RadixCache, nodes: list[TreeNode]) -> None:

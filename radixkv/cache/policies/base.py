@@ -4,10 +4,10 @@ registry that names them is :mod:`radixkv.cache.eviction`).
 How the cache uses a policy
 ---------------------------
 Only *evictable leaves* (unlocked nodes without children) can be evicted. The cache files
-them in one ``sortedcontainers.SortedKeyList`` ordered by the policy's ``sort_key(node)``
-(smallest evicted first) and updates it incrementally: a node is added when it becomes an
-unlocked leaf and removed when it is locked, gains a child or is evicted. ``evict()`` pops
-from the front, so it costs O(evicted nodes x log n) and never rebuilds a heap.
+them in one index ordered by the policy's ``sort_key(node)`` (smallest evicted first,
+ties in filing order; :mod:`radixkv.cache.leaf_index`) and updates it incrementally: a node
+is added when it becomes an unlocked leaf and removed when it is locked, gains a child or
+is evicted. ``evict()`` pops from the front, so it costs O(evicted nodes x log n) and never rebuilds the index.
 
 Every node carries fields the cache keeps up to date for all policies:
 
