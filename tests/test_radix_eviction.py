@@ -281,7 +281,10 @@ class LongestFirst(EvictionPolicy):
         return (-node.num_tokens, node.last_access)
 
 
-def test_a_plugged_in_policy_is_used_by_name():
+def test_a_plugged_in_policy_is_used_by_name(monkeypatch):
+    import radixkv.cache.eviction as ev
+
+    monkeypatch.setattr(ev, "_REGISTRY", dict(ev._REGISTRY))  # the test's policies leave with it
     register_policy("test-longest-first", LongestFirst, replace=True)
     with pytest.raises(InvalidArgumentError):
         register_policy("test-longest-first", LongestFirst)
