@@ -22,17 +22,22 @@ import importlib
 import os
 from typing import Any
 
-__all__ = ["mark_free", "unavailable_reason"]
+__all__ = ["load_optional", "mark_free", "unavailable_reason"]
 
-unavailable_reason: str | None = None
-_mod: Any | None = None
-if os.environ.get("RADIXKV_PURE_PYTHON", "") not in ("", "0"):
-    unavailable_reason = "RADIXKV_PURE_PYTHON is set"
-else:
+
+def load_optional(name: str) -> tuple[Any | None, str | None]:
+    """``(module, None)``, or ``(None, why not)`` when ``RADIXKV_PURE_PYTHON`` is set or the
+    optional C extension ``name`` is not built. Shared by every compiled path's loader (this
+    one and ``radixkv.cache.native``)."""
+    if os.environ.get("RADIXKV_PURE_PYTHON", "") not in ("", "0"):
+        return None, "RADIXKV_PURE_PYTHON is set"
     try:
-        _mod = importlib.import_module("radixkv.allocator._native")
+        return importlib.import_module(name), None
     except ImportError as e:  # not built (no C compiler at install time)
-        unavailable_reason = f"radixkv.allocator._native is not built ({e})"
+        return None, f"{name} is not built ({e})"
+
+
+_mod, unavailable_reason = load_optional("radixkv.allocator._native")
 
 #: ``mark_free(ids, mask, ring, pos, shift, num_ids, ascending) -> int`` or ``None`` when not built.
 mark_free: Any = _mod.mark_free if _mod is not None else None

@@ -33,28 +33,19 @@ for the whole process; ``RadixCache(..., native=False)`` for one cache.
 """
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from radixkv.allocator.native import load_optional
 from radixkv.cache.tree_node import TreeNode
 
 __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert", "unavailable_reason"]
 
-_mod: Any | None = None
-unavailable_reason: str | None = None
-if os.environ.get("RADIXKV_PURE_PYTHON", "") not in ("", "0"):
-    unavailable_reason = "RADIXKV_PURE_PYTHON is set"
-else:
-    try:
-        _mod = importlib.import_module("radixkv.cache._native")
-    except ImportError as e:  # not built (no C compiler at install time)
-        unavailable_reason = f"radixkv.cache._native is not built ({e})"
-    else:
-        _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
+_mod, unavailable_reason = load_optional("radixkv.cache._native")
+if _mod is not None:
+    _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
 
 # the compiled entries (untyped C functions), None when not built: callers check available()
 walk: Any = _mod.walk if _mod is not None else None
