@@ -29,8 +29,12 @@ the error names the call), on detach, and when a reply comes from a new epoch (a
 manager). A session's requests must be driven through ONE client (another client's calls on
 them would not refresh this table).
 
-Costs: ``try_local`` O(B + reserved slots of the B requests) with a loop over the B items
-(none per token); ``observe_*`` O(B + reserved slots); ``flush`` O(logged items) plus one RPC.
+Costs: ``try_local`` O(B + reserved slots of the B requests): C-level passes over the items
+to check them, then, for the batch of the previous local call (same rids, same order: a
+scheduler's decode steps), vector ops on that batch's arrays (``_Batch``); a new batch costs
+one Python loop over its B requests to build, and writes its progress back into the
+per-request table (``_Table.sync``, O(B)) before anything else reads it. ``observe_*``
+O(B + reserved slots); ``flush`` O(logged items) plus one RPC.
 Thread-safe (one lock; a flush holds it during its RPC, so the log leaves in order).
 """
 from __future__ import annotations
@@ -87,13 +91,54 @@ class _Req:
         return self.reserve.size - self.head
 
 
+class _Batch:
+    """The requests of the last locally answered decode call, in its order, as arrays: a
+    scheduler decodes the same batch step after step, so the next call with the same rids
+    is answered with a few vector ops (no loop over the requests). The batch owns its
+    entries' progress: ``h`` calls were answered since it was built, each entry's
+    ``head`` / ``seq_len`` lag by ``h`` until :meth:`_Table.sync` writes them back."""
+
+    __slots__ = ("rids", "ents", "rows", "mamba", "seq", "res", "left", "min_left", "uniform", "h")
+
+    def __init__(self, rids: list[str], ents: list[_Req]):
+        self.rids, self.ents, self.h = rids, ents, 0
+        cur = [e.reserve[e.head:] for e in ents]
+        left = np.fromiter((c.size for c in cur), np.int64, len(cur))
+        width = int(left.max())
+        flat = np.concatenate(cur)
+        self.uniform = int(left.min()) == width
+        if self.uniform:
+            self.res = flat.reshape(len(cur), width)
+        else:  # padded rows; a boolean mask assigns in row-major order, i.e. the concatenation's
+            self.res = np.full((len(cur), width), -1, np.int64)
+            self.res[np.arange(width) < left[:, None]] = flat
+        self.left, self.min_left = left, int(left.min())
+        self.rows = np.fromiter((e.row for e in ents), np.int64, len(ents))
+        self.mamba = np.fromiter((e.mamba for e in ents), np.int64, len(ents))
+        self.seq = np.fromiter((e.seq_len for e in ents), np.int64, len(ents))
+
+
 class _Table:
-    __slots__ = ("reqs", "pending", "session")
+    __slots__ = ("reqs", "pending", "session", "batch")
 
     def __init__(self, session: Session) -> None:
         self.reqs: dict[str, _Req] = {}
         self.pending: list[PendingCall] = []
         self.session = session  # with its secret: a replay for a session-less call names it
+        self.batch: _Batch | None = None
+
+    def sync(self) -> None:
+        """Write the batch's progress back into its entries (dropping those left with < 2
+        reserved slots) and forget the batch; before anything else reads ``reqs``. O(B)."""
+        bt, self.batch = self.batch, None
+        if bt is None or not bt.h:
+            return
+        h, reqs = bt.h, self.reqs
+        for rid, e in zip(bt.rids, bt.ents):
+            e.head += h
+            e.seq_len += h
+            if e.reserve.size - e.head < 2 and reqs.get(rid) is e:  # the next step may top up
+                del reqs[rid]
 
 
 def _key(session: Session) -> _Key:
@@ -150,7 +195,9 @@ class LocalDecodes:
         if not self.enabled or not results:
             return
         with self.lock:
-            reqs = self._table(session, True).reqs
+            t = self._table(session, True)
+            t.sync()
+            reqs = t.reqs
             for r in results:
                 self._put(reqs, r.rid, int(r.req_pool_idx), int(r.seq_len), int(r.mamba_slot), r.reserved)
 
@@ -165,7 +212,9 @@ class LocalDecodes:
         ends = np.cumsum(lens).tolist()
         rows, seqs, slots = (a.tolist() for a in (result.req_pool_indices, result.seq_lens, result.mamba_slots))
         with self.lock:
-            reqs = self._table(session, True).reqs
+            t = self._table(session, True)
+            t.sync()
+            reqs = t.reqs
             start = 0
             for i, rid in enumerate(rids):
                 self._put(reqs, rid, rows[i], seqs[i], slots[i], result.reserved[start:ends[i]])
@@ -183,6 +232,7 @@ class LocalDecodes:
         with self.lock:
             t = self._table(session, False)
             if t is not None:
+                t.sync()
                 for rid in rids:
                     t.reqs.pop(rid, None)
 
@@ -240,55 +290,61 @@ class LocalDecodes:
         """The result of decode call ``items`` when it needs no allocator call (see the module
         doc), with the call logged and the table advanced; None (nothing changed) when it
         may need one, anything is unknown, or ``items`` is not a list/tuple of ``DecodeItem``
-        whose token ids are ints in ``[0, 2**31)`` and whose rids are distinct (the caller
+        whose token ids are ints in ``[0, 2**31)`` and whose rids are distinct strs (the caller
         validates those and asks again). Raises ``InvariantError`` (nothing changed) when a
-        known slot falls outside the mapped ``req_to_token``. O(B + reserved slots of the B
-        requests)."""
+        known slot falls outside the mapped ``req_to_token``.
+
+        The checks are C-level passes over the items (``map``, ``set``, ``min`` / ``max``);
+        a call with the rids of the previous local call, in the same order (a scheduler's
+        decode steps), is answered from that call's :class:`_Batch` with vector ops, O(B +
+        reserved slots) with no Python loop per request; another batch costs one loop over
+        its B requests to build."""
         if not self.enabled or type(items) not in (list, tuple) or not items:
             return None
+        if set(map(type, items)) != {DecodeItem}:
+            return None
         b = len(items)
+        rids_t, toks = zip(*items)
+        if set(map(type, toks)) != {int} or min(toks) < 0 or max(toks) >= 1 << 31:
+            return None  # bools, numpy ints, out of range: validated (and rebuilt) by the caller
+        if set(map(type, rids_t)) != {str} and not all(isinstance(r, str) for r in rids_t):
+            return None
+        if len(set(rids_t)) != b:
+            return None
+        rids = list(rids_t)
         with self.lock:
             t = self._table(session, False)
             if t is None:
                 return None
-            reqs = t.reqs
-            rids, ents, toks = [], [], []
-            for it in items:  # the table's keys are rids the manager answered: valid str
-                if type(it) is not DecodeItem:
+            bt = t.batch
+            if bt is None or bt.rids != rids:
+                t.sync()
+                reqs = t.reqs
+                ents = list(map(reqs.get, rids))
+                if None in ents:
                     return None
-                rid, tok = it
-                e = reqs.get(rid) if isinstance(rid, str) else None
-                if e is None or e.reserve.size - e.head < 2 or type(tok) is not int or not 0 <= tok < 1 << 31:
-                    return None
-                rids.append(rid)
-                ents.append(e)
-                toks.append(tok)
-            if len(set(rids)) != b:
+                bt = _Batch(rids, ents)
+                if bt.min_left < 2:
+                    return None  # the batch stays unbuilt: nothing changed
+                t.batch = bt
+            h = bt.h
+            if bt.min_left - h < 2:
                 return None
-            # the reserves now, one after the other: each request takes the first slot of its own
-            cur = [e.reserve[e.head:] for e in ents]
-            sizes = np.array([c.size for c in cur], np.int64)
-            flat = np.concatenate(cur)
-            heads = np.cumsum(sizes) - sizes
-            out = flat[heads]
-            keep = np.ones(flat.size, bool)
-            keep[heads] = False
-            reserved, lens = flat[keep], sizes - 1
-            pos = np.array([e.seq_len for e in ents], np.int64)
-            rows = np.array([e.row for e in ents], np.int64)
-            mamba = np.array([e.mamba for e in ents], np.int64)
+            out = bt.res[:, h].copy()
+            pos = bt.seq + h
+            if bt.uniform:
+                reserved = np.array(bt.res[:, h + 1:]).reshape(-1)  # a copy: never a view of the batch
+                lens = np.full(b, bt.res.shape[1] - h - 1, np.int64)
+            else:
+                lens = bt.left - (h + 1)
+                reserved = bt.res[:, h + 1:][np.arange(bt.res.shape[1] - h - 1) < lens[:, None]]
             r2t = self._req_to_token.get(int(session[1]))
             if r2t is not None:
-                self._write(r2t, rows, pos, out)
-            tokens = np.array(toks, np.int32)
-            for rid, e in zip(rids, ents):
-                e.head += 1
-                e.seq_len += 1
-                if e.reserve.size - e.head < 2:  # the next step may top up: the manager has to answer it
-                    del reqs[rid]
-            t.pending.append(PendingCall(rids, tokens))
+                self._write(r2t, bt.rows, pos, out)
+            bt.h = h + 1
+            t.pending.append(PendingCall(bt.rids, np.array(toks, np.int32)))
             self.local_calls += 1
-            return DecodeResult(out, pos + 1, rows, mamba, reserved, lens)
+            return DecodeResult(out, pos + 1, bt.rows.copy(), bt.mamba.copy(), reserved, lens)
 
     @staticmethod
     def _write(r2t: torch.Tensor, rows: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:
@@ -352,6 +408,8 @@ class LocalDecodes:
     # ------------------------------------------------------------------ audit
     def stats(self) -> LocalDecodeStats:
         with self.lock:
+            for t in self._tables.values():
+                t.sync()
             return LocalDecodeStats(len(self._tables), sum(len(t.reqs) for t in self._tables.values()),
                                     self.pending(), self.local_calls, self.replayed_calls, self.flushes, self.drops)
 
@@ -362,6 +420,7 @@ class LocalDecodes:
         ``InvariantError`` naming the offenders. O(requests + reserved slots + log)."""
         with self.lock:
             for (sid, epoch), t in self._tables.items():
+                t.sync()
                 if epoch != self._epoch:
                     raise InvariantError(f"session {sid!r}: a table of epoch {epoch}, current {self._epoch}")
                 short = [rid for rid, e in t.reqs.items() if e.left() < 2 or e.seq_len < 1 or e.head < 0]

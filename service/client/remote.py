@@ -277,16 +277,20 @@ class RemoteCacheEngine:
 
     def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> list[ExtendResult]:
         ref = self._session(session)
-        try:
-            its = V.as_items(items, ExtendItem, "items")
-            V.check_rids([it.rid for it in its])
-            its = [ExtendItem(it.rid, V.check_tokens(it.token_ids, f"items[{i}] ({it.rid!r})"),
-                              V.check_extra_key(it.extra_key, f"items[{i}]"),
-                              V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
-        except InvalidArgumentError as e:
-            self._reject(session, e)
-        resp = self._scall(session, "AllocExtend", wire.extend_request_to_msg(ref, its))
-        results = wire.extend_results_from_msg(resp, [it.rid for it in its])
+        req = wire.plain_extend_request(ref, items)  # the common case, checked in C-level passes
+        if req is None:  # anything else: item by item, with the engine's validators and messages
+            try:
+                its = V.as_items(items, ExtendItem, "items")
+                V.check_rids([it.rid for it in its])
+                its = [ExtendItem(it.rid, V.check_tokens(it.token_ids, f"items[{i}] ({it.rid!r})"),
+                                  V.check_extra_key(it.extra_key, f"items[{i}]"),
+                                  V.check_priority(it.priority, f"items[{i}]")) for i, it in enumerate(its)]
+            except InvalidArgumentError as e:
+                self._reject(session, e)
+            req = wire.extend_request_to_msg(ref, its)
+        rids = [it[0] for it in items]
+        resp = self._scall(session, "AllocExtend", req)
+        results = wire.extend_results_from_msg(resp, rids)
         self.local.observe_extend(session, results)
         return results
 

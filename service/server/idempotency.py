@@ -18,7 +18,8 @@ A scope whose session ended is kept for ``grace_s`` more seconds (so a retried `
 still gets its reply), then dropped (:meth:`ReplyCache.retain`).
 
 Pure bookkeeping, single-threaded (the server's event loop). Costs: lookup/store O(1)
-amortized plus one BLAKE2b digest of the request bytes (O(bytes), done by the caller).
+amortized plus one SHA-256 digest of the request bytes (O(bytes), done by the caller; SHA-256
+rather than BLAKE2b: CPUs with SHA extensions hash a 50 KB AllocExtend in ~28 us, BLAKE2b ~49 us).
 """
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ from radixkv.errors import InvalidArgumentError, InvariantError
 __all__ = ["ReplyCache", "CachedReply", "digest"]
 
 def digest(method: str, request_bytes: bytes) -> bytes:
-    """What identifies a request: BLAKE2b-128 of the method name and its bytes."""
-    h = hashlib.blake2b(method.encode(), digest_size=16)
+    """What identifies a request: SHA-256 of the method name and its bytes, cut to 128 bits."""
+    h = hashlib.sha256(method.encode())
     h.update(b"\0")
     h.update(request_bytes)
-    return h.digest()
+    return h.digest()[:16]
 
 
 class CachedReply(NamedTuple):

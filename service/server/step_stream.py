@@ -58,7 +58,8 @@ async def _one(servicer: Any, raw: bytes, operator: bool = True) -> bytes:
         if not operator and name in OPERATOR_STEP_METHODS:
             raise PermissionDeniedError(f"/radixkv.v1.CacheManager/{name} needs the operator token")
         body, request_cls = spec
-        request = servicer.parse_request(request_cls, step.request, name)
+        raw_request = step.request  # each read of a bytes field is a copy: read it once
+        request = servicer.parse_request(request_cls, raw_request, name)
         servicer.quarantine.fence_due()
         rid = check_request_id(step.request_id) if step.request_id else None
         if step.replay:
@@ -67,7 +68,7 @@ async def _one(servicer: Any, raw: bytes, operator: bool = True) -> bytes:
                 code, out = failed
                 return out
             replayed = True
-        reply, delay = await servicer.answer_async(name, body, request, step.request, rid)
+        reply, delay = await servicer.answer_async(name, body, request, raw_request, rid)
         if delay:  # fault injection, as on the unary path
             await asyncio.sleep(delay)
         return pb.StepResponse(reply=reply, rides_replay=True, replayed=replayed).SerializeToString()
@@ -91,9 +92,10 @@ def _replay(servicer: Any, spec: tuple[Callable[[Any, Any], Any], Any],
     code = "OK"
     try:
         body, request_cls = spec
-        request = servicer.parse_request(request_cls, step.replay, "ApplyDecodes")  # limits first
+        raw = step.replay  # read once (a copy each time)
+        request = servicer.parse_request(request_cls, raw, "ApplyDecodes")  # limits first
         rid = check_request_id(step.replay_request_id) if step.replay_request_id else None
-        reply, _ = servicer.answer("ApplyDecodes", body, request, step.replay, rid)
+        reply, _ = servicer.answer("ApplyDecodes", body, request, raw, rid)
         got = pb.ApplyDecodesResponse.FromString(reply)
         if not got.HasField("error"):
             return None

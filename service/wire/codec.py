@@ -13,6 +13,7 @@ not a whole number of items, counts that disagree) and raises ``InvalidArgumentE
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from radixkv.engine.protocol import (
     Session,
 )
 from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
+from radixkv.validation import MAX_RID_LEN
 
 I32, I64, U64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<u8")
 
@@ -192,6 +194,45 @@ def extend_request_to_msg(ref: pb.SessionRef, items: Sequence[ExtendItem]) -> pb
     return m
 
 
+def plain_extend_request(ref: pb.SessionRef, items: Any) -> pb.AllocExtendRequest | None:
+    """The packed ``AllocExtendRequest`` of ``items`` when they are the common case, else
+    None (nothing raised: the caller then validates item by item, with the engine's messages):
+    a non-empty list/tuple of ``ExtendItem`` with distinct non-empty ``str`` rids of at most
+    ``MAX_RID_LEN`` characters, non-empty 1-D int32 numpy token arrays with no negative id,
+    no ``extra_key`` and ``int`` priorities within int64 -- exactly what the item-by-item
+    checks (``radixkv.validation``) accept, checked in C-level passes over the items and one
+    reduction over the packed tokens (no Python loop per item, no rebuilt items)."""
+    if type(items) not in (list, tuple) or not items or set(map(type, items)) != {ExtendItem}:
+        return None
+    n = len(items)
+    rids, toks, keys, pris = zip(*items)
+    if set(map(type, rids)) != {str} or len(set(rids)) != n:
+        return None
+    rid_lens = list(map(len, rids))
+    if min(rid_lens) < 1 or max(rid_lens) > MAX_RID_LEN or keys.count(None) != n:
+        return None
+    if set(map(type, pris)) != {int} or min(pris) < _I64_MIN or max(pris) > _I64_MAX:
+        return None
+    if set(map(type, toks)) != {np.ndarray} or set(map(_DTYPE, toks)) != {_I32_NATIVE} \
+            or set(map(_NDIM, toks)) != {1}:
+        return None
+    tok_lens = list(map(len, toks))
+    if min(tok_lens) < 1:
+        return None
+    flat = np.concatenate(toks)
+    if int(flat.min()) < 0:
+        return None
+    m = pb.AllocExtendRequest(session=ref, rids="".join(rids), rid_lens_i32=pack(rid_lens, I32),
+                              token_ids_i32=flat.astype(I32, copy=False).tobytes(),
+                              token_lens_i32=pack(tok_lens, I32))
+    if any(pris):
+        m.priorities_i64 = pack(pris, I64)
+    return m
+
+
+_DTYPE, _NDIM, _I32_NATIVE = operator.attrgetter("dtype"), operator.attrgetter("ndim"), np.dtype(np.int32)
+
+
 def extend_items_from_msg(msg: pb.AllocExtendRequest) -> list[ExtendItem]:
     """The items of a packed ``AllocExtendRequest`` (token arrays are views of one copy).
     Raises ``InvalidArgumentError`` / ``LengthMismatchError`` for fields that disagree."""
@@ -271,13 +312,20 @@ def decode_result_from_msg(msg: pb.AllocDecodeResponse, n: int) -> DecodeResult:
 
 
 def apply_decodes_to_msg(session: Session, calls: Sequence[tuple[Sequence[str], np.ndarray]]) -> pb.ApplyDecodesRequest:
-    """The packed replay of decode ``calls`` (each: its rids and their int32 tokens). O(items)."""
+    """The packed replay of decode ``calls`` (each: its rids and their int32 tokens). O(items);
+    consecutive calls naming the same rid list object (a batch decoded step after step) share
+    one index array, built once."""
     index: dict[str, int] = {}
-    idx = [index.setdefault(rid, len(index)) for rids, _ in calls for rid in rids]
+    parts, prev, cur = [], None, np.empty(0, I32)
+    for names, _ in calls:
+        if names is not prev:
+            cur = np.fromiter([index.setdefault(rid, len(index)) for rid in names], I32, len(names))
+            prev = names
+        parts.append(cur)
     rids, rid_lens = pack_strs(list(index))
     return pb.ApplyDecodesRequest(session=session_to_msg(session), rids=rids, rid_lens_i32=rid_lens,
                                   call_lens_i32=pack([len(r) for r, _ in calls], I32),
-                                  rid_index_i32=pack(idx, I32), token_ids_i32=_concat([t for _, t in calls], I32))
+                                  rid_index_i32=_concat(parts, I32), token_ids_i32=_concat([t for _, t in calls], I32))
 
 
 def apply_decodes_from_msg(msg: pb.ApplyDecodesRequest) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:

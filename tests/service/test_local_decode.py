@@ -131,6 +131,90 @@ def test_table_answers_exactly_what_the_engine_answers(hybrid):
     assert t.pending(s) == answered == t.stats().local_calls
 
 
+@pytest.mark.parametrize("reserve", [4, 7])
+def test_repeated_batches_answer_what_the_engine_answers(reserve):
+    """A scheduler's shape: the same batch decoded step after step (the table's array fast
+    path), now and then reordered, shrunk or joined by a new request, interleaved with
+    finishes. Every answer equals the engine's, a returned array never aliases the table
+    (scribbling on it changes no later answer), and the invariants hold throughout."""
+    rng = np.random.default_rng(11)
+    e = CacheEngine(EngineConfig(**dict(CONFIG, decode_reserve=reserve)))
+    s = e.attach("w").session
+    t = LocalDecodes()
+    live: list[str] = []
+    answered = n = 0
+    for step in range(400):
+        if len(live) < 2 or rng.random() < 0.08:
+            n += 1
+            try:
+                t.observe_extend(s, e.alloc_extend(s, [ExtendItem(f"r{n}", toks(rng, int(rng.integers(1, 12))))]))
+                live.append(f"r{n}")
+            except RadixKVError:
+                pass
+            continue
+        if rng.random() < 0.05:
+            rid = live.pop(0)
+            e.cache_finished(s, [rid])
+            t.forget(s, [rid])
+            continue
+        if rng.random() < 0.1:
+            rng.shuffle(live)
+        batch = live if rng.random() < 0.9 else live[:-1]
+        items = [DecodeItem(r, int(rng.integers(0, 50))) for r in batch]
+        mine = t.try_local(s, tuple(items) if step % 2 else items)
+        try:
+            got = e.alloc_decode(s, items)
+        except RadixKVError:
+            assert mine is None
+            for r in list(batch):
+                live.remove(r)
+                e.release(s, [r])
+                t.forget(s, [r])
+            continue
+        if mine is None:
+            t.observe_decode(s, batch, got)
+        else:
+            answered += 1
+            assert _norm(mine) == _norm(got), (step, mine, got)
+            for a in mine[:6]:  # the caller owns what it got (track_slots: a shared empty array)
+                a[...] = -7
+        t.check_invariants()
+    assert answered > 100, answered
+    assert t.pending(s) == answered == t.stats().local_calls
+
+
+def test_a_declined_call_changes_nothing():
+    t = LocalDecodes()
+    t.observe_extend(S1, [ExtendResult("a", 1, 0, 0, 3, np.zeros(3, np.int64), -1, np.array([4, 5, 6], np.int64)),
+                          ExtendResult("b", 2, 0, 0, 2, np.zeros(2, np.int64), -1, np.array([7, 8, 9], np.int64))])
+    good = [DecodeItem("a", 1), DecodeItem("b", 2)]
+    for bad in ([DecodeItem("a", True), DecodeItem("b", 2)], [DecodeItem("a", np.int64(1)), DecodeItem("b", 2)],
+                [DecodeItem("a", -1), DecodeItem("b", 2)], [DecodeItem("a", 1 << 31), DecodeItem("b", 2)],
+                [("a", 1), DecodeItem("b", 2)], [DecodeItem(b"a", 1), DecodeItem("b", 2)],
+                [DecodeItem("a", 1), DecodeItem("a", 2)], [DecodeItem("a", 1), DecodeItem("zz", 2)]):
+        assert t.try_local(S1, bad) is None
+        assert t.pending(S1) == 0
+    first = t.try_local(S1, good)
+    assert first is not None and first.out_cache_loc.tolist() == [4, 7]
+    assert t.try_local(S1, [DecodeItem("a", True), DecodeItem("b", 2)]) is None  # the batch is kept as it was
+    second = t.try_local(S1, good)
+    assert second.out_cache_loc.tolist() == [5, 8] and second.seq_lens.tolist() == [5, 4]
+    assert second.reserved.tolist() == [6, 9] and second.reserved_lens.tolist() == [1, 1]
+    assert t.try_local(S1, good) is None  # one slot each left: the manager answers
+    assert t.stats().requests == 0 and t.pending(S1) == 2  # both left the table with the batch
+    t.check_invariants()
+
+
+def test_replay_shares_the_index_of_a_repeated_batch():
+    rids = ["a", "b", "c"]
+    calls = [PendingCall(rids, np.array([1, 2, 3], np.int32)), PendingCall(rids, np.array([4, 5, 6], np.int32)),
+             PendingCall(["c", "d"], np.array([7, 8], np.int32)), PendingCall(rids, np.array([9, 9, 9], np.int32))]
+    copies = [PendingCall(list(c.rids), c.token_ids) for c in calls]
+    assert replay_request(S1, calls).SerializeToString() == replay_request(S1, copies).SerializeToString()
+    got = wire.apply_decodes_from_msg(replay_request(S1, calls))
+    assert got[0] == ["a", "b", "c", "d"] and got[2].tolist() == [0, 1, 2, 0, 1, 2, 2, 3, 0, 1, 2]
+
+
 def test_table_declines_what_it_cannot_know():
     t = LocalDecodes()
     t.observe_extend(S1, [ExtendResult("a", 1, 0, 0, 3, np.array([1, 2, 3], np.int64), -1, np.array([4, 5], np.int64)),
