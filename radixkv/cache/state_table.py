@@ -170,7 +170,9 @@ class StateTable:
 
     def check_slot(self, pool: StatePool, slot: Any, what: str, checks: bool = True) -> int:
         """:meth:`check_slots` for one slot (the hot path of ``insert_with_state`` and
-        ``fork_state``): the same checks, errors and messages, without the list. O(1)."""
+        ``fork_state``): the same checks, errors and messages, without the list; the free
+        test reads the mask kept by :meth:`bind_pool` (``pool`` must be that pool) when
+        there is one. O(1)."""
         if type(slot) is not int:
             return self.check_slots(pool, [slot], what, checks)[0]
         if not 1 <= slot <= pool.size:
