@@ -36,6 +36,7 @@ state table is :mod:`radixkv.cache.state_table`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from heapq import heappush
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -56,6 +57,7 @@ from radixkv.cache.mamba_policies import (
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
 from radixkv.cache.state_events import HybridEventRecorder
+from radixkv.cache.state_order import COMPACT_SLACK
 from radixkv.cache.state_table import EventStateTable, StateTable
 from radixkv.cache.tree_node import TreeNode
 from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable, StatePool
@@ -164,6 +166,7 @@ class MambaRadixCache(RadixCache):
         self.checks = bool(checks)
         table = EventStateTable if enable_kv_events else StateTable  # no event work without events
         self._states = table(pool.size, bool(getattr(self.state_order, "needs_ancestors", False)))
+        self._states.bind_pool(pool)
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
                          disable, enable_kv_events, kv_event_seed, metrics_window)
         if self.kv_events is not None:  # one queue for KV and state events, in their order
@@ -172,7 +175,18 @@ class MambaRadixCache(RadixCache):
             cast(EventStateTable, self._states).events = rec  # the table type chosen above
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key
         # tombstone leaves (False) before leaves with a state: they can never yield a hit
-        self._sort_key = lambda node: (has_state(node), base_key(node))
+        self._sort_key = self._key_any = lambda node: (has_state(node), base_key(node))
+        # insert_with_state's leaf key: a new leaf made by that insert is the node that gets
+        # the state right after, so it is filed under its key with the state at once (filed
+        # as a tombstone, it would climb the leaf heap past every leaf with a state, and be
+        # re-filed by the next eviction). Only where _sort_key is asked for that leaf alone
+        # (a lazily ordered policy without insert / split hooks) and the attach cannot fail
+        # (no event recorder).
+        self._key_stated = lambda node: (True, base_key(node))
+        self._presort = (self._lazy and self._on_insert is None and self._on_split is None
+                         and type(self._states) is StateTable)
+        # and then with no ancestor positions to keep, insert_with_state attaches inline
+        self._inline_attach = self._presort and self._states.anc is None
         self._qlog = None  # the hybrid match records its state hit itself
         # RadixCache's match, which match_prefix extends: the compiled entry of
         # NativeRadixCache when this cache uses the compiled paths (a plain function: called
@@ -278,10 +292,13 @@ class MambaRadixCache(RadixCache):
     def fork_state(self, node: TreeNode, req: CacheRequest) -> bool:
         """:meth:`fork_states` for one request (same checks, errors and effect, without the
         batch lists); True when it got a cached state."""
-        dst = self._states.check_slot(self.mamba_pool, req.mamba_pool_idx, "request mamba_pool_idx",
-                                      self.checks)
+        states, dst = self._states, req.mamba_pool_idx
+        # StateTable.check_slot's passing case inline, as in insert_with_state
+        if not (type(dst) is int and 0 < dst <= states.num_slots and states.node_of[dst] is None
+                and (host := states.free_host) is not None and not (self.checks and host[dst])):
+            dst = states.check_slot(self.mamba_pool, dst, "request mamba_pool_idx", self.checks)
         self._check_node(node)
-        src = self._states.slot_of.get(node)
+        src = states.slot_of.get(node)
         if src is not None:
             self._views.copy(src, dst)
             return True
@@ -308,14 +325,44 @@ class MambaRadixCache(RadixCache):
         """
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
-        slot = None if state_slot is None else self._states.check_slot(self.mamba_pool, state_slot,
-                                                                       "state_slot", self.checks)
-        prefix, node, _ = self._insert(key, value, priority)
-        if slot is not None:
-            if node.parent is not None and node not in self._states.slot_of:
-                self._attach(node, slot, len(key._buf) >> 2)
-                return _tuple_new(MambaInsertResult, (prefix, node, True))
-            self.mamba_pool.free(slot)
+        if state_slot is None:
+            prefix, node, _ = self._cinsert(self, key, value, priority, None, True)  # = self._insert
+            return _tuple_new(MambaInsertResult, (prefix, node, False))
+        states, slot = self._states, state_slot
+        # StateTable.check_slot's passing case inline (an int in range, not the tree's, and
+        # allocated); any other goes through it: the same checks, errors and messages
+        if not (type(slot) is int and 0 < slot <= states.num_slots and states.node_of[slot] is None
+                and (host := states.free_host) is not None and not (self.checks and host[slot])):
+            slot = states.check_slot(self.mamba_pool, slot, "state_slot", self.checks)
+        if self._presort:
+            self._sort_key = self._key_stated
+            try:
+                prefix, node, _ = self._cinsert(self, key, value, priority, None, True)
+            finally:
+                self._sort_key = self._key_any
+        else:
+            prefix, node, _ = self._cinsert(self, key, value, priority, None, True)
+        slot_of = states.slot_of
+        if node.parent is not None and node not in slot_of:
+            if self._inline_attach:  # StateTable.attach inlined (plain table, no ``anc``): the hot path
+                slot_of[node] = slot
+                states.node_of[slot] = node
+                states.end[slot] = len(key._buf) >> 2
+                if node in states.pins:
+                    states.protected += 1
+                lru = states.lru
+                lru.next_seq = seq = lru.next_seq + 1
+                lru.seq_at[slot] = seq
+                if len(lru.heap) >= 2 * len(slot_of) + COMPACT_SLACK:
+                    lru.compact(slot_of)  # files ``node`` with the others
+                else:
+                    heappush(lru.heap, (node.last_access, seq, slot, node))
+            else:
+                states.attach(node, slot, len(key._buf) >> 2)
+                if not self._lazy and node.skey is not None:
+                    self._refile(node)  # its full-eviction key changed (tombstone -> state)
+            return _tuple_new(MambaInsertResult, (prefix, node, True))
+        self.mamba_pool.free(slot)
         return _tuple_new(MambaInsertResult, (prefix, node, False))
 
     # ------------------------------------------------------------------ requests

@@ -27,12 +27,13 @@ All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned
 from __future__ import annotations
 
 from collections.abc import Iterable
+from heapq import heappush
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from radixkv.cache.state_order import StateAncestors, StateHeap
+from radixkv.cache.state_order import COMPACT_SLACK, StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class StateTable:
     events uses :class:`EventStateTable` instead, so this one does no event work at all.
     """
 
-    __slots__ = ("num_slots", "slot_of", "node_of", "end", "pins", "protected", "lru", "anc")
+    __slots__ = ("num_slots", "slot_of", "node_of", "end", "pins", "protected", "lru", "anc", "free_host")
 
     #: The event recorder (:class:`EventStateTable` only); ``None`` here: no event work.
     events: HybridEventRecorder | None = None
@@ -68,6 +69,18 @@ class StateTable:
         self.protected = 0
         self.lru = StateHeap(self.num_slots)
         self.anc = StateAncestors(self.num_slots) if track_ancestors else None
+        #: the pool's slot free mask as a numpy view (:meth:`bind_pool`), else ``None``
+        self.free_host: np.ndarray | None = None
+
+    def bind_pool(self, pool: StatePool) -> None:
+        """Keep the numpy view of ``pool``'s slot free mask when its free list has one (a
+        ``FreeSlots`` on CPU keeps it: the mask is allocated once and only written in
+        place, so the view stays current), for :meth:`check_slot` and the cache's own
+        inlined check: one array read instead of three Python calls."""
+        get = getattr(pool.free_slots, "_host_mask", None)
+        view = get() if callable(get) else None
+        ok = isinstance(view, np.ndarray) and view.dtype == np.bool_ and view.shape == (self.num_slots + 1,)
+        self.free_host = view if ok else None
 
     def clear(self) -> None:
         """Forget every state and pin (the caller frees the slots). In place: the maps stay
@@ -94,14 +107,23 @@ class StateTable:
         """``node`` now holds ``slot``, the state after ``end`` tokens (the caller checked
         that neither is taken). O(log S) amortized (the LRU heap), plus with ``anc`` the
         tombstones between ``node`` and the states above and below it."""
-        self.slot_of[node] = slot
+        slot_of = self.slot_of
+        slot_of[node] = slot
         self.node_of[slot] = node
         self.end[slot] = end
         if self.anc is not None:
-            self.anc.attach(node, slot, end, self.slot_of, self.end)
+            self.anc.attach(node, slot, end, slot_of, self.end)
         if node in self.pins:
             self.protected += 1
-        self.lru.push(node, slot, self.slot_of)
+        # StateHeap.push inlined (the insert hot path: one frame less)
+        lru = self.lru
+        lru.next_seq = seq = lru.next_seq + 1
+        lru.seq_at[slot] = seq
+        heap = lru.heap
+        if len(heap) >= 2 * len(slot_of) + COMPACT_SLACK:
+            lru.compact(slot_of)  # files ``node`` with the others
+        else:
+            heappush(heap, (node.last_access, seq, slot, node))
 
     def detach(self, node: Any) -> int:
         """Drop ``node``'s state; returns its slot (now the caller's to free)."""
@@ -148,7 +170,9 @@ class StateTable:
 
     def check_slot(self, pool: StatePool, slot: Any, what: str, checks: bool = True) -> int:
         """:meth:`check_slots` for one slot (the hot path of ``insert_with_state`` and
-        ``fork_state``): the same checks, errors and messages, without the list. O(1)."""
+        ``fork_state``): the same checks, errors and messages, without the list; the free
+        test reads the mask kept by :meth:`bind_pool` (``pool`` must be that pool) when
+        there is one. O(1)."""
         if type(slot) is not int:
             return self.check_slots(pool, [slot], what, checks)[0]
         if not 1 <= slot <= pool.size:
@@ -156,7 +180,7 @@ class StateTable:
         node = self.node_of[slot]
         if node is not None:
             raise InvalidArgumentError(f"{what} {slot} is the state of tree node {node.id}")
-        if checks and pool.free_slots.is_free_one(slot):
+        if checks and (pool.free_slots.is_free_one(slot) if (host := self.free_host) is None else host[slot]):
             raise InvalidArgumentError(f"{what} not allocated in the Mamba pool: {describe_ids([slot])}")
         return slot
 
