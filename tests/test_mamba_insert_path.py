@@ -1,7 +1,7 @@
-"""MambaRadixCache's hot insert / fork paths against their general forms: the inlined slot
-check (StateTable.check_slot's passing case), the leaf filed under its key with the state
-(``_presort``) and the inlined attach give the same trees, hits, victims, errors and
-messages as the general paths, and leave nothing behind when they raise."""
+"""MambaRadixCache's hot insert / fork paths against their general forms: the slot check
+reading the pool's kept free mask (``StateTable.free_host``) and the leaf filed under its key
+with the state (``_presort``) give the same trees, hits, victims, errors and messages as the
+general paths, and leave nothing behind when they raise."""
 import numpy as np
 import pytest
 import torch
@@ -17,7 +17,7 @@ def make(slots=6, kv=256, checks=True, general=False, **kw):
     alloc = TokenToKVPoolAllocator(kv)
     tree = MambaRadixCache(None, alloc, mamba_pool=mamba, checks=checks, **kw)
     if general:  # every hot path off: the general check, filing and attach
-        tree._presort = tree._inline_attach = False
+        tree._presort = False
         tree._states.free_host = None
     return tree, alloc, mamba
 
@@ -29,13 +29,13 @@ class _Req:
 
 def test_fast_paths_are_on_for_the_default_cache_only():
     tree, _, mamba = make()
-    assert tree._presort and tree._inline_attach and tree._states.free_host is not None
+    assert tree._presort and tree._states.free_host is not None
     flop, _, _ = make(state_eviction_policy="flop")  # ancestor positions to keep: attach() does it
-    assert flop._presort and not flop._inline_attach
+    assert flop._presort
     events, _, _ = make(enable_kv_events=True)  # the recorder may refuse an attach: filed after it
-    assert not events._presort and not events._inline_attach
+    assert not events._presort
     mru, _, _ = make(eviction_policy="mru")  # eagerly re-filed keys
-    assert not mru._presort and not mru._inline_attach
+    assert not mru._presort
 
 
 def put(tree, alloc, mamba, toks):

@@ -36,7 +36,6 @@ state table is :mod:`radixkv.cache.state_table`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from heapq import heappush
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -57,7 +56,6 @@ from radixkv.cache.mamba_policies import (
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
 from radixkv.cache.state_events import HybridEventRecorder
-from radixkv.cache.state_order import COMPACT_SLACK
 from radixkv.cache.state_table import EventStateTable, StateTable
 from radixkv.cache.tree_node import TreeNode
 from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable, StatePool
@@ -185,8 +183,6 @@ class MambaRadixCache(RadixCache):
         self._key_stated = lambda node: (True, base_key(node))
         self._presort = (self._lazy and self._on_insert is None and self._on_split is None
                          and type(self._states) is StateTable)
-        # and then with no ancestor positions to keep, insert_with_state attaches inline
-        self._inline_attach = self._presort and self._states.anc is None
         self._qlog = None  # the hybrid match records its state hit itself
         # RadixCache's match, which match_prefix extends: the compiled entry of
         # NativeRadixCache when this cache uses the compiled paths (a plain function: called
@@ -292,11 +288,8 @@ class MambaRadixCache(RadixCache):
     def fork_state(self, node: TreeNode, req: CacheRequest) -> bool:
         """:meth:`fork_states` for one request (same checks, errors and effect, without the
         batch lists); True when it got a cached state."""
-        states, dst = self._states, req.mamba_pool_idx
-        # StateTable.check_slot's passing case inline, as in insert_with_state
-        if not (type(dst) is int and 0 < dst <= states.num_slots and states.node_of[dst] is None
-                and (host := states.free_host) is not None and not (self.checks and host[dst])):
-            dst = states.check_slot(self.mamba_pool, dst, "request mamba_pool_idx", self.checks)
+        states = self._states
+        dst = states.check_slot(self.mamba_pool, req.mamba_pool_idx, "request mamba_pool_idx", self.checks)
         self._check_node(node)
         src = states.slot_of.get(node)
         if src is not None:
@@ -328,12 +321,8 @@ class MambaRadixCache(RadixCache):
         if state_slot is None:
             prefix, node, _ = self._cinsert(self, key, value, priority, None, True)  # = self._insert
             return _tuple_new(MambaInsertResult, (prefix, node, False))
-        states, slot = self._states, state_slot
-        # StateTable.check_slot's passing case inline (an int in range, not the tree's, and
-        # allocated); any other goes through it: the same checks, errors and messages
-        if not (type(slot) is int and 0 < slot <= states.num_slots and states.node_of[slot] is None
-                and (host := states.free_host) is not None and not (self.checks and host[slot])):
-            slot = states.check_slot(self.mamba_pool, slot, "state_slot", self.checks)
+        states = self._states
+        slot = states.check_slot(self.mamba_pool, state_slot, "state_slot", self.checks)
         if self._presort:
             self._sort_key = self._key_stated
             try:
@@ -342,25 +331,8 @@ class MambaRadixCache(RadixCache):
                 self._sort_key = self._key_any
         else:
             prefix, node, _ = self._cinsert(self, key, value, priority, None, True)
-        slot_of = states.slot_of
-        if node.parent is not None and node not in slot_of:
-            if self._inline_attach:  # StateTable.attach inlined (plain table, no ``anc``): the hot path
-                slot_of[node] = slot
-                states.node_of[slot] = node
-                states.end[slot] = len(key._buf) >> 2
-                if node in states.pins:
-                    states.protected += 1
-                lru = states.lru
-                lru.next_seq = seq = lru.next_seq + 1
-                lru.seq_at[slot] = seq
-                if len(lru.heap) >= 2 * len(slot_of) + COMPACT_SLACK:
-                    lru.compact(slot_of)  # files ``node`` with the others
-                else:
-                    heappush(lru.heap, (node.last_access, seq, slot, node))
-            else:
-                states.attach(node, slot, len(key._buf) >> 2)
-                if not self._lazy and node.skey is not None:
-                    self._refile(node)  # its full-eviction key changed (tombstone -> state)
+        if node.parent is not None and node not in states.slot_of:
+            self._attach(node, slot, len(key._buf) >> 2)
             return _tuple_new(MambaInsertResult, (prefix, node, True))
         self.mamba_pool.free(slot)
         return _tuple_new(MambaInsertResult, (prefix, node, False))

@@ -27,13 +27,12 @@ All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned
 from __future__ import annotations
 
 from collections.abc import Iterable
-from heapq import heappush
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from radixkv.cache.state_order import COMPACT_SLACK, StateAncestors, StateHeap
+from radixkv.cache.state_order import StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
 if TYPE_CHECKING:
@@ -115,15 +114,7 @@ class StateTable:
             self.anc.attach(node, slot, end, slot_of, self.end)
         if node in self.pins:
             self.protected += 1
-        # StateHeap.push inlined (the insert hot path: one frame less)
-        lru = self.lru
-        lru.next_seq = seq = lru.next_seq + 1
-        lru.seq_at[slot] = seq
-        heap = lru.heap
-        if len(heap) >= 2 * len(slot_of) + COMPACT_SLACK:
-            lru.compact(slot_of)  # files ``node`` with the others
-        else:
-            heappush(heap, (node.last_access, seq, slot, node))
+        self.lru.push(node, slot, slot_of)
 
     def detach(self, node: Any) -> int:
         """Drop ``node``'s state; returns its slot (now the caller's to free)."""
