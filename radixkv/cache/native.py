@@ -33,12 +33,15 @@ for the whole process; ``RadixCache(..., native=False)`` for one cache.
 """
 from __future__ import annotations
 
+from heapq import heappush
 from typing import Any
 
 import numpy as np
 import torch
 
 from radixkv.allocator.native import load_optional
+from radixkv.cache import leaf_index
+from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.tree_node import TreeNode
 
 __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert", "unavailable_reason"]
@@ -46,6 +49,9 @@ __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert",
 _mod, unavailable_reason = load_optional("radixkv.cache._native")
 if _mod is not None:
     _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
+    # insert files and unfiles leaves of a LeafIndex on its slots (its add/remove, in C)
+    _mod.bind_leaves(leaf_index.LeafIndex, heappush, leaf_index._SLACK)
+    _mod.bind_metrics(CacheMetrics)  # and adds to its insert counters (slots) itself
 
 # the compiled entries (untyped C functions), None when not built: callers check available()
 walk: Any = _mod.walk if _mod is not None else None
