@@ -63,6 +63,7 @@ bind_match: Any = _mod.bind_match if _mod is not None else None
 method: Any = _mod.method if _mod is not None else None
 insert: Any = _mod.insert if _mod is not None else None
 bind_insert: Any = _mod.bind_insert if _mod is not None else None
+bind_split: Any = _mod.bind_split if _mod is not None else None
 pool_stats: Any = _mod.pool_stats if _mod is not None else None
 
 

@@ -51,14 +51,15 @@ static int version_valid(PyTypeObject *t) {
 #endif
 }
 
-/* 1 when no cache name is an attribute of t or of a base (a class attribute, a property,
- * a slot): the instance dict then decides getattr and setattr of those names alone. */
+/* 1 when t uses the generic attribute protocol and no cache name is an attribute of t or of
+ * a base (a class attribute, a property, a slot): the instance dict then decides getattr and
+ * setattr of those names alone. */
 static int plain_type_check(PyTypeObject *t) {
     for (int i = 0; i < PLAIN_TYPES; i++)
         if (plain_type[i] == t && plain_tag[i] == t->tp_version_tag && version_valid(t))
             return 1;
-    if (s_cwalk == NULL)
-        return 0;
+    if (s_cwalk == NULL || t->tp_getattro != PyObject_GenericGetAttr || t->tp_setattro != PyObject_GenericSetAttr)
+        return 0;  /* (a __getattribute__ / __getattr__ / __setattr__ of its own: the generic protocol) */
     for (int i = 0; i < N_CACHE_NAMES; i++)
         if (_PyType_Lookup(t, *cache_names[i]) != NULL)
             return 0;

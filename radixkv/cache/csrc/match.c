@@ -123,7 +123,15 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         goto done;
     if (PyTuple_GET_ITEM(w, 4) != Py_None) {  /* ended inside a node: cache._split_end splits it */
         PyObject *nobj = PyLong_FromSsize_t(n), *r = NULL;
-        if (nobj != NULL)
+        int inc = split_in_c(self, d, Py_TYPE(self), PyTuple_GET_ITEM(w, 4));
+        if (inc < 0)
+            Py_CLEAR(nobj);
+        if (nobj != NULL && inc) {  /* the same, in C (split.c) */
+            Py_ssize_t wpos = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
+            long long wtick = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
+            if (!PyErr_Occurred())
+                r = split_end_c(self, d, PyTuple_GET_ITEM(w, 4), buf, wpos, n, pb, wtick, PyTuple_GET_ITEM(w, 3));
+        } else if (nobj != NULL)
             r = PyObject_CallMethodObjArgs(self, s_split_end, PyTuple_GET_ITEM(w, 4), buf, PyTuple_GET_ITEM(w, 0),
                                            nobj, PyTuple_GET_ITEM(w, 2), PyTuple_GET_ITEM(w, 3), NULL);
         Py_XDECREF(nobj);

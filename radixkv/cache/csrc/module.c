@@ -26,6 +26,7 @@
 #include "rows.c"
 #include "walk.c"
 #include "attrs.c"
+#include "split.c"
 #include "match.c"
 #include "insert.c"
 
@@ -34,6 +35,7 @@ PyDoc_STRVAR(method_doc, "method(f): f wrapped so that it binds as a method (PyI
 static PyObject *method(PyObject *self, PyObject *f) { return PyInstanceMethod_New(f); }
 
 static PyMethodDef methods[] = {
+    {"bind_split", bind_split, METH_VARARGS, bind_split_doc},
     {"bind_metrics", bind_metrics, METH_O, bind_metrics_doc},
     {"bind_leaves", bind_leaves, METH_VARARGS, bind_leaves_doc},
     {"bind_insert", bind_insert, METH_VARARGS, bind_insert_doc},
