@@ -18,6 +18,14 @@ on the same random operations and compares every result and every node's fields)
 * ``insert``: ``RadixCache.insert`` likewise (the reference: ``InsertMixin.insert`` in
   ``radix_insert``); it hands a call over before changing anything.
 
+Both entries read and write the cache's own attributes in its instance ``__dict__`` (no
+generic attribute protocol) while its class defines none of those names and keeps the
+generic protocol; ``insert`` files leaves of a :class:`~radixkv.cache.leaf_index.LeafIndex`
+on its slots (its ``add`` / ``remove``, same steps) and adds to ``CacheMetrics``' insert
+counters on theirs; ``match`` splits a node its match ends inside in C while the cache's
+class has the stock ``_split_end`` / ``_split`` / ``_new_id`` and no ``on_split`` hook
+(``csrc/attrs.c``, ``csrc/split.c``).
+
 Where they are used: ``radixkv.cache.radix_cache`` binds ``match`` and ``insert`` as the
 methods of its ``NativeRadixCache`` subclass, which ``RadixCache(...)`` is when the
 compiled paths are used; ``RadixCache.__init__`` sets the walks (``_cwalk``, ``_cfind``,
