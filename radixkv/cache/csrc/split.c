@@ -83,8 +83,11 @@ static PyObject *split_end_c(PyObject *self, PyObject *d, PyObject *child, PyObj
         int_slot(child, off_last, &last) < 0 || int_slot(child, off_hits, &hits) < 0 || lock == NULL)
         return NULL;
     PyObject *idobj = NULL, *nk = NULL, *nv = NULL, *ck = NULL, *cv = NULL, *tk = NULL, *pr = NULL, *node = NULL,
-        *page = NULL, *res = NULL;
+        *page = NULL, *first = NULL, *res = NULL;
+    /* everything read from child's old kbuf / vbuf is copied out before they are replaced
+     * (replacing them may free them) */
     if ((nk = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb), m)) == NULL ||
+        (first = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb), pb)) == NULL ||
         (nv = PyBytes_FromStringAndSize(PyBytes_AS_STRING(vb), m)) == NULL ||
         (ck = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + m, kl - m)) == NULL ||
         (cv = PyBytes_FromStringAndSize(PyBytes_AS_STRING(vb) + m, kl - m)) == NULL ||
@@ -107,14 +110,12 @@ static PyObject *split_end_c(PyObject *self, PyObject *d, PyObject *child, PyObj
     if (PyDict_SetItem(SLOT(node, off_children), page, child) < 0)
         goto done;
     Py_SETREF(SLOT(node, off_only), Py_NewRef(child));
-    PyObject *first = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb), pb), *pch = SLOT(parent, off_children);
-    if (first == NULL || pch == NULL || !PyDict_CheckExact(pch) || PyDict_SetItem(pch, first, node) < 0) {
-        Py_XDECREF(first);
+    PyObject *pch = SLOT(parent, off_children);
+    if (pch == NULL || !PyDict_CheckExact(pch) || PyDict_SetItem(pch, first, node) < 0) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "split: a node's children is not a dict");
         goto done;
     }
-    Py_DECREF(first);
     if (SLOT(parent, off_only) == child)
         Py_SETREF(SLOT(parent, off_only), Py_NewRef(node));
     /* touch the new node (the match ends there): last_access = ++tick; hits += 1 */
@@ -134,6 +135,6 @@ static PyObject *split_end_c(PyObject *self, PyObject *d, PyObject *child, PyObj
     PyTuple_SET_ITEM(res, 3, rows);
 done:
     Py_XDECREF(idobj); Py_XDECREF(nk); Py_XDECREF(nv); Py_XDECREF(ck); Py_XDECREF(cv); Py_XDECREF(tk);
-    Py_XDECREF(pr); Py_XDECREF(node); Py_XDECREF(page);
+    Py_XDECREF(pr); Py_XDECREF(node); Py_XDECREF(page); Py_XDECREF(first);
     return res;
 }
