@@ -18,6 +18,14 @@ on the same random operations and compares every result and every node's fields)
 * ``insert``: ``RadixCache.insert`` likewise (the reference: ``InsertMixin.insert`` in
   ``radix_insert``); it hands a call over before changing anything.
 
+Both entries read and write the cache's own attributes in its instance ``__dict__`` (no
+generic attribute protocol) while its class defines none of those names and keeps the
+generic protocol; ``insert`` files leaves of a :class:`~radixkv.cache.leaf_index.LeafIndex`
+on its slots (its ``add`` / ``remove``, same steps) and adds to ``CacheMetrics``' insert
+counters on theirs; ``match`` splits a node its match ends inside in C while the cache's
+class has the stock ``_split_end`` / ``_split`` / ``_new_id`` and no ``on_split`` hook
+(``csrc/attrs.c``, ``csrc/split.c``).
+
 Where they are used: ``radixkv.cache.radix_cache`` binds ``match`` and ``insert`` as the
 methods of its ``NativeRadixCache`` subclass, which ``RadixCache(...)`` is when the
 compiled paths are used; ``RadixCache.__init__`` sets the walks (``_cwalk``, ``_cfind``,
@@ -33,12 +41,15 @@ for the whole process; ``RadixCache(..., native=False)`` for one cache.
 """
 from __future__ import annotations
 
+from heapq import heappush
 from typing import Any
 
 import numpy as np
 import torch
 
 from radixkv.allocator.native import load_optional
+from radixkv.cache import leaf_index
+from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.tree_node import TreeNode
 
 __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert", "unavailable_reason"]
@@ -46,6 +57,9 @@ __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert",
 _mod, unavailable_reason = load_optional("radixkv.cache._native")
 if _mod is not None:
     _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
+    # insert files and unfiles leaves of a LeafIndex on its slots (its add/remove, in C)
+    _mod.bind_leaves(leaf_index.LeafIndex, heappush, leaf_index._SLACK)
+    _mod.bind_metrics(CacheMetrics)  # and adds to its insert counters (slots) itself
 
 # the compiled entries (untyped C functions), None when not built: callers check available()
 walk: Any = _mod.walk if _mod is not None else None
@@ -57,6 +71,7 @@ bind_match: Any = _mod.bind_match if _mod is not None else None
 method: Any = _mod.method if _mod is not None else None
 insert: Any = _mod.insert if _mod is not None else None
 bind_insert: Any = _mod.bind_insert if _mod is not None else None
+bind_split: Any = _mod.bind_split if _mod is not None else None
 pool_stats: Any = _mod.pool_stats if _mod is not None else None
 
 

@@ -456,6 +456,8 @@ class RadixCache(InsertMixin):
 if native_mod.available():  # every call the compiled entries do not take goes to these
     native_mod.bind_match(RadixCache.match_prefix, RadixKey, MatchResult)
     native_mod.bind_insert(InsertMixin.insert, torch.Tensor, torch.int64)
+    # a match ending inside a node: split in C while a cache's class has these very methods
+    native_mod.bind_split(RadixCache._split_end, InsertMixin._split, RadixCache._new_id)
 
 
 class NativeRadixCache(RadixCache):

@@ -5,9 +5,8 @@
 
 static PyObject *py_insert = NULL;  /* InsertMixin.insert, radix_insert.py (the reference) */
 static PyObject *t_int64 = NULL, *t_tensor = NULL;
-static PyObject *s_kv_events, *s_on_insert, *s_lazy, *s_dtype, *s_ndim, *s_is_cpu, *s_is_contiguous,
-    *s_is_neg, *s_data_ptr, *s_next_id, *s_leaves, *s_remove, *s_add, *s_evictable, *s_sort_key, *s_inserts,
-    *s_inserted_tokens, *s_numel;
+static PyObject *s_dtype, *s_ndim, *s_is_cpu, *s_is_contiguous, *s_is_neg, *s_data_ptr, *s_inserts,
+    *s_inserted_tokens, *s_numel;  /* (the cache's own names: attrs.c) */
 
 PyDoc_STRVAR(bind_insert_doc, "bind_insert(py_insert, torch.Tensor, torch.int64): the Python insert "
                               "that insert() hands every case it does not take itself.");
@@ -17,38 +16,16 @@ static PyObject *bind_insert(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO!O", &f, &PyType_Type, &tt, &i64))
         return NULL;
 #define INTERN(v, s) if ((v = PyUnicode_InternFromString(s)) == NULL) return NULL
-    INTERN(s_kv_events, "kv_events"); INTERN(s_on_insert, "_on_insert"); INTERN(s_lazy, "_lazy");
     INTERN(s_dtype, "dtype"); INTERN(s_ndim, "ndim"); INTERN(s_is_cpu, "is_cpu");
     INTERN(s_is_contiguous, "is_contiguous"); INTERN(s_is_neg, "is_neg"); INTERN(s_data_ptr, "data_ptr");
-    INTERN(s_next_id, "_next_id"); INTERN(s_leaves, "_leaves"); INTERN(s_remove, "remove");
-    INTERN(s_add, "add"); INTERN(s_evictable, "_evictable"); INTERN(s_sort_key, "_sort_key");
-    INTERN(s_inserts, "inserts"); INTERN(s_inserted_tokens, "inserted_tokens");
-    INTERN(s_numel, "numel");
+    INTERN(s_inserts, "inserts"); INTERN(s_inserted_tokens, "inserted_tokens"); INTERN(s_numel, "numel");
 #undef INTERN
+    if (intern_cache_names() < 0)
+        return NULL;
     Py_INCREF(f); Py_XSETREF(py_insert, f);
     Py_INCREF(tt); Py_XSETREF(t_tensor, tt);
     Py_INCREF(i64); Py_XSETREF(t_int64, i64);
     Py_RETURN_NONE;
-}
-
-/* o.name += delta for an int attribute; the new value (a new reference), or NULL with an
- * error set. */
-static PyObject *incr_attr(PyObject *o, PyObject *name, Py_ssize_t delta) {
-    PyObject *v = PyObject_GetAttr(o, name), *d = NULL, *r = NULL;
-    if (v != NULL && (d = PyLong_FromSsize_t(delta)) != NULL)
-        r = PyNumber_Add(v, d);
-    Py_XDECREF(v);
-    Py_XDECREF(d);
-    if (r != NULL && PyObject_SetAttr(o, name, r) < 0)
-        Py_CLEAR(r);
-    return r;
-}
-
-/* o.name += delta for an int attribute. 0, or -1 with an error set. */
-static int add_to_attr(PyObject *o, PyObject *name, Py_ssize_t delta) {
-    PyObject *r = incr_attr(o, name, delta);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
 }
 
 /* Consumes v (a new reference, or NULL after an error): 1 when v is want, 0 when it is not,
@@ -61,6 +38,7 @@ static int is(PyObject *v, PyObject *want) {
     return r;
 }
 #define attr_is(o, name, want) is(PyObject_GetAttr((o), (name)), (want))
+#define cache_is(name, want) is(aget(self, d, (name)), (want))
 #define call_is_true(o, name) is(PyObject_CallMethodNoArgs((o), (name)), Py_True)
 
 PyDoc_STRVAR(insert_doc,
@@ -74,10 +52,12 @@ PyDoc_STRVAR(insert_doc,
 
 static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *self, *key, *value, *prio, *res = NULL;
-    PyObject *buf = NULL, *ek = NULL, *pbo = NULL, *heads = NULL, *head = NULL, *found = NULL, *tail = NULL,
+    PyObject *d = NULL, *buf = NULL, *ek = NULL, *pbo = NULL, *heads = NULL, *head = NULL, *node = NULL, *tail = NULL,
         *leaf = NULL, *clock = NULL, *v = NULL;
     long long p = 0;
     int want_path = 0;
+    node_vec path;
+    node_vec_init(&path);
     if (py_insert == NULL || node_type == NULL || key_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "radixkv.cache._native: bind()/bind_match()/bind_insert() not called");
         return NULL;
@@ -103,21 +83,21 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     /* the cache: compiled walks on (set only for lazily ordered policies without on_hit), no
      * KV events, no on_insert hook, not disabled; the value: a 1-D CPU int64 tensor */
     int r;
-    if ((r = attr_is(self, s_cwalk, Py_None)) != 0 || (r = attr_is(self, s_kv_events, Py_None)) != 1 ||
-        (r = attr_is(self, s_on_insert, Py_None)) != 1 || (r = attr_is(self, s_disable, Py_False)) != 1 ||
+    d = cache_dict(self);
+    if ((r = cache_is(s_cwalk, Py_None)) != 0 || (r = cache_is(s_kv_events, Py_None)) != 1 ||
+        (r = cache_is(s_on_insert, Py_None)) != 1 || (r = cache_is(s_disable, Py_False)) != 1 ||
         (r = attr_is(value, s_dtype, t_int64)) != 1 || (r = attr_is(value, s_is_cpu, Py_True)) != 1) {
         if (r < 0)
-            return NULL;
+            goto done;
         goto python;
     }
     if ((v = PyObject_GetAttr(value, s_ndim)) == NULL)
-        return NULL;
+        goto done;
     r = PyLong_CheckExact(v) && PyLong_AsLong(v) == 1;
     Py_CLEAR(v);
     if (!r)
         goto python;
-    if ((buf = PyObject_GetAttr(key, s_buf)) == NULL || (ek = PyObject_GetAttr(key, s_extra_key)) == NULL ||
-        (pbo = PyObject_GetAttr(self, s_pb)) == NULL || (heads = PyObject_GetAttr(self, s_heads)) == NULL)
+    if (key_parts(key, &buf, &ek) < 0 || (pbo = aget(self, d, s_pb)) == NULL || (heads = aget(self, d, s_heads)) == NULL)
         goto done;
     if (!PyBytes_CheckExact(buf) || !PyDict_CheckExact(heads))
         goto python;
@@ -144,13 +124,16 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "insert: a namespace head is not a TreeNode");
         goto done;
     }
-    found = find_at(head, buf, n, pb);
-    if (found == NULL)
+    /* the read-only walk (find's descent), the matched nodes kept in a C array (owned) */
+    Py_ssize_t pos;
+    PyObject *split;
+    if (descend(head, PyBytes_AS_STRING(buf), n, pb, collect, &path, &pos, &node, &split) < 0) {
+        node = NULL;
         goto done;
-    if (PyTuple_GET_ITEM(found, 3) != Py_None)
+    }
+    Py_INCREF(node);  /* owned: the checks below call into torch */
+    if (split != Py_None)
         goto python;  /* the cached prefix ends inside a node: a split */
-    Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(found, 0));
-    PyObject *node = PyTuple_GET_ITEM(found, 1), *path = PyTuple_GET_ITEM(found, 2);
     if (pos < n) {  /* the new rows: contiguous, no neg bit, all in [0, 2**31) */
         int ok = call_is_true(value, s_is_contiguous), neg = ok == 1 ? call_is_true(value, s_is_neg) : 0;
         if (ok < 0 || neg < 0)
@@ -174,13 +157,13 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             goto python;  /* a row out of range: Python raises */
     }
     /* ---- mutation (nothing below goes back to Python's insert) ---- */
-    if ((clock = PyObject_GetAttr(self, s_clock)) == NULL)
+    if ((clock = aget(self, d, s_clock)) == NULL)
         goto done;
     long long tick = PyLong_AsLongLong(clock);
     if (tick == -1 && PyErr_Occurred())
         goto done;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {
-        PyObject *x = PyList_GET_ITEM(path, i), *xp = SLOT(x, off_prio);
+    for (Py_ssize_t i = 0; i < path.n; i++) {
+        PyObject *x = path.items[i], *xp = SLOT(x, off_prio);
         if (set_int_slot(x, off_last, ++tick) < 0)
             goto done;
         long long xv = PyLong_AsLongLong(xp);
@@ -190,8 +173,8 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             goto done;
     }
     if (pos < n) {
-        PyObject *ptail = NULL, *page = NULL, *idobj = NULL, *tk = NULL, *pr = NULL, *leaves = NULL, *r = NULL;
-        int bad = (idobj = incr_attr(self, s_next_id, 1)) == NULL ||
+        PyObject *ptail = NULL, *page = NULL, *idobj = NULL, *tk = NULL, *pr = NULL, *leaves = NULL;
+        int bad = (idobj = aincr(self, d, s_next_id, 1)) == NULL ||
                   (ptail = PyBytes_FromStringAndSize(PyBytes_AS_STRING(buf) + pos, n - pos)) == NULL ||
                   (tk = PyLong_FromLongLong(++tick)) == NULL || (pr = PyLong_FromLongLong(p)) == NULL;
         if (!bad) {
@@ -199,15 +182,13 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             bad = (leaf = new_node(NULL, nn, 6)) == NULL;
         }
         Py_XDECREF(ptail); Py_XDECREF(idobj); Py_XDECREF(tk); Py_XDECREF(pr);
-        if (bad || (leaves = PyObject_GetAttr(self, s_leaves)) == NULL)
+        if (bad || (leaves = aget(self, d, s_leaves)) == NULL)
             goto done;
         if (SLOT(node, off_skey) != Py_None) {  /* the parent stops being a leaf */
-            r = PyObject_CallMethodOneArg(leaves, s_remove, node);
-            if (r == NULL) {
+            if (leaves_remove(leaves, node) < 0) {
                 Py_DECREF(leaves);
                 goto done;
             }
-            Py_CLEAR(r);
             Py_SETREF(SLOT(node, off_skey), Py_NewRef(Py_None));
         }
         PyObject *ch = SLOT(node, off_children);
@@ -216,10 +197,10 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
         Py_XDECREF(page);
         if (!bad) {
             Py_SETREF(SLOT(node, off_only), Py_NewRef(PyDict_GET_SIZE(ch) == 1 ? leaf : Py_None));
-            bad = add_to_attr(self, s_evictable, (n - pos) >> 2) < 0;
+            bad = aadd(self, d, s_evictable, (n - pos) >> 2) < 0;
         }
         if (!bad) {  /* leaf.skey = cache._sort_key(leaf); leaves.add(leaf) */
-            PyObject *sk = PyObject_GetAttr(self, s_sort_key), *kv = NULL;
+            PyObject *sk = aget(self, d, s_sort_key), *kv = NULL;
             if (sk != NULL)
                 kv = PyObject_CallOneArg(sk, leaf);
             Py_XDECREF(sk);
@@ -228,35 +209,41 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             else
                 Py_SETREF(SLOT(leaf, off_skey), kv);
         }
-        if (!bad && (r = PyObject_CallMethodOneArg(leaves, s_add, leaf)) == NULL)
+        if (!bad && leaves_add(leaves, leaf) < 0)
             bad = 1;
-        Py_XDECREF(r);
         Py_DECREF(leaves);
         if (bad)
             goto done;
     }
     PyObject *tko = PyLong_FromLongLong(tick), *m = NULL;
-    if (tko == NULL || PyObject_SetAttr(self, s_clock, tko) < 0) {
+    if (tko == NULL || aset(self, d, s_clock, tko) < 0) {
         Py_XDECREF(tko);
         goto done;
     }
     Py_DECREF(tko);
-    if ((m = PyObject_GetAttr(self, s_metrics)) == NULL)
+    if ((m = aget(self, d, s_metrics)) == NULL)
         goto done;
-    if (add_to_attr(m, s_inserts, 1) < 0 || add_to_attr(m, s_inserted_tokens, (n - pos) >> 2) < 0) {
+    if (slot_add(m, metrics_type, off_minserts, s_inserts, 1) < 0 ||
+        slot_add(m, metrics_type, off_mtokens, s_inserted_tokens, (n - pos) >> 2) < 0) {
         Py_DECREF(m);
         goto done;
     }
     Py_DECREF(m);
     res = PyLong_FromSsize_t(pos >> 2);
-    if (res != NULL && want_path)  /* (prefix, the node where the key ends, the matched path) */
-        Py_SETREF(res, PyTuple_Pack(3, res, leaf != NULL ? leaf : node, path));
+    if (res != NULL && want_path) {  /* (prefix, the node where the key ends, the matched path) */
+        PyObject *pl = node_vec_list(&path);
+        if (pl == NULL)
+            Py_CLEAR(res);
+        else
+            Py_SETREF(res, PyTuple_Pack(3, res, leaf != NULL ? leaf : node, pl));
+        Py_XDECREF(pl);
+    }
     goto done;
 python:
     res = PyObject_Vectorcall(py_insert, args, nargs, NULL);
 done:
     Py_XDECREF(buf); Py_XDECREF(ek); Py_XDECREF(pbo); Py_XDECREF(heads); Py_XDECREF(head);
-    Py_XDECREF(found); Py_XDECREF(tail); Py_XDECREF(leaf); Py_XDECREF(clock); Py_XDECREF(v);
+    Py_XDECREF(node); node_vec_clear(&path); Py_XDECREF(tail); Py_XDECREF(leaf); Py_XDECREF(clock); Py_XDECREF(v); Py_XDECREF(d);
     return res;
 }
 

@@ -5,8 +5,8 @@
 
 static PyObject *py_match = NULL;          /* the Python RadixCache.match_prefix (the reference) */
 static PyTypeObject *key_type = NULL, *result_type = NULL;
-static PyObject *s_buf, *s_extra_key, *s_cwalk, *s_on_device, *s_pb, *s_heads, *s_disable, *s_clock,
-    *s_qlog, *s_qfold, *s_metrics, *s_compact, *s_split_end;
+static PyObject *s_buf, *s_extra_key, *s_compact, *s_split_end;
+static Py_ssize_t off_kbufk, off_kek;  /* RadixKey's slots _buf and extra_key */  /* (the cache's own names: attrs.c) */
 
 PyDoc_STRVAR(bind_match_doc, "bind_match(py_match, RadixKey, MatchResult): the Python match_prefix "
                              "that match() hands every case it does not take itself.");
@@ -20,22 +20,38 @@ static PyObject *bind_match(PyObject *self, PyObject *args) {
         return NULL;
     }
 #define INTERN(v, s) if ((v = PyUnicode_InternFromString(s)) == NULL) return NULL
-    INTERN(s_buf, "_buf"); INTERN(s_extra_key, "extra_key"); INTERN(s_cwalk, "_cwalk");
-    INTERN(s_on_device, "_on_device"); INTERN(s_pb, "_pb"); INTERN(s_heads, "_heads");
-    INTERN(s_disable, "disable"); INTERN(s_clock, "_clock"); INTERN(s_qlog, "_qlog");
-    INTERN(s_qfold, "_qfold"); INTERN(s_metrics, "_metrics"); INTERN(s_compact, "compact");
+    INTERN(s_buf, "_buf"); INTERN(s_extra_key, "extra_key"); INTERN(s_compact, "compact");
     INTERN(s_split_end, "_split_end");
 #undef INTERN
+    if (intern_cache_names() < 0 || slot_offset((PyTypeObject *)kt, "_buf", &off_kbufk) < 0 ||
+        slot_offset((PyTypeObject *)kt, "extra_key", &off_kek) < 0)
+        return NULL;
     Py_INCREF(f); Py_XSETREF(py_match, f);
     Py_INCREF(kt); Py_XSETREF(key_type, (PyTypeObject *)kt);
     Py_INCREF(rt); Py_XSETREF(result_type, (PyTypeObject *)rt);
     Py_RETURN_NONE;
 }
 
-/* getattr(o, name) is v (new reference in *out); -1 with an error set. */
-static int get(PyObject *o, PyObject *name, PyObject **out) {
-    *out = PyObject_GetAttr(o, name);
+/* getattr(o, name) (new reference in *out; through d = cache_dict(o), see attrs.c); -1 with
+ * an error set. */
+static int get(PyObject *o, PyObject *d, PyObject *name, PyObject **out) {
+    *out = aget(o, d, name);
     return *out == NULL ? -1 : 0;
+}
+
+/* key._buf and key.extra_key (RadixKey slots, new references in *buf / *ek); -1 with an
+ * error set. */
+static int key_parts(PyObject *key, PyObject **buf, PyObject **ek) {
+    *buf = SLOT(key, off_kbufk);
+    *ek = SLOT(key, off_kek);
+    if (*buf == NULL || *ek == NULL) {
+        *buf = *ek = NULL;
+        PyErr_SetString(PyExc_AttributeError, "RadixKey: _buf / extra_key not set");
+        return -1;
+    }
+    Py_INCREF(*buf);
+    Py_INCREF(*ek);
+    return 0;
 }
 
 PyDoc_STRVAR(match_doc,
@@ -46,7 +62,7 @@ PyDoc_STRVAR(match_doc,
 "whole page in an existing namespace) and hands every other call to it unchanged.");
 
 static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
-    PyObject *self, *key, *buf = NULL, *ek = NULL, *cw = NULL, *dev = NULL, *pbo = NULL, *heads = NULL,
+    PyObject *self, *key, *d = NULL, *buf = NULL, *ek = NULL, *cw = NULL, *dev = NULL, *pbo = NULL, *heads = NULL,
         *head = NULL, *dis = NULL, *clock = NULL, *w = NULL, *res = NULL, *log = NULL;
     if (py_match == NULL || node_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "radixkv.cache._native: bind()/bind_match() not called");
@@ -56,20 +72,23 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         return PyObject_Vectorcall(py_match, args, nargs, kwnames);
     self = args[0];
     key = args[1];
-    if (get(self, s_cwalk, &cw) < 0)
-        return NULL;
+    d = cache_dict(self);
+    if (get(self, d, s_cwalk, &cw) < 0)
+        goto done;
     int take = cw != Py_None;
     Py_DECREF(cw);
     if (take) {
-        if (get(self, s_on_device, &dev) < 0)
-            return NULL;
+        if (get(self, d, s_on_device, &dev) < 0)
+            goto done;
         take = dev == Py_False;
         Py_DECREF(dev);
     }
-    if (!take)
-        return PyObject_Vectorcall(py_match, args, nargs, NULL);
-    if (get(key, s_buf, &buf) < 0 || get(key, s_extra_key, &ek) < 0 || get(self, s_pb, &pbo) < 0 ||
-        get(self, s_heads, &heads) < 0 || get(self, s_disable, &dis) < 0)
+    if (!take) {
+        res = PyObject_Vectorcall(py_match, args, nargs, NULL);
+        goto done;
+    }
+    if (key_parts(key, &buf, &ek) < 0 || get(self, d, s_pb, &pbo) < 0 || get(self, d, s_heads, &heads) < 0 ||
+        get(self, d, s_disable, &dis) < 0)
         goto done;
     if (!PyBytes_CheckExact(buf) || !PyDict_CheckExact(heads)) {
         PyErr_SetString(PyExc_TypeError, "match: unexpected RadixKey._buf or cache._heads");
@@ -90,7 +109,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         res = PyObject_Vectorcall(py_match, args, nargs, NULL);
         goto done;
     }
-    if (get(self, s_clock, &clock) < 0)
+    if (get(self, d, s_clock, &clock) < 0)
         goto done;
     long long tick = PyLong_AsLongLong(clock);
     if (tick == -1 && PyErr_Occurred())
@@ -104,7 +123,15 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         goto done;
     if (PyTuple_GET_ITEM(w, 4) != Py_None) {  /* ended inside a node: cache._split_end splits it */
         PyObject *nobj = PyLong_FromSsize_t(n), *r = NULL;
-        if (nobj != NULL)
+        int inc = split_in_c(self, d, Py_TYPE(self), PyTuple_GET_ITEM(w, 4));
+        if (inc < 0)
+            Py_CLEAR(nobj);
+        if (nobj != NULL && inc) {  /* the same, in C (split.c) */
+            Py_ssize_t wpos = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
+            long long wtick = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
+            if (!PyErr_Occurred())
+                r = split_end_c(self, d, PyTuple_GET_ITEM(w, 4), buf, wpos, n, pb, wtick, PyTuple_GET_ITEM(w, 3));
+        } else if (nobj != NULL)
             r = PyObject_CallMethodObjArgs(self, s_split_end, PyTuple_GET_ITEM(w, 4), buf, PyTuple_GET_ITEM(w, 0),
                                            nobj, PyTuple_GET_ITEM(w, 2), PyTuple_GET_ITEM(w, 3), NULL);
         Py_XDECREF(nobj);
@@ -120,7 +147,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
     if (pos == -1 && PyErr_Occurred())
         goto done;
-    if (PyObject_SetAttr(self, s_clock, PyTuple_GET_ITEM(w, 2)) < 0 || get(self, s_qlog, &log) < 0)
+    if (aset(self, d, s_clock, PyTuple_GET_ITEM(w, 2)) < 0 || get(self, d, s_qlog, &log) < 0)
         goto done;
     if (log != Py_None) {
         PyObject *qa = PyLong_FromSsize_t(nbytes >> 2), *qb = PyLong_FromSsize_t(pos >> 2), *q = NULL;
@@ -133,7 +160,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             goto done;
         }
         Py_DECREF(q);
-        PyObject *fold = PyObject_GetAttr(self, s_qfold);
+        PyObject *fold = aget(self, d, s_qfold);
         if (fold == NULL)
             goto done;
         Py_ssize_t f = PyLong_AsSsize_t(fold);
@@ -141,7 +168,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         if (f == -1 && PyErr_Occurred())
             goto done;
         if (PyList_GET_SIZE(log) >= f) {
-            PyObject *m = PyObject_GetAttr(self, s_metrics), *r = NULL;
+            PyObject *m = aget(self, d, s_metrics), *r = NULL;
             if (m != NULL) {
                 r = PyObject_CallMethodNoArgs(m, s_compact);
                 Py_DECREF(m);
@@ -164,7 +191,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     PyTuple_SET_ITEM(res, 2, plen);
 done:
     Py_XDECREF(buf); Py_XDECREF(ek); Py_XDECREF(pbo); Py_XDECREF(heads); Py_XDECREF(head); Py_XDECREF(dis);
-    Py_XDECREF(clock); Py_XDECREF(w); Py_XDECREF(log);
+    Py_XDECREF(clock); Py_XDECREF(w); Py_XDECREF(log); Py_XDECREF(d);
     return res;
 }
 

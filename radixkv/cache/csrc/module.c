@@ -25,6 +25,8 @@
 #include "nodes.c"
 #include "rows.c"
 #include "walk.c"
+#include "attrs.c"
+#include "split.c"
 #include "match.c"
 #include "insert.c"
 
@@ -33,6 +35,9 @@ PyDoc_STRVAR(method_doc, "method(f): f wrapped so that it binds as a method (PyI
 static PyObject *method(PyObject *self, PyObject *f) { return PyInstanceMethod_New(f); }
 
 static PyMethodDef methods[] = {
+    {"bind_split", bind_split, METH_VARARGS, bind_split_doc},
+    {"bind_metrics", bind_metrics, METH_O, bind_metrics_doc},
+    {"bind_leaves", bind_leaves, METH_VARARGS, bind_leaves_doc},
     {"bind_insert", bind_insert, METH_VARARGS, bind_insert_doc},
     {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL | METH_KEYWORDS, insert_doc},
     {"pool_stats", pool_stats, METH_NOARGS, pool_stats_doc},

@@ -12,6 +12,7 @@
 #define POOL_CLASSES 8    /* up to 131,072 tokens */
 #define POOL_PER_CLASS 4
 static PyObject *pool[POOL_CLASSES][POOL_PER_CLASS];
+static int64_t *pool_data[POOL_CLASSES][POOL_PER_CLASS];  /* their buffers (fixed for their lifetime) */
 
 /* A new int64 numpy array of ntok elements (new reference). */
 static PyObject *new_array(Py_ssize_t ntok) {
@@ -26,8 +27,9 @@ static PyObject *new_array(Py_ssize_t ntok) {
 }
 
 /* An array whose first ntok elements the caller may fill: a free pooled one (borrowed from
- * the pool, *pooled = 1) or a new one of exactly ntok (new reference, *pooled = 0). */
-static PyObject *result_array(Py_ssize_t ntok, int *pooled) {
+ * the pool, *pooled = 1, *data its buffer) or a new one of exactly ntok (new reference,
+ * *pooled = 0). */
+static PyObject *result_array(Py_ssize_t ntok, int *pooled, int64_t **data) {
     *pooled = 0;
     if (ntok >= ((Py_ssize_t)1 << POOL_MIN_SHIFT) && ntok <= ((Py_ssize_t)1 << (POOL_MIN_SHIFT + POOL_CLASSES - 1))) {
         int c = 0;
@@ -38,10 +40,25 @@ static PyObject *result_array(Py_ssize_t ntok, int *pooled) {
             if (arr == NULL) {
                 if ((arr = new_array((Py_ssize_t)1 << (POOL_MIN_SHIFT + c))) == NULL)
                     return NULL;
+                Py_buffer view;
+                if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+                    Py_DECREF(arr);
+                    return NULL;
+                }
+                int ok = view.len >= ((Py_ssize_t)8 << (POOL_MIN_SHIFT + c));
+                void *buf = view.buf;
+                PyBuffer_Release(&view);
+                if (!ok) {
+                    Py_DECREF(arr);
+                    PyErr_SetString(PyExc_RuntimeError, "walk: np.empty returned a buffer of the wrong size");
+                    return NULL;
+                }
                 Py_XSETREF(pool[c][i], arr);  /* (XSETREF: np.empty may have run a GC pass) */
+                pool_data[c][i] = (int64_t *)buf;
             }
             if (Py_REFCNT(arr) == 1) {
                 *pooled = 1;
+                *data = pool_data[c][i];
                 return arr;
             }
         }
@@ -72,29 +89,34 @@ static PyObject *pool_stats(PyObject *self, PyObject *unused) {
  * from the int32 vbufs. */
 static PyObject *widen(PyObject **vals, Py_ssize_t nv, Py_ssize_t ntok) {
     int pooled;
-    PyObject *arr = result_array(ntok, &pooled);
+    int64_t *out = NULL;
+    PyObject *arr = result_array(ntok, &pooled, &out);
     if (arr == NULL)
         return NULL;
-    if (pooled)
-        Py_INCREF(arr);
     Py_buffer view;
-    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-        Py_DECREF(arr);
-        return NULL;
+    view.obj = NULL;
+    if (pooled) {
+        Py_INCREF(arr);
+    } else {
+        if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            Py_DECREF(arr);
+            return NULL;
+        }
+        if (view.len < ntok * 8) {
+            PyBuffer_Release(&view);
+            Py_DECREF(arr);
+            PyErr_SetString(PyExc_RuntimeError, "walk: np.empty returned a buffer of the wrong size");
+            return NULL;
+        }
+        out = (int64_t *)view.buf;
     }
-    if (view.len < ntok * 8) {
-        PyBuffer_Release(&view);
-        Py_DECREF(arr);
-        PyErr_SetString(PyExc_RuntimeError, "walk: np.empty returned a buffer of the wrong size");
-        return NULL;
-    }
-    int64_t *out = (int64_t *)view.buf;
     for (Py_ssize_t i = 0; i < nv; i++) {
         Py_ssize_t m = PyBytes_GET_SIZE(vals[i]) >> 2;
         widen_rows(out, (const int32_t *)PyBytes_AS_STRING(vals[i]), m);
         out += m;
     }
-    PyBuffer_Release(&view);
+    if (!pooled)
+        PyBuffer_Release(&view);
     if (pooled) {  /* the result is a view of the first ntok elements; it holds the array */
         PyObject *v = PySequence_GetSlice(arr, 0, ntok);
         Py_SETREF(arr, v);

@@ -209,6 +209,55 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return walk_at(args[0], args[1], n, pb, tick);
 }
 
+/* A growable array of owned node references (insert's matched path). */
+typedef struct {
+    PyObject **items;
+    Py_ssize_t n, cap;
+    PyObject *stack[32];
+} node_vec;
+
+static void node_vec_init(node_vec *v) {
+    v->items = v->stack;
+    v->n = 0;
+    v->cap = 32;
+}
+
+static void node_vec_clear(node_vec *v) {
+    for (Py_ssize_t i = 0; i < v->n; i++)
+        Py_DECREF(v->items[i]);
+    if (v->items != v->stack)
+        PyMem_Free(v->items);
+    node_vec_init(v);
+}
+
+/* descend's visit for insert: keep the node (owned). */
+static int collect(PyObject *child, void *p) {
+    node_vec *v = (node_vec *)p;
+    if (v->n == v->cap) {
+        PyObject **grown = PyMem_Malloc(sizeof(PyObject *) * (size_t)v->cap * 2);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(grown, v->items, sizeof(PyObject *) * (size_t)v->n);
+        if (v->items != v->stack)
+            PyMem_Free(v->items);
+        v->items = grown;
+        v->cap *= 2;
+    }
+    v->items[v->n++] = Py_NewRef(child);
+    return 0;
+}
+
+/* The nodes as a new list (new reference), or NULL with an error set. */
+static PyObject *node_vec_list(node_vec *v) {
+    PyObject *l = PyList_New(v->n);
+    if (l != NULL)
+        for (Py_ssize_t i = 0; i < v->n; i++)
+            PyList_SET_ITEM(l, i, Py_NewRef(v->items[i]));
+    return l;
+}
+
 static int append_path(PyObject *child, void *path) { return PyList_Append((PyObject *)path, child); }
 
 PyDoc_STRVAR(find_doc,
