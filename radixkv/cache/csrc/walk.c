@@ -109,6 +109,25 @@ static int descend(PyObject *head, const char *buf, Py_ssize_t n, Py_ssize_t pb,
     return 0;
 }
 
+/* Room for one more in a pointer array that starts in a fixed inline buffer ``stack``:
+ * doubles ``*cap`` into heap memory when ``n == *cap`` (freeing an earlier heap block).
+ * 0, or -1 with MemoryError set (the array unchanged). */
+static int ptrs_reserve(PyObject ***items, PyObject **stack, Py_ssize_t n, Py_ssize_t *cap) {
+    if (n < *cap)
+        return 0;
+    PyObject **grown = PyMem_Malloc(sizeof(PyObject *) * (size_t)*cap * 2);
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(grown, *items, sizeof(PyObject *) * (size_t)n);
+    if (*items != stack)
+        PyMem_Free(*items);
+    *items = grown;
+    *cap *= 2;
+    return 0;
+}
+
 typedef struct {
     long long tick;
     PyObject **vals;  /* owned references to the touched nodes' vbufs */
@@ -129,18 +148,8 @@ static int touch(PyObject *child, void *p) {
         set_int_slot(child, off_hits, h + 1) < 0)
         return -1;
     c->tick++;
-    if (c->nv == c->cap) {
-        PyObject **grown = PyMem_Malloc(sizeof(PyObject *) * (size_t)c->cap * 2);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memcpy(grown, c->vals, sizeof(PyObject *) * (size_t)c->nv);
-        if (c->vals != c->stack)
-            PyMem_Free(c->vals);
-        c->vals = grown;
-        c->cap *= 2;
-    }
+    if (ptrs_reserve(&c->vals, c->stack, c->nv, &c->cap) < 0)
+        return -1;
     Py_INCREF(vb);
     c->vals[c->nv++] = vb;
     return 0;
@@ -233,18 +242,8 @@ static void node_vec_clear(node_vec *v) {
 /* descend's visit for insert: keep the node (owned). */
 static int collect(PyObject *child, void *p) {
     node_vec *v = (node_vec *)p;
-    if (v->n == v->cap) {
-        PyObject **grown = PyMem_Malloc(sizeof(PyObject *) * (size_t)v->cap * 2);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memcpy(grown, v->items, sizeof(PyObject *) * (size_t)v->n);
-        if (v->items != v->stack)
-            PyMem_Free(v->items);
-        v->items = grown;
-        v->cap *= 2;
-    }
+    if (ptrs_reserve(&v->items, v->stack, v->n, &v->cap) < 0)
+        return -1;
     v->items[v->n++] = Py_NewRef(child);
     return 0;
 }
