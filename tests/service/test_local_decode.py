@@ -84,6 +84,37 @@ def test_serve_flag_and_config_file_key(tmp_path):
 # ----------------------------------------------------------------------------- the table alone
 
 
+def _start(t, e, s, rng, rid, max_len, live):
+    """One new request ``rid`` of 1..max_len tokens on engine and table (kept in ``live``
+    unless the engine refuses it)."""
+    try:
+        t.observe_extend(s, e.alloc_extend(s, [ExtendItem(rid, toks(rng, int(rng.integers(1, max_len))))]))
+        live.append(rid)
+    except RadixKVError:
+        pass
+
+
+def _decode_both(t, e, s, rids, items, local_items, live):
+    """The table's answer to ``local_items`` and the engine's to ``items`` (the same call):
+    equal when the table answered; a call the engine refuses ends its requests. Returns
+    the table's answer, or None."""
+    mine = t.try_local(s, local_items)
+    try:
+        got = e.alloc_decode(s, items)
+    except RadixKVError:
+        assert mine is None, "answered a call the engine refuses"
+        for r in list(rids):
+            live.remove(r)
+            e.release(s, [r])
+            t.forget(s, [r])
+        return None
+    if mine is None:
+        t.observe_decode(s, rids, got)
+    else:
+        assert _norm(mine) == _norm(got), (mine, got)
+    return mine
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_table_answers_exactly_what_the_engine_answers(hybrid):
     """Seeded: the engine decides; the table, fed only the engine's replies, answers every
@@ -95,14 +126,10 @@ def test_table_answers_exactly_what_the_engine_answers(hybrid):
     s = e.attach("w").session
     t = LocalDecodes()
     live, answered, n = [], 0, 0
-    for step in range(300):
+    for _ in range(300):
         if len(live) < 3 or rng.random() < 0.1:
             n += 1
-            try:
-                t.observe_extend(s, e.alloc_extend(s, [ExtendItem(f"r{n}", toks(rng, int(rng.integers(1, 30))))]))
-                live.append(f"r{n}")
-            except RadixKVError:
-                pass
+            _start(t, e, s, rng, f"r{n}", 30, live)
             continue
         if rng.random() < 0.1:
             rid = live.pop(int(rng.integers(len(live))))
@@ -111,21 +138,8 @@ def test_table_answers_exactly_what_the_engine_answers(hybrid):
             continue
         rids = list(rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False))
         items = [DecodeItem(r, int(rng.integers(0, 50))) for r in rids]
-        mine = t.try_local(s, items)
-        try:
-            got = e.alloc_decode(s, items)
-        except RadixKVError:
-            assert mine is None, "answered a call the engine refuses"
-            for r in rids:
-                live.remove(r)
-                e.release(s, [r])
-                t.forget(s, [r])
-            continue
-        if mine is None:
-            t.observe_decode(s, rids, got)
-        else:
+        if _decode_both(t, e, s, rids, items, items, live) is not None:
             answered += 1
-            assert _norm(mine) == _norm(got), (step, mine, got)
         t.check_invariants()
     assert answered > 50, answered
     assert t.pending(s) == answered == t.stats().local_calls
@@ -146,11 +160,7 @@ def test_repeated_batches_answer_what_the_engine_answers(reserve):
     for step in range(400):
         if len(live) < 2 or rng.random() < 0.08:
             n += 1
-            try:
-                t.observe_extend(s, e.alloc_extend(s, [ExtendItem(f"r{n}", toks(rng, int(rng.integers(1, 12))))]))
-                live.append(f"r{n}")
-            except RadixKVError:
-                pass
+            _start(t, e, s, rng, f"r{n}", 12, live)
             continue
         if rng.random() < 0.05:
             rid = live.pop(0)
@@ -161,21 +171,9 @@ def test_repeated_batches_answer_what_the_engine_answers(reserve):
             rng.shuffle(live)
         batch = live if rng.random() < 0.9 else live[:-1]
         items = [DecodeItem(r, int(rng.integers(0, 50))) for r in batch]
-        mine = t.try_local(s, tuple(items) if step % 2 else items)
-        try:
-            got = e.alloc_decode(s, items)
-        except RadixKVError:
-            assert mine is None
-            for r in list(batch):
-                live.remove(r)
-                e.release(s, [r])
-                t.forget(s, [r])
-            continue
-        if mine is None:
-            t.observe_decode(s, batch, got)
-        else:
+        mine = _decode_both(t, e, s, batch, items, tuple(items) if step % 2 else items, live)
+        if mine is not None:
             answered += 1
-            assert _norm(mine) == _norm(got), (step, mine, got)
             for a in mine[:6]:  # the caller owns what it got (track_slots: a shared empty array)
                 a[...] = -7
         t.check_invariants()
