@@ -288,6 +288,7 @@ class RemoteCacheEngine:
             except InvalidArgumentError as e:
                 self._reject(session, e)
             req = wire.extend_request_to_msg(ref, its)
+            items = its  # the validated items (a plain tuple entry became an ExtendItem)
         rids = [it[0] for it in items]
         resp = self._scall(session, "AllocExtend", req)
         results = wire.extend_results_from_msg(resp, rids)
