@@ -65,8 +65,8 @@ from radixkv.service.wire.auth import Token, resolve_token
 from radixkv.service.wire.errors import ServiceUnavailableError, error_from_rpc
 from radixkv.service.wire.request_id import REQUEST_ID_KEY
 from radixkv.service.wire.shm import map_buffer
-from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
-from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
+from radixkv.service.wire.step import REPLY_TYPES, StepRpcError, step_socket_path
+from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES, unix_socket_path
 
 from radixkv import validation as V
 from radixkv.engine.config import EngineConfig
@@ -106,14 +106,18 @@ class RemoteCacheEngine:
             unary calls). The open stream holds one of the manager's ``max_concurrent_rpcs``.
         local_decode: answer decode steps from the requests' reserves locally (see the
             module doc; False: every ``alloc_decode`` is an RPC).
+        step_socket: with ``step_stream`` and a ``unix:`` address, send the step calls over
+            the manager's Step socket when it has one (default; no gRPC thread hand-off per
+            call, :mod:`~radixkv.service.client.step_socket`), else over the gRPC stream.
     """
 
     def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = "",
                  retries: int = 0, retry_backoff_s: float = 0.05, step_stream: bool = True,
-                 local_decode: bool = True):
+                 local_decode: bool = True, step_socket: bool = True):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise InvalidArgumentError(f"retries must be an int >= 0, got {retries!r}")
-        for name, flag in (("step_stream", step_stream), ("local_decode", local_decode)):
+        for name, flag in (("step_stream", step_stream), ("local_decode", local_decode),
+                           ("step_socket", step_socket)):
             if not isinstance(flag, bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {flag!r}")
         self._channel = channel
@@ -127,7 +131,10 @@ class RemoteCacheEngine:
         self._mapped: dict[tuple[int, str], Any] = {}
         self._keepalives: list[KeepAlive] = []
         #: The Step stream of this client (None: every call is a unary one).
-        self.steps: StepLane | None = StepLane(self._stub, self._md, self._timeout) if step_stream else None
+        path = unix_socket_path(address) if step_socket else None
+        self.steps: StepLane | None = StepLane(
+            self._stub, self._md, self._timeout, socket_path=None if path is None else step_socket_path(path),
+            token=token) if step_stream else None
         self.local = LocalDecodes(local_decode)  # the per-session tables of local decode steps
         self.rpc_counts: dict[str, int] = {}  # calls sent (retries not counted), by method name
         self._attached: dict[tuple[str, int], Session] = {}  # sessions close() detaches
@@ -469,7 +476,7 @@ def connect(address: str, token: str | None = None, *, token_file: str | None = 
             tls_cert: str | None = None, tls_key: str | None = None,
             tls_server_name: str | None = None,
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, step_stream: bool = True,
-            local_decode: bool = True) -> RemoteCacheEngine:
+            local_decode: bool = True, step_socket: bool = True) -> RemoteCacheEngine:
     """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).
 
     The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
@@ -480,6 +487,8 @@ def connect(address: str, token: str | None = None, *, token_file: str | None = 
     first step call, instead of one unary call each (:mod:`radixkv.service.server.step_stream`;
     cheaper per call, same protocol; False: unary calls only). ``local_decode`` (default
     True): answer decode steps from reserved slots locally (:mod:`radixkv.service.client.local_decode`).
+    ``step_socket`` (default True): with a ``unix:`` address, the step calls go over the
+    manager's Step socket when it has one (:mod:`radixkv.service.client.step_socket`).
 
     Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
     ``ServiceUnavailableError`` (nothing answers within ``wait_s``).
@@ -488,4 +497,4 @@ def connect(address: str, token: str | None = None, *, token_file: str | None = 
     channel = open_channel(address, wait_s=wait_s, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                            tls_server_name=tls_server_name, max_message_bytes=max_message_bytes)
     return RemoteCacheEngine(channel, tok, timeout_s=timeout_s, address=address, retries=retries,
-                             step_stream=step_stream, local_decode=local_decode)
+                             step_stream=step_stream, local_decode=local_decode, step_socket=step_socket)

@@ -16,8 +16,10 @@ import time
 from typing import Any
 
 import grpc
+from radixkv.service.client.step_socket import StepSocket
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
-from radixkv.service.wire.step import REPLY_TYPES, StepRpcError
+from radixkv.service.wire.auth import Token
+from radixkv.service.wire.step import StepRpcError, step_reply, step_request
 
 __all__ = ["StepStream", "StepLane", "Replay"]
 
@@ -75,11 +77,7 @@ class StepStream:
         if self.broken:
             return None
         self._since = time.monotonic()
-        msg = pb.StepRequest(method=method, request=request.SerializeToString(), request_id=request_id)
-        if replay is not None:
-            msg.replay = replay.request.SerializeToString()
-            msg.replay_request_id = replay.request_id
-        self._requests.put(msg)
+        self._requests.put(step_request(method, request, request_id, replay))
         try:
             resp = next(self._call)
         except (grpc.RpcError, StopIteration) as e:
@@ -95,9 +93,7 @@ class StepStream:
         self.rides_replay = resp.rides_replay
         if replay is not None:
             replay.applied = resp.replayed
-        if resp.WhichOneof("result") == "error":
-            raise StepRpcError.from_msg(resp.error)
-        return REPLY_TYPES[method].FromString(resp.reply)
+        return step_reply(resp, method)
 
     unimplemented = False  # the manager has no Step method (an older one)
     rides_replay = False  # the manager runs a replay riding on a call (said in its answers)
@@ -121,15 +117,23 @@ class StepLane:
     one no sooner than ``REOPEN_S`` later, and none at all once the manager answered that
     it has no Step method (an older manager).
 
-    Args: as :class:`StepStream`.
+    With ``socket_path`` (the manager's Step socket, :mod:`~radixkv.service.client.step_socket`)
+    and ``token``, each (re)opening tries that socket first and opens a gRPC stream only
+    when nothing usable listens there (``socket_misses`` counts those).
+
+    Args: as :class:`StepStream`, and ``socket_path`` / ``token``.
     """
 
     REOPEN_S = 1.0
 
-    def __init__(self, stub: Any, metadata: Any, timeout_s: float):
+    def __init__(self, stub: Any, metadata: Any, timeout_s: float, socket_path: str | None = None,
+                 token: Token | None = None):
         self._stub, self._md, self._timeout = stub, metadata, timeout_s
+        self._socket_path = socket_path if token is not None else None
+        self._token = token
+        self.socket_misses = 0
         self._lock = threading.Lock()
-        self.stream: StepStream | None = None
+        self.stream: StepStream | StepSocket | None = None
         self.enabled = True
         self.reopen_at = 0.0  # monotonic
         self.fallbacks = 0  # calls that found the stream broken (sent again over unary calls)
@@ -152,7 +156,7 @@ class StepLane:
             if s is None:
                 if time.monotonic() < self.reopen_at:
                     return None
-                s = self.stream = StepStream(self._stub, self._md, self._timeout)
+                s = self.stream = self._open()
             reply = s.call(method, request, request_id, replay)
             if reply is None:  # broken: this call goes over the unary path
                 self.stream = None
@@ -169,6 +173,14 @@ class StepLane:
             raise
         finally:
             self._lock.release()
+
+    def _open(self) -> StepStream | StepSocket:
+        if self._socket_path is not None and self._token is not None:
+            sock = StepSocket.open(self._socket_path, self._token, self._timeout)
+            if sock is not None:
+                return sock
+            self.socket_misses += 1
+        return StepStream(self._stub, self._md, self._timeout)
 
     def close(self) -> None:
         with self._lock:

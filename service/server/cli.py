@@ -130,6 +130,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                           "(default %(default)s)")
     net.add_argument("--handshake-timeout-s", type=float, default=DEFAULT_HANDSHAKE_TIMEOUT_S,
                      help="close a connection that has not completed its handshake by then (default %(default)s)")
+    net.add_argument("--no-step-socket", dest="step_socket", action="store_false",
+                     help="do not open the Step socket beside a unix: socket (workers then send their step "
+                          "calls over the gRPC Step stream)")
     net.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     run = parser.add_argument_group("running")
     run.add_argument("--shm-dir", default=None, help="directory of the shared-memory pool files (default /dev/shm)")
@@ -204,6 +207,7 @@ def serve_options_from_args(args: argparse.Namespace) -> ServeOptions:
         quarantine_s=args.quarantine_s, kv_events=config_from_args(args),
         events_ring_size=args.kv_events_ring_size, events_interval_s=args.kv_events_interval_s,
         health_rpcs=args.health_rpcs, handshake_timeout_s=args.handshake_timeout_s,
+        step_socket=args.step_socket,
         operator_token=resolve_token(token_file=args.operator_token_file,
                                      allow_readable=args.allow_readable_token_file)
         if args.operator_token_file else None)

@@ -12,6 +12,11 @@ Listening (:mod:`~radixkv.service.server.listen`): a Unix socket by default (``u
 the directory 0700, a stale socket file replaced, a live one refused); TCP (``host:port``) with
 TLS, or plaintext on loopback only unless ``allow_insecure_tcp``.
 
+Beside a Unix socket the manager also opens the **Step socket** (``<socket>.step``,
+:mod:`~radixkv.service.server.step_socket`; ``step_socket=False`` / ``--no-step-socket``: off):
+the Step stream's messages as plain frames, which workers use for their step calls (no gRPC
+thread hand-off per message); it shares the call budget and the token checks.
+
 Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
 every ``sweep_interval_s`` (quarantining what a session held while its worker process may
 still run, for at most ``quarantine_s``, 30 s by default; see
@@ -59,10 +64,12 @@ from radixkv.service.server.listen import bind, default_address
 from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
+from radixkv.service.server.step_socket import StepSocketServer
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire.auth import Token
 from radixkv.service.wire.limits import CallLimits
 from radixkv.service.wire.shm import SharedBuffers, remove_stale_files
+from radixkv.service.wire.step import step_socket_path
 from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
@@ -115,6 +122,7 @@ class ServeOptions(NamedTuple):
     operator_token: Token | None = None  # given: Flush / Evict / CheckInvariants need it (server/auth.py)
     health_rpcs: int = DEFAULT_HEALTH_BUDGET  # unauthenticated health calls in flight, on top of the limit
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # a connection silent that long is closed
+    step_socket: bool = True  # the Step socket beside a unix: gRPC socket (server/step_socket.py)
 
 
 class CacheManagerServer:
@@ -171,6 +179,7 @@ class CacheManagerServer:
         self.events: EventHub | None = None
         self.outlets: EventOutlets | None = None
         self._socket_path: str | None = None
+        self.step_socket: StepSocketServer | None = None
         self.servicer: CacheManagerServicer | None = None
         self.address: str | None = None
         self.metrics_port: int | None = None
@@ -189,10 +198,10 @@ class CacheManagerServer:
                                              quarantine_s=float(o.quarantine_s), events=self.events,
                                              limits=o.call_limits, operator_token=o.operator_token)
         n = int(o.max_message_bytes)
+        auth = TokenAuthInterceptor(self._token, on_reject=self._rejected, operator_token=o.operator_token,
+                                    health_budget=o.health_rpcs, call_budget=int(o.max_concurrent_rpcs))
         self._server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(self._token, on_reject=self._rejected,
-                                               operator_token=o.operator_token, health_budget=o.health_rpcs,
-                                               call_budget=int(o.max_concurrent_rpcs))],
+            interceptors=[auth],
             options=[("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
                      ("grpc.so_reuseport", 0),
                      ("grpc.server_handshake_timeout_ms", max(1, int(float(o.handshake_timeout_s) * 1000)))],
@@ -216,6 +225,12 @@ class CacheManagerServer:
             self._socket_path = bound.socket_path
             self.address = bound.address
             await self._server.start()
+            if o.step_socket and bound.socket_path is not None:
+                self.step_socket = StepSocketServer(
+                    self.servicer, self._token, operator_token=o.operator_token, call_budget=auth.calls,
+                    max_message_bytes=n, handshake_timeout_s=float(o.handshake_timeout_s),
+                    on_reject=self._rejected, on_refused=self.metrics.step_socket_refused)
+                await self.step_socket.start(step_socket_path(bound.socket_path))
         except BaseException:
             if self.outlets is not None:
                 self.outlets.close_publisher()
@@ -308,6 +323,8 @@ class CacheManagerServer:
             await self._health.enter_graceful_shutdown()
         if self._closing is not None:
             self._closing.set()
+        if self.step_socket is not None:  # its connections end now; workers fall back to gRPC
+            await self.step_socket.stop()
         if self._server is not None:
             await self._server.stop(grace)
         if self._sweeper is not None:
@@ -332,6 +349,8 @@ class CacheManagerServer:
         await self._cleanup_files()
 
     async def _cleanup_files(self) -> None:
+        if self.step_socket is not None:
+            await self.step_socket.stop()
         self.shared.close()
         if self._socket_path is not None:
             try:

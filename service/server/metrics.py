@@ -14,7 +14,8 @@ queries written for vLLM work):
 * ``radixkv_build_info{version}`` (always 1), and the process collector's ``process_*``
   (CPU seconds, resident memory, open file descriptors, start time);
 * ``radixkv_rpc_latency_seconds{method,code}`` histogram (its ``_count``: calls);
-  ``radixkv_auth_failures_total{method}``;
+  ``radixkv_auth_failures_total{method}``; ``radixkv_step_socket_refused_total{why}``
+  (Step socket connections closed by its limits: ``handshake_timeout``, ``auth``, ...);
 * ``radixkv_prefix_cache_queries_total`` / ``radixkv_prefix_cache_hits_total``: prompt tokens
   looked up / found in the cache (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``;
   hit rate: ``rate(..._hits_total[5m]) / rate(..._queries_total[5m])``);
@@ -120,6 +121,10 @@ class ServiceMetrics:
                                      ["method", "code"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.auth_failures = Counter("radixkv_auth_failures", "calls rejected for a missing or wrong token",
                                      ["method"], registry=self.registry)
+        self.step_socket_refusals = Counter("radixkv_step_socket_refused",
+                                            "Step socket connections closed by its limits (handshake timeout, "
+                                            "wrong token, bad hello, oversize frame, connection limits)",
+                                            ["why"], registry=self.registry)
         from radixkv import __version__
 
         Info("radixkv_build", "the radixkv version serving", registry=self.registry).info({"version": __version__})
@@ -137,6 +142,9 @@ class ServiceMetrics:
 
     def auth_failed(self, method: str) -> None:
         self.auth_failures.labels(method.rsplit("/", 1)[-1] or "?").inc()
+
+    def step_socket_refused(self, why: str) -> None:
+        self.step_socket_refusals.labels(why).inc()
 
     def update(self, stats: EngineStats) -> None:
         """Replace the engine snapshot the exporter serves (call from the engine's loop)."""

@@ -20,7 +20,7 @@ from radixkv.service.wire.step import STEP_METHODS, error_to_msg
 
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError, RadixKVError
 
-__all__ = ["serve_step_stream"]
+__all__ = ["serve_step_stream", "answer_step"]
 
 log = logging.getLogger("radixkv.service")
 
@@ -40,10 +40,11 @@ def _bodies(servicer: Any) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
 OPERATOR_STEP_METHODS = frozenset({"Evict"})
 
 
-async def _one(servicer: Any, raw: bytes, operator: bool = True) -> bytes:
+async def answer_step(servicer: Any, raw: bytes, operator: bool = True) -> bytes:
     """Run one StepRequest (the replay riding on it first, then the call, each as its unary
     call would run, with no await between them) and return the StepResponse bytes.
-    ``operator``: whether the stream may make operator calls."""
+    ``operator``: whether the stream may make operator calls. (The Step socket,
+    :mod:`~radixkv.service.server.step_socket`, runs its frames through this too.)"""
     from radixkv.service.server.servicer import parse
 
     t0 = time.perf_counter()
@@ -136,7 +137,7 @@ async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.
             raw = await context.read()
             if raw is grpc.aio.EOF:
                 return
-            await context.write(await _one(servicer, raw, operator))
+            await context.write(await answer_step(servicer, raw, operator))
     except asyncio.CancelledError:
         if servicer.closing.is_set():
             return  # ended by the shutdown: the stream ends OK

@@ -41,7 +41,9 @@ def srv():
 
 
 def stream_client(srv, **kw):
-    c = srv.client(step_stream=True, **kw)
+    """A client whose step calls go over the gRPC Step stream (not the Step socket, which
+    ``tests/service/test_step_socket.py`` covers)."""
+    c = srv.client(step_stream=True, step_socket=False, **kw)
     return c, c.attach("w").session
 
 
@@ -66,7 +68,7 @@ def _sequence(eng):
 
 
 def test_step_calls_go_over_one_stream_and_answer_as_unary_calls(srv):
-    c = srv.client(step_stream=True)
+    c = srv.client(step_stream=True, step_socket=False)
     got = _sequence(c)
     assert c.steps.stream is not None and c.steps.stream.calls == 9 and c.steps.fallbacks == 0
     with ThreadedServer(CONFIG) as other:  # the same calls as unary calls on a fresh manager
@@ -172,7 +174,7 @@ def test_a_late_reply_is_a_deadline_and_the_retry_gets_the_kept_reply(srv):
         c.alloc_decode(s, [DecodeItem("a", 3)])  # it ran (9 tokens), but the reply is late
     assert time.monotonic() - t < 4.0  # the watchdog ended the wait, not the 5 s late reply
     assert c.steps.stream is None  # the timed-out stream is dropped
-    r = srv.client(retries=1, timeout_s=0.3, step_stream=True)
+    r = srv.client(retries=1, timeout_s=0.3, step_stream=True, step_socket=False)
     d = r.alloc_decode(s, [DecodeItem("a", 4)])  # the stream try times out; the unary retry
     assert d.seq_lens.tolist() == [10] and r.retried == 1  # (same id) gets the kept reply
     srv.call(lambda server: server.servicer.reply_delays.clear())

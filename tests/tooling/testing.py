@@ -123,14 +123,15 @@ class ThreadedServer:
 
 def start_remote_engine(config: EngineConfig | dict[str, Any] | None = None,
                         clock: Callable[[], float] | None = None, *,
-                        step_stream: bool = False) -> tuple[RemoteCacheEngine, Callable[[], None]]:
+                        step_stream: bool = False,
+                        step_socket: bool = True) -> tuple[RemoteCacheEngine, Callable[[], None]]:
     """A remote engine over a fresh threaded server: ``(client, close)``. Unary calls only
     unless ``step_stream`` (the conformance suite runs the unary client through this and the
     stream client separately, so both paths stay covered whatever ``connect``'s default)."""
     server = ThreadedServer(config, clock=clock)
     server.start()
     try:
-        return server.client(step_stream=step_stream), server.stop
+        return server.client(step_stream=step_stream, step_socket=step_socket), server.stop
     except RadixKVError:
         server.stop()
         raise

@@ -474,3 +474,11 @@ class StepResponse(_message.Message):
     rides_replay: bool
     replayed: bool
     def __init__(self, reply: _Optional[bytes] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., rides_replay: _Optional[bool] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class StepHello(_message.Message):
+    __slots__ = ("token", "version")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    version: int
+    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
