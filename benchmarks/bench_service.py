@@ -12,9 +12,10 @@ call: the worker takes ``B`` requests, calls ``alloc_extend`` once for all of th
 Runs: a real server process (``radixkv serve``, Unix socket, shared-memory pools) and
 ``W`` = 1, 2, 4 worker processes (multiprocessing spawn), each with its own session, at
 ``B`` = 1, 8, 32 requests per step (``max(requests // B, min_steps)`` steps per worker). The
-tree is flushed between runs. ``--transport stream`` (default) sends the step calls over
-the client's persistent Step stream (``connect(..., step_stream=True)``), ``unary`` as one
-unary RPC each. The embedded baseline
+tree is flushed between runs. ``--transport socket`` (default, ``connect()``'s default)
+sends the step calls over the manager's Step socket (plain frames on a Unix socket,
+``radixkv.service.client.step_socket``), ``stream`` over the client's persistent gRPC Step
+stream (``connect(..., step_socket=False)``), ``unary`` as one unary RPC each. The embedded baseline
 replays exactly the same batches (all ``W`` workers' streams, one after the other) on a
 fresh in-process ``CacheEngine`` with the same config and, like the server
 (``--torch-threads 1``), one torch thread. Both sides first run 2 warm-up steps
@@ -45,7 +46,7 @@ With 8 decode steps per request and N >= 9, a scheduler step is 2 calls over the
 clients' counters over the timed run) per scheduler step.
 
     python benchmarks/bench_service.py [--workers 1 2 4] [--batches 1 8 32] [--requests 256]
-                                       [--min-steps 16] [--transport stream|unary]
+                                       [--min-steps 16] [--transport socket|stream|unary]
                                        [--decode-reserve 16] [--no-local-decode]
 """
 from __future__ import annotations
@@ -140,13 +141,14 @@ def thread_cpu_s(pid: int, tid: int) -> float:
         return int(f.read().split()[0]) / 1e9
 
 
-def worker_main(idx: int, address: str, token: str, plan, barrier, results, stream: bool = True,
+def worker_main(idx: int, address: str, token: str, plan, barrier, results, transport: str = "socket",
                 heartbeat: bool = False, local_decode: bool = True):
     """One worker process: for each (B, steps) of ``plan``, wait at the barrier, run, report
     (with ``heartbeat``, then time 300 single calls after the last run)."""
     from radixkv.service.client import connect
 
-    c = connect(address, token=token, wait_s=120, timeout_s=120, step_stream=stream, local_decode=local_decode)
+    c = connect(address, token=token, wait_s=120, timeout_s=120, step_stream=transport != "unary",
+                step_socket=transport == "socket", local_decode=local_decode)
     s = c.attach(f"bench-{idx}").session
     c.start_keepalive(s)
     for run, (b, steps) in enumerate(plan):
@@ -202,8 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=256, help="requests per worker per run (rounded to B)")
     ap.add_argument("--min-steps", type=int, default=16, help="scheduler steps per worker per run, at least")
-    ap.add_argument("--transport", choices=("stream", "unary"), default="stream",
-                    help="step calls over the client's Step stream, or one unary RPC each")
+    ap.add_argument("--transport", choices=("socket", "stream", "unary"), default="socket",
+                    help="step calls over the manager's Step socket, the client's gRPC Step stream, "
+                         "or one unary RPC each")
     ap.add_argument("--decode-reserve", type=int, default=16,
                     help="EngineConfig.decode_reserve of the server AND the embedded engine (default %(default)s)")
     ap.add_argument("--no-local-decode", action="store_true",
@@ -242,7 +245,7 @@ def main(argv=None) -> int:
             barrier = ctx.Barrier(w + 1)
             results = ctx.Queue()
             procs = [ctx.Process(target=worker_main, daemon=True,
-                                 args=(i, address, token, plan, barrier, results, args.transport == "stream", w == 1,
+                                 args=(i, address, token, plan, barrier, results, args.transport, w == 1,
                                        not args.no_local_decode))
                      for i in range(w)]
             for p in procs:

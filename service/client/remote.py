@@ -3,12 +3,14 @@ protocol (``radixkv.engine.protocol.CacheEngineAPI``) run against a cache-manage
 
 Every protocol call carries the whole batch (token ids and indices as packed int32/int64
 bytes). The step calls (heartbeat, match, alloc_extend, alloc_decode, cache_*, release,
-evict) are by default messages of one persistent ``Step`` stream per client, opened on the
-first step call, carrying the same request and reply messages as the unary RPCs and saving
-the call set-up of each (:mod:`radixkv.service.server.step_stream`; measured in ``docs/service.md``,
-"Benchmark": 7-39% less CPU per request than unary calls, under half the round trip);
-``connect(..., step_stream=False)`` makes every call a unary RPC (the other calls always
-are). Failed calls raise the same :mod:`radixkv.errors` types the embedded engine raises
+evict) are by default messages of one persistent lane per client, opened on the first step
+call, carrying the same request and reply messages as the unary RPCs: the manager's Step
+socket when it has one (a ``unix:`` address; plain frames, no gRPC thread hand-off,
+:mod:`radixkv.service.client.step_socket`; measured in ``docs/service.md``, "The Step
+socket"), else one gRPC ``Step`` stream (:mod:`radixkv.service.server.step_stream`; 7-39% less
+CPU per request than unary calls); ``connect(..., step_socket=False)`` uses the stream,
+``step_stream=False`` makes every call a unary RPC (the other calls always are). Failed
+calls raise the same :mod:`radixkv.errors` types the embedded engine raises
 (:func:`radixkv.service.wire.errors.error_from_rpc`).
 
 Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a

@@ -271,3 +271,49 @@ def test_every_rpc_but_health_needs_the_token(wire):
     directory = os.path.dirname(wire.srv.address[len("unix://"):])
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     wire.audit()
+
+
+def test_hypothesis_step_messages_over_the_step_socket(wire):
+    """The step calls' messages (and raw garbage) as frames of the Step socket: every answer
+    comes in band with an allowed code, the connection goes on, invariants hold."""
+    import socket
+
+    from radixkv.service.wire.step import FRAME, SOCKET_VERSION, STEP_METHODS, step_socket_path
+
+    codes = {c.value[0]: c.name for c in grpc.StatusCode}
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(step_socket_path(wire.srv.address[len("unix://"):]))
+    reader = sock.makefile("rb")
+
+    def ask(frame: bytes) -> str:
+        sock.sendall(FRAME.pack(len(frame)) + frame)
+        (n,) = FRAME.unpack(reader.read(FRAME.size))
+        resp = pb.StepResponse.FromString(reader.read(n))
+        return "OK" if resp.WhichOneof("result") == "reply" else codes[resp.error.code]
+
+    assert ask(pb.StepHello(token=wire.srv.token, version=SOCKET_VERSION).SerializeToString()) == "OK"
+    methods = by_method(wire)
+    covered = set()
+
+    @FUZZ
+    @given(item=st.one_of(*(methods[m] for m in STEP_METHODS if m in methods)),
+           rid=st.one_of(st.none(), st.sampled_from(["dup-1", "dup-3"])),
+           garbage=st.one_of(st.none(), st.binary(max_size=64)))
+    def frames(item, rid, garbage):
+        method, msg = item
+        frame = garbage if garbage is not None else pb.StepRequest(
+            method=method, request=msg.SerializeToString(), request_id=rid or "").SerializeToString()
+        code = ask(frame)
+        assert code in ALLOWED, (method, msg, garbage, code)
+        covered.add(method)
+        wire.audit()
+
+    try:
+        frames()
+        assert len(covered) >= 5, covered
+        assert ask(pb.StepRequest(method="Heartbeat", request=pb.HeartbeatRequest(
+            session=wire.a).SerializeToString()).SerializeToString()) in ALLOWED  # the connection went on
+    finally:
+        reader.close()
+        sock.close()
