@@ -2,7 +2,8 @@
 as frames of a plain Unix socket beside the gRPC socket. Its calls answer as the unary calls
 do (the conformance suite runs every scenario over it: ``tests/conformance/test_conformance_stream.py``);
 here: the file, the hello, every limit that closes a connection (each counted and logged),
-deadlines, fallback to the gRPC path, the call budget and shutdown."""
+fallback to the gRPC path, the call budget and shutdown (deadlines: ``test_step_stream.py``,
+run over both lanes)."""
 from __future__ import annotations
 
 import logging
@@ -274,24 +275,6 @@ def test_an_open_connection_holds_a_slot_of_the_call_budget():
 
 
 # ------------------------------------------------------------------ deadlines, breaks, shutdown
-def test_a_late_reply_is_a_deadline_and_the_retry_gets_the_kept_reply(srv):
-    c = srv.client(timeout_s=0.3)
-    s = c.attach("w").session
-    c.alloc_extend(s, [ExtendItem("a", toks(8))])
-    assert isinstance(c.steps.stream, StepSocket)
-    srv.call(lambda server: server.servicer.reply_delays.update(AllocDecode=5.0))
-    t = time.monotonic()
-    with pytest.raises(ServiceUnavailableError, match="Deadline"):
-        c.alloc_decode(s, [DecodeItem("a", 3)])  # it ran (9 tokens), but the reply is late
-    assert time.monotonic() - t < 4.0 and c.steps.stream is None
-    r = srv.client(retries=1, timeout_s=0.3)
-    d = r.alloc_decode(s, [DecodeItem("a", 4)])  # the socket try times out; the unary retry
-    assert d.seq_lens.tolist() == [10] and r.retried == 1  # (same id) gets the kept reply
-    srv.call(lambda server: server.servicer.reply_delays.clear())
-    assert c.stats(s).kv_held == 10
-    c.check_invariants()
-
-
 def test_a_broken_connection_falls_back_to_unary_calls(srv):
     c = srv.client()
     s = c.attach("w").session

@@ -165,17 +165,20 @@ def test_the_stream_needs_the_token(srv):
         ch.close()
 
 
-def test_a_late_reply_is_a_deadline_and_the_retry_gets_the_kept_reply(srv):
-    c, s = stream_client(srv, timeout_s=0.3)
+@pytest.mark.parametrize("socket", [False, True], ids=["grpc-stream", "step-socket"])
+def test_a_late_reply_is_a_deadline_and_the_retry_gets_the_kept_reply(srv, socket):
+    c = srv.client(step_stream=True, step_socket=socket, timeout_s=0.3)
+    s = c.attach("w").session
     c.alloc_extend(s, [ExtendItem("a", toks(8))])
+    assert type(c.steps.stream).__name__ == ("StepSocket" if socket else "StepStream")
     srv.call(lambda server: server.servicer.reply_delays.update(AllocDecode=5.0))
     t = time.monotonic()
     with pytest.raises(ServiceUnavailableError, match="Deadline"):
         c.alloc_decode(s, [DecodeItem("a", 3)])  # it ran (9 tokens), but the reply is late
-    assert time.monotonic() - t < 4.0  # the watchdog ended the wait, not the 5 s late reply
-    assert c.steps.stream is None  # the timed-out stream is dropped
-    r = srv.client(retries=1, timeout_s=0.3, step_stream=True, step_socket=False)
-    d = r.alloc_decode(s, [DecodeItem("a", 4)])  # the stream try times out; the unary retry
+    assert time.monotonic() - t < 4.0  # the watchdog / socket timeout ended the wait, not the late reply
+    assert c.steps.stream is None  # the timed-out lane is dropped
+    r = srv.client(retries=1, timeout_s=0.3, step_stream=True, step_socket=socket)
+    d = r.alloc_decode(s, [DecodeItem("a", 4)])  # the lane's try times out; the unary retry
     assert d.seq_lens.tolist() == [10] and r.retried == 1  # (same id) gets the kept reply
     srv.call(lambda server: server.servicer.reply_delays.clear())
     assert c.stats(s).kv_held == 10
