@@ -195,7 +195,12 @@ def test_a_silent_connection_is_closed_after_the_handshake_timeout_counted_and_l
         assert isinstance(c.steps.stream, StepSocket)
 
 
-def test_connections_waiting_for_their_hello_are_bounded(srv):
+def test_connections_waiting_for_their_hello_are_bounded():
+    with ThreadedServer(CONFIG, options=opts(handshake_timeout_s=120.0)) as srv:  # none times out meanwhile
+        _fill_the_waiting_room(srv)
+
+
+def _fill_the_waiting_room(srv):
     waiting = [raw_connect(srv) for _ in range(MAX_PENDING)]
     deadline = time.monotonic() + 10
     while srv.call(lambda server: server.step_socket.pending) < MAX_PENDING:
