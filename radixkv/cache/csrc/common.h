@@ -8,7 +8,7 @@
 static PyTypeObject *node_type = NULL;
 static Py_ssize_t off_kbuf, off_only, off_children, off_vbuf, off_last, off_hits;
 static Py_ssize_t off_skey, off_lock, off_parent, off_prio, off_created, off_id, off_hashes, off_pstate;
-static PyObject *np_empty = NULL, *i64_dtype = NULL, *from_numpy = NULL;
+static PyObject *from_dlpack = NULL;  /* torch._C._from_dlpack: a match's rows tensor (rows.c) */
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 
