@@ -6,9 +6,10 @@ compiler the install still succeeds and every path runs in Python. The Python co
 compiled functions replace pieces of it one for one (``tests/test_native_walk.py`` runs both
 on the same random operations and compares every result and every node's fields):
 
-* ``walk``: ``match_prefix``'s walk plus the int32 -> int64 widening of the matched rows (a
-  result of 1,024-131,072 rows is a view into a pooled buffer, reused once nothing references
-  it: no first-touch page faults on fresh heap; ``pool_stats()``);
+* ``walk``: ``match_prefix``'s walk plus the int32 -> int64 widening of the matched rows, a
+  tensor made by ``torch._C._from_dlpack`` straight over the C buffer (no numpy array in
+  between); a result of 1,024-131,072 rows uses a pooled buffer, given back when the tensor's
+  storage dies: no first-touch page faults on fresh heap; ``pool_stats()``;
 * ``find``: ``insert``'s read-only walk;
 * ``narrow``: the range check and int32 copy of a contiguous int64 tensor's rows (read
   at its ``data_ptr()``: no ``.numpy()`` view);
@@ -44,7 +45,6 @@ from __future__ import annotations
 from heapq import heappush
 from typing import Any
 
-import numpy as np
 import torch
 
 from radixkv.allocator.native import load_optional
@@ -56,7 +56,7 @@ __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert",
 
 _mod, unavailable_reason = load_optional("radixkv.cache._native")
 if _mod is not None:
-    _mod.bind(TreeNode, np.empty, np.dtype(np.int64), torch.from_numpy)
+    _mod.bind(TreeNode, torch._C._from_dlpack)  # a match's rows: a tensor over a DLPack capsule
     # insert files and unfiles leaves of a LeafIndex on its slots (its add/remove, in C)
     _mod.bind_leaves(leaf_index.LeafIndex, heappush, leaf_index._SLACK)
     _mod.bind_metrics(CacheMetrics)  # and adds to its insert counters (slots) itself

@@ -192,7 +192,7 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             Py_SETREF(SLOT(node, off_skey), Py_NewRef(Py_None));
         }
         PyObject *ch = SLOT(node, off_children);
-        bad = (page = PyBytes_FromStringAndSize(PyBytes_AS_STRING(buf) + pos, pb)) == NULL ||
+        bad = (page = page_key(PyBytes_AS_STRING(buf) + pos, pb)) == NULL ||
               PyDict_SetItem(ch, page, leaf) < 0;
         Py_XDECREF(page);
         if (!bad) {

@@ -63,7 +63,9 @@ PyDoc_STRVAR(match_doc,
 
 static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *self, *key, *d = NULL, *buf = NULL, *ek = NULL, *cw = NULL, *dev = NULL, *pbo = NULL, *heads = NULL,
-        *head = NULL, *dis = NULL, *clock = NULL, *w = NULL, *res = NULL, *log = NULL;
+        *head = NULL, *dis = NULL, *clock = NULL, *res = NULL, *log = NULL, *node = NULL, *tk = NULL, *rows = NULL;
+    touch_ctx tc;
+    touch_init(&tc, 0);
     if (py_match == NULL || node_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "radixkv.cache._native: bind()/bind_match() not called");
         return NULL;
@@ -114,27 +116,33 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     long long tick = PyLong_AsLongLong(clock);
     if (tick == -1 && PyErr_Occurred())
         goto done;
+    tc.tick = tick;
     if (!PyObject_TypeCheck(head, node_type)) {
         PyErr_SetString(PyExc_TypeError, "match: a namespace head is not a TreeNode");
         goto done;
     }
-    w = walk_at(head, buf, n, pb, tick);
-    if (w == NULL)
+    /* the walk (touching each matched node), its results kept in C: no tuple in between */
+    Py_ssize_t pos;
+    PyObject *wnode, *wsplit;
+    if (descend(head, PyBytes_AS_STRING(buf), n, pb, touch, &tc, &pos, &wnode, &wsplit) < 0)
         goto done;
-    if (PyTuple_GET_ITEM(w, 4) != Py_None) {  /* ended inside a node: cache._split_end splits it */
-        PyObject *nobj = PyLong_FromSsize_t(n), *r = NULL;
-        int inc = split_in_c(self, d, Py_TYPE(self), PyTuple_GET_ITEM(w, 4));
-        if (inc < 0)
-            Py_CLEAR(nobj);
-        if (nobj != NULL && inc) {  /* the same, in C (split.c) */
-            Py_ssize_t wpos = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
-            long long wtick = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
-            if (!PyErr_Occurred())
-                r = split_end_c(self, d, PyTuple_GET_ITEM(w, 4), buf, wpos, n, pb, wtick, PyTuple_GET_ITEM(w, 3));
-        } else if (nobj != NULL)
-            r = PyObject_CallMethodObjArgs(self, s_split_end, PyTuple_GET_ITEM(w, 4), buf, PyTuple_GET_ITEM(w, 0),
-                                           nobj, PyTuple_GET_ITEM(w, 2), PyTuple_GET_ITEM(w, 3), NULL);
-        Py_XDECREF(nobj);
+    node = Py_NewRef(wnode);  /* owned from here: what follows may run Python code (a GC pass) */
+    if (wsplit == Py_None) {
+        if ((rows = widen(tc.vals, tc.nv, pos >> 2)) == NULL || (tk = PyLong_FromLongLong(tc.tick)) == NULL)
+            goto done;
+    } else {  /* ended inside a node: cache._split_end splits it */
+        PyObject *split = Py_NewRef(wsplit), *vals = touched_list(&tc), *r = NULL;
+        int inc = vals == NULL ? -1 : split_in_c(self, d, Py_TYPE(self), split);
+        if (inc > 0) {  /* the same, in C (split.c) */
+            r = split_end_c(self, d, split, buf, pos, n, pb, tc.tick, vals);
+        } else if (inc == 0) {
+            PyObject *po = PyLong_FromSsize_t(pos), *nobj = PyLong_FromSsize_t(n), *to = PyLong_FromLongLong(tc.tick);
+            if (po != NULL && nobj != NULL && to != NULL)
+                r = PyObject_CallMethodObjArgs(self, s_split_end, split, buf, po, nobj, to, vals, NULL);
+            Py_XDECREF(po); Py_XDECREF(nobj); Py_XDECREF(to);
+        }
+        Py_DECREF(split);
+        Py_XDECREF(vals);
         if (r == NULL)
             goto done;
         if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 4) {
@@ -142,12 +150,15 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             PyErr_SetString(PyExc_TypeError, "match: _split_end must return (pos, node, tick, rows)");
             goto done;
         }
-        Py_SETREF(w, r);  /* (pos, node, tick, rows): the layout of walk's first four */
+        pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(r, 0));
+        Py_SETREF(node, Py_NewRef(PyTuple_GET_ITEM(r, 1)));
+        tk = Py_NewRef(PyTuple_GET_ITEM(r, 2));
+        rows = Py_NewRef(PyTuple_GET_ITEM(r, 3));
+        Py_DECREF(r);
+        if (pos == -1 && PyErr_Occurred())
+            goto done;
     }
-    Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GET_ITEM(w, 0));
-    if (pos == -1 && PyErr_Occurred())
-        goto done;
-    if (aset(self, d, s_clock, PyTuple_GET_ITEM(w, 2)) < 0 || get(self, d, s_qlog, &log) < 0)
+    if (aset(self, d, s_clock, tk) < 0 || get(self, d, s_qlog, &log) < 0)
         goto done;
     if (log != Py_None) {
         PyObject *qa = PyLong_FromSsize_t(nbytes >> 2), *qb = PyLong_FromSsize_t(pos >> 2), *q = NULL;
@@ -186,12 +197,13 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(plen);
         goto done;
     }
-    PyTuple_SET_ITEM(res, 0, Py_NewRef(PyTuple_GET_ITEM(w, 3)));
-    PyTuple_SET_ITEM(res, 1, Py_NewRef(PyTuple_GET_ITEM(w, 1)));
+    PyTuple_SET_ITEM(res, 0, Py_NewRef(rows));
+    PyTuple_SET_ITEM(res, 1, Py_NewRef(node));
     PyTuple_SET_ITEM(res, 2, plen);
 done:
     Py_XDECREF(buf); Py_XDECREF(ek); Py_XDECREF(pbo); Py_XDECREF(heads); Py_XDECREF(head); Py_XDECREF(dis);
-    Py_XDECREF(clock); Py_XDECREF(w); Py_XDECREF(log); Py_XDECREF(d);
+    Py_XDECREF(clock); Py_XDECREF(log); Py_XDECREF(d); Py_XDECREF(node); Py_XDECREF(tk); Py_XDECREF(rows);
+    touch_release(&tc);
     return res;
 }
 

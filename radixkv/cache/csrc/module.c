@@ -6,9 +6,9 @@
  * cache in lockstep and compares every result and every node after every step.
  *
  * Parts: nodes.c (TreeNode slot offsets, new_node), rows.c (pooled int64 results, int32
- * narrowing), walk.c (the descent: walk for match_prefix, find for insert), match.c and
- * insert.c (the two methods whole for their common case; every other call goes to Python
- * before anything changes).
+ * narrowing), pagekeys.c (shared first-page keys of the children dicts), walk.c (the
+ * descent: walk for match_prefix, find for insert), match.c and insert.c (the two methods
+ * whole for their common case; every other call goes to Python before anything changes).
  *
  * Nodes are radixkv.cache.tree_node.TreeNode objects (__slots__): bind() looks up the slots'
  * offsets once, and the walks read and write those slots directly. Nothing in a descent runs
@@ -24,6 +24,7 @@
 #include "common.h"
 #include "nodes.c"
 #include "rows.c"
+#include "pagekeys.c"
 #include "walk.c"
 #include "attrs.c"
 #include "split.c"

@@ -13,12 +13,12 @@ static int slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off) {
     return 0;
 }
 
-PyDoc_STRVAR(bind_doc, "bind(node_type, np_empty, int64_dtype, from_numpy): set the node class and the "
-                       "callables that build a match's int64 tensor. Call once, before any walk.");
+PyDoc_STRVAR(bind_doc, "bind(node_type, from_dlpack): set the node class and torch._C._from_dlpack, which "
+                       "makes a match's int64 tensor (rows.c). Call once, before any walk.");
 
 static PyObject *bind(PyObject *self, PyObject *args) {
-    PyObject *nt, *emp, *dt, *fnp;
-    if (!PyArg_ParseTuple(args, "O!OOO", &PyType_Type, &nt, &emp, &dt, &fnp))
+    PyObject *nt, *fdl;
+    if (!PyArg_ParseTuple(args, "O!O", &PyType_Type, &nt, &fdl))
         return NULL;
     static const char *names[14] = {"kbuf", "only", "children", "vbuf", "last_access", "hits", "skey",
                                     "lock_ref", "parent", "priority", "created", "id", "block_hashes", "pstate"};
@@ -36,9 +36,7 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     off_parent = offs[8]; off_prio = offs[9]; off_created = offs[10]; off_id = offs[11];
     off_hashes = offs[12]; off_pstate = offs[13];
     Py_INCREF(nt); Py_XSETREF(node_type, t);
-    Py_INCREF(emp); Py_XSETREF(np_empty, emp);
-    Py_INCREF(dt); Py_XSETREF(i64_dtype, dt);
-    Py_INCREF(fnp); Py_XSETREF(from_numpy, fnp);
+    Py_INCREF(fdl); Py_XSETREF(from_dlpack, fdl);
     Py_RETURN_NONE;
 }
 

@@ -87,11 +87,11 @@ static PyObject *split_end_c(PyObject *self, PyObject *d, PyObject *child, PyObj
     /* everything read from child's old kbuf / vbuf is copied out before they are replaced
      * (replacing them may free them) */
     if ((nk = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb), m)) == NULL ||
-        (first = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb), pb)) == NULL ||
+        (first = page_key(PyBytes_AS_STRING(kb), pb)) == NULL ||
         (nv = PyBytes_FromStringAndSize(PyBytes_AS_STRING(vb), m)) == NULL ||
         (ck = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + m, kl - m)) == NULL ||
         (cv = PyBytes_FromStringAndSize(PyBytes_AS_STRING(vb) + m, kl - m)) == NULL ||
-        (page = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + m, pb)) == NULL ||
+        (page = page_key(PyBytes_AS_STRING(kb) + m, pb)) == NULL ||
         (tk = PyLong_FromLongLong(created)) == NULL || (pr = PyLong_FromLongLong(prio)) == NULL ||
         PyList_Append(vals, nv) < 0)
         goto done;

@@ -50,7 +50,7 @@ static PyObject *child_at(PyObject *node, const char *buf, Py_ssize_t pos, Py_ss
         }
         if (PyDict_GET_SIZE(ch) == 0)
             return NULL;
-        PyObject *k = PyBytes_FromStringAndSize(buf + pos, pb);
+        PyObject *k = page_key(buf + pos, pb);
         if (k == NULL)
             return NULL;
         child = PyDict_GetItemWithError(ch, k);
@@ -79,6 +79,27 @@ static int key_matches(PyObject *child, const char *buf, Py_ssize_t pos, Py_ssiz
     return 0;
 }
 
+/* Start loading what the walk reads next while it compares child's key (the loads of a
+ * descent are chains of dependent misses: node -> its slots' objects -> their bytes): the
+ * child's vbuf (its size and first rows), the counters touch() replaces, and the next node
+ * (child.only, the lone child most nodes have). Hints only: nothing is dereferenced here
+ * but child's own slots, already loaded. */
+static inline void prefetch_next(PyObject *child) {
+#if defined(__GNUC__)
+    PyObject *vb = SLOT(child, off_vbuf), *nx = SLOT(child, off_only);
+    __builtin_prefetch(vb, 0, 3);
+    __builtin_prefetch((char *)vb + 64, 0, 3);
+    __builtin_prefetch(SLOT(child, off_last), 1, 3);
+    __builtin_prefetch(SLOT(child, off_hits), 1, 3);
+    if (nx != Py_None) {
+        __builtin_prefetch((char *)nx - 16, 0, 3);  /* (its GC header: one line before) */
+        __builtin_prefetch((char *)nx + 64, 0, 3);
+    }
+#else
+    (void)child;
+#endif
+}
+
 /* The descent both walks share: from head, follow the child whose whole key matches
  * buf[pos:n] (child_at + key_matches), calling visit(child, ctx) on each. Sets the bytes
  * matched, the last matched node (borrowed; head if none) and the split candidate
@@ -97,6 +118,7 @@ static int descend(PyObject *head, const char *buf, Py_ssize_t n, Py_ssize_t pb,
                 return -1;
             break;
         }
+        prefetch_next(child);
         if (!key_matches(child, buf, pos, n, pb, split))
             break;
         if (visit(child, ctx) < 0)
@@ -164,26 +186,40 @@ PyDoc_STRVAR(walk_doc,
 "pos: bytes matched; node: the last matched node (head if none); rows: with split None,\n"
 "an int64 tensor of the matched nodes' rows, else the list of their vbufs.");
 
-/* walk() on checked C arguments (match.c calls it directly). */
+static void touch_init(touch_ctx *c, long long tick) {
+    c->tick = tick;
+    c->vals = c->stack;
+    c->nv = 0;
+    c->cap = 32;
+}
+
+static void touch_release(touch_ctx *c) {
+    for (Py_ssize_t i = 0; i < c->nv; i++)
+        Py_DECREF(c->vals[i]);
+    if (c->vals != c->stack)
+        PyMem_Free(c->vals);
+    touch_init(c, c->tick);
+}
+
+/* The matched nodes' vbufs as a new list (new reference), or NULL with an error set. */
+static PyObject *touched_list(touch_ctx *c) {
+    PyObject *l = PyList_New(c->nv);
+    if (l != NULL)
+        for (Py_ssize_t i = 0; i < c->nv; i++)
+            PyList_SET_ITEM(l, i, Py_NewRef(c->vals[i]));
+    return l;
+}
+
+/* walk() on checked C arguments. */
 static PyObject *walk_at(PyObject *head, PyObject *buf, Py_ssize_t n, Py_ssize_t pb, long long tick) {
     Py_ssize_t pos;
     touch_ctx c;
-    c.tick = tick;
-    c.vals = c.stack;
-    c.nv = 0;
-    c.cap = 32;
+    touch_init(&c, tick);
     PyObject *node, *split, *rows = NULL, *res = NULL;
     if (descend(head, PyBytes_AS_STRING(buf), n, pb, touch, &c, &pos, &node, &split) == 0) {
         Py_INCREF(node);  /* owned from here: widen() may run Python code (a GC pass) */
         Py_INCREF(split);
-        if (split == Py_None) {
-            rows = widen(c.vals, c.nv, pos >> 2);
-        } else if ((rows = PyList_New(c.nv)) != NULL) {
-            for (Py_ssize_t i = 0; i < c.nv; i++) {
-                Py_INCREF(c.vals[i]);
-                PyList_SET_ITEM(rows, i, c.vals[i]);
-            }
-        }
+        rows = split == Py_None ? widen(c.vals, c.nv, pos >> 2) : touched_list(&c);
         PyObject *po = PyLong_FromSsize_t(pos), *tk = PyLong_FromLongLong(c.tick);
         if (rows != NULL && po != NULL && tk != NULL && (res = PyTuple_New(5)) != NULL) {
             /* (pos, node, tick, rows, split); a tuple filled directly (Py_BuildValue parses
@@ -201,10 +237,7 @@ static PyObject *walk_at(PyObject *head, PyObject *buf, Py_ssize_t n, Py_ssize_t
             Py_DECREF(split);
         }
     }
-    for (Py_ssize_t i = 0; i < c.nv; i++)
-        Py_DECREF(c.vals[i]);
-    if (c.vals != c.stack)
-        PyMem_Free(c.vals);
+    touch_release(&c);
     return res;
 }
 
