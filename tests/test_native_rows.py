@@ -119,3 +119,22 @@ def test_rows_under_the_debug_allocator():
     out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ok"
+
+
+def test_the_public_dlpack_entry_point_serves_too():
+    """Where a torch lacks ``torch._C._from_dlpack``, ``native`` binds the public
+    ``torch.utils.dlpack.from_dlpack``: the same capsule gives the same tensor."""
+    from radixkv.cache.tree_node import TreeNode
+
+    key = RadixKey(np.arange(2048, dtype=np.int32))
+    c = RadixCache(page_size=1, native=True)
+    c.insert(key, torch.arange(5, 5 + 2048))
+    native._mod.bind(TreeNode, torch.utils.dlpack.from_dlpack)
+    try:
+        got = c.match_prefix(key).device_indices
+        assert got.dtype == torch.int64 and torch.equal(got, torch.arange(5, 5 + 2048))
+        del got
+        gc.collect()
+        assert not any(in_use().values())  # its buffer went back to the pool
+    finally:
+        native._mod.bind(TreeNode, torch._C._from_dlpack)

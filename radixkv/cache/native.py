@@ -56,7 +56,9 @@ __all__ = ["available", "walk", "find", "narrow", "new_node", "match", "insert",
 
 _mod, unavailable_reason = load_optional("radixkv.cache._native")
 if _mod is not None:
-    _mod.bind(TreeNode, torch._C._from_dlpack)  # a match's rows: a tensor over a DLPack capsule
+    # a match's rows: a tensor over a DLPack capsule; torch's C entry point when this torch has
+    # it (~1,000 instructions a call), else the public one (same capsule protocol, more checks)
+    _mod.bind(TreeNode, getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack)
     # insert files and unfiles leaves of a LeafIndex on its slots (its add/remove, in C)
     _mod.bind_leaves(leaf_index.LeafIndex, heappush, leaf_index._SLACK)
     _mod.bind_metrics(CacheMetrics)  # and adds to its insert counters (slots) itself
