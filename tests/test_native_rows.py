@@ -8,14 +8,12 @@ to its storage's: a view, a ``.numpy()`` array or a clone made from it, a result
 its cache, results freed on another thread. Skipped when the extension is not built.
 """
 import gc
-import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
 import torch
+from tooling.debug_malloc import run_under_debug_malloc
 
 from radixkv.cache import RadixCache, RadixKey, native
 
@@ -115,10 +113,7 @@ print("ok")
 
 
 def test_rows_under_the_debug_allocator():
-    env = dict(os.environ, PYTHONMALLOC="debug")
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"
+    run_under_debug_malloc(CHILD, timeout_s=300)
 
 
 def test_the_public_dlpack_entry_point_serves_too():

@@ -7,11 +7,9 @@ stale read corrupts the tree at once. A child process runs seeded inserts / matc
 inside nodes (page sizes 1 and 2, namespaces, locks, evictions) with ``check_invariants``
 after every step. Skipped when the extension is not built.
 """
-import os
-import subprocess
-import sys
 
 import pytest
+from tooling.debug_malloc import run_under_debug_malloc
 
 from radixkv.cache import native
 
@@ -51,7 +49,4 @@ print("ok")
 
 
 def test_split_reads_no_freed_buffer():
-    env = dict(os.environ, PYTHONMALLOC="debug")
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"
+    run_under_debug_malloc(CHILD, timeout_s=600)

@@ -128,10 +128,10 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         goto done;
     node = Py_NewRef(wnode);  /* owned from here: what follows may run Python code (a GC pass) */
     if (wsplit == Py_None) {
-        if ((rows = widen(tc.vals, tc.nv, pos >> 2)) == NULL || (tk = PyLong_FromLongLong(tc.tick)) == NULL)
+        if ((rows = widen(tc.vals.items, tc.vals.n, pos >> 2)) == NULL || (tk = PyLong_FromLongLong(tc.tick)) == NULL)
             goto done;
     } else {  /* ended inside a node: cache._split_end splits it */
-        PyObject *split = Py_NewRef(wsplit), *vals = touched_list(&tc), *r = NULL;
+        PyObject *split = Py_NewRef(wsplit), *vals = node_vec_list(&tc.vals), *r = NULL;
         int inc = vals == NULL ? -1 : split_in_c(self, d, Py_TYPE(self), split);
         if (inc > 0) {  /* the same, in C (split.c) */
             r = split_end_c(self, d, split, buf, pos, n, pb, tc.tick, vals);
@@ -203,7 +203,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
 done:
     Py_XDECREF(buf); Py_XDECREF(ek); Py_XDECREF(pbo); Py_XDECREF(heads); Py_XDECREF(head); Py_XDECREF(dis);
     Py_XDECREF(clock); Py_XDECREF(log); Py_XDECREF(d); Py_XDECREF(node); Py_XDECREF(tk); Py_XDECREF(rows);
-    touch_release(&tc);
+    node_vec_clear(&tc.vals);
     return res;
 }
 

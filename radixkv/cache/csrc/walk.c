@@ -150,108 +150,7 @@ static int ptrs_reserve(PyObject ***items, PyObject **stack, Py_ssize_t n, Py_ss
     return 0;
 }
 
-typedef struct {
-    long long tick;
-    PyObject **vals;  /* owned references to the touched nodes' vbufs */
-    Py_ssize_t nv, cap;
-    PyObject *stack[32];
-} touch_ctx;
-
-/* walk's visit: touch the node (last_access = ++tick, hits += 1), keep its vbuf. */
-static int touch(PyObject *child, void *p) {
-    touch_ctx *c = (touch_ctx *)p;
-    PyObject *hits = SLOT(child, off_hits), *vb = SLOT(child, off_vbuf);
-    if (hits == NULL || !PyLong_CheckExact(hits) || vb == NULL || !PyBytes_CheckExact(vb)) {
-        PyErr_SetString(PyExc_TypeError, "walk: a node's hits is not an int or its vbuf not bytes");
-        return -1;
-    }
-    long long h = PyLong_AsLongLong(hits);
-    if ((h == -1 && PyErr_Occurred()) || set_int_slot(child, off_last, c->tick + 1) < 0 ||
-        set_int_slot(child, off_hits, h + 1) < 0)
-        return -1;
-    c->tick++;
-    if (ptrs_reserve(&c->vals, c->stack, c->nv, &c->cap) < 0)
-        return -1;
-    Py_INCREF(vb);
-    c->vals[c->nv++] = vb;
-    return 0;
-}
-
-PyDoc_STRVAR(walk_doc,
-"walk(head, buf, n, pb, tick) -> (pos, node, tick, rows, split)\n\n"
-"match_prefix's walk: from head, follow the child whose key matches buf[pos:n] whole\n"
-"(node.only, else children[buf[pos:pos+pb]]), touching each (tick += 1; last_access =\n"
-"tick; hits += 1). Stops at a missing child, a child that differs, or one that runs past\n"
-"n; split is that child when its first page matches (the caller splits it), else None.\n"
-"pos: bytes matched; node: the last matched node (head if none); rows: with split None,\n"
-"an int64 tensor of the matched nodes' rows, else the list of their vbufs.");
-
-static void touch_init(touch_ctx *c, long long tick) {
-    c->tick = tick;
-    c->vals = c->stack;
-    c->nv = 0;
-    c->cap = 32;
-}
-
-static void touch_release(touch_ctx *c) {
-    for (Py_ssize_t i = 0; i < c->nv; i++)
-        Py_DECREF(c->vals[i]);
-    if (c->vals != c->stack)
-        PyMem_Free(c->vals);
-    touch_init(c, c->tick);
-}
-
-/* The matched nodes' vbufs as a new list (new reference), or NULL with an error set. */
-static PyObject *touched_list(touch_ctx *c) {
-    PyObject *l = PyList_New(c->nv);
-    if (l != NULL)
-        for (Py_ssize_t i = 0; i < c->nv; i++)
-            PyList_SET_ITEM(l, i, Py_NewRef(c->vals[i]));
-    return l;
-}
-
-/* walk() on checked C arguments. */
-static PyObject *walk_at(PyObject *head, PyObject *buf, Py_ssize_t n, Py_ssize_t pb, long long tick) {
-    Py_ssize_t pos;
-    touch_ctx c;
-    touch_init(&c, tick);
-    PyObject *node, *split, *rows = NULL, *res = NULL;
-    if (descend(head, PyBytes_AS_STRING(buf), n, pb, touch, &c, &pos, &node, &split) == 0) {
-        Py_INCREF(node);  /* owned from here: widen() may run Python code (a GC pass) */
-        Py_INCREF(split);
-        rows = split == Py_None ? widen(c.vals, c.nv, pos >> 2) : touched_list(&c);
-        PyObject *po = PyLong_FromSsize_t(pos), *tk = PyLong_FromLongLong(c.tick);
-        if (rows != NULL && po != NULL && tk != NULL && (res = PyTuple_New(5)) != NULL) {
-            /* (pos, node, tick, rows, split); a tuple filled directly (Py_BuildValue parses
-             * its format on every call: ~3 us a thousand calls) */
-            PyTuple_SET_ITEM(res, 0, po);
-            PyTuple_SET_ITEM(res, 1, node);
-            PyTuple_SET_ITEM(res, 2, tk);
-            PyTuple_SET_ITEM(res, 3, rows);
-            PyTuple_SET_ITEM(res, 4, split);
-        } else {
-            Py_XDECREF(po);
-            Py_XDECREF(tk);
-            Py_XDECREF(rows);
-            Py_DECREF(node);
-            Py_DECREF(split);
-        }
-    }
-    touch_release(&c);
-    return res;
-}
-
-static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t n, pb;
-    if (walk_args(args, nargs, 5, &n, &pb) < 0)
-        return NULL;
-    long long tick = PyLong_AsLongLong(args[4]);
-    if (tick == -1 && PyErr_Occurred())
-        return NULL;
-    return walk_at(args[0], args[1], n, pb, tick);
-}
-
-/* A growable array of owned node references (insert's matched path). */
+/* A growable array of owned references (insert's matched path, the touched nodes' vbufs). */
 typedef struct {
     PyObject **items;
     Py_ssize_t n, cap;
@@ -272,12 +171,11 @@ static void node_vec_clear(node_vec *v) {
     node_vec_init(v);
 }
 
-/* descend's visit for insert: keep the node (owned). */
-static int collect(PyObject *child, void *p) {
-    node_vec *v = (node_vec *)p;
+/* Append a new reference to o. 0, or -1 with MemoryError set (v unchanged). */
+static int node_vec_push(node_vec *v, PyObject *o) {
     if (ptrs_reserve(&v->items, v->stack, v->n, &v->cap) < 0)
         return -1;
-    v->items[v->n++] = Py_NewRef(child);
+    v->items[v->n++] = Py_NewRef(o);
     return 0;
 }
 
@@ -289,6 +187,85 @@ static PyObject *node_vec_list(node_vec *v) {
             PyList_SET_ITEM(l, i, Py_NewRef(v->items[i]));
     return l;
 }
+
+typedef struct {
+    long long tick;
+    node_vec vals;  /* the touched nodes' vbufs */
+} touch_ctx;
+
+/* walk's visit: touch the node (last_access = ++tick, hits += 1), keep its vbuf. */
+static int touch(PyObject *child, void *p) {
+    touch_ctx *c = (touch_ctx *)p;
+    PyObject *hits = SLOT(child, off_hits), *vb = SLOT(child, off_vbuf);
+    if (hits == NULL || !PyLong_CheckExact(hits) || vb == NULL || !PyBytes_CheckExact(vb)) {
+        PyErr_SetString(PyExc_TypeError, "walk: a node's hits is not an int or its vbuf not bytes");
+        return -1;
+    }
+    long long h = PyLong_AsLongLong(hits);
+    if ((h == -1 && PyErr_Occurred()) || set_int_slot(child, off_last, c->tick + 1) < 0 ||
+        set_int_slot(child, off_hits, h + 1) < 0)
+        return -1;
+    c->tick++;
+    return node_vec_push(&c->vals, vb);
+}
+
+PyDoc_STRVAR(walk_doc,
+"walk(head, buf, n, pb, tick) -> (pos, node, tick, rows, split)\n\n"
+"match_prefix's walk: from head, follow the child whose key matches buf[pos:n] whole\n"
+"(node.only, else children[buf[pos:pos+pb]]), touching each (tick += 1; last_access =\n"
+"tick; hits += 1). Stops at a missing child, a child that differs, or one that runs past\n"
+"n; split is that child when its first page matches (the caller splits it), else None.\n"
+"pos: bytes matched; node: the last matched node (head if none); rows: with split None,\n"
+"an int64 tensor of the matched nodes' rows, else the list of their vbufs.");
+
+static void touch_init(touch_ctx *c, long long tick) {
+    c->tick = tick;
+    node_vec_init(&c->vals);
+}
+
+/* walk() on checked C arguments. */
+static PyObject *walk_at(PyObject *head, PyObject *buf, Py_ssize_t n, Py_ssize_t pb, long long tick) {
+    Py_ssize_t pos;
+    touch_ctx c;
+    touch_init(&c, tick);
+    PyObject *node, *split, *rows = NULL, *res = NULL;
+    if (descend(head, PyBytes_AS_STRING(buf), n, pb, touch, &c, &pos, &node, &split) == 0) {
+        Py_INCREF(node);  /* owned from here: widen() may run Python code (a GC pass) */
+        Py_INCREF(split);
+        rows = split == Py_None ? widen(c.vals.items, c.vals.n, pos >> 2) : node_vec_list(&c.vals);
+        PyObject *po = PyLong_FromSsize_t(pos), *tk = PyLong_FromLongLong(c.tick);
+        if (rows != NULL && po != NULL && tk != NULL && (res = PyTuple_New(5)) != NULL) {
+            /* (pos, node, tick, rows, split); a tuple filled directly (Py_BuildValue parses
+             * its format on every call: ~3 us a thousand calls) */
+            PyTuple_SET_ITEM(res, 0, po);
+            PyTuple_SET_ITEM(res, 1, node);
+            PyTuple_SET_ITEM(res, 2, tk);
+            PyTuple_SET_ITEM(res, 3, rows);
+            PyTuple_SET_ITEM(res, 4, split);
+        } else {
+            Py_XDECREF(po);
+            Py_XDECREF(tk);
+            Py_XDECREF(rows);
+            Py_DECREF(node);
+            Py_DECREF(split);
+        }
+    }
+    node_vec_clear(&c.vals);
+    return res;
+}
+
+static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, pb;
+    if (walk_args(args, nargs, 5, &n, &pb) < 0)
+        return NULL;
+    long long tick = PyLong_AsLongLong(args[4]);
+    if (tick == -1 && PyErr_Occurred())
+        return NULL;
+    return walk_at(args[0], args[1], n, pb, tick);
+}
+
+/* descend's visit for insert: keep the node (owned). */
+static int collect(PyObject *child, void *p) { return node_vec_push((node_vec *)p, child); }
 
 static int append_path(PyObject *child, void *path) { return PyList_Append((PyObject *)path, child); }
 
