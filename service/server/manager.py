@@ -261,7 +261,8 @@ class CacheManagerServer:
         outlets = ["gRPC WatchEvents/TakeEvents"] if c.enable_kv_events else []
         if o.kv_events is not None:
             outlets.append(f"ZMQ {o.kv_events.endpoint}")
-        return (f"radixkv {__version__} cache manager listening on {self.address}: device {c.device}, "
+        step = f" (Step socket {self.step_socket.path})" if self.step_socket is not None else ""
+        return (f"radixkv {__version__} cache manager listening on {self.address}{step}: device {c.device}, "
                 f"{c.kv_tokens} KV tokens, page size {c.page_size}, eviction {c.eviction_policy}, admission "
                 f"{c.admission_policy}, epoch {self.engine.epoch}; metrics {metrics}; KV events "
                 f"{' + '.join(outlets) if outlets else 'off (--enable-kv-events)'}")
@@ -395,6 +396,8 @@ def _check_options(o: ServeOptions) -> None:
     h = o.health_rpcs
     if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= 1 << 16:
         raise InvalidArgumentError(f"health_rpcs must be an int in [1, 65536], got {h!r}")
+    if not isinstance(o.step_socket, bool):
+        raise InvalidArgumentError(f"step_socket must be a bool, got {o.step_socket!r}")
     if o.operator_token is not None and not isinstance(o.operator_token, Token):
         raise InvalidArgumentError("operator_token must be a radixkv.service.wire.auth.Token or None")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):

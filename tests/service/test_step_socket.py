@@ -312,6 +312,9 @@ def test_shutdown_ends_connections_promptly():
         srv.stop()
 
 
-def test_client_options_are_checked():
+def test_options_are_checked_and_the_socket_is_in_the_startup_line(srv):
     with pytest.raises(E.InvalidArgumentError):
         connect("unix:///nonexistent/x.sock", token="t" * 24, wait_s=0, step_socket="yes")
+    with pytest.raises(E.InvalidArgumentError, match="step_socket"):
+        ThreadedServer(CONFIG, options=opts(step_socket="yes")).start()
+    assert f"(Step socket {sock_path(srv)})" in srv.call(lambda server: server.startup_line())
