@@ -94,6 +94,13 @@ def _start(t, e, s, rng, rid, max_len, live):
         pass
 
 
+def _finish(t, e, s, live, i):
+    """``live[i]`` finishes on engine and table."""
+    rid = live.pop(i)
+    e.cache_finished(s, [rid])
+    t.forget(s, [rid])
+
+
 def _decode_both(t, e, s, rids, items, local_items, live):
     """The table's answer to ``local_items`` and the engine's to ``items`` (the same call):
     equal when the table answered; a call the engine refuses ends its requests. Returns
@@ -132,9 +139,7 @@ def test_table_answers_exactly_what_the_engine_answers(hybrid):
             _start(t, e, s, rng, f"r{n}", 30, live)
             continue
         if rng.random() < 0.1:
-            rid = live.pop(int(rng.integers(len(live))))
-            e.cache_finished(s, [rid])
-            t.forget(s, [rid])
+            _finish(t, e, s, live, int(rng.integers(len(live))))
             continue
         rids = list(rng.choice(live, size=int(rng.integers(1, len(live) + 1)), replace=False))
         items = [DecodeItem(r, int(rng.integers(0, 50))) for r in rids]
@@ -163,9 +168,7 @@ def test_repeated_batches_answer_what_the_engine_answers(reserve):
             _start(t, e, s, rng, f"r{n}", 12, live)
             continue
         if rng.random() < 0.05:
-            rid = live.pop(0)
-            e.cache_finished(s, [rid])
-            t.forget(s, [rid])
+            _finish(t, e, s, live, 0)
             continue
         if rng.random() < 0.1:
             rng.shuffle(live)
