@@ -9,6 +9,8 @@
 * :class:`WorkerBuffers` / :func:`attach_buffers` (:mod:`~radixkv.engine.buffers`): what a
   worker reads and writes KV and states through.
 """
+from typing import TYPE_CHECKING
+
 from radixkv.engine.config import ADMISSION_POLICIES, EngineConfig  # noqa: F401
 from radixkv.engine.protocol import (  # noqa: F401
     AttachInfo,
@@ -36,6 +38,13 @@ _LAZY = {
     "attach_buffers": "radixkv.engine.buffers",
     "CacheEngine": "radixkv.engine.embedded",
 }
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers
+    from radixkv.engine.buffers import WorkerBuffers, attach_buffers  # noqa: F401
+    from radixkv.engine.embedded import CacheEngine  # noqa: F401
+    from radixkv.engine.layout import plan_arenas  # noqa: F401
+    from radixkv.engine.pools import EnginePools  # noqa: F401
+    from radixkv.engine.sessions import SessionTable  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

@@ -78,7 +78,7 @@ def open_channel(address: str, *, wait_s: float = 10.0, tls_ca: str | None = Non
     ``InvalidArgumentError`` (unreadable TLS file), ``PermissionDeniedError`` (a socket that
     could be anyone's) or ``ServiceUnavailableError`` (nothing answers within ``wait_s``)."""
     n = int(max_message_bytes)
-    options = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
+    options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n),
                ("grpc.enable_retries", 0),
                # a local manager that is still starting: retry connecting quickly
                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),

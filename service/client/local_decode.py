@@ -43,7 +43,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -167,20 +167,24 @@ class LocalDecodes:
         self.local_calls = self.replayed_calls = self.flushes = self.drops = 0
 
     # ------------------------------------------------------------------ tables
-    def _table(self, session: Session, create: bool) -> _Table | None:
-        """The session's table; ``create`` (only for a reply the manager just sent, which
-        proves the session's epoch current) makes one, and a new epoch drops every table
-        of the old one (a restarted manager: what they said is void). A call naming a stale
-        epoch without such a reply finds no table and changes nothing."""
+    def _table(self, session: Session) -> _Table | None:
+        """The session's table, if any: a call naming a stale epoch finds none and changes
+        nothing."""
+        return self._tables.get(_key(session))
+
+    def _replied_table(self, session: Session) -> _Table:
+        """The session's table, made if need be: only for a reply the manager just sent,
+        which proves the session's epoch current. A new epoch drops every table of the old
+        one (a restarted manager: what they said is void)."""
         key = _key(session)
-        if create and key[1] != self._epoch:
+        if key[1] != self._epoch:
             if self._epoch is not None:
                 self.drops += len(self._tables)
                 self._tables.clear()
                 self._req_to_token = {e: t for e, t in self._req_to_token.items() if e == key[1]}
             self._epoch = key[1]
         t = self._tables.get(key)
-        if t is None and create:
+        if t is None:
             t = self._tables[key] = _Table(session)
         return t
 
@@ -195,7 +199,7 @@ class LocalDecodes:
         if not self.enabled or not results:
             return
         with self.lock:
-            t = self._table(session, True)
+            t = self._replied_table(session)
             t.sync()
             reqs = t.reqs
             for r in results:
@@ -212,7 +216,7 @@ class LocalDecodes:
         ends = np.cumsum(lens).tolist()
         rows, seqs, slots = (a.tolist() for a in (result.req_pool_indices, result.seq_lens, result.mamba_slots))
         with self.lock:
-            t = self._table(session, True)
+            t = self._replied_table(session)
             t.sync()
             reqs = t.reqs
             start = 0
@@ -230,7 +234,7 @@ class LocalDecodes:
     def forget(self, session: Session, rids: Sequence[str]) -> None:
         """Forget ``rids`` (finished or released). O(len(rids))."""
         with self.lock:
-            t = self._table(session, False)
+            t = self._table(session)
             if t is not None:
                 t.sync()
                 for rid in rids:
@@ -313,7 +317,7 @@ class LocalDecodes:
             return None
         rids = list(rids_t)
         with self.lock:
-            t = self._table(session, False)
+            t = self._table(session)
             if t is None:
                 return None
             bt = t.batch
@@ -323,7 +327,7 @@ class LocalDecodes:
                 ents = list(map(reqs.get, rids))
                 if None in ents:
                     return None
-                bt = _Batch(rids, ents)
+                bt = _Batch(rids, cast(list[_Req], ents))
                 if bt.min_left < 2:
                     return None  # the batch stays unbuilt: nothing changed
                 t.batch = bt

@@ -53,7 +53,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from radixkv.service.client.channel import open_channel
@@ -151,9 +151,8 @@ class RemoteCacheEngine:
         Step stream (see :mod:`radixkv.service.server.step_stream`), the rest over unary calls.
         ``replay`` (an ApplyDecodes request and its request id) rides on the stream message;
         a call that goes as a unary one sends it first as its own ApplyDecodes call."""
-        name = method
-        method = getattr(self._stub, name)
-        self.rpc_counts[name] = self.rpc_counts.get(name, 0) + 1
+        stub_method = getattr(self._stub, method)
+        self.rpc_counts[method] = self.rpc_counts.get(method, 0) + 1
         md = self._md
         rid = None
         if idempotent:
@@ -162,14 +161,14 @@ class RemoteCacheEngine:
         pause = self.retry_backoff_s
         for attempt in range(self.retries + 1):
             try:
-                if attempt == 0 and self.steps is not None and rid is not None and name in REPLY_TYPES:
-                    reply = self.steps.call(name, request, rid, replay)
+                if attempt == 0 and self.steps is not None and rid is not None and method in REPLY_TYPES:
+                    reply = self.steps.call(method, request, rid, replay)
                     if reply is not None:
                         return reply
                 if replay is not None and not replay.applied:  # may have run: its id gets the kept reply
                     self._check_replay(self._call("ApplyDecodes", replay.request, request_id=replay.request_id))
                     replay.applied = True
-                return method(request, metadata=md, timeout=self._timeout)
+                return stub_method(request, metadata=md, timeout=self._timeout)
             except grpc.RpcError as e:
                 err = error_from_rpc(e)
                 if not idempotent or attempt == self.retries or not isinstance(err, ServiceUnavailableError):
@@ -179,7 +178,7 @@ class RemoteCacheEngine:
             pause = min(1.0, pause * 2)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _reject(self, session: Session, error: RadixKVError) -> None:
+    def _reject(self, session: Session, error: RadixKVError) -> NoReturn:
         """Input the wire cannot carry: check (and renew) the session first, as the engine
         does before validating, then raise ``error``."""
         self.heartbeat(session)

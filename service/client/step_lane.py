@@ -156,7 +156,8 @@ class StepLane:
             if s is None:
                 if time.monotonic() < self.reopen_at:
                     return None
-                s = self.stream = self._open()
+                s = self._open()
+                self.stream = s
             reply = s.call(method, request, request_id, replay)
             if reply is None:  # broken: this call goes over the unary path
                 self.stream = None
@@ -166,7 +167,7 @@ class StepLane:
                 self.reopen_at = time.monotonic() + self.REOPEN_S
             return reply
         except StepRpcError:
-            if s.broken:
+            if s is not None and s.broken:
                 self.stream = None
                 s.close()
                 self.reopen_at = time.monotonic() + self.REOPEN_S

@@ -135,9 +135,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return self.calls.wrap(handler, method) if self.calls is not None else handler
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method or ""
         handler = await continuation(handler_call_details)
         if handler is None:

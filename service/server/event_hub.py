@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
@@ -63,7 +63,7 @@ class Lost(NamedTuple):
     cursor read them."""
 
     first_seq: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: the field is the wire's name
 
 
 class ReadResult(NamedTuple):
@@ -204,11 +204,13 @@ class EventHub:
         if self.closed:
             raise InvalidArgumentError("the event hub is closed")
         events = list(events)
-        kinds = [_kind(e) for e in events]
-        for i, k in enumerate(kinds):
+        kinds: list[str] = []
+        for i, e in enumerate(events):
+            k = _kind(e)
             if k is None:
                 raise InvalidArgumentError(f"event {i} of the batch is not a KV or state event: "
-                                           f"{type(events[i]).__name__}")
+                                           f"{type(e).__name__}")
+            kinds.append(k)
         if not events:
             return 0
         cap, seq = self.capacity, self._next
@@ -263,7 +265,8 @@ class EventHub:
             cursor.next_seq = oldest
         end = self._next if n == 0 else min(self._next, cursor.next_seq + n)
         cap = self.capacity
-        records = [self._records[s % cap] for s in range(cursor.next_seq, end)]
+        # every seq in [oldest, _next) has its record in the ring
+        records = cast(list[HubRecord], [self._records[s % cap] for s in range(cursor.next_seq, end)])
         if budget:
             used = 0
             for i, r in enumerate(records):

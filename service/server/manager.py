@@ -278,33 +278,38 @@ class CacheManagerServer:
     # ------------------------------------------------------------------ run
     async def _sweep_loop(self) -> None:
         interval = max(0.01, float(self.options.sweep_interval_s))
-        while not self._closing.is_set():
+        closing = self._closing
+        if closing is None:
+            raise RuntimeError("the sweeper runs only after start()")
+        while not closing.is_set():
             try:
-                await asyncio.wait_for(self._closing.wait(), timeout=interval)
+                await asyncio.wait_for(closing.wait(), timeout=interval)
             except asyncio.TimeoutError:
                 pass
-            if self._closing.is_set():
+            if closing.is_set():
                 return
             self.sweep_once()
 
     def sweep_once(self) -> None:
         """Reclaim expired leases (quarantine those whose worker may still run, release the
         quarantined ones that are safe), refresh the metrics snapshot, check invariants at idle."""
-        expired, released = self.servicer.housekeeping()
+        sv, events = self.servicer, self.events
+        if sv is None or events is None:
+            raise RuntimeError("sweep_once() runs only after start()")
+        expired, released = sv.housekeeping()
         if expired:
             log.info("lease expired for %d session(s); everything they held was reclaimed", len(expired))
         if released:
             log.info("released %d quarantined session(s)", len(released))
-        self.events.pump()  # bounds what waits in the tree's queue when nobody reads events
+        events.pump()  # bounds what waits in the tree's queue when nobody reads events
         stats = self.engine.stats()
         self.metrics.update(stats)
-        sv = self.servicer
         self.metrics.update_reliability(sv.quarantine.stats(), sv.replies.bytes, sv.replies.hits)
-        if self.options.check_idle and stats.requests == 0 and not self.servicer.idle_failures:
+        if self.options.check_idle and stats.requests == 0 and not sv.idle_failures:
             try:
-                self.servicer.check_all()
+                sv.check_all()
             except InvariantError as e:
-                self.servicer.idle_failures.append(str(e))
+                sv.idle_failures.append(str(e))
                 log.error("invariant broken at idle: %s", e)
 
     async def wait_closed(self) -> None:

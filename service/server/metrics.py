@@ -34,6 +34,7 @@ queries written for vLLM work):
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,7 +132,7 @@ class ServiceMetrics:
         ProcessCollector(registry=self.registry)
         self._stats = _StatsCollector()
         self.registry.register(self._stats)
-        self._http: tuple[object, object] | None = None
+        self._http: tuple[Any, threading.Thread] | None = None  # (the WSGI server, its thread)
         self._latency: dict[tuple[str, str], Any] = {}  # rpc_latency's child per (method, code)
 
     def observe(self, method: str, code: str, seconds: float) -> None:

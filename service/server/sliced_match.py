@@ -11,6 +11,7 @@ whole call, as an unsliced call would. O(queries + tokens), like the unsliced ca
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from typing import Any
 
@@ -24,6 +25,11 @@ __all__ = ["SLICE_QUERIES", "SLICE_TOKENS", "needs_slices", "match_in_slices"]
 SLICE_QUERIES = 64
 SLICE_TOKENS = 16384
 _INDEX = re.compile(r"queries\[(\d+)\]")
+
+
+def _shifted(m: re.Match[str], offset: int) -> str:
+    """``queries[i]`` of a slice as the whole call's ``queries[i + offset]``."""
+    return f"queries[{int(m.group(1)) + offset}]"
 
 
 def _bounds(request: pb.MatchRequest) -> list[tuple[int, int]]:
@@ -57,6 +63,6 @@ async def match_in_slices(servicer: Any, request: pb.MatchRequest) -> pb.MatchRe
         try:
             infos += servicer.engine.match(session, wire.match_queries_from_msg(request.queries[a:b]))
         except RadixKVError as e:
-            e.args = (_INDEX.sub(lambda m, a=a: f"queries[{int(m.group(1)) + a}]", str(e)),) + e.args[1:]
+            e.args = (_INDEX.sub(functools.partial(_shifted, offset=a), str(e)),) + e.args[1:]
             raise
     return wire.match_infos_to_msg(infos)

@@ -131,6 +131,8 @@ async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.
     operator = token is None or token.matches(presented_token(context.invocation_metadata()))
     tasks = _stream_tasks(servicer)
     task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("the Step handler runs outside a task")
     tasks.add(task)
     try:
         while True:

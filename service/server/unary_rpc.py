@@ -86,8 +86,8 @@ def unary_rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
             finally:
                 self.metrics.observe(name, code, time.perf_counter() - t0)
 
-        handler.request_cls = request_cls
-        handler.body = body
+        handler.request_cls = request_cls  # type: ignore[attr-defined]
+        handler.body = body  # type: ignore[attr-defined]
         return handler
 
     return deco

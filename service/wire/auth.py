@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
+from typing import Any
 
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError
 
@@ -88,7 +89,7 @@ def resolve_token(token: str | None = None, token_file: str | None = None,
     return Token(token)
 
 
-def presented_token(metadata: Sequence[tuple[str, object]] | None) -> str | None:
+def presented_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     """The token a call presented in its metadata, or None."""
     for key, value in metadata or ():
         if key == METADATA_KEY:

@@ -297,8 +297,8 @@ def decode_result_to_msg(r: DecodeResult) -> pb.AllocDecodeResponse:
 def decode_result_from_msg(msg: pb.AllocDecodeResponse, n: int) -> DecodeResult:
     """Raises ``LengthMismatchError`` when a per-request array does not have ``n`` values,
     ``reserved_lens`` has neither 0 nor ``n``, or the lengths do not add up to ``reserved``."""
-    arrays = [_count(unpack_i64(getattr(msg, f + "_i64"), f), n, f)
-              for f in ("out_cache_loc", "seq_lens", "req_pool_indices", "mamba_slots")]
+    loc, seq_lens, rows, slots = (_count(unpack_i64(getattr(msg, f + "_i64"), f), n, f)
+                                  for f in ("out_cache_loc", "seq_lens", "req_pool_indices", "mamba_slots"))
     reserved = unpack_i64(msg.reserved_i64, "reserved")
     lens = unpack_i64(msg.reserved_lens_i64, "reserved_lens")
     if lens.size and lens.size != n:
@@ -308,7 +308,7 @@ def decode_result_from_msg(msg: pb.AllocDecodeResponse, n: int) -> DecodeResult:
     track = unpack_i64(msg.track_slots_i64, "track_slots")
     if track.size and track.size != n:
         raise LengthMismatchError(f"track_slots: {track.size} values for {n} entries")
-    return DecodeResult(*arrays, reserved, lens, track)
+    return DecodeResult(loc, seq_lens, rows, slots, reserved, lens, track)
 
 
 def apply_decodes_to_msg(session: Session, calls: Sequence[tuple[Sequence[str], np.ndarray]]) -> pb.ApplyDecodesRequest:
@@ -391,10 +391,10 @@ def event_to_msg(d: dict[str, Any]) -> pb.KVEvent:
                 setattr(m, f, d[f])
         return pb.KVEvent(block_stored=m)
     if kind == "BlockRemoved":
-        m = pb.BlockRemoved(block_hashes_u64=pack(d["block_hashes"], U64))
+        rm = pb.BlockRemoved(block_hashes_u64=pack(d["block_hashes"], U64))
         if d.get("medium") is not None:
-            m.medium = d["medium"]
-        return pb.KVEvent(block_removed=m)
+            rm.medium = d["medium"]
+        return pb.KVEvent(block_removed=rm)
     if kind == "AllBlocksCleared":
         return pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared())
     raise InvalidArgumentError(f"unknown KV event type {kind!r}")
@@ -421,10 +421,10 @@ def event_from_msg(msg: pb.KVEvent) -> dict[str, Any]:
             "extra_key": json.loads(m.extra_key_json) if m.extra_key_json else None,
         }
     if kind == "block_removed":
-        m = msg.block_removed
+        rm = msg.block_removed
         return {"type": "BlockRemoved",
-                "block_hashes": unpack(m.block_hashes_u64, U64, "block_hashes", np.uint64).tolist(),
-                "medium": _opt(m, "medium")}
+                "block_hashes": unpack(rm.block_hashes_u64, U64, "block_hashes", np.uint64).tolist(),
+                "medium": _opt(rm, "medium")}
     if kind == "all_blocks_cleared":
         return {"type": "AllBlocksCleared"}
     raise InvalidArgumentError("an empty KV event")

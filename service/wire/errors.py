@@ -18,7 +18,7 @@ bytes) and :class:`ServiceUnavailableError`.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -120,7 +120,8 @@ _SIZE_RE = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
 
 def _meta_dict(rpc_error: grpc.RpcError) -> dict[str, str]:
     try:
-        md = rpc_error.trailing_metadata() or ()
+        # (key, value) pairs; the stubs type grpc's pair class as attributes only
+        md: Any = rpc_error.trailing_metadata() or ()
     except Exception:  # some RpcErrors (channel-level) carry none
         md = ()
     return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in md}

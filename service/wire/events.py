@@ -51,10 +51,10 @@ def event_to_msg(event: Any, seq: int) -> pb.KVEvent:
             m.medium = d["medium"]
         msg = pb.KVEvent(state_stored=m)
     elif kind == "StateRemoved":
-        m = pb.StateRemoved(block_hashes_u64=np.asarray(d["block_hashes"], dtype=_U64).tobytes())
+        rm = pb.StateRemoved(block_hashes_u64=np.asarray(d["block_hashes"], dtype=_U64).tobytes())
         if d.get("medium") is not None:
-            m.medium = d["medium"]
-        msg = pb.KVEvent(state_removed=m)
+            rm.medium = d["medium"]
+        msg = pb.KVEvent(state_removed=rm)
     else:
         msg = wire.event_to_msg(d)
     msg.seq = int(seq)
@@ -74,12 +74,12 @@ def event_from_msg(msg: pb.KVEvent) -> dict[str, Any]:
         return {"type": "StateStored", "block_hash": int(m.block_hash), "position": int(m.position),
                 "medium": m.medium if m.HasField("medium") else None}
     if kind == "state_removed":
-        m = msg.state_removed
-        raw = m.block_hashes_u64
+        rm = msg.state_removed
+        raw = rm.block_hashes_u64
         if len(raw) % 8:
             raise InvalidArgumentError(f"block_hashes: {len(raw)} bytes is not a whole number of u64")
         return {"type": "StateRemoved", "block_hashes": np.frombuffer(raw, dtype=_U64).tolist(),
-                "medium": m.medium if m.HasField("medium") else None}
+                "medium": rm.medium if rm.HasField("medium") else None}
     if kind == "events_lost":
         return {"type": EVENTS_LOST, "first_seq": int(msg.events_lost.first_seq),
                 "count": int(msg.events_lost.count)}

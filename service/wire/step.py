@@ -97,7 +97,8 @@ class StepRpcError(grpc.RpcError):
     def details(self) -> str:
         return self._details
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+    # grpc's own pairs are tuples too; its stubs name a class that exists only in them
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:  # type: ignore[override]
         return self._trailing
 
 
