@@ -31,11 +31,14 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.state_events import STATE_EVENT_TYPES
+
+if TYPE_CHECKING:
+    from radixkv.engine.embedded import CacheEngine
 
 __all__ = ["EventHub", "engine_event_source", "Cursor", "HubRecord", "Lost", "ReadResult", "HubStats",
            "DEFAULT_RING_SIZE", "KIND_KV", "KIND_STATE"]
@@ -128,7 +131,7 @@ def _kind(event: Any) -> str | None:
     return None
 
 
-def engine_event_source(engine: Any) -> Callable[[], list[Any]]:
+def engine_event_source(engine: CacheEngine) -> Callable[[], list[Any]]:
     """The source of a ``CacheEngine``'s events for the hub: its session-less
     ``drain_events`` (the hub is the engine queue's one consumer: nobody else may call
     ``take_events`` on it)."""

@@ -18,12 +18,15 @@ import os
 import socket
 import stat
 import tempfile
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 from radixkv.service.wire.transport import read_file, unix_socket_path
 
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError
+
+if TYPE_CHECKING:
+    from radixkv.service.server.manager import ServeOptions
 
 __all__ = ["LOOPBACK", "Bound", "default_socket_dir", "default_address", "prepare_unix_socket", "bind"]
 
@@ -85,7 +88,7 @@ def prepare_unix_socket(path: str) -> str:
     return path
 
 
-def bind(server: Any, options: Any) -> Bound:
+def bind(server: grpc.aio.Server, options: ServeOptions) -> Bound:
     """Add the listening port of ``options`` (a ``ServeOptions``: ``address``, ``tls_*``,
     ``allow_insecure_tcp``) to the ``grpc.aio`` ``server`` (not started yet).
 

@@ -33,9 +33,12 @@ from __future__ import annotations
 import logging
 import os
 import select
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
+
+if TYPE_CHECKING:
+    from radixkv.engine.embedded import CacheEngine
 
 __all__ = ["ProcessHandle", "Quarantine", "QuarantineStats", "MAX_PID"]
 
@@ -138,7 +141,7 @@ class Quarantine:
         own_pid: the manager's pid (its own in-process workers are never quarantined).
     """
 
-    def __init__(self, engine: Any, hold_s: float, own_pid: int | None = None):
+    def __init__(self, engine: CacheEngine, hold_s: float, own_pid: int | None = None):
         if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)) or not 0 <= hold_s < 1e9:
             raise InvalidArgumentError(f"quarantine hold_s must be a number in [0, 1e9), got {hold_s!r}")
         self.engine = engine
@@ -225,7 +228,7 @@ class Quarantine:
             if h is not None and h.gone():
                 self._gone += 1
                 why = "was reclaimed from quarantine: its worker process is gone"
-            elif now - sessions.record(sid).fenced_at >= self.hold_s:
+            elif now - (sessions.record(sid).fenced_at or 0.0) >= self.hold_s:  # fenced(): set
                 self._timeout += 1
                 why = f"was reclaimed from quarantine after {self.hold_s:g} s"
             else:

@@ -39,7 +39,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -64,6 +64,9 @@ from radixkv.service.wire.step import error_to_msg
 from radixkv.engine.decode_replay import replay_decodes
 from radixkv.engine.protocol import DecodeItem, Session
 from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
+
+if TYPE_CHECKING:
+    from radixkv.engine.embedded import CacheEngine
 
 __all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
            "UNARY_METHODS", "STREAM_METHODS"]
@@ -102,7 +105,7 @@ class CacheManagerServicer:
             request before it is decoded (:meth:`parse_request`).
     """
 
-    def __init__(self, engine: Any, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,
+    def __init__(self, engine: CacheEngine, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,
                  quarantine_s: float = 0.0, replies: ReplyCache | None = None,
                  events: EventHub | None = None, limits: CallLimits | None = None,
                  operator_token: Token | None = None):
@@ -122,6 +125,9 @@ class CacheManagerServicer:
             p.pop("mapping", None)  # mappings travel typed, per attach
         self._layout_json = json.dumps(layout, separators=(",", ":"))
         self.keepalive_streams = 0
+        #: The open Step streams' tasks (step_stream.py ends them when ``closing`` is set).
+        self.step_tasks: set[asyncio.Task[Any]] = set()
+        self.step_closer: asyncio.Future[None] | None = None
         #: Fault injection (tests, soak): ``{method: seconds}`` an idempotent call's reply is
         #: held back after the engine ran it, as if the network lost time.
         self.reply_delays: dict[str, float] = {}
@@ -480,7 +486,7 @@ UNARY_METHODS = ("Attach", "Heartbeat", "Detach", "Match", "AllocExtend", "Alloc
 STREAM_METHODS = ("KeepAlive", "WatchEvents", "Step")
 
 
-def add_to_server(servicer: CacheManagerServicer, server: Any) -> None:
+def add_to_server(servicer: CacheManagerServicer, server: grpc.aio.Server) -> None:
     """Register every method of ``radixkv.v1.CacheManager`` with raw-bytes requests and
     replies (the handlers parse and serialize themselves, see the module docstring)."""
     handlers: dict[str, grpc.RpcMethodHandler] = {

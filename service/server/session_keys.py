@@ -21,13 +21,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING
 
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.errors import SessionSecretError
 
 from radixkv.engine.protocol import Session
+
+if TYPE_CHECKING:
+    from radixkv.engine.embedded import CacheEngine
 
 __all__ = ["SessionKeys"]
 
@@ -47,7 +50,7 @@ class SessionKeys:
         """``session`` as the message ``Attach`` returns: with its secret."""
         return wire.session_to_msg(session._replace(secret=self.secret(session)))
 
-    def check(self, engine: Any, msg: pb.SessionRef) -> Session:
+    def check(self, engine: CacheEngine, msg: pb.SessionRef) -> Session:
         """The session ``msg`` names, once it is live (``StaleSessionError`` otherwise) and
         ``msg`` carries its secret (``SessionSecretError`` otherwise). Changes nothing."""
         session = wire.session_from_msg(msg)

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
 from radixkv.errors import RadixKVError
+
+if TYPE_CHECKING:
+    from radixkv.service.server.servicer import CacheManagerServicer
 
 __all__ = ["SLICE_QUERIES", "SLICE_TOKENS", "needs_slices", "match_in_slices"]
 
@@ -53,7 +56,7 @@ def needs_slices(request: pb.MatchRequest) -> bool:
     return sum(len(q.token_ids_i32) for q in request.queries) > 4 * SLICE_TOKENS
 
 
-async def match_in_slices(servicer: Any, request: pb.MatchRequest) -> pb.MatchResponse:
+async def match_in_slices(servicer: CacheManagerServicer, request: pb.MatchRequest) -> pb.MatchResponse:
     """The MatchResponse of ``request``, matched slice by slice (module doc)."""
     session = servicer.live_session(request.session)
     infos = []

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import os
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 from radixkv.service.server.exposure import PeriodicCount
@@ -45,6 +45,9 @@ from radixkv.service.wire.errors import ServiceUnavailableError, status_of
 from radixkv.service.wire.step import FRAME, HELLO_MAX_BYTES, SOCKET_VERSION, error_to_msg
 
 from radixkv import errors as E
+
+if TYPE_CHECKING:
+    from radixkv.service.server.servicer import CacheManagerServicer
 
 __all__ = ["StepSocketServer", "MAX_PENDING"]
 
@@ -81,7 +84,7 @@ class StepSocketServer:
         on_refused: told the reason of every connection closed by a rule (metrics).
     """
 
-    def __init__(self, servicer: Any, token: Token, *, operator_token: Token | None, call_budget: Any,
+    def __init__(self, servicer: CacheManagerServicer, token: Token, *, operator_token: Token | None, call_budget: Any,
                  max_message_bytes: int, handshake_timeout_s: float, on_reject: Any = None,
                  on_refused: Any = None):
         self.servicer, self._token, self._operator = servicer, token, operator_token

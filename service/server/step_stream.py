@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
@@ -20,18 +20,22 @@ from radixkv.service.wire.step import STEP_METHODS, error_to_msg
 
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError, RadixKVError
 
+if TYPE_CHECKING:
+    from radixkv.service.server.servicer import CacheManagerServicer
+
 __all__ = ["serve_step_stream", "answer_step"]
 
 log = logging.getLogger("radixkv.service")
 
 
-def _bodies(servicer: Any) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
-    """``{method: (body, request type)}`` of the servicer's unary handlers (cached)."""
-    got = getattr(servicer, "_step_bodies", None)
+_BODIES: dict[type, dict[str, tuple[Callable[[Any, Any], Any], Any]]] = {}
+
+
+def _bodies(cls: type) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
+    """``{method: (body, request type)}`` of the servicer class's unary handlers (once per class)."""
+    got = _BODIES.get(cls)
     if got is None:
-        cls = type(servicer)
-        got = {m: (getattr(cls, m).body, getattr(cls, m).request_cls) for m in STEP_METHODS}
-        servicer._step_bodies = got
+        got = _BODIES[cls] = {m: (getattr(cls, m).body, getattr(cls, m).request_cls) for m in STEP_METHODS}
     return got
 
 
@@ -40,7 +44,7 @@ def _bodies(servicer: Any) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
 OPERATOR_STEP_METHODS = frozenset({"Evict"})
 
 
-async def answer_step(servicer: Any, raw: bytes, operator: bool = True) -> bytes:
+async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool = True) -> bytes:
     """Run one StepRequest (the replay riding on it first, then the call, each as its unary
     call would run, with no await between them) and return the StepResponse bytes.
     ``operator``: whether the stream may make operator calls. (The Step socket,
@@ -51,7 +55,7 @@ async def answer_step(servicer: Any, raw: bytes, operator: bool = True) -> bytes
     name, code, replayed = "Step", "OK", False
     try:
         step = parse(pb.StepRequest, raw, "Step")
-        bodies = _bodies(servicer)
+        bodies = _bodies(type(servicer))
         spec = bodies.get(step.method)
         if spec is None:
             raise InvalidArgumentError(f"Step: {step.method!r:.80} is not a step method {list(STEP_METHODS)}")
@@ -83,7 +87,7 @@ async def answer_step(servicer: Any, raw: bytes, operator: bool = True) -> bytes
         servicer.metrics.observe(name, code, time.perf_counter() - t0)
 
 
-def _replay(servicer: Any, spec: tuple[Callable[[Any, Any], Any], Any],
+def _replay(servicer: CacheManagerServicer, spec: tuple[Callable[[Any, Any], Any], Any],
             step: pb.StepRequest) -> tuple[str, bytes] | None:
     """Run the ``ApplyDecodes`` riding on ``step`` as its unary call would run (request id
     ``step.replay_request_id``, same reply cache). None when every replayed call applied;
@@ -118,7 +122,8 @@ def _error_bytes(st: RpcStatus, replayed: bool) -> bytes:
     return msg.SerializeToString()
 
 
-async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+async def serve_step_stream(servicer: CacheManagerServicer, request_iterator: Any,
+                            context: grpc.aio.ServicerContext) -> None:
     """The ``Step`` handler: answer each message in order until the worker closes the stream
     or the manager starts closing (``servicer.closing``: the stream then ends with OK, and the
     worker falls back to unary calls).
@@ -148,17 +153,16 @@ async def serve_step_stream(servicer: Any, request_iterator: Any, context: grpc.
         tasks.discard(task)
 
 
-def _stream_tasks(servicer: Any) -> set[asyncio.Task[Any]]:
+def _stream_tasks(servicer: CacheManagerServicer) -> set[asyncio.Task[Any]]:
     """The servicer's open Step streams (and, once, the task that ends them at shutdown)."""
-    tasks = getattr(servicer, "_step_tasks", None)
-    if tasks is None:
-        tasks = servicer._step_tasks = set()
+    tasks = servicer.step_tasks
+    if servicer.step_closer is None:
 
         async def end_at_shutdown() -> None:
             await servicer.closing.wait()
             for t in list(tasks):
                 t.cancel()
 
-        servicer._step_closer = asyncio.ensure_future(end_at_shutdown())
+        servicer.step_closer = asyncio.ensure_future(end_at_shutdown())
     return tasks
 
