@@ -390,7 +390,8 @@ class MambaRadixCache(RadixCache):
         slots = self.all_state_slots()
         events = self._states.events
         if events is not None and slots:
-            events.on_state_removed([n.block_hashes[-1] for n in self._states.slot_of])
+            slot_of: dict[Any, int] = self._states.slot_of  # TreeNodes whose block_hashes are set (events on)
+            events.on_state_removed([n.block_hashes[-1] for n in slot_of])
         if slots:
             self.mamba_pool.free(slots)
         RadixCache.reset(self)
