@@ -14,7 +14,7 @@ new leaf (and to unfile its parent), O(node) for a split.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,7 +51,7 @@ class InsertMixin:
     disable: bool
     kv_events: KVEventRecorder | None
     _pb: int
-    _heads: dict[Any, NamespaceHead]
+    _heads: dict[Hashable, NamespaceHead]
     _leaves: Any  # the evictable leaves (radixkv.cache.leaf_index.LeafIndex)
     _clock: int
     _next_id: int
@@ -70,7 +70,8 @@ class InsertMixin:
         def _new_id(self) -> int: ...
         def _refile(self, node: TreeNode) -> None: ...
 
-    def insert(self, key: Any, value: Any, priority: int = 0, extra_key: Any = None, _path: bool = False) -> Any:
+    def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
+               _path: bool = False) -> Any:
         """``RadixCache.insert(key, value, priority=0, extra_key=None)``: insert ``key`` (a whole
         number of pages) with its KV rows ``value``.
 
