@@ -44,7 +44,7 @@ import torch
 from radixkv.cache import mamba_audit, mamba_policies, mamba_req_cache
 from radixkv.cache.block_hash import Seed
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.mamba_audit import StateConservation
+from radixkv.cache.mamba_audit import HybridRunningRequest, StateConservation
 from radixkv.cache.mamba_policies import (
     FlopModel,
     MambaEvictResult,
@@ -401,13 +401,13 @@ class MambaRadixCache(RadixCache):
         self._states.clear()
 
     # ------------------------------------------------------------------ audit
-    def check_invariants(self, running_reqs: Sequence[Any] | None = None) -> None:
+    def check_invariants(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
         """RadixCache's audit, the state table's, and both conservation laws (KV slots given
         ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
         :func:`radixkv.cache.mamba_audit.check_invariants`)."""
         mamba_audit.check_invariants(self, running_reqs)
 
-    def check_state_conservation(self, running_reqs: Sequence[Any] | None = None) -> StateConservation:
+    def check_state_conservation(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> StateConservation:
         """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_audit.check_state_conservation`)."""
         return mamba_audit.check_state_conservation(self, running_reqs)
 
