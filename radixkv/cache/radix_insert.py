@@ -27,6 +27,7 @@ from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexErr
 
 if TYPE_CHECKING:
     from radixkv.cache.events import KVEventRecorder
+    from radixkv.cache.leaf_index import LeafIndex
     from radixkv.cache.metrics import CacheMetrics
 
 __all__ = ["InsertMixin"]
@@ -52,7 +53,7 @@ class InsertMixin:
     kv_events: KVEventRecorder | None
     _pb: int
     _heads: dict[Hashable, NamespaceHead]
-    _leaves: Any  # the evictable leaves (radixkv.cache.leaf_index.LeafIndex)
+    _leaves: LeafIndex[TreeNode]  # the evictable leaves
     _clock: int
     _next_id: int
     _evictable: int
