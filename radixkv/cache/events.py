@@ -211,6 +211,7 @@ class KVEventRecorder:
 
     # -- the interface the RadixCache calls
 
+    # ``extra_key: Any``: any hashable namespace, read as an int or a str after the tests below
     def on_stored(self, parent_hash: int | None, token_ids: object, extra_key: Any = None) -> list[int]:
         """Record one ``BlockStored`` for a new node; return its per-page hashes.
 

@@ -71,6 +71,8 @@ class InsertMixin:
         def _new_id(self) -> int: ...
         def _refile(self, node: TreeNode) -> None: ...
 
+    # ``value: Any``: an integer tensor or array, read as a tensor on the inlined fast path (``check_value``
+    # validates the others); the result: an int, or ``(prefix, node, path)`` with ``_path``
     def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
                _path: bool = False) -> Any:
         """``RadixCache.insert(key, value, priority=0, extra_key=None)``: insert ``key`` (a whole
