@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Any
 
 import numpy as np
 
@@ -85,7 +84,7 @@ def chain_root(seed: Seed = DEFAULT_SEED) -> bytes:
     raise InvalidArgumentError(f"seed must be bytes, str or int, got {type(seed).__name__}")
 
 
-def encode_extra_key(extra_key: Any) -> bytes:
+def encode_extra_key(extra_key: object) -> bytes:
     """The tagged byte form of a namespace key (layout step 2 of the module doc)."""
     if extra_key is None:
         return b"\x00"
@@ -109,7 +108,7 @@ def encode_extra_key(extra_key: Any) -> bytes:
     )
 
 
-def check_hash(value: Any, what: str) -> int:
+def check_hash(value: object, what: str) -> int:
     """``value`` as a u64 block hash; ``InvalidArgumentError`` naming ``what`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__}")
@@ -119,7 +118,7 @@ def check_hash(value: Any, what: str) -> int:
     return v
 
 
-def page_tokens(token_ids: Any, page_size: int) -> np.ndarray:
+def page_tokens(token_ids: object, page_size: int) -> np.ndarray:
     """Validated tokens as a little-endian int32 array (no copy when already one)."""
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise InvalidArgumentError(f"page_size must be a positive int, got {page_size!r}")
@@ -132,10 +131,10 @@ def page_tokens(token_ids: Any, page_size: int) -> np.ndarray:
 
 
 def block_hashes(
-    token_ids: Any,
+    token_ids: object,
     page_size: int,
     parent_hash: int | None = None,
-    extra_key: Any = None,
+    extra_key: object = None,
     seed: Seed = DEFAULT_SEED,
 ) -> list[int]:
     """Chained per-page hashes of ``token_ids`` (the layout in the module docstring).

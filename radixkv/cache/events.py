@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +95,7 @@ class BlockStored:
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
-    extra_key: Any = None
+    extra_key: Hashable = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``type`` tags the event as msgspec's tagged union does)."""
@@ -211,7 +211,8 @@ class KVEventRecorder:
 
     # -- the interface the RadixCache calls
 
-    def on_stored(self, parent_hash: int | None, token_ids: Any, extra_key: Any = None) -> list[int]:
+    # ``extra_key: Any``: any hashable namespace, read as an int or a str after the tests below
+    def on_stored(self, parent_hash: int | None, token_ids: object, extra_key: Any = None) -> list[int]:
         """Record one ``BlockStored`` for a new node; return its per-page hashes.
 
         ``token_ids`` must be a whole number of pages. An empty node records nothing and
@@ -271,7 +272,7 @@ class KVEventRecorder:
         """Drain the pending events into a :class:`KVEventBatch` stamped with ``time.time()``."""
         return KVEventBatch(time.time(), self.take_events(), data_parallel_rank)
 
-    def block_hashes(self, token_ids: Any, parent_hash: int | None = None, extra_key: Any = None) -> list[int]:
+    def block_hashes(self, token_ids: object, parent_hash: int | None = None, extra_key: object = None) -> list[int]:
         """:func:`block_hashes` with this recorder's page size and seed (records nothing)."""
         return block_hashes(token_ids, self.page_size, parent_hash, extra_key, self.seed)
 

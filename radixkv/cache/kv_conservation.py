@@ -15,14 +15,15 @@ slots it holds ahead for decoding; empty when none).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from radixkv.contracts import KVAllocator, PrefixCache
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
-__all__ = ["Conservation", "conservation", "check_conservation"]
+__all__ = ["Conservation", "RunningRequest", "conservation", "check_conservation"]
 
 
 class Conservation(NamedTuple):
@@ -49,14 +50,32 @@ class Conservation(NamedTuple):
         return self.accounted == self.pool_size
 
 
-def _held(req: Any, page_size: int) -> int:
+class RunningRequest(Protocol):
+    """What the audit reads of a request that holds a row (``radixkv.scheduler.req.Req``):
+    :class:`~radixkv.contracts.CacheRequest`'s row and lengths, and its decode reserve."""
+
+    @property
+    def rid(self) -> str: ...
+    @property
+    def req_pool_idx(self) -> int | None: ...
+    @property
+    def kv_committed_len(self) -> int: ...
+    @property
+    def cache_protected_len(self) -> int: ...
+    @property
+    def decode_reserve(self) -> np.ndarray:
+        """int64 KV slots allocated ahead for the next decode (may be empty)."""
+
+
+def _held(req: RunningRequest, page_size: int) -> int:
     if req.req_pool_idx is None:
         return 0
     pages: int = -(-req.kv_committed_len // page_size)
     return pages * page_size - int(req.cache_protected_len) + int(req.decode_reserve.size)
 
 
-def conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Any]) -> Conservation:
+def conservation(allocator: KVAllocator, tree_cache: PrefixCache,
+                 running_reqs: Iterable[RunningRequest]) -> Conservation:
     """Count where the slots are (see :class:`Conservation`). O(requests)."""
     ps = int(getattr(allocator, "page_size", 1))
     return Conservation(
@@ -68,7 +87,7 @@ def conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: 
     )
 
 
-def _audit_pages(allocator: KVAllocator, tree_cache: PrefixCache, reqs: list[Any]) -> None:
+def _audit_pages(allocator: KVAllocator, tree_cache: PrefixCache, reqs: list[RunningRequest]) -> None:
     """Exact audit, in pages (slots when ``page_size == 1``): every page in use is owned
     by exactly one of the tree and the running requests (their columns
     ``cache_protected_len .. kv_committed_len`` and their decode reserves), no owned page is free, and every slot of a
@@ -116,7 +135,7 @@ def _audit_pages(allocator: KVAllocator, tree_cache: PrefixCache, reqs: list[Any
         )
 
 
-def check_conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[Any],
+def check_conservation(allocator: KVAllocator, tree_cache: PrefixCache, running_reqs: Iterable[RunningRequest],
                        exact: bool = True) -> Conservation:
     """:func:`conservation`, raising ``InvariantError`` unless the pool is exactly accounted
     for: the counts must add up, and (``exact``, the default) the page-level audit must

@@ -6,19 +6,22 @@ every slot of the pool is exactly one of free, a tree state, or a running reques
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from radixkv.cache import tree_audit
-from radixkv.cache.kv_conservation import check_conservation
+from radixkv.cache.kv_conservation import RunningRequest, check_conservation
 from radixkv.errors import InvariantError, describe_ids
 
 if TYPE_CHECKING:
     from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.tree_node import TreeNode
+    from radixkv.contracts import StatePool
 
-__all__ = ["StateConservation", "audit_slots", "check_invariants", "check_state_conservation", "pretty_print"]
+__all__ = ["StateConservation", "HybridRunningRequest", "audit_slots", "check_invariants", "check_state_conservation",
+           "pretty_print"]
 
 
 class StateConservation(NamedTuple):
@@ -40,7 +43,16 @@ class StateConservation(NamedTuple):
         return self.accounted == self.capacity
 
 
-def audit_slots(pool: Any, tree_slots: dict[int, Any], held_slots: dict[int, Any],
+class HybridRunningRequest(RunningRequest, Protocol):
+    """What the audits read of a running request of a hybrid tree: a
+    :class:`~radixkv.cache.kv_conservation.RunningRequest` with its own Mamba slot (and,
+    when it has one, its ``mamba_ping_pong_track_buffer``, read with ``getattr``)."""
+
+    @property
+    def mamba_pool_idx(self) -> int | None: ...
+
+
+def audit_slots(pool: StatePool, tree_slots: dict[int, TreeNode], held_slots: dict[int, str],
                 evictable: int, protected: int) -> StateConservation:
     """The Mamba slot conservation law, exact: every slot ``1..size`` is exactly one of free
     in ``pool``, held by the tree (``tree_slots``: slot -> node) or held by a running
@@ -78,7 +90,7 @@ def audit_slots(pool: Any, tree_slots: dict[int, Any], held_slots: dict[int, Any
 
 # ----------------------------------------------------------------------------- the tree's audit
 # Called by the MambaRadixCache methods of the same names.
-def check_invariants(cache: MambaRadixCache, running_reqs: Sequence[Any] | None = None) -> None:
+def check_invariants(cache: MambaRadixCache, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
     """RadixCache's audit (no KV row held twice or free in the allocator), the state
     table's (states on live nodes at their nodes' ends, maps inverse, pins consistent with
     every ``lock_ref``), and both conservation laws: Mamba slots
@@ -96,7 +108,8 @@ def check_invariants(cache: MambaRadixCache, running_reqs: Sequence[Any] | None 
         cache.check_state_conservation(running_reqs)
 
 
-def check_state_conservation(cache: MambaRadixCache, running_reqs: Sequence[Any] | None = None) -> StateConservation:
+def check_state_conservation(cache: MambaRadixCache,
+                             running_reqs: Sequence[HybridRunningRequest] | None = None) -> StateConservation:
     """Mamba pool available + tree evictable + tree protected + held by running requests
     == capacity, exactly (no slot leaked, owned twice, or free while referenced).
     ``running_reqs``: every request holding a slot; default: the slots the request pool

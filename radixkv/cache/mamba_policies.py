@@ -47,6 +47,7 @@ from radixkv.validation import check_count
 
 if TYPE_CHECKING:
     from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.tree_node import TreeNode
 
 __all__ = [
     "FlopModel",
@@ -133,7 +134,7 @@ class StateAdmission:
 
     name = "base"
 
-    def admit(self, cache: MambaRadixCache, node: Any, finished: bool) -> bool:  # pragma: no cover
+    def admit(self, cache: MambaRadixCache, node: TreeNode, finished: bool) -> bool:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -142,7 +143,7 @@ class EveryAdmission(StateAdmission):
 
     name = "every"
 
-    def admit(self, cache: MambaRadixCache, node: Any, finished: bool) -> bool:
+    def admit(self, cache: MambaRadixCache, node: TreeNode, finished: bool) -> bool:
         return True
 
 
@@ -151,7 +152,7 @@ class BranchAdmission(StateAdmission):
 
     name = "branch"
 
-    def admit(self, cache: MambaRadixCache, node: Any, finished: bool) -> bool:
+    def admit(self, cache: MambaRadixCache, node: TreeNode, finished: bool) -> bool:
         return finished or bool(node.children)
 
 
@@ -164,7 +165,7 @@ ADMISSION_POLICIES: dict[str, Callable[[], StateAdmission]] = {
 _P = TypeVar("_P")
 
 
-def _from_registry(policy: object, base: type[_P], registry: dict[str, Callable[[], Any]], what: str,
+def _from_registry(policy: object, base: type[_P], registry: dict[str, Callable[[], _P]], what: str,
                    also: str = "") -> _P:
     """``policy`` itself when it is a ``base`` instance, else a new instance of the entry of
     ``registry`` it names (case and surrounding blanks ignored). Raises InvalidArgumentError
@@ -193,10 +194,10 @@ class StateEvictionOrder:
 
     name = "base"
 
-    def order(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:  # pragma: no cover
+    def order(self, cache: MambaRadixCache, nodes: list[TreeNode]) -> np.ndarray:  # pragma: no cover
         raise NotImplementedError
 
-    def victims(self, cache: MambaRadixCache, k: int) -> list[Any]:
+    def victims(self, cache: MambaRadixCache, k: int) -> list[TreeNode]:
         """The first ``k`` unpinned states of the order (all of them when fewer): ranks the
         unpinned states (``StateTable.unpinned``, attach order) with :meth:`order`.
         O(S log S)."""
@@ -204,7 +205,7 @@ class StateEvictionOrder:
         return [nodes[int(i)] for i in self.order(cache, nodes)[:k]]
 
 
-def _last_access(nodes: list[Any]) -> np.ndarray:
+def _last_access(nodes: list[TreeNode]) -> np.ndarray:
     return np.fromiter(map(_get_last_access, nodes), dtype=np.float64, count=len(nodes))
 
 
@@ -216,11 +217,11 @@ class LRUStateOrder(StateEvictionOrder):
 
     name = "lru"
 
-    def order(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:
+    def order(self, cache: MambaRadixCache, nodes: list[TreeNode]) -> np.ndarray:
         """A stable sort by ``last_access``. O(S log S): the reference of :meth:`victims`."""
         return np.argsort(_last_access(nodes), kind="stable")
 
-    def victims(self, cache: MambaRadixCache, k: int) -> list[Any]:
+    def victims(self, cache: MambaRadixCache, k: int) -> list[TreeNode]:
         """Off the tree's LRU heap (``StateTable.lru``): what ranking all unpinned states
         with :meth:`order` gives, in O((k + stale entries) x log S) amortized. A subclass that
         overrides :meth:`order` gets the full ranking instead."""
@@ -243,7 +244,7 @@ class FlopStateOrder(StateEvictionOrder):
         self.alpha = float(alpha)
         self.flop_model = flop_model
 
-    def utilities(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:
+    def utilities(self, cache: MambaRadixCache, nodes: list[TreeNode]) -> np.ndarray:
         """Prefill FLOPs each state saves over its nearest state ancestor, per state byte.
         O(len) when the tree keeps the ancestors (built with this order), else
         O(len x tombstones crossed)."""
@@ -272,13 +273,13 @@ class FlopStateOrder(StateEvictionOrder):
         score = recency + (self.alpha * util / top if top > 0 else 0.0)
         return np.argsort(score, kind="stable")
 
-    def order(self, cache: MambaRadixCache, nodes: list[Any]) -> np.ndarray:
+    def order(self, cache: MambaRadixCache, nodes: list[TreeNode]) -> np.ndarray:
         n = len(nodes)
         if n <= 1:
             return np.arange(n)
         return self._rank(_last_access(nodes), self.utilities(cache, nodes))
 
-    def victims(self, cache: MambaRadixCache, k: int) -> list[Any]:
+    def victims(self, cache: MambaRadixCache, k: int) -> list[TreeNode]:
         """:meth:`order` over the tree's unpinned states (attach order), its first ``k``;
         with the tree's ancestors (``StateTable.anc``), straight from the state table's
         arrays: one pass over the states for ``last_access``, the rest vectorized. O(S log S)."""
@@ -376,6 +377,7 @@ def _evict_states(cache: MambaRadixCache, k: int, slots: list[int]) -> None:
             cache._refile(node)
 
 
+# ``node: Any``: a TreeNode, then its ancestors up to a NamespaceHead (read as such: parent, extra_key)
 def _remove_leaf(cache: MambaRadixCache, node: Any, rows: list[bytes], slots: list[int]) -> int:
     """Unlink an unlocked, unfiled leaf (and its state), then every tombstone ancestor it
     leaves childless and unlocked; file a childless parent with a state. Returns tokens."""

@@ -35,7 +35,7 @@ state table is :mod:`radixkv.cache.state_table`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -44,7 +44,7 @@ import torch
 from radixkv.cache import mamba_audit, mamba_policies, mamba_req_cache
 from radixkv.cache.block_hash import Seed
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.mamba_audit import StateConservation
+from radixkv.cache.mamba_audit import HybridRunningRequest, StateConservation
 from radixkv.cache.mamba_policies import (
     FlopModel,
     MambaEvictResult,
@@ -58,7 +58,7 @@ from radixkv.cache.radix_key import RadixKey, as_radix_key
 from radixkv.cache.state_events import HybridEventRecorder
 from radixkv.cache.state_table import EventStateTable, StateTable
 from radixkv.cache.tree_node import TreeNode
-from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable, StatePool
+from radixkv.contracts import CacheRequest, KVAllocator, PoolRequest, ReqToTokenTable, StatePool
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states
 from radixkv.memory.mamba_pool import SlotViews
@@ -233,7 +233,7 @@ class MambaRadixCache(RadixCache):
     # ------------------------------------------------------------------ match, fork
     # MambaMatchResult is MatchResult's fields and more, not a subclass (NamedTuples cannot be)
     def match_prefix(  # type: ignore[override]
-            self, key: RadixKey | Any, extra_key: Any = None) -> MambaMatchResult:
+            self, key: RadixKey | object, extra_key: Hashable = None) -> MambaMatchResult:
         """The longest cached prefix of ``key`` that ends at a node holding a state, its KV
         rows, that node, and ``kv_prefix_len`` (see :class:`MambaMatchResult`). Matching
         splits and touches nodes exactly like :meth:`RadixCache.match_prefix`; nothing is
@@ -248,7 +248,7 @@ class MambaRadixCache(RadixCache):
         self._metrics.record_query(len(key._buf) >> 2, s)
         return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n))
 
-    def fork_states(self, nodes: Sequence[TreeNode], reqs: Sequence[Any]) -> int:
+    def fork_states(self, nodes: Sequence[TreeNode], reqs: Sequence[PoolRequest]) -> int:
         """Copy-on-fork: request ``reqs[i]``'s own slot (``mamba_pool_idx``) gets the state of
         ``nodes[i]`` (its matched ``last_node``), or zeros when that node holds none (a
         request starting from scratch). One copy and one zero fill for the whole batch.
@@ -299,15 +299,15 @@ class MambaRadixCache(RadixCache):
         return False
 
     # ------------------------------------------------------------------ insert
-    def insert(self, key: RadixKey | Any, value: Any, priority: int = 0, extra_key: Any = None,
-               mamba_value: Any = None) -> int:
+    def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
+               mamba_value: object = None) -> int:
         """RadixCache's insert, plus an optional state handed over with ``mamba_value`` (a
         slot holding the state after exactly ``len(key)`` tokens): see
         :meth:`insert_with_state`. Returns the tokens already cached."""
         return self.insert_with_state(key, value, mamba_value, priority, extra_key).prefix_len
 
-    def insert_with_state(self, key: RadixKey | Any, value: Any, state_slot: Any = None,
-                          priority: int = 0, extra_key: Any = None) -> MambaInsertResult:
+    def insert_with_state(self, key: RadixKey | object, value: Any, state_slot: object = None,
+                          priority: int = 0, extra_key: Hashable = None) -> MambaInsertResult:
         """Insert ``key`` (whole pages) with its KV rows ``value``; with ``state_slot``, hand
         that slot (the state after the key's last token) to the tree: kept at the node where
         the key ends when it holds no state, else freed. Ownership passes either way.
@@ -390,7 +390,8 @@ class MambaRadixCache(RadixCache):
         slots = self.all_state_slots()
         events = self._states.events
         if events is not None and slots:
-            events.on_state_removed([n.block_hashes[-1] for n in self._states.slot_of])
+            slot_of: dict[Any, int] = self._states.slot_of  # TreeNodes whose block_hashes are set (events on)
+            events.on_state_removed([n.block_hashes[-1] for n in slot_of])
         if slots:
             self.mamba_pool.free(slots)
         RadixCache.reset(self)
@@ -400,13 +401,13 @@ class MambaRadixCache(RadixCache):
         self._states.clear()
 
     # ------------------------------------------------------------------ audit
-    def check_invariants(self, running_reqs: Sequence[Any] | None = None) -> None:
+    def check_invariants(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
         """RadixCache's audit, the state table's, and both conservation laws (KV slots given
         ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
         :func:`radixkv.cache.mamba_audit.check_invariants`)."""
         mamba_audit.check_invariants(self, running_reqs)
 
-    def check_state_conservation(self, running_reqs: Sequence[Any] | None = None) -> StateConservation:
+    def check_state_conservation(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> StateConservation:
         """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_audit.check_state_conservation`)."""
         return mamba_audit.check_state_conservation(self, running_reqs)
 
@@ -431,6 +432,6 @@ class MambaRadixCache(RadixCache):
         d = torch.tensor(dst, dtype=torch.int64, device=pool.device)
         copy_states(pool.conv_state, pool.temporal_state, s, d, backend=pool.copy_backend, checks=False)
 
-    def _check_slots(self, slots: Sequence[Any], what: str) -> list[int]:
+    def _check_slots(self, slots: Sequence[object], what: str) -> list[int]:
         """See :meth:`StateTable.check_slots` (with this cache's ``checks``)."""
         return self._states.check_slots(self.mamba_pool, slots, what, self.checks)

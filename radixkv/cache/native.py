@@ -42,6 +42,7 @@ for the whole process; ``RadixCache(..., native=False)`` for one cache.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from heapq import heappush
 from typing import Any
 
@@ -63,10 +64,15 @@ if _mod is not None:
     _mod.bind_leaves(leaf_index.LeafIndex, heappush, leaf_index._SLACK)
     _mod.bind_metrics(CacheMetrics)  # and adds to its insert counters (slots) itself
 
-# the compiled entries (untyped C functions), None when not built: callers check available()
+# the compiled entries (untyped C functions), None when not built: callers check available().
+# ``find`` / ``narrow`` have the signatures of the attributes they are bound to (``_cfind``,
+# ``_cnarrow``); the others stay ``Any``: ``walk`` returns its rows as a tensor or, when the
+# match ends inside a node, as the bytes list ``_split_end`` takes; ``new_node`` may be None;
+# ``match`` / ``insert`` become methods through ``method``; ``bind_*`` take Python callables.
 walk: Any = _mod.walk if _mod is not None else None
-find: Any = _mod.find if _mod is not None else None
-narrow: Any = _mod.narrow if _mod is not None else None
+find: Callable[[TreeNode, bytes, int, int], tuple[int, TreeNode, list[TreeNode], TreeNode | None]] | None = \
+    _mod.find if _mod is not None else None
+narrow: Callable[[int, int, int], bytes | None] | None = _mod.narrow if _mod is not None else None
 new_node: Any = _mod.new_node if _mod is not None else None
 match: Any = _mod.match_prefix if _mod is not None else None
 bind_match: Any = _mod.bind_match if _mod is not None else None

@@ -33,7 +33,7 @@ the reference. Either class gives the same results.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -48,7 +48,7 @@ from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
-from radixkv.contracts import KVAllocator, ReqToTokenTable
+from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable
 from radixkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class RadixCache(InsertMixin):
         """Head of the ``None`` namespace."""
         return self._heads[None]
 
-    def namespaces(self) -> list[Any]:
+    def namespaces(self) -> list[Hashable]:
         """The extra keys that currently have a head."""
         return list(self._heads)
 
@@ -212,7 +212,7 @@ class RadixCache(InsertMixin):
         return rows_tensor(joined, self.device)
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, key: RadixKey | Any, extra_key: Any = None) -> MatchResult:
+    def match_prefix(self, key: RadixKey | object, extra_key: Hashable = None) -> MatchResult:
         """The longest cached page-aligned prefix of ``key`` and its KV rows.
 
         ``key`` is a :class:`RadixKey` (preferred: no conversion) or token ids (then
@@ -334,7 +334,7 @@ class RadixCache(InsertMixin):
             self._leaves.add(node)
 
     # ------------------------------------------------------------------ locks
-    def _check_node(self, node: Any) -> None:
+    def _check_node(self, node: object) -> None:
         """Raise unless ``node`` is a live node of this tree (or a namespace head)."""
         if not isinstance(node, TreeNode):
             raise InvalidArgumentError(f"expected a TreeNode, got {type(node).__name__}")
@@ -418,12 +418,12 @@ class RadixCache(InsertMixin):
         return self.kv_events.take_events() if self.kv_events is not None else []
 
     # ------------------------------------------------------------------ requests
-    def cache_finished_req(self, req: Any) -> None:
+    def cache_finished_req(self, req: CacheRequest) -> None:
         """Cache a finished request's tokens and release its lock and its own rows
         (contract: :func:`radixkv.cache.req_cache.cache_finished_req`)."""
         req_cache.cache_finished_req(self, req)
 
-    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
         """Cache a running request's tokens so far and move its lock to where they end
         (contract: :func:`radixkv.cache.req_cache.cache_unfinished_req`)."""
         req_cache.cache_unfinished_req(self, req, chunked)

@@ -14,7 +14,7 @@ new leaf (and to unfile its parent), O(node) for a split.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexErr
 
 if TYPE_CHECKING:
     from radixkv.cache.events import KVEventRecorder
+    from radixkv.cache.leaf_index import LeafIndex
     from radixkv.cache.metrics import CacheMetrics
 
 __all__ = ["InsertMixin"]
@@ -51,8 +52,8 @@ class InsertMixin:
     disable: bool
     kv_events: KVEventRecorder | None
     _pb: int
-    _heads: dict[Any, NamespaceHead]
-    _leaves: Any  # the evictable leaves (radixkv.cache.leaf_index.LeafIndex)
+    _heads: dict[Hashable, NamespaceHead]
+    _leaves: LeafIndex[TreeNode]  # the evictable leaves
     _clock: int
     _next_id: int
     _evictable: int
@@ -70,7 +71,10 @@ class InsertMixin:
         def _new_id(self) -> int: ...
         def _refile(self, node: TreeNode) -> None: ...
 
-    def insert(self, key: Any, value: Any, priority: int = 0, extra_key: Any = None, _path: bool = False) -> Any:
+    # ``value: Any``: an integer tensor or array, read as a tensor on the inlined fast path (``check_value``
+    # validates the others); the result: an int, or ``(prefix, node, path)`` with ``_path``
+    def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
+               _path: bool = False) -> Any:
         """``RadixCache.insert(key, value, priority=0, extra_key=None)``: insert ``key`` (a whole
         number of pages) with its KV rows ``value``.
 

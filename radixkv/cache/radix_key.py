@@ -14,7 +14,8 @@ int32 byte strings) so the tree itself has no per-token Python loop.
 """
 from __future__ import annotations
 
-from typing import Any, overload
+from collections.abc import Hashable
+from typing import overload
 
 import numpy as np
 
@@ -51,9 +52,9 @@ class RadixKey:
     __slots__ = ("_buf", "token_ids", "extra_key")
     _buf: bytes
     token_ids: np.ndarray
-    extra_key: Any
+    extra_key: Hashable
 
-    def __init__(self, token_ids: Any, extra_key: Any | None = None):
+    def __init__(self, token_ids: object, extra_key: Hashable = None):
         try:
             hash(extra_key)
         except TypeError:
@@ -66,7 +67,7 @@ class RadixKey:
         self.extra_key = extra_key
 
     @classmethod
-    def _from_buffer(cls, buf: bytes, extra_key: Any) -> RadixKey:
+    def _from_buffer(cls, buf: bytes, extra_key: Hashable) -> RadixKey:
         """Wrap int32 bytes already validated (internal; no copy, no checks)."""
         key = cls.__new__(cls)
         key._buf = buf
@@ -116,7 +117,7 @@ class RadixKey:
         return f"RadixKey(len={len(self)}, tokens={head}{more}, extra_key={self.extra_key!r})"
 
 
-def as_radix_key(key: Any, extra_key: Any | None = None) -> RadixKey:
+def as_radix_key(key: RadixKey | object, extra_key: Hashable = None) -> RadixKey:
     """``key`` itself when it is a ``RadixKey`` (then ``extra_key`` must be ``None`` or
     equal to the key's own), else ``RadixKey(key, extra_key)``."""
     if type(key) is RadixKey:

@@ -25,7 +25,7 @@ _INT_TENSOR_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int
 _Tensor = torch.Tensor
 
 
-def check_value(value: Any, n_tokens: int) -> Any:
+def check_value(value: object, n_tokens: int) -> torch.Tensor | np.ndarray:
     """Validate an ``insert`` value's type, dtype, shape and length (O(1))."""
     if type(value) is _Tensor and value.dtype in _INT_TENSOR_DTYPES and value.ndim == 1:
         size = value.shape[0]  # fast path: a plain 1-D integer tensor (three attribute reads)
@@ -62,7 +62,7 @@ def row_max(a: np.ndarray) -> Any:
     return a[a.argmax()]
 
 
-def rows_bytes(value: Any, start: int) -> bytes:
+def rows_bytes(value: torch.Tensor | np.ndarray, start: int) -> bytes:
     """``value[start:]`` as int32 bytes, after checking every row lies in ``[0, 2**31)``.
     One host copy and one reduction (a uint view's max checks both bounds at once)."""
     if isinstance(value, torch.Tensor):

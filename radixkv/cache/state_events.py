@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -54,6 +54,7 @@ from radixkv.cache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventRecorder,
     Seed,
     event_from_dict,
@@ -61,7 +62,7 @@ from radixkv.cache.events import (
 from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids
 
 __all__ = ["StateStored", "StateRemoved", "STATE_EVENT_TYPES", "is_state_event", "any_event_from_dict",
-           "as_events", "split_state_events", "HybridEventRecorder"]
+           "as_events", "split_state_events", "HybridEventRecorder", "StateEvent", "CacheEvent"]
 
 
 
@@ -93,19 +94,23 @@ class StateRemoved:
 
 STATE_EVENT_TYPES = (StateStored, StateRemoved)
 
+#: A state event, and any event a (hybrid) tree records.
+StateEvent = StateStored | StateRemoved
+CacheEvent = KVEvent | StateEvent
 
-def is_state_event(event: Any) -> bool:
+
+def is_state_event(event: object) -> TypeGuard[StateEvent]:
     """Whether ``event`` is a :class:`StateStored` / :class:`StateRemoved`."""
     return isinstance(event, STATE_EVENT_TYPES)
 
 
-def _check_position(position: Any) -> int:
+def _check_position(position: object) -> int:
     if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 1:
         raise InvalidArgumentError(f"position must be an int >= 1, got {position!r}")
     return int(position)
 
 
-def any_event_from_dict(d: dict[str, Any]) -> Any:
+def any_event_from_dict(d: dict[str, Any]) -> CacheEvent:
     """Inverse of ``to_dict()`` for the KV events and the two state events.
 
     Raises InvalidArgumentError for an unknown ``type`` or malformed fields."""
@@ -127,10 +132,10 @@ def any_event_from_dict(d: dict[str, Any]) -> Any:
         raise InvalidArgumentError(f"malformed {kind} event: {e}") from None
 
 
-def as_events(events: Iterable[Any]) -> list[Any]:
+def as_events(events: Iterable[object]) -> list[CacheEvent]:
     """Event objects from events or their ``to_dict()`` dicts (a CacheEngine's
     ``take_events``). Raises InvalidArgumentError for anything else."""
-    out = []
+    out: list[CacheEvent] = []
     for i, e in enumerate(events):
         if isinstance(e, dict):
             e = any_event_from_dict(e)
@@ -140,10 +145,10 @@ def as_events(events: Iterable[Any]) -> list[Any]:
     return out
 
 
-def split_state_events(events: Iterable[Any]) -> tuple[list[Any], list[Any]]:
+def split_state_events(events: Iterable[CacheEvent]) -> tuple[list[CacheEvent], list[CacheEvent]]:
     """``(kv_events, state_events)``, each in its original order."""
-    kv: list[Any] = []
-    st: list[Any] = []
+    kv: list[CacheEvent] = []  # KVEvents only
+    st: list[CacheEvent] = []  # StateEvents only
     for e in events:
         (st if is_state_event(e) else kv).append(e)
     return kv, st

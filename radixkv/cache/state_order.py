@@ -38,11 +38,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from heapq import heapify, heappop, heappush, heapreplace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from radixkv.errors import InvariantError, describe_ids
+
+if TYPE_CHECKING:
+    from radixkv.cache.tree_node import TreeNode
 
 __all__ = ["StateHeap", "StateAncestors", "COMPACT_SLACK"]
 
@@ -60,7 +63,7 @@ class StateHeap:
     __slots__ = ("heap", "seq_at", "next_seq")
 
     def __init__(self, num_slots: int):
-        self.heap: list[tuple[Any, ...]] = []
+        self.heap: list[tuple[int, int, int, TreeNode]] = []  # (last_access, seq, slot, node)
         self.seq_at: list[int] = [0] * (int(num_slots) + 1)
         self.next_seq = 0
 
@@ -69,7 +72,7 @@ class StateHeap:
         self.heap.clear()
         self.seq_at[:] = [0] * len(self.seq_at)
 
-    def push(self, node: Any, slot: int, live: dict[Any, int]) -> None:
+    def push(self, node: TreeNode, slot: int, live: dict[TreeNode, int]) -> None:
         """``node`` just got ``slot`` (``live``: node -> slot, ``node`` included). O(log S)
         amortized (a rebuild when the heap outgrew its bound)."""
         self.next_seq += 1
@@ -84,7 +87,7 @@ class StateHeap:
         """The state in ``slot`` left the tree: its entry is dead from now on. O(1)."""
         self.seq_at[slot] = 0
 
-    def compact(self, live: dict[Any, int]) -> None:
+    def compact(self, live: dict[TreeNode, int]) -> None:
         """Rebuild the heap from the live states (node -> slot), one entry each, keyed by
         their current ``last_access``. O(S)."""
         seq_at = self.seq_at
@@ -92,18 +95,18 @@ class StateHeap:
         heapify(heap)
         self.heap = heap
 
-    def maybe_compact(self, live: dict[Any, int]) -> None:
+    def maybe_compact(self, live: dict[TreeNode, int]) -> None:
         """:meth:`compact` when the heap holds more than ``2 x states + 64`` entries. O(1)
         unless it rebuilds."""
         if len(self.heap) > 2 * len(live) + COMPACT_SLACK:
             self.compact(live)
 
-    def pop_victims(self, k: int, pins: dict[Any, int]) -> list[Any]:
+    def pop_victims(self, k: int, pins: dict[TreeNode, int]) -> list[TreeNode]:
         """Remove and return the first ``k`` unpinned states of the order (fewer when fewer
         are unpinned), first victim first; the caller detaches them. Pinned states keep their
         entries. O((k + stale + pinned entries met) x log S)."""
         heap, seq_at = self.heap, self.seq_at
-        out: list[Any] = []
+        out: list[TreeNode] = []
         aside = []
         while len(out) < k and heap:
             entry = heap[0]
@@ -122,7 +125,7 @@ class StateHeap:
         return out
 
     # ---------------------------------------------------------------- audit
-    def check(self, live: dict[Any, int], node_of: Sequence[Any]) -> None:
+    def check(self, live: dict[TreeNode, int], node_of: Sequence[TreeNode | None]) -> None:
         """Raise :class:`InvariantError` naming the node ids / slots unless the invariants
         of the module docstring hold (``live``: node -> slot; ``node_of``: slot -> node).
         O(heap + slots)."""
@@ -147,7 +150,7 @@ class StateHeap:
         if missing:
             raise InvariantError(f"StateHeap: states with no entry in the LRU heap (never evictable "
                                  f"by it): nodes {describe_ids(missing)}")
-        twice = [node_of[s].id for s, c in filed.items() if c > 1]
+        twice = [n.id for s, c in filed.items() if c > 1 and (n := node_of[s]) is not None]  # never None: wrong_node
         if twice:
             raise InvariantError(f"StateHeap: states filed twice in the LRU heap (duplicated): "
                                  f"nodes {describe_ids(twice)}")
@@ -176,7 +179,7 @@ class StateAncestors:
         self.above[:] = 0
 
     @staticmethod
-    def _frontier(node: Any, live: dict[Any, int]) -> list[int]:
+    def _frontier(node: TreeNode, live: dict[TreeNode, int]) -> list[int]:
         """Slots of the states below ``node`` with only tombstones in between."""
         out: list[int] = []
         stack = list(node.children.values())
@@ -189,10 +192,10 @@ class StateAncestors:
                 out.append(s)
         return out
 
-    def attach(self, node: Any, slot: int, end: int, live: dict[Any, int], ends: np.ndarray) -> None:
+    def attach(self, node: TreeNode, slot: int, end: int, live: dict[TreeNode, int], ends: np.ndarray) -> None:
         """``node`` got the state ``slot`` at ``end`` (already in ``live``: node -> slot;
         ``ends``: end per slot). O(tombstones above and below up to the nearest states)."""
-        p = node.parent
+        p: Any = node.parent  # a TreeNode (a NamespaceHead at the top, never None): a state node is no head
         while p.parent is not None and p not in live:
             p = p.parent
         self.above[slot] = 0 if p.parent is None else ends[live[p]]
@@ -200,7 +203,7 @@ class StateAncestors:
         if below:
             self.above[below] = end
 
-    def detach(self, node: Any, slot: int, live: dict[Any, int]) -> None:
+    def detach(self, node: TreeNode, slot: int, live: dict[TreeNode, int]) -> None:
         """``node`` lost the state ``slot``: the states just below it now see the one above
         it. O(tombstones below up to the nearest states)."""
         if node.children:
@@ -208,13 +211,13 @@ class StateAncestors:
             if below:
                 self.above[below] = self.above[slot]
 
-    def check(self, live: dict[Any, int], ends: np.ndarray, nodes: Sequence[Any]) -> None:
+    def check(self, live: dict[TreeNode, int], ends: np.ndarray, nodes: Sequence[TreeNode]) -> None:
         """Raise :class:`InvariantError` naming the state nodes whose ``above`` is not the
         end of their nearest state ancestor (``nodes``: every real node, parents first). O(tree)."""
-        near: dict[Any, int] = {}
+        near: dict[TreeNode, int] = {}
         wrong = []
         for n in nodes:
-            p = n.parent
+            p: Any = n.parent  # a TreeNode or NamespaceHead: ``nodes`` holds no heads
             e = 0 if p.parent is None else (int(ends[live[p]]) if p in live else near[p])
             near[n] = e
             s = live.get(n)

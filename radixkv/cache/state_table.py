@@ -37,6 +37,7 @@ from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantErr
 
 if TYPE_CHECKING:
     from radixkv.cache.state_events import HybridEventRecorder
+    from radixkv.cache.tree_node import TreeNode
     from radixkv.contracts import StatePool
 
 __all__ = ["StateTable", "EventStateTable"]
@@ -62,9 +63,9 @@ class StateTable:
     def __init__(self, num_slots: int, track_ancestors: bool = False):
         self.num_slots = int(num_slots)
         self.end = np.zeros(self.num_slots + 1, dtype=np.int64)
-        self.slot_of: dict[Any, int] = {}
-        self.node_of: list[Any | None] = [None] * (self.num_slots + 1)
-        self.pins: dict[Any, int] = {}
+        self.slot_of: dict[TreeNode, int] = {}
+        self.node_of: list[TreeNode | None] = [None] * (self.num_slots + 1)
+        self.pins: dict[TreeNode, int] = {}
         self.protected = 0
         self.lru = StateHeap(self.num_slots)
         self.anc = StateAncestors(self.num_slots) if track_ancestors else None
@@ -102,7 +103,7 @@ class StateTable:
         return len(self.slot_of) - self.protected
 
     # ---------------------------------------------------------------- states
-    def attach(self, node: Any, slot: int, end: int) -> None:
+    def attach(self, node: TreeNode, slot: int, end: int) -> None:
         """``node`` now holds ``slot``, the state after ``end`` tokens (the caller checked
         that neither is taken). O(log S) amortized (the LRU heap), plus with ``anc`` the
         tombstones between ``node`` and the states above and below it."""
@@ -116,7 +117,7 @@ class StateTable:
             self.protected += 1
         self.lru.push(node, slot, slot_of)
 
-    def detach(self, node: Any) -> int:
+    def detach(self, node: TreeNode) -> int:
         """Drop ``node``'s state; returns its slot (now the caller's to free)."""
         slot = self.slot_of.pop(node)
         self.node_of[slot] = None
@@ -127,12 +128,12 @@ class StateTable:
             self.protected -= 1
         return slot
 
-    def unpinned(self) -> list[Any]:
+    def unpinned(self) -> list[TreeNode]:
         """Nodes holding an evictable state. O(states)."""
         pins = self.pins
         return [n for n in self.slot_of if n not in pins]
 
-    def check_slots(self, pool: StatePool, slots: Iterable[Any], what: str, checks: bool = True) -> list[int]:
+    def check_slots(self, pool: StatePool, slots: Iterable[object], what: str, checks: bool = True) -> list[int]:
         """``slots`` as ints, each in ``1..pool.size``, distinct, not held by the tree and,
         with ``checks``, allocated in ``pool`` (``FreeSlots.free_among``: a host read of the
         free mask on CPU). Raises ``InvalidArgumentError`` / ``InvalidIndexError`` naming
@@ -159,7 +160,7 @@ class StateTable:
                 raise InvalidArgumentError(f"{what} not allocated in the Mamba pool: {describe_ids(bad)}")
         return out
 
-    def check_slot(self, pool: StatePool, slot: Any, what: str, checks: bool = True) -> int:
+    def check_slot(self, pool: StatePool, slot: object, what: str, checks: bool = True) -> int:
         """:meth:`check_slots` for one slot (the hot path of ``insert_with_state`` and
         ``fork_state``): the same checks, errors and messages, without the list; the free
         test reads the mask kept by :meth:`bind_pool` (``pool`` must be that pool) when
@@ -176,13 +177,13 @@ class StateTable:
         return slot
 
     # ---------------------------------------------------------------- pins
-    def pin(self, node: Any) -> None:
+    def pin(self, node: TreeNode) -> None:
         c = self.pins.get(node, 0)
         self.pins[node] = c + 1
         if c == 0 and node in self.slot_of:
             self.protected += 1
 
-    def unpin(self, node: Any) -> None:
+    def unpin(self, node: TreeNode) -> None:
         c = self.pins[node] - 1
         if c:
             self.pins[node] = c
@@ -192,7 +193,7 @@ class StateTable:
                 self.protected -= 1
 
     # ---------------------------------------------------------------- audit
-    def check(self, heads: Iterable[Any]) -> None:
+    def check(self, heads: Iterable[TreeNode]) -> None:
         """Raise :class:`InvariantError` naming the node ids / slots unless: every state
         and pin is on a live node (reachable from ``heads``) and never on a head; the two
         maps are inverse and no slot is held twice; every state's ``end`` is its node's
@@ -201,8 +202,8 @@ class StateTable:
         every state once, under a key ``<= last_access``, within its size bound
         (:meth:`StateHeap.check`); with ``anc``, every state's nearest state ancestor
         position is current. O(tree)."""
-        depth: dict[Any, int] = {}
-        order: list[Any] = []
+        depth: dict[TreeNode, int] = {}
+        order: list[TreeNode] = []
         stack = [(h, 0) for h in heads]
         while stack:
             node, d = stack.pop()
@@ -250,14 +251,15 @@ class StateTable:
     def _check_events(self) -> None:
         """The recorder's live states are exactly the table's: block hash of each state
         node's last page -> its end."""
-        mine = {n.block_hashes[-1]: int(self.end[s]) for n, s in self.slot_of.items()}
+        slot_of: dict[Any, int] = self.slot_of  # TreeNodes whose block_hashes are set (events on)
+        mine = {n.block_hashes[-1]: int(self.end[s]) for n, s in slot_of.items()}
         rec = self.events
         if rec is None:
             return
         theirs = rec.live_states()
         bad = sorted(h for h in mine.keys() | theirs.keys() if mine.get(h) != theirs.get(h))
         if bad:
-            nodes = [n.id for n in self.slot_of if n.block_hashes[-1] in set(bad)]
+            nodes = [n.id for n in slot_of if n.block_hashes[-1] in set(bad)]
             raise InvariantError(f"MambaRadixCache: the event recorder's live states differ from the "
                                  f"tree's at blocks {describe_ids(bad)} (tree nodes {describe_ids(nodes)})")
         rec.check_invariants()
@@ -279,6 +281,7 @@ class EventStateTable(StateTable):
         super().__init__(num_slots, track_ancestors)
         self.events = events  # type: ignore[assignment]  # None until the cache sets its recorder
 
+    # ``node: Any``: a TreeNode whose ``block_hashes`` are set (the cache records events)
     def attach(self, node: Any, slot: int, end: int) -> None:
         self.events.on_state_stored(node.block_hashes[-1], end)
         StateTable.attach(self, node, slot, end)

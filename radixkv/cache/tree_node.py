@@ -22,6 +22,7 @@ hashes, kept only when events are enabled).
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -54,10 +55,10 @@ class TreeNode:
         self.created = tick
         self.hits = 0
         self.priority = priority
-        self.skey: Any = None
+        self.skey: Any = None  # the policy's sort key: any comparable value
         self.id = node_id
         self.block_hashes: list[int] | None = None
-        self.pstate: Any = None
+        self.pstate: Any = None  # the policy's own per-node state
 
     @property
     def key(self) -> np.ndarray:
@@ -101,7 +102,7 @@ class NamespaceHead(TreeNode):
 
     __slots__ = ("extra_key",)
 
-    def __init__(self, node_id: int, extra_key: Any):
+    def __init__(self, node_id: int, extra_key: Hashable):
         super().__init__(node_id, None, b"", b"", tick=0, priority=-(1 << 62))
         self.extra_key = extra_key
         self.lock_ref = 1

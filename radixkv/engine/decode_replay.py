@@ -16,7 +16,7 @@ Cost: O(items + distinct requests), vectorized but for one loop over the distinc
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,10 +25,13 @@ from radixkv.engine.protocol import Session
 from radixkv.errors import RadixKVError
 from radixkv.scheduler.track import track_interval
 
+if TYPE_CHECKING:
+    from radixkv.engine.embedded import CacheEngine
+
 __all__ = ["replay_decodes"]
 
 
-def replay_decodes(engine: Any, session: Session, rids: list[str], call_lens: np.ndarray, rid_index: np.ndarray,
+def replay_decodes(engine: CacheEngine, session: Session, rids: list[str], call_lens: np.ndarray, rid_index: np.ndarray,
                    token_ids: np.ndarray) -> int:
     """Apply the leading calls of a replay in bulk (see the module doc): call ``k`` names
     ``rids[rid_index[a:b]]`` with tokens ``token_ids[a:b]``, ``b - a = call_lens[k]``.

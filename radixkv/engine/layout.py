@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +22,9 @@ from radixkv.engine.config import EngineConfig
 from radixkv.memory import ArenaLayout, MambaPool, MHATokenToKVPool, ReqToTokenPool, plan_layout
 from radixkv.memory.arena import DEFAULT_ALIGNMENT
 from radixkv.memory.hybrid import MAPPING, OWNER, TRACK, TRACK_SIZE
+
+if TYPE_CHECKING:
+    from radixkv.engine.pools import EnginePools
 
 __all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "plan_arenas", "build_kv_pool", "build_mamba_pool",
            "register_embedded", "find_embedded"]
@@ -63,7 +66,7 @@ def plan_arenas(config: EngineConfig) -> dict[str, ArenaLayout]:
 
 
 def build_kv_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
-                  device: Any = None) -> MHATokenToKVPool:
+                  device: str | torch.device | None = None) -> MHATokenToKVPool:
     """The full-attention KV pool of ``config`` (over ``buffer`` when given)."""
     c = config
     return MHATokenToKVPool(c.kv_tokens, c.page_size, c.kv_dtype, c.head_num, c.head_dim,
@@ -72,7 +75,7 @@ def build_kv_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
 
 
 def build_mamba_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
-                     device: Any = None) -> MambaPool:
+                     device: str | torch.device | None = None) -> MambaPool:
     """The KDA state pool of a hybrid ``config`` (over ``buffer`` when given)."""
     c = config
     return MambaPool(c.state_slots, c.conv_state_shape, c.temporal_state_shape, len(c.kda_layer_ids),
@@ -80,11 +83,11 @@ def build_mamba_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
                      checks=c.checks, buffer=buffer)
 
 
-_EMBEDDED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_EMBEDDED: weakref.WeakValueDictionary[str, EnginePools] = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
 
 
-def register_embedded(pools: Any) -> str:
+def register_embedded(pools: EnginePools) -> str:
     """Register in-process pools so ``attach_buffers`` can find them from a layout whose
     mapping is ``{"mode": "embedded", "key": key}``; returns the key. Held weakly."""
     key = f"embedded-{next(_KEYS)}"
@@ -92,6 +95,7 @@ def register_embedded(pools: Any) -> str:
     return key
 
 
-def find_embedded(key: Any) -> Any | None:
-    """The in-process pools registered under ``key``, or None (never registered, or gone)."""
-    return _EMBEDDED.get(key)
+def find_embedded(key: object) -> EnginePools | None:
+    """The in-process pools registered under ``key`` (as read from a layout), or None (not a
+    str, never registered, or gone)."""
+    return _EMBEDDED.get(key) if isinstance(key, str) else None
