@@ -53,7 +53,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from radixkv.service.client.channel import open_channel
@@ -86,6 +86,9 @@ from radixkv.engine.protocol import (
     Session,
 )
 from radixkv.errors import InvalidArgumentError, RadixKVError
+
+if TYPE_CHECKING:
+    from radixkv.engine.buffers import WorkerBuffers
 
 __all__ = ["RemoteCacheEngine", "KeepAlive", "connect"]
 
@@ -412,7 +415,7 @@ class RemoteCacheEngine:
         self._call("CheckInvariants", pb.CheckInvariantsRequest(), idempotent=False)
 
     # ------------------------------------------------------------------ buffers
-    def worker_buffers(self, info: AttachInfo) -> Any:
+    def worker_buffers(self, info: AttachInfo) -> WorkerBuffers:
         """``WorkerBuffers`` aliasing the manager's pools (each pool mapped once per epoch)."""
         from radixkv.engine.buffers import attach_buffers
 

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from radixkv.service.wire.auth import Token, presented_token
 
-__all__ = ["DEFAULT_HEALTH_BUDGET", "HEALTH_PREFIX", "OPERATOR_METHODS", "TokenAuthInterceptor"]
+__all__ = ["DEFAULT_HEALTH_BUDGET", "HEALTH_PREFIX", "OPERATOR_METHODS", "CallBudget", "TokenAuthInterceptor"]
 
 #: Health calls (no token needed) in flight at once, by default.
 DEFAULT_HEALTH_BUDGET = 8
@@ -65,7 +65,7 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, method: str,
     return grpc.stream_stream_rpc_method_handler(reject_stream, **kw)
 
 
-class _Budget:
+class CallBudget:
     """Calls of one kind in flight, at most ``limit``: one more is answered
     RESOURCE_EXHAUSTED at once (never queued)."""
 
@@ -126,8 +126,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
                  operator_token: Token | None = None, health_budget: int = DEFAULT_HEALTH_BUDGET,
                  call_budget: int | None = None):
         self._token = token
-        self.health = _Budget(health_budget, "unauthenticated (health) calls")
-        self.calls = _Budget(call_budget, "calls") if call_budget is not None else None
+        self.health = CallBudget(health_budget, "unauthenticated (health) calls")
+        self.calls = CallBudget(call_budget, "calls") if call_budget is not None else None
         self._on_reject = on_reject
         self._operator = operator_token
 

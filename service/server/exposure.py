@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.service.server.manager import ServeOptions
 
 __all__ = ["exposure_warnings", "PeriodicCount"]
 
@@ -29,7 +32,7 @@ def _tcp_host(address: str) -> str | None:
     return host or "*"
 
 
-def exposure_warnings(o: Any) -> list[str]:
+def exposure_warnings(o: ServeOptions) -> list[str]:
     """One sentence per exposure of the options ``o`` (a ``ServeOptions``)."""
     out = []
     host = _tcp_host(o.address)

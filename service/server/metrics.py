@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixkv.engine.protocol import EngineStats
+
+if TYPE_CHECKING:
+    from radixkv.service.server.quarantine import QuarantineStats
 
 #: Buckets for per-call latency: 50 us .. 2.5 s.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 2.5)
@@ -53,7 +56,7 @@ class _StatsCollector(Collector):
 
     def __init__(self) -> None:
         self.stats: EngineStats | None = None
-        self.reliability: tuple[Any, int, int] | None = None  # (QuarantineStats, reply bytes, reply hits)
+        self.reliability: tuple[QuarantineStats, int, int] | None = None  # (quarantine, reply bytes, reply hits)
 
     def collect(self) -> Iterator[Metric]:
         yield from self._engine()
@@ -151,7 +154,7 @@ class ServiceMetrics:
         """Replace the engine snapshot the exporter serves (call from the engine's loop)."""
         self._stats.stats = stats
 
-    def update_reliability(self, quarantine: Any, reply_bytes: int, reply_hits: int) -> None:
+    def update_reliability(self, quarantine: QuarantineStats, reply_bytes: int, reply_hits: int) -> None:
         """Replace the quarantine (a ``QuarantineStats``: cumulative releases) and reply-cache
         snapshot the exporter serves (call from the engine's loop)."""
         self._stats.reliability = (quarantine, int(reply_bytes), int(reply_hits))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import select
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
 
@@ -155,7 +155,7 @@ class Quarantine:
 
     # ------------------------------------------------------------------ attach
     @staticmethod
-    def check_pid(pid: Any) -> int:
+    def check_pid(pid: object) -> int:
         """A reported pid: an int in ``[0, 2**31)`` (0: unknown). Raises ``InvalidArgumentError``."""
         if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid <= MAX_PID:
             raise InvalidArgumentError(f"pid must be an int in [0, 2**31), got {pid!r}")

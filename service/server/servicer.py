@@ -50,7 +50,7 @@ from radixkv.service.server.quarantine import Quarantine
 from radixkv.service.server.session_keys import SessionKeys
 from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
-from radixkv.service.server.unary_rpc import parse, request_id_of  # re-exported
+from radixkv.service.server.unary_rpc import M, parse, request_id_of  # re-exported
 from radixkv.service.server.unary_rpc import unary_rpc as _rpc
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
@@ -160,7 +160,7 @@ class CacheManagerServicer:
             if self.pump_after_calls:
                 self.pump_events()
 
-    def parse_request(self, cls: Any, raw: Any, method: str) -> Any:
+    def parse_request(self, cls: type[M], raw: object, method: str) -> M:
         """``raw`` as a ``cls`` message, after its entries and tokens were counted on the raw
         bytes against :attr:`limits` (``RequestLimitError`` naming the limit, before any
         decoding). Raises ``InvalidArgumentError`` for bytes that are not a message."""

@@ -33,6 +33,7 @@ import asyncio
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
@@ -47,6 +48,7 @@ from radixkv.service.wire.step import FRAME, HELLO_MAX_BYTES, SOCKET_VERSION, er
 from radixkv import errors as E
 
 if TYPE_CHECKING:
+    from radixkv.service.server.auth import CallBudget
     from radixkv.service.server.servicer import CacheManagerServicer
 
 __all__ = ["StepSocketServer", "MAX_PENDING"]
@@ -84,9 +86,9 @@ class StepSocketServer:
         on_refused: told the reason of every connection closed by a rule (metrics).
     """
 
-    def __init__(self, servicer: CacheManagerServicer, token: Token, *, operator_token: Token | None, call_budget: Any,
-                 max_message_bytes: int, handshake_timeout_s: float, on_reject: Any = None,
-                 on_refused: Any = None):
+    def __init__(self, servicer: CacheManagerServicer, token: Token, *, operator_token: Token | None,
+                 call_budget: CallBudget | None, max_message_bytes: int, handshake_timeout_s: float,
+                 on_reject: Callable[[str], None] | None = None, on_refused: Callable[[str], None] | None = None):
         self.servicer, self._token, self._operator = servicer, token, operator_token
         self._budget = call_budget
         self._max = int(max_message_bytes)

@@ -26,9 +26,10 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from radixkv.service.wire.errors import status_of
 from radixkv.service.wire.request_id import REQUEST_ID_KEY, check_request_id
 
@@ -39,7 +40,10 @@ __all__ = ["parse", "request_id_of", "unary_rpc"]
 log = logging.getLogger("radixkv.service")
 
 
-def parse(cls: Any, raw: Any, method: str) -> Any:
+M = TypeVar("M", bound=Message)
+
+
+def parse(cls: type[M], raw: object, method: str) -> M:
     """``raw`` bytes as a ``cls`` message. Raises ``InvalidArgumentError`` when they are not one."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise InvalidArgumentError(f"{method}: expected serialized bytes")
@@ -50,7 +54,7 @@ def parse(cls: Any, raw: Any, method: str) -> Any:
                                    f"({type(e).__name__})") from None
 
 
-def request_id_of(context: Any) -> str | None:
+def request_id_of(context: grpc.aio.ServicerContext) -> str | None:
     """The ``radixkv-request-id`` of a call, checked, or None."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY:

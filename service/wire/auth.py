@@ -21,6 +21,8 @@ from radixkv.errors import InvalidArgumentError, PermissionDeniedError
 
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
+#: Call metadata as the client sends it: (key, value) pairs.
+Metadata = tuple[tuple[str, str], ...]
 TOKEN_ENV = "RADIXKV_TOKEN"
 _MIN_LEN = 8
 
@@ -46,7 +48,7 @@ class Token:
             return False
         return hmac.compare_digest(self._value.encode(), presented.encode("utf-8", "replace"))
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
+    def metadata(self) -> Metadata:
         """The call metadata carrying this token."""
         return ((METADATA_KEY, SCHEME + self._value),)
 

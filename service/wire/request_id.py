@@ -5,8 +5,6 @@ cache (:mod:`radixkv.service.server.idempotency`) describes what it guarantees.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from radixkv.errors import InvalidArgumentError
 
 __all__ = ["REQUEST_ID_KEY", "MAX_REQUEST_ID_LEN", "check_request_id"]
@@ -15,7 +13,7 @@ REQUEST_ID_KEY = "radixkv-request-id"
 MAX_REQUEST_ID_LEN = 64
 
 
-def check_request_id(value: Any) -> str:
+def check_request_id(value: object) -> str:
     """A request id: 1..64 printable ASCII characters. Raises ``InvalidArgumentError``."""
     if isinstance(value, bytes):
         try:
