@@ -134,7 +134,8 @@ def vllm_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) 
     return blocks[t // block_size] * block_size + t % block_size
 
 
-def _alloc_one(client: ManagerClient, session: Session, item: ExtendItem) -> AllocReply:
+def _alloc_one(client: ManagerClient, session: Session,
+               item: ExtendItem) -> ExtendResult | CapacityError | InvalidArgumentError:
     """``alloc_extend`` of one item, from the queue's thread: the result, or the error of a
     prompt the manager cannot take (capacity, context: not a manager fault, so not raised)."""
     try:
