@@ -42,15 +42,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
-from radixkv.bench.progress import Progress
+from radixkv.bench.progress import Progress, ProgressBar
+from radixkv.cache.events import KVEvent
 from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
 from radixkv.events.router_index import DynamoIndex, PyRadixIndex, make_index
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Unpack
+
+    from radixkv.bench.cluster_procs import ProcessOptions
+    from radixkv.bench.hitrate import Source
 
 __all__ = ["PyRadixIndex", "DynamoIndex", "make_index", "ClusterResult", "InprocManager", "served_len",
            "replay_on", "replay_cluster", "add_arguments", "run"]
@@ -77,6 +85,19 @@ class ClusterResult(NamedTuple):
     requests_per_s: float
     routes: np.ndarray
     hits: np.ndarray
+
+
+class ClusterManager(Protocol):
+    """One manager as :func:`replay_on` drives it (:class:`InprocManager`, or
+    :class:`~radixkv.bench.cluster_procs.RemoteManager`)."""
+
+    mode: str
+
+    def serve(self, toks: np.ndarray) -> int:
+        """Serve ``toks`` (int32); returns the hit in tokens."""
+    def take_events(self) -> Sequence[CacheEvent | dict[str, object]]:
+        """The KV events since the last take (objects or their ``to_dict()`` dicts)."""
+    def cached_tokens(self) -> int: ...
 
 
 def served_len(size: int, capacity: int) -> int:
@@ -122,7 +143,7 @@ class InprocManager:
             c.dec_lock_ref(m.last_node)
         return hit
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[KVEvent]:
         return self.cache.take_events()
 
     def cached_tokens(self) -> int:
@@ -137,9 +158,9 @@ def _check_sizes(n_managers: int, capacity: int, page_size: int) -> None:
         raise AlignmentError(f"capacity {capacity} is not a multiple of page_size {page_size}")
 
 
-def replay_on(managers: Sequence[Any], requests: Iterable[np.ndarray], capacity: int, page_size: int,
+def replay_on(managers: Sequence[ClusterManager], requests: Iterable[np.ndarray], capacity: int, page_size: int,
               router: str = "kv", index: str = "auto", slack: float = 0.25,
-              progress: Any = None) -> ClusterResult:
+              progress: ProgressBar | None = None) -> ClusterResult:
     """Replay ``requests`` (int32 token arrays) on ``managers`` (each with ``serve(toks) ->
     hit``, ``take_events()``, ``cached_tokens()`` and ``mode``; empty caches of
     ``capacity`` tokens), routed by ``router`` (``kv`` / ``kv_bounded`` / ``round_robin``;
@@ -199,7 +220,7 @@ def replay_on(managers: Sequence[Any], requests: Iterable[np.ndarray], capacity:
 
 def replay_cluster(requests: Iterable[np.ndarray], n_managers: int, capacity: int, page_size: int,
                    router: str = "kv", index: str = "auto", slack: float = 0.25,
-                   mode: str = "inproc", **process_options: Any) -> ClusterResult:
+                   mode: str = "inproc", **process_options: Unpack[ProcessOptions]) -> ClusterResult:
     """Replay ``requests`` on ``n_managers`` fresh managers of ``capacity`` tokens each
     (:func:`replay_on`): in-process (``mode="inproc"``) or ``radixkv serve`` processes
     (``mode="process"``, started and stopped here; ``process_options`` go to
@@ -276,7 +297,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="never draw the progress bar (drawn on a terminal)")
 
 
-def _replay_routers(src: Any, routers: list[str], cap: int, args: argparse.Namespace,
+def _replay_routers(src: Source, routers: list[str], cap: int, args: argparse.Namespace,
                     doc: dict[str, Any]) -> list[ClusterResult]:
     """Each router on fresh managers: new in-process ones, or the same processes flushed."""
     show = False if args.no_progress else None

@@ -31,18 +31,30 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from types import FrameType
+from typing import IO, TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
 from radixkv.engine.protocol import ExtendItem
 from radixkv.errors import AlignmentError, InvalidArgumentError, RadixKVError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.service.client import RemoteCacheEngine
+
 __all__ = ["RemoteManager", "ManagerProcesses", "ManagerStartError", "serve_argv", "sigterm_raises"]
 
 
 class ManagerStartError(RadixKVError):
     """A manager process exited or did not answer in time; the message quotes its log."""
+
+
+class ProcessOptions(TypedDict, total=False):
+    """The keyword options of :class:`ManagerProcesses` (``replay_cluster(mode="process", ...)``)."""
+
+    start_timeout_s: float
+    stop_timeout_s: float
+    extra_args: Sequence[str]
 
 
 def serve_argv(address: str, token_file: str, capacity: int, page_size: int, shm_dir: str,
@@ -64,7 +76,7 @@ class RemoteManager:
 
     mode = "process"
 
-    def __init__(self, client: Any, name: str):
+    def __init__(self, client: RemoteCacheEngine, name: str):
         self.client = client
         self.session = client.attach(name).session
         self._next = 0
@@ -137,7 +149,7 @@ class ManagerProcesses:
         self.directory: str | None = None
         self.managers: list[RemoteManager] = []
         self._procs: list[subprocess.Popen] = []
-        self._logs: list[Any] = []
+        self._logs: list[IO[bytes]] = []
 
     @property
     def pids(self) -> list[int]:
@@ -241,7 +253,7 @@ class ManagerProcesses:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -254,7 +266,7 @@ def sigterm_raises() -> Iterator[None]:
         yield
         return
 
-    def _raise(signum: int, frame: Any) -> None:
+    def _raise(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, _raise)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -55,6 +55,9 @@ from radixkv.memory import HybridReqToTokenPool, KimiLinearStateShape, MambaPool
 from radixkv.scheduler.batch import Batch
 from radixkv.scheduler.flow import alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.bench.progress import ProgressBar
 
 __all__ = ["KIMI", "KDA_LAYERS", "mamba_pool", "chunk_ends", "kv_budget", "HybridReplayResult",
            "replay_tree", "replay_flow", "parse_state_policy", "state_policy_label"]
@@ -158,7 +161,7 @@ class _Tally:
         self.t0 = time.perf_counter()
         evict = tree.evict
 
-        def counted(num_tokens: int, num_states: int | None = None) -> Any:
+        def counted(num_tokens: int, num_states: int | None = None) -> object:
             r = evict(num_tokens) if num_states is None else evict(num_tokens, num_states)  # type: ignore[call-arg]
             if isinstance(r, tuple):
                 self.ev_tok += int(r[0])
@@ -211,7 +214,7 @@ def _trim(tree: MambaRadixCache, slots: int) -> None:
 
 def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chunk: int,
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
-                kv_policy: str = "lru", working_slot: bool = False, progress: Any = None,
+                kv_policy: str = "lru", working_slot: bool = False, progress: ProgressBar | None = None,
                 page_size: int = 1, track: bool = True) -> HybridReplayResult:
     """The tree's own API with the flow's request semantics (see the module docstring);
     KV rows are virtual ids (no allocator: the tree plus the running request hold at most
@@ -222,6 +225,7 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
     """
     ps = _check_page(page_size)
     mamba = None if admission is None else mamba_pool(_pool_size(slots, working_slot))
+    # Any: a RadixCache, or a MambaRadixCache when admission is set (the state calls below run only then)
     tree: Any = (RadixCache(None, None, page_size=ps, eviction_policy=kv_policy) if admission is None else
                  MambaRadixCache(None, None, page_size=ps, eviction_policy=kv_policy, mamba_pool=mamba,
                                  admission_policy=admission, state_eviction_policy=policy, checks=False))
@@ -280,7 +284,7 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
 
 def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int, slots: int, chunk: int,
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
-                kv_policy: str = "lru", working_slot: bool = False, progress: Any = None,
+                kv_policy: str = "lru", working_slot: bool = False, progress: ProgressBar | None = None,
                 page_size: int = 1, track: bool = True) -> HybridReplayResult:
     """The same through the real scheduler flow and pools (a ``TokenToKVPoolAllocator`` of
     ``kv_tokens`` -- paged above page size 1 --, request rows ``max_prompt + 1`` wide, the
@@ -289,12 +293,13 @@ def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int,
     ps = _check_page(page_size)
     width = int(max_prompt) + 1
     kv_tokens = -(-kv_tokens // ps) * ps
-    alloc: Any = (TokenToKVPoolAllocator(kv_tokens, device="cpu") if ps == 1
-                  else PagedTokenToKVPoolAllocator(kv_tokens, ps, "cpu"))
+    alloc: TokenToKVPoolAllocator | PagedTokenToKVPoolAllocator = (
+        TokenToKVPoolAllocator(kv_tokens, device="cpu") if ps == 1
+        else PagedTokenToKVPoolAllocator(kv_tokens, ps, "cpu"))
     mamba = None
     tracking = track and ps > 1
     pool: ReqToTokenPool
-    tree: Any
+    tree: Any  # a RadixCache, or a MambaRadixCache when admission is set (as in replay_tree)
     if admission is None:
         pool = ReqToTokenPool(2, width)
         tree = RadixCache(pool, alloc, page_size=ps, eviction_policy=kv_policy)

@@ -20,7 +20,6 @@ runs, ``track: false``, where only a step ending on a page end leaves a state).
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from radixkv.bench.belady import belady
 from radixkv.bench.hybrid_hitrate import (
@@ -187,7 +186,7 @@ def hybrid_tables(doc: dict) -> str:
     for key, title in (("token_hit_rate", None), ("lost_rate", "KV-matched tokens lost for lack of a state (%)")):
         if title:
             out += ["", title, "", head, rule]
-        rows: dict[Any, Any] = {}
+        rows: dict[str, dict[float, float]] = {}  # label -> capacity fraction -> rate
         for r in doc["results"]:
             rows.setdefault(_label(r, many), {})[r["capacity_frac"]] = r[key]
         for lab, row in rows.items():
@@ -219,7 +218,7 @@ def plot_hybrid(doc: dict, path: str) -> str | None:
         return "matplotlib is not installed: plot skipped"
     many = len({r["policy"] for r in doc["kv_only"]}) > 1
     fig, ax = plt.subplots(figsize=(10, 5))
-    lines: dict[str, Any] = {}
+    lines: dict[str, list[tuple[float, float]]] = {}  # label -> (capacity fraction, hit %)
     for r in doc["results"]:
         lines.setdefault(_label(r, many), []).append((r["capacity_frac"], 100 * r["token_hit_rate"]))
     for pol, ps in dict.fromkeys((r["policy"], r.get("page_size", 1)) for r in doc["kv_only"]):

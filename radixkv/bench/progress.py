@@ -6,11 +6,17 @@ pipes stay clean (tqdm's ``disable=None``).
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from tqdm import tqdm
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "ProgressBar"]
+
+
+class ProgressBar(Protocol):
+    """What a replay asks of its ``progress`` argument (a :func:`Progress` bar, or any tqdm)."""
+
+    def update(self, n: int = 1) -> object: ...
 
 
 def Progress(total: int, label: str = "", stream: TextIO | None = None,  # noqa: N802 (used as a class)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -301,7 +301,7 @@ def load_mooncake(path: str, limit: int | None = None, block_size: int = MOONCAK
     il: list[int] = []
     ol: list[int] = []
     counts: list[int] = []
-    chunks: list[Any] = []
+    chunks: list[list[object]] = []  # each line's hash_ids (np.fromiter checks they are ints)
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if limit is not None and len(ts) >= limit:

@@ -15,7 +15,29 @@ how to run everything are in ``docs/events.md``.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover  (what mypy sees of the lazy names below)
+    from radixkv.events.dynamo import DynamoEventAdapter as DynamoEventAdapter
+    from radixkv.events.dynamo import DynamoNamespace as DynamoNamespace
+    from radixkv.events.dynamo import compute_block_hash_for_seq as compute_block_hash_for_seq
+    from radixkv.events.dynamo import default_namespace as default_namespace
+    from radixkv.events.dynamo import dynamo_seed as dynamo_seed
+    from radixkv.events.dynamo import tokens_hashes as tokens_hashes
+    from radixkv.events.sources import drain_events as drain_events
+    from radixkv.events.state_events import HybridEventRecorder as HybridEventRecorder
+    from radixkv.events.state_events import StateIndex as StateIndex
+    from radixkv.events.state_events import StateRemoved as StateRemoved
+    from radixkv.events.state_events import StateStored as StateStored
+    from radixkv.events.state_events import UsableOverlap as UsableOverlap
+    from radixkv.events.state_events import any_event_from_dict as any_event_from_dict
+    from radixkv.events.state_events import split_state_events as split_state_events
+    from radixkv.events.state_router import StateAwareIndex as StateAwareIndex
+    from radixkv.events.state_router import StateAwareScore as StateAwareScore
+    from radixkv.events.vllm_wire import decode_batch as decode_batch
+    from radixkv.events.vllm_wire import encode_batch as encode_batch
+    from radixkv.events.zmq_flags import PublisherConfig as PublisherConfig
+    from radixkv.events.zmq_publisher import ZmqEventPublisher as ZmqEventPublisher
 
 _EXPORTS = {
     "HybridEventRecorder": "state_events", "StateIndex": "state_events", "StateRemoved": "state_events",
@@ -31,7 +53,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'radixkv.events' has no attribute {name!r}")

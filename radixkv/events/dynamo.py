@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_extra_key
+from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
@@ -73,7 +74,7 @@ class DynamoNamespace(NamedTuple):
     cache_namespace: str | None = None
 
 
-def default_namespace(extra_key: Any) -> DynamoNamespace:
+def default_namespace(extra_key: Hashable) -> DynamoNamespace:
     """radixkv ``extra_key`` -> Dynamo namespace (module doc). Injective over extra keys."""
     if extra_key is None:
         return DynamoNamespace()
@@ -82,7 +83,7 @@ def default_namespace(extra_key: Any) -> DynamoNamespace:
     return DynamoNamespace(cache_namespace="radixkv:" + encode_extra_key(extra_key).hex())
 
 
-def _opt_str(v: Any, what: str) -> str | None:
+def _opt_str(v: object, what: str) -> str | None:
     if v is not None and not isinstance(v, str):
         raise InvalidArgumentError(f"{what} must be a str or None, got {type(v).__name__}")
     return v or None  # "" is absent, as in Dynamo
@@ -100,7 +101,7 @@ def dynamo_seed(lora_name: str | None = None, cache_namespace: str | None = None
     return seed
 
 
-def _u32_bytes(tokens: Any) -> bytes:
+def _u32_bytes(tokens: object) -> bytes:
     if hasattr(tokens, "detach"):  # torch
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
@@ -121,7 +122,7 @@ def _hash_pages(buf: bytes, block_size: int, seed: int) -> list[int]:
     return [_xxh3(view[i:i + step], seed) for i in range(0, len(buf) - len(buf) % step, step)]
 
 
-def compute_block_hash_for_seq(tokens: Any, block_size: int, lora_name: str | None = None,
+def compute_block_hash_for_seq(tokens: object, block_size: int, lora_name: str | None = None,
                                cache_namespace: str | None = None) -> list[int]:
     """Dynamo's ``compute_block_hash_for_seq``: one ``tokens_hash`` per FULL block of
     ``tokens`` (a trailing partial block is ignored), what a router walks its tree with.
@@ -134,8 +135,8 @@ def compute_block_hash_for_seq(tokens: Any, block_size: int, lora_name: str | No
     return _hash_pages(_u32_bytes(tokens), int(block_size), dynamo_seed(lora_name, cache_namespace))
 
 
-def tokens_hashes(tokens: Any, block_size: int, extra_key: Any = None,
-                  namespace_fn: Callable[[Any], DynamoNamespace] = default_namespace) -> list[int]:
+def tokens_hashes(tokens: object, block_size: int, extra_key: Hashable = None,
+                  namespace_fn: Callable[[Hashable], DynamoNamespace] = default_namespace) -> list[int]:
     """:func:`compute_block_hash_for_seq` for a radixkv request: the namespace comes from its
     ``extra_key`` through ``namespace_fn``."""
     ns = namespace_fn(extra_key)
@@ -161,7 +162,7 @@ class DynamoEventAdapter:
     Cost: O(tokens) per stored event (one XXH3 call per page), O(blocks) per removal.
     """
 
-    def __init__(self, page_size: int, namespace_fn: Callable[[Any], DynamoNamespace] = default_namespace,
+    def __init__(self, page_size: int, namespace_fn: Callable[[Hashable], DynamoNamespace] = default_namespace,
                  dp_rank: int = 0, first_event_id: int = 0):
         for name, v, lo in (("page_size", page_size, 1), ("dp_rank", dp_rank, 0),
                             ("first_event_id", first_event_id, 0)):
@@ -174,8 +175,8 @@ class DynamoEventAdapter:
         self.dp_rank = dp_rank
         self._next_id = first_event_id
         self._blocks: dict[int, tuple[int | None, int]] = {}  # hash -> (parent, tokens_hash)
-        self._children: Counter = Counter()  # hash -> live children
-        self._seeds: dict[Any, int] = {}  # extra_key -> seed
+        self._children: Counter[int] = Counter()  # hash -> live children
+        self._seeds: dict[Hashable, int] = {}  # extra_key -> seed
         self._owner: dict[int, bytes] = {}  # seed -> encoded extra key that claimed it
 
     # ------------------------------------------------------------------ conversion
@@ -183,7 +184,7 @@ class DynamoEventAdapter:
     def next_event_id(self) -> int:
         return self._next_id
 
-    def seed_for(self, extra_key: Any) -> int:
+    def seed_for(self, extra_key: Hashable) -> int:
         """The Dynamo seed of ``extra_key``'s namespace (validated injective). O(1) cached."""
         seed = self._seeds.get(extra_key) if _hashable(extra_key) else None
         if seed is not None:
@@ -201,7 +202,7 @@ class DynamoEventAdapter:
         self._seeds[extra_key] = seed
         return seed
 
-    def convert(self, event: Any) -> dict[str, Any] | None:
+    def convert(self, event: CacheEvent | dict[str, object]) -> dict[str, Any] | None:
         """The Dynamo event dict for one radixkv event (object or ``to_dict()`` dict), or
         ``None`` for a state event (no Dynamo equivalent).
 
@@ -228,7 +229,7 @@ class DynamoEventAdapter:
         self._next_id += 1
         return out
 
-    def convert_all(self, events: Iterable[Any]) -> list[dict[str, Any]]:
+    def convert_all(self, events: Iterable[CacheEvent | dict[str, object]]) -> list[dict[str, Any]]:
         """:meth:`convert` of each event, state events left out. Events before one that
         raises are converted (and counted) already."""
         out = []
@@ -238,7 +239,7 @@ class DynamoEventAdapter:
                 out.append(d)
         return out
 
-    def encode(self, event: Any) -> bytes | None:
+    def encode(self, event: CacheEvent | dict[str, object]) -> bytes | None:
         """:meth:`convert` as the UTF-8 JSON bytes ``RadixTree.apply_event`` takes."""
         d = self.convert(event)
         return None if d is None else dumps(d)
@@ -350,7 +351,7 @@ class DynamoEventAdapter:
                 depth_ok[s] = True
 
 
-def _hashable(v: Any) -> bool:
+def _hashable(v: object) -> bool:
     try:
         hash(v)
     except TypeError:

@@ -7,11 +7,27 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
 from radixkv.errors import InvalidArgumentError
 
 __all__ = ["PyRadixIndex", "DynamoIndex", "make_index"]
+
+
+class KVIndex(Protocol):
+    """What a router asks of a prefix index (both below; any object with these two)."""
+
+    def apply_event(self, worker: int, raw: bytes) -> None:
+        """Apply one Dynamo ``KvCacheEvent`` (UTF-8 JSON) of ``worker``."""
+    def scores(self, hashes: list[int]) -> dict[int, int]:
+        """Per worker, the leading blocks of ``hashes`` (``tokens_hash`` values) it holds."""
+
+
+class _Node(TypedDict):
+    """A node of :class:`PyRadixIndex`: children by ``tokens_hash``, the workers holding it."""
+
+    kids: dict[int, _Node]
+    workers: set[int]
 
 
 class PyRadixIndex:
@@ -22,8 +38,8 @@ class PyRadixIndex:
     name = "python"
 
     def __init__(self) -> None:
-        self._root: dict[str, Any] = {"kids": {}, "workers": set()}
-        self._lookup: dict[int, dict[int, dict]] = {}
+        self._root: _Node = {"kids": {}, "workers": set()}
+        self._lookup: dict[int, dict[int, _Node]] = {}  # worker -> block hash -> node
 
     def apply_event(self, worker: int, raw: bytes) -> None:
         data = json.loads(raw)["data"]
@@ -47,11 +63,13 @@ class PyRadixIndex:
 
     def scores(self, hashes: list[int]) -> dict[int, int]:
         out: dict[int, int] = {}
-        node, alive = self._root, None
+        node = self._root
+        alive: set[int] | None = None
         for depth, h in enumerate(hashes, 1):
-            node = node["kids"].get(h)
-            if node is None:
+            child = node["kids"].get(h)
+            if child is None:
                 break
+            node = child
             alive = set(node["workers"]) if alive is None else alive & node["workers"]
             if not alive:
                 break
@@ -80,7 +98,7 @@ class DynamoIndex:
         return {w: n for (w, _), n in scores.items()}
 
 
-def make_index(kind: str = "auto"):
+def make_index(kind: str = "auto") -> PyRadixIndex | DynamoIndex:
     """``dynamo``, ``python``, or ``auto`` (Dynamo's when importable)."""
     if kind not in ("auto", "dynamo", "python"):
         raise InvalidArgumentError(f"index must be auto, dynamo or python, got {kind!r}")

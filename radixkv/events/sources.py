@@ -10,15 +10,14 @@ every outlet: each source has one queue, and an event taken is gone from it.
 """
 from __future__ import annotations
 
-from typing import Any
-
+from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import InvalidArgumentError
 from radixkv.events.state_events import as_events
 
 __all__ = ["drain_events"]
 
 
-def drain_events(source: Any, session: Any | None = None, max_events: int = 0) -> list[Any]:
+def drain_events(source: object, session: object | None = None, max_events: int = 0) -> list[CacheEvent]:
     """Take the pending events of ``source`` as event objects (KV and state events).
 
     A ``CacheEngine`` is drained with its session-less ``drain_events()`` when ``session``

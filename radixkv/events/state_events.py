@@ -8,11 +8,12 @@ states the rules a consumer relies on) and re-exported here.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.cache.state_events import (  # noqa: F401  (re-exported)
     STATE_EVENT_TYPES,
+    CacheEvent,
     HybridEventRecorder,
     StateRemoved,
     StateStored,
@@ -51,7 +52,7 @@ class StateIndex:
     def __init__(self) -> None:
         self._states: dict[Hashable, dict[int, int]] = {}
 
-    def apply(self, worker: Hashable, event: Any) -> None:
+    def apply(self, worker: Hashable, event: CacheEvent | dict[str, object]) -> None:
         """Apply one event (object or ``to_dict()`` dict) of ``worker``. O(len(event))."""
         if isinstance(event, dict):
             event = any_event_from_dict(event)
@@ -66,7 +67,7 @@ class StateIndex:
         elif not isinstance(event, BlockStored):
             raise InvalidArgumentError(f"unknown event type {type(event).__name__}")
 
-    def apply_all(self, worker: Hashable, events: Iterable[Any]) -> None:
+    def apply_all(self, worker: Hashable, events: Iterable[CacheEvent | dict[str, object]]) -> None:
         """:meth:`apply` of each event, in order."""
         for e in events:
             self.apply(worker, e)

@@ -32,17 +32,21 @@ plus O(kv_blocks) dict probes per manager that matched.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from radixkv.cache.block_hash import DEFAULT_SEED, Seed, block_hashes, chain_root
 from radixkv.cache.events import AllBlocksCleared
+from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.dynamo import DynamoEventAdapter, DynamoNamespace, default_namespace, tokens_hashes
 from radixkv.events.state_events import StateIndex, any_event_from_dict
 from radixkv.validation import int32_tokens
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.events.router_index import KVIndex
 
 __all__ = ["StateAwareIndex", "StateAwareScore", "EVENTS_LOST"]
 
@@ -60,7 +64,7 @@ class StateAwareScore(NamedTuple):
     blocks: int
 
 
-def _check_worker(worker: Any) -> int:
+def _check_worker(worker: object) -> int:
     if isinstance(worker, bool) or not isinstance(worker, (int, np.integer)) or not 0 <= int(worker) < _U64:
         raise InvalidArgumentError(f"worker must be an int in [0, 2**64) (Dynamo worker id), got {worker!r}")
     return int(worker)
@@ -83,8 +87,8 @@ class StateAwareIndex:
     state index is then left as it was.
     """
 
-    def __init__(self, page_size: int, index: str | Any = "auto", seed: Seed = DEFAULT_SEED,
-                 namespace_fn: Callable[[Any], DynamoNamespace] = default_namespace):
+    def __init__(self, page_size: int, index: str | KVIndex = "auto", seed: Seed = DEFAULT_SEED,
+                 namespace_fn: Callable[[Hashable], DynamoNamespace] = default_namespace):
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidArgumentError(f"page_size must be an int >= 1, got {page_size!r}")
         if not callable(namespace_fn):
@@ -99,13 +103,13 @@ class StateAwareIndex:
         self.page_size = page_size
         self.seed = seed
         self.namespace_fn = namespace_fn
-        self.kv_index = index
+        self.kv_index: KVIndex = index
         self.states = StateIndex()
         self._adapters: dict[int, DynamoEventAdapter] = {}
         self._desynced: set[int] = set()
 
     # ------------------------------------------------------------------ feeding
-    def apply(self, worker: int, event: Any) -> None:
+    def apply(self, worker: int, event: CacheEvent | dict[str, object]) -> None:
         """Apply one event of ``worker``: an event object or its ``to_dict()`` dict (KV or
         state kind), or the gap marker dict ``{"type": "EventsLost", ...}``."""
         w = _check_worker(worker)
@@ -126,7 +130,7 @@ class StateAwareIndex:
             self.kv_index.apply_event(w, raw)
         self.states.apply(w, event)
 
-    def apply_all(self, worker: int, events: Iterable[Any]) -> None:
+    def apply_all(self, worker: int, events: Iterable[CacheEvent | dict[str, object]]) -> None:
         """:meth:`apply` of each event, in order."""
         for e in events:
             self.apply(worker, e)
@@ -137,8 +141,9 @@ class StateAwareIndex:
 
     def _forget(self, w: int) -> None:
         adapter = self._adapters.pop(w, None)
-        if adapter is not None:
-            self.kv_index.apply_event(w, adapter.encode(AllBlocksCleared()))
+        raw = None if adapter is None else adapter.encode(AllBlocksCleared())  # never None for a KV event
+        if raw is not None:
+            self.kv_index.apply_event(w, raw)
         self.states.remove_worker(w)
 
     def remove_worker(self, worker: int) -> None:
@@ -148,7 +153,7 @@ class StateAwareIndex:
         self._desynced.discard(w)
 
     # ------------------------------------------------------------------ queries
-    def scores(self, tokens: Any, extra_key: Any = None) -> dict[int, StateAwareScore]:
+    def scores(self, tokens: object, extra_key: Hashable = None) -> dict[int, StateAwareScore]:
         """Per manager with a KV overlap, its :class:`StateAwareScore` for a request of
         ``tokens`` (the full blocks of them) in namespace ``extra_key``."""
         toks = int32_tokens(tokens, "tokens")
@@ -161,7 +166,7 @@ class StateAwareIndex:
         chain = block_hashes(toks, self.page_size, None, extra_key, self.seed)
         return {w: StateAwareScore(n, self.states.usable(w, chain, n).blocks) for w, n in kv.items() if n}
 
-    def best(self, tokens: Any, extra_key: Any = None) -> int | None:
+    def best(self, tokens: object, extra_key: Hashable = None) -> int | None:
         """The manager with the most reusable blocks (ties: the lowest id), ``None`` when no
         manager can reuse any."""
         sc = self.scores(tokens, extra_key)

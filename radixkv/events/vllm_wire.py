@@ -46,12 +46,14 @@ drops them unless ``state_events="inline"``.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
 
 from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.events.state_events import StateRemoved, StateStored, as_events, is_state_event
 
@@ -72,12 +74,13 @@ _FIELDS = {
 }
 _U64 = 1 << 64
 _I32 = np.iinfo(np.int32)
+_T = TypeVar("_T")
 
 
 # --------------------------------------------------------------------------- encoding
 
 
-def _values(event: Any) -> tuple:
+def _values(event: object) -> tuple[str, tuple[object, ...]]:
     """(tag, field values in declaration order), validated."""
     if isinstance(event, BlockStored):
         hashes = [_hash(int(h), "block_hashes") for h in event.block_hashes]
@@ -100,7 +103,7 @@ def _values(event: Any) -> tuple:
     raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
 
 
-def encode_event(event: Any, layout: str = "array") -> Any:
+def encode_event(event: object, layout: str = "array") -> list[object] | dict[str, object]:
     """The msgpack-ready form of one event (a list for ``"array"``, a dict for ``"map"``)."""
     tag, values = _values(event)
     if layout == "array":
@@ -111,8 +114,8 @@ def encode_event(event: Any, layout: str = "array") -> Any:
     raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def encode_batch(events: Any, *, ts: float | None = None, data_parallel_rank: int | None = None,
-                 layout: str = "array", state_events: str = "drop") -> bytes:
+def encode_batch(events: KVEventBatch | Iterable[object], *, ts: float | None = None,
+                 data_parallel_rank: int | None = None, layout: str = "array", state_events: str = "drop") -> bytes:
     """The msgpack bytes of one vLLM ``KVEventBatch``.
 
     Args:
@@ -158,30 +161,32 @@ def _fail(path: str, msg: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"bad KV event batch at {path}: {msg}")
 
 
-def _hash(v: Any, path: str) -> int:
+def _hash(v: object, path: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < _U64:
         raise _fail(path, f"a block hash must be a u64 int, got {v!r}")
     return v
 
 
-def _hashes(v: Any, path: str) -> tuple:
+def _hashes(v: object, path: str) -> tuple[int, ...]:
     if not isinstance(v, list):
         raise _fail(path, f"block_hashes must be an array, got {type(v).__name__}")
     return tuple(_hash(h, f"{path}[{i}]") for i, h in enumerate(v))
 
 
-def _opt(v: Any, kind: type, path: str) -> Any:
-    if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
+def _opt(v: object, kind: type[_T], path: str) -> _T | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, kind):
         raise _fail(path, f"expected {kind.__name__} or nil, got {v!r}")
     return v
 
 
-def _fields(raw: Any, path: str) -> tuple:
+def _fields(raw: object, path: str) -> tuple[str, dict[str, object]]:
     """(tag, {field: value}) of one encoded event, either layout."""
     if isinstance(raw, list):
         if not raw or not isinstance(raw[0], str):
             raise _fail(path, "an array event must start with its tag")
-        tag: Any = raw[0]
+        tag: str = raw[0]
         if tag not in _FIELDS:
             raise _fail(path, f"unknown event tag {tag!r}")
         names = _FIELDS[tag]
@@ -189,17 +194,17 @@ def _fields(raw: Any, path: str) -> tuple:
             raise _fail(path, f"{tag} needs {len(names)} fields, got {len(raw) - 1}")
         return tag, dict(zip(names, raw[1:]))  # trailing extra fields are ignored, as msgspec does
     if isinstance(raw, dict):
-        tag = raw.get("type")
-        if tag not in _FIELDS:
-            raise _fail(path, f"unknown event tag {tag!r}")
-        missing = [n for n in _FIELDS[tag] if n not in raw]
+        kind = raw.get("type")
+        if not isinstance(kind, str) or kind not in _FIELDS:  # a list or map tag is unhashable: no TypeError
+            raise _fail(path, f"unknown event tag {kind!r}")
+        missing = [n for n in _FIELDS[kind] if n not in raw]
         if missing:
-            raise _fail(path, f"{tag} lacks fields {missing}")
-        return tag, raw
+            raise _fail(path, f"{kind} lacks fields {missing}")
+        return kind, raw
     raise _fail(path, f"an event must be an array or a map, got {type(raw).__name__}")
 
 
-def _decode_event(raw: Any, path: str, allow_state: bool) -> Any:
+def _decode_event(raw: object, path: str, allow_state: bool) -> CacheEvent:
     tag, f = _fields(raw, path)
     if tag == "BlockStored":
         hashes = _hashes(f["block_hashes"], f"{path}.block_hashes")
@@ -266,5 +271,6 @@ def decode_batch(payload: bytes, *, allow_state: bool = True) -> KVEventBatch:
     if not isinstance(events, list):
         raise _fail("$[1]", "events must be an array")
     rank = _opt(rank, int, "$[2]")
-    out = [_decode_event(e, f"$[1][{i}]", allow_state) for i, e in enumerate(events)]
+    # KVEventBatch types its events as KV events; a decoded batch may carry state events too
+    out: list[Any] = [_decode_event(e, f"$[1][{i}]", allow_state) for i, e in enumerate(events)]
     return KVEventBatch(float(ts), out, rank)

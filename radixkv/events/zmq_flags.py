@@ -8,11 +8,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES
 
 if TYPE_CHECKING:  # pragma: no cover
+    import zmq
+    from typing_extensions import Unpack
+
     from radixkv.events.zmq_publisher import ZmqEventPublisher
 
 __all__ = ["PublisherConfig", "add_arguments", "config_from_args", "from_args"]
@@ -36,6 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser, prefix: str = "kv-events") ->
                    help="hybrid state events on this stream: drop (vLLM-safe), inline, error (default %(default)s)")
 
 
+class PublisherOptions(TypedDict, total=False):
+    """The :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher` arguments the flags do not set."""
+
+    max_queue_size: int
+    data_parallel_rank: int | None
+    background: bool
+    linger_ms: int
+    put_timeout_s: float
+    context: zmq.Context | None
+
+
 class PublisherConfig(NamedTuple):
     """What the flags of :func:`add_arguments` describe (picklable; nothing opened):
     :meth:`open` makes the publisher. ``ServeOptions.kv_events`` of the server is one."""
@@ -48,7 +62,7 @@ class PublisherConfig(NamedTuple):
     layout: str = "array"
     state_events: str = "drop"
 
-    def open(self, **kwargs: Any) -> ZmqEventPublisher:
+    def open(self, **kwargs: Unpack[PublisherOptions]) -> ZmqEventPublisher:
         """A :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher` with these settings
         (``kwargs``: its other arguments, e.g. ``put_timeout_s``). Raises as its
         constructor does."""
@@ -69,7 +83,8 @@ def config_from_args(args: argparse.Namespace, prefix: str = "kv-events") -> Pub
                            getattr(args, f"{a}_layout"), getattr(args, f"{a}_state_events"))
 
 
-def from_args(args: argparse.Namespace, prefix: str = "kv-events", **kwargs: Any) -> ZmqEventPublisher | None:
+def from_args(args: argparse.Namespace, prefix: str = "kv-events",
+              **kwargs: Unpack[PublisherOptions]) -> ZmqEventPublisher | None:
     """The publisher the flags of :func:`add_arguments` describe, ``None`` without an endpoint."""
     config = config_from_args(args, prefix)
     return None if config is None else config.open(**kwargs)

@@ -26,15 +26,18 @@ layout); ``radixkv serve`` takes them and publishes its events itself (``service
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import Final, NamedTuple
 
 import zmq
 
+from radixkv.cache.events import KVEventBatch
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
 from radixkv.events.zmq_replay import END_SEQ, ReplayBuffer  # END_SEQ re-exported
@@ -44,7 +47,14 @@ __all__ = ["ZmqEventPublisher", "PublisherStats", "PublisherConfig", "END_SEQ", 
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
+
+class _Stop(enum.Enum):
+    """The sentinel that ends the sending thread (an enum member, so mypy tells it apart)."""
+
+    STOP = "stop"
+
+
+_STOP: Final = _Stop.STOP
 
 
 def should_bind(endpoint: str) -> bool:
@@ -68,7 +78,7 @@ class PublisherStats(NamedTuple):
     bad_replay_requests: int
 
 
-def _check_int(name: str, v: Any, lo: int) -> int:
+def _check_int(name: str, v: object, lo: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise InvalidArgumentError(f"{name} must be an int >= {lo}, got {v!r}")
     return v
@@ -139,7 +149,7 @@ class ZmqEventPublisher:
         self._pub: zmq.Socket | None = None
         self._ipc_files: list[str] = []  # socket files of bound ipc:// endpoints, removed at close
         self._replay: zmq.Socket | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue_size)
+        self._queue: queue.Queue[tuple[int, bytes] | _Stop] = queue.Queue(maxsize=max_queue_size)
         self._thread: threading.Thread | None = None
         if self.background:
             ready = threading.Event()
@@ -207,7 +217,7 @@ class ZmqEventPublisher:
             self._ctx.term()
 
     # ------------------------------------------------------------------ publishing
-    def publish(self, events: Any, ts: float | None = None) -> int:
+    def publish(self, events: KVEventBatch | Iterable[object], ts: float | None = None) -> int:
         """Publish one batch; returns its sequence number.
 
         ``events``: a ``KVEventBatch`` or a sequence of events / ``to_dict()`` dicts. An
@@ -255,8 +265,8 @@ class ZmqEventPublisher:
         """The kept ``(seq, payload)`` pairs with ``seq >= start_seq``, oldest first."""
         return self._kept.since(start_seq)
 
-    def _serve_one(self) -> None:
-        self._kept.serve_one(self._replay)
+    def _serve_one(self, replay: zmq.Socket) -> None:
+        self._kept.serve_one(replay)
 
     def serve_replay(self, timeout_ms: int = 0) -> int:
         """Answer the replay requests waiting (waiting up to ``timeout_ms`` for the first);
@@ -267,7 +277,7 @@ class ZmqEventPublisher:
             return 0
         n = 0
         while self._replay.poll(timeout_ms if n == 0 else 0):
-            self._serve_one()
+            self._serve_one(self._replay)
             n += 1
         return n
 
@@ -285,7 +295,7 @@ class ZmqEventPublisher:
                 if self._replay is not None:
                     while self._replay.poll(0):
                         try:
-                            self._serve_one()
+                            self._serve_one(self._replay)
                         except zmq.ZMQError as e:  # a vanished client must not stop publishing
                             log.warning("KV event replay failed: %s", e)
                 try:
@@ -348,7 +358,7 @@ class ZmqEventPublisher:
     def __enter__(self) -> ZmqEventPublisher:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ audit

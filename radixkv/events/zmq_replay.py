@@ -17,9 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import zmq
 
 __all__ = ["END_SEQ", "ReplayBuffer", "ReplayStats"]
 
@@ -77,7 +80,7 @@ class ReplayBuffer:
         with self._lock:
             return [(s, p) for s, p in self._buffer if s >= start_seq]
 
-    def serve_one(self, router: Any) -> None:
+    def serve_one(self, router: zmq.Socket) -> None:
         """Receive one request on the ROUTER socket ``router`` and answer it (the protocol
         of the module docstring). Raises what the socket raises (``zmq.ZMQError``)."""
         frames = router.recv_multipart()

@@ -17,12 +17,17 @@ Modules (only ``connector`` imports vLLM; the rest is plain radixkv and tested w
 * ``worker_side``: the copies between the manager's mapped pool and vLLM's KV cache;
 * ``connector``: the ``KVConnectorBase_V1`` subclass vLLM loads.
 """
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover  (what mypy sees of the lazy names below)
+    from radixkv.integrations.vllm.connector import RadixKVConnector as RadixKVConnector
+    from radixkv.integrations.vllm.connector import RadixKVConnectorMetadata as RadixKVConnectorMetadata
+    from radixkv.integrations.vllm.connector import RadixKVWorkerMetadata as RadixKVWorkerMetadata
 
 __all__ = ["RadixKVConnector"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # Lazy, so the vLLM-free modules of this package import without vLLM.
     if name in ("RadixKVConnector", "RadixKVConnectorMetadata", "RadixKVWorkerMetadata"):
         from radixkv.integrations.vllm import connector

@@ -19,9 +19,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.integrations.vllm.link import ManagerClient
 
 __all__ = ["CallQueue"]
+
+_T = TypeVar("_T")
 
 
 class CallQueue:
@@ -29,18 +34,18 @@ class CallQueue:
 
     def __init__(self, name: str = "radixkv-commit"):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._last: Future[Any] | None = None
-        self._failures: list[tuple[Any, BaseException]] = []
+        self._last: Future[Any] | None = None  # the last call's, whatever its result (only waited on)
+        self._failures: list[tuple[ManagerClient, BaseException]] = []
         self._mu = threading.Lock()  # guards _failures and counters (the sender thread writes them)
         self.counters: dict[str, int] = {"sent": 0, "failed": 0}
 
-    def submit(self, client: Any, fn: Callable[[], Any]) -> Future[Any]:
+    def submit(self, client: ManagerClient, fn: Callable[[], _T]) -> Future[_T | None]:
         """Queue ``fn()`` (a call on ``client``); returns at once. The future's result is
         ``fn()``'s, or ``None`` when it raised (the exception goes to ``take_failures``)."""
         self._last = self._pool.submit(self._run, client, fn)
         return self._last
 
-    def _run(self, client: Any, fn: Callable[[], Any]) -> Any:
+    def _run(self, client: ManagerClient, fn: Callable[[], _T]) -> _T | None:
         try:
             out = fn()
         except Exception as e:  # kept for the caller's thread: the link is not the sender's
@@ -64,7 +69,7 @@ class CallQueue:
         if last is not None:
             last.result()  # _run never raises
 
-    def take_failures(self) -> list[tuple[Any, BaseException]]:
+    def take_failures(self) -> list[tuple[ManagerClient, BaseException]]:
         """``(client, exception)`` of the queued calls that raised since the last take."""
         with self._mu:
             out, self._failures = self._failures, []

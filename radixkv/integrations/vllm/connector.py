@@ -47,11 +47,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from radixkv.engine.protocol import AttachInfo
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.config import ConnectorConfig
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
 from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, dtype_name
-from radixkv.integrations.vllm.link import ManagerLink
+from radixkv.integrations.vllm.link import ManagerClient, ManagerLink
 from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide
 from radixkv.integrations.vllm.worker_side import WorkerSide
 
@@ -103,7 +104,7 @@ class RadixKVStats(KVConnectorStats):
     """Counter increments of one interval (tokens / requests), summed across workers."""
 
     def reset(self) -> None:
-        self.data: dict[str, Any] = {}
+        self.data: dict[str, Any] = {}  # vLLM's KVConnectorStats.data (counter name -> increment)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in (other.data or {}).items():
@@ -207,7 +208,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             link = ManagerLink(self._cfg, "vllm-worker", keepalive=False, background=False)
             self._worker = WorkerSide(link, self._shape)
 
-    def _check_manager(self, client: Any, info: Any) -> None:
+    def _check_manager(self, client: ManagerClient, info: AttachInfo) -> None:
         from radixkv.integrations.vllm.layout import check_same_shape, manager_kv_shape
 
         check_same_shape(self._shape, manager_kv_shape(info.layout["config"]))
@@ -224,6 +225,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         layers: list[tuple[str, torch.Tensor]] = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
         self._worker.register(layers)
 
+    # The Any below are vLLM's KVConnectorBase_V1 signatures (vLLM is an optional import mypy cannot see).
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.loads:

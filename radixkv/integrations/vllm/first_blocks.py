@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from radixkv.errors import InvalidArgumentError, InvariantError
-from radixkv.integrations.vllm.link import ManagerLink
+from radixkv.integrations.vllm.link import ManagerClient, ManagerLink
 
 __all__ = ["FirstBlockIndex", "IndexFeed"]
 
@@ -50,14 +50,14 @@ class FirstBlockIndex:
         self._mu = threading.Lock()
         self.counters: dict[str, int] = {"events": 0, "gaps": 0, "streams": 0}
 
-    def _key(self, extra_key: Any, tokens: np.ndarray) -> tuple[str, bytes]:
+    def _key(self, extra_key: Hashable, tokens: np.ndarray) -> tuple[str, bytes]:
         return str(extra_key), np.ascontiguousarray(tokens[:self.page_size], dtype="<i4").tobytes()
 
     @property
     def ready(self) -> bool:
         return self._ready
 
-    def may_hold(self, extra_key: Any, tokens: np.ndarray) -> bool:
+    def may_hold(self, extra_key: Hashable, tokens: np.ndarray) -> bool:
         """Whether the manager may hold the first page of ``tokens`` (int32, at least one
         page) under ``extra_key``: ``False`` only when the index is ready and lacks it."""
         if not self._ready:
@@ -122,7 +122,7 @@ class IndexFeed:
         self.index = index
         self.link = link
         self._closed = threading.Event()
-        self._client: Any = None
+        self._client: ManagerClient | None = None
         self._thread = threading.Thread(target=self._run, name="radixkv-index", daemon=True)
 
     def start(self) -> IndexFeed:

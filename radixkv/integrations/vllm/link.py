@@ -22,27 +22,51 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from radixkv.engine.protocol import AttachInfo
+from radixkv.engine.protocol import AttachInfo, CacheResult, ExtendItem, ExtendResult, Session
 from radixkv.errors import RadixKVError
 from radixkv.integrations.vllm.config import ConnectorConfig
 
-__all__ = ["ManagerLink"]
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.engine.buffers import WorkerBuffers
+
+__all__ = ["ManagerLink", "ManagerClient"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
 
+
+
+class ManagerClient(Protocol):
+    """What the connector calls on a manager client: ``radixkv.connect()``'s
+    ``RemoteCacheEngine`` (or a test double). Not shared between threads."""
+
+    def attach(self, worker_name: str = "") -> AttachInfo: ...
+    def detach(self, session: Session) -> None: ...
+    def start_keepalive(self, session: Session) -> object:
+        """Hold ``session`` with a keep-alive stream (stopped when the client closes)."""
+    def alloc_extend(self, session: Session, items: Sequence[ExtendItem]) -> list[ExtendResult]: ...
+    def cache_finished(self, session: Session, rids: Sequence[str]) -> list[CacheResult]: ...
+    def release(self, session: Session, rids: Sequence[str]) -> None: ...
+    def watch_events(self, session: Session, poll_interval_s: float = 0.0,
+                     start_seq: int | None = 0) -> Iterator[dict[str, Any]]:
+        """The manager's events as ``take_events`` dicts (JSON-shaped), gap markers included."""
+    def worker_buffers(self, info: AttachInfo) -> WorkerBuffers:
+        """The manager's pools, mapped into this process."""
+    def close(self) -> None: ...
+
+
 #: ``(client, attach_info)`` checker run after each attach; raises to refuse the manager.
-Validator = Callable[[Any, AttachInfo], None]
-Live = tuple[Any, AttachInfo]
+Validator = Callable[[ManagerClient, AttachInfo], None]
+Live = tuple[ManagerClient, AttachInfo]
 
 
-def _default_connect(cfg: ConnectorConfig) -> Any:
-    import radixkv
+def _default_connect(cfg: ConnectorConfig) -> ManagerClient:
+    from radixkv.service.client import connect  # radixkv.connect, typed
 
-    return radixkv.connect(cfg.address, token_file=cfg.token_file, timeout_s=cfg.call_timeout_s,
-                           wait_s=cfg.connect_timeout_s)
+    return connect(cfg.address, token_file=cfg.token_file, timeout_s=cfg.call_timeout_s,
+                   wait_s=cfg.connect_timeout_s)
 
 
 class ManagerLink:
@@ -53,7 +77,7 @@ class ManagerLink:
 
     def __init__(self, cfg: ConnectorConfig, worker_name: str, *, validate: Validator | None = None,
                  keepalive: bool = True, background: bool = True,
-                 connect: Callable[[ConnectorConfig], Any] = _default_connect):
+                 connect: Callable[[ConnectorConfig], ManagerClient] = _default_connect):
         self.cfg = cfg
         self.worker_name = worker_name
         self._validate = validate
@@ -90,7 +114,7 @@ class ManagerLink:
         only the link's own thread may call on the client)."""
         return self._live
 
-    def new_client(self) -> Any:
+    def new_client(self) -> ManagerClient:
         """A new connected client to the manager (not attached; the caller closes it): for a
         thread of its own, since a client is never shared between threads."""
         return self._connect(self.cfg)
@@ -167,7 +191,7 @@ class ManagerLink:
         _close_quietly(client)
 
 
-def _close_quietly(client: Any) -> None:
+def _close_quietly(client: ManagerClient) -> None:
     try:
         client.close()
     except Exception:  # closing a broken channel: nothing left to do

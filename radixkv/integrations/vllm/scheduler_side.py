@@ -51,19 +51,24 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from radixkv.engine.protocol import ExtendItem, Session
+from radixkv.engine.protocol import ExtendItem, ExtendResult, Session
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.integrations.vllm.call_queue import CallQueue
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex
-from radixkv.integrations.vllm.link import ManagerLink
+from radixkv.integrations.vllm.link import ManagerClient, ManagerLink
 
 __all__ = ["CopyOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
+
+
+#: A queued ``alloc_extend``'s reply: the result, the error of a prompt the manager cannot take,
+#: or None (the call failed: a manager fault, reaped from the queue).
+AllocReply = ExtendResult | CapacityError | InvalidArgumentError | None
 
 
 class CopyOp(NamedTuple):
@@ -104,14 +109,14 @@ class _Req:
     n_full: int = 0  # prompt tokens in whole blocks (sent to the manager)
     prefix: int = 0  # tokens the manager had (locked)
     hit: int = 0  # tokens offerable to vLLM (prefix capped below the prompt length)
-    load: tuple | None = None  # (start, end) vLLM accepted, not yet planned
+    load: tuple[int, int] | None = None  # (start, end) vLLM accepted, not yet planned
     load_planned: bool = False
     issued: int = 0  # save ops planned for [prefix, issued)
     saved: int = 0  # the worker reported [prefix, saved) saved
     broken: bool = False  # a save failed: release, never commit
     finished: bool = False  # vLLM finished it; waiting for the last save report
     deferred: bool = False  # an index miss: its row comes from ``pending``, its save may outlive it
-    pending: Future[Any] | None = None  # the queued alloc_extend, until its reply is taken
+    pending: Future[AllocReply] | None = None  # the queued alloc_extend, until its reply is taken
     computed: int = 0  # tokens with KV in vLLM after the request's last scheduled step
     kept: list[int] | None = None  # finished; vLLM keeps these blocks until the plan's ``finish``
 
@@ -129,7 +134,8 @@ def vllm_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) 
     return blocks[t // block_size] * block_size + t % block_size
 
 
-def _alloc_one(client: Any, session: Session, item: ExtendItem) -> Any:
+def _alloc_one(client: ManagerClient, session: Session,
+               item: ExtendItem) -> ExtendResult | CapacityError | InvalidArgumentError:
     """``alloc_extend`` of one item, from the queue's thread: the result, or the error of a
     prompt the manager cannot take (capacity, context: not a manager fault, so not raised)."""
     try:
@@ -138,7 +144,7 @@ def _alloc_one(client: Any, session: Session, item: ExtendItem) -> Any:
         return e
 
 
-def _release(client: Any, session: Session, reqs: list[tuple[str, Future[Any] | None]]) -> None:
+def _release(client: ManagerClient, session: Session, reqs: list[tuple[str, Future[AllocReply] | None]]) -> None:
     """``release`` of ``reqs`` (mrid, deferred alloc or None), from the queue's thread: a
     deferred alloc queued earlier has its reply by now; one the manager refused holds nothing."""
     mrids = [m for m, fut in reqs if fut is None or not (fut.result() is None or isinstance(fut.result(), Exception))]

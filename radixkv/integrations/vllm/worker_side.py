@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from radixkv.integrations.vllm.layout import (
 )
 from radixkv.integrations.vllm.link import ManagerLink
 from radixkv.integrations.vllm.scheduler_side import CopyOp
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.engine.buffers import WorkerBuffers
 
 __all__ = ["WorkerSide"]
 
@@ -54,7 +57,7 @@ class WorkerSide:
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rows: list[torch.Tensor] = []  # each layer as rows of head_dim (with _geometry)
         self._geometry: RowGeometry | None = None  # the same in every layer, or None: index the views
-        self._buffers: dict[int, Any] = {}  # epoch -> WorkerBuffers
+        self._buffers: dict[int, WorkerBuffers] = {}  # epoch -> the manager's pools, mapped
         self.counters: dict[str, int] = {"loaded_tokens": 0, "saved_tokens": 0, "failed_load_tokens": 0,
                                          "failed_save_tokens": 0, "mapped_epochs": 0}
 
@@ -107,7 +110,7 @@ class WorkerSide:
             del self._buffers[old]
         return epoch
 
-    def _buffers_of(self, epoch: int) -> Any | None:
+    def _buffers_of(self, epoch: int) -> WorkerBuffers | None:
         wb = self._buffers.get(epoch)
         if wb is None:  # a new manager: map it (an op of a manager gone before we mapped it fails)
             self._map_current()
@@ -115,7 +118,7 @@ class WorkerSide:
         return wb
 
     # ------------------------------------------------------------------ copies
-    def _indices(self, wb: Any, ops: Sequence[CopyOp]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _indices(self, wb: WorkerBuffers, ops: Sequence[CopyOp]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(manager slots, vLLM blocks, offsets) of ``ops``, on the KV device. Raises
         ``InvalidArgumentError`` for slots outside the pool (a stale row)."""
         table = wb.req_to_token
@@ -128,7 +131,7 @@ class WorkerSide:
         return rows.to(dev), slots // self.shape.page_size, slots % self.shape.page_size
 
     @staticmethod
-    def _views_capacity(wb: Any) -> int:
+    def _views_capacity(wb: WorkerBuffers) -> int:
         return int(wb.get_kv_buffer(0)[0].shape[0])
 
     def _copy(self, ops: Sequence[CopyOp], to_vllm: bool) -> tuple[list[CopyOp], list[CopyOp]]:
@@ -165,7 +168,8 @@ class WorkerSide:
                 failed.extend(group)
         return done, failed
 
-    def _copy_rows(self, wb: Any, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, to_vllm: bool) -> None:
+    def _copy_rows(self, wb: WorkerBuffers, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+                   to_vllm: bool) -> None:
         """The copies by row index (see ``row_geometry``): per layer and K/V one
         ``index_select`` and one ``index_copy_``, row indices computed once for all layers."""
         assert self._geometry is not None
