@@ -232,6 +232,8 @@ def test_state_events_are_kept_off_vllm_streams_unless_inline():
     (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 0, None, None, None]]]), "block_size"),
     (msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 2, "x", None, None]]]), "lora_id"),
     (msgpack.packb([1.0, [{"type": "BlockRemoved"}]]), "lacks fields"),
+    (msgpack.packb([1.0, [{"type": ["BlockRemoved"]}]]), "unknown event tag"),  # an unhashable tag
+    (msgpack.packb([1.0, [{"type": {"a": 1}}]]), "unknown event tag"),
     (msgpack.packb([1.0, [["StateStored", 1, 0, None]]]), "position"),
     (msgpack.packb([1.0, [7]]), "array or a map"),
     (msgpack.packb([1.0, [], "r"]), r"\$\[2\]"),
