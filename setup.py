@@ -19,7 +19,8 @@ _svc = ["radixkv.service"] + [
 setup(
     packages=_lib + _svc + ["radixkv.proto"],
     package_dir={"radixkv": "radixkv", "radixkv.service": "service", "radixkv.proto": "proto/radixkv/v1"},
-    package_data={"radixkv": ["data/**/*", "py.typed"], "radixkv.proto": ["*.proto"]},
+    package_data={"radixkv": ["data/**/*", "py.typed"], "radixkv.proto": ["*.proto"],
+                  "radixkv.service.wire._gen": ["*.pyi"]},
     ext_modules=[Extension("radixkv.cache._native", ["radixkv/cache/csrc/module.c"],
                            depends=[str(p) for p in Path("radixkv/cache/csrc").glob("*.[ch]")],
                            extra_compile_args=["-O3"], optional=True),

@@ -64,6 +64,9 @@ def test_the_wheel_holds_its_data_and_imports_from_itself(env):
     lic = list(env["site"].glob("radixkv-*.dist-info/licenses/LICENSE")) or \
         list(env["site"].glob("radixkv-*.dist-info/LICENSE"))
     assert lic and "Apache License" in lic[0].read_text()
+    # py.typed promises types: the generated messages' and stub's stubs come along
+    gen = env["site"] / "radixkv" / "service" / "wire" / "_gen"
+    assert (gen / "cache_manager_pb2.pyi").is_file() and (gen / "cache_manager_pb2_grpc.pyi").is_file()
 
 
 def test_every_command_the_help_offers_runs_from_the_wheel(env):

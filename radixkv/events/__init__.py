@@ -62,5 +62,5 @@ def __getattr__(name: str) -> object:
     return value
 
 
-def __dir__() -> list:
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))

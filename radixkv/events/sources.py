@@ -27,7 +27,8 @@ def drain_events(source: object, session: object | None = None, max_events: int 
     """
     drain = getattr(source, "drain_events", None)
     if session is None and drain is not None and not max_events:
-        return drain()
+        drained: list[CacheEvent] = drain()  # a CacheEngine's, typed there
+        return drained
     take = getattr(source, "take_events", None)
     if take is None:
         raise InvalidArgumentError(f"{type(source).__name__} has no take_events()")

@@ -151,7 +151,8 @@ def encode_batch(events: KVEventBatch | Iterable[object], *, ts: float | None = 
                                            or not isinstance(data_parallel_rank, int)):
         raise InvalidArgumentError(f"data_parallel_rank must be an int or None, got {data_parallel_rank!r}")
     body = [float(ts), [encode_event(e, layout) for e in evs], data_parallel_rank]
-    return msgpack.packb(body, use_bin_type=True)
+    packed: bytes = msgpack.packb(body, use_bin_type=True)  # msgpack ships no types
+    return packed
 
 
 # --------------------------------------------------------------------------- decoding

@@ -47,7 +47,7 @@ class PublisherOptions(TypedDict, total=False):
     background: bool
     linger_ms: int
     put_timeout_s: float
-    context: zmq.Context | None
+    context: zmq.Context[zmq.Socket[bytes]] | None
 
 
 class PublisherConfig(NamedTuple):

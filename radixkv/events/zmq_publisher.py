@@ -110,7 +110,7 @@ class ZmqEventPublisher:
                  *, buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
                  data_parallel_rank: int | None = 0, layout: str = "array", state_events: str = "drop",
                  background: bool = True, linger_ms: int = 100, put_timeout_s: float = 1.0,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None):
         if not isinstance(endpoint, str) or not endpoint:
             raise InvalidArgumentError(f"endpoint must be a non-empty str, got {endpoint!r}")
         if replay_endpoint is not None and (not isinstance(replay_endpoint, str) or not replay_endpoint):
@@ -146,9 +146,9 @@ class ZmqEventPublisher:
         self._seq_lock = threading.Lock()
         self._next_seq = 0
         self._closed = False
-        self._pub: zmq.Socket | None = None
+        self._pub: zmq.Socket[bytes] | None = None
         self._ipc_files: list[str] = []  # socket files of bound ipc:// endpoints, removed at close
-        self._replay: zmq.Socket | None = None
+        self._replay: zmq.Socket[bytes] | None = None
         self._queue: queue.Queue[tuple[int, bytes] | _Stop] = queue.Queue(maxsize=max_queue_size)
         self._thread: threading.Thread | None = None
         if self.background:
@@ -265,7 +265,7 @@ class ZmqEventPublisher:
         """The kept ``(seq, payload)`` pairs with ``seq >= start_seq``, oldest first."""
         return self._kept.since(start_seq)
 
-    def _serve_one(self, replay: zmq.Socket) -> None:
+    def _serve_one(self, replay: zmq.Socket[bytes]) -> None:
         self._kept.serve_one(replay)
 
     def serve_replay(self, timeout_ms: int = 0) -> int:

@@ -80,7 +80,7 @@ class ReplayBuffer:
         with self._lock:
             return [(s, p) for s, p in self._buffer if s >= start_seq]
 
-    def serve_one(self, router: zmq.Socket) -> None:
+    def serve_one(self, router: zmq.Socket[bytes]) -> None:
         """Receive one request on the ROUTER socket ``router`` and answer it (the protocol
         of the module docstring). Raises what the socket raises (``zmq.ZMQError``)."""
         frames = router.recv_multipart()

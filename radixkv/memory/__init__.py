@@ -9,7 +9,8 @@ contiguous allocation (:mod:`radixkv.memory.arena`), so a pool is one block of m
 """
 from radixkv.memory.arena import Arena, ArenaLayout, TensorSpec, plan_layout
 from radixkv.memory.cache_params import KimiLinearCacheParams, Mamba2StateDType
-from radixkv.memory.hybrid import HybridLinearKVPool, HybridReqToTokenPool
+from radixkv.memory.hybrid import HybridReqToTokenPool
+from radixkv.memory.hybrid_kv import HybridLinearKVPool
 from radixkv.memory.kv_pool import KVCache, KVSizeBytes, MHATokenToKVPool, MLATokenToKVPool
 from radixkv.memory.mamba_pool import (
     KimiLinearStateShape,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -84,7 +84,7 @@ class ArenaLayout(NamedTuple):
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.specs)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Plain-data form: ``{"alignment", "total_bytes", "tensors": [{name, dtype, shape,
         offset, nbytes}, ...]}``."""
         return {
@@ -103,7 +103,7 @@ class ArenaLayout(NamedTuple):
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> ArenaLayout:
+    def from_dict(cls, d: dict[str, Any]) -> ArenaLayout:
         """Rebuild a layout from ``to_dict()`` output, validating it (see :meth:`validate`)."""
         try:
             specs = tuple(
@@ -233,7 +233,7 @@ class Arena:
         }
 
     @staticmethod
-    def _attach(layout: ArenaLayout, buffer: torch.Tensor, device) -> torch.Tensor:
+    def _attach(layout: ArenaLayout, buffer: torch.Tensor, device: str | torch.device | None) -> torch.Tensor:
         if not isinstance(buffer, torch.Tensor):
             raise InvalidArgumentError(f"arena buffer must be a torch.Tensor, got {type(buffer).__name__}")
         if buffer.dim() != 1 or not buffer.is_contiguous():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -212,7 +212,7 @@ class MambaPool:
     @classmethod
     def from_state_shape(cls, size: int, shape: KimiLinearStateShape, num_layers: int,
                          dtype: torch.dtype | str = torch.float32,
-                         device: str | torch.device = "cpu", **kwargs) -> MambaPool:
+                         device: str | torch.device = "cpu", **kwargs: Any) -> MambaPool:
         """A pool for layers of the given :class:`KimiLinearStateShape` (its conv state is
         ``shape.pool_conv``: the q, k and v windows in one tensor)."""
         return cls(size, shape.pool_conv, shape.temporal, num_layers, dtype, device, **kwargs)

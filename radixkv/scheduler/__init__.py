@@ -1,6 +1,6 @@
 """The scheduler flow around the cache (seed section 5; SGLang's mem_cache/common.py)."""
-from radixkv.scheduler.batch import Batch, ForwardMode  # noqa: F401
-from radixkv.scheduler.flow import (  # noqa: F401
+from radixkv.scheduler.batch import Batch, ForwardMode
+from radixkv.scheduler.flow import (
     Conservation,
     alloc_for_decode,
     alloc_for_extend,
@@ -8,4 +8,8 @@ from radixkv.scheduler.flow import (  # noqa: F401
     conservation,
     release_kv_cache,
 )
-from radixkv.scheduler.req import Req, as_token_array  # noqa: F401
+from radixkv.scheduler.req import Req
+from radixkv.validation import as_token_array
+
+__all__ = ["Batch", "Conservation", "ForwardMode", "Req", "alloc_for_decode", "alloc_for_extend", "as_token_array",
+           "check_conservation", "conservation", "release_kv_cache"]

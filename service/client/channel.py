@@ -63,7 +63,7 @@ def check_socket_peer(path: str, manager_uid: int | None = None) -> int:
     if uid != want:
         raise PermissionDeniedError(f"the process listening on {path!r} (pid {pid}) runs as uid {uid}, "
                                     f"not the manager's uid {want}")
-    return pid
+    return int(pid)
 
 
 def open_channel(address: str, *, wait_s: float = 10.0, tls_ca: str | None = None,

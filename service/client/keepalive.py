@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire._gen.cache_manager_pb2_grpc import CacheManagerStub
 from radixkv.service.wire.auth import Metadata
 from radixkv.service.wire.errors import error_from_rpc
 
@@ -32,7 +32,7 @@ class KeepAlive:
     ended it early (e.g. ``StaleSessionError``), else None.
     """
 
-    def __init__(self, stub: Any, metadata: Metadata, session: Session, interval_s: float):
+    def __init__(self, stub: CacheManagerStub, metadata: Metadata, session: Session, interval_s: float):
         self._stop = threading.Event()
         self._session = wire.session_to_msg(session)
         self.interval_s = float(interval_s)

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from radixkv.service.client.step_socket import StepSocket
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
+from radixkv.service.wire._gen.cache_manager_pb2_grpc import CacheManagerStub
 from radixkv.service.wire.auth import Metadata, Token
 from radixkv.service.wire.step import StepRpcError, step_reply, step_request
 
@@ -46,7 +47,7 @@ class StepStream:
         timeout_s: how long one call may wait for its answer.
     """
 
-    def __init__(self, stub: Any, metadata: Metadata, timeout_s: float):
+    def __init__(self, stub: CacheManagerStub, metadata: Metadata, timeout_s: float):
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._timeout = float(timeout_s)
         self._since: float | None = None  # when the call in flight was sent
@@ -126,7 +127,7 @@ class StepLane:
 
     REOPEN_S = 1.0
 
-    def __init__(self, stub: Any, metadata: Metadata, timeout_s: float, socket_path: str | None = None,
+    def __init__(self, stub: CacheManagerStub, metadata: Metadata, timeout_s: float, socket_path: str | None = None,
                  token: Token | None = None):
         self._stub, self._md, self._timeout = stub, metadata, timeout_s
         self._socket_path = socket_path if token is not None else None

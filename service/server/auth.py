@@ -19,7 +19,7 @@ itself (all or nothing).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -36,8 +36,8 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 OPERATOR_METHODS = frozenset(f"/radixkv.v1.CacheManager/{m}" for m in ("Flush", "Evict", "CheckInvariants"))
 
 
-def _rejecting_handler(handler: grpc.RpcMethodHandler, method: str,
-                       code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler:
+def _rejecting_handler(handler: grpc.RpcMethodHandler[Any, Any], method: str,
+                       code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of the same kind as ``handler`` that ends the call with ``code``
     (UNAUTHENTICATED: no or a wrong token; PERMISSION_DENIED: an operator call without the
     operator token)."""
@@ -47,10 +47,11 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, method: str,
         message, kind = f"{method} needs the operator token", "PermissionDeniedError"
     trailing = (("radixkv-error-type", kind),)
 
-    async def reject_unary(request_or_iterator, context):
+    async def reject_unary(request_or_iterator: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(code, message, trailing_metadata=trailing)
 
-    async def reject_stream(request_or_iterator, context):
+    async def reject_stream(request_or_iterator: object,
+                            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[None]:
         await context.abort(code, message, trailing_metadata=trailing)
         yield  # pragma: no cover - makes this an async generator
 
@@ -72,7 +73,7 @@ class CallBudget:
     def __init__(self, limit: int, what: str):
         self.limit, self.what, self.in_flight, self.refused = int(limit), what, 0, 0
 
-    async def _enter(self, context: grpc.aio.ServicerContext, method: str) -> None:
+    async def _enter(self, context: grpc.aio.ServicerContext[Any, Any], method: str) -> None:
         if self.in_flight >= self.limit:
             self.refused += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -83,7 +84,7 @@ class CallBudget:
     def _counted(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
         budget = self
         if inspect.isasyncgenfunction(behavior):
-            async def gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def gen(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 await budget._enter(context, method)
                 try:
                     async for item in behavior(request, context):
@@ -92,7 +93,7 @@ class CallBudget:
                     budget.in_flight -= 1
             return gen
 
-        async def coro(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def coro(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await budget._enter(context, method)
             try:
                 return await behavior(request, context)
@@ -100,7 +101,7 @@ class CallBudget:
                 budget.in_flight -= 1
         return coro
 
-    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
         """``handler`` (any of the four kinds; coroutine or async-generator behaviour)
         counted against this budget."""
         kw = dict(request_deserializer=handler.request_deserializer,
@@ -131,13 +132,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         self._on_reject = on_reject
         self._operator = operator_token
 
-    def _counted(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    def _counted(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
         return self.calls.wrap(handler, method) if self.calls is not None else handler
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method or ""
         handler = await continuation(handler_call_details)
         if handler is None:

@@ -48,7 +48,7 @@ from radixkv.events.zmq_publisher import config_from_args
 DEFAULT_ADDRESS = ServeOptions().address
 
 
-def _engine_fields() -> list[dataclasses.Field]:
+def _engine_fields() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(EngineConfig))
 
 

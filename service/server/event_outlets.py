@@ -50,7 +50,7 @@ class EventOutlets:
         self.interval_s = max(0.0005, float(interval_s))
         self.clear_at_close = bool(clear_at_close)
         self.publisher: Any = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         if zmq is not None:
             self.publisher = zmq.open(put_timeout_s=0.0)
             hub.add_outlet("zmq", self._publish)

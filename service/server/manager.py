@@ -175,7 +175,7 @@ class CacheManagerServer:
         self._closing: asyncio.Event | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self.events: EventHub | None = None
         self.outlets: EventOutlets | None = None
         self._socket_path: str | None = None

@@ -38,11 +38,12 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 from radixkv.service.server.event_hub import EventHub, HubRecord, engine_event_source
 from radixkv.service.server.idempotency import ReplyCache, digest
 from radixkv.service.server.metrics import ServiceMetrics
@@ -50,7 +51,7 @@ from radixkv.service.server.quarantine import Quarantine
 from radixkv.service.server.session_keys import SessionKeys
 from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
-from radixkv.service.server.unary_rpc import M, parse, request_id_of  # re-exported
+from radixkv.service.server.unary_rpc import Body, M, RawContext, parse, request_id_of  # re-exported
 from radixkv.service.server.unary_rpc import unary_rpc as _rpc
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
@@ -137,7 +138,7 @@ class CacheManagerServicer:
         #: Pump the hub after each call (False when the engine records no events: no work then).
         self.pump_after_calls = bool(getattr(engine, "events_enabled", False))
 
-    def answer(self, name: str, body: Callable[[Any, Any], Any], request: Any, raw: bytes,
+    def answer(self, name: str, body: Body, request: Message, raw: bytes,
                rid: str | None) -> tuple[bytes, float]:
         """Run ``body`` on a parsed request (after the fence) and serialize its reply; with a
         request id ``rid``, answer a retry from the reply cache and keep a fresh reply.
@@ -182,11 +183,11 @@ class CacheManagerServicer:
         self.engine.heartbeat(session)
         return session
 
-    async def answer_async(self, name: str, body: Callable[[Any, Any], Any], request: Any, raw: bytes,
+    async def answer_async(self, name: str, body: Body, request: Message, raw: bytes,
                            rid: str | None) -> tuple[bytes, float]:
         """:meth:`answer`, except that a large ``Match`` runs in slices that yield to the loop
         (:mod:`radixkv.service.server.sliced_match`), with the same reply cache."""
-        if name != "Match" or not needs_slices(request):
+        if name != "Match" or not isinstance(request, pb.MatchRequest) or not needs_slices(request):
             return self.answer(name, body, request, raw, rid)
         try:
             scope, key = reply_scope(name, request), digest(name, bytes(raw))
@@ -363,7 +364,7 @@ class CacheManagerServicer:
         return expired, released
 
     # ------------------------------------------------------------------ streams
-    async def KeepAlive(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+    async def KeepAlive(self, request_iterator: AsyncIterator[bytes], context: RawContext) -> None:
         session: Session | None = None
         closing = asyncio.ensure_future(self.closing.wait())
         self.keepalive_streams += 1
@@ -376,7 +377,7 @@ class CacheManagerServicer:
                     read.cancel()
                     return
                 raw = read.result()
-                if raw is grpc.aio.EOF:
+                if cast(object, raw) is grpc.aio.EOF:  # typeshed's read() omits the EOF of the end
                     closed_by_worker = True
                     return
                 t0 = time.perf_counter()
@@ -413,7 +414,7 @@ class CacheManagerServicer:
             n = self.quarantine.end(sid, why)
         log.info("session %s: %s; reclaimed %d request(s)", session.session_id, why, n)
 
-    async def WatchEvents(self, raw: bytes, context: grpc.aio.ServicerContext):
+    async def WatchEvents(self, raw: bytes, context: RawContext) -> AsyncIterator[bytes]:
         """Stream the hub's events from this watcher's own cursor until the server closes
         or the watcher cancels. Every poll interval (or as soon as events arrive) the
         session's lease is renewed (a stale session ends the stream with its error) and the
@@ -489,7 +490,7 @@ STREAM_METHODS = ("KeepAlive", "WatchEvents", "Step")
 def add_to_server(servicer: CacheManagerServicer, server: grpc.aio.Server) -> None:
     """Register every method of ``radixkv.v1.CacheManager`` with raw-bytes requests and
     replies (the handlers parse and serialize themselves, see the module docstring)."""
-    handlers: dict[str, grpc.RpcMethodHandler] = {
+    handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
         m: grpc.unary_unary_rpc_method_handler(getattr(servicer, m)) for m in UNARY_METHODS}
     handlers["KeepAlive"] = grpc.stream_stream_rpc_method_handler(servicer.KeepAlive)
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(servicer.WatchEvents)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
@@ -21,17 +21,19 @@ from radixkv.service.wire.step import STEP_METHODS, error_to_msg
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError, RadixKVError
 
 if TYPE_CHECKING:
+    from google.protobuf.message import Message
     from radixkv.service.server.servicer import CacheManagerServicer
+    from radixkv.service.server.unary_rpc import Body, RawContext
 
 __all__ = ["serve_step_stream", "answer_step"]
 
 log = logging.getLogger("radixkv.service")
 
 
-_BODIES: dict[type, dict[str, tuple[Callable[[Any, Any], Any], Any]]] = {}
+_BODIES: dict[type, dict[str, tuple[Body, type[Message]]]] = {}
 
 
-def _bodies(cls: type) -> dict[str, tuple[Callable[[Any, Any], Any], Any]]:
+def _bodies(cls: type) -> dict[str, tuple[Body, type[Message]]]:
     """``{method: (body, request type)}`` of the servicer class's unary handlers (once per class)."""
     got = _BODIES.get(cls)
     if got is None:
@@ -87,7 +89,7 @@ async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool
         servicer.metrics.observe(name, code, time.perf_counter() - t0)
 
 
-def _replay(servicer: CacheManagerServicer, spec: tuple[Callable[[Any, Any], Any], Any],
+def _replay(servicer: CacheManagerServicer, spec: tuple[Body, type[Message]],
             step: pb.StepRequest) -> tuple[str, bytes] | None:
     """Run the ``ApplyDecodes`` riding on ``step`` as its unary call would run (request id
     ``step.replay_request_id``, same reply cache). None when every replayed call applied;
@@ -122,8 +124,8 @@ def _error_bytes(st: RpcStatus, replayed: bool) -> bytes:
     return msg.SerializeToString()
 
 
-async def serve_step_stream(servicer: CacheManagerServicer, request_iterator: Any,
-                            context: grpc.aio.ServicerContext) -> None:
+async def serve_step_stream(servicer: CacheManagerServicer, request_iterator: AsyncIterator[bytes],
+                            context: RawContext) -> None:
     """The ``Step`` handler: answer each message in order until the worker closes the stream
     or the manager starts closing (``servicer.closing``: the stream then ends with OK, and the
     worker falls back to unary calls).
@@ -142,7 +144,7 @@ async def serve_step_stream(servicer: CacheManagerServicer, request_iterator: An
     try:
         while True:
             raw = await context.read()
-            if raw is grpc.aio.EOF:
+            if cast(object, raw) is grpc.aio.EOF:  # typeshed's read() omits the EOF of the end
                 return
             await context.write(await answer_step(servicer, raw, operator))
     except asyncio.CancelledError:

@@ -26,7 +26,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -35,12 +35,21 @@ from radixkv.service.wire.request_id import REQUEST_ID_KEY, check_request_id
 
 from radixkv.errors import InvalidArgumentError, RadixKVError
 
-__all__ = ["parse", "request_id_of", "unary_rpc"]
+if TYPE_CHECKING:
+    from radixkv.service.server.servicer import CacheManagerServicer
+
+__all__ = ["Body", "RawContext", "parse", "request_id_of", "unary_rpc"]
 
 log = logging.getLogger("radixkv.service")
 
 
 M = TypeVar("M", bound=Message)
+
+#: What a raw-bytes handler gets as context: requests and replies are bytes (the handlers
+#: parse and serialize themselves).
+RawContext: TypeAlias = grpc.aio.ServicerContext[bytes, bytes]
+#: A handler body: ``body(servicer, parsed request) -> reply message``.
+Body: TypeAlias = Callable[[Any, Any], Message]
 
 
 def parse(cls: type[M], raw: object, method: str) -> M:
@@ -54,7 +63,7 @@ def parse(cls: type[M], raw: object, method: str) -> M:
                                    f"({type(e).__name__})") from None
 
 
-def request_id_of(context: grpc.aio.ServicerContext) -> str | None:
+def request_id_of(context: RawContext) -> str | None:
     """The ``radixkv-request-id`` of a call, checked, or None."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_KEY:
@@ -62,15 +71,16 @@ def request_id_of(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-def unary_rpc(name: str, request_cls: Any, idempotent: bool = True) -> Callable:
+def unary_rpc(name: str, request_cls: type[Message],
+              idempotent: bool = True) -> Callable[[Body], Callable[..., Awaitable[bytes]]]:
     """Wrap a synchronous ``body(servicer, request) -> response message`` as a unary aio
     handler over raw bytes (the steps of the module docstring). ``idempotent=False``:
     the request id is ignored (nothing kept). The handler carries ``request_cls`` and
     ``body`` (the ``Step`` stream runs the same body, :mod:`radixkv.service.server.step_stream`)."""
 
-    def deco(body: Callable[[Any, Any], Any]) -> Callable[..., Awaitable[bytes]]:
+    def deco(body: Body) -> Callable[..., Awaitable[bytes]]:
         @functools.wraps(body)
-        async def handler(self: Any, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def handler(self: CacheManagerServicer, raw: bytes, context: RawContext) -> bytes:
             t0 = time.perf_counter()
             code = "OK"
             try:

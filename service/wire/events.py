@@ -37,7 +37,8 @@ def _as_dict(event: Any) -> dict[str, Any]:
     to_dict = getattr(event, "to_dict", None)
     if to_dict is None:
         raise InvalidArgumentError(f"not an event: {type(event).__name__}")
-    return to_dict()
+    d: dict[str, Any] = to_dict()
+    return d
 
 
 def event_to_msg(event: Any, seq: int) -> pb.KVEvent:

@@ -15,6 +15,7 @@ The field numbers below are those of ``proto/radixkv/v1/cache_manager.proto``;
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from radixkv.service.wire.errors import RequestLimitError
@@ -79,7 +80,7 @@ def _varint(buf: memoryview, i: int, end: int) -> tuple[int, int]:
     raise InvalidArgumentError("the request is not a valid message (a broken varint)")
 
 
-def _fields(buf: memoryview, i: int, end: int):
+def _fields(buf: memoryview, i: int, end: int) -> Iterator[tuple[int, int, int]]:
     """``(field number, start, stop)`` of each length-delimited field in ``buf[i:end]``
     (other wire types are skipped). Raises ``InvalidArgumentError`` for broken framing."""
     while i < end:

@@ -231,7 +231,7 @@ def export_cuda_buffer(buffer: torch.Tensor) -> CudaIpcDescriptor:
         raise InvalidArgumentError("a CUDA IPC export needs a 1-D contiguous CUDA uint8 tensor")
     from torch.multiprocessing.reductions import reduce_tensor
 
-    _, args = reduce_tensor(buffer)
+    _, args = reduce_tensor(buffer)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     (_tcls, size, _stride, tensor_offset, _scls, _dtype, device, handle, storage_size_bytes,
      storage_offset_bytes, _rg, ref_counter_handle, ref_counter_offset, event_handle,
      event_sync_required) = args
@@ -247,12 +247,13 @@ def import_cuda_buffer(desc: CudaIpcDescriptor) -> torch.Tensor:
     """Open a manager's CUDA IPC export: a ``uint8`` tensor over the same device memory."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    return rebuild_cuda_tensor(
+    tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]  # unannotated in torch
         torch.Tensor, torch.Size([int(desc.nbytes)]), (1,), int(desc.tensor_offset),
         torch.storage.TypedStorage, torch.uint8, int(desc.device_index), desc.handle,
         int(desc.storage_size_bytes), int(desc.storage_offset_bytes), False,
         desc.ref_counter_handle, int(desc.ref_counter_offset), desc.event_handle or None,
         bool(desc.event_sync_required))
+    return tensor
 
 
 def map_buffer(desc: Descriptor) -> torch.Tensor:

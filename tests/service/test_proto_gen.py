@@ -21,14 +21,16 @@ protogen = _load_generator()
 
 def test_generated_code_is_fresh():
     fresh = protogen.generate()
-    assert set(fresh) == {"cache_manager_pb2.py", "cache_manager_pb2.pyi", "cache_manager_pb2_grpc.py"}
+    assert set(fresh) == {"cache_manager_pb2.py", "cache_manager_pb2.pyi", "cache_manager_pb2_grpc.py",
+                          "cache_manager_pb2_grpc.pyi"}
     stale = [name for name, text in fresh.items()
              if not (protogen.GEN_DIR / name).exists() or (protogen.GEN_DIR / name).read_text() != text]
     assert not stale, f"service/wire/_gen/ is stale for {stale}: run `make proto`"
 
 
-def test_grpc_module_imports_its_messages_relatively():
-    text = (protogen.GEN_DIR / "cache_manager_pb2_grpc.py").read_text()
+@pytest.mark.parametrize("name", ["cache_manager_pb2_grpc.py", "cache_manager_pb2_grpc.pyi"])
+def test_grpc_module_imports_its_messages_relatively(name):
+    text = (protogen.GEN_DIR / name).read_text()
     assert "from . import cache_manager_pb2" in text and "from radixkv.v1 import" not in text
 
 
