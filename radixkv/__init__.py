@@ -70,7 +70,9 @@ if TYPE_CHECKING:
         MLATokenToKVPool,
         ReqToTokenPool,
     )
-    from radixkv.scheduler import Batch, Req, alloc_for_decode, alloc_for_extend, release_kv_cache  # noqa: F401
+    from radixkv.scheduler.batch import Batch  # noqa: F401
+    from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache  # noqa: F401
+    from radixkv.scheduler.req import Req  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

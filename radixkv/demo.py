@@ -33,9 +33,11 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, NamedTuple, TextIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from radixkv.demo_workers import (
@@ -48,19 +50,34 @@ from radixkv.demo_workers import (
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError
 
+if TYPE_CHECKING:  # pragma: no cover
+    from multiprocessing.process import BaseProcess
+    from multiprocessing.queues import Queue
+
+    from tqdm import tqdm
+
+    from radixkv.engine.config import EngineConfig
+    from radixkv.reference.config import HybridConfig
+    from radixkv.service.client.remote import RemoteCacheEngine
+
 __all__ = ["run_demo", "run_walkthrough", "conversation_prompts", "token_hash"]
 
 BLOCK = 512  # tokens per Mooncake hash block
 
+#: One request of a worker: ``(rid, int32 prompt, decode steps)``.
+Job = tuple[str, np.ndarray, int]
 
-def token_hash(pseudo: np.ndarray, vocab: int) -> np.ndarray:
+
+def token_hash(pseudo: np.ndarray, vocab: int) -> npt.NDArray[np.int32]:
     """Map pseudo-token ids into ``0..vocab-1`` by a fixed hash (splitmix64), vectorized:
     equal ids give equal tokens. Returns int32."""
-    x = pseudo.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    # declared: numpy's stubs type uint64 array-by-uint64-scalar arithmetic as Any for Python 3.10
+    x: npt.NDArray[np.uint64] = pseudo.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x = x ^ (x >> np.uint64(31))
-    return (x % np.uint64(vocab)).astype(np.int32)
+    h: npt.NDArray[np.uint64] = x % np.uint64(vocab)
+    return h.astype(np.int32)
 
 
 class Conversations(NamedTuple):
@@ -156,13 +173,14 @@ def run_demo(embedded: bool = False, requests: int = 96, device: str = "cpu", *,
     return _report(res, out)
 
 
-def _progress(total: int):
+def _progress(total: int) -> tqdm:
     from radixkv.bench.progress import Progress
 
     return Progress(total, "requests")
 
 
-def _run_embedded(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> dict[str, Any]:
+def _run_embedded(cfg: EngineConfig, model_cfg: HybridConfig, jobs: list[list[Job]], verify_every: int, block: int,
+                  timeout_s: float) -> dict[str, Any]:
     from radixkv.engine.embedded import CacheEngine
     from radixkv.reference import HybridModel
 
@@ -207,7 +225,8 @@ def _peak(peak: tuple[int, int], st: Any) -> tuple[int, int]:
     return (max(peak[0], st.kv_capacity - st.kv_available), max(peak[1], st.state_capacity - st.state_available))
 
 
-def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> dict[str, Any]:
+def _run_service(cfg: EngineConfig, model_cfg: HybridConfig, jobs: list[list[Job]], verify_every: int, block: int,
+                 timeout_s: float) -> dict[str, Any]:
     from radixkv.service.client import connect
     from radixkv.service.server.cli import main as serve_main
 
@@ -258,7 +277,8 @@ def _run_service(cfg, model_cfg, jobs, verify_every, block, timeout_s) -> dict[s
     return res
 
 
-def _collect(q, mon, procs, total, res, deadline) -> None:
+def _collect(q: Queue[tuple[str, Any]], mon: RemoteCacheEngine, procs: Sequence[BaseProcess], total: int,
+             res: dict[str, Any], deadline: float) -> None:
     """Drain worker reports until every worker is done (or failed, or the deadline)."""
     import queue
 
@@ -291,7 +311,7 @@ def _collect(q, mon, procs, total, res, deadline) -> None:
                 return
 
 
-def _stop_server(server, shm: str) -> str:
+def _stop_server(server: BaseProcess, shm: str) -> str:
     """SIGTERM the manager (graceful: drains, detaches, removes its shared memory); SIGKILL
     if it hangs. Returns a one-line verdict that starts with ``clean`` only on success."""
     if server.pid is None:
@@ -372,15 +392,15 @@ def run_walkthrough(device: str = "cpu") -> int:
     from radixkv.allocator import TokenToKVPoolAllocator
     from radixkv.cache import RadixCache
     from radixkv.memory import MHATokenToKVPool, ReqToTokenPool
-    from radixkv.scheduler import (
-        Batch,
-        Req,
+    from radixkv.scheduler.batch import Batch
+    from radixkv.scheduler.flow import (
         alloc_for_decode,
         alloc_for_extend,
         check_conservation,
         conservation,
         release_kv_cache,
     )
+    from radixkv.scheduler.req import Req
 
     dev = torch.device(device)
     pool = ReqToTokenPool(4, 128, device=dev)

@@ -25,7 +25,7 @@ import math
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +34,11 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.protocol import DecodeItem, ExtendItem, MatchQuery, Session
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.reference import HybridConfig, HybridModel, ModelCache
+
+if TYPE_CHECKING:  # pragma: no cover
+    from multiprocessing.queues import Queue
+
+    from radixkv.engine.buffers import WorkerBuffers
 
 __all__ = ["demo_model_config", "engine_config_for", "TimedEngine", "RequestReport", "HybridWorker",
            "worker_main", "TOLERANCE", "PROTOCOL_CALLS"]
@@ -115,7 +120,7 @@ class HybridWorker:
         name: this worker's name in reports.
     """
 
-    def __init__(self, engine: Any, session: Session, buffers: Any, model: HybridModel, *,
+    def __init__(self, engine: Any, session: Session, buffers: WorkerBuffers, model: HybridModel, *,
                  block: int = 16, name: str = "worker"):
         if block < 1:
             raise InvalidArgumentError(f"block must be >= 1, got {block}")
@@ -188,7 +193,8 @@ class HybridWorker:
 
 
 def worker_main(address: str, token: str, name: str, model_config: HybridConfig,
-                jobs: Sequence[tuple[str, np.ndarray, int]], verify_every: int, block: int, q: Any) -> None:
+                jobs: Sequence[tuple[str, np.ndarray, int]], verify_every: int, block: int,
+                q: Queue[tuple[str, Any]]) -> None:
     """A worker process (``multiprocessing`` spawn): connect to the manager at ``address``,
     attach, map its buffers, run ``jobs`` (``(rid, prompt, decode_steps)``) in order, and
     report through ``q``: ``("request", RequestReport dict)`` per request, then

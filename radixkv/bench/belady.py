@@ -24,12 +24,15 @@ aids and live with the research policies (``benchmarks/policy_research/oracles.p
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from radixkv.bench.block_policy import LeafHeap
 from radixkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.bench.traces import BlockTrace
 
 __all__ = ["NEVER", "BeladyResult", "next_use", "belady"]
 
@@ -51,7 +54,7 @@ class BeladyResult(NamedTuple):
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def next_use(trace) -> np.ndarray:
+def next_use(trace: BlockTrace) -> np.ndarray:
     """For each occurrence in ``trace.blocks``, the next request index containing the same
     block, or :data:`NEVER`. One stable argsort, O(B log B)."""
     req = np.repeat(np.arange(trace.n_requests, dtype=np.int64), np.diff(trace.offsets))
@@ -62,7 +65,7 @@ def next_use(trace) -> np.ndarray:
     return nxt
 
 
-def belady(trace, capacity_tokens: int, bypass: bool = True) -> BeladyResult:
+def belady(trace: BlockTrace, capacity_tokens: int, bypass: bool = True) -> BeladyResult:
     """Replay ``trace`` (a :class:`~radixkv.bench.traces.BlockTrace`) with farthest-next-use
     eviction; see the module docstring. O(B log B + evictions x log n)."""
     cap = int(capacity_tokens)

@@ -10,7 +10,7 @@ policies) build on these classes in ``benchmarks/policy_research``. The simulato
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,8 +22,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["LeafHeap", "BlockPolicy", "KeyPolicy", "BlockNode", "TreePolicy", "runs_on_blocks", "grow_array"]
 
+#: A leaf's sort key: any comparable value (a policy's ``EvictionPolicy.sort_key``, typed
+#: ``Any`` there for the same reason: numbers, tuples, whatever orders the policy's leaves).
+SortKey = Any
 
-def grow_array(a: np.ndarray, n: int, fill=0) -> np.ndarray:
+
+def grow_array(a: np.ndarray, n: int, fill: float = 0) -> np.ndarray:
     """``a`` extended to length ``n`` with ``fill`` (unchanged when already long enough)."""
     return a if n <= len(a) else np.concatenate([a, np.full(n - len(a), fill, a.dtype)])
 
@@ -38,7 +42,7 @@ class LeafHeap:
     """
 
     def __init__(self, n_blocks: int):
-        self._heap: list = []
+        self._heap: list[tuple[SortKey, int, int]] = []
         self._stamp = np.zeros(n_blocks, dtype=np.int64)
         self._seq = 0
         self.live = 0
@@ -50,7 +54,7 @@ class LeafHeap:
     def __contains__(self, b: int) -> bool:
         return bool(self._stamp[b])
 
-    def file(self, b: int, key) -> None:
+    def file(self, b: int, key: SortKey) -> None:
         """File ``b`` under ``key`` (re-filing replaces its previous entry)."""
         if not self._stamp[b]:
             self.live += 1
@@ -76,7 +80,7 @@ class LeafHeap:
             heapq.heappop(h)
         return -1
 
-    def peek_key(self):
+    def peek_key(self) -> SortKey | None:
         b = self.peek()
         return self._heap[0][0] if b >= 0 else None
 
@@ -144,32 +148,32 @@ class KeyPolicy(BlockPolicy):
     computed when the leaf is filed (it becomes an unprotected leaf). Subclasses keep per-block
     statistics in numpy arrays updated by ``on_hit`` / ``on_insert`` and define ``key``."""
 
-    def attach(self, sim):
+    def attach(self, sim: BlockSim) -> None:
         super().attach(sim)
         self.leaves = LeafHeap(sim.n_blocks)
 
-    def grow(self, n_blocks):
+    def grow(self, n_blocks: int) -> None:
         self.leaves.grow(n_blocks)
 
-    def key(self, b: int):
+    def key(self, b: int) -> SortKey:
         raise NotImplementedError
 
-    def leaf_added(self, b):
+    def leaf_added(self, b: int) -> None:
         self.leaves.file(b, self.key(b))
 
-    def leaf_removed(self, b):
+    def leaf_removed(self, b: int) -> None:
         self.leaves.unfile(b)
 
-    def victim(self):
+    def victim(self) -> int:
         return self.leaves.peek()
 
-    def on_evict(self, b):
+    def on_evict(self, b: int) -> None:
         self.leaves.unfile(b)
 
-    def evictable(self):
+    def evictable(self) -> np.ndarray:
         return self.leaves.members()
 
-    def check_invariants(self):
+    def check_invariants(self) -> None:
         self.leaves.check_invariants()
 
 
@@ -221,26 +225,26 @@ class TreePolicy(KeyPolicy):
         self.name = policy.name
         self._node = BlockNode()
 
-    def attach(self, sim):
+    def attach(self, sim: BlockSim) -> None:
         super().attach(sim)
         n = sim.n_blocks
         self.last = np.zeros(n, dtype=np.int64)
         self.created = np.zeros(n, dtype=np.int64)
         self.hits = np.zeros(n, dtype=np.int64)
 
-    def grow(self, n):
+    def grow(self, n: int) -> None:
         super().grow(n)
         self.last, self.created, self.hits = (grow_array(a, n) for a in (self.last, self.created, self.hits))
 
-    def on_hit(self, ids):
+    def on_hit(self, ids: np.ndarray) -> None:
         self.last[ids] = self.sim.now
         self.hits[ids] += 1
 
-    def on_insert(self, ids):
+    def on_insert(self, ids: np.ndarray) -> None:
         self.last[ids] = self.created[ids] = self.sim.now
         self.hits[ids] = 0
 
-    def key(self, b):
+    def key(self, b: int) -> SortKey:
         node = self._node
         node.last_access = int(self.last[b])
         node.created = int(self.created[b])

@@ -25,9 +25,10 @@ The interface lives in :mod:`radixkv.bench.block_policy` (re-exported here).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from radixkv.bench.block_policy import BlockPolicy, KeyPolicy, LeafHeap, TreePolicy, runs_on_blocks
 from radixkv.cache import eviction
@@ -38,6 +39,10 @@ from radixkv.errors import (
     LengthMismatchError,
     describe_ids,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.bench.progress import ProgressBar
+    from radixkv.bench.traces import BlockTrace
 
 __all__ = [
     "AccessResult", "SimResult", "BlockSim", "BlockPolicy", "LeafHeap", "KeyPolicy",
@@ -82,7 +87,7 @@ class BlockSim:
     ``inserted_total`` counts every token ever inserted (a virtual clock in tokens).
     """
 
-    def __init__(self, block_len, parent, capacity_tokens: int, policy: BlockPolicy):
+    def __init__(self, block_len: npt.ArrayLike, parent: npt.ArrayLike, capacity_tokens: int, policy: BlockPolicy):
         block_len = np.asarray(block_len, dtype=np.int64)
         parent = np.asarray(parent, dtype=np.int32)
         if block_len.shape != parent.shape or block_len.ndim != 1:
@@ -110,7 +115,7 @@ class BlockSim:
         """Allocated block slots (per-block arrays of policies are this long)."""
         return len(self.block_len)
 
-    def add_blocks(self, block_len, parent) -> int:
+    def add_blocks(self, block_len: npt.ArrayLike, parent: npt.ArrayLike) -> int:
         """Register new blocks (ids ``n_valid ..``), growing every per-block array by
         doubling (amortized O(1) per block). Returns the first new id.
 
@@ -140,7 +145,7 @@ class BlockSim:
         return first
 
     # ------------------------------------------------------------------ one request
-    def _validate(self, ids) -> np.ndarray:
+    def _validate(self, ids: object) -> np.ndarray:
         if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise InvalidArgumentError("block ids must be a 1-D integer numpy array")
         if len(ids) == 0:
@@ -290,7 +295,8 @@ def make_policy(policy: str | BlockPolicy) -> BlockPolicy:
     return TreePolicy(eviction.make_policy(policy))
 
 
-def simulate(trace, capacity_tokens: int, policy, progress=None, check_every: int = 0) -> SimResult:
+def simulate(trace: BlockTrace, capacity_tokens: int, policy: str | BlockPolicy, progress: ProgressBar | None = None,
+             check_every: int = 0) -> SimResult:
     """Replay a :class:`~radixkv.bench.traces.BlockTrace` through a fresh :class:`BlockSim`.
 
     ``policy``: a name or a fresh :class:`BlockPolicy`. ``progress``: optional object with

@@ -20,6 +20,10 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.bench.block_policy import BlockPolicy
 
 __all__ = ["SCRIPTS", "SUBCOMMANDS", "checkout_benchmarks", "resolve_policies", "run_hitrate", "main"]
 
@@ -63,7 +67,7 @@ def resolve_policies(text: str) -> str:
     return ",".join(default_policy_name() if p.lower() == "default" else p for p in names)
 
 
-def run_hitrate(argv: list[str], make_block_policy: Callable | None = None,
+def run_hitrate(argv: list[str], make_block_policy: Callable[[str], BlockPolicy] | None = None,
                 prog: str = "radixkv bench hitrate") -> int:
     """``radixkv bench hitrate``: parse :func:`radixkv.bench.hitrate.add_arguments`'s flags
     and run it. Policies of ``--engine radix`` are checked before any work.

@@ -148,7 +148,7 @@ class ManagerProcesses:
         self.extra_args = list(extra_args)
         self.directory: str | None = None
         self.managers: list[RemoteManager] = []
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[bytes]] = []
 
     @property

@@ -36,7 +36,7 @@ import numpy as np
 
 from radixkv.bench.belady import belady
 from radixkv.bench.blocksim import BlockPolicy, BlockSim, make_policy, simulate
-from radixkv.bench.progress import Progress
+from radixkv.bench.progress import Progress, ProgressBar
 from radixkv.bench.radix_engine import RadixReplayEngine, default_policy_name
 from radixkv.bench.traces import MOONCAKE_BLOCK_SIZE, BlockTrace, load_mooncake
 from radixkv.bench.workloads import WORKLOADS, make_workload
@@ -77,7 +77,7 @@ class ReplayResult(NamedTuple):
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def replay(requests: Iterable[np.ndarray], cache: ReplayCache, progress=None) -> ReplayResult:
+def replay(requests: Iterable[np.ndarray], cache: ReplayCache, progress: ProgressBar | None = None) -> ReplayResult:
     """Drive ``cache`` with each prompt in order (see the module docstring)."""
     n = prompt = hit = evicted = 0
     for toks in requests:
@@ -103,14 +103,14 @@ class BlockSimAdapter:
     ``match_prefix`` of the same tokens.
     """
 
-    def __init__(self, capacity_tokens: int, policy="lru", page_size: int = 16):
+    def __init__(self, capacity_tokens: int, policy: str | BlockPolicy = "lru", page_size: int = 16):
         if int(page_size) < 1:
             raise InvalidArgumentError(f"page_size must be >= 1, got {page_size}")
         self.page_size = int(page_size)
         pol = make_policy(policy) if isinstance(policy, str) else policy
         self.sim = BlockSim(np.zeros(0, np.int64), np.zeros(0, np.int32), capacity_tokens, pol)
         self.capacity = self.sim.capacity
-        self._table: dict[tuple, int] = {}
+        self._table: dict[tuple[int, bytes], int] = {}  # (parent id, block bytes) -> id
         self._pending: tuple[np.ndarray, np.ndarray, int] | None = None
 
     @property
@@ -222,7 +222,7 @@ def _frac_key(f: float) -> str:
 
 
 def measure(src: Source, fracs: list[float], policies: list[str], engine: str = "blocksim",
-            show_progress: bool | None = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict:
+            show_progress: bool | None = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict[str, Any]:
     """Bounds and every (policy, capacity) result as the CLI's JSON document.
     ``make_block_policy(name)``: the ``blocksim`` engine's policy for a name (default: the
     RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`)."""
@@ -260,14 +260,14 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
     return doc
 
 
-def describe(doc: dict) -> str:
+def describe(doc: dict[str, Any]) -> str:
     """One line naming what was replayed: trace, engine, page size, requests."""
     engine = doc.get("engine")
     return (f"{doc['trace']}, {doc['requests']} requests" + (f", engine {engine}" if engine else "")
             + (f", page size {doc['page_size']}" if doc.get("page_size") else ""))
 
 
-def markdown_table(doc: dict) -> str:
+def markdown_table(doc: dict[str, Any]) -> str:
     """Policies as rows, capacities as columns, hit rates in percent; bounds as last rows."""
     fracs = sorted({r["capacity_frac"] for r in doc["results"]} | {float(k) for k in doc["bounds"]["belady"]})
     head = "| policy | " + " | ".join(f"{100 * f:g}%" for f in fracs) + " |"
@@ -286,7 +286,7 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict, path: str) -> str | None:
+def plot(doc: dict[str, Any], path: str) -> str | None:
     """Hit rate vs capacity per policy with the bounds; returns a note when skipped."""
     try:
         import matplotlib

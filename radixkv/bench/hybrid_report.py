@@ -20,9 +20,12 @@ runs, ``track: false``, where only a step ending on a page end leaves a state).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from radixkv.bench.belady import belady
 from radixkv.bench.hybrid_hitrate import (
+    HybridReplayResult,
+    StatePolicy,
     configs_of,
     kv_budget,
     parse_state_policy,
@@ -30,14 +33,28 @@ from radixkv.bench.hybrid_hitrate import (
     replay_tree,
     state_policy_label,
 )
-from radixkv.bench.progress import Progress
+from radixkv.bench.progress import Progress, ProgressBar
 from radixkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.bench.hitrate import Source
 
 __all__ = ["HYBRID_ENGINES", "add_hybrid_arguments", "hybrid_settings", "measure_hybrid", "hybrid_tables",
            "plot_hybrid"]
 
 #: ``--engine`` values of the hybrid mode
 HYBRID_ENGINES = ("tree", "flow")
+
+
+class HybridSettings(TypedDict):
+    """What :func:`hybrid_settings` makes of the flags (the runs :func:`measure_hybrid` does)."""
+
+    engine: str
+    slots: list[int]
+    chunk: int
+    configs: list[tuple[str, StatePolicy, bool]]  # (admission, state policy, checkpoint)
+    pages: list[int]
+    tracks: list[bool]
 
 
 def _ints(text: str) -> list[int]:
@@ -70,7 +87,7 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
                    help="state tracking at page ends above page 1: on, off or on,off (default on)")
 
 
-def hybrid_settings(args: argparse.Namespace) -> dict:
+def hybrid_settings(args: argparse.Namespace) -> HybridSettings:
     """Validated hybrid settings from parsed flags. Raises InvalidArgumentError."""
     from radixkv.cache.mamba_policies import ADMISSION_POLICIES
 
@@ -102,15 +119,16 @@ def hybrid_settings(args: argparse.Namespace) -> dict:
             "tracks": [ck[c] for c in tracks]}
 
 
-def _replay(src, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm, pol, ckpt, kv_policy, bar,
-            ps: int = 1, track: bool = True):
+def _replay(src: Source, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm: str | None,
+            pol: StatePolicy, ckpt: bool, kv_policy: str, bar: ProgressBar, ps: int = 1,
+            track: bool = True) -> HybridReplayResult:
     if engine == "tree":
         return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track)
     return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track)
 
 
-def measure_hybrid(src, fracs: list[float], kv_policies: list[str], settings: dict,
-                   show_progress: bool | None = None) -> dict:
+def measure_hybrid(src: Source, fracs: list[float], kv_policies: list[str], settings: HybridSettings,
+                   show_progress: bool | None = None) -> dict[str, Any]:
     """Every (KV policy, capacity, state slots, admission, state policy, checkpoint) run and
     the KV-only reference per (KV policy, capacity), as the JSON document (module docstring)."""
     from radixkv.cache import RadixCache
@@ -119,7 +137,7 @@ def measure_hybrid(src, fracs: list[float], kv_policies: list[str], settings: di
         RadixCache(None, None, eviction_policy=p)           # unknown names fail before any work
     bt, engine, chunk = src.blocks, settings["engine"], settings["chunk"]
     max_prompt = int(bt.prompt_len.max()) if len(bt.prompt_len) else 1
-    doc = {
+    doc: dict[str, Any] = {
         "mode": "hybrid", "trace": src.name, "requests": src.n_requests, "prompt_tokens": src.prompt_tokens,
         "unique_tokens": src.unique_tokens, "engine": engine, "chunk": chunk, "page_size": settings["pages"][0],
         "page_sizes": settings["pages"],
@@ -150,7 +168,8 @@ def measure_hybrid(src, fracs: list[float], kv_policies: list[str], settings: di
     return doc
 
 
-def _row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps=1, track=True) -> dict:
+def _row(src: Source, r: HybridReplayResult, pol: str, f: float, cap: int, slots: int, adm: str, spol: StatePolicy,
+         ckpt: bool, ps: int = 1, track: bool = True) -> dict[str, Any]:
     prompt, n = src.prompt_tokens, max(src.n_requests, 1)
     return {
         "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": ps, "track": track,
@@ -165,14 +184,14 @@ def _row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps=1, track=True) -> dict:
     }
 
 
-def _label(r: dict, many_policies: bool) -> str:
+def _label(r: dict[str, Any], many_policies: bool) -> str:
     s = f"{r['state_slots']} slots, {r['admission']}+{r['state_policy']}{'+ckpt' if r['checkpoint'] else ''}"
     if r.get("page_size", 1) > 1:
         s = f"page {r['page_size']}{'' if r.get('track', True) else ' untracked'}: {s}"
     return f"{r['policy']}: {s}" if many_policies else s
 
 
-def hybrid_tables(doc: dict) -> str:
+def hybrid_tables(doc: dict[str, Any]) -> str:
     """Two markdown tables, capacities as columns: the token hit rate (with the KV-only
     reference and the bounds as last rows), then the KV-matched tokens lost for lack of a
     state, both in % of prompt tokens."""
@@ -206,7 +225,7 @@ def hybrid_tables(doc: dict) -> str:
     return "\n".join(out[:at] + tail + out[at:])
 
 
-def plot_hybrid(doc: dict, path: str) -> str | None:
+def plot_hybrid(doc: dict[str, Any], path: str) -> str | None:
     """Token hit rate vs capacity, one line per configuration, with the KV-only reference
     and the bounds; returns a note when matplotlib is missing."""
     try:

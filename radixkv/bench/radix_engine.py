@@ -36,6 +36,7 @@ from radixkv.cache import RadixCache, RadixKey
 from radixkv.cache.eviction import EvictionPolicy, make_policy
 from radixkv.cache.policies.aplru import AdaptiveProbationLRUPolicy
 from radixkv.cache.tree_node import TreeNode
+from radixkv.contracts import IndexLike
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 
 __all__ = ["PAD_TOKEN", "PaddedPoolAllocator", "RadixReplayEngine", "PendingMatch",
@@ -79,7 +80,7 @@ class PaddedPoolAllocator(TokenToKVPoolAllocator):
     handed out and not freed yet. O(k) per call on top of the base class.
     """
 
-    def __init__(self, size: int, device="cpu", checks: bool = True):
+    def __init__(self, size: int, device: torch.device | str = "cpu", checks: bool = True):
         super().__init__(size, device=device, checks=checks)
         self._next_pad = self.size + 1
         self.pad_rows_live = 0
@@ -99,7 +100,7 @@ class PaddedPoolAllocator(TokenToKVPoolAllocator):
         self.pad_rows_live += n
         return rows
 
-    def free(self, free_index) -> None:
+    def free(self, free_index: IndexLike) -> None:
         if isinstance(free_index, torch.Tensor) and free_index.numel() and int(free_index.max()) > self.size:
             virtual = free_index > self.size
             k = int(virtual.sum())
@@ -108,7 +109,7 @@ class PaddedPoolAllocator(TokenToKVPoolAllocator):
             return
         super().free(free_index)
 
-    def is_free(self, indices) -> torch.Tensor:
+    def is_free(self, indices: IndexLike) -> torch.Tensor:
         ids = torch.as_tensor(indices).to(self.device).reshape(-1)
         virtual = ids > self.size
         if not bool(virtual.any()):
@@ -146,7 +147,7 @@ class RadixReplayEngine:
     """
 
     def __init__(self, capacity_tokens: int, policy: str | EvictionPolicy = "default",
-                 page_size: int = 16, device="cpu", checks: bool = True):
+                 page_size: int = 16, device: torch.device | str = "cpu", checks: bool = True):
         if isinstance(capacity_tokens, bool) or int(capacity_tokens) < 0:
             raise InvalidArgumentError(f"capacity_tokens must be >= 0, got {capacity_tokens!r}")
         if isinstance(page_size, bool) or int(page_size) < 1:

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from radixkv.errors import AlignmentError, InvalidArgumentError, describe_ids
 
@@ -53,7 +54,8 @@ class BlockTrace:
     :meth:`MooncakeTrace.block_trace`; all validate before returning.
     """
 
-    def __init__(self, offsets, blocks, block_len, parent, prompt_len, block_size: int):
+    def __init__(self, offsets: np.ndarray, blocks: np.ndarray, block_len: np.ndarray, parent: np.ndarray,
+                 prompt_len: np.ndarray, block_size: int):
         self.offsets = offsets
         self.blocks = blocks
         self.block_len = block_len
@@ -111,7 +113,8 @@ class BlockTrace:
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_chains(cls, raw_ids, offsets, occ_len, block_size: int) -> BlockTrace:
+    def from_chains(cls, raw_ids: npt.ArrayLike, offsets: npt.ArrayLike, occ_len: npt.ArrayLike,
+                    block_size: int) -> BlockTrace:
         """Build from flattened chained ids (any non-negative ints), request offsets and the
         token length of every occurrence. Ids are renumbered densely in increasing order.
 
@@ -167,7 +170,7 @@ class BlockTrace:
         if int(block_size) < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
         bs = int(block_size)
-        table: dict = {}
+        table: dict[tuple[int, bytes], int] = {}  # (parent id, chunk bytes) -> id
         ids: list[int] = []
         lens: list[int] = []
         off = [0]
@@ -237,7 +240,8 @@ class MooncakeTrace:
         block_size: tokens per block (512 for the published traces).
     """
 
-    def __init__(self, name, timestamp, input_length, output_length, hash_offsets, hash_ids, block_size):
+    def __init__(self, name: str, timestamp: np.ndarray, input_length: np.ndarray, output_length: np.ndarray,
+                 hash_offsets: np.ndarray, hash_ids: np.ndarray, block_size: int):
         self.name = name
         self.timestamp = timestamp
         self.input_length = input_length

@@ -16,11 +16,17 @@ Each generator returns a :class:`Workload`: prompts as int32 token arrays (rando
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from radixkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.bench.traces import BlockTrace
+
+#: A length range ``(lo, hi)`` in tokens, both ends included.
+LenRange = tuple[int, int]
 
 __all__ = ["Workload", "WORKLOADS", "make_workload", "unique_prefix_tokens", "random_block_trace",
            "system_prompt", "multi_turn", "few_shot", "tree_of_thought", "agent"]
@@ -73,11 +79,11 @@ def unique_prefix_tokens(requests: Sequence[np.ndarray]) -> int:
     return total
 
 
-def _toks(rng, lo: int, hi: int) -> np.ndarray:
+def _toks(rng: np.random.Generator, lo: int, hi: int) -> np.ndarray:
     return rng.integers(1, VOCAB, size=int(rng.integers(lo, hi + 1)), dtype=np.int32)
 
 
-def _zipf_choice(rng, n: int, a: float, size=None):
+def _zipf_choice(rng: np.random.Generator, n: int, a: float, size: int) -> np.ndarray:
     w = 1.0 / np.arange(1, n + 1) ** a
     return rng.choice(n, size=size, p=w / w.sum())
 
@@ -88,8 +94,8 @@ def _check(n_requests: int) -> int:
     return int(n_requests)
 
 
-def system_prompt(n_requests: int = 2000, seed: int = 0, n_prompts: int = 4, system_len=(512, 2048),
-                  user_len=(16, 512), output_len=(16, 512), zipf_a: float = 1.0) -> Workload:
+def system_prompt(n_requests: int = 2000, seed: int = 0, n_prompts: int = 4, system_len: LenRange = (512, 2048),
+                  user_len: LenRange = (16, 512), output_len: LenRange = (16, 512), zipf_a: float = 1.0) -> Workload:
     """Requests = one of ``n_prompts`` system prompts (Zipf popularity) + a fresh message."""
     n = _check(n_requests)
     rng = np.random.default_rng(seed)
@@ -100,8 +106,9 @@ def system_prompt(n_requests: int = 2000, seed: int = 0, n_prompts: int = 4, sys
     return Workload("system-prompt", seed, reqs, outs.astype(np.int64))
 
 
-def multi_turn(n_requests: int = 2000, seed: int = 0, system_len=(256, 1024), user_len=(16, 512),
-               output_len=(32, 512), mean_turns: float = 5.0, active: int = 32) -> Workload:
+def multi_turn(n_requests: int = 2000, seed: int = 0, system_len: LenRange = (256, 1024),
+               user_len: LenRange = (16, 512), output_len: LenRange = (32, 512), mean_turns: float = 5.0,
+               active: int = 32) -> Workload:
     """Interleaved chats: about ``active`` conversations in flight; each step continues a
     random one (prompt = previous prompt + previous answer + new message) or, when it ends
     (probability ``1/mean_turns`` per turn), a new one starts with the shared system prompt."""
@@ -124,7 +131,8 @@ def multi_turn(n_requests: int = 2000, seed: int = 0, system_len=(256, 1024), us
 
 
 def few_shot(n_requests: int = 2000, seed: int = 0, n_tasks: int = 24, shots: int = 8,
-             shot_len=(64, 256), query_len=(16, 128), output_len=(8, 128), zipf_a: float = 1.1) -> Workload:
+             shot_len: LenRange = (64, 256), query_len: LenRange = (16, 128), output_len: LenRange = (8, 128),
+             zipf_a: float = 1.1) -> Workload:
     """Requests = a task's instruction + ``shots`` examples (task by Zipf) + a query."""
     n = _check(n_requests)
     rng = np.random.default_rng(seed)
@@ -137,7 +145,8 @@ def few_shot(n_requests: int = 2000, seed: int = 0, n_tasks: int = 24, shots: in
 
 
 def tree_of_thought(n_requests: int = 2000, seed: int = 0, branching: int = 3, depth: int = 4,
-                    problem_len=(256, 1024), thought_len=(32, 256), output_len=(32, 256)) -> Workload:
+                    problem_len: LenRange = (256, 1024), thought_len: LenRange = (32, 256),
+                    output_len: LenRange = (32, 256)) -> Workload:
     """Problems expanded breadth-first to ``depth``: a node's prompt is its parent's plus one
     thought; a new problem starts when the previous tree is complete."""
     n = _check(n_requests)
@@ -159,8 +168,9 @@ def tree_of_thought(n_requests: int = 2000, seed: int = 0, branching: int = 3, d
     return Workload("tree-of-thought", seed, reqs, outs.astype(np.int64))
 
 
-def agent(n_requests: int = 2000, seed: int = 0, n_agents: int = 8, system_len=(1024, 2048),
-          task_len=(64, 512), action_len=(16, 128), tool_len=(64, 2048), mean_steps: float = 10.0) -> Workload:
+def agent(n_requests: int = 2000, seed: int = 0, n_agents: int = 8, system_len: LenRange = (1024, 2048),
+          task_len: LenRange = (64, 512), action_len: LenRange = (16, 128), tool_len: LenRange = (64, 2048),
+          mean_steps: float = 10.0) -> Workload:
     """``n_agents`` concurrent loops sharing one system prompt; each step appends the
     previous action and its tool output; a task ends with probability ``1/mean_steps``."""
     n = _check(n_requests)
@@ -182,7 +192,7 @@ def agent(n_requests: int = 2000, seed: int = 0, n_agents: int = 8, system_len=(
 
 
 def random_block_trace(n_requests: int, n_blocks: int, seed: int = 0, block_size: int = 4,
-                       partial: bool = True, zipf_a: float = 0.0):
+                       partial: bool = True, zipf_a: float = 0.0) -> BlockTrace:
     """A random chained block stream (for tests and policy stress): a random tree of
     ``n_blocks`` blocks (each block's parent drawn among earlier ones or the root); every
     request is the path root -> a random block (uniform, or Zipf(``zipf_a``) when > 0).
@@ -232,7 +242,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
-def make_workload(name: str, n_requests: int | None = None, seed: int = 0, **params) -> Workload:
+def make_workload(name: str, n_requests: int | None = None, seed: int = 0, **params: object) -> Workload:
     """Generate a registered workload (``n_requests`` defaults to the generator's).
 
     Raises:

@@ -36,7 +36,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_common(weight: torch.Tensor, bias: torch.Tensor | None, channels: int, activation, device) -> int:
+def _check_common(weight: torch.Tensor, bias: torch.Tensor | None, channels: int, activation: str | None,
+                  device: torch.device) -> int:
     if activation not in ACTIVATIONS:
         raise InvalidArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
@@ -85,7 +86,8 @@ def causal_conv1d_fn(
     return ConvOutput(y.to(x.dtype), xp[xp.shape[0] - (kw - 1):].to(state_dtype).clone())
 
 
-def causal_conv1d_update_torch(x, conv_state, weight, bias, activation, idx) -> torch.Tensor:
+def causal_conv1d_update_torch(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None, activation: str | None, idx: torch.Tensor) -> torch.Tensor:
     """Reference decode step: gather the states, convolve, write the shifted states back."""
     cdt = _compute_dtype(x.dtype)
     window = torch.cat([conv_state.index_select(0, idx).to(cdt), x.to(cdt)[:, None, :]], dim=1)  # [B, K, C]
@@ -146,7 +148,8 @@ if HAS_TRITON:
         tl.store(y_ptr + b * stride_yb + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
 
 
-def causal_conv1d_update_triton(x, conv_state, weight, bias, activation, idx) -> torch.Tensor:
+def causal_conv1d_update_triton(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                                bias: torch.Tensor | None, activation: str | None, idx: torch.Tensor) -> torch.Tensor:
     """Triton decode step: grid ``(B, ceil(C / BLOCK_C))``."""
     batch, channels = x.shape
     y = torch.empty_like(x)

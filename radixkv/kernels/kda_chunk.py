@@ -48,7 +48,8 @@ def _zero_state(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=q.dtype, device=q.device)
 
 
-def kda_chunked(q, k, v, g, beta, initial_state: torch.Tensor | None = None, chunk_size: int = CHUNK) -> KDAOutput:
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: torch.Tensor | None = None, chunk_size: int = CHUNK) -> KDAOutput:
     """One sequence: ``q, k, g [T, H, D_k]``, ``v [T, H, D_v]``, ``beta [T, H]``,
     ``initial_state [H, D_k, D_v]`` or ``None`` (zeros); ``chunk_size >= 1``."""
     state = _zero_state(q, v) if initial_state is None else initial_state.to(q.dtype)
@@ -76,7 +77,9 @@ def kda_chunked(q, k, v, g, beta, initial_state: torch.Tensor | None = None, chu
     return KDAOutput(o, state)
 
 
-def chunk_kda_torch(q, k, v, g, beta, cu_seqlens, initial_state=None, chunk_size: int = CHUNK) -> KDAOutput:
+def chunk_kda_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None = None,
+                    chunk_size: int = CHUNK) -> KDAOutput:
     """The batch by :func:`kda_chunked`, sequence after sequence."""
     bounds = cu_seqlens.tolist()
     outs, finals = [], []
@@ -150,7 +153,8 @@ if HAS_TRITON:
         tl.store(ht_ptr + soff, state.to(ht_ptr.dtype.element_ty), mask=smask)
 
 
-def chunk_kda_triton(q, k, v, g, beta, cu_seqlens, initial_state=None) -> KDAOutput:
+def chunk_kda_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None = None) -> KDAOutput:
     """The Triton kernel (chunk size 64): grid ``(N, H)``; inputs made contiguous first."""
     t, heads, d_k = q.shape
     d_v = v.shape[-1]

@@ -31,7 +31,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def kda_decode_torch(q, k, v, g, beta, ssm_states, idx) -> torch.Tensor:
+def kda_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     ssm_states: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Reference step, vectorised over requests and heads (one gather, one scatter)."""
     cdt = _compute_dtype(q.dtype)
     q, k, v, g, beta = (t.to(cdt) for t in (q, k, v, g, beta))
@@ -91,7 +92,8 @@ if HAS_TRITON:
         tl.store(sptr, state.to(state_ptr.dtype.element_ty), mask=smask)
 
 
-def kda_decode_triton(q, k, v, g, beta, ssm_states, idx) -> torch.Tensor:
+def kda_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      ssm_states: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Triton step: grid ``(B*H, ceil(D_v / BV))``; inputs made contiguous first."""
     batch, heads, d_k = q.shape
     d_v = v.shape[-1]

@@ -52,8 +52,8 @@ def page_layout(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: in
 
 
 # ---------------------------------------------------------------------------- torch
-def alloc_extend_torch(prefix_lens, seq_lens, last_loc, free_pages, page_size: int,
-                       extend_num_tokens: int) -> torch.Tensor:
+def alloc_extend_torch(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                       free_pages: torch.Tensor, page_size: int, extend_num_tokens: int) -> torch.Tensor:
     """Slots (int64, length ``extend_num_tokens = sum(seq_lens - prefix_lens)``) for the
     tokens ``prefix_lens[i] .. seq_lens[i] - 1`` of each request, request after request.
     ``free_pages`` must hold at least ``page_layout(...).total_new_pages`` pages.
@@ -85,7 +85,8 @@ def alloc_extend_torch(prefix_lens, seq_lens, last_loc, free_pages, page_size: i
     return torch.where(in_old_page, last[req] + 1 + j, page * page_size + offset)
 
 
-def alloc_decode_torch(seq_lens, last_loc, free_pages, page_size: int) -> torch.Tensor:
+def alloc_decode_torch(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor,
+                       page_size: int) -> torch.Tensor:
     """One slot (int64) per request for its token ``seq_lens[i] - 1`` (``seq_lens``
     include the new token): ``last_loc + 1`` inside the current page, else the first slot
     of its fresh page. O(bs), vectorized."""
@@ -148,8 +149,8 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64).contiguous()
 
 
-def alloc_extend_triton(prefix_lens, seq_lens, last_loc, free_pages, page_size: int,
-                        extend_num_tokens: int) -> torch.Tensor:
+def alloc_extend_triton(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                        free_pages: torch.Tensor, page_size: int, extend_num_tokens: int) -> torch.Tensor:
     """Triton version of ``alloc_extend_torch`` (same arguments, same result)."""
     pre, seq = _contig(prefix_lens), _contig(seq_lens)
     bs = pre.numel()
@@ -167,7 +168,8 @@ def alloc_extend_triton(prefix_lens, seq_lens, last_loc, free_pages, page_size: 
     return out
 
 
-def alloc_decode_triton(seq_lens, last_loc, free_pages, page_size: int) -> torch.Tensor:
+def alloc_decode_triton(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor,
+                        page_size: int) -> torch.Tensor:
     """Triton version of ``alloc_decode_torch`` (same arguments, same result)."""
     seq = _contig(seq_lens)
     bs = seq.numel()
@@ -185,14 +187,15 @@ def alloc_decode_triton(seq_lens, last_loc, free_pages, page_size: int) -> torch
 
 
 # ---------------------------------------------------------------------------- dispatch
-def alloc_extend_indices(prefix_lens, seq_lens, last_loc, free_pages, page_size: int,
-                         extend_num_tokens: int) -> torch.Tensor:
+def alloc_extend_indices(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                         free_pages: torch.Tensor, page_size: int, extend_num_tokens: int) -> torch.Tensor:
     """``alloc_extend_triton`` on CUDA (with Triton), else ``alloc_extend_torch``."""
     fn = alloc_extend_triton if use_triton(free_pages.device) else alloc_extend_torch
     return fn(prefix_lens, seq_lens, last_loc, free_pages, page_size, extend_num_tokens)
 
 
-def alloc_decode_indices(seq_lens, last_loc, free_pages, page_size: int) -> torch.Tensor:
+def alloc_decode_indices(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor,
+                         page_size: int) -> torch.Tensor:
     """``alloc_decode_triton`` on CUDA (with Triton), else ``alloc_decode_torch``."""
     fn = alloc_decode_triton if use_triton(free_pages.device) else alloc_decode_torch
     return fn(seq_lens, last_loc, free_pages, page_size)

@@ -84,7 +84,7 @@ def validate_slot_indices(
     return idx
 
 
-def _as_tensor_list(conv: torch.Tensor | Sequence[torch.Tensor]) -> list:
+def _as_tensor_list(conv: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(conv, torch.Tensor):
         return [conv]
     tensors = list(conv)

@@ -9,6 +9,10 @@ import os
 
 import torch
 
+# ``triton`` and ``tl`` are re-exported for the kernel modules (None without Triton). Triton
+# ships no type information, so mypy sees both as ``Any`` (pyproject.toml).
+__all__ = ["HAS_TRITON", "interpret_mode", "tl", "triton", "triton_runnable", "use_triton"]
+
 try:  # triton is an optional dependency outside Linux x86_64
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixkv.contracts import IndexLike
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError, describe_ids
 from radixkv.kernels.triton_util import HAS_TRITON, tl, triton, triton_runnable, use_triton
 
@@ -61,7 +62,7 @@ class WriteBatch(NamedTuple):
     prefix_lens_cpu: torch.Tensor
 
 
-def _as_cpu_int64(x, name: str) -> torch.Tensor:
+def _as_cpu_int64(x: IndexLike, name: str) -> torch.Tensor:
     t = torch.as_tensor(x)
     if t.numel() == 0 and t.dim() == 1:
         return torch.zeros(0, dtype=torch.int64)
@@ -81,10 +82,10 @@ def _exclusive_cumsum(lens: torch.Tensor) -> torch.Tensor:
 
 def prepare_write_batch(
     req_to_token: torch.Tensor,
-    req_pool_indices,
-    prefix_lens,
-    seq_lens,
-    extend_lens,
+    req_pool_indices: IndexLike,
+    prefix_lens: IndexLike,
+    seq_lens: IndexLike,
+    extend_lens: IndexLike,
     out_cache_loc: torch.Tensor,
     prefix_tensors: Sequence[torch.Tensor],
     *,
@@ -265,10 +266,10 @@ def write_cache_indices_triton(req_to_token: torch.Tensor, b: WriteBatch, block:
 
 def write_cache_indices(
     req_to_token: torch.Tensor,
-    req_pool_indices,
-    prefix_lens,
-    seq_lens,
-    extend_lens,
+    req_pool_indices: IndexLike,
+    prefix_lens: IndexLike,
+    seq_lens: IndexLike,
+    extend_lens: IndexLike,
     out_cache_loc: torch.Tensor,
     prefix_tensors: Sequence[torch.Tensor],
     *,

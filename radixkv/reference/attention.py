@@ -14,9 +14,21 @@ Two ways to run, computing the same function:
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from radixkv.reference.config import HybridConfig
+
+
+class LayerKV(Protocol):
+    """The KV pool API the attention layer uses (``MHATokenToKVPool``, ``HybridLinearKVPool``,
+    ``WorkerBuffers``): one layer's ``(k_buf, v_buf)``, each ``[rows, H, D]``, and a write of
+    the rows ``loc``."""
+
+    def get_kv_buffer(self, layer_id: int, /) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor, /) -> None: ...
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -50,7 +62,7 @@ class FullAttentionLayer:
         self.config = config
         hid, pd = config.hidden, config.proj_dim
 
-        def draw(*shape, scale):
+        def draw(*shape: int, scale: float) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device, config.dtype)
 
         self.w_q = draw(hid, pd, scale=hid**-0.5)
@@ -58,7 +70,7 @@ class FullAttentionLayer:
         self.w_v = draw(hid, pd, scale=hid**-0.5)
         self.w_o = draw(pd, hid, scale=pd**-0.5)
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.config
         shape = (x.shape[0], cfg.num_heads, cfg.head_dim)
         q = rope((x @ self.w_q).view(shape), positions, cfg.rope_theta)
@@ -76,7 +88,8 @@ class FullAttentionLayer:
         allowed = pos[:, None] >= pos[None, :]
         return self._out(_attend(q[None], k[None], v[None], allowed[None])[0])
 
-    def extend(self, x, start_pos: int, kv_pool, pool_layer_id: int, rows_prefix, rows_new) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, start_pos: int, kv_pool: LayerKV, pool_layer_id: int,
+               rows_prefix: torch.Tensor, rows_new: torch.Tensor) -> torch.Tensor:
         """Tokens ``x [T, hidden]`` at positions ``start_pos..start_pos+T-1`` of one sequence:
         write their k/v to ``rows_new [T]``, attend over ``rows_prefix [start_pos]`` + ``rows_new``
         read back from the pool. Returns ``[T, hidden]``."""
@@ -91,7 +104,8 @@ class FullAttentionLayer:
         allowed = torch.arange(start_pos + n, device=x.device)[None, :] <= positions[:, None]
         return self._out(_attend(q[None], keys[None], values[None], allowed[None])[0])
 
-    def decode(self, x, positions, kv_pool, pool_layer_id: int, out_cache_loc, rows, valid) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, kv_pool: LayerKV, pool_layer_id: int,
+               out_cache_loc: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """One token per request: ``x [B, hidden]`` at ``positions [B]``; write k/v to
         ``out_cache_loc [B]``; attend over ``rows [B, L]`` (each request's KV rows, padded) where
         ``valid [B, L]`` marks the real ones (the new token's row included). Returns ``[B, hidden]``."""

@@ -38,12 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from radixkv.kernels.kda_chunk import CHUNK, KDAOutput, chunk_kda, kda_chunked  # noqa: F401 (re-exported)
+from radixkv.kernels.kda_chunk import CHUNK, KDAOutput, chunk_kda, kda_chunked
 from radixkv.kernels.kda_decode import kda_decode
+from radixkv.memory.mamba_pool import Mamba2LayerCache
 from radixkv.reference.config import HybridConfig
 
+__all__ = ["CHUNK", "KDALayer", "KDAOutput", "chunk_kda", "kda_chunked", "kda_recurrent"]
 
-def kda_recurrent(q, k, v, g, beta, initial_state: torch.Tensor | None = None) -> KDAOutput:
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None = None) -> KDAOutput:
     """The gated delta rule token by token (ground truth). ``q, k, g [T, H, D_k]``,
     ``v [T, H, D_v]``, ``beta [T, H]``, ``initial_state [H, D_k, D_v]`` or ``None`` (zeros).
     Cost: O(T * H * D_k * D_v) in a Python loop over T (vectorised over heads)."""
@@ -70,7 +74,7 @@ class KDALayer:
         self.config = config
         hid, pd, heads, kw = config.hidden, config.proj_dim, config.num_heads, config.conv_kernel
 
-        def draw(*shape, scale=1.0, shift=0.0):
+        def draw(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
             t = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + shift
             return t.to(device=device, dtype=config.dtype)
 
@@ -83,14 +87,14 @@ class KDALayer:
         self.w_o = draw(pd, hid, scale=pd**-0.5)
 
     # ---- shared pieces -------------------------------------------------------------------
-    def _gates(self, x: torch.Tensor):
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``g [N, H, D]`` (log decay) and ``beta [N, H]`` from the layer input ``x [N, hidden]``."""
         cfg = self.config
         g = -F.softplus(x @ self.w_g + self.g_bias).view(-1, cfg.num_heads, cfg.head_dim)
         beta = torch.sigmoid(x @ self.w_beta)
         return g, beta
 
-    def _split(self, qkv: torch.Tensor):
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output ``[N, 3*H*D]`` -> L2-normalised ``q, k`` and ``v``, each ``[N, H, D]``."""
         cfg = self.config
         q, k, v = qkv.view(-1, 3, cfg.num_heads, cfg.head_dim).unbind(1)
@@ -113,7 +117,7 @@ class KDALayer:
         return self._out(kda_recurrent(q, k, v, g, beta).o)
 
     # ---- incremental ---------------------------------------------------------------------
-    def extend(self, x: torch.Tensor, cache, slot: int, fresh: bool,
+    def extend(self, x: torch.Tensor, cache: Mamba2LayerCache, slot: int, fresh: bool,
                track: tuple[int, int] | None = None, backend: str | None = None) -> torch.Tensor:
         """Continue one sequence by ``x [T, hidden]`` from its state in ``slot`` of ``cache``
         (``cache.conv[0] [slots+1, K-1, C]``, ``cache.temporal [slots+1, H, D, D]``; zeros instead
@@ -153,7 +157,7 @@ class KDALayer:
         ssm_all[slot] = out.final_state.to(ssm_all.dtype)
         return self._out(o)
 
-    def decode(self, x: torch.Tensor, cache, slots: torch.Tensor, backend: str | None,
+    def decode(self, x: torch.Tensor, cache: Mamba2LayerCache, slots: torch.Tensor, backend: str | None,
                track: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One token for each of ``B`` requests: ``x [B, hidden]``, ``slots [B]`` (int64, already
         validated); states updated in place by the fused kernels. ``track = (src, dst)``: then

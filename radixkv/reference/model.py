@@ -29,18 +29,23 @@ continue from the slot's state. To fork (prefix sharing), copy the state slot wi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixkv.contracts import IndexLike
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError, describe_ids
 from radixkv.kernels.state_copy import resolve_backend, validate_slot_indices
-from radixkv.reference.attention import FullAttentionLayer
+from radixkv.memory.mamba_pool import Mamba2LayerCache
+from radixkv.reference.attention import FullAttentionLayer, LayerKV
 from radixkv.reference.config import HybridConfig
 from radixkv.reference.kda import KDALayer
 from radixkv.validation import as_token_array, index_tensor
+
+if TYPE_CHECKING:
+    from radixkv.engine.buffers import WorkerBuffers
 
 LAYER_ID_MODES = ("global", "local")
 
@@ -57,8 +62,8 @@ class ModelCache:
 
     def __init__(
         self,
-        kv_pool,
-        mamba_cache: Callable[[int], object] | None,
+        kv_pool: LayerKV | None,
+        mamba_cache: Callable[[int], Mamba2LayerCache] | None,
         req_to_token: torch.Tensor | None = None,
         *,
         kv_layer_ids: str = "global",
@@ -73,7 +78,7 @@ class ModelCache:
         self.mamba_layer_ids = mamba_layer_ids
 
     @classmethod
-    def over(cls, buffers: Any) -> ModelCache:
+    def over(cls, buffers: WorkerBuffers) -> ModelCache:
         """Over an engine's :class:`~radixkv.engine.buffers.WorkerBuffers` (global layer
         ids): its KV pool, its KDA states (hybrid models) and its ``req_to_token`` table."""
         mamba = buffers.mamba2_layer_cache if buffers.mamba_pool is not None else None
@@ -100,14 +105,16 @@ class _Block:
     """One layer: pre-norm mixer and pre-norm SwiGLU MLP, both residual."""
 
     def __init__(self, config: HybridConfig, kind: str, gen: torch.Generator, device: torch.device):
-        def draw(*shape, scale=1.0, shift=0.0):
+        def draw(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + shift).to(device, config.dtype)
 
         hid, inner = config.hidden, config.mlp_mult * config.hidden
         self.norm1 = draw(hid, scale=0.1, shift=1.0)
-        self.mixer = KDALayer(config, gen, device) if kind == "K" else FullAttentionLayer(config, gen, device)
+        self.mixer: KDALayer | FullAttentionLayer = (
+            KDALayer(config, gen, device) if kind == "K" else FullAttentionLayer(config, gen, device)
+        )
         self.norm2 = draw(hid, scale=0.1, shift=1.0)
-        self.mlp = None
+        self.mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if inner:
             w_gate = draw(hid, inner, scale=hid**-0.5)
             w_up = draw(hid, inner, scale=hid**-0.5)
@@ -137,7 +144,7 @@ class HybridModel:
       -> logits [B, vocab]``
     """
 
-    def __init__(self, config: HybridConfig, device="cpu", *, backend: str | None = None):
+    def __init__(self, config: HybridConfig, device: torch.device | str = "cpu", *, backend: str | None = None):
         if not isinstance(config, HybridConfig):
             raise InvalidArgumentError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.config = config
@@ -146,9 +153,10 @@ class HybridModel:
         # the chunked prefill kernel is checked under the Triton interpreter only: opt-in
         self.extend_backend = resolve_backend(backend, self.device) if backend is not None else "torch"
         gen = torch.Generator().manual_seed(config.seed)
-        draw = lambda *s, scale=1.0, shift=0.0: (  # noqa: E731
-            torch.randn(*s, generator=gen, dtype=torch.float64) * scale + shift
-        ).to(self.device, config.dtype)
+
+        def draw(*s: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+            return (torch.randn(*s, generator=gen, dtype=torch.float64) * scale + shift).to(self.device, config.dtype)
+
         self.embed = draw(config.vocab, config.hidden)
         self.blocks = [_Block(config, kind, gen, self.device) for kind in config.layer_pattern]
         self.final_norm = draw(config.hidden, scale=0.1, shift=1.0)
@@ -156,7 +164,7 @@ class HybridModel:
         self._local = {lid: i for ids in (config.kda_layer_ids, config.full_layer_ids) for i, lid in enumerate(ids)}
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _tokens(self, token_ids) -> torch.Tensor:
+    def _tokens(self, token_ids: IndexLike) -> torch.Tensor:
         if isinstance(token_ids, torch.Tensor):
             if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool or token_ids.dim() != 1:
                 raise InvalidArgumentError(
@@ -175,21 +183,26 @@ class HybridModel:
     def _kv_id(self, lid: int, pools: ModelCache) -> int:
         return lid if pools.kv_layer_ids == "global" else self._local[lid]
 
-    def _mamba(self, lid: int, pools: ModelCache):
+    def _mamba(self, lid: int, pools: ModelCache) -> Mamba2LayerCache:
         if pools.mamba_cache is None:
             raise InvalidArgumentError(f"layer {lid} is a KDA layer and this ModelCache has no Mamba states")
         return pools.mamba_cache(lid if pools.mamba_layer_ids == "global" else self._local[lid])
 
-    def _check_pools(self, pools: ModelCache):
+    @staticmethod
+    def _kv_pool(pools: ModelCache) -> LayerKV:
+        if pools.kv_pool is None:
+            raise InvalidArgumentError("the model has full-attention layers but pools.kv_pool is None")
+        return pools.kv_pool
+
+    def _check_pools(self, pools: ModelCache) -> tuple[int | None, int | None]:
         """Validate every buffer the model will touch; returns (kv rows, state slots) counts."""
         cfg = self.config
         if not isinstance(pools, ModelCache):
             raise InvalidArgumentError(f"pools must be a ModelCache, got {type(pools).__name__}")
-        num_rows = num_slots = None
+        num_rows: int | None = None
+        num_slots: int | None = None
         for lid in cfg.full_layer_ids:
-            if pools.kv_pool is None:
-                raise InvalidArgumentError("the model has full-attention layers but pools.kv_pool is None")
-            k_buf, v_buf = pools.kv_pool.get_kv_buffer(self._kv_id(lid, pools))
+            k_buf, v_buf = self._kv_pool(pools).get_kv_buffer(self._kv_id(lid, pools))
             for buf in (k_buf, v_buf):
                 if buf.dim() != 3 or tuple(buf.shape[1:]) != (cfg.num_heads, cfg.head_dim) or buf.device != self.device:
                     raise InvalidArgumentError(
@@ -218,7 +231,7 @@ class HybridModel:
         return _rmsnorm(x, self.final_norm, self.config.norm_eps) @ self.lm_head
 
     # ---- ground truth ----------------------------------------------------------------------
-    def forward_reference(self, token_ids) -> torch.Tensor:
+    def forward_reference(self, token_ids: IndexLike) -> torch.Tensor:
         """Logits ``[T, vocab]`` of the whole sequence from scratch: no pools, no kernels
         (the conv as a sum of shifted taps, the token-by-token delta rule, masked attention)."""
         ids = self._tokens(token_ids)
@@ -233,7 +246,8 @@ class HybridModel:
 
     # ---- incremental -----------------------------------------------------------------------
     def extend(
-        self, token_ids_new, start_pos: int, kv_rows_prefix, kv_rows_new, state_slot: int, pools: ModelCache,
+        self, token_ids_new: IndexLike, start_pos: int, kv_rows_prefix: IndexLike, kv_rows_new: IndexLike,
+        state_slot: int, pools: ModelCache,
         *, track_slot: int | None = None, track_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Run ``T`` new tokens of ONE request at positions ``start_pos..start_pos+T-1``.
@@ -284,11 +298,11 @@ class HybridModel:
                 out = block.mixer.extend(h, self._mamba(lid, pools), state_slot, fresh=start_pos == 0, track=track,
                                          backend=self.extend_backend)
             else:
-                out = block.mixer.extend(h, start_pos, pools.kv_pool, self._kv_id(lid, pools), prefix, new)
+                out = block.mixer.extend(h, start_pos, self._kv_pool(pools), self._kv_id(lid, pools), prefix, new)
             x = block.mlp_residual(x + out, eps)
         return self._logits(x)
 
-    def _check_track(self, slot, seqlen, start: int, n: int, state_slot: int,
+    def _check_track(self, slot: int | None, seqlen: int | None, start: int, n: int, state_slot: int,
                      num_slots: int | None) -> tuple[int, int] | None:
         """``(track slot, tokens of this extend before the tracked position)`` or ``None``."""
         if slot is None or seqlen is None or int(slot) == 0 or int(seqlen) < 0 or num_slots is None:
@@ -301,8 +315,8 @@ class HybridModel:
         return slot, seqlen - start
 
     def decode(
-        self, token_ids, req_pool_indices, seq_lens, out_cache_loc, state_slots, pools: ModelCache,
-        track_slots=None,
+        self, token_ids: IndexLike, req_pool_indices: IndexLike, seq_lens: IndexLike, out_cache_loc: IndexLike,
+        state_slots: IndexLike, pools: ModelCache, track_slots: IndexLike | None = None,
     ) -> torch.Tensor:
         """One new token for each of ``B`` requests (batched).
 
@@ -372,6 +386,6 @@ class HybridModel:
             if isinstance(block.mixer, KDALayer):
                 out = block.mixer.decode(h, self._mamba(lid, pools), slots, self.backend, track)
             else:
-                out = block.mixer.decode(h, positions, pools.kv_pool, self._kv_id(lid, pools), loc, rows, valid)
+                out = block.mixer.decode(h, positions, self._kv_pool(pools), self._kv_id(lid, pools), loc, rows, valid)
             x = block.mlp_residual(x + out, eps)
         return self._logits(x)
