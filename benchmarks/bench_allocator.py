@@ -112,7 +112,8 @@ def time_loop(alloc, n_tokens: int, budget_s: float, max_iters: int, device) -> 
     for _ in range(3):
         alloc.free(alloc.alloc(n_tokens))
     sync()
-    a_ns, f_ns = [], []
+    a_ns: list[int] = []
+    f_ns: list[int] = []
     clock = time.perf_counter_ns
     deadline = clock() + int(budget_s * 1e9)
     while len(a_ns) < max_iters and (len(a_ns) < 3 or clock() < deadline):
@@ -143,9 +144,13 @@ def time_backup_restore(pool: int, need_sort: bool, batch: int, budget_s: float,
     the restore takes its O(free) path."""
     a = TokenToKVPoolAllocator(pool, device, need_sort=need_sort)
     held = a.alloc(pool - batch // 2 if need_sort else pool // 2)
+    if held is None:
+        raise RuntimeError(f"a fresh pool of {pool} could not give its setup's slots")
     a.free(held[::2])
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    b_ns, a_ns, r_ns = [], [], []
+    b_ns: list[int] = []
+    a_ns = []
+    r_ns: list[int] = []
     clock = time.perf_counter_ns
     deadline = clock() + int(budget_s * 1e9)
     while len(b_ns) < max_iters and (len(b_ns) < 3 or clock() < deadline):

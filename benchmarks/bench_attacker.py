@@ -44,8 +44,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_service import ChatWorkload, run_steps  # noqa: E402
 
-CONFIG = dict(kv_tokens=65536, request_rows=128, max_context_len=1024, max_requests_per_session=64,
-              lease_ttl_s=5.0)
+CONFIG: dict[str, int | float] = dict(kv_tokens=65536, request_rows=128, max_context_len=1024,
+                                      max_requests_per_session=64, lease_ttl_s=5.0)
 METHOD = "/radixkv.v1.CacheManager/"
 
 
@@ -143,7 +143,7 @@ def watchers(address: str, token: str, server_pid: int, n: int, seconds: float) 
     ch = grpc.insecure_channel("unix:" + address[len("unix://"):])
     w = c.attach("watcher").session
     req = pb.WatchEventsRequest(session=wire.session_to_msg(w), from_now=True, poll_interval_s=0.001)
-    call = ch.unary_stream("/radixkv.v1.CacheManager/WatchEvents")
+    call: grpc.UnaryStreamMultiCallable[bytes, bytes] = ch.unary_stream("/radixkv.v1.CacheManager/WatchEvents")
     streams = [call(req.SerializeToString(), metadata=(("authorization", "Bearer " + token),)) for _ in range(n)]
     time.sleep(1.0)
     out[f"{n}_watchers_at_1ms"] = measure()
@@ -202,7 +202,9 @@ def abuser_main(address: str, token: str, limits: tuple[int, int, int], health_s
     path = address[len("unix://"):]
     ch = grpc.insecure_channel("unix:" + path)
     anon = [grpc.insecure_channel("unix:" + path) for _ in range(health_streams)]
-    watches = [health_pb2_grpc.HealthStub(a).Watch(health_pb2.HealthCheckRequest()) for a in anon]
+    # typeshed's HealthStub omits Watch, which grpcio-health-checking's stub has
+    watches = [health_pb2_grpc.HealthStub(a).Watch(health_pb2.HealthCheckRequest())  # type: ignore[attr-defined]
+               for a in anon]
     idle = []
     for _ in range(idle_conns):
         sk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -292,14 +294,17 @@ def main(argv=None) -> int:
                                 "--sweep-interval-s", "0.5", "--max-message-bytes", str(64 << 20)] + flags
                                + (["--enable-kv-events"] if args.part == "watchers" else []),))
     server.start()
-    limits = tuple(limits_for(CONFIG["kv_tokens"], CONFIG["request_rows"]))
+    spid = server.pid
+    if spid is None:  # a started Process has one
+        raise RuntimeError("the manager process did not start")
+    limits = tuple(limits_for(int(CONFIG["kv_tokens"]), int(CONFIG["request_rows"])))
     report: dict = {"config": CONFIG, "limits": limits, "load_avg_start": os.getloadavg()}
     try:
         admin = connect(address, token=token, wait_s=120, timeout_s=300)
         if args.part in ("oversize", "all"):
-            report["oversize"] = oversize(address, token, server.pid)
+            report["oversize"] = oversize(address, token, spid)
         if args.part == "watchers":
-            report["watchers"] = watchers(address, token, server.pid, args.watchers, min(args.seconds, 10.0))
+            report["watchers"] = watchers(address, token, spid, args.watchers, min(args.seconds, 10.0))
         if args.part in ("load", "all"):
             report["alone"] = run_load(ctx, address, token, args, limits, abuse=False)
             report["with_abuser"] = run_load(ctx, address, token, args, limits, abuse=True)
@@ -309,12 +314,12 @@ def main(argv=None) -> int:
                              == st.kv_capacity, "requests": st.requests}
             admin.check_invariants()
             report["end"]["invariants"] = "hold"
-        report["server_rss_mb_end"] = round(rss_mb(server.pid), 1)
+        report["server_rss_mb_end"] = round(rss_mb(spid), 1)
         admin.close()
     finally:
         report["load_avg_end"] = os.getloadavg()
         if server.is_alive():
-            os.kill(server.pid, signal.SIGTERM)
+            os.kill(spid, signal.SIGTERM)
             server.join(30)
         if server.is_alive():
             server.kill()

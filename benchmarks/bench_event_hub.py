@@ -34,9 +34,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from radixkv.service.server.event_hub import EventHub
 
 PS = 16
 
@@ -71,28 +74,7 @@ def bench_hub(events: list[Any], batch: int, watchers: int, zmq_on: bool) -> dic
 
     hub = EventHub(source, capacity=1 << 16, encode=encode_record)
     cursors = [hub.subscribe(f"w{i}", 0) for i in range(watchers)]
-    pub = sub = ctx = d = None
-    if zmq_on:
-        import zmq
-
-        from radixkv.events.zmq_publisher import ZmqEventPublisher
-
-        d = tempfile.mkdtemp(prefix="rkv-bh-")
-        pub = ZmqEventPublisher(f"ipc://{d}/pub", put_timeout_s=0.0)
-        ctx = zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt_string(zmq.SUBSCRIBE, "")
-        sub.connect(pub.endpoint)
-        time.sleep(0.3)  # slow joiner
-        hub.add_outlet("zmq", lambda recs: pub.publish([r.event for r in recs]))
-    received = [0]
-
-    def drain_sub(block: bool) -> None:
-        while sub.poll(2000 if block else 0):
-            sub.recv_multipart()
-            received[0] += 1
-            block = False
+    outlet = _ZmqOutlet(hub) if zmq_on else None
 
     t0 = time.perf_counter()
     n_batches = 0
@@ -103,26 +85,56 @@ def bench_hub(events: list[Any], batch: int, watchers: int, zmq_on: bool) -> dic
         for c in cursors:
             for r in hub.read(c).records:
                 hub.encoded(r)
-        if sub is not None:
-            drain_sub(False)
-    if sub is not None:
+        if outlet is not None:
+            outlet.drain(False)
+    if outlet is not None:
         while hub.stats().outlet_retries and hub.run_outlets():
             pass
         deadline = time.monotonic() + 30
-        while received[0] < pub.stats().next_seq and time.monotonic() < deadline:
-            drain_sub(True)
+        while outlet.received < outlet.pub.stats().next_seq and time.monotonic() < deadline:
+            outlet.drain(True)
     dt = time.perf_counter() - t0
     res = {"part": "zmq" if zmq_on else "hub", "watchers": watchers, "events": len(events), "batch": batch,
            "seconds": dt, "events_per_s": len(events) / dt}
-    if zmq_on:
-        res["zmq_batches_sent"] = pub.stats().next_seq
-        res["zmq_batches_received"] = received[0]
-        sub.close()
-        pub.close()
-        ctx.term()
-        shutil.rmtree(d, ignore_errors=True)
+    if outlet is not None:
+        res["zmq_batches_sent"] = outlet.pub.stats().next_seq
+        res["zmq_batches_received"] = outlet.received
+        outlet.close()
     hub.check_invariants()
     return res
+
+
+class _ZmqOutlet:
+    """The hub's ZMQ outlet (an ``ipc://`` publisher) and a SUB socket here counting its batches."""
+
+    def __init__(self, hub: EventHub):
+        import zmq
+
+        from radixkv.events.zmq_publisher import ZmqEventPublisher
+
+        self.dir = tempfile.mkdtemp(prefix="rkv-bh-")
+        self.pub = ZmqEventPublisher(f"ipc://{self.dir}/pub", put_timeout_s=0.0)
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, "")
+        self.sub.connect(self.pub.endpoint)
+        time.sleep(0.3)  # slow joiner
+        self.received = 0
+        hub.add_outlet("zmq", lambda recs: self.pub.publish([r.event for r in recs]))
+
+    def drain(self, block: bool) -> None:
+        """Receive what has arrived (``block``: wait up to 2 s for the first batch)."""
+        while self.sub.poll(2000 if block else 0):
+            self.sub.recv_multipart()
+            self.received += 1
+            block = False
+
+    def close(self) -> None:
+        self.sub.close()
+        self.pub.close()
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _serve(argv: list[str]) -> None:
@@ -193,7 +205,7 @@ def bench_grpc(n_events: int, watcher_counts: list[int]) -> list[dict[str, Any]]
     return out
 
 
-def main(argv: list[str] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--batch", type=int, default=64)

@@ -61,7 +61,10 @@ def run_mode(mode: str, steps: int, seed: int) -> dict[str, Any]:
     srv = ThreadedServer(_config(mode != "off"), options=opts)
     srv.start()
     try:
-        sv = srv.server.servicer
+        server = srv.running()
+        sv, hub = server.servicer, server.events
+        if sv is None or hub is None:
+            raise RuntimeError("a started manager has a servicer and an event hub")
         hook = {"calls": 0, "s": 0.0, "events": 0, "busy": 0, "busy_s": 0.0}
         if sv.pump_after_calls:
             inner = sv.pump_events
@@ -78,7 +81,7 @@ def run_mode(mode: str, steps: int, seed: int) -> dict[str, Any]:
                     hook["busy_s"] += dt
                 return n
 
-            sv.pump_events = timed  # answer() calls the instance attribute
+            sv.pump_events = timed  # type: ignore[method-assign]  # answer() calls the instance attribute
         c = srv.client()
         s = c.attach("bench").session
         rng = np.random.default_rng(seed)
@@ -102,7 +105,7 @@ def run_mode(mode: str, steps: int, seed: int) -> dict[str, Any]:
             hook_us = timeit.timeit("if sv.pump_after_calls: sv.pump_events()", globals={"sv": sv}, number=n) / n * 1e6
         else:
             hook_us = hook["s"] / max(1, hook["calls"]) * 1e6
-        stats = srv.server.events.stats()
+        stats = hub.stats()
         c.close()
         arr = np.array(lat) * 1e6
         idle = hook["calls"] - hook["busy"]

@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,6 +117,8 @@ def run_latency(n_requests: int, pool_tokens: int, slots: int, seed: int, checks
         if alloc.available_size() < need:
             timed("evict", cache.evict, need - alloc.available_size())
         rows = alloc.alloc(need)
+        if rows is None:
+            raise RuntimeError(f"the KV pool is {need} tokens short after evicting")
         value = torch.cat([m.device_indices, rows])
         res = timed("insert", cache.insert_with_state, fkey, value, req.mamba_pool_idx)
         kept += res.state_kept
@@ -209,7 +212,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"benchmark": "mamba_radix_cache", "python": platform.python_version(),
+    result: dict[str, Any] = {"benchmark": "mamba_radix_cache", "python": platform.python_version(),
               "torch": torch.__version__, "machine": platform.machine(), "timings": "provisional"}
     if "latency" in args.part:
         result["latency"] = {f"checks_{'on' if c else 'off'}": run_latency(args.requests, args.pool, args.slots,

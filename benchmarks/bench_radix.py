@@ -56,7 +56,7 @@ def make_workload(n_requests: int, seed: int = 0, vocab: int = 32000):
     rng = np.random.default_rng(seed)
     rand = lambda n: rng.integers(0, vocab, int(n), dtype=np.int32)  # noqa: E731
     systems = [rand(rng.integers(512, 1537)) for _ in range(12)]
-    convs = [None] * 64
+    convs: list[np.ndarray | None] = [None] * 64
     out = []
     for _ in range(n_requests):
         if rng.random() < 0.25:
@@ -85,7 +85,7 @@ class _NNode:
         self.children = {}
         self.parent = None
         self.key = []
-        self.value = None
+        self.value: torch.Tensor | None = None  # set by whoever makes the node
         self.lock_ref = 0
         self.last_access_time = time.monotonic()
 
@@ -338,15 +338,18 @@ def measure_memory(work, page_size, pool, naive):
     traced = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     storage = 0
-    if naive:
-        seen, stack = set(), [cache.root]
+    if isinstance(cache, NaiveRadixCache):  # its per-node value tensors (every node has one)
+        seen: set[int] = set()
+        stack = [cache.root]
         while stack:
             node = stack.pop()
+            stack.extend(node.children.values())
+            if node.value is None:  # never: the root, inserts and splits all set one
+                continue
             st = node.value.untyped_storage()
             if st.data_ptr() not in seen:
                 seen.add(st.data_ptr())
                 storage += st.nbytes()
-            stack.extend(node.children.values())
     tokens = cache.total_size()
     return {"cached_tokens": int(tokens), "traced_bytes": int(traced), "tensor_bytes": int(storage),
             "bytes_per_token": round((traced + storage) / tokens, 3)}

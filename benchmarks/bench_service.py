@@ -234,6 +234,9 @@ def main(argv=None) -> int:
                                                    "--log-level", "WARNING", "--sweep-interval-s", "1"] + flags,),
                          daemon=True)
     server.start()
+    spid = server.pid
+    if spid is None:  # a started Process has one
+        raise RuntimeError("the manager process did not start")
     rows: list[dict] = []
     heartbeat_ms = None
     try:
@@ -253,11 +256,11 @@ def main(argv=None) -> int:
             for run, (b, steps) in enumerate(plan):
                 barrier.wait(timeout=600)
                 assert admin.flush(admin_s), "requests still running after the warm-up"
-                s_cpu0, s_main0 = proc_cpu_s(server.pid), thread_cpu_s(server.pid, server.pid)
+                s_cpu0, s_main0 = proc_cpu_s(spid), thread_cpu_s(spid, spid)
                 barrier.wait(timeout=600)
                 got = [results.get(timeout=600) for _ in range(w)]
-                s_cpu = proc_cpu_s(server.pid) - s_cpu0
-                s_main = thread_cpu_s(server.pid, server.pid) - s_main0
+                s_cpu = proc_cpu_s(spid) - s_cpu0
+                s_main = thread_cpu_s(spid, spid) - s_main0
                 if w == 1 and run == len(plan) - 1 and heartbeat_ms is None:
                     hb = results.get(timeout=600)[1]
                     heartbeat_ms = {"p50": pct(hb, 50), "p99": pct(hb, 99)}
@@ -291,7 +294,7 @@ def main(argv=None) -> int:
         admin.close()
     finally:
         if server.is_alive():
-            os.kill(server.pid, signal.SIGTERM)
+            os.kill(spid, signal.SIGTERM)
             server.join(30)
         if server.is_alive():
             server.kill()

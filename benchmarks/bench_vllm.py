@@ -231,6 +231,8 @@ def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int)
 
     rng = np.random.default_rng(777)
     with shared_side("radixkv", spec, manager_args=args.manager_args, log_dir=args.log_dir) as kvt:
+        if kvt is None:
+            raise RuntimeError("the radixkv configuration gave no kv_transfer_config")
         specs = [dict(spec, kv_transfer_config=None), dict(spec, kv_transfer_config=kvt)]
         if args.miss_ab_sync:
             # a namespace of its own: the two connector instances get the same prompts, and

@@ -90,7 +90,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_radix import FreeTimer, _stats, cycle, make_workload  # noqa: E402
-from sglang_loader import INSTALL_HINT, INSTALL_HINT_MAMBA, SGLang, forget_sglang, load_sglang  # noqa: E402
+from sglang_loader import (  # noqa: E402
+    INSTALL_HINT,
+    INSTALL_HINT_MAMBA,
+    SGLang,
+    forget_sglang,
+    load_sglang,
+    sglang_modules,
+)
 from vs_sglang_mamba import compare_mamba, print_mamba_table  # noqa: E402
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator  # noqa: E402
@@ -128,8 +135,8 @@ def radixkv_driver(pool: int, page_size: int) -> Driver:
                   cache.inc_lock_ref, cache.dec_lock_ref, cache.evict, cache.insert)
 
 
-def sglang_driver(sg: SGLang, pool: int, page_size: int) -> Driver:
-    m = sg.m
+def sglang_driver(sg: SGLang | None, pool: int, page_size: int) -> Driver:
+    m = sglang_modules(sg)
     if page_size == 1:
         alloc = m.alloc.TokenToKVPoolAllocator(pool, torch.float16, "cpu", None, False)
     else:
@@ -157,7 +164,7 @@ def build_keys(work, page_size: int, impl: str, sg: SGLang | None = None) -> lis
         if impl == "radixkv":
             keys.append((RadixKey(prompt), RadixKey(full[:aligned]), prompt.size, full.size))
         else:
-            rk = sg.m.radix_cache.RadixKey
+            rk = sglang_modules(sg).radix_cache.RadixKey
             keys.append((rk(array("q", prompt.astype(np.int64).tobytes())),
                          rk(array("q", full[:aligned].astype(np.int64).tobytes())),
                          prompt.size, full.size))
@@ -218,10 +225,12 @@ def measure_memory(work, page_size: int, pool: int, impl: str, sg: SGLang | None
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
+    cache: Any  # ours or SGLang's: the same calls, no common type
     if impl == "radixkv":
         cache = RadixCache(None, None, page_size=page_size)
     else:
-        cache = sg.m.radix_cache.RadixCache.create_simulated(page_size=page_size)
+        sgm = sglang_modules(sg)
+        cache = sgm.radix_cache.RadixCache.create_simulated(page_size=page_size)
     start = 1
     for _, full in work:
         if cache.total_size() >= pool:
@@ -232,8 +241,8 @@ def measure_memory(work, page_size: int, pool: int, impl: str, sg: SGLang | None
         if impl == "radixkv":
             cache.insert(RadixKey(full[:aligned]), rows)
         else:
-            key = sg.m.radix_cache.RadixKey(array("q", full[:aligned].astype(np.int64).tobytes()))
-            cache.insert(sg.m.base.InsertParams(key=key, value=rows))
+            key = sgm.radix_cache.RadixKey(array("q", full[:aligned].astype(np.int64).tobytes()))
+            cache.insert(sgm.base.InsertParams(key=key, value=rows))
             del key
         del rows
     gc.collect()
@@ -252,14 +261,14 @@ def compare(work, page_sizes, reps: int, pool: int, sg: SGLang | None, memory: b
     out = {}
     for ps in page_sizes:
         keys = {impl: build_keys(work, ps, impl, sg) for impl in impls}
-        runs = {impl: [] for impl in impls}
+        runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
         for rep in range(reps):
             for impl in (impls if rep % 2 == 0 else impls[::-1]):
                 drv = radixkv_driver(pool, ps) if impl == "radixkv" else sglang_driver(sg, pool, ps)
                 runs[impl].append(run_cycle(drv, keys[impl], ps))
                 del drv
         del keys
-        doc = {impl: summarize(runs[impl]) for impl in impls}
+        doc: dict[str, Any] = {impl: summarize(runs[impl]) for impl in impls}
         if memory:
             for impl in impls:
                 doc[impl]["memory"] = measure_memory(work, ps, pool, impl, sg)

@@ -38,7 +38,7 @@ class Lines(NamedTuple):
     def code(self) -> int:
         return self.lines - self.blank - self.comment - self.doc
 
-    def __add__(self, other: object) -> Lines:  # type: ignore[override]
+    def __add__(self, other: object) -> Lines:
         if not isinstance(other, Lines):
             return NotImplemented
         return Lines(*(a + b for a, b in zip(self, other)))

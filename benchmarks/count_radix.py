@@ -65,7 +65,8 @@ def top_functions(out_file: str, calls: int, limit: int = 12) -> list[dict[str, 
         return []
     text = subprocess.run([exe, "--show=Ir,I1mr,DLmr", "--threshold=100", out_file],
                           capture_output=True, text=True, check=False).stdout
-    rows, started = [], False
+    rows: list[dict[str, object]] = []
+    started = False
     for line in text.splitlines():
         if "file:function" in line:
             started = True
@@ -90,14 +91,18 @@ def top_functions(out_file: str, calls: int, limit: int = 12) -> list[dict[str, 
 def counting_timer(op: str, calls: list[int]):
     """An ``op_timer`` stand-in for ``bench_radix.cycle``: the counted op runs inside
     ``operator.call`` (collection on), every other op is called plainly; nothing is timed."""
+    call = getattr(operator, "call", None)  # Python 3.11+
+    if call is None:
+        raise RuntimeError("count_radix.py needs Python 3.11 or later (it counts inside operator.call)")
+
     def factory(ops):
-        wall = {o: [] for o in ops}
-        cpu = {o: [] for o in ops}
+        wall: dict[str, list[int]] = {o: [] for o in ops}
+        cpu: dict[str, list[int]] = {o: [] for o in ops}
 
         def timed(name, fn, *args):
             if name == op:
                 calls[0] += 1
-                return operator.call(fn, *args)
+                return call(fn, *args)
             return fn(*args)
         return wall, cpu, timed
     return factory

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import socket
@@ -20,7 +21,9 @@ import tempfile
 import time
 
 import grpc
-from grpc._cython import cygrpc
+
+# gRPC's channelz entry points live in its private Cython module, which typeshed does not describe.
+cygrpc = importlib.import_module("grpc._cython.cygrpc")
 
 _VARYING = ("lastMessageSentTimestamp",)  # differs between any two sockets
 

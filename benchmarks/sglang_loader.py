@@ -93,6 +93,13 @@ class SGLang(NamedTuple):
     shims: dict
 
 
+def sglang_modules(sg: SGLang | None) -> types.SimpleNamespace:
+    """``sg.m``, for the SGLang side of a comparison (``RuntimeError`` when none was loaded)."""
+    if sg is None:
+        raise RuntimeError("the SGLang side of the comparison needs a loaded SGLang")
+    return sg.m
+
+
 def forget_sglang() -> None:
     for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
         del sys.modules[name]
@@ -117,6 +124,9 @@ def load_sglang(path: str | None, part: str = "radix") -> SGLang | None:
             forget_sglang()
             return None
         top = sys.modules["sglang"]
+        if top.__file__ is None:  # a bare namespace, not an installed SGLang
+            forget_sglang()
+            return None
         return SGLang(mods, getattr(top, "__version__", "?"), os.path.dirname(top.__file__), {})
     root = os.path.abspath(path)
     pkg = os.path.join(root, "sglang")

@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 counts[fate] += 1
                 wid += 1
             for ev in pool.drain(0.01):
-                kind, w = ev.get("ev"), ev.get("wid")
+                kind: str = ev.get("ev", "?")
+                w: int = ev.get("wid", -1)  # -1: no worker (a standby's id, never active)
                 events[kind] = events.get(kind, 0) + 1
                 a = active.get(w)
                 if kind == "error":

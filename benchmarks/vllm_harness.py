@@ -108,7 +108,8 @@ class EngineProcess:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
-        end_group(self.proc.pid)
+        if self.proc.pid is not None:  # None: it never started, so it leads no group
+            end_group(self.proc.pid)
 
 
 class ManagerProcess:
@@ -120,7 +121,7 @@ class ManagerProcess:
                     "--shm-dir", shm_dir, "--log-level", "WARNING", *args]
         self.address = address
         self.token_file = token_file
-        self.proc = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s=120):
         self.proc = subprocess.Popen(self.cmd)
@@ -142,6 +143,8 @@ class ManagerProcess:
         return radixkv.connect(self.address, token_file=self.token_file, wait_s=10.0)
 
     def kill(self):
+        if self.proc is None:
+            raise RuntimeError("the manager was never started")
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
 

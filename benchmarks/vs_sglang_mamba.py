@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import gc
 import types
+from typing import Any
 
 import numpy as np
 import torch
 from bench_radix import _stats
 from op_timer import op_timer
-from sglang_loader import SGLang
+from sglang_loader import SGLang, sglang_modules
 
 from radixkv.allocator import TokenToKVPoolAllocator
 from radixkv.cache import RadixKey
@@ -31,7 +32,8 @@ class _Req:
     __slots__ = ("mamba_pool_idx", "rid")
 
     def __init__(self):
-        self.mamba_pool_idx, self.rid = None, "bench"
+        self.mamba_pool_idx: Any = None  # radixkv: an int slot; SGLang: a one-element tensor
+        self.rid = "bench"
 
 
 def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: SGLang | None) -> dict:
@@ -48,16 +50,16 @@ def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: SGLang | None) -> d
         if impl == "radixkv":
             keys.append((RadixKey(prompt), RadixKey(full), prompt.size, full.size))
         else:
-            rk = sg.m.radix_cache.RadixKey
+            rk = sglang_modules(sg).radix_cache.RadixKey
             keys.append((rk(prompt.tolist()), rk(full.tolist()), prompt.size, full.size))
     req = _Req()
     if impl == "radixkv":
         alloc = TokenToKVPoolAllocator(pool, device="cpu")
         shape = KimiLinearStateShape.create(num_heads=2, head_dim=16, conv_kernel_size=4)
         mamba = MambaPool.from_state_shape(slots, shape, KDA_LAYERS, torch.float32)
-        cache = MambaRadixCache(None, alloc, mamba_pool=mamba)
+        cache: Any = MambaRadixCache(None, alloc, mamba_pool=mamba)  # or SGLang's: no common type
     else:
-        m = sg.m
+        m = sglang_modules(sg)
         args = m.server_args.ServerArgs.__new__(m.server_args.ServerArgs)  # no __post_init__
         args.page_size = 1  # all that mamba_cache_chunk_size (read in match_prefix) needs
         m.server_args.set_global_server_args_for_scheduler(args)
@@ -107,6 +109,8 @@ def _mamba_cycle(work, pool: int, slots: int, impl: str, sg: SGLang | None) -> d
             short = need - alloc.available_size()
             timed("evict", cache.evict if impl == "radixkv" else lambda n: cache.evict(ep(num_tokens=n)), short)
         rows = alloc.alloc(need)
+        if rows is None:
+            raise RuntimeError(f"the KV pool is {need} tokens short after evicting")
         value = torch.cat([idx, rows])
         if impl == "radixkv":
             ins = timed("insert", cache.insert_with_state, fkey, value, req.mamba_pool_idx)
@@ -143,14 +147,14 @@ def summarize_mamba(reps: list[dict]) -> dict:
 def compare_mamba(work, reps: int, pool: int, slots: int, sg: SGLang | None) -> dict:
     """Both MambaRadixCaches on ``work``, alternating per repetition."""
     impls = ["radixkv"] + (["sglang"] if sg is not None else [])
-    runs = {impl: [] for impl in impls}
+    runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
     for rep in range(reps):
         for impl in (impls if rep % 2 == 0 else impls[::-1]):
             run = _mamba_cycle(work, pool, slots, impl, sg)
             for k in ("cache", "alloc", "mamba"):
                 del run[k]
             runs[impl].append(run)
-    doc = {impl: summarize_mamba(runs[impl]) for impl in impls}
+    doc: dict[str, Any] = {impl: summarize_mamba(runs[impl]) for impl in impls}
     doc["state_shape"] = {"kda_layers": KDA_LAYERS, "heads": 2, "head_dim": 16, "conv_kernel": 4,
                           "dtype": "float32", "slots": slots, "page_size": 1}
     if sg is not None:

@@ -120,6 +120,6 @@ class OverdueAPLRU(AdaptiveProbationLRU):
     def check_invariants(self):
         super().check_invariants()
         pending = np.flatnonzero(self.dstamp)
-        stray = pending[[b not in self.leaves for b in pending]] if len(pending) else pending
+        stray = pending[[int(b) not in self.leaves for b in pending]] if len(pending) else pending
         if len(stray):
             raise InvariantError(f"odlru: deadlines pending for unfiled blocks {describe_ids(stray)}")

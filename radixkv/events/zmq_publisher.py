@@ -138,7 +138,7 @@ class ZmqEventPublisher:
         self._hwm, self._linger = hwm, linger_ms
         self._put_timeout = float(put_timeout_s)
         self._want = (endpoint, replay_endpoint)
-        self.endpoint: str | None = None
+        self.endpoint: str = endpoint  # the bound address once open (a ``*`` port resolved)
         self.replay_endpoint: str | None = None
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context

@@ -76,6 +76,13 @@ class WorkerProc:
         p.register(self._fd, select.POLLIN)
         return not p.poll(0)
 
+    def send(self, line: bytes) -> None:
+        """Write ``line`` to the worker's stdin (``OSError`` when the worker has died)."""
+        if self.popen.stdin is None:
+            raise BrokenPipeError(f"worker {self.pid} was started without a stdin pipe")
+        self.popen.stdin.write(line)
+        self.popen.stdin.flush()
+
     def close(self) -> None:
         """Close the stdin pipe (a live worker then kills itself) and the pidfd."""
         if self.popen.stdin is not None:
@@ -293,8 +300,7 @@ class StandbyPool:
                 w = self._ready.popleft()
                 self._cv.notify_all()  # the replenisher starts the next one
             try:
-                w.popen.stdin.write(line)
-                w.popen.stdin.flush()
+                w.send(line)
                 break
             except OSError:  # it died while on standby: take the next one
                 with self._cv:

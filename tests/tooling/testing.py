@@ -65,6 +65,17 @@ class ThreadedServer:
         if self._error is not None:
             self._cleanup_dir()
             raise self._error
+        return self._address()
+
+    def running(self) -> CacheManagerServer:
+        """The started server (``RuntimeError`` before :meth:`start`)."""
+        if self.server is None:
+            raise RuntimeError("the test server is not started")
+        return self.server
+
+    def _address(self) -> str:
+        if self.address is None:
+            raise RuntimeError("the test server is not started")
         return self.address
 
     def _run(self) -> None:
@@ -87,24 +98,29 @@ class ThreadedServer:
         asyncio.run(main())
 
     def client(self, **kw: Any) -> RemoteCacheEngine:
-        c = connect(self.address, token=self.token, wait_s=self._timeout, **kw)
+        c = connect(self._address(), token=self.token, wait_s=self._timeout, **kw)
         self._clients.append(c)
         return c
 
     def call(self, fn: Callable[[CacheManagerServer], Any]) -> Any:
         """Run ``fn(server)`` on the server's loop (e.g. inspection) and return its result."""
-        async def run() -> Any:
-            return fn(self.server)
+        server, loop = self.running(), self._loop
+        if loop is None:
+            raise RuntimeError("the test server is not started")
 
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(self._timeout)
+        async def run() -> Any:
+            return fn(server)
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(self._timeout)
 
     def stop(self) -> None:
         for c in self._clients:
             c.close()
         self._clients.clear()
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+        stop_event = self._stop_event
+        if self._loop is not None and stop_event is not None and self._thread is not None and self._thread.is_alive():
             try:
-                self._loop.call_soon_threadsafe(self._stop_event.set)
+                self._loop.call_soon_threadsafe(stop_event.set)
             except RuntimeError:  # the loop already ended (a failed start returns at once)
                 pass
             self._thread.join(self._timeout)
