@@ -39,7 +39,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -51,7 +51,7 @@ from radixkv.service.server.quarantine import Quarantine
 from radixkv.service.server.session_keys import SessionKeys
 from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
-from radixkv.service.server.unary_rpc import Body, M, RawContext, parse, request_id_of  # re-exported
+from radixkv.service.server.unary_rpc import STREAM_END, Body, M, RawContext, parse, request_id_of  # re-exported
 from radixkv.service.server.unary_rpc import unary_rpc as _rpc
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
@@ -377,7 +377,7 @@ class CacheManagerServicer:
                     read.cancel()
                     return
                 raw = read.result()
-                if cast(object, raw) is grpc.aio.EOF:  # typeshed's read() omits the EOF of the end
+                if raw is STREAM_END:
                     closed_by_worker = True
                     return
                 t0 = time.perf_counter()

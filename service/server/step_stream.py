@@ -9,9 +9,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from radixkv.service.server.unary_rpc import STREAM_END
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.auth import presented_token
 from radixkv.service.wire.errors import RpcStatus, status_of
@@ -144,7 +145,7 @@ async def serve_step_stream(servicer: CacheManagerServicer, request_iterator: As
     try:
         while True:
             raw = await context.read()
-            if cast(object, raw) is grpc.aio.EOF:  # typeshed's read() omits the EOF of the end
+            if raw is STREAM_END:
                 return
             await context.write(await answer_step(servicer, raw, operator))
     except asyncio.CancelledError:

@@ -38,7 +38,7 @@ from radixkv.errors import InvalidArgumentError, RadixKVError
 if TYPE_CHECKING:
     from radixkv.service.server.servicer import CacheManagerServicer
 
-__all__ = ["Body", "RawContext", "parse", "request_id_of", "unary_rpc"]
+__all__ = ["STREAM_END", "Body", "RawContext", "parse", "request_id_of", "unary_rpc"]
 
 log = logging.getLogger("radixkv.service")
 
@@ -48,6 +48,9 @@ M = TypeVar("M", bound=Message)
 #: What a raw-bytes handler gets as context: requests and replies are bytes (the handlers
 #: parse and serialize themselves).
 RawContext: TypeAlias = grpc.aio.ServicerContext[bytes, bytes]
+#: What a stream's ``context.read()`` returns at the end (typeshed's ``read()`` leaves it out,
+#: hence ``object``: a read's bytes are compared with it by identity).
+STREAM_END: object = grpc.aio.EOF
 #: A handler body: ``body(servicer, parsed request) -> reply message``.
 Body: TypeAlias = Callable[[Any, Any], Message]
 

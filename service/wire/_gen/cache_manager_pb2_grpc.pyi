@@ -27,7 +27,7 @@ Wire rules:
 * Overload: beyond the server's concurrent-RPC limit (streams count) a call is answered
   RESOURCE_EXHAUSTED at once, never queued.
 
-Python code generated from this file lives in service/_gen/ (see docs/service.md).
+Python code generated from this file lives in service/wire/_gen/ (see docs/service.md).
 """
 
 from collections import abc as _abc
