@@ -86,7 +86,7 @@ def test_cli_config_file_and_flags(tmp_path):
 
 def test_sigterm_drains_revokes_and_cleans_up(tmp_path):
     cfg = tmp_path / "engine.json"
-    cfg.write_text('{"kv_tokens": 256, "page_size": 4, "lease_ttl_s": 60.0}')
+    cfg.write_text('{"kv_tokens": 256, "page_size": 4, "lease_ttl_s": 60.0, "enable_kv_events": true}')
     srv = start_server(["--config", str(cfg), "--kv-tokens", "512", "--grace-s", "2"])
     try:
         c = connect(srv.address, token=srv.token, wait_s=30)
@@ -94,9 +94,19 @@ def test_sigterm_drains_revokes_and_cleans_up(tmp_path):
         assert info.layout["config"]["page_size"] == 4 and c.stats().kv_capacity == 512
         ka = c.start_keepalive(info.session, interval_s=0.2)
         c.alloc_extend(info.session, [ExtendItem("held", np.arange(1, 40, dtype=np.int32))])
-        events = []
-        watcher = threading.Thread(target=lambda: events.extend(c.watch_events(info.session)), daemon=True)
+        c.cache_unfinished(info.session, ["held"])  # stores blocks: the ring holds events
+        events: list[object] = []
+        streaming = threading.Event()
+
+        def watch() -> None:
+            for ev in c.watch_events(info.session):  # from seq 0: the events above first
+                events.append(ev)
+                streaming.set()
+
+        watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        # the stream is open before SIGTERM, so its ending at shutdown is what is tested
+        assert streaming.wait(STOP_TIMEOUT_S), "the event stream did not start"
         assert len([f for f in srv.shm_files() if f.endswith(".buf")]) == 2 and os.path.exists(srv.socket_path)
         os.kill(srv.process.pid, signal.SIGTERM)
         srv.process.join(STOP_TIMEOUT_S)
