@@ -1,5 +1,6 @@
 """The committed generated code in service/wire/_gen/ matches the .proto files (fails when stale)."""
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,31 @@ def test_no_repeated_varint_arrays():
             if f.name.endswith(("_i32", "_i64", "_u64")) and f.type != FieldDescriptor.TYPE_BYTES:
                 bad.append(f"{msg.name}.{f.name}")
     assert not bad, bad
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+
+
+def _requirement(reqs: list[str], name: str) -> str:
+    from packaging.requirements import Requirement
+
+    found = [Requirement(r) for r in reqs if Requirement(r).name == name]
+    assert len(found) == 1, f"{name} must be listed once, found {found}"
+    return str(found[0].specifier)
+
+
+def test_generator_pin_is_the_runtime_floor():
+    """The generator is pinned (its output is committed, so a newer release on the registry must
+    not make a fresh clone stale), and at the grpcio floor that the generated code checks at
+    import (``GRPC_GENERATED_VERSION``): a runtime the floor admits can import the code."""
+    project = _pyproject()["project"]
+    pin = _requirement(project["optional-dependencies"]["dev"], "grpcio-tools")
+    floor = _requirement(project["dependencies"], "grpcio")
+    assert pin.startswith("==") and floor.startswith(">="), (pin, floor)
+    generated = re.search(r"^GRPC_GENERATED_VERSION = '([^']+)'$",
+                          (protogen.GEN_DIR / "cache_manager_pb2_grpc.py").read_text(), re.M)
+    assert generated is not None
+    assert pin[2:] == floor[2:] == generated.group(1), (pin, floor, generated.group(1))
