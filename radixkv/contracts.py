@@ -21,6 +21,7 @@ Protocol                     Implemented by (SGLang names)
 :class:`CacheRequest`        ``Req``: what the tree reads and writes when caching a request
 :class:`PrefixCache`         ``RadixCache``: the tree as the scheduler drives it
 :class:`HybridPrefixCache`   ``MambaRadixCache``: the tree with Mamba states
+:class:`StorageBackend`      ``HiCacheStorage`` (v1): the storage tier (L3), pages by key
 ===========================  =================================================================
 
 Conventions every implementation keeps: ids are int64 tensors on the object's ``device``
@@ -43,6 +44,7 @@ __all__ = [
     "KVAllocator", "PagedKVAllocator",
     "PoolRequest", "CacheRequest", "ReqToTokenTable", "HybridReqTable",
     "KVPool", "StatePool", "SlotFreeList", "Event", "PrefixMatch", "PrefixCache", "HybridPrefixCache",
+    "StorageBackend",
 ]
 
 #: Ids as the pools and allocators accept them: an integer tensor or numpy array (any
@@ -327,3 +329,33 @@ class StatePool(Protocol):
         """One layer's ``(conv, temporal)`` views (SGLang's ``Mamba2LayerCache``)."""
     def clear(self) -> None: ...
     def check_invariants(self) -> None: ...
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """The storage tier (L3): whole pages by key, modelled on SGLang's ``HiCacheStorage`` v1.
+
+    A key names one page (``radixkv.storage.keys.page_keys``: chained SHA-256 of the page's
+    tokens, seeded with the namespace and the KV layout's fingerprint). A page travels as one
+    contiguous row of bytes of a host buffer: ``src`` / ``dst`` are uint8 CPU tensors of shape
+    ``[len(keys), page_bytes]``, rows of the buffer given to :meth:`register_buffer` when the
+    backend copies zero-copy. A page read back is bit-equal to the one written, or it is a miss
+    (``False``): a backend never returns partial or foreign bytes, and never raises for a
+    missing, corrupt or unreachable page (it counts it). Calls may block on I/O: the tier
+    controller runs them off the caller's path.
+    """
+
+    @property
+    def name(self) -> str:
+        """The backend's URL scheme (``file``, ``mooncake``, ...), for logs and metrics."""
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        """The host buffer (uint8, CPU) that ``src`` / ``dst`` rows will be views of."""
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, are present (stops at the first absent)."""
+    def batch_get(self, keys: Sequence[str], dst: torch.Tensor) -> list[bool]:
+        """Read each page into its row of ``dst``; ``True`` where the row now holds it."""
+    def batch_set(self, keys: Sequence[str], src: torch.Tensor) -> list[bool]:
+        """Write each row of ``src`` under its key; ``True`` where it is stored."""
+    def close(self) -> None:
+        """Flush and release the backend; later calls miss."""
