@@ -2,15 +2,15 @@
 
 ``mooncake://HOST:PORT?metadata=URL&segment_bytes=N&buffer_bytes=N&protocol=tcp&local_host=H``
 (HOST:PORT: the master's RPC address). Also ``rdma_devices``, ``replicas``, ``soft_pin_ttl_ms``,
-``verify`` (``checksum`` | ``length``), ``prefix``, ``connect_timeout_ms``, ``retry_max_ms``;
+``verify`` (``length`` | ``checksum``), ``prefix``, ``connect_timeout_ms``, ``retry_max_ms``;
 sizes take ``KiB``/``MiB``/``GiB``. docs/cluster.md has the story.
 
-Each object is a 64-byte header (magic, page length, xxh3-64 of the page, SHA-256 of its key)
-then the page, moved zero-copy between the registered host buffer and the store
-(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``): a read is bit-equal or a
-miss. The client connects in a background thread with capped exponential backoff; until then,
-and after an RPC failure until the master answers again, calls miss at once (counted, logged
-once per outage). Cost per page: one SHA-256 of the key, one xxh3 of the page.
+Pages move zero-copy between the registered host buffer and the store. ``verify=length``: the
+object is the page, read with ``batch_get_into`` only when its size is exactly the page's.
+``verify=checksum``: a 64-byte header (magic, length, xxh3-64, SHA-256 of the key) goes before
+the page (``batch_*_multi_buffers``). Either way a read is bit-equal or a miss. A background
+thread connects, with capped backoff; until then, and after an RPC failure until the master
+answers again, calls miss at once (counted, logged once per outage).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class MooncakeConfig:
     rdma_devices: str = ""
     replicas: int = 1
     soft_pin_ttl_ms: int = 0
-    verify: str = "checksum"
+    verify: str = "length"
     prefix: str = "radixkv/"
     connect_timeout_ms: int = 1000
     retry_max_ms: int = 5000
@@ -164,6 +164,10 @@ class MooncakeStorage:
         except ImportError as exc:
             raise ImportError(f"mooncake:// storage needs {INSTALL_HINT} ({exc})") from exc
         self.page_bytes = page_bytes
+        self._checksum = self.config.verify == "checksum"
+        # the object format is in the key: managers with another ``verify`` miss, never misread
+        self._store_prefix = f"{self.config.prefix}{'h' if self._checksum else 'p'}/"
+        self._replicas = self._replicate_config()
         self.counters = MooncakeCounters()
         self._digest_cache: dict[str, bytes] = {}
         self._prefix = _MAGIC + struct.pack("<Q", page_bytes)
@@ -367,10 +371,9 @@ class MooncakeStorage:
         return cfg
 
     def _plan(self, keys: Sequence[str], rows: torch.Tensor, write: bool
-              ) -> tuple[list[str], torch.Tensor, torch.Tensor, list[list[int]], list[list[int]]]:
+              ) -> tuple[list[str], torch.Tensor, list[int]]:
         """Store keys; the rows the store moves (``rows`` when they lie in the registered buffer,
-        else staging rows, filled from ``rows`` for a ``write``); header rows; each object's
-        (header, page) addresses and sizes."""
+        else staging rows, filled from ``rows`` for a ``write``); their addresses."""
         n = len(keys)
         ptrs = self._row_ptrs(rows)
         target = rows
@@ -379,10 +382,18 @@ class MooncakeStorage:
             if write:
                 target.copy_(rows)
             ptrs = [target.data_ptr() + i * self.page_bytes for i in range(n)]
+        return [self.store_key(k) for k in keys], target, ptrs
+
+    def store_key(self, key: str) -> str:
+        """The name of ``key``'s object in the store (prefix, object format, key)."""
+        return self._store_prefix + key
+
+    def _with_headers(self, ptrs: list[int]) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+        """Header rows for ``verify=checksum`` objects and each object's (header, page) parts."""
+        n = len(ptrs)
         hdr = self._scratch("_headers", n, HEADER_BYTES)[:n]
         hptr, hb = hdr.data_ptr(), HEADER_BYTES
-        bufs = [[hptr + i * hb, p] for i, p in enumerate(ptrs)]
-        return [self.config.prefix + k for k in keys], target, hdr, bufs, [[hb, self.page_bytes]] * n
+        return hdr, [[hptr + i * hb, p] for i, p in enumerate(ptrs)], [[hb, self.page_bytes]] * n
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, the store holds. One RPC."""
@@ -391,7 +402,7 @@ class MooncakeStorage:
             store = self._usable(0) if keys else None
             if store is None:
                 return 0
-            codes = [int(c) for c in store.batch_is_exist([self.config.prefix + k for k in keys])]
+            codes = [int(c) for c in store.batch_is_exist([self.store_key(k) for k in keys])]
             self._note_codes(codes, "batch_is_exist")
             n = 0
             while n < len(codes) and codes[n] == 1:
@@ -399,8 +410,9 @@ class MooncakeStorage:
             return n
 
     def batch_get(self, keys: Sequence[str], dst: torch.Tensor) -> list[bool]:
-        """Read each page into its row of ``dst``; ``True`` only where the header (length, key)
-        and, with ``verify=checksum``, the page's xxh3 match. A ``False`` row holds garbage."""
+        """Read each page into its row of ``dst``; ``True`` only where the object has exactly the
+        page's size and, with ``verify=checksum``, its header (key, xxh3) matches. A ``False``
+        row holds garbage."""
         self._check_rows(keys, dst, "dst")
         n = len(keys)
         with self._call_lock:
@@ -409,10 +421,15 @@ class MooncakeStorage:
             if store is None:
                 self.counters.misses += n
                 return [False] * n
-            mkeys, target, hdr, bufs, sizes = self._plan(keys, dst, write=False)
-            codes = [int(c) for c in store.batch_get_into_multi_buffers(mkeys, bufs, sizes)]
-            self._note_codes(codes, "batch_get_into_multi_buffers")
-            ok = self._verify(mkeys, hdr.numpy(), target.numpy(), codes)
+            mkeys, target, ptrs = self._plan(keys, dst, write=False)
+            if self._checksum:
+                hdr, parts, sizes = self._with_headers(ptrs)
+                codes = [int(c) for c in store.batch_get_into_multi_buffers(mkeys, parts, sizes)]
+                ok = self._verify(mkeys, hdr.numpy(), target.numpy(), codes)
+            else:
+                codes = [int(c) for c in store.batch_get_into(mkeys, ptrs, [self.page_bytes] * n)]
+                ok = np.asarray(codes, dtype=np.int64) == self.page_bytes
+            self._note_codes(codes, "get")
             if target is not dst:
                 idx = torch.from_numpy(np.flatnonzero(ok))
                 dst[idx] = target[idx]
@@ -425,16 +442,15 @@ class MooncakeStorage:
         got = np.asarray(codes, dtype=np.int64) == HEADER_BYTES + self.page_bytes
         head = np.frombuffer(self._prefix, dtype=np.uint8)
         good: np.ndarray = got & (hdr[:, :16] == head).all(axis=1) & (hdr[:, 24:56] == self._digests(mkeys)).all(axis=1)
-        if self.config.verify == "checksum":
-            sums = hdr[:, 16:24].copy().view("<u8")[:, 0]
-            for i in np.flatnonzero(good):
-                good[i] = xxhash.xxh3_64_intdigest(rows[i]) == int(sums[i])
+        sums = hdr[:, 16:24].copy().view("<u8")[:, 0]
+        for i in np.flatnonzero(good):
+            good[i] = xxhash.xxh3_64_intdigest(rows[i]) == int(sums[i])
         self.counters.corrupt += int((got & ~good).sum())
         return good
 
     def batch_set(self, keys: Sequence[str], src: torch.Tensor) -> list[bool]:
-        """Write each row of ``src`` under its key with its header; ``True`` where stored (an
-        object already there under that key counts as stored)."""
+        """Write each row of ``src`` under its key (with its header under ``verify=checksum``);
+        ``True`` where stored (an object already there under that key counts as stored)."""
         self._check_rows(keys, src, "src")
         n = len(keys)
         with self._call_lock:
@@ -443,16 +459,20 @@ class MooncakeStorage:
             if store is None:
                 self.counters.set_failed += n
                 return [False] * n
-            mkeys, target, hdr, bufs, sizes = self._plan(keys, src, write=True)
-            rows = target.numpy()
-            sums = np.array([xxhash.xxh3_64_intdigest(rows[i]) for i in range(n)], dtype="<u8")
-            h = hdr.numpy()
-            h[:, :16] = np.frombuffer(self._prefix, dtype=np.uint8)
-            h[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
-            h[:, 24:56] = self._digests(mkeys)
-            h[:, 56:] = 0
-            codes = [int(c) for c in store.batch_put_from_multi_buffers(mkeys, bufs, sizes, self._replicate_config())]
-            self._note_codes(codes, "batch_put_from_multi_buffers")
+            mkeys, target, ptrs = self._plan(keys, src, write=True)
+            if self._checksum:
+                hdr, parts, sizes = self._with_headers(ptrs)
+                rows = target.numpy()
+                sums = np.array([xxhash.xxh3_64_intdigest(rows[i]) for i in range(n)], dtype="<u8")
+                h = hdr.numpy()
+                h[:, :16] = np.frombuffer(self._prefix, dtype=np.uint8)
+                h[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
+                h[:, 24:56] = self._digests(mkeys)
+                h[:, 56:] = 0
+                codes = [int(c) for c in store.batch_put_from_multi_buffers(mkeys, parts, sizes, self._replicas)]
+            else:
+                codes = [int(c) for c in store.batch_put_from(mkeys, ptrs, [self.page_bytes] * n, self._replicas)]
+            self._note_codes(codes, "put")
             stored = sum(c >= 0 for c in codes)
             self.counters.stored += stored
             self.counters.set_failed += n - stored

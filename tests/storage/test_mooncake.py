@@ -77,14 +77,14 @@ def raw_store(shared_mooncake):
 def test_url_parameters_and_defaults():
     cfg = MooncakeConfig.from_url("mooncake://10.0.0.5:50051?metadata=http://10.0.0.5:8080/metadata"
                                   "&segment_bytes=1GiB&buffer_bytes=268435456&protocol=rdma"
-                                  "&rdma_devices=mlx5_0&soft_pin_ttl_ms=60000&replicas=2&verify=length")
+                                  "&rdma_devices=mlx5_0&soft_pin_ttl_ms=60000&replicas=2&verify=checksum")
     assert (cfg.master, cfg.metadata, cfg.segment_bytes, cfg.buffer_bytes) == (
         "10.0.0.5:50051", "http://10.0.0.5:8080/metadata", 1 << 30, 256 << 20)
     assert (cfg.protocol, cfg.rdma_devices, cfg.soft_pin_ttl_ms, cfg.replicas, cfg.verify) == (
-        "rdma", "mlx5_0", 60000, 2, "length")
+        "rdma", "mlx5_0", 60000, 2, "checksum")
     local = MooncakeConfig.from_url("mooncake://127.0.0.1:50051")
     assert (local.metadata, local.local_host, local.verify) == ("http://127.0.0.1:8080/metadata", "127.0.0.1",
-                                                                "checksum")
+                                                                "length")
 
 
 @pytest.mark.parametrize("url", ["mooncake://h:1?segmnt_bytes=1", "mooncake://h:1?segment_bytes=lots",
@@ -206,19 +206,19 @@ def test_page_removed_between_exists_and_get_is_a_miss(shared_mooncake, raw_stor
         buf[:8] = _pages(8, 5)
         assert backend.batch_set(keys, buf[:8]) == [True] * 8
         assert backend.batch_exists(keys) == 8
-        assert raw_store.remove(backend.config.prefix + keys[3], True) == 0  # the store evicts page 3
+        assert raw_store.remove(backend.store_key(keys[3]), True) == 0  # the store evicts page 3
         oks = backend.batch_get(keys, buf[8:16])
         assert oks == [True] * 3 + [False] + [True] * 4
         assert torch.equal(buf[8:11], buf[:3]) and torch.equal(buf[12:16], buf[4:8])
         assert backend.batch_exists(keys) == 3
 
 
-def test_corrupt_page_is_a_miss_and_counted(shared_mooncake, raw_store, ns):
-    with _connected(_url(shared_mooncake)) as (backend, buf):
+def test_corrupt_page_is_a_miss_with_checksums(shared_mooncake, raw_store, ns):
+    with _connected(_url(shared_mooncake, verify="checksum")) as (backend, buf):
         keys = _keys(2, ns=ns)
         buf[:2] = _pages(2, 9)
         assert backend.batch_set(keys, buf[:2]) == [True, True]
-        name = backend.config.prefix + keys[1]
+        name = backend.store_key(keys[1])
         blob = bytearray(raw_store.get(name))
         blob[-1] ^= 0xFF  # one payload bit pattern changed, header intact
         assert raw_store.remove(name, True) == 0 and raw_store.put(name, bytes(blob)) == 0
@@ -226,8 +226,9 @@ def test_corrupt_page_is_a_miss_and_counted(shared_mooncake, raw_store, ns):
         assert backend.counters.corrupt == 1
 
 
-def test_other_layout_or_page_size_is_never_loaded(shared_mooncake, ns):
-    url = _url(shared_mooncake)
+@pytest.mark.parametrize("verify", ["length", "checksum"])
+def test_other_layout_or_page_size_is_never_loaded(shared_mooncake, ns, verify):
+    url = _url(shared_mooncake, verify=verify)
     backend, buf = _open(url)
     other = MooncakeStorage(url, PB // 2)  # a manager whose pages are half as large
     try:
