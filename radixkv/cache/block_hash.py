@@ -36,7 +36,7 @@ Seed = bytes | int | str
 
 
 def chain_root(seed: Seed = DEFAULT_SEED) -> bytes:
-    """The 8-byte root of the hash chain for ``seed`` (layout step 1 of the module doc)."""
+    """The 8-byte root of the hash chain for ``seed`` (layout step 1, ``docs/events.md`` section 5)."""
     if isinstance(seed, bool):
         raise InvalidArgumentError("seed must be bytes, str or int, not bool")
     if isinstance(seed, int):
@@ -51,7 +51,7 @@ def chain_root(seed: Seed = DEFAULT_SEED) -> bytes:
 
 
 def encode_extra_key(extra_key: object) -> bytes:
-    """The tagged byte form of a namespace key (layout step 2 of the module doc)."""
+    """The tagged byte form of a namespace key (layout step 2, ``docs/events.md`` section 5)."""
     if extra_key is None:
         return b"\x00"
     if isinstance(extra_key, bool):

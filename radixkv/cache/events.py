@@ -186,7 +186,7 @@ class KVEventRecorder:
 
     Args:
         page_size: tokens per block.
-        seed: seed of the hash chain (see the module docstring); processes that must agree
+        seed: seed of the hash chain (:mod:`radixkv.cache.block_hash`); processes that must agree
             on hashes pass the same one. Default :data:`DEFAULT_SEED`.
         medium: the ``medium`` field of the events (``"GPU"``).
     """
