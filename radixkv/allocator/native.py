@@ -3,7 +3,7 @@
 
 ``setup.py`` builds it as an *optional* C extension: without a C compiler the install still
 succeeds and the allocators free through their numpy path, which stays the contract and the
-reference (``tests/test_allocator_native.py`` runs both on the same frees, good and bad, and
+reference (``tests/allocator/test_allocator_native.py`` runs both on the same frees, good and bad, and
 compares results, errors and states). ``RADIXKV_PURE_PYTHON=1`` in the environment (read at
 import) turns it off for the whole process, as it does the RadixCache's compiled paths.
 

@@ -3,7 +3,7 @@
 ``setup.py`` builds ``radixkv.cache._native`` as an *optional* C extension: without a C
 compiler the install still succeeds and every path runs in Python. The Python code in
 ``radix_cache`` / ``radix_insert`` / ``rows`` stays the contract and the reference; the
-compiled functions replace pieces of it one for one (``tests/test_native_walk.py`` runs both
+compiled functions replace pieces of it one for one (``tests/cache/test_native_walk.py`` runs both
 on the same random operations and compares every result and every node's fields):
 
 * ``walk``: ``match_prefix``'s walk plus the int32 -> int64 widening of the matched rows, a

@@ -17,7 +17,7 @@ its Python bindings). A worker feeds it JSON events::
   namespace. It is NOT chained; the tree's shape carries the prefix.
 
 Dynamo's seed (checked against ``dynamo._core.compute_block_hash_for_seq`` of
-``ai-dynamo-runtime`` 1.6.1 in ``tests/test_dynamo_adapter.py``)::
+``ai-dynamo-runtime`` 1.6.1 in ``tests/events/test_dynamo_adapter.py``)::
 
     seed = 1337
     if lora_name:        seed += xxh3_64(lora_name.utf8, seed=0)      (mod 2**64)

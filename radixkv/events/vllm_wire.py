@@ -30,7 +30,7 @@ class name) in one of two layouts:
 ``block_hashes`` / ``parent_block_hash`` are unsigned 64-bit ints (vLLM's integer
 ``ExternalBlockHash``), ``token_ids`` plain ints, ``medium`` ``"GPU"``. msgpack ints take
 their shortest form, floats are always float64, strings are msgpack ``str``: exactly what
-``msgspec`` writes, byte for byte (``tests/test_vllm_wire.py`` checks it against vLLM's structs).
+``msgspec`` writes, byte for byte (``tests/events/test_vllm_wire.py`` checks it against vLLM's structs).
 
 vLLM's later optional ``BlockStored`` fields (``extra_keys``, ``group_idx``, ...) are not
 written: a decoder fills trailing defaults, and older decoders ignore trailing fields, so
