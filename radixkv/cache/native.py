@@ -1,7 +1,7 @@
 """The RadixCache's compiled hot paths, when they are built (``csrc/``, built as ``radixkv.cache._native``).
 
 An optional C extension: without it every path runs in Python, which stays the contract and
-the reference (``tests/test_native_walk.py`` compares both on random operations). ``walk``
+the reference (``tests/cache/test_native_walk.py`` compares both on random operations). ``walk``
 (match's walk + int64 widening, DLPack over a pooled C buffer), ``find`` (insert's read-only
 walk), ``narrow`` (range check + int32 copy of rows), ``new_node``, and ``match`` /
 ``insert`` (the common call whole, as ``NativeRadixCache``'s methods; other calls and any

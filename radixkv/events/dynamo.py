@@ -5,7 +5,7 @@ Events are ``{"event_id", "data": {"stored": {"parent_hash", "blocks": [{"block_
 / ``parent_hash`` are radixkv's chained block hashes, unchanged; ``tokens_hash`` is what the
 router computes (``compute_block_hash_for_seq``): per page, XXH3-64 of the tokens as u32
 little-endian, seeded with :func:`dynamo_seed` of the LoRA name and cache namespace, NOT
-chained (checked against ai-dynamo-runtime 1.6.1 in ``tests/test_dynamo_adapter.py``).
+chained (checked against ai-dynamo-runtime 1.6.1 in ``tests/events/test_dynamo_adapter.py``).
 
 :func:`default_namespace` maps ``extra_key`` to Dynamo's ``(lora_name, cache_namespace)``
 keeping distinct keys distinct; ``namespace_fn`` maps otherwise (a mapping that merges two
