@@ -34,13 +34,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tooling.mooncake_master import MooncakeMaster, mooncake_missing
 
 from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
 from radixkv.storage.mooncake import MooncakeStorage
-
-# The test tooling (tests/tooling/, not installed) is imported from the checkout.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from tooling.mooncake_master import MooncakeMaster, mooncake_missing  # noqa: E402
 
 
 def _time_s(fn: Callable[[], Any]) -> float:
