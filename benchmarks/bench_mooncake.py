@@ -61,7 +61,7 @@ def run(page_bytes: int, batches: list[int], repeats: int) -> list[dict[str, Any
         if holder.setup("127.0.0.1", meta, segment, 16 << 20, "tcp", "", rpc) != 0 or \
                 raw.setup("127.0.0.1", meta, 0, local, "tcp", "", rpc) != 0:
             raise RuntimeError("a raw Mooncake client did not connect")
-        readers = {v: MooncakeStorage(master.url(segment_bytes=0, buffer_bytes="16MiB", verify=v), page_bytes)
+        readers = {v: MooncakeStorage.from_url(master.url(segment_bytes=0, buffer_bytes="16MiB", verify=v), page_bytes)
                    for v in ("length", "checksum")}
         clients += readers.values()
         if not all(c.wait_connected(60) for c in clients):

@@ -22,7 +22,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -46,6 +46,7 @@ _RPC_FAIL = -900
 #: What a ``mooncake://`` backend needs installed.
 INSTALL_HINT = ("pip install 'radixkv[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1) and, "
                 "as root, apt-get install -y libibverbs1")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_RE = re.compile(r"^(\d+)\s*(|B|KiB|MiB|GiB)$")
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -59,7 +60,7 @@ def _size(name: str, text: str) -> int:
 
 @dataclass(frozen=True)
 class MooncakeConfig:
-    """The client's settings, parsed from a ``mooncake://`` URL (:meth:`from_url`)."""
+    """The client's settings: the master, the metadata server and the URL's other parameters."""
 
     master: str
     metadata: str
@@ -77,21 +78,27 @@ class MooncakeConfig:
 
     @classmethod
     def from_url(cls, url: str) -> MooncakeConfig:
-        """Parse ``url``; raises ``InvalidArgumentError`` naming a bad or unknown parameter."""
+        """Parse ``mooncake://HOST:PORT?...`` (``metadata`` defaults to the master host's
+        ``http://HOST:8080/metadata``); raises ``InvalidArgumentError`` naming what is bad."""
         parts = urlsplit(url)
         if parts.scheme != "mooncake" or not parts.hostname or parts.port is None:
             raise InvalidArgumentError(f"not a mooncake://HOST:PORT URL: {url!r}")
-        host = parts.hostname
         params = dict(parse_qsl(parts.query, keep_blank_values=True))
-        known = {f.name for f in fields(cls)} - {"master"}
-        unknown = sorted(params.keys() - known)
+        metadata = params.pop("metadata", f"http://{parts.hostname}:8080/metadata")
+        return cls.from_options(f"{parts.hostname}:{parts.port}", metadata, params)
+
+    @classmethod
+    def from_options(cls, master: str, metadata: str, options: Mapping[str, str]) -> MooncakeConfig:
+        """The settings from the URL's parameters as strings; raises ``InvalidArgumentError``
+        naming a bad or unknown one."""
+        known = {f.name for f in fields(cls)} - {"master", "metadata"}
+        unknown = sorted(options.keys() - known)
         if unknown:
             raise InvalidArgumentError(f"mooncake URL: unknown parameter(s) {unknown}; known: {sorted(known)}")
-        loopback = host in ("127.0.0.1", "localhost", "::1")
-        kw: dict[str, Any] = {"master": f"{host}:{parts.port}",
-                              "metadata": params.pop("metadata", f"http://{host}:8080/metadata"),
-                              "local_host": "127.0.0.1" if loopback else socket.gethostname()}
-        for name, text in params.items():
+        host = master.rpartition(":")[0].strip("[]")
+        kw: dict[str, Any] = {"master": master, "metadata": metadata,
+                              "local_host": "127.0.0.1" if host in _LOOPBACK else socket.gethostname()}
+        for name, text in options.items():
             if name.endswith("_bytes"):
                 kw[name] = _size(name, text)
             elif name in ("replicas", "soft_pin_ttl_ms", "connect_timeout_ms", "retry_max_ms"):
@@ -110,22 +117,28 @@ class MooncakeConfig:
 
 @dataclass
 class MooncakeCounters:
-    """Pages (unless named otherwise) by outcome, since the backend was opened."""
+    """Pages by outcome since the backend was opened. The first ten fields mean what the
+    storage tier's shared counters mean (``misses`` include ``corrupt`` and ``read_errors``;
+    ``write_errors`` every page not stored); ``unavailable`` pages met no connection."""
 
-    exists_calls: int = 0
-    get_pages: int = 0
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
-    set_pages: int = 0
-    stored: int = 0
-    set_failed: int = 0
+    read_errors: int = 0
+    writes: int = 0
+    write_errors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    pages_asked: int = 0
+    pages_given: int = 0
+    exists_errors: int = 0
     unavailable: int = 0
-    errors: int = 0
     disconnects: int = 0
     connects: int = 0
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
@@ -155,10 +168,12 @@ class MooncakeStorage:
     page written is stored or failed, and the registered buffers are those the store holds.
     """
 
-    def __init__(self, url: str | MooncakeConfig, page_bytes: int) -> None:
+    def __init__(self, master_address: str, metadata_url: str, page_bytes: int, **options: str) -> None:
+        """As ``open_storage`` builds it: the URL's HOST:PORT, its ``metadata`` and the other
+        parameters as strings (:meth:`from_url` takes the whole URL)."""
         if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes < 1:
             raise InvalidArgumentError(f"page_bytes must be an int >= 1, got {page_bytes!r}")
-        self.config = url if isinstance(url, MooncakeConfig) else MooncakeConfig.from_url(url)
+        self.config = MooncakeConfig.from_options(master_address, metadata_url, options)
         try:
             from mooncake.store import MooncakeDistributedStore  # noqa: F401
         except ImportError as exc:
@@ -183,6 +198,13 @@ class MooncakeStorage:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._connect_loop, name="mooncake-connect", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_url(cls, url: str, page_bytes: int) -> MooncakeStorage:
+        """The backend a ``mooncake://`` URL names (see the module docstring)."""
+        cfg = MooncakeConfig.from_url(url)
+        options = {f.name: str(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in ("master", "metadata")}
+        return cls(cfg.master, cfg.metadata, page_bytes, **options)
 
     @property
     def name(self) -> str:
@@ -245,6 +267,10 @@ class MooncakeStorage:
                     up_since = None
             else:
                 up_since = None
+                if not self._outage_logged:
+                    log.warning("mooncake master %s or metadata server %s unreachable: storage calls miss "
+                                "until both answer", self.config.master, self.config.metadata)
+                    self._outage_logged = True
             if not self._connected:
                 self._wake.wait(delay)
                 self._wake.clear()
@@ -288,16 +314,15 @@ class MooncakeStorage:
     def _usable(self, n: int) -> Any:
         if self._closed or not self._connected:
             self.counters.unavailable += n
-            if not self._closed:
-                self._lost("not connected")
             return None
         return self._store
 
-    def _note_codes(self, codes: Sequence[int], what: str) -> None:
+    def _errors(self, codes: Sequence[int], what: str) -> int:
+        """How many ``codes`` are errors (not a plain absence); an RPC failure is an outage."""
         bad = [c for c in codes if c < 0 and c != _OBJECT_NOT_FOUND]
-        self.counters.errors += len(bad)
         if _RPC_FAIL in bad:
             self._lost(what)
+        return len(bad)
 
     # ------------------------------------------------------------------ buffers
 
@@ -306,7 +331,8 @@ class MooncakeStorage:
         self._registered.append(tensor)
         if self._store is not None and self._store.register_buffer(
                 tensor.data_ptr(), tensor.numel() * tensor.element_size()) != 0:
-            self.counters.errors += 1
+            log.warning("mooncake: registering %d bytes failed; they are registered again on reconnect",
+                        tensor.numel() * tensor.element_size())
 
     def _unregister(self, tensor: torch.Tensor) -> None:
         self._registered = [t for t in self._registered if t is not tensor]
@@ -398,12 +424,11 @@ class MooncakeStorage:
     def batch_exists(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, the store holds. One RPC."""
         with self._call_lock:
-            self.counters.exists_calls += 1
             store = self._usable(0) if keys else None
             if store is None:
                 return 0
             codes = [int(c) for c in store.batch_is_exist([self.store_key(k) for k in keys])]
-            self._note_codes(codes, "batch_is_exist")
+            self.counters.exists_errors += self._errors(codes, "batch_is_exist")
             n = 0
             while n < len(codes) and codes[n] == 1:
                 n += 1
@@ -416,7 +441,8 @@ class MooncakeStorage:
         self._check_rows(keys, dst, "dst")
         n = len(keys)
         with self._call_lock:
-            self.counters.get_pages += n
+            t0 = time.perf_counter()
+            self.counters.pages_asked += n
             store = self._usable(n) if n else None
             if store is None:
                 self.counters.misses += n
@@ -429,13 +455,14 @@ class MooncakeStorage:
             else:
                 codes = [int(c) for c in store.batch_get_into(mkeys, ptrs, [self.page_bytes] * n)]
                 ok = np.asarray(codes, dtype=np.int64) == self.page_bytes
-            self._note_codes(codes, "get")
+            self.counters.read_errors += self._errors(codes, "get")
             if target is not dst:
                 idx = torch.from_numpy(np.flatnonzero(ok))
                 dst[idx] = target[idx]
             hits = int(ok.sum())
-            self.counters.hits += hits
-            self.counters.misses += n - hits
+            c = self.counters
+            c.hits, c.misses, c.bytes_read = c.hits + hits, c.misses + n - hits, c.bytes_read + hits * self.page_bytes
+            c.read_seconds += time.perf_counter() - t0
             return [bool(x) for x in ok]
 
     def _verify(self, mkeys: Sequence[str], hdr: np.ndarray, rows: np.ndarray, codes: Sequence[int]) -> np.ndarray:
@@ -454,10 +481,11 @@ class MooncakeStorage:
         self._check_rows(keys, src, "src")
         n = len(keys)
         with self._call_lock:
-            self.counters.set_pages += n
+            t0 = time.perf_counter()
+            self.counters.pages_given += n
             store = self._usable(n) if n else None
             if store is None:
-                self.counters.set_failed += n
+                self.counters.write_errors += n
                 return [False] * n
             mkeys, target, ptrs = self._plan(keys, src, write=True)
             if self._checksum:
@@ -472,11 +500,13 @@ class MooncakeStorage:
                 codes = [int(c) for c in store.batch_put_from_multi_buffers(mkeys, parts, sizes, self._replicas)]
             else:
                 codes = [int(c) for c in store.batch_put_from(mkeys, ptrs, [self.page_bytes] * n, self._replicas)]
-            self._note_codes(codes, "put")
-            stored = sum(c >= 0 for c in codes)
-            self.counters.stored += stored
-            self.counters.set_failed += n - stored
-            return [c >= 0 for c in codes]
+            self._errors(codes, "put")
+            stored = sum(x >= 0 for x in codes)
+            c = self.counters
+            c.writes, c.write_errors = c.writes + stored, c.write_errors + n - stored
+            c.bytes_written += stored * self.page_bytes
+            c.write_seconds += time.perf_counter() - t0
+            return [x >= 0 for x in codes]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -505,10 +535,11 @@ class MooncakeStorage:
 
     def check_invariants(self) -> None:
         c = self.counters
-        if c.hits + c.misses != c.get_pages:
-            raise InvariantError(f"mooncake: {c.hits} hits + {c.misses} misses != {c.get_pages} pages asked for")
-        if c.stored + c.set_failed != c.set_pages:
-            raise InvariantError(f"mooncake: {c.stored} stored + {c.set_failed} failed != {c.set_pages} written")
+        if c.hits + c.misses != c.pages_asked or c.corrupt + c.read_errors > c.misses:
+            raise InvariantError(f"mooncake: {c.hits} hits + {c.misses} misses (of which {c.corrupt} corrupt, "
+                                 f"{c.read_errors} read errors) for {c.pages_asked} pages asked for")
+        if c.writes + c.write_errors != c.pages_given:
+            raise InvariantError(f"mooncake: {c.writes} written + {c.write_errors} failed != {c.pages_given} given")
         want = [t for t in (self._buffer, self._headers, self._staging) if t is not None and t.numel()]
         if not self._closed and sorted(map(id, want)) != sorted(map(id, self._registered)):
             raise InvariantError("mooncake: registered buffers differ from the buffer, headers and staging")
