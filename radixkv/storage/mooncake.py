@@ -245,16 +245,19 @@ class MooncakeStorage:
         return True
 
     def _connect_loop(self) -> None:
-        """Background: connect, and after an outage wait for the old client to answer again
-        (Mooncake's client re-mounts its segment by itself); one that stays silent for
-        ``retry_max_ms`` while the master answers is replaced by a fresh client."""
+        """Background: connect; while connected, probe the master now and then; after an
+        outage wait for the old client to answer again (Mooncake's client re-mounts its segment
+        by itself); one silent for ``retry_max_ms`` while the master answers is replaced."""
         cap = self.config.retry_max_ms / 1000
         delay, up_since = 0.05, None
         while not self._closed:
-            if self._connected:
-                self._wake.wait()
+            if self._connected:  # idle: a TCP probe every retry_max_ms finds a master gone between calls
+                self._wake.wait(cap)
                 self._wake.clear()
                 delay, up_since = 0.05, None
+                if self._connected and not self._closed and not self._master_up():
+                    with self._call_lock:
+                        self._lost("probe")
                 continue
             if self._master_up():
                 up_since = time.monotonic() if up_since is None else up_since
