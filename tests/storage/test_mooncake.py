@@ -6,11 +6,13 @@ naming what to install. Pages are seeded random bytes; a read is checked bit-equ
 import contextlib
 import hashlib
 import multiprocessing as mp
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from tooling.mooncake_master import mooncake_missing
 
 from radixkv.contracts import StorageBackend
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
@@ -101,7 +103,9 @@ def test_built_as_open_storage_builds_it():
     with pytest.raises(InvalidArgumentError):
         MooncakeStorage(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata",
                         page_bytes=PB, segment_bytes="many")
-    pytest.importorskip("mooncake.store", reason=INSTALL_HINT)
+    why = mooncake_missing()
+    if why is not None:
+        pytest.skip(why)
     backend = MooncakeStorage(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata",
                               page_bytes=PB, segment_bytes="1MiB", verify="checksum")
     try:
@@ -109,6 +113,12 @@ def test_built_as_open_storage_builds_it():
         assert backend.batch_exists(_keys(1)) == 0 and not backend.connected  # nothing listens there
     finally:
         backend.close()
+
+
+def test_without_mooncake_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as where it is missing
+    with pytest.raises(ImportError, match="libibverbs1"):
+        MooncakeStorage.from_url("mooncake://127.0.0.1:1", PB)
 
 
 def test_skip_reason_names_what_to_install():
