@@ -21,7 +21,7 @@ Policy names are the RadixCache's (:mod:`radixkv.cache.eviction`, one registry):
 simulator runs the tree's own policy objects through :class:`TreePolicy` (those that are a
 pure sort key: lru, lfu, fifo, filo, mru, priority). Any other :class:`BlockPolicy`
 instance runs too (the block-level research policies of ``benchmarks/policy_research``).
-The interface lives in :mod:`radixkv.bench.block_policy` (re-exported here).
+The interface lives in :mod:`radixkv.bench.block_policy`.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.bench.block_policy import BlockPolicy, KeyPolicy, LeafHeap, TreePolicy, runs_on_blocks
+from radixkv.bench.block_policy import BlockPolicy, TreePolicy, runs_on_blocks
 from radixkv.cache import eviction
 from radixkv.errors import (
     InvalidArgumentError,
@@ -45,8 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from radixkv.bench.traces import BlockTrace
 
 __all__ = [
-    "AccessResult", "SimResult", "BlockSim", "BlockPolicy", "LeafHeap", "KeyPolicy",
-    "TreePolicy", "simulate", "make_policy", "available_policies",
+    "AccessResult", "SimResult", "BlockSim", "simulate", "make_policy", "available_policies",
 ]
 
 

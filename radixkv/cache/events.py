@@ -13,9 +13,7 @@ whole number of pages, and storing it produces one ``BlockStored`` event that li
 per page.
 
 Block hashes (chained SHA-256, reduced to u64) are computed in
-:mod:`radixkv.cache.block_hash`, whose docstring gives their exact byte layout; its names
-(``block_hashes``, ``chain_root``, ``encode_extra_key``, ``DEFAULT_SEED``, ``HASH_BITS``, ``Seed``)
-are re-exported here, so ``from radixkv.cache.events import block_hashes`` keeps working.
+:mod:`radixkv.cache.block_hash`, whose docstring gives their exact byte layout.
 """
 from __future__ import annotations
 
@@ -27,13 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.block_hash import (  # re-exported: the hashing lives there
+from radixkv.cache.block_hash import (
     DEFAULT_SEED,
-    HASH_BITS,
     Seed,
     block_hashes,
     chain_root,
-    encode_extra_key,
 )
 from radixkv.cache.block_hash import (
     check_hash as _check_hash,
@@ -43,9 +39,8 @@ from radixkv.cache.block_hash import (
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids
 
-__all__ = ["DEFAULT_SEED", "MEDIUM_GPU", "HASH_BITS", "BlockStored", "BlockRemoved", "AllBlocksCleared",
-           "KVEventBatch", "KVEventRecorder", "block_hashes", "chain_root", "encode_extra_key",
-           "event_from_dict", "Seed"]
+__all__ = ["MEDIUM_GPU", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+           "KVEventBatch", "KVEventRecorder", "event_from_dict"]
 
 #: The ``medium`` vLLM uses for device memory.
 MEDIUM_GPU = "GPU"

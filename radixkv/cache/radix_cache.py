@@ -135,7 +135,8 @@ class RadixCache(InsertMixin):
         self._on_evict = self.policy.on_evict if kind.on_evict is not base.on_evict else None
         self.kv_events = None
         if enable_kv_events:
-            from radixkv.cache.events import DEFAULT_SEED, KVEventRecorder
+            from radixkv.cache.block_hash import DEFAULT_SEED
+            from radixkv.cache.events import KVEventRecorder
 
             self.kv_events = KVEventRecorder(page_size, seed=DEFAULT_SEED if kv_event_seed is None
                                              else kv_event_seed)

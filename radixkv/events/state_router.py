@@ -39,10 +39,10 @@ import numpy as np
 
 from radixkv.cache.block_hash import DEFAULT_SEED, Seed, block_hashes, chain_root
 from radixkv.cache.events import AllBlocksCleared
-from radixkv.cache.state_events import CacheEvent
+from radixkv.cache.state_events import CacheEvent, any_event_from_dict
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.dynamo import DynamoEventAdapter, DynamoNamespace, default_namespace, tokens_hashes
-from radixkv.events.state_events import StateIndex, any_event_from_dict
+from radixkv.events.state_events import StateIndex
 from radixkv.validation import int32_tokens
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -20,9 +20,10 @@ batch in the caller, takes the next sequence number and queues it, so a bad batc
 the caller and takes no number. With ``background=False`` the caller's thread owns the
 sockets: :meth:`publish` sends at once and :meth:`serve_replay` answers waiting requests.
 
-Flags: :func:`add_arguments` / :func:`from_args` (or :func:`config_from_args`, a picklable
-:class:`PublisherConfig`) give the CLI switches (endpoint, replay endpoint, topic, buffer,
-layout); ``radixkv serve`` takes them and publishes its events itself (``service/server/manager.py``).
+Flags (:mod:`radixkv.events.zmq_flags`): :func:`add_arguments` / :func:`from_args` (or
+:func:`config_from_args`, a picklable :class:`PublisherConfig`) give the CLI switches
+(endpoint, replay endpoint, topic, buffer, layout); ``radixkv serve`` takes them and publishes
+its events itself (``service/server/manager.py``).
 """
 from __future__ import annotations
 
@@ -40,10 +41,9 @@ import zmq
 from radixkv.cache.events import KVEventBatch
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
-from radixkv.events.zmq_replay import END_SEQ, ReplayBuffer  # END_SEQ re-exported
+from radixkv.events.zmq_replay import ReplayBuffer
 
-__all__ = ["ZmqEventPublisher", "PublisherStats", "PublisherConfig", "END_SEQ", "add_arguments", "from_args",
-           "config_from_args", "should_bind"]
+__all__ = ["ZmqEventPublisher", "PublisherStats", "should_bind"]
 
 log = logging.getLogger(__name__)
 
@@ -374,9 +374,3 @@ class ZmqEventPublisher:
         published = self._kept.published
         if published > self._next_seq:
             raise InvariantError(f"{published} batches sent but only {self._next_seq} numbered")
-
-
-# --------------------------------------------------------------------------- flags
-
-# The command-line switches live in their own module; their names stay importable from here.
-from radixkv.events.zmq_flags import PublisherConfig, add_arguments, config_from_args, from_args  # noqa: E402

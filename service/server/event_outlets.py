@@ -3,7 +3,7 @@
 :class:`EventOutlets` owns, for one :class:`~radixkv.service.server.manager.CacheManagerServer`:
 
 * the ZMQ outlet (vLLM's wire, :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher`),
-  opened from a :class:`~radixkv.events.zmq_publisher.PublisherConfig` when one is given: an
+  opened from a :class:`~radixkv.events.zmq_flags.PublisherConfig` when one is given: an
   outlet of the hub, so every pump's new events go out as one numbered batch. The publisher
   never blocks the event loop (``put_timeout_s=0``): when its queue is full the hub hands it
   the same events again at the next pump;

@@ -34,7 +34,7 @@ Events (:mod:`~radixkv.service.server.event_hub`): the server owns the one event
 engine's tree. It is pumped (drained once, numbered, kept in a ring of
 ``events_ring_size``) by every ``TakeEvents`` / ``WatchEvents`` poll, by the sweeper, and,
 when the ZMQ outlet is on (``kv_events``: a
-:class:`~radixkv.events.zmq_publisher.PublisherConfig`), every ``events_interval_s`` by a
+:class:`~radixkv.events.zmq_flags.PublisherConfig`), every ``events_interval_s`` by a
 pump task that hands each new batch to the ZMQ publisher (vLLM's wire, with replay).
 
 Shutdown (:meth:`CacheManagerServer.stop`, on SIGTERM/SIGINT in :func:`serve`): health goes
@@ -406,7 +406,7 @@ def _check_options(o: ServeOptions) -> None:
     if o.operator_token is not None and not isinstance(o.operator_token, Token):
         raise InvalidArgumentError("operator_token must be a radixkv.service.wire.auth.Token or None")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
-        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
+        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_flags.PublisherConfig or None")
 
 
 async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),  # noqa: B008

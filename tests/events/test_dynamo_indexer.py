@@ -10,7 +10,7 @@ import pytest
 
 dynamo_core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is not installed")
 
-from radixkv.cache.events import block_hashes  # noqa: E402
+from radixkv.cache.block_hash import block_hashes  # noqa: E402
 from radixkv.cache.radix_cache import RadixCache  # noqa: E402
 from radixkv.engine import CacheEngine, EngineConfig  # noqa: E402
 from radixkv.engine.protocol import ExtendItem, MatchQuery  # noqa: E402

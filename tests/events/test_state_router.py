@@ -12,12 +12,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from radixkv.cache.events import block_hashes
+from radixkv.cache.block_hash import block_hashes
+from radixkv.cache.state_events import StateRemoved, StateStored
 from radixkv.cache.state_table import StateTable
 from radixkv.engine import CacheEngine, EngineConfig, ExtendItem, MatchQuery
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.sources import drain_events
-from radixkv.events.state_events import StateRemoved, StateStored
 from radixkv.events.state_router import StateAwareIndex, StateAwareScore
 
 PS = 2

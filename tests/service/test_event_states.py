@@ -30,7 +30,7 @@ from radixkv.engine.protocol import ExtendItem, MatchQuery  # noqa: E402
 from radixkv.events.dynamo import tokens_hashes  # noqa: E402
 from radixkv.events.state_router import StateAwareIndex, StateAwareScore  # noqa: E402
 from radixkv.events.vllm_wire import decode_batch  # noqa: E402
-from radixkv.events.zmq_publisher import END_SEQ  # noqa: E402
+from radixkv.events.zmq_replay import END_SEQ  # noqa: E402
 
 PS = 2
 WAIT_S = 10
