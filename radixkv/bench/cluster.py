@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 
 from radixkv.bench.progress import Progress, ProgressBar
-from radixkv.cache.events import KVEvent
+from radixkv.cache.kv_events import KVEvent
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError

@@ -1,6 +1,6 @@
 """Chained block hashes of the KV events: one unsigned 64-bit hash per page.
 
-Split out of :mod:`radixkv.cache.events`; import these names from here. The
+Split out of :mod:`radixkv.cache.kv_events`; import these names from here. The
 cache's events, the Dynamo adapter and the state index all hash pages with
 :func:`block_hashes`, the single place the hash is computed.
 

@@ -33,7 +33,7 @@ state events, so KV and state events stay in one order. The hook a hybrid cache 
 * when a node loses its state (``StateTable.detach``, tombstoning or eviction):
   ``on_state_removed([node.block_hashes[-1]])``.
 
-The consumer side, :class:`~radixkv.events.state_events.StateIndex` (per worker, the live
+The consumer side, :class:`~radixkv.events.state_index.StateIndex` (per worker, the live
 states; it turns a KV overlap from any KV index, e.g. Dynamo's, into the overlap the worker
 can actually reuse), is in the events package, which imports this module: the cache records
 events, their consumers sit above it.
@@ -49,7 +49,7 @@ import numpy as np
 
 from radixkv.cache.block_hash import DEFAULT_SEED, Seed
 from radixkv.cache.block_hash import check_hash as _check_hash
-from radixkv.cache.events import (
+from radixkv.cache.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

@@ -3,7 +3,7 @@
 * :mod:`~radixkv.events.vllm_wire`: vLLM's msgpack ``KVEventBatch`` bytes (encode / decode);
 * :mod:`~radixkv.events.zmq_publisher`: vLLM's ZMQ outlet (PUB + replay ROUTER);
 * :mod:`~radixkv.events.dynamo`: NVIDIA Dynamo ``KvCacheEvent`` JSON and its ``tokens_hash``;
-* :mod:`~radixkv.events.state_events`: the index of hybrid models' state events (the events
+* :mod:`~radixkv.events.state_index`: the index of hybrid models' state events (the events
   themselves and their recorder are :mod:`radixkv.cache.state_events`);
 * :mod:`~radixkv.events.state_router`: a router index crediting only reusable (state-backed)
   prefixes of hybrid managers;
@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover  (what mypy sees of the lazy names below)
     from radixkv.events.dynamo import dynamo_seed as dynamo_seed
     from radixkv.events.dynamo import tokens_hashes as tokens_hashes
     from radixkv.events.sources import drain_events as drain_events
-    from radixkv.events.state_events import StateIndex as StateIndex
-    from radixkv.events.state_events import UsableOverlap as UsableOverlap
+    from radixkv.events.state_index import StateIndex as StateIndex
+    from radixkv.events.state_index import UsableOverlap as UsableOverlap
     from radixkv.events.state_router import StateAwareIndex as StateAwareIndex
     from radixkv.events.state_router import StateAwareScore as StateAwareScore
     from radixkv.events.vllm_wire import decode_batch as decode_batch
@@ -44,7 +44,7 @@ _EXPORTS = {
     "HybridEventRecorder": "radixkv.cache.state_events", "StateRemoved": "radixkv.cache.state_events",
     "StateStored": "radixkv.cache.state_events", "any_event_from_dict": "radixkv.cache.state_events",
     "split_state_events": "radixkv.cache.state_events",
-    "StateIndex": "radixkv.events.state_events", "UsableOverlap": "radixkv.events.state_events",
+    "StateIndex": "radixkv.events.state_index", "UsableOverlap": "radixkv.events.state_index",
     "StateAwareIndex": "radixkv.events.state_router", "StateAwareScore": "radixkv.events.state_router",
     "decode_batch": "radixkv.events.vllm_wire", "encode_batch": "radixkv.events.vllm_wire",
     **dict.fromkeys(("DynamoEventAdapter", "DynamoNamespace", "compute_block_hash_for_seq", "default_namespace",

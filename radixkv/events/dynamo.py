@@ -35,7 +35,7 @@ namespace ``"radixkv:" + hex(encode_extra_key(k))``. Pass ``namespace_fn`` to ma
 the adapter refuses a mapping that sends two extra keys to one namespace.
 
 State events of hybrid models have no Dynamo equivalent: :meth:`DynamoEventAdapter.convert`
-skips them (feed them to a :class:`~radixkv.events.state_events.StateIndex`).
+skips them (feed them to a :class:`~radixkv.events.state_index.StateIndex`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 
 from radixkv.cache.block_hash import encode_extra_key
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.cache.state_events import CacheEvent, any_event_from_dict, is_state_event
 from radixkv.errors import (
     InvalidArgumentError,

@@ -5,7 +5,7 @@ its tree holds the recurrent state after that prefix's last token. A plain KV in
 Dynamo style) credits a manager with every cached KV block of a request, so after a
 manager evicted states (tombstones: KV kept, state gone) it overstates what that manager
 can reuse. :class:`StateAwareIndex` consumes the same event streams (KV events and the
-state events of :mod:`radixkv.events.state_events`) and scores a manager by the deepest
+state events of :mod:`radixkv.events.state_index`) and scores a manager by the deepest
 matched block that ALSO has a live state -- exactly the manager's own hybrid
 ``match_prefix(tokens).prefix_len // page_size``.
 
@@ -15,7 +15,7 @@ It is two indexes fed by one stream per manager:
   (:func:`radixkv.events.router_index.make_index`), fed the Dynamo JSON of the KV events
   (:class:`~radixkv.events.dynamo.DynamoEventAdapter`, one per manager). It gives, per
   manager, the KV overlap ``kv_blocks`` of a request;
-* a :class:`~radixkv.events.state_events.StateIndex`: the live states per manager. Within the
+* a :class:`~radixkv.events.state_index.StateIndex`: the live states per manager. Within the
   KV overlap, the deepest block of the request's radixkv hash chain
   (:func:`radixkv.cache.block_hash.block_hashes`, the hashes the events name) holding a
   state is ``blocks``.
@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from radixkv.cache.block_hash import DEFAULT_SEED, Seed, block_hashes, chain_root
-from radixkv.cache.events import AllBlocksCleared
+from radixkv.cache.kv_events import AllBlocksCleared
 from radixkv.cache.state_events import CacheEvent, any_event_from_dict
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.dynamo import DynamoEventAdapter, DynamoNamespace, default_namespace, tokens_hashes
-from radixkv.events.state_events import StateIndex
+from radixkv.events.state_index import StateIndex
 from radixkv.validation import int32_tokens
 
 if TYPE_CHECKING:  # pragma: no cover

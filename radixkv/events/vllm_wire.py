@@ -38,7 +38,7 @@ every vLLM version reads these batches. The radixkv namespace travels as vLLM do
 ``lora_name`` for a ``str`` extra key, ``lora_id`` for an ``int``; other extra keys (bytes,
 tuples) are not representable on this wire and decode as ``None``.
 
-State events of hybrid models (:mod:`radixkv.events.state_events`) are radixkv's own tags,
+State events of hybrid models (:mod:`radixkv.events.state_index`) are radixkv's own tags,
 ``["StateStored", block_hash, position, medium]`` and ``["StateRemoved", block_hashes,
 medium]`` (or their maps). vLLM's decoders reject unknown tags, so :func:`encode_batch`
 drops them unless ``state_events="inline"``.
@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from radixkv.cache.state_events import CacheEvent, StateRemoved, StateStored, as_events, is_state_event
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 

@@ -38,7 +38,7 @@ from typing import Final, NamedTuple
 
 import zmq
 
-from radixkv.cache.events import KVEventBatch
+from radixkv.cache.kv_events import KVEventBatch
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
 from radixkv.events.zmq_replay import ReplayBuffer

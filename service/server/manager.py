@@ -59,10 +59,11 @@ import grpc
 from radixkv.service.server.auth import DEFAULT_HEALTH_BUDGET, TokenAuthInterceptor
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
-from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
+from radixkv.service.server.exposure import exposure_warnings
 from radixkv.service.server.listen import bind, default_address
 from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
+from radixkv.service.server.periodic_count import PeriodicCount
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
 from radixkv.service.server.step_socket import StepSocketServer
 from radixkv.service.wire import codec as wire

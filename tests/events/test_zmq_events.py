@@ -13,7 +13,7 @@ msgspec = pytest.importorskip("msgspec")
 
 from test_vllm_wire import vllm_structs  # noqa: E402  (tests/ is on sys.path under pytest)
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from radixkv.cache.radix_cache import RadixCache  # noqa: E402
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError  # noqa: E402
 from radixkv.events.sources import drain_events  # noqa: E402

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.cache.state_events import (
     CacheEvent,
     StateRemoved,

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv.cache.block_hash import DEFAULT_SEED, block_hashes
-from radixkv.cache.events import (
+from radixkv.cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
