@@ -20,7 +20,7 @@ Gated delta rule, per head, state ``S [D_k, D_v]`` indexed ``[key_dim, value_dim
 A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D])``, zeros at the start.
 
 * ``kda_recurrent``: the rule token by token (the ground truth, used by ``forward_reference``).
-* ``kda_chunked`` / ``chunk_kda`` (:mod:`radixkv.kernels.kda_chunk`; ``extend`` runs
+* ``kda_chunked`` / ``chunk_kda`` (:mod:`radixkv.reference.kda_chunk`; ``extend`` runs
   ``chunk_kda``: torch, or the Triton kernel on CUDA): the same map chunk by chunk in parallel form:
   within a chunk with start state ``S0`` and in-chunk cumulative log decay ``G_t = sum_{s<=t}
   g_s``, the pseudo-values ``U`` solve the unit lower-triangular system
@@ -37,13 +37,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from radixkv.kernels.kda_chunk import CHUNK, KDAOutput, chunk_kda, kda_chunked
-from radixkv.kernels.kda_decode import kda_decode
 from radixkv.memory.mamba_pool import Mamba2LayerCache
+from radixkv.reference.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from radixkv.reference.config import HybridConfig
+from radixkv.reference.kda_chunk import CHUNK, KDAOutput, chunk_kda
+from radixkv.reference.kda_decode import kda_decode
 
-__all__ = ["CHUNK", "KDALayer", "KDAOutput", "chunk_kda", "kda_chunked", "kda_recurrent"]
+__all__ = ["KDALayer", "kda_recurrent"]
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -1,6 +1,6 @@
 """Chunked KDA (Kimi Delta Attention) prefill for a batch of variable-length sequences.
 
-The map is the gated delta rule of :mod:`radixkv.kernels.kda_decode` applied token by token
+The map is the gated delta rule of :mod:`radixkv.reference.kda_decode` applied token by token
 (state ``S [D_k, D_v]`` per head), computed chunk by chunk in parallel form (SGLang's
 ``chunk_kda``; chunk size 64). Within a chunk of length ``L`` with start state ``S0`` and
 in-chunk cumulative log decay ``G_t = sum_{s<=t} g_s``::
