@@ -12,6 +12,8 @@ with pluggable eviction policies, the offline (Belady) bound and the replay CLI.
 * :mod:`radixkv.bench.hybrid_hitrate`   KV + Mamba-state replay through the MambaRadixCache
 * :mod:`radixkv.bench.hybrid_report`    ``bench hitrate --hybrid``: grid, JSON, tables, plot
 * :mod:`radixkv.bench.cluster`          N managers behind a KV-aware router (``bench cluster``)
+* :mod:`radixkv.bench.router_index`     the router's KV prefix index (Dynamo's, or a Python one)
+* :mod:`radixkv.bench.state_router`     a router index crediting only state-backed prefixes (hybrid)
 * :mod:`radixkv.bench.cli`              ``radixkv bench``: hitrate and cluster (the rest: benchmarks/)
 
 Block-level policy research the RadixCache does not run (queue baselines, history

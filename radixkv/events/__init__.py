@@ -5,8 +5,6 @@
 * :mod:`~radixkv.events.dynamo`: NVIDIA Dynamo ``KvCacheEvent`` JSON and its ``tokens_hash``;
 * :mod:`~radixkv.events.state_index`: the index of hybrid models' state events (the events
   themselves and their recorder are :mod:`radixkv.cache.state_events`);
-* :mod:`~radixkv.events.state_router`: a router index crediting only reusable (state-backed)
-  prefixes of hybrid managers;
 * :mod:`~radixkv.events.sources`: draining a cache, recorder or engine.
 
 The names below load their module on first use, so one outlet's dependency (``pyzmq``,
@@ -33,8 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover  (what mypy sees of the lazy names below)
     from radixkv.events.sources import drain_events as drain_events
     from radixkv.events.state_index import StateIndex as StateIndex
     from radixkv.events.state_index import UsableOverlap as UsableOverlap
-    from radixkv.events.state_router import StateAwareIndex as StateAwareIndex
-    from radixkv.events.state_router import StateAwareScore as StateAwareScore
     from radixkv.events.vllm_wire import decode_batch as decode_batch
     from radixkv.events.vllm_wire import encode_batch as encode_batch
     from radixkv.events.zmq_flags import PublisherConfig as PublisherConfig
@@ -45,7 +41,6 @@ _EXPORTS = {
     "StateStored": "radixkv.cache.state_events", "any_event_from_dict": "radixkv.cache.state_events",
     "split_state_events": "radixkv.cache.state_events",
     "StateIndex": "radixkv.events.state_index", "UsableOverlap": "radixkv.events.state_index",
-    "StateAwareIndex": "radixkv.events.state_router", "StateAwareScore": "radixkv.events.state_router",
     "decode_batch": "radixkv.events.vllm_wire", "encode_batch": "radixkv.events.vllm_wire",
     **dict.fromkeys(("DynamoEventAdapter", "DynamoNamespace", "compute_block_hash_for_seq", "default_namespace",
                      "dynamo_seed", "tokens_hashes"), "radixkv.events.dynamo"),

@@ -12,7 +12,7 @@ matched block that ALSO has a live state -- exactly the manager's own hybrid
 It is two indexes fed by one stream per manager:
 
 * the KV index: Dynamo's ``RadixTree`` or the Python fallback
-  (:func:`radixkv.events.router_index.make_index`), fed the Dynamo JSON of the KV events
+  (:func:`radixkv.bench.router_index.make_index`), fed the Dynamo JSON of the KV events
   (:class:`~radixkv.events.dynamo.DynamoEventAdapter`, one per manager). It gives, per
   manager, the KV overlap ``kv_blocks`` of a request;
 * a :class:`~radixkv.events.state_index.StateIndex`: the live states per manager. Within the
@@ -46,7 +46,7 @@ from radixkv.events.state_index import StateIndex
 from radixkv.validation import int32_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
-    from radixkv.events.router_index import KVIndex
+    from radixkv.bench.router_index import KVIndex
 
 __all__ = ["StateAwareIndex", "StateAwareScore", "EVENTS_LOST"]
 
@@ -95,7 +95,7 @@ class StateAwareIndex:
             raise InvalidArgumentError("namespace_fn must be callable")
         chain_root(seed)  # validates the seed
         if isinstance(index, str):
-            from radixkv.events.router_index import make_index
+            from radixkv.bench.router_index import make_index
 
             index = make_index(index)
         elif not (callable(getattr(index, "apply_event", None)) and callable(getattr(index, "scores", None))):
