@@ -51,7 +51,7 @@ from radixkv.service.server.quarantine import Quarantine
 from radixkv.service.server.session_keys import SessionKeys
 from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
-from radixkv.service.server.unary_rpc import STREAM_END, Body, M, RawContext, parse, request_id_of  # re-exported
+from radixkv.service.server.unary_rpc import STREAM_END, Body, M, RawContext, parse
 from radixkv.service.server.unary_rpc import unary_rpc as _rpc
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
@@ -68,7 +68,7 @@ from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, S
 if TYPE_CHECKING:
     from radixkv.engine.embedded import CacheEngine
 
-__all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
+__all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "SERVICE_NAME",
            "UNARY_METHODS", "STREAM_METHODS"]
 
 log = logging.getLogger("radixkv.service")

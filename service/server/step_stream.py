@@ -52,7 +52,7 @@ async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool
     call would run, with no await between them) and return the StepResponse bytes.
     ``operator``: whether the stream may make operator calls. (The Step socket,
     :mod:`~radixkv.service.server.step_socket`, runs its frames through this too.)"""
-    from radixkv.service.server.servicer import parse
+    from radixkv.service.server.unary_rpc import parse
 
     t0 = time.perf_counter()
     name, code, replayed = "Step", "OK", False

@@ -1,8 +1,7 @@
 """How one unary RPC of the cache manager runs, around its handler body.
 
-Split out of :mod:`radixkv.service.server.servicer` (which re-exports ``parse`` and
-``request_id_of``). The handlers are registered with raw-bytes (de)serializers, so every
-call goes through :func:`unary_rpc`'s wrapper:
+Split out of :mod:`radixkv.service.server.servicer`. The handlers are registered with
+raw-bytes (de)serializers, so every call goes through :func:`unary_rpc`'s wrapper:
 
 1. count the request's entries and tokens on its raw bytes against the servicer's limits,
    then parse them (``servicer.parse_request``, :func:`parse`: bytes that are not a valid message -- garbage,
