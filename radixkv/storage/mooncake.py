@@ -224,6 +224,9 @@ class MooncakeStorage:
         rc = store.setup(c.local_host, c.metadata, c.segment_bytes, c.buffer_bytes, c.protocol,
                          c.rdma_devices, c.master)
         if rc != 0:
+            if not self._outage_logged:
+                log.warning("mooncake client setup against %s failed (rc %d): retrying with backoff", c.master, rc)
+                self._outage_logged = True
             store.close()
             return None
         return store

@@ -246,6 +246,22 @@ def test_page_removed_between_exists_and_get_is_a_miss(shared_mooncake, raw_stor
         assert backend.batch_exists(keys) == 3
 
 
+def test_store_eviction_under_pressure_never_returns_wrong_bytes(mooncake_master):
+    """1.5x the segment's capacity written: the store evicts (or refuses) pages; every page
+    read back is bit-equal and some written pages are gone."""
+    n = 6000  # 4 KiB pages against a 16 MiB segment
+    with _connected(mooncake_master.url(segment_bytes="16MiB", buffer_bytes="8MiB"), rows=n) as (backend, buf):
+        keys, pages = _keys(n), _pages(n, 13)
+        buf.copy_(pages)
+        wrote = [ok for s in range(0, n, 128) for ok in backend.batch_set(keys[s:s + 128], buf[s:s + 128])]
+        buf.zero_()
+        got = [ok for s in range(0, n, 128) for ok in backend.batch_get(keys[s:s + 128], buf[s:s + 128])]
+        hits = np.flatnonzero(got)
+        assert torch.equal(buf[hits], pages[hits])
+        assert any(w and not g for w, g in zip(wrote, got))  # written, then evicted: a miss
+        assert backend.counters.corrupt == 0
+
+
 def test_corrupt_page_is_a_miss_with_checksums(shared_mooncake, raw_store, ns):
     with _connected(_url(shared_mooncake, verify="checksum")) as (backend, buf):
         keys = _keys(2, ns=ns)
