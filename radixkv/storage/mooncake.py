@@ -46,6 +46,7 @@ _RPC_FAIL = -900
 #: What a ``mooncake://`` backend needs installed.
 INSTALL_HINT = ("pip install 'radixkv[mooncake]' (mooncake-transfer-engine-non-cuda==0.3.13.post1) and, "
                 "as root, apt-get install -y libibverbs1")
+_MIN_SEGMENT = 16 << 20
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SIZE_RE = re.compile(r"^(\d+)\s*(|B|KiB|MiB|GiB)$")
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -110,6 +111,9 @@ class MooncakeConfig:
         cfg = cls(**kw)
         if cfg.verify not in ("checksum", "length"):
             raise InvalidArgumentError(f"mooncake URL: verify must be 'checksum' or 'length', got {cfg.verify!r}")
+        if 0 < cfg.segment_bytes < _MIN_SEGMENT:
+            raise InvalidArgumentError(f"mooncake URL: segment_bytes must be 0 or >= 16MiB (Mooncake's minimum), "
+                                       f"got {cfg.segment_bytes}")
         if cfg.replicas < 1 or cfg.connect_timeout_ms < 1 or cfg.retry_max_ms < 1:
             raise InvalidArgumentError("mooncake URL: replicas, connect_timeout_ms and retry_max_ms must be >= 1")
         return cfg

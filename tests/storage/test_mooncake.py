@@ -92,7 +92,7 @@ def test_url_parameters_and_defaults():
 
 @pytest.mark.parametrize("url", ["mooncake://h:1?segmnt_bytes=1", "mooncake://h:1?segment_bytes=lots",
                                  "mooncake://h:1?verify=none", "mooncake://h:1?replicas=0", "file:///x",
-                                 "mooncake://h", "mooncake://h:1?retry_max_ms=-1"])
+                                 "mooncake://h", "mooncake://h:1?retry_max_ms=-1", "mooncake://h:1?segment_bytes=4MiB"])
 def test_bad_url_raises(url):
     with pytest.raises(InvalidArgumentError):
         MooncakeConfig.from_url(url)
