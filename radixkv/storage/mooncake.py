@@ -146,6 +146,14 @@ class MooncakeCounters:
         return dict(self.__dict__)
 
 
+def _first_positions(keys: Sequence[str]) -> dict[str, int]:
+    """Each distinct key and the position of its first occurrence, in order."""
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    return first
+
+
 def _reachable(address: str, timeout_s: float) -> bool:
     host, _, port = address.rpartition(":")
     try:
@@ -447,33 +455,49 @@ class MooncakeStorage:
     def batch_get(self, keys: Sequence[str], dst: torch.Tensor) -> list[bool]:
         """Read each page into its row of ``dst``; ``True`` only where the object has exactly the
         page's size and, with ``verify=checksum``, its header (key, xxh3) matches. A ``False``
-        row holds garbage."""
+        row holds garbage. A repeated key is read once and copied to its other rows (the store
+        fills one buffer per key, yet reports every repeat as read)."""
         self._check_rows(keys, dst, "dst")
         n = len(keys)
         with self._call_lock:
             t0 = time.perf_counter()
             self.counters.pages_asked += n
             store = self._usable(n) if n else None
+            first = _first_positions(keys)
             if store is None:
-                self.counters.misses += n
-                return [False] * n
-            mkeys, target, ptrs = self._plan(keys, dst, write=False)
-            if self._checksum:
-                hdr, parts, sizes = self._with_headers(ptrs)
-                codes = [int(c) for c in store.batch_get_into_multi_buffers(mkeys, parts, sizes)]
-                ok = self._verify(mkeys, hdr.numpy(), target.numpy(), codes)
+                ok = np.zeros(n, dtype=bool)
+            elif len(first) == n:
+                ok = self._get(store, keys, dst)
             else:
-                codes = [int(c) for c in store.batch_get_into(mkeys, ptrs, [self.page_bytes] * n)]
-                ok = np.asarray(codes, dtype=np.int64) == self.page_bytes
-            self.counters.read_errors += self._errors(codes, "get")
-            if target is not dst:
-                idx = torch.from_numpy(np.flatnonzero(ok))
-                dst[idx] = target[idx]
+                once = dst[list(first.values())]
+                ok_once = self._get(store, list(first), once)
+                slot = {k: j for j, k in enumerate(first)}
+                which = np.array([slot[k] for k in keys])
+                ok = ok_once[which]
+                hit = np.flatnonzero(ok)
+                dst[torch.from_numpy(hit)] = once[torch.from_numpy(which[hit])]
             hits = int(ok.sum())
             c = self.counters
             c.hits, c.misses, c.bytes_read = c.hits + hits, c.misses + n - hits, c.bytes_read + hits * self.page_bytes
             c.read_seconds += time.perf_counter() - t0
             return [bool(x) for x in ok]
+
+    def _get(self, store: Any, keys: Sequence[str], dst: torch.Tensor) -> np.ndarray:
+        """One read of distinct ``keys`` into ``dst``: which rows now hold their page."""
+        n = len(keys)
+        mkeys, target, ptrs = self._plan(keys, dst, write=False)
+        if self._checksum:
+            hdr, parts, sizes = self._with_headers(ptrs)
+            codes = [int(c) for c in store.batch_get_into_multi_buffers(mkeys, parts, sizes)]
+            ok = self._verify(mkeys, hdr.numpy(), target.numpy(), codes)
+        else:
+            codes = [int(c) for c in store.batch_get_into(mkeys, ptrs, [self.page_bytes] * n)]
+            ok = np.asarray(codes, dtype=np.int64) == self.page_bytes
+        self.counters.read_errors += self._errors(codes, "get")
+        if target is not dst:
+            idx = torch.from_numpy(np.flatnonzero(ok))
+            dst[idx] = target[idx]
+        return ok
 
     def _verify(self, mkeys: Sequence[str], hdr: np.ndarray, rows: np.ndarray, codes: Sequence[int]) -> np.ndarray:
         got = np.asarray(codes, dtype=np.int64) == HEADER_BYTES + self.page_bytes
@@ -487,36 +511,48 @@ class MooncakeStorage:
 
     def batch_set(self, keys: Sequence[str], src: torch.Tensor) -> list[bool]:
         """Write each row of ``src`` under its key (with its header under ``verify=checksum``);
-        ``True`` where stored (an object already there under that key counts as stored)."""
+        ``True`` where stored (an object already there under that key counts as stored). A
+        repeated key is written once, from its first row."""
         self._check_rows(keys, src, "src")
         n = len(keys)
         with self._call_lock:
             t0 = time.perf_counter()
             self.counters.pages_given += n
             store = self._usable(n) if n else None
+            first = _first_positions(keys)
             if store is None:
-                self.counters.write_errors += n
-                return [False] * n
-            mkeys, target, ptrs = self._plan(keys, src, write=True)
-            if self._checksum:
-                hdr, parts, sizes = self._with_headers(ptrs)
-                rows = target.numpy()
-                sums = np.array([xxhash.xxh3_64_intdigest(rows[i]) for i in range(n)], dtype="<u8")
-                h = hdr.numpy()
-                h[:, :16] = np.frombuffer(self._prefix, dtype=np.uint8)
-                h[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
-                h[:, 24:56] = self._digests(mkeys)
-                h[:, 56:] = 0
-                codes = [int(c) for c in store.batch_put_from_multi_buffers(mkeys, parts, sizes, self._replicas)]
+                ok = [False] * n
+            elif len(first) == n:
+                ok = self._set(store, keys, src)
             else:
-                codes = [int(c) for c in store.batch_put_from(mkeys, ptrs, [self.page_bytes] * n, self._replicas)]
-            self._errors(codes, "put")
-            stored = sum(x >= 0 for x in codes)
+                ok_once = self._set(store, list(first), src[list(first.values())])
+                slot = {k: j for j, k in enumerate(first)}
+                ok = [ok_once[slot[k]] for k in keys]
+            stored = sum(ok)
             c = self.counters
             c.writes, c.write_errors = c.writes + stored, c.write_errors + n - stored
             c.bytes_written += stored * self.page_bytes
             c.write_seconds += time.perf_counter() - t0
-            return [x >= 0 for x in codes]
+            return ok
+
+    def _set(self, store: Any, keys: Sequence[str], src: torch.Tensor) -> list[bool]:
+        """One write of distinct ``keys`` from ``src``: which are stored."""
+        n = len(keys)
+        mkeys, target, ptrs = self._plan(keys, src, write=True)
+        if self._checksum:
+            hdr, parts, sizes = self._with_headers(ptrs)
+            rows = target.numpy()
+            sums = np.array([xxhash.xxh3_64_intdigest(rows[i]) for i in range(n)], dtype="<u8")
+            h = hdr.numpy()
+            h[:, :16] = np.frombuffer(self._prefix, dtype=np.uint8)
+            h[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
+            h[:, 24:56] = self._digests(mkeys)
+            h[:, 56:] = 0
+            codes = [int(c) for c in store.batch_put_from_multi_buffers(mkeys, parts, sizes, self._replicas)]
+        else:
+            codes = [int(c) for c in store.batch_put_from(mkeys, ptrs, [self.page_bytes] * n, self._replicas)]
+        self._errors(codes, "put")
+        return [x >= 0 for x in codes]
 
     # ------------------------------------------------------------------ lifecycle
 
