@@ -1,7 +1,8 @@
 """The mooncake:// storage backend against a real ``mooncake_master`` on loopback (TCP).
 
-Each test starts its own master (``tests/storage/conftest.py``); without Mooncake they skip,
-naming what to install. Pages are seeded random bytes; a read is checked bit-equal.
+The fault tests start their own master, the others share one per module, each with its own
+keys (``tests/storage/conftest.py``); without Mooncake they skip, naming what to install.
+Pages are seeded random bytes; a read is checked bit-equal.
 """
 import contextlib
 import hashlib
