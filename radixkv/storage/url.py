@@ -1,6 +1,6 @@
 """A storage backend from its URL (``--storage URL`` / ``EngineConfig.storage``).
 
-* ``file:///DIR[?fsync=0|1&delete_corrupt=0|1]`` -> :class:`~radixkv.storage.file.FileStorage`
+* ``file:///DIR[?fsync=0|1&delete_corrupt=0|1&threads=N]`` -> :class:`~radixkv.storage.file.FileStorage`
   (``DIR`` absolute, percent-decoded; ``file://localhost/DIR`` is accepted too).
 * ``mooncake://HOST:PORT?metadata=URL[&NAME=VALUE...]`` -> ``radixkv.storage.mooncake.
   MooncakeStorage(master_address="HOST:PORT", metadata_url=URL, page_bytes=N, **others)``
@@ -25,7 +25,7 @@ __all__ = ["open_storage", "STORAGE_SCHEMES", "MOONCAKE_EXTRA"]
 STORAGE_SCHEMES = ("file", "mooncake")
 #: The pip extra that installs the Mooncake client.
 MOONCAKE_EXTRA = "mooncake"
-_FILE_OPTIONS = ("fsync", "delete_corrupt")
+_FILE_OPTIONS = ("fsync", "delete_corrupt", "threads")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -85,8 +85,11 @@ def _open_file(url: str, netloc: str, path: str, options: dict[str, str], page_b
     if unknown:
         raise InvalidArgumentError(f"storage URL {url!r}: unknown option(s) {unknown} "
                                    f"(file:// takes {', '.join(_FILE_OPTIONS)})")
+    threads = options.pop("threads", "4")
+    if not threads.isdigit() or int(threads) < 1:
+        raise InvalidArgumentError(f"storage URL {url!r}: option threads={threads!r} is not an int >= 1")
     flags = {k: _flag(url, k, v) for k, v in options.items()}
-    return FileStorage(directory, page_bytes=page_bytes, **flags)
+    return FileStorage(directory, page_bytes=page_bytes, threads=int(threads), **flags)
 
 
 def _open_mooncake(url: str, netloc: str, path: str, options: dict[str, str],

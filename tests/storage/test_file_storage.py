@@ -337,3 +337,49 @@ def test_bad_arguments_raise_and_change_nothing(store, tmp_path):
 def test_stats_add_up():
     a = StorageStats(hits=1, misses=2, bytes_read=3, read_seconds=0.5)
     assert a.plus(a) == StorageStats(hits=2, misses=4, bytes_read=6, read_seconds=1.0)
+
+
+BIG = 3 * (256 << 10) + 100  # several read pieces (radixkv.storage.file._CHUNK), the last one short
+
+
+@pytest.mark.parametrize("damage", ["flip_last", "flip_second_piece", "truncate_1", "truncate_mid", "append_1"])
+def test_large_pages_read_in_pieces(tmp_path, damage):
+    store = FileStorage(tmp_path, page_bytes=BIG, threads=1)
+    keys = _keys(2)
+    src = pages_of(keys, BIG)
+    store.batch_set(keys, src)
+    dst = torch.zeros(2, BIG, dtype=torch.uint8)
+    assert store.batch_get(keys, dst) == [True, True] and torch.equal(dst, src)
+    p = store.path_of(keys[0])
+    b = bytearray(p.read_bytes())
+    if damage == "flip_last":
+        b[-1] ^= 0x80
+    elif damage == "flip_second_piece":
+        b[-BIG + (256 << 10) + 5] ^= 0x01
+    elif damage == "truncate_1":
+        b = b[:-1]
+    elif damage == "truncate_mid":
+        b = b[: len(b) - BIG + (300 << 10)]
+    else:
+        b += b"\0"
+    p.write_bytes(bytes(b))
+    dst.fill_(9)
+    assert store.batch_get(keys, dst) == [False, True]
+    assert torch.equal(dst[1], src[1]) and int(dst[0].max()) == 0
+    assert store.stats().corrupt == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_threads_split_a_batch_in_order(tmp_path, threads):
+    store = FileStorage(tmp_path, page_bytes=PB, threads=threads)
+    keys = _keys(37)
+    src = pages_of(keys, PB)
+    present = [i % 5 != 3 for i in range(37)]
+    want_keys = [k for k, p in zip(keys, present) if p]
+    assert store.batch_set(want_keys, src[torch.tensor(present)]) == [True] * len(want_keys)
+    dst = torch.zeros(37, PB, dtype=torch.uint8)
+    assert store.batch_get(keys, dst) == present
+    assert all(torch.equal(dst[i], src[i]) for i in range(37) if present[i])
+    assert store.stats().hits == sum(present) and store.stats().misses == 37 - sum(present)
+    store.close()
+    assert store.batch_get(keys, dst) == [False] * 37

@@ -16,8 +16,8 @@ def test_file_url(tmp_path):
     assert isinstance(s, FileStorage) and s.root == tmp_path / "a b" and s.page_bytes == 64
     assert not s.fsync and s.delete_corrupt
     assert s.batch_set(["k"], torch.ones(1, 64, dtype=torch.uint8)) == [True]
-    s2 = open_storage(f"file://localhost{tmp_path}/a%20b?fsync=1&delete_corrupt=false", page_bytes=64)
-    assert isinstance(s2, FileStorage) and s2.fsync and not s2.delete_corrupt
+    s2 = open_storage(f"file://localhost{tmp_path}/a%20b?fsync=1&delete_corrupt=false&threads=2", page_bytes=64)
+    assert isinstance(s2, FileStorage) and s2.fsync and not s2.delete_corrupt and s2.threads == 2
     assert s2.batch_exists(["k"]) == 1
 
 
@@ -30,6 +30,8 @@ def test_file_url(tmp_path):
     ("file:///d?fsync=maybe", "fsync='maybe'"),
     ("file:///d?size=3", "unknown option"),
     ("file:///d?fsync=1&fsync=0", "given twice"),
+    ("file:///d?threads=0", "threads='0'"),
+    ("file:///d?threads=two", "threads='two'"),
     ("file:///d?fsync", "bad query"),
     ("file:///d#frag", "fragment"),
     ("mooncake://host?metadata=http://m/metadata", "HOST:PORT"),
