@@ -339,11 +339,11 @@ def test_stats_add_up():
     assert a.plus(a) == StorageStats(hits=2, misses=4, bytes_read=6, read_seconds=1.0)
 
 
-BIG = 3 * (256 << 10) + 100  # several read pieces (radixkv.storage.file._CHUNK), the last one short
+BIG = 3 * (256 << 10) + 100  # a large page, damaged far from its header
 
 
 @pytest.mark.parametrize("damage", ["flip_last", "flip_second_piece", "truncate_1", "truncate_mid", "append_1"])
-def test_large_pages_read_in_pieces(tmp_path, damage):
+def test_large_pages(tmp_path, damage):
     store = FileStorage(tmp_path, page_bytes=BIG, threads=1)
     keys = _keys(2)
     src = pages_of(keys, BIG)
