@@ -205,6 +205,10 @@ class FileStorage:
         """The counters since this object was opened."""
         return self._stats.snapshot()
 
+    def check_invariants(self) -> None:
+        """The counters agree with each other (every byte counted belongs to a counted page)."""
+        self._stats.check_invariants(self.page_bytes)
+
     # ------------------------------------------------------------------ one page
 
     def _map(self, fn: Callable[[int], _T], n: int) -> list[_T]:

@@ -11,10 +11,10 @@ import torch
 from storage_util import pages_of, remount_read_only, tmpfs
 
 from radixkv.contracts import StorageBackend
-from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
 from radixkv.storage.file import FileStorage
 from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
-from radixkv.storage.stats import StorageStats
+from radixkv.storage.stats import StatsRecorder, StorageStats
 
 PB = 4096
 
@@ -332,6 +332,19 @@ def test_bad_arguments_raise_and_change_nothing(store, tmp_path):
     with pytest.raises(InvalidArgumentError):
         FileStorage(tmp_path / "f", page_bytes=PB)
     assert _files(store.root) == [] and store.stats() == StorageStats()
+
+
+def test_check_invariants_names_the_counters():
+    rec = StatsRecorder()
+    rec.add(hits=2, misses=1, corrupt=1, bytes_read=2 * PB)
+    rec.check_invariants(PB)
+    rec.add(read_errors=1)
+    with pytest.raises(InvariantError, match="corrupt \\+ read_errors = 2 > misses = 1"):
+        rec.check_invariants()
+    rec2 = StatsRecorder()
+    rec2.add(writes=1, bytes_written=PB - 1)
+    with pytest.raises(InvariantError, match="bytes_written"):
+        rec2.check_invariants(PB)
 
 
 def test_stats_add_up():

@@ -105,6 +105,7 @@ class FileStorageMachine(RuleBasedStateMachine):
         assert (s.hits, s.misses, s.corrupt, s.writes) == tuple(self.want.values())
         assert s.write_errors == s.read_errors == 0
         assert s.bytes_read == s.hits * PB and s.bytes_written == s.writes * PB
+        self.store.check_invariants()
 
 
 TestFileStorageMachine = FileStorageMachine.TestCase
