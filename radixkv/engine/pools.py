@@ -15,7 +15,6 @@ needs to map them (``radixkv.engine.buffers.attach_buffers``), as plain JSON-abl
 """
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -40,16 +39,8 @@ from radixkv.memory import Arena, HybridLinearKVPool, HybridReqToTokenPool, Mamb
 if TYPE_CHECKING:
     from radixkv.engine.buffers import WorkerBuffers
 
-__all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "HYBRID_TREE_MODULE", "HYBRID_NEEDS_TREE", "plan_arenas",
-           "EnginePools", "build_kv_pool", "build_mamba_pool", "build_tree", "hybrid_tree_available"]
-
-HYBRID_TREE_MODULE = "radixkv.cache.mamba_radix_cache"
-HYBRID_NEEDS_TREE = f"hybrid prefix caching needs {HYBRID_TREE_MODULE}"
-
-
-def hybrid_tree_available() -> bool:
-    """Whether the Mamba-aware radix tree module is installed."""
-    return importlib.util.find_spec(HYBRID_TREE_MODULE) is not None
+__all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "plan_arenas",
+           "EnginePools", "build_kv_pool", "build_mamba_pool", "build_tree"]
 
 
 class EnginePools:
@@ -174,12 +165,9 @@ def build_tree(pools: EnginePools) -> RadixCache:
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states only at request ends and branch-off points; ``none`` disables the
     cache; KV-only trees treat ``branch`` like ``every``), ``checks`` turns on its free-mask lookups of the slots
-    handed in. ``InvalidArgumentError(HYBRID_NEEDS_TREE)`` when that module is missing.
-    O(1) (empty trees)."""
+    handed in. O(1) (empty trees)."""
     c = pools.config
     if c.is_hybrid:
-        if not hybrid_tree_available():
-            raise InvalidArgumentError(HYBRID_NEEDS_TREE)
         from radixkv.cache.mamba_radix_cache import MambaRadixCache
 
         return MambaRadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
