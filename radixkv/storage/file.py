@@ -9,7 +9,8 @@ none. fsync is off by default: a killed process leaves no visible partial page e
 after a power loss a torn page fails its checksum and is a miss; ``fsync=True`` syncs the file
 before the rename and the directory after, for durability. Any unusable file is a counted miss,
 never an error nor wrong bytes; write failures are counted and logged once per kind. Pages are
-never evicted here (capacity is the disk's); temp files of a killed writer stay until removed.
+never evicted here (capacity is the disk's); :meth:`FileStorage.sweep_temp_files` removes a
+killed writer's temp files.
 """
 from __future__ import annotations
 
@@ -204,6 +205,23 @@ class FileStorage:
     def stats(self) -> StorageStats:
         """The counters since this object was opened."""
         return self._stats.snapshot()
+
+    def sweep_temp_files(self, older_than_s: float = 600.0) -> int:
+        """Delete temp files (a killed writer's) last modified over ``older_than_s`` ago, so
+        none a live writer still fills; returns how many. O(files under the root)."""
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for d, _dirs, files in os.walk(self._pages_str):
+            for f in files:
+                if not f.startswith(_TMP_MARK):
+                    continue
+                try:
+                    if os.stat(f"{d}/{f}").st_mtime < cutoff:
+                        os.unlink(f"{d}/{f}")
+                        removed += 1
+                except OSError:
+                    continue
+        return removed
 
     def check_invariants(self) -> None:
         """The counters agree with each other (every byte counted belongs to a counted page)."""

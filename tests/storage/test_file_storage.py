@@ -396,3 +396,17 @@ def test_threads_split_a_batch_in_order(tmp_path, threads):
     assert store.stats().hits == sum(present) and store.stats().misses == 37 - sum(present)
     store.close()
     assert store.batch_get(keys, dst) == [False] * 37
+
+
+def test_sweep_removes_only_old_temp_files(store):
+    keys = _keys(2)
+    store.batch_set(keys, pages_of(keys, PB))
+    d = store.path_of(keys[0]).parent
+    old, fresh = d / ".tmp-x.page.1.2.3", d / ".tmp-y.page.1.2.4"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(old, (1, 1))
+    assert store.sweep_temp_files(older_than_s=600) == 1
+    assert not old.exists() and fresh.exists()
+    assert store.batch_exists(keys) == 2
+    assert store.sweep_temp_files(older_than_s=-1) == 1 and not fresh.exists()
