@@ -20,9 +20,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from tooling.mooncake_master import mooncake_missing
 
 from radixkv.contracts import StorageBackend
-from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.errors import InvalidArgumentError, LengthMismatchError, MissingDependencyError
 from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
 from radixkv.storage.mooncake import INSTALL_HINT, MooncakeConfig, MooncakeStorage
+from radixkv.storage.url import open_storage
 
 PB = 4096  # page bytes
 PAGE = 4  # tokens per page
@@ -46,7 +47,9 @@ def _pages(n: int, seed: int) -> torch.Tensor:
 
 
 def _open(url: str, rows: int = 300) -> tuple[MooncakeStorage, torch.Tensor]:
-    backend = MooncakeStorage.from_url(url, PB)
+    """A backend opened as a manager opens one (``open_storage``) and its registered buffer."""
+    backend = open_storage(url, page_bytes=PB)
+    assert isinstance(backend, MooncakeStorage)
     buf = torch.zeros((rows, PB), dtype=torch.uint8)
     backend.register_buffer(buf)
     return backend, buf
@@ -126,7 +129,7 @@ def test_built_as_open_storage_builds_it():
 
 def test_without_mooncake_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as where it is missing
-    with pytest.raises(ImportError, match="libibverbs1"):
+    with pytest.raises(MissingDependencyError, match="libibverbs1"):
         MooncakeStorage.from_url("mooncake://127.0.0.1:1", PB)
 
 
@@ -201,6 +204,7 @@ def test_master_down_at_start_then_connects(mooncake_master):
         assert backend.batch_exists(keys) == 0
         assert backend.batch_get(keys, buf[4:8]) == [False] * 4
         assert not backend.connected and backend.counters.unavailable == 8
+        assert backend.stats()[:6] == (0, 4, 0, 0, 0, 4)  # hits, misses, corrupt, read errors, writes, errors
         backend.check_invariants()
         mooncake_master.start()
         assert backend.wait_connected(CONNECT_S)
@@ -226,10 +230,10 @@ def test_master_killed_mid_run_and_restarted(mooncake_master):
         assert backend.batch_get(keys, buf[8:16]) == [False] * 8
         assert backend.batch_set(keys, buf[:8]) == [False] * 8
         assert backend.batch_exists(keys) == 0
-        c = backend.counters
-        assert not backend.connected and c.disconnects == 1
-        assert c.misses == 8 and c.write_errors == 8  # the failed RPC, or the idle probe first:
-        assert c.read_errors + c.unavailable >= 8  # either way counted
+        st = backend.stats()
+        assert not backend.connected and backend.counters.disconnects == 1
+        assert st.misses == 8 and st.write_errors == 8  # the failed RPC, or the idle probe first:
+        assert st.read_errors + backend.counters.unavailable >= 8  # either way counted
         mooncake_master.start()
         assert backend.wait_connected(CONNECT_S)
         buf[8:16] = 0
@@ -268,7 +272,7 @@ def test_store_eviction_under_pressure_never_returns_wrong_bytes(mooncake_master
         hits = np.flatnonzero(got)
         assert torch.equal(buf[hits], pages[hits])
         assert any(w and not g for w, g in zip(wrote, got))  # written, then evicted: a miss
-        assert backend.counters.corrupt == 0
+        assert backend.stats().corrupt == 0
 
 
 def test_corrupt_page_is_a_miss_with_checksums(shared_mooncake, raw_store, ns):
@@ -281,7 +285,7 @@ def test_corrupt_page_is_a_miss_with_checksums(shared_mooncake, raw_store, ns):
         blob[-1] ^= 0xFF  # one payload bit pattern changed, header intact
         assert raw_store.remove(name, True) == 0 and raw_store.put(name, bytes(blob)) == 0
         assert backend.batch_get(keys, buf[2:4]) == [True, False]
-        assert backend.counters.corrupt == 1
+        assert backend.stats().corrupt == 1
 
 
 def test_other_layout_or_page_size_is_never_loaded(shared_mooncake, ns):
@@ -385,9 +389,11 @@ def test_batches_round_trip(shared_mooncake, ns, verify):
 
 def test_bad_arguments_raise_and_change_nothing():
     _need_mooncake()
-    backend, buf = _open("mooncake://127.0.0.1:1")  # nothing listens: checks come first
+    backend = MooncakeStorage.from_url("mooncake://127.0.0.1:1", PB)  # nothing listens: checks come first
+    buf = torch.zeros((2, PB), dtype=torch.uint8)
+    backend.register_buffer(buf)
     try:
-        before = backend.counters.snapshot()
+        before = backend.stats(), backend.counters.snapshot()
         with pytest.raises(InvalidArgumentError):
             backend.batch_get(_keys(2), torch.zeros((2, PB), dtype=torch.int32))
         with pytest.raises(InvalidArgumentError):
@@ -398,7 +404,7 @@ def test_bad_arguments_raise_and_change_nothing():
             backend.register_buffer(torch.zeros(8, dtype=torch.float32))
         with pytest.raises(InvalidArgumentError):
             MooncakeStorage.from_url("mooncake://127.0.0.1:1", 0)
-        assert backend.counters.snapshot() == before
+        assert (backend.stats(), backend.counters.snapshot()) == before
     finally:
         backend.close()
     assert backend.batch_get(_keys(1), buf[:1]) == [False]  # closed: a miss, no error
