@@ -211,7 +211,7 @@ def test_embedded_engine_issue_case(ps):
     2.5 pages, decode one token, finish; the same prompt again gets the last page end with a
     state hit (tracking is on by default at page sizes > 1), and its logits equal a
     from-scratch run."""
-    from radixkv.demo_workers import engine_config_for
+    from radixkv.demo.workers import engine_config_for
     from radixkv.engine import CacheEngine
     from radixkv.engine.protocol import DecodeItem, ExtendItem
     from radixkv.reference import HybridConfig, HybridModel, ModelCache
