@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_hybrid_end_to_end import VOCAB, Runner, toks
 
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.memory import HybridReqToTokenPool
 from radixkv.scheduler.req import Req

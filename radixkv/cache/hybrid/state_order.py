@@ -1,5 +1,5 @@
 """What the state eviction orders of a
-:class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` keep up to date as states come and
+:class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` keep up to date as states come and
 go (pure bookkeeping): ``StateHeap``, the incremental least-recently-used order of the Mamba
 states, and ``StateAncestors``, the position of each state's nearest state ancestor (the
 ``flop`` order's marginal utility).

@@ -2,7 +2,7 @@
 token position; which nodes requests pin; the validation of slots handed to the tree; and
 the table's own audit (pure bookkeeping: no state tensor is touched here, only the pool's
 free mask is read). The hybrid tree's audit and the slot conservation law are in
-:mod:`radixkv.cache.mamba_audit`.
+:mod:`radixkv.cache.hybrid.mamba_audit`.
 
 A node's state is the recurrent state after the node's LAST token: ``end[slot]`` is that
 position, counted from the start of the sequence (the node's depth in tokens). It never
@@ -15,9 +15,9 @@ while its node is pinned and *evictable* otherwise; a node that gains a state wh
 is protected at once. Hence, for every node, ``lock_ref == sum of pins over its subtree``.
 
 The LRU order of the states is kept incrementally in ``lru``, a
-:class:`~radixkv.cache.state_order.StateHeap` that :meth:`StateTable.attach` /
+:class:`~radixkv.cache.hybrid.state_order.StateHeap` that :meth:`StateTable.attach` /
 :meth:`StateTable.detach` keep up to date (O(log S) amortized per attach, O(1) per detach);
-for the ``flop`` order, ``anc`` (a :class:`~radixkv.cache.state_order.StateAncestors`) keeps
+for the ``flop`` order, ``anc`` (a :class:`~radixkv.cache.hybrid.state_order.StateAncestors`) keeps
 each state's nearest state ancestor position (O(tombstones around the node) per attach /
 detach).
 
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from radixkv.cache.state_order import StateAncestors, StateHeap
+from radixkv.cache.hybrid.state_order import StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
 if TYPE_CHECKING:
-    from radixkv.cache.state_events import HybridEventRecorder
+    from radixkv.cache.hybrid.state_events import HybridEventRecorder
     from radixkv.cache.tree_node import TreeNode
     from radixkv.contracts import StatePool
 
@@ -267,7 +267,7 @@ class StateTable:
 
 class EventStateTable(StateTable):
     """A :class:`StateTable` that reports every state gained or lost to ``events`` (a
-    :class:`~radixkv.cache.state_events.HybridEventRecorder`): :meth:`attach` records
+    :class:`~radixkv.cache.hybrid.state_events.HybridEventRecorder`): :meth:`attach` records
     ``StateStored(node.block_hashes[-1], end)``, :meth:`detach` ``StateRemoved([node.block_hashes[-1]])``
     (before the ``BlockRemoved`` of a node that goes too), each before the table changes (the
     recorder validates before it records, so a refusal leaves both as they were). The cache

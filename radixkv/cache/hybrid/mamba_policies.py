@@ -1,4 +1,4 @@
-"""Policies of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` for its Mamba
+"""Policies of the :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` for its Mamba
 states: which states the tree *admits*, and in which order it *evicts* them.
 
 Admission (``admission_policy=``):
@@ -21,12 +21,12 @@ State eviction order (``state_eviction_policy=``), over the unpinned nodes holdi
   a long shared prefix outlives a shallow one used as recently.
 
 Costs, for S states in the tree: ``lru`` pops its victims off the tree's incremental LRU
-heap (:mod:`radixkv.cache.state_order`): O(log S) amortized per victim, the same victims,
+heap (:mod:`radixkv.cache.hybrid.state_order`): O(log S) amortized per victim, the same victims,
 in the same order, as a stable sort of the unpinned states by ``last_access`` (ties in
 attach order), and nothing added to the match path. ``flop`` normalises recency and utility
 over all candidates, so it ranks all of them at each eviction: O(S log S), vectorized; the
 nearest state ancestor of every state is kept by the tree as states come and go
-(``StateAncestors`` in :mod:`radixkv.cache.state_order`, asked for by the order's
+(``StateAncestors`` in :mod:`radixkv.cache.hybrid.state_order`, asked for by the order's
 ``needs_ancestors``), so no eviction walks the tree. An order that only defines
 :meth:`StateEvictionOrder.order` gets the full ranking too.
 """
@@ -46,7 +46,7 @@ from radixkv.errors import InvalidArgumentError
 from radixkv.validation import check_count
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
     from radixkv.cache.tree_node import TreeNode
 
 __all__ = [
