@@ -1,5 +1,4 @@
-"""The scheduler flow around the cache (seed section 5; SGLang's mem_cache/common.py)."""
-from radixkv.cache.kv_conservation import Conservation, check_conservation, conservation
+"""The scheduler flow around the cache (SGLang's mem_cache/common.py)."""
 from radixkv.scheduler.batch import Batch, ForwardMode
 from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
