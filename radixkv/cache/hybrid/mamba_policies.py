@@ -1,4 +1,4 @@
-"""Policies of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` for its Mamba
+"""Policies of the :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` for its Mamba
 states: which states the tree *admits*, and in which order it *evicts* them.
 
 Admission: ``every`` (SGLang's: every chunk end and request end) or ``branch`` (Marconi:
@@ -8,7 +8,7 @@ utility per state byte plus recency, both normalised; lowest ``recency + alpha *
 first).
 
 Costs for S states: ``lru`` pops victims off the incremental heap of
-:mod:`radixkv.cache.state_order`, O(log S) amortized each, nothing on the match path;
+:mod:`radixkv.cache.hybrid.state_order`, O(log S) amortized each, nothing on the match path;
 ``flop`` ranks all candidates at each eviction, O(S log S) vectorized, with the nearest
 state ancestors kept incrementally. Details: ``docs/internals.md``, "State admission and
 eviction orders".
@@ -29,7 +29,7 @@ from radixkv.errors import InvalidArgumentError
 from radixkv.validation import check_count
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
     from radixkv.cache.tree_node import TreeNode
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The audit of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` (its methods
+"""The audit of the :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` (its methods
 ``check_invariants``, ``check_state_conservation`` and ``pretty_print`` call the functions
 here) and the Mamba slot conservation law (:class:`StateConservation`, :func:`audit_slots`):
 every slot of the pool is exactly one of free, a tree state, or a running request's own.
@@ -16,7 +16,7 @@ from radixkv.cache.kv_conservation import RunningRequest, check_conservation
 from radixkv.errors import InvariantError, describe_ids
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
     from radixkv.cache.tree_node import TreeNode
     from radixkv.contracts import StatePool
 
