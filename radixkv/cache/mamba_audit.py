@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from radixkv.cache import tree_audit
 from radixkv.cache.kv_conservation import RunningRequest, check_conservation
 from radixkv.errors import InvariantError, describe_ids
 
@@ -140,10 +139,10 @@ def _mapped_slots(cache: MambaRadixCache) -> dict[int, str]:
     return held
 
 
-def pretty_print(cache: MambaRadixCache, states: StateTable, max_tokens: int = 8) -> str:
-    """RadixCache's print, each node's state slot in ``states`` (``-`` for a tombstone), the
-    counts."""
-    lines = tree_audit.pretty_print(cache, max_tokens).split("\n")
+def pretty_print(cache: MambaRadixCache, states: StateTable, tree_text: str) -> str:
+    """RadixCache's print ``tree_text`` with each node's state slot in ``states`` (``-`` for a
+    tombstone), and the state counts."""
+    lines = tree_text.split("\n")
     by_id = {n.id: s for n, s in states.slot_of.items()}
     for i, line in enumerate(lines):
         head = line.lstrip()

@@ -415,7 +415,7 @@ class MambaRadixCache(RadixCache):
 
     def pretty_print(self, max_tokens: int = 8) -> str:
         """RadixCache's print, each node's state slot, the counts (:func:`radixkv.cache.mamba_audit.pretty_print`)."""
-        return mamba_audit.pretty_print(self, self._states, max_tokens)
+        return mamba_audit.pretty_print(self, self._states, RadixCache.pretty_print(self, max_tokens))
 
     # ------------------------------------------------------------------ helpers
     def _attach(self, node: TreeNode, slot: int, end: int) -> None:
