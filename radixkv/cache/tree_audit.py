@@ -28,9 +28,8 @@ def _fail(msg: str, ids: Iterable[int]) -> None:
 
 def check_invariants(cache: RadixCache, heads: Mapping[Hashable, NamespaceHead], leaves: LeafIndex[TreeNode],
                      sort_key: Callable[[TreeNode], Any], lazy: bool) -> None:
-    """Raise :class:`InvariantError` naming the offending node ids / rows unless (``heads``,
-    ``leaves``, ``sort_key``, ``lazy``: the cache's namespace heads, evictable-leaf index,
-    policy key and whether it files lazily):
+    """Raise :class:`InvariantError` naming the offending node ids / rows unless (over the
+    cache's ``heads``, leaf index ``leaves``, policy key ``sort_key``, filing mode ``lazy``):
 
     * every namespace head is registered, empty, locked once, and (but the ``None`` one)
       has children; every child's ``parent`` and dict key (its first page) are right, and
