@@ -343,8 +343,9 @@ def evict(cache: MambaRadixCache, num_tokens: int, num_states: int = 0) -> Mamba
 
 def _evict_leaves(cache: MambaRadixCache, num_tokens: int, rows: list[bytes], slots: list[int]) -> int:
     evicted = 0
+    leaves, stale_key = cache._leaves, cache._sort_key if cache._lazy else None
     while evicted < num_tokens:
-        node = pop_victim(cache)
+        node = pop_victim(leaves, stale_key)
         if node is None:
             break
         evicted += _remove_leaf(cache, node, rows, slots)

@@ -366,16 +366,18 @@ class MambaRadixCache(RadixCache):
     def check_invariants(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
         """RadixCache's audit, the state table's, and both conservation laws (KV slots given
         ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
-        :func:`radixkv.cache.hybrid.mamba_audit.check_invariants`)."""
-        mamba_audit.check_invariants(self, running_reqs)
+        :func:`radixkv.cache.hybrid.mamba_audit.check_slot_laws`)."""
+        super().check_invariants()
+        self._states.check(self._heads.values())
+        mamba_audit.check_slot_laws(self, running_reqs)
 
     def check_state_conservation(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> StateConservation:
         """The Mamba slot law, exact (contract: :func:`radixkv.cache.hybrid.mamba_audit.check_state_conservation`)."""
-        return mamba_audit.check_state_conservation(self, running_reqs)
+        return mamba_audit.check_state_conservation(self, self._states, running_reqs)
 
     def pretty_print(self, max_tokens: int = 8) -> str:
         """RadixCache's print, each node's state slot, the counts (:func:`.mamba_audit.pretty_print`)."""
-        return mamba_audit.pretty_print(self, max_tokens)
+        return mamba_audit.pretty_print(self, self._states, RadixCache.pretty_print(self, max_tokens))
 
     # ------------------------------------------------------------------ helpers
     def _attach(self, node: TreeNode, slot: int, end: int) -> None:
