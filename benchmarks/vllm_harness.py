@@ -44,13 +44,15 @@ def _engine_main(conn, kwargs, env):
             if cmd == "stop":
                 break
             if cmd == "generate":
-                prompts, max_tokens, timed = args
+                prompts, max_tokens, timed, salt = args
                 sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
                 batches = [[p] for p in prompts] if timed else [prompts]
+                salted = {"cache_salt": salt} if salt else {}
                 res = []
                 for batch in batches:
                     t0 = time.perf_counter()
-                    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in batch], sp, use_tqdm=False)
+                    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p), **salted) for p in batch], sp,
+                                        use_tqdm=False)
                     dt = time.perf_counter() - t0
                     res += [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0), dt) for o in outs]
                 conn.send(("ok", res if timed else [r[:2] for r in res]))
@@ -88,10 +90,10 @@ class EngineProcess:
     def wait_ready(self, timeout_s=900):
         self._reply(timeout_s)
 
-    def generate(self, prompts, max_tokens=16, timeout_s=300, timed=False):
+    def generate(self, prompts, max_tokens=16, timeout_s=300, timed=False, salt=None):
         """``[(tokens, num_cached_tokens)]`` (``timed``: ``[(tokens, cached, seconds)]``, one
-        prompt at a time)."""
-        self._conn.send(("generate", [list(map(int, p)) for p in prompts], max_tokens, timed))
+        prompt at a time; ``salt``: vLLM's ``cache_salt``, a cache namespace of its own)."""
+        self._conn.send(("generate", [list(map(int, p)) for p in prompts], max_tokens, timed, salt))
         return self._reply(timeout_s)
 
     def metrics(self):

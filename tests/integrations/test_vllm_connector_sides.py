@@ -23,17 +23,6 @@ from radixkv.integrations.vllm.scheduler_side import ScheduledReq, vllm_slots
 from radixkv.integrations.vllm.worker_side import WorkerSide
 
 
-@pytest.fixture(scope="module")
-def manager(tmp_path_factory):
-    cfg = EngineConfig(kv_tokens=64, page_size=BS, layer_types="F" * LAYERS, head_num=HEADS, head_dim=HD,
-                       kv_dtype="float32", request_rows=8, max_context_len=128)
-    with ThreadedServer(cfg) as srv:
-        tok = tmp_path_factory.mktemp("tok") / "token"
-        tok.write_text(srv.token)
-        srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
-        yield srv
-
-
 def test_b_loads_exactly_what_a_saved(manager):
     a, b = Engine(manager.cfg, seed=1), Engine(manager.cfg, seed=2)
     prompt = list(range(100, 114))  # 3 whole blocks + 2 tokens

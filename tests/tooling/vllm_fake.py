@@ -1,13 +1,14 @@
 """A fake vLLM engine for the connector's tests without vLLM: its scheduler and worker halves
-(``SchedulerSide`` + ``WorkerSide``) and a paged KV cache in vLLM's CPU layout
-``[blocks, kv_heads, block_size, 2 * head_dim]``, stepped in the connector's order."""
+(``SchedulerSide`` + one ``WorkerSide`` per tensor-parallel rank) and a paged KV cache per rank
+in vLLM's CPU layout ``[blocks, rank's kv_heads, block_size, 2 * head_dim]``, stepped in the
+connector's order (the ranks' save reports merged as vLLM aggregates them)."""
 import torch
 
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
-from radixkv.integrations.vllm.layout import KVShape, paged_kv_views
+from radixkv.integrations.vllm.layout import KVShape, head_shard, paged_kv_views
 from radixkv.integrations.vllm.link import ManagerLink
 from radixkv.integrations.vllm.scheduler_side import SchedulerSide, vllm_slots
-from radixkv.integrations.vllm.worker_side import WorkerSide
+from radixkv.integrations.vllm.worker_side import SaveReport, WorkerSide
 
 BS, HEADS, HD, LAYERS = 4, 2, 8, 2
 SHAPE = KVShape(LAYERS, HEADS, HD, "float32", BS)
@@ -17,9 +18,10 @@ KEY = "vllm|test-model"
 class Engine:
     """One fake vLLM engine. ``index``: give the scheduler side a first-block index, fed from
     the manager's events unless ``feed=False`` (then it is empty and ready: every request is
-    an index miss)."""
+    an index miss). ``tp``: tensor-parallel ranks (``workers[r]`` holds rank ``r``'s heads in
+    ``kvs[r]``; ``worker`` / ``kv``: rank 0's)."""
 
-    def __init__(self, cfg, blocks=16, seed=0, index=False, feed=True):
+    def __init__(self, cfg, blocks=16, seed=0, index=False, feed=True, tp=1):
         self.index = FirstBlockIndex(BS) if index else None
         self.sched = SchedulerSide(ManagerLink(cfg, "sched"), BS, self.index)
         self.sched.link.get(force=True)  # as the connector does at engine start
@@ -29,34 +31,51 @@ class Engine:
                 self.feed = IndexFeed(self.index, self.sched.link).start()
             else:
                 self.index.reset(ready=True)
-        self.worker = WorkerSide(ManagerLink(cfg, "worker", keepalive=False, background=False), SHAPE)
         g = torch.Generator().manual_seed(seed)
-        self.kv = [torch.randn(blocks, HEADS, BS, 2 * HD, generator=g) for _ in range(LAYERS)]
-        self.worker.register([(f"model.layers.{i}.attn", t) for i, t in enumerate(self.kv)])
+        self.shards = [head_shard(HEADS, tp, r) for r in range(tp)]
+        self.workers, self.kvs = [], []
+        for r, shard in enumerate(self.shards):
+            w = WorkerSide(ManagerLink(cfg, f"worker{r}", keepalive=False, background=False), SHAPE, shard)
+            kv = [torch.randn(blocks, shard.num, BS, 2 * HD, generator=g) for _ in range(LAYERS)]
+            w.register([(f"model.layers.{i}.attn", t) for i, t in enumerate(kv)])
+            self.workers.append(w)
+            self.kvs.append(kv)
+        self.worker, self.kv = self.workers[0], self.kvs[0]
 
     def step(self, scheduled, blocks_of, finish_before_report=()):
         """One step: loads, saves, the worker's report (``finish_before_report``: requests
         vLLM finishes before the report arrives). Returns (plan, failed load blocks); the
         requests the plan finishes are in ``self.sent`` (vLLM would free their blocks)."""
         plan = self.sched.build_plan(scheduled, lambda rid: blocks_of[rid])
-        failed_blocks = self.worker.load(plan.loads)
-        saved, failed = self.worker.save(plan.saves)
+        failed_blocks = set().union(*(w.load(plan.loads) for w in self.workers))
+        report = None
+        for w in self.workers:
+            mine = SaveReport()
+            mine.add(*w.save(plan.saves))
+            report = mine if report is None else SaveReport(*report.merged(mine))
         self.sent = list(plan.finish)
         for rid in finish_before_report:
             self.sched.finished(rid)
-        self.sched.on_worker_report(saved, failed)
+        self.sched.on_worker_report(*report.complete(len(self.workers)))
         self.sched.check_invariants()
         return plan, failed_blocks
 
     def token_kv(self, blocks, n):
-        """K/V of tokens [0, n) of a request with ``blocks``: [layers, n, heads, hd] each."""
+        """K/V of tokens [0, n) of a request with ``blocks``: [layers, n, heads, hd] each (every
+        head once: from the rank that writes it)."""
         slots = torch.from_numpy(vllm_slots(blocks, 0, n, BS))
         ks, vs = [], []
-        for t in self.kv:
-            k, v = paged_kv_views(t, BS, HEADS, HD)
-            ks.append(k[slots // BS, slots % BS])
-            vs.append(v[slots // BS, slots % BS])
-        return torch.stack(ks), torch.stack(vs)
+        for kv, shard in zip(self.kvs, self.shards, strict=True):
+            if not shard.writes:
+                continue
+            kl, vl = [], []
+            for t in kv:
+                k, v = paged_kv_views(t, BS, shard.num, HD)
+                kl.append(k[slots // BS, slots % BS])
+                vl.append(v[slots // BS, slots % BS])
+            ks.append(torch.stack(kl))
+            vs.append(torch.stack(vl))
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     def close(self):
         if self.feed is not None:

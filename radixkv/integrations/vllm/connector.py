@@ -27,8 +27,10 @@ Loads are synchronous (done before the forward that reads them); saves complete 
 step returns (a deferred save: in a later step, after the request if it finished). Every
 hook catches its own failures: a manager fault makes the engine serve without the shared cache
 (warning log, counters in ``RadixKVStats``), never crash it.
-Hybrid (Mamba / linear-attention / sliding-window) and MLA models, quantized KV caches and
-tensor / pipeline parallel engines are refused at start-up.
+Tensor parallel: every rank's worker copies its own KV heads of the same manager rows (which
+hold all heads), and a save counts only once every rank reported it. Hybrid (Mamba /
+linear-attention / sliding-window) and MLA models, quantized KV caches, pipeline and context
+parallel engines are refused at start-up.
 """
 from __future__ import annotations
 
@@ -51,10 +53,10 @@ from radixkv.engine.protocol import AttachInfo
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.config import ConnectorConfig
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
-from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, dtype_name
+from radixkv.integrations.vllm.layout import HeadShard, KVShape, LayoutMismatchError, dtype_name, head_shard
 from radixkv.integrations.vllm.link import ManagerClient, ManagerLink
 from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide
-from radixkv.integrations.vllm.worker_side import WorkerSide
+from radixkv.integrations.vllm.worker_side import SaveReport, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,20 +85,13 @@ class RadixKVConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: ``saved[req_id]``: saved up to this token; ``failed``:
-    requests whose save failed."""
-
-    saved: dict[str, int] = field(default_factory=dict)
-    failed: set[str] = field(default_factory=set)
+class RadixKVWorkerMetadata(SaveReport, KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step (:class:`SaveReport`); vLLM aggregates the ranks' reports."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, RadixKVWorkerMetadata):
             return self
-        saved = dict(self.saved)
-        for k, v in other.saved.items():  # a request is saved as far as every worker saved it
-            saved[k] = min(saved[k], v) if k in saved else v
-        return RadixKVWorkerMetadata(saved, self.failed | other.failed)
+        return RadixKVWorkerMetadata(*self.merged(other))
 
 
 @dataclass
@@ -133,6 +128,15 @@ class _Deltas:
         return out
 
 
+#: Parallel modes refused at start, and why (tensor parallel is supported: each rank copies its heads).
+_REFUSED_PARALLEL = {
+    "pipeline_parallel_size": "each pipeline stage holds the KV of its own layers only, and the connector "
+                              "copies every layer of a block in one worker",
+    "prefill_context_parallel_size": "each rank holds part of a request's tokens, not whole blocks",
+    "decode_context_parallel_size": "each rank holds part of a request's tokens, not whole blocks",
+}
+
+
 def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
     mc = vllm_config.model_config
     if getattr(mc, "is_hybrid", False):
@@ -147,10 +151,10 @@ def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig 
         raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only FullAttentionSpec "
                                    "(full attention in every layer) is supported")
     pc = vllm_config.parallel_config
-    if int(getattr(pc, "world_size", 1)) > 1:
-        raise InvalidArgumentError(
-            f"RadixKVConnector: tensor/pipeline parallel engines (world size {pc.world_size}) are not "
-            "supported: every rank would write its shard of the heads into the same manager rows")
+    for key, why in _REFUSED_PARALLEL.items():
+        if int(getattr(pc, key, 1) or 1) > 1:
+            raise InvalidArgumentError(f"RadixKVConnector: {key}={getattr(pc, key)} is not supported: {why}")
+    head_shard(int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size), 0)  # heads split over the ranks
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise InvalidArgumentError(f"RadixKVConnector: kv_cache_dtype {cache_dtype!r} is not supported "
@@ -168,9 +172,18 @@ def _defer_misses(cfg: ConnectorConfig) -> bool:
 
 
 def _kv_shape(vllm_config: VllmConfig) -> KVShape:
+    """The model's KV shape with all its KV heads (what the manager's rows hold at any TP)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    return KVShape(int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()),
+    return KVShape(int(mc.get_num_layers(pc)), int(mc.get_total_num_kv_heads()), int(mc.get_head_size()),
                    dtype_name(mc.dtype), int(vllm_config.cache_config.block_size))
+
+
+def _own_heads(vllm_config: VllmConfig, shape: KVShape) -> HeadShard:
+    """This worker's KV heads (its tensor-parallel rank's share)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return head_shard(shape.kv_heads, tp, int(get_tensor_model_parallel_rank()) if tp > 1 else 0)
 
 
 class RadixKVConnector(KVConnectorBase_V1):
@@ -187,6 +200,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._cfg.recompute_load_failures and tc.kv_load_failure_policy != "recompute":
             tc.kv_load_failure_policy = "recompute"  # a cache: a lost entry is recomputed, not an error
         self._shape = _kv_shape(vllm_config)
+        self._world_size = int(vllm_config.parallel_config.world_size)  # workers reporting each step
         self._namespace = self._cfg.namespace or str(vllm_config.model_config.model)
         self._deltas = _Deltas()
         self._sched: SchedulerSide | None = None
@@ -205,8 +219,9 @@ class RadixKVConnector(KVConnectorBase_V1):
             if index is not None:
                 self._feed = IndexFeed(index, link).start()
         else:
-            link = ManagerLink(self._cfg, "vllm-worker", keepalive=False, background=False)
-            self._worker = WorkerSide(link, self._shape)
+            shard = _own_heads(vllm_config, self._shape)
+            link = ManagerLink(self._cfg, f"vllm-worker-heads{shard.first}", keepalive=False, background=False)
+            self._worker = WorkerSide(link, self._shape, shard)
 
     def _check_manager(self, client: ManagerClient, info: AttachInfo) -> None:
         from radixkv.integrations.vllm.layout import check_same_shape, manager_kv_shape
@@ -243,8 +258,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata):
             return
         if meta.saves:
-            saved, failed = self._worker.save(meta.saves)
-            self._report = RadixKVWorkerMetadata({**self._report.saved, **saved}, self._report.failed | failed)
+            self._report.add(*self._worker.save(meta.saves))
         self._sent.update(meta.finish)  # saved or failed: vLLM may free their blocks now
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -332,7 +346,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         try:
             if isinstance(meta, RadixKVWorkerMetadata):
-                self._sched.on_worker_report(meta.saved, meta.failed)
+                self._sched.on_worker_report(*meta.complete(self._world_size))
             else:
                 self._sched.on_worker_report({})
         except Exception:

@@ -26,8 +26,8 @@ import torch
 
 from radixkv.errors import InvalidArgumentError
 
-__all__ = ["KVShape", "LayoutMismatchError", "RowGeometry", "paged_kv_views", "row_geometry", "manager_kv_shape",
-           "check_same_shape"]
+__all__ = ["KVShape", "HeadShard", "LayoutMismatchError", "RowGeometry", "paged_kv_views", "row_geometry",
+           "manager_kv_shape", "check_same_shape", "head_shard"]
 
 
 class LayoutMismatchError(InvalidArgumentError):
@@ -46,6 +46,33 @@ class KVShape(NamedTuple):
     def describe(self) -> str:
         return (f"layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
                 f"dtype={self.dtype}, page_size={self.page_size}")
+
+
+class HeadShard(NamedTuple):
+    """The KV heads one tensor-parallel rank holds: ``[first, first + num)`` of the
+    manager's rows (which hold every head); ``writes``: this rank saves them (False for
+    all but the first of the ranks that hold the same replicated heads)."""
+
+    first: int
+    num: int
+    writes: bool = True
+
+
+def head_shard(total_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """vLLM's split of ``total_heads`` KV heads over ``tp_size`` ranks (``QKVParallelLinear``):
+    ``total / tp`` heads each, or one head replicated on ``tp / total`` ranks when
+    ``tp > total``. Raises ``LayoutMismatchError`` when neither divides the other."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise LayoutMismatchError(f"tensor-parallel rank {tp_rank} of {tp_size}")
+    if total_heads >= tp_size:
+        if total_heads % tp_size:
+            raise LayoutMismatchError(f"{total_heads} KV heads do not split over {tp_size} tensor-parallel ranks")
+        per = total_heads // tp_size
+        return HeadShard(tp_rank * per, per)
+    if tp_size % total_heads:
+        raise LayoutMismatchError(f"{total_heads} KV heads do not replicate over {tp_size} tensor-parallel ranks")
+    replicas = tp_size // total_heads
+    return HeadShard(tp_rank // replicas, 1, tp_rank % replicas == 0)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

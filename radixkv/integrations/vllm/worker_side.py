@@ -9,6 +9,10 @@ gather and one scatter per layer and K/V over all the step's tokens (``index_sel
 ``index_copy_`` on the manager side, advanced indexing on vLLM's ``[blocks, block, heads,
 head_dim]`` views): no per-token Python loop.
 
+Tensor parallel: the manager's rows hold every KV head; a rank's worker copies only its
+:class:`~radixkv.integrations.vllm.layout.HeadShard` of them (a rank holding replicated heads
+that another rank writes loads them and reports its saves done without copying).
+
 An op of a manager epoch this worker cannot map (the manager restarted again) is not done:
 its load is reported as failed (vLLM recomputes those blocks) and its save as failed (the
 scheduler releases the request). A load from an epoch already mapped is done even if that
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +31,7 @@ import torch
 
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.layout import (
+    HeadShard,
     KVShape,
     LayoutMismatchError,
     RowGeometry,
@@ -40,20 +46,59 @@ from radixkv.integrations.vllm.scheduler_side import CopyOp
 if TYPE_CHECKING:  # pragma: no cover
     from radixkv.engine.buffers import WorkerBuffers
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerSide", "SaveReport"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
 
 _KEEP_EPOCHS = 2  # mapped epochs kept (the current one and the one before a restart)
 
 
+@dataclass
+class SaveReport:
+    """Workers -> scheduler, one step: ``saved[req_id]``: saved up to this token; ``failed``:
+    requests whose save failed; ``ranks[req_id]``: how many workers reported it saved. Each
+    tensor-parallel rank copies its own heads, so a save is done only when every rank's is."""
+
+    saved: dict[str, int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    ranks: dict[str, int] = field(default_factory=dict)
+
+    def add(self, saved: dict[str, int], failed: set[str]) -> None:
+        """One worker's own ``WorkerSide.save`` result (several calls of a step merge)."""
+        self.saved.update(saved)
+        self.failed |= failed
+        self.ranks.update(dict.fromkeys(saved, 1))
+
+    def merged(self, other: SaveReport) -> tuple[dict[str, int], set[str], dict[str, int]]:
+        """``(saved, failed, ranks)`` of this and another worker's report: a request is saved as
+        far as both saved it; the ranks add up."""
+        saved, ranks = dict(self.saved), dict(self.ranks)
+        for k, v in other.saved.items():
+            saved[k] = min(saved[k], v) if k in saved else v
+            ranks[k] = ranks.get(k, 0) + other.ranks.get(k, 0)
+        return saved, self.failed | other.failed, ranks
+
+    def complete(self, world_size: int) -> tuple[dict[str, int], set[str]]:
+        """``(saved, failed)`` for the scheduler: a request fewer than ``world_size`` workers
+        reported saved counts as failed (released, never committed)."""
+        short = {k for k in self.saved if self.ranks.get(k, 0) < world_size}
+        return {k: v for k, v in self.saved.items() if k not in short}, self.failed | short
+
+
 class WorkerSide:
     """See the module doc. ``link``: the worker's :class:`ManagerLink` (no keep-alive, no background reconnect);
-    ``shape``: vLLM's KV shape (checked against every manager mapped)."""
+    ``shape``: the model's KV shape, all heads (checked against every manager mapped); ``shard``:
+    this rank's heads (default: all)."""
 
-    def __init__(self, link: ManagerLink, shape: KVShape):
+    def __init__(self, link: ManagerLink, shape: KVShape, shard: HeadShard | None = None):
         self.link = link
         self.shape = shape
+        self.shard = shard if shard is not None else HeadShard(0, shape.kv_heads)
+        if not (0 <= self.shard.first and self.shard.num >= 1
+                and self.shard.first + self.shard.num <= shape.kv_heads):
+            raise LayoutMismatchError(f"head shard {tuple(self.shard)} outside the model's {shape.kv_heads} KV heads")
+        self._heads = slice(self.shard.first, self.shard.first + self.shard.num)
+        self._whole = self.shard.num == shape.kv_heads  # the manager's rows copied whole
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rows: list[torch.Tensor] = []  # each layer as rows of head_dim (with _geometry)
         self._geometry: RowGeometry | None = None  # the same in every layer, or None: index the views
@@ -70,7 +115,7 @@ class WorkerSide:
             raise LayoutMismatchError(f"vLLM registered {len(layers)} KV cache layers, its model config "
                                       f"has {self.shape.layers}")
         s = self.shape
-        self._views = [paged_kv_views(t, s.page_size, s.kv_heads, s.head_dim, name) for name, t in layers]
+        self._views = [paged_kv_views(t, s.page_size, self.shard.num, s.head_dim, name) for name, t in layers]
         geos = {row_geometry(t, k, v, s.head_dim) for (_, t), (k, v) in zip(layers, self._views, strict=True)}
         self._geometry = geos.pop() if len(geos) == 1 else None
         self._rows = [t.view(-1, s.head_dim) for _, t in layers] if self._geometry is not None else []
@@ -148,17 +193,18 @@ class WorkerSide:
                 if wb is None:
                     raise InvalidArgumentError(f"manager epoch {epoch} is not mapped")
                 rows, blk, off = self._indices(wb, group)
-                if self._geometry is not None:
+                if self._geometry is not None and (to_vllm or self.shard.writes):
                     self._copy_rows(wb, rows, blk, off, to_vllm)
-                else:
+                elif to_vllm or self.shard.writes:
+                    hs = self._heads
                     for layer, (k, v) in enumerate(self._views):
                         mk, mv = wb.get_kv_buffer(layer)
                         if to_vllm:
-                            k[blk, off] = mk.index_select(0, rows)
-                            v[blk, off] = mv.index_select(0, rows)
+                            k[blk, off] = mk.index_select(0, rows)[:, hs]
+                            v[blk, off] = mv.index_select(0, rows)[:, hs]
                         else:
-                            mk.index_copy_(0, rows, k[blk, off])
-                            mv.index_copy_(0, rows, v[blk, off])
+                            mk[:, hs].index_copy_(0, rows, k[blk, off])
+                            mv[:, hs].index_copy_(0, rows, v[blk, off])
                 if rows.is_cuda:
                     torch.cuda.current_stream(rows.device).synchronize()
                 done.extend(group)
@@ -171,18 +217,25 @@ class WorkerSide:
     def _copy_rows(self, wb: WorkerBuffers, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
                    to_vllm: bool) -> None:
         """The copies by row index (see ``row_geometry``): per layer and K/V one
-        ``index_select`` and one ``index_copy_``, row indices computed once for all layers."""
+        ``index_select`` and one ``index_copy_``, row indices computed once for all layers.
+        The manager's buffer is seen as rows of all heads (whole shard) or of one head."""
         assert self._geometry is not None
-        h, d = self.shape.kv_heads, self.shape.head_dim
+        h, d, n_all = self.shard.num, self.shape.head_dim, self.shape.kv_heads
         k_rows, v_rows = self._geometry.rows(blk, off, h)
+        if self._whole:
+            m_rows, width = rows, n_all * d
+        else:  # this rank's heads of each slot: row slot * heads + head
+            m_rows = (rows[:, None] * n_all + torch.arange(self.shard.first, self.shard.first + h,
+                                                           device=rows.device)[None, :]).reshape(-1)
+            width = d
         for layer, flat in enumerate(self._rows):
-            mk, mv = wb.get_kv_buffer(layer)
+            mk, mv = (t.view(-1, width) for t in wb.get_kv_buffer(layer))
             if to_vllm:
-                flat.index_copy_(0, k_rows, mk.index_select(0, rows).reshape(-1, d))
-                flat.index_copy_(0, v_rows, mv.index_select(0, rows).reshape(-1, d))
+                flat.index_copy_(0, k_rows, mk.index_select(0, m_rows).view(-1, d))
+                flat.index_copy_(0, v_rows, mv.index_select(0, m_rows).view(-1, d))
             else:
-                mk.index_copy_(0, rows, flat.index_select(0, k_rows).view(-1, h, d))
-                mv.index_copy_(0, rows, flat.index_select(0, v_rows).view(-1, h, d))
+                mk.index_copy_(0, m_rows, flat.index_select(0, k_rows).view(-1, width))
+                mv.index_copy_(0, m_rows, flat.index_select(0, v_rows).view(-1, width))
 
     def load(self, ops: Sequence[CopyOp]) -> set[int]:
         """Copy the ops' manager rows into vLLM's blocks. Returns the vLLM block ids that
