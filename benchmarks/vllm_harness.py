@@ -73,6 +73,7 @@ class EngineProcess:
     def __init__(self, name, llm_kwargs, env=None):
         ctx = get_context("spawn")
         self.name = name
+        self.kwargs = dict(llm_kwargs)
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_main, args=(child, dict(llm_kwargs), {**ENGINE_ENV, **(env or {})}),
                                 name=f"vllm-{name}", daemon=False)

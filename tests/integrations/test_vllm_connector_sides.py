@@ -200,7 +200,7 @@ def test_row_geometry_addresses_the_same_elements_as_the_views(layout):
     shape = (5, HEADS, BS, 2 * HD) if layout == "cpu" else (2, 5, BS, HEADS, HD)
     kv = torch.arange(int(np.prod(shape)), dtype=torch.float32).view(*shape)
     k, v = paged_kv_views(kv, BS, HEADS, HD)
-    geo = row_geometry(kv, k, v, HD)
+    geo = row_geometry(kv, (k, v), HD)
     blk, off = torch.tensor([4, 0, 2, 2]), torch.tensor([3, 1, 0, 3])
     kr, vr = geo.rows(blk, off, HEADS)
     flat = kv.view(-1, HD)

@@ -6,7 +6,7 @@ bit; a save counts only when every rank's copy is done (``SaveReport``).
 """
 import pytest
 import torch
-from tooling.vllm_fake import BS, HD, KEY, Engine, idle
+from tooling.vllm_fake import KEY, Engine, idle
 
 from radixkv.integrations.vllm.layout import HeadShard, LayoutMismatchError, head_shard
 from radixkv.integrations.vllm.scheduler_side import ScheduledReq
@@ -44,18 +44,6 @@ def _load(engine, rid, prompt, blocks, want):
     engine.sched.finished(rid)
 
 
-def _rank_kv(engine, rank, blocks, n):
-    """K/V of tokens [0, n) as rank ``rank`` holds them: [layers, n, its heads, hd] each."""
-    from radixkv.integrations.vllm.layout import paged_kv_views
-    from radixkv.integrations.vllm.scheduler_side import vllm_slots
-
-    slots = torch.from_numpy(vllm_slots(blocks, 0, n, BS))
-    shard = engine.shards[rank]
-    views = [paged_kv_views(t, BS, shard.num, HD) for t in engine.kvs[rank]]
-    return (torch.stack([k[slots // BS, slots % BS] for k, _ in views]),
-            torch.stack([v[slots // BS, slots % BS] for _, v in views]))
-
-
 @pytest.mark.parametrize("tp_save, tp_load", [(2, 1), (1, 2), (4, 1), (1, 4), (2, 4)])
 def test_an_engine_at_one_tp_loads_what_another_saved(manager, tp_save, tp_load):
     a, b = Engine(manager.cfg, seed=10 + tp_save, tp=tp_save), Engine(manager.cfg, seed=20 + tp_load, tp=tp_load)
@@ -66,7 +54,7 @@ def test_an_engine_at_one_tp_loads_what_another_saved(manager, tp_save, tp_load)
     ka, va = a.token_kv(a_blocks, 12)
     assert all(torch.equal(x, y) for x, y in zip((ka, va), b.token_kv(b_blocks, 12), strict=True))
     for rank, shard in enumerate(b.shards):  # every rank, replicas included, holds its heads
-        kb, vb = _rank_kv(b, rank, b_blocks, 12)
+        kb, vb = b.rank_kv(rank, b_blocks, 12)
         heads = slice(shard.first, shard.first + shard.num)
         assert torch.equal(kb, ka[:, :, heads]) and torch.equal(vb, va[:, :, heads])
     assert idle(manager, a, b) == (0, 0)

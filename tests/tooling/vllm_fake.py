@@ -12,6 +12,8 @@ from radixkv.integrations.vllm.worker_side import SaveReport, WorkerSide
 
 BS, HEADS, HD, LAYERS = 4, 2, 8, 2
 SHAPE = KVShape(LAYERS, HEADS, HD, "float32", BS)
+LATENT = 12  # an MLA latent row's width (kv_lora_rank 8 + qk_rope_head_dim 4)
+MLA_SHAPE = KVShape(LAYERS, 1, LATENT, "float32", BS, latent=True)
 KEY = "vllm|test-model"
 
 
@@ -19,11 +21,15 @@ class Engine:
     """One fake vLLM engine. ``index``: give the scheduler side a first-block index, fed from
     the manager's events unless ``feed=False`` (then it is empty and ready: every request is
     an index miss). ``tp``: tensor-parallel ranks (``workers[r]`` holds rank ``r``'s heads in
-    ``kvs[r]``; ``worker`` / ``kv``: rank 0's)."""
+    ``kvs[r]``; ``worker`` / ``kv``: rank 0's). ``mla``: an MLA model (vLLM's CPU MLA layout
+    ``[blocks, 1, block_size, LATENT]``, one latent head, replicated on every rank). ``shape``:
+    another model's ``KVShape`` (default ``SHAPE`` / ``MLA_SHAPE``)."""
 
-    def __init__(self, cfg, blocks=16, seed=0, index=False, feed=True, tp=1):
-        self.index = FirstBlockIndex(BS) if index else None
-        self.sched = SchedulerSide(ManagerLink(cfg, "sched"), BS, self.index)
+    def __init__(self, cfg, blocks=16, seed=0, index=False, feed=True, tp=1, mla=False, shape=None):
+        self.shape = shape or (MLA_SHAPE if mla else SHAPE)
+        bs = self.shape.page_size
+        self.index = FirstBlockIndex(bs) if index else None
+        self.sched = SchedulerSide(ManagerLink(cfg, "sched"), bs, self.index)
         self.sched.link.get(force=True)  # as the connector does at engine start
         self.feed = None
         if self.index is not None:
@@ -32,11 +38,13 @@ class Engine:
             else:
                 self.index.reset(ready=True)
         g = torch.Generator().manual_seed(seed)
-        self.shards = [head_shard(HEADS, tp, r) for r in range(tp)]
+        self.shards = [head_shard(self.shape.kv_heads, tp, r) for r in range(tp)]
         self.workers, self.kvs = [], []
         for r, shard in enumerate(self.shards):
-            w = WorkerSide(ManagerLink(cfg, f"worker{r}", keepalive=False, background=False), SHAPE, shard)
-            kv = [torch.randn(blocks, shard.num, BS, 2 * HD, generator=g) for _ in range(LAYERS)]
+            w = WorkerSide(ManagerLink(cfg, f"worker{r}", keepalive=False, background=False), self.shape, shard)
+            s = self.shape
+            dims = (1, bs, s.head_dim) if s.latent else (shard.num, bs, 2 * s.head_dim)
+            kv = [torch.randn(blocks, *dims, generator=g) for _ in range(s.layers)]
             w.register([(f"model.layers.{i}.attn", t) for i, t in enumerate(kv)])
             self.workers.append(w)
             self.kvs.append(kv)
@@ -48,11 +56,13 @@ class Engine:
         requests the plan finishes are in ``self.sent`` (vLLM would free their blocks)."""
         plan = self.sched.build_plan(scheduled, lambda rid: blocks_of[rid])
         failed_blocks = set().union(*(w.load(plan.loads) for w in self.workers))
-        report = None
+        reports = []
         for w in self.workers:
-            mine = SaveReport()
-            mine.add(*w.save(plan.saves))
-            report = mine if report is None else SaveReport(*report.merged(mine))
+            reports.append(SaveReport())
+            reports[-1].add(*w.save(plan.saves))
+        report = reports[0]
+        for other in reports[1:]:  # as vLLM aggregates the ranks' worker metadata
+            report = SaveReport(*report.merged(other))
         self.sent = list(plan.finish)
         for rid in finish_before_report:
             self.sched.finished(rid)
@@ -61,21 +71,19 @@ class Engine:
         return plan, failed_blocks
 
     def token_kv(self, blocks, n):
-        """K/V of tokens [0, n) of a request with ``blocks``: [layers, n, heads, hd] each (every
-        head once: from the rank that writes it)."""
-        slots = torch.from_numpy(vllm_slots(blocks, 0, n, BS))
-        ks, vs = [], []
-        for kv, shard in zip(self.kvs, self.shards, strict=True):
-            if not shard.writes:
-                continue
-            kl, vl = [], []
-            for t in kv:
-                k, v = paged_kv_views(t, BS, shard.num, HD)
-                kl.append(k[slots // BS, slots % BS])
-                vl.append(v[slots // BS, slots % BS])
-            ks.append(torch.stack(kl))
-            vs.append(torch.stack(vl))
-        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        """The parts (K, V; MLA: the latent) of tokens [0, n) of a request with ``blocks``:
+        [layers, n, heads, head_dim] each (every head once: from the rank that writes it)."""
+        return tuple(torch.cat(per_rank, dim=2) for per_rank in zip(*(
+            self.rank_kv(r, blocks, n) for r, shard in enumerate(self.shards) if shard.writes), strict=True))
+
+    def rank_kv(self, rank, blocks, n):
+        """The parts of tokens [0, n) as rank ``rank`` holds them: [layers, n, its heads, head_dim]."""
+        s, shard = self.shape, self.shards[rank]
+        bs = s.page_size
+        slots = torch.from_numpy(vllm_slots(blocks, 0, n, bs))
+        views = [paged_kv_views(t, bs, shard.num, s.head_dim, latent=s.latent) for t in self.kvs[rank]]
+        return tuple(torch.stack([parts[i][slots // bs, slots % bs] for parts in views])
+                     for i in range(len(views[0])))
 
     def close(self):
         if self.feed is not None:

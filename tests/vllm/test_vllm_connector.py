@@ -15,8 +15,7 @@ own counters: ``RequestOutput.num_cached_tokens`` and ``vllm:external_prefix_cac
 import os
 
 import pytest
-from process_group import members
-from tooling.vllm_cluster import connector_config, make_manager, settled, tiny_llama, tokens, wait_for_sessions
+from tooling.vllm_cluster import connector_config, make_manager, running, settled, tiny_llama, tokens, wait_for_sessions
 from tooling.vllm_cluster import holds as holds_in
 from vllm_harness import EngineProcess
 
@@ -47,21 +46,8 @@ def cluster(tmp_path_factory):
             "kv_connector_extra_config": dict(ktc["kv_connector_extra_config"])}},
             env={"RADIXKV_TEST_EVICT_FLAG": evict_flag}),
     }
-    try:
-        for e in engines.values():
-            e.wait_ready()
-        manager.start()  # after the engines: they started without it
-        wait_for_sessions(manager, 2)
-        engines["manager"] = manager
-        engines["evict_flag"] = evict_flag
-        yield engines
-    finally:
-        for e in engines.values():
-            if isinstance(e, EngineProcess):
-                e.stop()
-        manager.stop()
-        left = {name: members(e.proc.pid) for name, e in engines.items() if isinstance(e, EngineProcess)}
-        assert not any(left.values()), f"engine processes left behind after stop: {left}"
+    with running(engines, manager, start_manager=True):  # the manager after the engines: they start without it
+        yield {**engines, "manager": manager, "evict_flag": evict_flag}
 
 
 def holds(manager, prompt, n):

@@ -11,8 +11,7 @@ own counters: ``RequestOutput.num_cached_tokens`` and ``vllm:external_prefix_cac
 import secrets
 
 import pytest
-from process_group import members
-from tooling.vllm_cluster import connector_config, holds, make_manager, settled, tiny_llama, tokens, wait_for_sessions
+from tooling.vllm_cluster import connector_config, holds, make_manager, running, settled, tiny_llama, tokens
 from vllm_harness import EngineProcess
 
 BLOCK = 32
@@ -33,19 +32,11 @@ def tp_cluster(tmp_path_factory):
     engines = {
         "tp1": EngineProcess("tp1", {**common, "distributed_executor_backend": "uni"}),
         "tp2": EngineProcess("tp2", {**common, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-                             env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}),
+                             # the ranks share the machine's cores (vLLM's auto binding wants a NUMA node per rank)
+                             env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
     }
-    try:
-        for e in engines.values():
-            e.wait_ready()
-        wait_for_sessions(manager, 2)
+    with running(engines, manager):
         yield {**engines, "manager": manager}
-    finally:
-        for e in engines.values():
-            e.stop()
-        manager.stop()
-        left = {name: members(e.proc.pid) for name, e in engines.items()}
-        assert not any(left.values()), f"engine processes left behind after stop: {left}"
 
 
 def run(engine, prompt, salt=None):

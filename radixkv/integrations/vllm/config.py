@@ -20,7 +20,9 @@ Keys (``address`` is required):
   later step, after the request if it has finished (vLLM keeps its blocks until then).
   ``"auto"``: on when vLLM's engine core runs its own loop (``VLLM_ENABLE_V1_MULTIPROCESSING``,
   vLLM's default; ``vllm serve``), since an in-process ``LLM`` steps again only at its next
-  ``generate`` (until then other engines would not see the prompt); ``true`` / ``false``.
+  ``generate`` (until then other engines would not see the prompt); ``true`` / ``false``;
+* ``copy_threads`` (1): torch intra-op threads of the worker's copies on CPU (0: vLLM's own
+  thread count). A step's copies are small; OpenMP's fork/join over many threads costs more.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class ConnectorConfig:
     retry_interval_s: float = 2.0
     recompute_load_failures: bool = True
     defer_miss_saves: bool | str = "auto"
+    copy_threads: int = 1
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -74,4 +77,7 @@ class ConnectorConfig:
         if "defer_miss_saves" in d and not isinstance(d["defer_miss_saves"], bool) and d["defer_miss_saves"] != "auto":
             raise InvalidArgumentError(f"RadixKVConnector: defer_miss_saves must be true, false or 'auto', "
                                        f"got {d['defer_miss_saves']!r}")
+        ct = d.get("copy_threads", 1)
+        if isinstance(ct, bool) or not isinstance(ct, int) or ct < 0:
+            raise InvalidArgumentError(f"RadixKVConnector: copy_threads must be an int >= 0, got {ct!r}")
         return cls(**d)

@@ -143,18 +143,19 @@ def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig 
         raise InvalidArgumentError(
             f"RadixKVConnector: model {mc.model!r} is hybrid (Mamba / linear-attention layers); the "
             "connector shares full-attention KV only and would reuse KV without its recurrent state")
-    if getattr(mc, "use_mla", False):
-        raise InvalidArgumentError(f"RadixKVConnector: model {mc.model!r} uses MLA; not supported")
+    mla = bool(getattr(mc, "use_mla", False))
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if kinds and kinds != ["FullAttentionSpec"]:
-        raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only FullAttentionSpec "
+    want = "MLAAttentionSpec" if mla else "FullAttentionSpec"
+    if kinds and kinds != [want]:
+        raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only {want} "
                                    "(full attention in every layer) is supported")
     pc = vllm_config.parallel_config
     for key, why in _REFUSED_PARALLEL.items():
         if int(getattr(pc, key, 1) or 1) > 1:
             raise InvalidArgumentError(f"RadixKVConnector: {key}={getattr(pc, key)} is not supported: {why}")
-    head_shard(int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size), 0)  # heads split over the ranks
+    # the heads split over the ranks (MLA: one latent head, on every rank)
+    head_shard(1 if mla else int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size), 0)
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise InvalidArgumentError(f"RadixKVConnector: kv_cache_dtype {cache_dtype!r} is not supported "
@@ -172,10 +173,14 @@ def _defer_misses(cfg: ConnectorConfig) -> bool:
 
 
 def _kv_shape(vllm_config: VllmConfig) -> KVShape:
-    """The model's KV shape with all its KV heads (what the manager's rows hold at any TP)."""
+    """The model's KV shape with all its KV heads (what the manager's rows hold at any TP);
+    MLA: one latent head of ``kv_lora_rank + qk_rope_head_dim``."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    return KVShape(int(mc.get_num_layers(pc)), int(mc.get_total_num_kv_heads()), int(mc.get_head_size()),
-                   dtype_name(mc.dtype), int(vllm_config.cache_config.block_size))
+    layers, dtype, block = int(mc.get_num_layers(pc)), dtype_name(mc.dtype), int(vllm_config.cache_config.block_size)
+    if getattr(mc, "use_mla", False):
+        hf = mc.hf_text_config
+        return KVShape(layers, 1, int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim), dtype, block, latent=True)
+    return KVShape(layers, int(mc.get_total_num_kv_heads()), int(mc.get_head_size()), dtype, block)
 
 
 def _own_heads(vllm_config: VllmConfig, shape: KVShape) -> HeadShard:
@@ -221,7 +226,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         else:
             shard = _own_heads(vllm_config, self._shape)
             link = ManagerLink(self._cfg, f"vllm-worker-heads{shard.first}", keepalive=False, background=False)
-            self._worker = WorkerSide(link, self._shape, shard)
+            self._worker = WorkerSide(link, self._shape, shard, self._cfg.copy_threads)
 
     def _check_manager(self, client: ManagerClient, info: AttachInfo) -> None:
         from radixkv.integrations.vllm.layout import check_same_shape, manager_kv_shape

@@ -88,18 +88,20 @@ class SaveReport:
 class WorkerSide:
     """See the module doc. ``link``: the worker's :class:`ManagerLink` (no keep-alive, no background reconnect);
     ``shape``: the model's KV shape, all heads (checked against every manager mapped); ``shard``:
-    this rank's heads (default: all)."""
+    this rank's heads (default: all); ``copy_threads``: torch intra-op threads of the copies on
+    CPU (0: torch's setting, vLLM's OpenMP threads)."""
 
-    def __init__(self, link: ManagerLink, shape: KVShape, shard: HeadShard | None = None):
+    def __init__(self, link: ManagerLink, shape: KVShape, shard: HeadShard | None = None, copy_threads: int = 1):
         self.link = link
         self.shape = shape
+        self.copy_threads = copy_threads
         self.shard = shard if shard is not None else HeadShard(0, shape.kv_heads)
         if not (0 <= self.shard.first and self.shard.num >= 1
                 and self.shard.first + self.shard.num <= shape.kv_heads):
             raise LayoutMismatchError(f"head shard {tuple(self.shard)} outside the model's {shape.kv_heads} KV heads")
         self._heads = slice(self.shard.first, self.shard.first + self.shard.num)
         self._whole = self.shard.num == shape.kv_heads  # the manager's rows copied whole
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._views: list[tuple[torch.Tensor, ...]] = []  # per layer: (K, V), or (latent,) for MLA
         self._rows: list[torch.Tensor] = []  # each layer as rows of head_dim (with _geometry)
         self._geometry: RowGeometry | None = None  # the same in every layer, or None: index the views
         self._buffers: dict[int, WorkerBuffers] = {}  # epoch -> the manager's pools, mapped
@@ -115,8 +117,8 @@ class WorkerSide:
             raise LayoutMismatchError(f"vLLM registered {len(layers)} KV cache layers, its model config "
                                       f"has {self.shape.layers}")
         s = self.shape
-        self._views = [paged_kv_views(t, s.page_size, self.shard.num, s.head_dim, name) for name, t in layers]
-        geos = {row_geometry(t, k, v, s.head_dim) for (_, t), (k, v) in zip(layers, self._views, strict=True)}
+        self._views = [paged_kv_views(t, s.page_size, self.shard.num, s.head_dim, name, s.latent) for name, t in layers]
+        geos = {row_geometry(t, parts, s.head_dim) for (_, t), parts in zip(layers, self._views, strict=True)}
         self._geometry = geos.pop() if len(geos) == 1 else None
         self._rows = [t.view(-1, s.head_dim) for _, t in layers] if self._geometry is not None else []
         for name, t in layers:
@@ -149,11 +151,27 @@ class WorkerSide:
             self.link.fail(e)
             return None
         self.link.close()  # the layout is all the worker needs from a session
+        self._warm(wb)
         self._buffers[epoch] = wb
         self.counters["mapped_epochs"] += 1
         for old in sorted(self._buffers)[:-_KEEP_EPOCHS]:
             del self._buffers[old]
         return epoch
+
+    def _warm(self, wb: WorkerBuffers) -> None:
+        """At mapping (engine start, or a new manager), not in a request: read one element of
+        every page of the manager's mapped pools (a CPU pool's first touch of each page is a
+        page fault: the first requests' copies paid them, about a second per instance for the
+        benchmark's pool), and run the copy kernels once on one row of scratch."""
+        one = torch.zeros(1, dtype=torch.int64, device=wb.device)
+        for layer in range(self.shape.layers):
+            for m in self._manager_parts(wb, layer):
+                flat = m.reshape(-1)
+                if flat.device.type == "cpu":
+                    flat[::max(1, 4096 // flat.element_size())].sum()
+                row = m.index_select(0, one)
+                row.index_copy_(0, one, row.clone())
+        wb.req_to_token.reshape(-1)[::1024].sum()
 
     def _buffers_of(self, epoch: int) -> WorkerBuffers | None:
         wb = self._buffers.get(epoch)
@@ -180,6 +198,21 @@ class WorkerSide:
         return int(wb.get_kv_buffer(0)[0].shape[0])
 
     def _copy(self, ops: Sequence[CopyOp], to_vllm: bool) -> tuple[list[CopyOp], list[CopyOp]]:
+        """``_copy_ops`` with ``copy_threads`` intra-op threads on CPU: a step's copies are small,
+        and OpenMP's fork/join over vLLM's threads cost more than the copy (20-50x a one-thread
+        ``index_select`` + ``index_copy_`` of a 512-token prompt's rows, measured at load ~9)."""
+        threads = torch.get_num_threads()
+        cpu = bool(self._views) and self._views[0][0].device.type == "cpu"
+        narrow = cpu and 0 < self.copy_threads < threads
+        if narrow:
+            torch.set_num_threads(self.copy_threads)
+        try:
+            return self._copy_ops(ops, to_vllm)
+        finally:
+            if narrow:
+                torch.set_num_threads(threads)
+
+    def _copy_ops(self, ops: Sequence[CopyOp], to_vllm: bool) -> tuple[list[CopyOp], list[CopyOp]]:
         """Run ``ops`` (one batch per manager epoch): manager -> vLLM (``to_vllm``) or back,
         one gather and one scatter per layer and K/V. Returns (done ops, failed ops)."""
         by: dict[int, list[CopyOp]] = {}
@@ -197,14 +230,12 @@ class WorkerSide:
                     self._copy_rows(wb, rows, blk, off, to_vllm)
                 elif to_vllm or self.shard.writes:
                     hs = self._heads
-                    for layer, (k, v) in enumerate(self._views):
-                        mk, mv = wb.get_kv_buffer(layer)
-                        if to_vllm:
-                            k[blk, off] = mk.index_select(0, rows)[:, hs]
-                            v[blk, off] = mv.index_select(0, rows)[:, hs]
-                        else:
-                            mk[:, hs].index_copy_(0, rows, k[blk, off])
-                            mv[:, hs].index_copy_(0, rows, v[blk, off])
+                    for layer, parts in enumerate(self._views):
+                        for part, m in zip(parts, self._manager_parts(wb, layer), strict=True):
+                            if to_vllm:
+                                part[blk, off] = m.index_select(0, rows)[:, hs]
+                            else:
+                                m[:, hs].index_copy_(0, rows, part[blk, off])
                 if rows.is_cuda:
                     torch.cuda.current_stream(rows.device).synchronize()
                 done.extend(group)
@@ -214,14 +245,20 @@ class WorkerSide:
                 failed.extend(group)
         return done, failed
 
+    def _manager_parts(self, wb: WorkerBuffers, layer: int) -> tuple[torch.Tensor, ...]:
+        """The manager's buffers of ``layer`` matching vLLM's parts: ``(K, V)``, or the MLA
+        latent alone (the pool's "V" is a view of the latent's first columns)."""
+        k, v = wb.get_kv_buffer(layer)
+        return (k,) if self.shape.latent else (k, v)
+
     def _copy_rows(self, wb: WorkerBuffers, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
                    to_vllm: bool) -> None:
-        """The copies by row index (see ``row_geometry``): per layer and K/V one
+        """The copies by row index (see ``row_geometry``): per layer and part one
         ``index_select`` and one ``index_copy_``, row indices computed once for all layers.
         The manager's buffer is seen as rows of all heads (whole shard) or of one head."""
         assert self._geometry is not None
         h, d, n_all = self.shard.num, self.shape.head_dim, self.shape.kv_heads
-        k_rows, v_rows = self._geometry.rows(blk, off, h)
+        part_rows = self._geometry.rows(blk, off, h)
         if self._whole:
             m_rows, width = rows, n_all * d
         else:  # this rank's heads of each slot: row slot * heads + head
@@ -229,13 +266,12 @@ class WorkerSide:
                                                            device=rows.device)[None, :]).reshape(-1)
             width = d
         for layer, flat in enumerate(self._rows):
-            mk, mv = (t.view(-1, width) for t in wb.get_kv_buffer(layer))
-            if to_vllm:
-                flat.index_copy_(0, k_rows, mk.index_select(0, m_rows).view(-1, d))
-                flat.index_copy_(0, v_rows, mv.index_select(0, m_rows).view(-1, d))
-            else:
-                mk.index_copy_(0, m_rows, flat.index_select(0, k_rows).view(-1, width))
-                mv.index_copy_(0, m_rows, flat.index_select(0, v_rows).view(-1, width))
+            for at, m in zip(part_rows, self._manager_parts(wb, layer), strict=True):
+                mflat = m.view(-1, width)
+                if to_vllm:
+                    flat.index_copy_(0, at, mflat.index_select(0, m_rows).view(-1, d))
+                else:
+                    mflat.index_copy_(0, m_rows, flat.index_select(0, at).view(-1, width))
 
     def load(self, ops: Sequence[CopyOp]) -> set[int]:
         """Copy the ops' manager rows into vLLM's blocks. Returns the vLLM block ids that
