@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from tooling.vllm_fake import Engine  # noqa: E402  (the test tooling, beside benchmarks/)
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="default: the bench's tiny Llama (4 x 2 KV heads x 64)")
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--copy-threads", type=int, default=1,
+                    help="the workers' copy_threads (0: torch's own thread count, as before it existed)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N functions with the most own time")
     ap.add_argument("--json", default=None, help="write the per-round figures here")
     args = ap.parse_args(argv)
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = ConnectorConfig.from_extra(ktc["kv_connector_extra_config"])
             blocks = -(-n // bs) + 1
             a, b = Engine(cfg, blocks=blocks, shape=shape), Engine(cfg, blocks=blocks, seed=1, shape=shape)
+            for w in (a.worker, b.worker):
+                w.copy_threads = args.copy_threads
             prof = cProfile.Profile() if args.cprofile else None
             rounds: list[dict[str, Any]] = []
             try:
@@ -101,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 b.close()
     first, rest = rounds[0], rounds[1:]
     print(f"load average {os.getloadavg()[0]:.2f}; {args.rounds} rounds of {n}-token prompts, block {bs}, "
-          f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}")
+          f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}; copy_threads {args.copy_threads} "
+          f"(torch threads {torch.get_num_threads()})")
     print(f"{'phase':<14} {'round 0 ms':>10} {'median ms':>10} {'p90 ms':>8}")
     for p in PHASES:
         xs = sorted(x[p] for x in rest)

@@ -25,7 +25,8 @@ def test_the_documented_keys():
     ({"address": "x:1", "recompute_load_failures": "yes"}, "recompute_load_failures"),
     ({"address": "x:1", "defer_miss_saves": "yes"}, "defer_miss_saves"),
     ({"address": "x:1", "defer_miss_saves": 1}, "defer_miss_saves"),
-    ({"address": "x:1", "copy_threads": -1}, "copy_threads"), ({"address": "x:1", "copy_threads": 1.5}, "copy_threads"),
+    ({"address": "x:1", "mla_on_cpu": 1}, "mla_on_cpu"), ({"address": "x:1", "copy_threads": -1}, "copy_threads"),
+    ({"address": "x:1", "copy_threads": 1.5}, "copy_threads"),
 ])
 def test_bad_configs_name_the_key(extra, word):
     with pytest.raises(InvalidArgumentError, match=word):

@@ -31,6 +31,7 @@ class Engine:
         self.index = FirstBlockIndex(bs) if index else None
         self.sched = SchedulerSide(ManagerLink(cfg, "sched"), bs, self.index)
         self.sched.link.get(force=True)  # as the connector does at engine start
+        self.sched.warm()
         self.feed = None
         if self.index is not None:
             if feed:

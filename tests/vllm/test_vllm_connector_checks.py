@@ -8,16 +8,16 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 
 from radixkv.errors import InvalidArgumentError
-from radixkv.integrations.vllm.connector import RadixKVWorkerMetadata, _refuse_unsupported
+from radixkv.integrations.vllm.connector import MLA_ON_CPU, RadixKVWorkerMetadata, _refuse_unsupported
 from radixkv.integrations.vllm.layout import LayoutMismatchError
 
 
-def vllm_config(kv_heads=2, **parallel):
+def vllm_config(kv_heads=2, mla=False, **parallel):
     pc = dict(tensor_parallel_size=1, pipeline_parallel_size=1, prefill_context_parallel_size=1,
               decode_context_parallel_size=1)
     pc.update(parallel)
     pc["world_size"] = pc["tensor_parallel_size"] * pc["pipeline_parallel_size"]
-    mc = SimpleNamespace(model="tiny", is_hybrid=False, use_mla=False, get_total_num_kv_heads=lambda: kv_heads)
+    mc = SimpleNamespace(model="tiny", is_hybrid=False, use_mla=mla, get_total_num_kv_heads=lambda: kv_heads)
     return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(**pc),
                            cache_config=SimpleNamespace(cache_dtype="auto"))
 
@@ -34,6 +34,14 @@ def test_tensor_parallel_is_accepted_when_vllm_can_split_the_heads():
 def test_pipeline_and_context_parallel_are_refused_by_name(key):
     with pytest.raises(InvalidArgumentError, match=f"{key}=2 is not supported: each"):
         _refuse_unsupported(vllm_config(**{key: 2}), None)
+
+
+def test_mla_on_vllms_cpu_build_is_refused_with_the_reason_unless_asked_for():
+    with pytest.raises(InvalidArgumentError, match="uses MLA on CPU") as ei:
+        _refuse_unsupported(vllm_config(mla=True), None)
+    assert MLA_ON_CPU in str(ei.value)
+    for tp in (1, 2):  # one latent head, on every rank
+        _refuse_unsupported(vllm_config(mla=True, tensor_parallel_size=tp), None, mla_on_cpu=True)
 
 
 def _output(meta, finished=None):

@@ -22,7 +22,9 @@ Keys (``address`` is required):
   vLLM's default; ``vllm serve``), since an in-process ``LLM`` steps again only at its next
   ``generate`` (until then other engines would not see the prompt); ``true`` / ``false``;
 * ``copy_threads`` (1): torch intra-op threads of the worker's copies on CPU (0: vLLM's own
-  thread count). A step's copies are small; OpenMP's fork/join over many threads costs more.
+  thread count). A step's copies are small; OpenMP's fork/join over many threads costs more;
+* ``mla_on_cpu`` (false): share an MLA model's latents on vLLM's CPU build, which does not
+  reproduce a computed prefix (refused otherwise; ``docs/vllm.md``, "MLA").
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class ConnectorConfig:
     recompute_load_failures: bool = True
     defer_miss_saves: bool | str = "auto"
     copy_threads: int = 1
+    mla_on_cpu: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -72,8 +75,9 @@ class ConnectorConfig:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                     raise InvalidArgumentError(f"RadixKVConnector: {key} must be a number > 0, got {v!r}")
                 d[key] = float(v)
-        if "recompute_load_failures" in d and not isinstance(d["recompute_load_failures"], bool):
-            raise InvalidArgumentError("RadixKVConnector: recompute_load_failures must be a bool")
+        for key in ("recompute_load_failures", "mla_on_cpu"):
+            if key in d and not isinstance(d[key], bool):
+                raise InvalidArgumentError(f"RadixKVConnector: {key} must be a bool")
         if "defer_miss_saves" in d and not isinstance(d["defer_miss_saves"], bool) and d["defer_miss_saves"] != "auto":
             raise InvalidArgumentError(f"RadixKVConnector: defer_miss_saves must be true, false or 'auto', "
                                        f"got {d['defer_miss_saves']!r}")

@@ -28,9 +28,10 @@ step returns (a deferred save: in a later step, after the request if it finished
 hook catches its own failures: a manager fault makes the engine serve without the shared cache
 (warning log, counters in ``RadixKVStats``), never crash it.
 Tensor parallel: every rank's worker copies its own KV heads of the same manager rows (which
-hold all heads), and a save counts only once every rank reported it. Hybrid (Mamba /
-linear-attention / sliding-window) and MLA models, quantized KV caches, pipeline and context
-parallel engines are refused at start-up.
+hold all heads), and a save counts only once every rank reported it. MLA: the latent rows
+(refused on vLLM's CPU build unless ``mla_on_cpu``: ``MLA_ON_CPU`` says why). Hybrid (Mamba /
+linear-attention / sliding-window) models, quantized KV caches, pipeline and context parallel
+engines are refused at start-up.
 """
 from __future__ import annotations
 
@@ -137,13 +138,27 @@ _REFUSED_PARALLEL = {
 }
 
 
-def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+#: Why an MLA model is refused on vLLM's CPU build (``docs/vllm.md``, "MLA").
+MLA_ON_CPU = (
+    "vLLM's CPU MLA backend does not compute over a loaded prefix what it computes over the same prompt "
+    "from scratch (a tiny DeepSeek-V2 with 96 of 100 prompt tokens loaded bit-exact: the first token's "
+    "logprob differs by 1e-4, later ones by up to 0.29; vLLM turns its own prefix caching off for MLA on "
+    "CPU), so a shared prefix would change outputs; kv_connector_extra_config mla_on_cpu=true shares it anyway")
+
+
+def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                        mla_on_cpu: bool = False) -> None:
     mc = vllm_config.model_config
     if getattr(mc, "is_hybrid", False):
         raise InvalidArgumentError(
             f"RadixKVConnector: model {mc.model!r} is hybrid (Mamba / linear-attention layers); the "
             "connector shares full-attention KV only and would reuse KV without its recurrent state")
     mla = bool(getattr(mc, "use_mla", False))
+    if mla and not mla_on_cpu:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            raise InvalidArgumentError(f"RadixKVConnector: model {mc.model!r} uses MLA on CPU: {MLA_ON_CPU}")
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
     want = "MLAAttentionSpec" if mla else "FullAttentionSpec"
@@ -201,7 +216,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self._cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
-        _refuse_unsupported(vllm_config, kv_cache_config)
+        _refuse_unsupported(vllm_config, kv_cache_config, self._cfg.mla_on_cpu)
         if self._cfg.recompute_load_failures and tc.kv_load_failure_policy != "recompute":
             tc.kv_load_failure_policy = "recompute"  # a cache: a lost entry is recomputed, not an error
         self._shape = _kv_shape(vllm_config)
@@ -221,6 +236,7 @@ class RadixKVConnector(KVConnectorBase_V1):
             link.get(force=True)  # connect now (a shape mismatch raises here)
             if isinstance(link.last_error, LayoutMismatchError):
                 raise link.last_error
+            self._sched.warm()
             if index is not None:
                 self._feed = IndexFeed(index, link).start()
         else:
