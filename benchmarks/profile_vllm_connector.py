@@ -1,6 +1,6 @@
 """The vLLM connector's own time per request and per loaded block, without vLLM.
 
-Two fake engines (``tests/tooling/vllm_fake.Engine``: the connector's ``SchedulerSide`` +
+Two fake engines (``benchmarks/tooling/vllm_fake.Engine``: the connector's ``SchedulerSide`` +
 ``WorkerSide`` over a paged KV cache in vLLM's CPU layout) share one ``radixkv serve`` manager
 (a process, as in ``radixkv bench vllm``). Each round: engine A matches a fresh prompt (a miss),
 saves it and commits; engine B matches it (a hit of every whole block but the last token's),
@@ -18,21 +18,17 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
+from tooling.vllm_fake import Engine
+from vllm_configs import shared_side
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from tooling.vllm_fake import Engine  # noqa: E402  (the test tooling, beside benchmarks/)
-from vllm_configs import shared_side  # noqa: E402
-
-from radixkv.integrations.vllm.config import ConnectorConfig  # noqa: E402
-from radixkv.integrations.vllm.layout import KVShape  # noqa: E402
-from radixkv.integrations.vllm.scheduler_side import ScheduledReq  # noqa: E402
+from radixkv.integrations.vllm.config import ConnectorConfig
+from radixkv.integrations.vllm.layout import KVShape
+from radixkv.integrations.vllm.scheduler_side import ScheduledReq
 
 PHASES = ("a_match_miss", "a_save_step", "a_finish", "b_match_hit", "b_load_step", "b_finish")
 

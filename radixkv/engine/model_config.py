@@ -2,20 +2,15 @@
 
 ``radixkv serve --model-config DIR`` uses it so that the manager's KV pool has the shape of
 the engine's KV cache (``radixkv.integrations.vllm`` refuses a mismatch at attach):
-
-* ``layer_types``: ``"F" * num_hidden_layers`` (one full-attention layer each);
-* ``head_num``: ``num_key_value_heads`` (``num_attention_heads`` when absent: MHA);
-* ``head_dim``: ``head_dim``, else ``hidden_size // num_attention_heads``;
-* ``kv_dtype``: ``dtype`` / ``torch_dtype`` (``float32`` when absent or ``"auto"``).
-
+``layer_types`` ``"F" * num_hidden_layers``; ``head_num`` ``num_key_value_heads`` (else
+``num_attention_heads``); ``head_dim`` (else ``hidden_size // num_attention_heads``);
+``kv_dtype`` from ``dtype`` / ``torch_dtype`` (``float32`` when absent or ``"auto"``).
 Multi-latent attention (DeepSeek-V2/V3: ``kv_lora_rank``) gives an MLA pool instead:
-``kv_lora_rank``, ``qk_rope_head_dim``, ``head_num`` 1 and ``head_dim`` their sum (the latent
-row vLLM's ``MLAAttentionSpec`` holds per token).
+``kv_lora_rank``, ``qk_rope_head_dim``, ``head_num`` 1 and ``head_dim`` their sum.
 
 A multimodal config's ``text_config`` is read when present. Hybrid models (Mamba / linear
 attention / sliding-window layers named in ``layer_types``, ``layers_block_type`` or
-``hybrid_override_pattern``) are refused with ``InvalidArgumentError``: their KV is not one
-full-attention pool of this shape.
+``hybrid_override_pattern``) are refused with ``InvalidArgumentError``.
 """
 from __future__ import annotations
 

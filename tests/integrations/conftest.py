@@ -1,5 +1,5 @@
 """The managers the vLLM connector's vLLM-free tests share: server threads on Unix sockets with
-the KV shapes of ``tooling.vllm_fake`` (``manager``: MHA; ``mla_manager``: an MLA latent pool),
+the KV shapes of ``benchmarks/tooling/vllm_fake.py`` (``manager``: MHA; ``mla_manager``: an MLA latent pool),
 each with ``.cfg``, its ``ConnectorConfig``."""
 import pytest
 from tooling.testing import ThreadedServer
