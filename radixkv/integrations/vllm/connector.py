@@ -2,36 +2,14 @@
 
 The only module of the package that imports vLLM (checked with vLLM 0.32.0). It maps vLLM's
 hooks onto :class:`~radixkv.integrations.vllm.scheduler_side.SchedulerSide` (scheduler role)
-and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role):
-
-=============================  ==============================================================
-vLLM hook                      what happens
-=============================  ==============================================================
-``get_num_new_matched_tokens``  ``alloc_extend``: match + lock the cached prefix (whole blocks);
-                                an index miss: 0, its ``alloc_extend`` queued (deferred save)
-``update_state_after_alloc``    the accepted hit is planned for loading
-``build_connector_meta``        the step's load and save ops (``RadixKVConnectorMetadata``)
-``start_load_kv``               worker: one gather/scatter per layer, manager -> vLLM
-``wait_for_save``               worker: one gather/scatter per layer, vLLM -> manager
-``get_finished``                worker: finished requests whose kept blocks were saved
-``build_connector_worker_meta`` worker -> scheduler: what was saved / failed
-``update_connector_output``     ``cache_finished`` of fully saved prompts (queued, batched)
-``request_finished``            ``release`` of a request that ended before its save (queued);
-                                keep the blocks of one whose deferred save is not done
-=============================  ==============================================================
-
-Queued calls are sent from a background thread, in order, off the step (see
-:mod:`~radixkv.integrations.vllm.scheduler_side`).
-
-Loads are synchronous (done before the forward that reads them); saves complete before the
-step returns (a deferred save: in a later step, after the request if it finished). Every
-hook catches its own failures: a manager fault makes the engine serve without the shared cache
-(warning log, counters in ``RadixKVStats``), never crash it.
-Tensor parallel: every rank's worker copies its own KV heads of the same manager rows (which
-hold all heads), and a save counts only once every rank reported it. MLA: the latent rows
-(refused on vLLM's CPU build unless ``mla_on_cpu``: ``MLA_ON_CPU`` says why). Hybrid (Mamba /
-linear-attention / sliding-window) models, quantized KV caches, pipeline and context parallel
-engines are refused at start-up.
+and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role); what each hook
+does: ``docs/vllm.md``, "The hooks". Loads are done before the forward that reads them, saves
+before the step returns (a deferred save: in a later step). Every hook catches its own
+failures: a manager fault makes the engine serve without the shared cache, never crash it.
+Tensor parallel: each rank copies its own KV heads of the manager rows (which hold all heads);
+a save counts once every rank reported it. MLA: the latent rows (refused on vLLM's CPU build
+unless ``mla_on_cpu``: ``MLA_ON_CPU`` says why). Hybrid models, quantized KV caches, pipeline
+and context parallel engines are refused at start-up.
 """
 from __future__ import annotations
 
