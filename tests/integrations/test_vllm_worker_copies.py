@@ -28,3 +28,15 @@ def test_copies_run_narrow_and_restore_the_thread_count(manager):
     finally:
         torch.set_num_threads(before)
         e.close()
+
+
+def test_a_failed_warm_up_is_only_a_warning(manager, monkeypatch):
+    from radixkv.integrations.vllm.worker_side import WorkerSide
+
+    def broken(self, wb):
+        raise RuntimeError("cannot touch the pool")
+
+    monkeypatch.setattr(WorkerSide, "_warm", broken)
+    e = Engine(manager.cfg)  # registers and maps all the same
+    assert e.worker.counters["mapped_epochs"] == 1
+    e.close()

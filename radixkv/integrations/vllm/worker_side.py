@@ -140,7 +140,10 @@ class WorkerSide:
             self.link.fail(e)
             return None
         self.link.close()  # the layout is all the worker needs from a session
-        self._warm(wb)
+        try:
+            self._warm(wb)
+        except Exception as e:  # best effort: a cold pool is slower, not wrong
+            logger.warning("radixkv: warming the mapped pool failed (%s: %s)", type(e).__name__, e)
         self._buffers[epoch] = wb
         self.counters["mapped_epochs"] += 1
         for old in sorted(self._buffers)[:-_KEEP_EPOCHS]:
