@@ -44,16 +44,21 @@ def _engine_main(conn, kwargs, env):
             if cmd == "stop":
                 break
             if cmd == "generate":
-                prompts, max_tokens, timed = args
-                sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                prompts, max_tokens, timed, salt, logprobs = args
+                sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                    logprobs=0 if logprobs else None)
                 batches = [[p] for p in prompts] if timed else [prompts]
+                salted = {"cache_salt": salt} if salt else {}
                 res = []
                 for batch in batches:
                     t0 = time.perf_counter()
-                    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in batch], sp, use_tqdm=False)
+                    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p), **salted) for p in batch], sp,
+                                        use_tqdm=False)
                     dt = time.perf_counter() - t0
-                    res += [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0), dt) for o in outs]
-                conn.send(("ok", res if timed else [r[:2] for r in res]))
+                    res += [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0),
+                             [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [],
+                                                          strict=False)] if logprobs else dt) for o in outs]
+                conn.send(("ok", res if timed or logprobs else [r[:2] for r in res]))
             elif cmd == "metrics":
                 conn.send(("ok", {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                                   if "prefix_cache" in m.name}))
@@ -71,6 +76,7 @@ class EngineProcess:
     def __init__(self, name, llm_kwargs, env=None):
         ctx = get_context("spawn")
         self.name = name
+        self.kwargs = dict(llm_kwargs)
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_main, args=(child, dict(llm_kwargs), {**ENGINE_ENV, **(env or {})}),
                                 name=f"vllm-{name}", daemon=False)
@@ -88,10 +94,11 @@ class EngineProcess:
     def wait_ready(self, timeout_s=900):
         self._reply(timeout_s)
 
-    def generate(self, prompts, max_tokens=16, timeout_s=300, timed=False):
+    def generate(self, prompts, max_tokens=16, timeout_s=300, timed=False, salt=None, logprobs=False):
         """``[(tokens, num_cached_tokens)]`` (``timed``: ``[(tokens, cached, seconds)]``, one
-        prompt at a time)."""
-        self._conn.send(("generate", [list(map(int, p)) for p in prompts], max_tokens, timed))
+        prompt at a time; ``logprobs``: ``[(tokens, cached, each token's logprob)]``; ``salt``:
+        vLLM's ``cache_salt``, a cache namespace of its own)."""
+        self._conn.send(("generate", [list(map(int, p)) for p in prompts], max_tokens, timed, salt, logprobs))
         return self._reply(timeout_s)
 
     def metrics(self):

@@ -20,7 +20,7 @@ from radixkv.contracts import IndexLike, LayerLike, Scale
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.layout import LAYOUT_FORMAT, build_kv_pool, build_mamba_pool, find_embedded
 from radixkv.errors import InvalidArgumentError, InvariantError
-from radixkv.memory import Arena, ArenaLayout, HybridLinearKVPool, MambaPool, MHATokenToKVPool
+from radixkv.memory import Arena, ArenaLayout, HybridLinearKVPool, MambaPool, MHATokenToKVPool, MLATokenToKVPool
 from radixkv.memory.mamba_pool import Mamba2LayerCache
 from radixkv.memory.req_to_token import ReqToTokenPool
 
@@ -35,7 +35,7 @@ class WorkerBuffers:
 
     Args:
         config: the engine's :class:`~radixkv.engine.config.EngineConfig`.
-        kv_pool: the ``MHATokenToKVPool`` of the full-attention layers.
+        kv_pool: the ``MHATokenToKVPool`` (``MLATokenToKVPool``: MLA) of the full-attention layers.
         req_to_token: the request-to-token table (int32 ``[rows + 1, max_context_len]``).
         mamba_pool: the ``MambaPool`` of the KDA layers (hybrid configs), else ``None``.
 
@@ -43,14 +43,14 @@ class WorkerBuffers:
     free lists stay with the engine.
     """
 
-    def __init__(self, config: EngineConfig, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor,
+    def __init__(self, config: EngineConfig, kv_pool: MHATokenToKVPool | MLATokenToKVPool, req_to_token: torch.Tensor,
                  mamba_pool: MambaPool | None = None):
         self.config = config
         self.req_to_token = req_to_token
         self.mamba_pool = mamba_pool
-        self._mha = kv_pool
+        self._full = kv_pool
         if mamba_pool is not None:
-            self.kv_pool: MHATokenToKVPool | HybridLinearKVPool = HybridLinearKVPool(
+            self.kv_pool: MHATokenToKVPool | MLATokenToKVPool | HybridLinearKVPool = HybridLinearKVPool(
                 kv_pool, list(config.full_layer_ids), mamba_pool, linear_layer_ids=list(config.kda_layer_ids))
         else:
             self.kv_pool = kv_pool
@@ -64,7 +64,8 @@ class WorkerBuffers:
     # -- the pools' API ------------------------------------------------------------------
     def get_kv_buffer(self, layer_id: LayerLike) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K, V)`` views ``[kv_tokens + page_size, head_num, head_dim]`` of full layer
-        ``layer_id``. Raises ``InvalidArgumentError`` for a KDA layer, ``InvalidIndexError``
+        ``layer_id`` (MLA: the latent ``[rows, 1, kv_lora_rank + qk_rope_head_dim]`` and its
+        first ``kv_lora_rank`` columns). Raises ``InvalidArgumentError`` for a KDA layer, ``InvalidIndexError``
         for an unknown one."""
         return self.kv_pool.get_kv_buffer(layer_id)
 
@@ -84,7 +85,7 @@ class WorkerBuffers:
 
     def check_invariants(self) -> None:
         """The views still alias their arenas with the layout's shapes and dtypes."""
-        self._mha.check_invariants()
+        self._full.check_invariants()
         if self.mamba_pool is not None:
             self.mamba_pool.arena.check_invariants()
         c = self.config

@@ -8,7 +8,8 @@ server can take a config file and override single fields from flags
 Model shape: ``layer_types`` has one character per layer, ``F`` (full attention: per-token
 KV in the KV pool) or ``K`` (a KDA linear-attention layer: a fixed-size recurrent state per
 request in the Mamba pool). Layers are numbered globally in that order, as the reference
-model and ``HybridLinearKVPool`` number them.
+model and ``HybridLinearKVPool`` number them. ``kv_lora_rank > 0``: multi-latent attention,
+the full-attention layers keep one latent row per token (``MLATokenToKVPool``).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ _INT_MIN = {  # field -> smallest allowed value
     "kv_tokens": 1, "page_size": 1, "head_num": 1, "head_dim": 1, "conv_kernel": 2,
     "kda_num_heads": 1, "kda_head_dim": 1, "state_slots": 1, "request_rows": 1,
     "max_context_len": 1, "max_sessions": 1, "max_requests_per_session": 1, "decode_reserve": 0,
+    "kv_lora_rank": 0, "qk_rope_head_dim": 0,
 }
 
 
@@ -50,6 +52,9 @@ class EngineConfig:
         page_size: tokens per KV page (1: token-granular allocator).
         layer_types: one ``F`` / ``K`` per layer (at least one ``F``).
         head_num, head_dim: KV heads and head width of the full-attention layers.
+        kv_lora_rank, qk_rope_head_dim: multi-latent attention (MLA, DeepSeek-V2/V3) when
+            ``kv_lora_rank > 0``: one latent row of ``kv_lora_rank + qk_rope_head_dim`` per
+            token and layer; then ``head_num`` must be 1 and ``head_dim`` that width.
         kv_dtype: floating dtype name of the KV buffers (``"float16"``, ``"bfloat16"``, ...).
         conv_kernel: KDA short-conv width (its state keeps ``conv_kernel - 1`` inputs).
         kda_num_heads, kda_head_dim: heads / head width of the KDA layers.
@@ -104,6 +109,8 @@ class EngineConfig:
     checks: bool = True
     decode_reserve: int = 0
     mamba_track_interval: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name, lo in _INT_MIN.items():
@@ -124,6 +131,13 @@ class EngineConfig:
         if iv and self.decode_reserve:
             raise InvalidArgumentError("EngineConfig.mamba_track_interval and decode_reserve exclude each other "
                                        "(a decode answered from a reserve cannot name its track slot)")
+        if self.kv_lora_rank and (self.head_num, self.head_dim) != (1, self.kv_lora_rank + self.qk_rope_head_dim):
+            raise InvalidArgumentError(
+                f"EngineConfig: an MLA pool (kv_lora_rank {self.kv_lora_rank}) has one latent head of "
+                f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank + self.qk_rope_head_dim}; got head_num "
+                f"{self.head_num}, head_dim {self.head_dim}")
+        if self.qk_rope_head_dim and not self.kv_lora_rank:
+            raise InvalidArgumentError("EngineConfig.qk_rope_head_dim needs kv_lora_rank > 0 (MLA)")
         if self.kv_tokens % self.page_size:
             raise InvalidArgumentError(
                 f"EngineConfig.kv_tokens ({self.kv_tokens}) must be a multiple of page_size "
@@ -179,6 +193,11 @@ class EngineConfig:
     def is_hybrid(self) -> bool:
         """Whether the model has KDA layers (then requests also hold a state slot)."""
         return "K" in self.layer_types
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the full-attention layers keep MLA latents (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
 
     @property
     def track_interval(self) -> int | None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixkv.engine.config import EngineConfig
-from radixkv.memory import ArenaLayout, MambaPool, MHATokenToKVPool, ReqToTokenPool, plan_layout
+from radixkv.memory import ArenaLayout, MambaPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool, plan_layout
 from radixkv.memory.arena import DEFAULT_ALIGNMENT
 from radixkv.memory.hybrid import MAPPING, OWNER, TRACK, TRACK_SIZE
 
@@ -54,7 +54,10 @@ def plan_arenas(config: EngineConfig) -> dict[str, ArenaLayout]:
     n_full = len(c.full_layer_ids)
     shape = (c.kv_tokens + c.page_size, c.head_num, c.head_dim)
     sd = _store_dtype(c.kv_dtype)
-    kv = [(f"k.{l}", shape, sd) for l in range(n_full)] + [(f"v.{l}", shape, sd) for l in range(n_full)]
+    if c.is_mla:  # one latent buffer per layer ([rows, 1, kv_lora_rank + qk_rope_head_dim]: head_num, head_dim)
+        kv = [(f"kv.{l}", shape, sd) for l in range(n_full)]
+    else:
+        kv = [(f"k.{l}", shape, sd) for l in range(n_full)] + [(f"v.{l}", shape, sd) for l in range(n_full)]
     plans = {"req_to_token": plan_layout(r2t, DEFAULT_ALIGNMENT), "kv": plan_layout(kv, DEFAULT_ALIGNMENT)}
     if c.is_hybrid:
         n_kda = len(c.kda_layer_ids)
@@ -66,12 +69,16 @@ def plan_arenas(config: EngineConfig) -> dict[str, ArenaLayout]:
 
 
 def build_kv_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
-                  device: str | torch.device | None = None) -> MHATokenToKVPool:
-    """The full-attention KV pool of ``config`` (over ``buffer`` when given)."""
+                  device: str | torch.device | None = None) -> MHATokenToKVPool | MLATokenToKVPool:
+    """The full-attention KV pool of ``config`` (over ``buffer`` when given): MLA latents
+    when ``config.is_mla``, else K and V."""
     c = config
+    dev = device if device is not None else c.torch_device
+    if c.is_mla:
+        return MLATokenToKVPool(c.kv_tokens, c.page_size, c.kv_dtype, c.kv_lora_rank, c.qk_rope_head_dim,
+                                len(c.full_layer_ids), dev, checks=c.checks, buffer=buffer)
     return MHATokenToKVPool(c.kv_tokens, c.page_size, c.kv_dtype, c.head_num, c.head_dim,
-                            len(c.full_layer_ids), device if device is not None else c.torch_device,
-                            checks=c.checks, buffer=buffer)
+                            len(c.full_layer_ids), dev, checks=c.checks, buffer=buffer)
 
 
 def build_mamba_pool(config: EngineConfig, buffer: torch.Tensor | None = None,

@@ -2,16 +2,15 @@
 
 ``radixkv serve --model-config DIR`` uses it so that the manager's KV pool has the shape of
 the engine's KV cache (``radixkv.integrations.vllm`` refuses a mismatch at attach):
-
-* ``layer_types``: ``"F" * num_hidden_layers`` (one full-attention layer each);
-* ``head_num``: ``num_key_value_heads`` (``num_attention_heads`` when absent: MHA);
-* ``head_dim``: ``head_dim``, else ``hidden_size // num_attention_heads``;
-* ``kv_dtype``: ``dtype`` / ``torch_dtype`` (``float32`` when absent or ``"auto"``).
+``layer_types`` ``"F" * num_hidden_layers``; ``head_num`` ``num_key_value_heads`` (else
+``num_attention_heads``); ``head_dim`` (else ``hidden_size // num_attention_heads``);
+``kv_dtype`` from ``dtype`` / ``torch_dtype`` (``float32`` when absent or ``"auto"``).
+Multi-latent attention (DeepSeek-V2/V3: ``kv_lora_rank``) gives an MLA pool instead:
+``kv_lora_rank``, ``qk_rope_head_dim``, ``head_num`` 1 and ``head_dim`` their sum.
 
 A multimodal config's ``text_config`` is read when present. Hybrid models (Mamba / linear
 attention / sliding-window layers named in ``layer_types``, ``layers_block_type`` or
-``hybrid_override_pattern``) and multi-latent attention (``kv_lora_rank``) are refused with
-``InvalidArgumentError``: their KV is not one full-attention pool of this shape.
+``hybrid_override_pattern``) are refused with ``InvalidArgumentError``.
 """
 from __future__ import annotations
 
@@ -63,14 +62,12 @@ def _check_not_hybrid(cfg: dict[str, Any], where: str) -> None:
             raise InvalidArgumentError(
                 f"{where}: {key} marks a hybrid (Mamba / linear-attention) model; --model-config "
                 "reads full-attention models only")
-    if cfg.get("kv_lora_rank"):
-        raise InvalidArgumentError(f"{where}: kv_lora_rank marks multi-latent attention (MLA); "
-                                   "its compressed KV is not an MHA pool")
 
 
 def kv_shape_from_hf_config(cfg: dict[str, Any], where: str = "model config") -> dict[str, Any]:
-    """``EngineConfig`` fields (``layer_types``, ``head_num``, ``head_dim``, ``kv_dtype``) of
-    a parsed Hugging Face config. Raises ``InvalidArgumentError`` naming the bad key."""
+    """``EngineConfig`` fields (``layer_types``, ``head_num``, ``head_dim``, ``kv_dtype``; MLA:
+    also ``kv_lora_rank``, ``qk_rope_head_dim``) of a parsed Hugging Face config.
+    Raises ``InvalidArgumentError`` naming the bad key."""
     if not isinstance(cfg, dict):
         raise InvalidArgumentError(f"{where}: not a dict")
     text = cfg.get("text_config")
@@ -81,6 +78,12 @@ def kv_shape_from_hf_config(cfg: dict[str, Any], where: str = "model config") ->
             cfg["dtype"] = dtype_outer
     _check_not_hybrid(cfg, where)
     layers = _positive_int(cfg, "num_hidden_layers", where)
+    dtype = _dtype(cfg, where)
+    if cfg.get("kv_lora_rank"):  # MLA: one latent row per token
+        rank = _positive_int(cfg, "kv_lora_rank", where)
+        rope = _positive_int(cfg, "qk_rope_head_dim", where)
+        return {"layer_types": "F" * layers, "head_num": 1, "head_dim": rank + rope, "kv_dtype": dtype,
+                "kv_lora_rank": rank, "qk_rope_head_dim": rope}
     heads = _positive_int(cfg, "num_attention_heads", where)
     kv_heads = _positive_int(cfg, "num_key_value_heads", where) if cfg.get("num_key_value_heads") is not None \
         else heads
@@ -92,14 +95,16 @@ def kv_shape_from_hf_config(cfg: dict[str, Any], where: str = "model config") ->
             raise InvalidArgumentError(f"{where}: hidden_size {hidden} is not a multiple of "
                                        f"num_attention_heads {heads} (and no head_dim is given)")
         head_dim = hidden // heads
+    return {"layer_types": "F" * layers, "head_num": kv_heads, "head_dim": head_dim, "kv_dtype": dtype}
+
+
+def _dtype(cfg: dict[str, Any], where: str) -> str:
     raw = cfg.get("dtype", cfg.get("torch_dtype"))
     if raw is None or raw == "auto":
-        dtype = "float32"
-    elif isinstance(raw, str) and raw.lower().removeprefix("torch.") in _DTYPES:
-        dtype = _DTYPES[raw.lower().removeprefix("torch.")]
-    else:
-        raise InvalidArgumentError(f"{where}: dtype {raw!r} is not one of {sorted(set(_DTYPES.values()))}")
-    return {"layer_types": "F" * layers, "head_num": kv_heads, "head_dim": head_dim, "kv_dtype": dtype}
+        return "float32"
+    if isinstance(raw, str) and raw.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[raw.lower().removeprefix("torch.")]
+    raise InvalidArgumentError(f"{where}: dtype {raw!r} is not one of {sorted(set(_DTYPES.values()))}")
 
 
 def engine_fields_from_model_dir(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def test_hybrid_shapes():
     ("state_slots", 0), ("request_rows", 0), ("max_context_len", 0), ("eviction_policy", "random"),
     ("admission_policy", "sometimes"), ("enable_kv_events", 1), ("lease_ttl_s", 0),
     ("lease_ttl_s", float("inf")), ("lease_ttl_s", "30"), ("max_sessions", 0),
-    ("max_requests_per_session", 0), ("checks", "yes"),
+    ("max_requests_per_session", 0), ("checks", "yes"), ("kv_lora_rank", -1), ("qk_rope_head_dim", 2),
 ])
 def test_bad_field_is_named(field, value):
     kwargs = {field: value}
@@ -38,6 +38,13 @@ def test_bad_field_is_named(field, value):
         kwargs["page_size"] = 16
     with pytest.raises(InvalidArgumentError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_mla_needs_one_latent_head_of_the_latent_width():
+    c = EngineConfig(head_num=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert c.is_mla and EngineConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(InvalidArgumentError, match="head_num 2, head_dim 576"):
+        EngineConfig(head_num=2, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64)
 
 
 def test_dict_round_trip_and_unknown_fields():

@@ -11,14 +11,16 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.layout import plan_arenas
 from radixkv.engine.pools import EnginePools, build_tree
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError
-from radixkv.memory import HybridReqToTokenPool, ReqToTokenPool
+from radixkv.memory import HybridReqToTokenPool, MLATokenToKVPool, ReqToTokenPool
 
 HYBRID = EngineConfig(layer_types="KKF", kda_num_heads=2, kda_head_dim=4, state_slots=5, request_rows=3,
                       max_context_len=16, kv_tokens=64, page_size=4, head_num=2, head_dim=4)
 PLAIN = EngineConfig(kv_tokens=64, request_rows=3, max_context_len=16, head_num=2, head_dim=4, kv_dtype="float16")
+MLA = EngineConfig(kv_tokens=64, request_rows=3, max_context_len=16, head_num=1, head_dim=12, kv_lora_rank=8,
+                   qk_rope_head_dim=4, page_size=4)
 
 
-@pytest.mark.parametrize("cfg", [PLAIN, HYBRID], ids=["kv-only", "hybrid"])
+@pytest.mark.parametrize("cfg", [PLAIN, HYBRID, MLA], ids=["kv-only", "hybrid", "mla"])
 def test_pools_match_plan_and_layout_is_plain_data(cfg):
     pools = EnginePools(cfg)
     plans = plan_arenas(cfg)
@@ -78,6 +80,18 @@ def test_attach_embedded_and_from_bytes_alias_the_same_memory():
             w.mamba2_layer_cache(0)
         with pytest.raises(InvalidIndexError):
             w.get_kv_buffer(2)
+
+
+def test_mla_pools_hold_one_latent_per_token_and_a_worker_maps_it():
+    pools = EnginePools(MLA)
+    assert type(pools.kv_pool) is MLATokenToKVPool and set(plan_arenas(MLA)["kv"].names()) == {"kv.0", "kv.1"}
+    w = attach_buffers(json.loads(json.dumps(pools.layout())), pools.buffers())
+    latent = torch.arange(2 * 12, dtype=torch.float32).view(2, 1, 12)
+    w.set_kv_buffer(1, torch.tensor([5, 9]), latent, latent)
+    k, v = pools.kv_pool.get_kv_buffer(1)
+    assert torch.equal(k[torch.tensor([5, 9])], latent) and torch.equal(v[9], latent[1, :, :8])
+    assert tuple(w.get_kv_buffer(0)[0].shape) == (64 + 4, 1, 12)
+    w.check_invariants()
 
 
 def test_attach_rejects_mismatches():

@@ -34,11 +34,24 @@ def test_multimodal_text_config_is_read():
     {"layer_types": ["full_attention", "linear_attention", "full_attention"]},
     {"layers_block_type": ["attention", "mamba", "attention"]},
     {"hybrid_override_pattern": "M-M*"},
-    {"kv_lora_rank": 512},
+    {"kv_lora_rank": 512},  # MLA without qk_rope_head_dim
 ])
-def test_hybrid_and_mla_models_are_refused(extra):
+def test_hybrid_and_incomplete_mla_models_are_refused(extra):
     with pytest.raises(InvalidArgumentError):
         kv_shape_from_hf_config({**LLAMA, **extra})
+
+
+DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "hidden_size": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+               "qk_nope_head_dim": 32, "v_head_dim": 32, "dtype": "float32"}
+
+
+def test_mla_model_gives_an_mla_pool_of_one_latent_head():
+    fields = kv_shape_from_hf_config(DEEPSEEK_V2)
+    assert fields == {"layer_types": "FF", "head_num": 1, "head_dim": 576, "kv_dtype": "float32",
+                      "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    cfg = EngineConfig(page_size=16, kv_tokens=64, **fields)
+    assert cfg.is_mla and not EngineConfig().is_mla
 
 
 @pytest.mark.parametrize("bad", [{"num_hidden_layers": 0}, {"num_attention_heads": "4"},

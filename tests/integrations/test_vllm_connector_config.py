@@ -12,7 +12,7 @@ def test_the_documented_keys():
                                     "retry_interval_s": 1})
     assert c.address.startswith("unix://") and c.namespace == "llama-8b" and c.retry_interval_s == 1.0
     assert c.recompute_load_failures is True and c.connect_timeout_s == 2.0
-    assert c.defer_miss_saves == "auto"
+    assert c.defer_miss_saves == "auto" and c.copy_threads == 1
     assert ConnectorConfig.from_extra({"address": "x:1", "defer_miss_saves": False}).defer_miss_saves is False
 
 
@@ -25,6 +25,8 @@ def test_the_documented_keys():
     ({"address": "x:1", "recompute_load_failures": "yes"}, "recompute_load_failures"),
     ({"address": "x:1", "defer_miss_saves": "yes"}, "defer_miss_saves"),
     ({"address": "x:1", "defer_miss_saves": 1}, "defer_miss_saves"),
+    ({"address": "x:1", "mla_on_cpu": 1}, "mla_on_cpu"), ({"address": "x:1", "copy_threads": -1}, "copy_threads"),
+    ({"address": "x:1", "copy_threads": 1.5}, "copy_threads"),
 ])
 def test_bad_configs_name_the_key(extra, word):
     with pytest.raises(InvalidArgumentError, match=word):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from tooling.testing import ThreadedServer
-from vllm_fake import BS, HD, HEADS, KEY, LAYERS, SHAPE, Engine, idle
+from tooling.vllm_fake import BS, HD, HEADS, KEY, LAYERS, SHAPE, Engine, idle
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, InvariantError, StaleSessionError
@@ -21,17 +21,6 @@ from radixkv.integrations.vllm.layout import LayoutMismatchError, paged_kv_views
 from radixkv.integrations.vllm.link import ManagerLink
 from radixkv.integrations.vllm.scheduler_side import ScheduledReq, vllm_slots
 from radixkv.integrations.vllm.worker_side import WorkerSide
-
-
-@pytest.fixture(scope="module")
-def manager(tmp_path_factory):
-    cfg = EngineConfig(kv_tokens=64, page_size=BS, layer_types="F" * LAYERS, head_num=HEADS, head_dim=HD,
-                       kv_dtype="float32", request_rows=8, max_context_len=128)
-    with ThreadedServer(cfg) as srv:
-        tok = tmp_path_factory.mktemp("tok") / "token"
-        tok.write_text(srv.token)
-        srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
-        yield srv
 
 
 def test_b_loads_exactly_what_a_saved(manager):
@@ -211,7 +200,7 @@ def test_row_geometry_addresses_the_same_elements_as_the_views(layout):
     shape = (5, HEADS, BS, 2 * HD) if layout == "cpu" else (2, 5, BS, HEADS, HD)
     kv = torch.arange(int(np.prod(shape)), dtype=torch.float32).view(*shape)
     k, v = paged_kv_views(kv, BS, HEADS, HD)
-    geo = row_geometry(kv, k, v, HD)
+    geo = row_geometry(kv, (k, v), HD)
     blk, off = torch.tensor([4, 0, 2, 2]), torch.tensor([3, 1, 0, 3])
     kr, vr = geo.rows(blk, off, HEADS)
     flat = kv.view(-1, HD)

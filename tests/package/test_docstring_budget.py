@@ -31,7 +31,6 @@ PENDING = frozenset({
     "radixkv.engine.config",
     "radixkv.engine.embedded",
     "radixkv.engine.pools",
-    "radixkv.integrations.vllm.connector",
     "radixkv.integrations.vllm.first_blocks",
     "radixkv.kernels.write_cache_indices",
     "radixkv.scheduler.flow",

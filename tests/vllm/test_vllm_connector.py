@@ -13,17 +13,11 @@ For every scenario B's greedy tokens must equal ``ref``'s, and the reuse must sh
 own counters: ``RequestOutput.num_cached_tokens`` and ``vllm:external_prefix_cache_hits``.
 """
 import os
-import random
-import secrets
-import time
 
-import numpy as np
 import pytest
-from process_group import members
-from vllm_harness import EngineProcess, ManagerProcess
-from vllm_model import TinyLlama, make_tiny_llama
-
-from radixkv.engine.protocol import MatchQuery
+from tooling.vllm_cluster import connector_config, make_manager, running, settled, tiny_llama, tokens, wait_for_sessions
+from tooling.vllm_cluster import holds as holds_in
+from vllm_harness import EngineProcess
 
 BLOCK = 32
 POOL_TOKENS = 512  # the manager's KV pool: 16 blocks
@@ -32,72 +26,32 @@ NAMESPACE = "tiny-llama"
 OWN_LOOP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
-def tokens(seed, n):
-    rnd = random.Random(seed)
-    return [rnd.randrange(3, 512) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-radixkv")
-    model = str(root / "model")
-    make_tiny_llama(model, TinyLlama(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                                     max_position_embeddings=1024, initializer_range=0.2))
-    token_file = str(root / "token")
-    with open(token_file, "w") as f:
-        f.write(secrets.token_urlsafe(24))
-    os.chmod(token_file, 0o600)
-    sock = root / "mgr"
-    sock.mkdir(mode=0o700)
-    shm = root / "shm"
-    shm.mkdir()
-    address = f"unix://{sock}/s.sock"
-    manager = ManagerProcess(address, token_file, str(shm),
-                             ["--model-config", model, "--page-size", str(BLOCK), "--kv-tokens", str(POOL_TOKENS),
-                              "--max-context-len", "1024", "--lease-ttl-s", "30", "--enable-kv-events"])
+    model = tiny_llama(root, kv_heads=1)
+    manager = make_manager(root, ["--model-config", model, "--page-size", str(BLOCK), "--kv-tokens",
+                                  str(POOL_TOKENS), "--max-context-len", "1024", "--lease-ttl-s", "30",
+                                  "--enable-kv-events"])
     evict_flag = str(root / "evict-now")
     common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=BLOCK,
                   max_model_len=1024, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
                   distributed_executor_backend="uni", disable_log_stats=False, seed=0)
-    extra = {"address": address, "token_file": token_file, "retry_interval_s": 0.5, "connect_timeout_s": 1.0,
-             "namespace": NAMESPACE}
-    ktc = dict(kv_connector="RadixKVConnector", kv_connector_module_path="radixkv.integrations.vllm",
-               kv_role="kv_both", kv_connector_extra_config=extra)
+    ktc = connector_config(manager, NAMESPACE)
     engines = {
         "ref": EngineProcess("ref", common),
         "a": EngineProcess("a", {**common, "kv_transfer_config": ktc}, env=OWN_LOOP),
         "b": EngineProcess("b", {**common, "kv_transfer_config": {
             **ktc, "kv_connector": "EvictingRadixKVConnector", "kv_connector_module_path": "vllm_test_connector",
-            "kv_connector_extra_config": dict(extra)}}, env={"RADIXKV_TEST_EVICT_FLAG": evict_flag}),
+            "kv_connector_extra_config": dict(ktc["kv_connector_extra_config"])}},
+            env={"RADIXKV_TEST_EVICT_FLAG": evict_flag}),
     }
-    try:
-        for e in engines.values():
-            e.wait_ready()
-        manager.start()  # after the engines: they started without it
-        wait_for_sessions(manager, 2)
-        engines["manager"] = manager
-        engines["evict_flag"] = evict_flag
-        yield engines
-    finally:
-        for e in engines.values():
-            if isinstance(e, EngineProcess):
-                e.stop()
-        manager.stop()
-        left = {name: members(e.proc.pid) for name, e in engines.items() if isinstance(e, EngineProcess)}
-        assert not any(left.values()), f"engine processes left behind after stop: {left}"
+    with running(engines, manager, start_manager=True):  # the manager after the engines: they start without it
+        yield {**engines, "manager": manager, "evict_flag": evict_flag}
 
 
-def wait_for_sessions(manager, n, timeout_s=120.0):
-    """Until ``n`` engine schedulers hold a session (they reconnect in the background)."""
-    c = manager.client()
-    deadline = time.monotonic() + timeout_s
-    try:
-        while c.stats().sessions < n:
-            assert time.monotonic() < deadline, "the engines did not reconnect to the manager"
-            time.sleep(0.2)
-    finally:
-        c.close()
+def holds(manager, prompt, n):
+    holds_in(manager, prompt, n, NAMESPACE)
 
 
 def run(engine, prompt):
@@ -107,32 +61,6 @@ def run(engine, prompt):
 
 def ext_hits(engine):
     return engine.metrics().get("vllm:external_prefix_cache_hits", 0)
-
-
-def settled(manager, timeout_s=30.0):
-    """Wait until the manager holds no live request: the engines' commits and releases are
-    sent from a background thread after the step, so another engine sees them a moment
-    after vLLM returned the output (with ``timeout_s``: a lost commit fails the test)."""
-    deadline = time.monotonic() + timeout_s
-    while (st := manager.client().stats()).requests and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return st
-
-
-def holds(manager, prompt, n, timeout_s=60.0):
-    """Wait until the manager's tree holds ``n`` tokens of ``prompt`` in this namespace (A's
-    deferred save lands after vLLM returned A's output); a timeout fails the test."""
-    c = manager.client()
-    session = c.attach("probe").session
-    try:
-        q = MatchQuery(np.asarray(prompt, np.int32), f"vllm|{NAMESPACE}")
-        deadline = time.monotonic() + timeout_s
-        while c.match(session, [q])[0].prefix_len < n:
-            assert time.monotonic() < deadline, f"the manager does not hold {n} tokens of the prompt"
-            time.sleep(0.01)
-    finally:
-        c.detach(session)
-        c.close()
 
 
 def check_b(cluster, prompt, want_cached, populate=None):

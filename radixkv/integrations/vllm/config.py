@@ -7,7 +7,9 @@ only within one, split further by LoRA and ``cache_salt``); ``connect_timeout_s`
 tries); ``recompute_load_failures`` (true: vLLM recomputes a load that cannot be done);
 ``defer_miss_saves`` (``"auto"``: a request whose first block the manager does not hold gets
 no hit and no round trip, and is saved off its steps; on when vLLM's engine core runs its own
-loop). Unknown keys are refused. Each key: ``docs/vllm.md``, "Config keys".
+loop); ``copy_threads`` (1: torch threads of the worker's copies on CPU); ``mla_on_cpu``
+(false: MLA is refused on vLLM's CPU build). Unknown keys are refused. Each key:
+``docs/vllm.md``, "Config keys".
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ class ConnectorConfig:
     retry_interval_s: float = 2.0
     recompute_load_failures: bool = True
     defer_miss_saves: bool | str = "auto"
+    copy_threads: int = 1
+    mla_on_cpu: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -56,9 +60,13 @@ class ConnectorConfig:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                     raise InvalidArgumentError(f"RadixKVConnector: {key} must be a number > 0, got {v!r}")
                 d[key] = float(v)
-        if "recompute_load_failures" in d and not isinstance(d["recompute_load_failures"], bool):
-            raise InvalidArgumentError("RadixKVConnector: recompute_load_failures must be a bool")
+        for key in ("recompute_load_failures", "mla_on_cpu"):
+            if key in d and not isinstance(d[key], bool):
+                raise InvalidArgumentError(f"RadixKVConnector: {key} must be a bool")
         if "defer_miss_saves" in d and not isinstance(d["defer_miss_saves"], bool) and d["defer_miss_saves"] != "auto":
             raise InvalidArgumentError(f"RadixKVConnector: defer_miss_saves must be true, false or 'auto', "
                                        f"got {d['defer_miss_saves']!r}")
+        ct = d.get("copy_threads", 1)
+        if isinstance(ct, bool) or not isinstance(ct, int) or ct < 0:
+            raise InvalidArgumentError(f"RadixKVConnector: copy_threads must be an int >= 0, got {ct!r}")
         return cls(**d)

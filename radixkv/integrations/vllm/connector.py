@@ -2,33 +2,14 @@
 
 The only module of the package that imports vLLM (checked with vLLM 0.32.0). It maps vLLM's
 hooks onto :class:`~radixkv.integrations.vllm.scheduler_side.SchedulerSide` (scheduler role)
-and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role):
-
-=============================  ==============================================================
-vLLM hook                      what happens
-=============================  ==============================================================
-``get_num_new_matched_tokens``  ``alloc_extend``: match + lock the cached prefix (whole blocks);
-                                an index miss: 0, its ``alloc_extend`` queued (deferred save)
-``update_state_after_alloc``    the accepted hit is planned for loading
-``build_connector_meta``        the step's load and save ops (``RadixKVConnectorMetadata``)
-``start_load_kv``               worker: one gather/scatter per layer, manager -> vLLM
-``wait_for_save``               worker: one gather/scatter per layer, vLLM -> manager
-``get_finished``                worker: finished requests whose kept blocks were saved
-``build_connector_worker_meta`` worker -> scheduler: what was saved / failed
-``update_connector_output``     ``cache_finished`` of fully saved prompts (queued, batched)
-``request_finished``            ``release`` of a request that ended before its save (queued);
-                                keep the blocks of one whose deferred save is not done
-=============================  ==============================================================
-
-Queued calls are sent from a background thread, in order, off the step (see
-:mod:`~radixkv.integrations.vllm.scheduler_side`).
-
-Loads are synchronous (done before the forward that reads them); saves complete before the
-step returns (a deferred save: in a later step, after the request if it finished). Every
-hook catches its own failures: a manager fault makes the engine serve without the shared cache
-(warning log, counters in ``RadixKVStats``), never crash it.
-Hybrid (Mamba / linear-attention / sliding-window) and MLA models, quantized KV caches and
-tensor / pipeline parallel engines are refused at start-up.
+and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role); what each hook
+does: ``docs/vllm.md``, "The hooks". Loads are done before the forward that reads them, saves
+before the step returns (a deferred save: in a later step). Every hook catches its own
+failures: a manager fault makes the engine serve without the shared cache, never crash it.
+Tensor parallel: each rank copies its own KV heads of the manager rows (which hold all heads);
+a save counts once every rank reported it. MLA: the latent rows (refused on vLLM's CPU build
+unless ``mla_on_cpu``: ``MLA_ON_CPU`` says why). Hybrid models, quantized KV caches, pipeline
+and context parallel engines are refused at start-up.
 """
 from __future__ import annotations
 
@@ -51,10 +32,10 @@ from radixkv.engine.protocol import AttachInfo
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.config import ConnectorConfig
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
-from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, dtype_name
+from radixkv.integrations.vllm.layout import HeadShard, KVShape, LayoutMismatchError, dtype_name, head_shard
 from radixkv.integrations.vllm.link import ManagerClient, ManagerLink
 from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide
-from radixkv.integrations.vllm.worker_side import WorkerSide
+from radixkv.integrations.vllm.worker_side import SaveReport, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,20 +64,13 @@ class RadixKVConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class RadixKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: ``saved[req_id]``: saved up to this token; ``failed``:
-    requests whose save failed."""
-
-    saved: dict[str, int] = field(default_factory=dict)
-    failed: set[str] = field(default_factory=set)
+class RadixKVWorkerMetadata(SaveReport, KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step (:class:`SaveReport`); vLLM aggregates the ranks' reports."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, RadixKVWorkerMetadata):
             return self
-        saved = dict(self.saved)
-        for k, v in other.saved.items():  # a request is saved as far as every worker saved it
-            saved[k] = min(saved[k], v) if k in saved else v
-        return RadixKVWorkerMetadata(saved, self.failed | other.failed)
+        return RadixKVWorkerMetadata(*self.merged(other))
 
 
 @dataclass
@@ -133,24 +107,48 @@ class _Deltas:
         return out
 
 
-def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+#: Parallel modes refused at start, and why (tensor parallel is supported: each rank copies its heads).
+_REFUSED_PARALLEL = {
+    "pipeline_parallel_size": "each pipeline stage holds the KV of its own layers only, and the connector "
+                              "copies every layer of a block in one worker",
+    "prefill_context_parallel_size": "each rank holds part of a request's tokens, not whole blocks",
+    "decode_context_parallel_size": "each rank holds part of a request's tokens, not whole blocks",
+}
+
+
+#: Why an MLA model is refused on vLLM's CPU build (``docs/vllm.md``, "MLA").
+MLA_ON_CPU = (
+    "vLLM's CPU MLA backend does not compute over a loaded prefix what it computes over the same prompt "
+    "from scratch (a tiny DeepSeek-V2 with 96 of 100 prompt tokens loaded bit-exact: the first token's "
+    "logprob differs by 1e-4, later ones by up to 0.29; vLLM turns its own prefix caching off for MLA on "
+    "CPU), so a shared prefix would change outputs; kv_connector_extra_config mla_on_cpu=true shares it anyway")
+
+
+def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                        mla_on_cpu: bool = False) -> None:
     mc = vllm_config.model_config
     if getattr(mc, "is_hybrid", False):
         raise InvalidArgumentError(
             f"RadixKVConnector: model {mc.model!r} is hybrid (Mamba / linear-attention layers); the "
             "connector shares full-attention KV only and would reuse KV without its recurrent state")
-    if getattr(mc, "use_mla", False):
-        raise InvalidArgumentError(f"RadixKVConnector: model {mc.model!r} uses MLA; not supported")
+    mla = bool(getattr(mc, "use_mla", False))
+    if mla and not mla_on_cpu:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            raise InvalidArgumentError(f"RadixKVConnector: model {mc.model!r} uses MLA on CPU: {MLA_ON_CPU}")
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if kinds and kinds != ["FullAttentionSpec"]:
-        raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only FullAttentionSpec "
+    want = "MLAAttentionSpec" if mla else "FullAttentionSpec"
+    if kinds and kinds != [want]:
+        raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only {want} "
                                    "(full attention in every layer) is supported")
     pc = vllm_config.parallel_config
-    if int(getattr(pc, "world_size", 1)) > 1:
-        raise InvalidArgumentError(
-            f"RadixKVConnector: tensor/pipeline parallel engines (world size {pc.world_size}) are not "
-            "supported: every rank would write its shard of the heads into the same manager rows")
+    for key, why in _REFUSED_PARALLEL.items():
+        if int(getattr(pc, key, 1) or 1) > 1:
+            raise InvalidArgumentError(f"RadixKVConnector: {key}={getattr(pc, key)} is not supported: {why}")
+    # the heads split over the ranks (MLA: one latent head, on every rank)
+    head_shard(1 if mla else int(mc.get_total_num_kv_heads()), int(pc.tensor_parallel_size), 0)
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise InvalidArgumentError(f"RadixKVConnector: kv_cache_dtype {cache_dtype!r} is not supported "
@@ -168,9 +166,22 @@ def _defer_misses(cfg: ConnectorConfig) -> bool:
 
 
 def _kv_shape(vllm_config: VllmConfig) -> KVShape:
+    """The model's KV shape with all its KV heads (what the manager's rows hold at any TP);
+    MLA: one latent head of ``kv_lora_rank + qk_rope_head_dim``."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    return KVShape(int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()),
-                   dtype_name(mc.dtype), int(vllm_config.cache_config.block_size))
+    layers, dtype, block = int(mc.get_num_layers(pc)), dtype_name(mc.dtype), int(vllm_config.cache_config.block_size)
+    if getattr(mc, "use_mla", False):
+        hf = mc.hf_text_config
+        return KVShape(layers, 1, int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim), dtype, block, latent=True)
+    return KVShape(layers, int(mc.get_total_num_kv_heads()), int(mc.get_head_size()), dtype, block)
+
+
+def _own_heads(vllm_config: VllmConfig, shape: KVShape) -> HeadShard:
+    """This worker's KV heads (its tensor-parallel rank's share)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    return head_shard(shape.kv_heads, tp, int(get_tensor_model_parallel_rank()) if tp > 1 else 0)
 
 
 class RadixKVConnector(KVConnectorBase_V1):
@@ -183,10 +194,11 @@ class RadixKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self._cfg = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
-        _refuse_unsupported(vllm_config, kv_cache_config)
+        _refuse_unsupported(vllm_config, kv_cache_config, self._cfg.mla_on_cpu)
         if self._cfg.recompute_load_failures and tc.kv_load_failure_policy != "recompute":
             tc.kv_load_failure_policy = "recompute"  # a cache: a lost entry is recomputed, not an error
         self._shape = _kv_shape(vllm_config)
+        self._world_size = int(vllm_config.parallel_config.world_size)  # workers reporting each step
         self._namespace = self._cfg.namespace or str(vllm_config.model_config.model)
         self._deltas = _Deltas()
         self._sched: SchedulerSide | None = None
@@ -202,11 +214,13 @@ class RadixKVConnector(KVConnectorBase_V1):
             link.get(force=True)  # connect now (a shape mismatch raises here)
             if isinstance(link.last_error, LayoutMismatchError):
                 raise link.last_error
+            self._sched.warm()
             if index is not None:
                 self._feed = IndexFeed(index, link).start()
         else:
-            link = ManagerLink(self._cfg, "vllm-worker", keepalive=False, background=False)
-            self._worker = WorkerSide(link, self._shape)
+            shard = _own_heads(vllm_config, self._shape)
+            link = ManagerLink(self._cfg, f"vllm-worker-heads{shard.first}", keepalive=False, background=False)
+            self._worker = WorkerSide(link, self._shape, shard, self._cfg.copy_threads)
 
     def _check_manager(self, client: ManagerClient, info: AttachInfo) -> None:
         from radixkv.integrations.vllm.layout import check_same_shape, manager_kv_shape
@@ -243,8 +257,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata):
             return
         if meta.saves:
-            saved, failed = self._worker.save(meta.saves)
-            self._report = RadixKVWorkerMetadata({**self._report.saved, **saved}, self._report.failed | failed)
+            self._report.add(*self._worker.save(meta.saves))
         self._sent.update(meta.finish)  # saved or failed: vLLM may free their blocks now
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -332,7 +345,7 @@ class RadixKVConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         try:
             if isinstance(meta, RadixKVWorkerMetadata):
-                self._sched.on_worker_report(meta.saved, meta.failed)
+                self._sched.on_worker_report(*meta.complete(self._world_size))
             else:
                 self._sched.on_worker_report({})
         except Exception:

@@ -160,6 +160,24 @@ class SchedulerSide:
             if got is not None and got[0] is client:
                 self.link.fail(e)
 
+    def warm(self) -> None:
+        """At engine start, not in a request: one ``alloc_extend`` of a one-block prompt in a
+        namespace of its own, then its ``release``, so that the first request does not pay the
+        first-call set-up of the client and the manager (the first match of a process measured
+        13-81 ms against 3-4 ms after). A refused alloc is ignored; a failure fails the link."""
+        got = self.link.get()
+        if got is None:
+            return
+        client, info = got
+        rid = f"radixkv-warm#{next(self._ids)}"
+        try:
+            client.alloc_extend(info.session, [ExtendItem(rid, np.zeros(self.bs, np.int32), "radixkv-warm")])
+            client.release(info.session, [rid])
+        except (CapacityError, InvalidArgumentError):
+            pass
+        except Exception as e:
+            self.link.fail(e)
+
     def flush(self) -> None:
         """Wait until the queued commits and releases are sent (their failures reaped)."""
         self._calls.wait()

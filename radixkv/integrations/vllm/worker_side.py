@@ -1,16 +1,18 @@
 """The worker half of the connector: copies between the manager's KV pool and vLLM's cache.
 
 The manager's pools are mapped zero-copy once per manager epoch (a session is opened just to
-read the layout). A step's loads run before the forward, its saves after it, each one gather
-and one scatter per layer and K/V over all the step's tokens: no per-token Python loop. An
-op of an epoch this worker cannot map is reported failed (vLLM recomputes the load, the
-scheduler releases the save); a load from a mapped epoch is done even if that manager died
+read the layout) and pre-faulted then, not in a request. A step's loads run before the forward,
+its saves after it, each one gather and one scatter per layer and part over all the step's
+tokens. Tensor parallel: a rank copies only its ``HeadShard`` of the rows (which hold every
+head). An op of an epoch this worker cannot map is reported failed (vLLM recomputes the load,
+the scheduler releases the save); a load from a mapped epoch is done even if that manager died
 (the memory stays mapped and the rows were locked). See ``docs/vllm.md``, "The worker side".
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +20,7 @@ import torch
 
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.layout import (
+    HeadShard,
     KVShape,
     LayoutMismatchError,
     RowGeometry,
@@ -32,21 +35,62 @@ from radixkv.integrations.vllm.scheduler_side import CopyOp
 if TYPE_CHECKING:  # pragma: no cover
     from radixkv.engine.buffers import WorkerBuffers
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerSide", "SaveReport"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
 
 _KEEP_EPOCHS = 2  # mapped epochs kept (the current one and the one before a restart)
 
 
+@dataclass
+class SaveReport:
+    """Workers -> scheduler, one step: ``saved[req_id]``: saved up to this token; ``failed``:
+    requests whose save failed; ``ranks[req_id]``: how many workers reported it saved. Each
+    tensor-parallel rank copies its own heads, so a save is done only when every rank's is."""
+
+    saved: dict[str, int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    ranks: dict[str, int] = field(default_factory=dict)
+
+    def add(self, saved: dict[str, int], failed: set[str]) -> None:
+        """One worker's own ``WorkerSide.save`` result (several calls of a step merge)."""
+        self.saved.update(saved)
+        self.failed |= failed
+        self.ranks.update(dict.fromkeys(saved, 1))
+
+    def merged(self, other: SaveReport) -> tuple[dict[str, int], set[str], dict[str, int]]:
+        """``(saved, failed, ranks)`` of this and another worker's report: a request is saved as
+        far as both saved it; the ranks add up."""
+        saved, ranks = dict(self.saved), dict(self.ranks)
+        for k, v in other.saved.items():
+            saved[k] = min(saved[k], v) if k in saved else v
+            ranks[k] = ranks.get(k, 0) + other.ranks.get(k, 0)
+        return saved, self.failed | other.failed, ranks
+
+    def complete(self, world_size: int) -> tuple[dict[str, int], set[str]]:
+        """``(saved, failed)`` for the scheduler: a request fewer than ``world_size`` workers
+        reported saved counts as failed (released, never committed)."""
+        short = {k for k in self.saved if self.ranks.get(k, 0) < world_size}
+        return {k: v for k, v in self.saved.items() if k not in short}, self.failed | short
+
+
 class WorkerSide:
     """See the module doc. ``link``: the worker's :class:`ManagerLink` (no keep-alive, no background reconnect);
-    ``shape``: vLLM's KV shape (checked against every manager mapped)."""
+    ``shape``: the model's KV shape, all heads (checked against every manager mapped); ``shard``:
+    this rank's heads (default: all); ``copy_threads``: torch intra-op threads of the copies on
+    CPU (0: torch's setting, vLLM's OpenMP threads)."""
 
-    def __init__(self, link: ManagerLink, shape: KVShape):
+    def __init__(self, link: ManagerLink, shape: KVShape, shard: HeadShard | None = None, copy_threads: int = 1):
         self.link = link
         self.shape = shape
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.copy_threads = copy_threads
+        self.shard = shard if shard is not None else HeadShard(0, shape.kv_heads)
+        if not (0 <= self.shard.first and self.shard.num >= 1
+                and self.shard.first + self.shard.num <= shape.kv_heads):
+            raise LayoutMismatchError(f"head shard {tuple(self.shard)} outside the model's {shape.kv_heads} KV heads")
+        self._heads = slice(self.shard.first, self.shard.first + self.shard.num)
+        self._whole = self.shard.num == shape.kv_heads  # the manager's rows copied whole
+        self._views: list[tuple[torch.Tensor, ...]] = []  # per layer: (K, V), or (latent,) for MLA
         self._rows: list[torch.Tensor] = []  # each layer as rows of head_dim (with _geometry)
         self._geometry: RowGeometry | None = None  # the same in every layer, or None: index the views
         self._buffers: dict[int, WorkerBuffers] = {}  # epoch -> the manager's pools, mapped
@@ -62,8 +106,8 @@ class WorkerSide:
             raise LayoutMismatchError(f"vLLM registered {len(layers)} KV cache layers, its model config "
                                       f"has {self.shape.layers}")
         s = self.shape
-        self._views = [paged_kv_views(t, s.page_size, s.kv_heads, s.head_dim, name) for name, t in layers]
-        geos = {row_geometry(t, k, v, s.head_dim) for (_, t), (k, v) in zip(layers, self._views, strict=True)}
+        self._views = [paged_kv_views(t, s.page_size, self.shard.num, s.head_dim, name, s.latent) for name, t in layers]
+        geos = {row_geometry(t, parts, s.head_dim) for (_, t), parts in zip(layers, self._views, strict=True)}
         self._geometry = geos.pop() if len(geos) == 1 else None
         self._rows = [t.view(-1, s.head_dim) for _, t in layers] if self._geometry is not None else []
         for name, t in layers:
@@ -96,11 +140,30 @@ class WorkerSide:
             self.link.fail(e)
             return None
         self.link.close()  # the layout is all the worker needs from a session
+        try:
+            self._warm(wb)
+        except Exception as e:  # best effort: a cold pool is slower, not wrong
+            logger.warning("radixkv: warming the mapped pool failed (%s: %s)", type(e).__name__, e)
         self._buffers[epoch] = wb
         self.counters["mapped_epochs"] += 1
         for old in sorted(self._buffers)[:-_KEEP_EPOCHS]:
             del self._buffers[old]
         return epoch
+
+    def _warm(self, wb: WorkerBuffers) -> None:
+        """At mapping (engine start, or a new manager), not in a request: read one element of
+        every page of the manager's mapped pools (a CPU pool's first touch of each page is a
+        page fault: the first requests' copies paid them, about a second per instance for the
+        benchmark's pool), and run the copy kernels once on one row of scratch."""
+        one = torch.zeros(1, dtype=torch.int64, device=wb.device)
+        for layer in range(self.shape.layers):
+            for m in self._manager_parts(wb, layer):
+                flat = m.reshape(-1)
+                if flat.device.type == "cpu":
+                    flat[::max(1, 4096 // flat.element_size())].sum()
+                row = m.index_select(0, one)
+                row.index_copy_(0, one, row.clone())
+        wb.req_to_token.reshape(-1)[::1024].sum()
 
     def _buffers_of(self, epoch: int) -> WorkerBuffers | None:
         wb = self._buffers.get(epoch)
@@ -127,6 +190,21 @@ class WorkerSide:
         return int(wb.get_kv_buffer(0)[0].shape[0])
 
     def _copy(self, ops: Sequence[CopyOp], to_vllm: bool) -> tuple[list[CopyOp], list[CopyOp]]:
+        """``_copy_ops`` with ``copy_threads`` intra-op threads on CPU: a step's copies are small,
+        and OpenMP's fork/join over vLLM's threads cost more than the copy (20-50x a one-thread
+        ``index_select`` + ``index_copy_`` of a 512-token prompt's rows, measured at load ~9)."""
+        threads = torch.get_num_threads()
+        cpu = bool(self._views) and self._views[0][0].device.type == "cpu"
+        narrow = cpu and 0 < self.copy_threads < threads
+        if narrow:
+            torch.set_num_threads(self.copy_threads)
+        try:
+            return self._copy_ops(ops, to_vllm)
+        finally:
+            if narrow:
+                torch.set_num_threads(threads)
+
+    def _copy_ops(self, ops: Sequence[CopyOp], to_vllm: bool) -> tuple[list[CopyOp], list[CopyOp]]:
         """Run ``ops`` (one batch per manager epoch): manager -> vLLM (``to_vllm``) or back,
         one gather and one scatter per layer and K/V. Returns (done ops, failed ops)."""
         by: dict[int, list[CopyOp]] = {}
@@ -140,17 +218,16 @@ class WorkerSide:
                 if wb is None:
                     raise InvalidArgumentError(f"manager epoch {epoch} is not mapped")
                 rows, blk, off = self._indices(wb, group)
-                if self._geometry is not None:
+                if self._geometry is not None and (to_vllm or self.shard.writes):
                     self._copy_rows(wb, rows, blk, off, to_vllm)
-                else:
-                    for layer, (k, v) in enumerate(self._views):
-                        mk, mv = wb.get_kv_buffer(layer)
-                        if to_vllm:
-                            k[blk, off] = mk.index_select(0, rows)
-                            v[blk, off] = mv.index_select(0, rows)
-                        else:
-                            mk.index_copy_(0, rows, k[blk, off])
-                            mv.index_copy_(0, rows, v[blk, off])
+                elif to_vllm or self.shard.writes:
+                    hs = self._heads
+                    for layer, parts in enumerate(self._views):
+                        for part, m in zip(parts, self._manager_parts(wb, layer), strict=True):
+                            if to_vllm:
+                                part[blk, off] = m.index_select(0, rows)[:, hs]
+                            else:
+                                m[:, hs].index_copy_(0, rows, part[blk, off])
                 if rows.is_cuda:
                     torch.cuda.current_stream(rows.device).synchronize()
                 done.extend(group)
@@ -160,21 +237,33 @@ class WorkerSide:
                 failed.extend(group)
         return done, failed
 
+    def _manager_parts(self, wb: WorkerBuffers, layer: int) -> tuple[torch.Tensor, ...]:
+        """The manager's buffers of ``layer`` matching vLLM's parts: ``(K, V)``, or the MLA
+        latent alone (the pool's "V" is a view of the latent's first columns)."""
+        k, v = wb.get_kv_buffer(layer)
+        return (k,) if self.shape.latent else (k, v)
+
     def _copy_rows(self, wb: WorkerBuffers, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
                    to_vllm: bool) -> None:
-        """The copies by row index (see ``row_geometry``): per layer and K/V one
-        ``index_select`` and one ``index_copy_``, row indices computed once for all layers."""
+        """The copies by row index (see ``row_geometry``): per layer and part one
+        ``index_select`` and one ``index_copy_``, row indices computed once for all layers.
+        The manager's buffer is seen as rows of all heads (whole shard) or of one head."""
         assert self._geometry is not None
-        h, d = self.shape.kv_heads, self.shape.head_dim
-        k_rows, v_rows = self._geometry.rows(blk, off, h)
+        h, d, n_all = self.shard.num, self.shape.head_dim, self.shape.kv_heads
+        part_rows = self._geometry.rows(blk, off, h)
+        if self._whole:
+            m_rows, width = rows, n_all * d
+        else:  # this rank's heads of each slot: row slot * heads + head
+            m_rows = (rows[:, None] * n_all + torch.arange(self.shard.first, self.shard.first + h,
+                                                           device=rows.device)[None, :]).reshape(-1)
+            width = d
         for layer, flat in enumerate(self._rows):
-            mk, mv = wb.get_kv_buffer(layer)
-            if to_vllm:
-                flat.index_copy_(0, k_rows, mk.index_select(0, rows).reshape(-1, d))
-                flat.index_copy_(0, v_rows, mv.index_select(0, rows).reshape(-1, d))
-            else:
-                mk.index_copy_(0, rows, flat.index_select(0, k_rows).view(-1, h, d))
-                mv.index_copy_(0, rows, flat.index_select(0, v_rows).view(-1, h, d))
+            for at, m in zip(part_rows, self._manager_parts(wb, layer), strict=True):
+                mflat = m.view(-1, width)
+                if to_vllm:
+                    flat.index_copy_(0, at, mflat.index_select(0, m_rows).view(-1, d))
+                else:
+                    mflat.index_copy_(0, m_rows, flat.index_select(0, at).view(-1, width))
 
     def load(self, ops: Sequence[CopyOp]) -> set[int]:
         """Copy the ops' manager rows into vLLM's blocks. Returns the vLLM block ids that
