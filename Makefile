@@ -14,7 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.radixkv-vllm-installed
 
 all: test
 
-$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c) $(wildcard service/wire/csrc/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[dev,dynamo]"

@@ -162,7 +162,9 @@ class CacheManagerServer:
         if clock is None:
             clock = self.lease_clock = LoopClock()
         try:
-            for name, plan in plan_arenas(config).items():
+            plans = plan_arenas(config)
+            self.shared.check_space(sum(p.total_bytes for p in plans.values()))
+            for name, plan in plans.items():
                 self.shared.allocate(name, plan.total_bytes)
             mappings = {n: wire.descriptor_to_dict(d) for n, d in self.shared.descriptors.items()}
             self.engine = CacheEngine(config, clock=clock, epoch=epoch, buffers=dict(self.shared.buffers),
@@ -184,6 +186,10 @@ class CacheManagerServer:
         self.address: str | None = None
         self.metrics_port: int | None = None
         self._stopped = False
+        #: Why the manager cannot go on (a pool file shrunk under it), once it is so; ``serve``
+        #: then stops it and exits 1.
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
 
     # ------------------------------------------------------------------ start
     async def start(self) -> str:
@@ -296,6 +302,13 @@ class CacheManagerServer:
         sv, events = self.servicer, self.events
         if sv is None or events is None:
             raise RuntimeError("sweep_once() runs only after start()")
+        broken = self.shared.repair_truncated()
+        if broken and self.failure is None:
+            self.failure = "; ".join(broken)
+            log.critical("a pool file was shrunk under the running manager (another process of this user "
+                         "truncated it): %s. Its contents are lost (now zeros): stopping; restart the manager",
+                         self.failure)
+            self.failed.set()
         expired, released = sv.housekeeping()
         if expired:
             log.info("lease expired for %d session(s); everything they held was reclaimed", len(expired))
@@ -411,7 +424,8 @@ def _check_options(o: ServeOptions) -> None:
 
 async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),  # noqa: B008
                 on_ready: Callable[[CacheManagerServer], None] | None = None) -> int:
-    """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0."""
+    """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0, or 1 when the
+    manager stopped because it could not go on (:attr:`CacheManagerServer.failure`)."""
     server = CacheManagerServer(config, token, options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -421,10 +435,14 @@ async def serve(config: EngineConfig, token: Token, options: ServeOptions = Serv
         await server.start()
         if on_ready is not None:
             on_ready(server)
-        await stop.wait()
-        log.info("signal received: shutting down (grace %.1f s)", options.grace_s)
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.failed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if server.failure is None:
+            log.info("signal received: shutting down (grace %.1f s)", options.grace_s)
     finally:
         await server.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    return 0
+    return 0 if server.failure is None else 1
