@@ -76,8 +76,8 @@ from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.zmq_flags import PublisherConfig
 
-__all__ = ["CacheManagerServer", "ServeOptions", "serve", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
-           "DEFAULT_HANDSHAKE_TIMEOUT_S",
+__all__ = ["CacheManagerServer", "ServeOptions", "serve", "raise_fd_limit", "DEFAULT_MAX_CONCURRENT_RPCS",
+           "DEFAULT_QUARANTINE_S", "DEFAULT_HANDSHAKE_TIMEOUT_S",
            "DEFAULT_EVENTS_INTERVAL_S"]
 
 log = logging.getLogger("radixkv.service")
@@ -422,10 +422,28 @@ def _check_options(o: ServeOptions) -> None:
         raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
 
 
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit of open descriptors to the hard one (every worker holds
+    a few; a 1,024 default runs out first). Returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY in (soft, hard) or soft >= hard:  # nothing to raise, or no number to raise to
+        return int(soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, e)
+        return int(soft)
+    log.info("descriptor limit raised from %d to %d", soft, hard)
+    return int(hard)
+
+
 async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),  # noqa: B008
                 on_ready: Callable[[CacheManagerServer], None] | None = None) -> int:
     """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0, or 1 when the
     manager stopped because it could not go on (:attr:`CacheManagerServer.failure`)."""
+    raise_fd_limit()
     server = CacheManagerServer(config, token, options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from radixkv.service.server.manager import CacheManagerServer, ServeOptions
 from radixkv.service.wire import shm
 from radixkv.service.wire.auth import Token
 from radixkv.service.wire.shm import SharedBuffers
+from service_util import START_TIMEOUT_S, STOP_TIMEOUT_S, end_serve, popen_serve
 
 from radixkv.engine import EngineConfig, plan_arenas
 from radixkv.errors import SharedMemorySpaceError
@@ -154,17 +154,10 @@ def test_a_manager_whose_pool_file_is_cut_stops_cleanly_with_a_clear_message(tmp
 
     from radixkv.engine.protocol import ExtendItem
 
-    sock_dir = tempfile.mkdtemp(prefix="rkv-")
-    token = "w" * 32
-    token_file = os.path.join(sock_dir, "token")
-    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        f.write(token)
-    address = f"unix://{sock_dir}/s.sock"
-    p = subprocess.Popen([sys.executable, "-m", "radixkv", "serve", "--address", address, "--token-file", token_file,
-                          "--shm-dir", str(tmp_path), "--kv-tokens", "2048", "--sweep-interval-s", "0.1",
-                          "--log-level", "WARNING"], stderr=subprocess.PIPE, text=True)
+    srv = popen_serve(["--shm-dir", str(tmp_path), "--kv-tokens", "2048", "--sweep-interval-s", "0.1",
+                       "--log-level", "WARNING"])
     try:
-        with connect(address, token=token, wait_s=90, timeout_s=30) as c:
+        with connect(srv.address, token=srv.token, wait_s=START_TIMEOUT_S, timeout_s=30) as c:
             s = c.attach("w").session
             for path in glob.glob(os.path.join(str(tmp_path), "radixkv-*.buf")):
                 os.truncate(path, 0)
@@ -172,18 +165,10 @@ def test_a_manager_whose_pool_file_is_cut_stops_cleanly_with_a_clear_message(tmp
                 c.alloc_extend(s, [ExtendItem("r1", np.arange(1, 65, dtype=np.int32))])
             except Exception:  # noqa: BLE001 - the manager may be stopping: either is fine
                 pass
-        deadline = time.monotonic() + 60
-        while p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        code = p.wait(timeout=30)
-        err = p.stderr.read() if p.stderr else ""
+        srv.process.wait(STOP_TIMEOUT_S)  # it stops by itself (a hang is a failure)
+        err = srv.log()
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        for name in os.listdir(sock_dir):
-            os.unlink(os.path.join(sock_dir, name))
-        os.rmdir(sock_dir)
+        code = end_serve(srv, wait_s=1)
     assert code == 1, f"exit {code} (SIGBUS is {-signal.SIGBUS}); stderr: {err[-2000:]}"
     assert "shrunk under the running manager" in err and str(tmp_path) in err, err[-2000:]
     assert not glob.glob(os.path.join(str(tmp_path), "radixkv-*")), "pool files left behind"
