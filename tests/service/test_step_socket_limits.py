@@ -5,11 +5,7 @@ deadline bounds), and frames that never finish (a deadline by size, a cap on the
 across connections). No timing decides a test: every wait is a bounded poll for a state."""
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 import grpc
@@ -17,6 +13,7 @@ import pytest
 from radixkv.service.client import connect
 from radixkv.service.server.manager import ServeOptions
 from radixkv.service.wire.step import FRAME, step_socket_path
+from service_util import START_TIMEOUT_S, end_serve, popen_serve
 from test_step_socket import CONFIG, error_code, hello, raw_connect, recv
 from tooling.testing import ThreadedServer
 
@@ -123,38 +120,15 @@ def test_bytes_of_unfinished_frames_are_capped_across_connections():
 
 
 # ------------------------------------------------------------------ item 2: the descriptor limit
-def _serve_with_fd_limit(tmp_path, ulimit: str):
-    sock_dir = tempfile.mkdtemp(prefix="rkv-")
-    token = "f" * 32
-    token_file = os.path.join(sock_dir, "token")
-    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        f.write(token)
-    address = f"unix://{sock_dir}/s.sock"
-    log = open(tmp_path / "serve.log", "w+")
-    cmd = (f"ulimit {ulimit}; exec {sys.executable} -m radixkv serve --address {address} --token-file {token_file} "
-           "--kv-tokens 2048 --handshake-timeout-s 600 --log-level INFO")
-    p = subprocess.Popen(["sh", "-c", cmd], stdout=log, stderr=subprocess.STDOUT)
-    return p, address, token, sock_dir, log
-
-
-def _stop(p, sock_dir):
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    for name in os.listdir(sock_dir):
-        os.unlink(os.path.join(sock_dir, name))
-    os.rmdir(sock_dir)
+SERVE_ARGS = ["--kv-tokens", "2048", "--handshake-timeout-s", "600", "--log-level", "INFO"]  # the silent ones stay
 
 
 def test_at_the_descriptor_limit_the_step_socket_backs_off_and_logs_once_a_period(tmp_path):
-    p, address, token, sock_dir, log = _serve_with_fd_limit(tmp_path, "-n 64")
+    srv = popen_serve(SERVE_ARGS, ulimit="-n 64")
+    address = srv.address
     flood: list[socket.socket] = []
     try:
-        with connect(address, token=token, wait_s=90, timeout_s=30) as c:
+        with connect(address, token=srv.token, wait_s=START_TIMEOUT_S, timeout_s=30) as c:
             s = c.attach("w").session  # a worker attached before the flood
             c.heartbeat(s)  # its Step socket connection is open (a new one needs a descriptor)
             path = step_socket_path(address[len("unix://"):])
@@ -169,19 +143,18 @@ def test_at_the_descriptor_limit_the_step_socket_backs_off_and_logs_once_a_perio
                 flood.append(f)
             def reached():
                 c.heartbeat(s)  # the worker attached before goes on: its heartbeats never fail
-                return "want of a file descriptor" in open(log.name).read()
+                return "want of a file descriptor" in srv.log()
 
             until("the limit reached", reached)
             for _ in range(200):
                 c.heartbeat(s)
-            text = open(log.name).read()
+            text = srv.log()
             assert "socket.accept() out of system resource" not in text, text[-3000:]
             assert text.count("want of a file descriptor") <= 2, text[-3000:]  # one per 10 s period
     finally:
         for f in flood:
             f.close()
-        _stop(p, sock_dir)
-        log.close()
+        end_serve(srv, wait_s=0.1)
 
 
 def test_serve_raises_its_soft_descriptor_limit_to_the_hard_one(tmp_path):
@@ -190,14 +163,13 @@ def test_serve_raises_its_soft_descriptor_limit_to_the_hard_one(tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard <= 256:
         pytest.skip(f"the hard limit ({hard}) leaves nothing to raise to")
-    p, address, token, sock_dir, log = _serve_with_fd_limit(tmp_path, "-S -n 256")
+    srv = popen_serve(SERVE_ARGS, ulimit="-S -n 256")
     try:
-        with connect(address, token=token, wait_s=90, timeout_s=30) as c:
+        with connect(srv.address, token=srv.token, wait_s=START_TIMEOUT_S, timeout_s=30) as c:
             c.stats()
-        limits = open(f"/proc/{p.pid}/limits").read()
+        limits = open(f"/proc/{srv.process.pid}/limits").read()
         line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
         assert line.split()[3:5] == [str(hard), str(hard)], line
-        assert f"descriptor limit raised from 256 to {hard}" in open(log.name).read()
+        assert f"descriptor limit raised from 256 to {hard}" in srv.log()
     finally:
-        _stop(p, sock_dir)
-        log.close()
+        end_serve(srv, wait_s=0.1)
