@@ -169,14 +169,18 @@ def metrics(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
     if m is None:
         raise RuntimeError("no metrics port in the log")
     host, port = m.group(1), int(m.group(2))
-    held = []
-    for _ in range(200):
+    held, failed = [], 0
+    t0 = time.monotonic()
+    for i in range(200):
+        if i % 10 == 0:
+            c.heartbeat(s)  # the worker stays live while the connections are made
         try:
             held.append(socket.create_connection((host, port), timeout=2))
         except OSError:
-            break
+            failed += 1
+    connect_s = round(time.monotonic() - t0, 2)
     out = during(srv, c, s, seconds)
-    out["connected"] = len(held)
+    out.update(connected=len(held), connect_failed=failed, connect_s=connect_s)
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
             out["scrape"] = r.status

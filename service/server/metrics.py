@@ -15,7 +15,9 @@ queries written for vLLM work):
   (CPU seconds, resident memory, open file descriptors, start time);
 * ``radixkv_rpc_latency_seconds{method,code}`` histogram (its ``_count``: calls);
   ``radixkv_auth_failures_total{method}``; ``radixkv_step_socket_refused_total{why}``
-  (Step socket connections closed by its limits: ``handshake_timeout``, ``auth``, ...);
+  (Step socket connections closed by its limits: ``handshake_timeout``, ``auth``, ...,
+  ``frame_timeout``, ``partial_bytes``, ``write_timeout``; and ``fd_limit``: accepts that
+  found no descriptor);
 * ``radixkv_prefix_cache_queries_total`` / ``radixkv_prefix_cache_hits_total``: prompt tokens
   looked up / found in the cache (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``;
   hit rate: ``rate(..._hits_total[5m]) / rate(..._queries_total[5m])``);
@@ -164,10 +166,11 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
     def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0 picks a free port). Returns the port."""
-        from prometheus_client import start_http_server
+        """Serve ``/metrics`` on ``addr:port`` (0 picks a free port; bounded: see
+        :mod:`~radixkv.service.server.metrics_http`). Returns the port."""
+        from radixkv.service.server.metrics_http import start_metrics_http
 
-        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        server, thread = start_metrics_http(self.registry, port, addr)
         self._http = (server, thread)
         return int(server.server_address[1])
 
