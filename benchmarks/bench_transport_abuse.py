@@ -13,6 +13,9 @@ byte (``--max-message-bytes 64 MiB``; a frame's deadline is then 5 s + 15 s: run
 ``--seconds 25`` to see them closed).
 ``metrics``: ``--metrics-port 0``; 200 idle TCP connections to it; then whether a scrape
 still answers.
+``replay``: the ZMQ outlet with its replay endpoint (``ipc://``); the worker first makes
+~500 event batches (inserts), then 8 DEALER sockets of the attacker ask for a replay from
+seq 0 over and over (reading the answers), and one sends malformed requests.
 
 Usage: ``python benchmarks/bench_transport_abuse.py {fdflood,partial,metrics} [--seconds 10]``.
 Timing is never asserted; on a shared machine the figures are provisional (load printed).
@@ -62,7 +65,7 @@ class Serve:
         self.address = f"unix://{self.dir}/s.sock"
         self.log = open(os.path.join(self.dir, "serve.log"), "w+")
         cmd = [sys.executable, "-m", "radixkv", "serve", "--address", self.address, "--token-file", tok,
-               "--kv-tokens", "4096", "--log-level", "INFO"] + extra
+               "--kv-tokens", "65536", "--log-level", "INFO"] + [a.format(dir=self.dir) for a in extra]
         if ulimit:
             cmd = ["sh", "-c", f"ulimit {ulimit}; exec " + " ".join(cmd)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -200,9 +203,62 @@ def metrics(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
     return out
 
 
+def replay(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
+    import threading
+
+    import zmq
+
+    from radixkv.engine.protocol import ExtendItem
+
+    for i in range(500):  # ~one event batch each (the pump runs every 5 ms)
+        c.alloc_extend(s, [ExtendItem(f"r{i}", np.arange(i * 64 + 1, i * 64 + 65, dtype=np.int32))])
+        c.cache_finished(s, [f"r{i}"])
+        time.sleep(0.006)
+    stop, counts = threading.Event(), {"answers": 0, "messages": 0, "malformed_sent": 0}
+    ctx = zmq.Context()
+
+    def flood() -> None:
+        socks = []
+        for _ in range(8):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(f"ipc://{srv.dir}/replay")
+            d.send_multipart([b"", (0).to_bytes(8, "big")])
+            socks.append(d)
+        bad = ctx.socket(zmq.DEALER)
+        bad.setsockopt(zmq.LINGER, 0)
+        bad.connect(f"ipc://{srv.dir}/replay")
+        poller = zmq.Poller()
+        for d in socks + [bad]:
+            poller.register(d, zmq.POLLIN)
+        while not stop.is_set():
+            bad.send_multipart([b"", b"\x00"])
+            counts["malformed_sent"] += 1
+            for d, _ in poller.poll(100):
+                while d.poll(0):
+                    _, sq, _p = d.recv_multipart()
+                    counts["messages"] += 1
+                    if sq == b"\xff" * 8 and d is not bad:
+                        counts["answers"] += 1
+                        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        for d in socks + [bad]:
+            d.close()
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    out = during(srv, c, s, seconds)
+    stop.set()
+    t.join(10)
+    ctx.term()
+    out.update(counts)
+    return out
+
+
 PARTS = {"fdflood": (fdflood, ["--handshake-timeout-s", "600"], "-n 64"),  # the silent ones stay
          "partial": (partial, ["--max-message-bytes", str(64 << 20)], None),
-         "metrics": (metrics, ["--metrics-port", "0"], None)}
+         "metrics": (metrics, ["--metrics-port", "0"], None),
+         "replay": (replay, ["--enable-kv-events", "--kv-events-endpoint", "ipc://{dir}/events",
+                             "--kv-events-replay-endpoint", "ipc://{dir}/replay"], None)}
 
 
 def main(argv: list[str] | None = None) -> int:
