@@ -3,7 +3,9 @@ wire schema ``proto/radixkv/v1/*.proto`` as data of ``radixkv.proto`` (for clien
 languages: ``importlib.resources.files("radixkv.proto")``), and the optional C extension
 ``radixkv.cache._native`` (the RadixCache's compiled walks; the install goes on without it when
 no C compiler is present, see radixkv/cache/native.py) and likewise ``radixkv.allocator._native``
-(the KV allocators' checked free, see radixkv/allocator/native.py).
+(the KV allocators' checked free, see radixkv/allocator/native.py), and
+``radixkv.service.wire._sigbus`` (repairs a pool file shrunk under a process, see
+service/wire/shm.py).
 
 Everything else is declared in pyproject.toml.
 """
@@ -25,5 +27,6 @@ setup(
                            depends=[str(p) for p in Path("radixkv/cache/csrc").glob("*.[ch]")],
                            extra_compile_args=["-O3"], optional=True),
                  Extension("radixkv.allocator._native", ["radixkv/allocator/csrc/free.c"],
-                           extra_compile_args=["-O3"], optional=True)],
+                           extra_compile_args=["-O3"], optional=True),
+                 Extension("radixkv.service.wire._sigbus", ["service/wire/csrc/sigbus.c"], optional=True)],
 )

@@ -52,6 +52,17 @@ class CapacityError(RadixKVError):
         self.available = available
 
 
+class SharedMemorySpaceError(CapacityError):
+    """The shared-memory directory cannot back a pool: ``directory``, ``requested`` (bytes
+    asked) and ``available`` (bytes free there) are named in the message and kept."""
+
+    def __init__(self, directory: str, requested: int, available: int, what: str = "the pools"):
+        super().__init__(f"{what} need {requested:,} bytes in the shared-memory directory {directory!r}, "
+                         f"which has {available:,} bytes free (a larger --shm-dir or smaller pools)",
+                         requested=requested, available=available)
+        self.directory = directory
+
+
 class NotFoundError(RadixKVError, KeyError):
     """An unknown request, session or node."""
 

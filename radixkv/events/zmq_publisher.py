@@ -28,11 +28,17 @@ import zmq
 from radixkv.cache.kv_events import KVEventBatch
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
-from radixkv.events.zmq_replay import ReplayBuffer
+from radixkv.events.zmq_replay import MAX_PENDING, ReplayBuffer
 
 __all__ = ["ZmqEventPublisher", "PublisherStats", "should_bind"]
 
 log = logging.getLogger(__name__)
+
+#: The sending thread's replay work per turn: requests taken, messages sent; with answers
+#: still queued it then blocks this long (the GIL goes to the manager's loop meanwhile).
+REPLAY_REQUESTS_PER_TURN = 8
+REPLAY_MESSAGES_PER_TURN = 64
+REPLAY_PAUSE_S = 0.001
 
 
 class _Stop(enum.Enum):
@@ -269,14 +275,20 @@ class ZmqEventPublisher:
         ready.set()
         try:
             while True:
+                wait_s = 0.01
                 if self._replay is not None:
-                    while self._replay.poll(0):
-                        try:
-                            self._serve_one(self._replay)
-                        except zmq.ZMQError as e:  # a vanished client must not stop publishing
-                            log.warning("KV event replay failed: %s", e)
+                    try:  # a bounded slice per turn: the manager's loop gets the GIL in between
+                        for _ in range(REPLAY_REQUESTS_PER_TURN):
+                            if self._kept.pending >= MAX_PENDING or not self._replay.poll(0):
+                                break
+                            self._kept.accept(self._replay)
+                        self._kept.pump(self._replay, REPLAY_MESSAGES_PER_TURN)
+                    except zmq.ZMQError as e:  # a vanished client must not stop publishing
+                        log.warning("KV event replay failed: %s", e)
+                    if self._kept.pending:
+                        wait_s = REPLAY_PAUSE_S
                 try:
-                    item = self._queue.get(timeout=0.01)
+                    item = self._queue.get(timeout=wait_s)
                 except queue.Empty:
                     continue
                 if item is _STOP:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -24,12 +25,16 @@ from radixkv.errors import InvalidArgumentError, InvariantError
 if TYPE_CHECKING:  # pragma: no cover
     import zmq
 
-__all__ = ["END_SEQ", "ReplayBuffer", "ReplayStats"]
+__all__ = ["END_SEQ", "ReplayBuffer", "ReplayStats", "LOG_PERIOD_S", "MAX_PENDING"]
 
 log = logging.getLogger("radixkv.events.zmq_publisher")
 
 #: The replay stream's end marker (the ``seq`` frame of the last reply): -1, signed, 8 bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: Malformed requests are logged at most once per this long (with the count).
+LOG_PERIOD_S = 10.0
+#: Answers being sent at once; more requests wait in the socket's queue.
+MAX_PENDING = 64
 
 
 class ReplayStats(NamedTuple):
@@ -47,7 +52,7 @@ class ReplayBuffer:
     """The last ``buffer_steps`` ``(seq, payload)`` batches sent, and the replay answers.
 
     Raises ``InvalidArgumentError`` for ``buffer_steps < 1``. :meth:`record` O(1),
-    :meth:`since` O(kept), :meth:`serve_one` O(batches answered).
+    :meth:`since` O(kept), :meth:`accept` O(kept) (a snapshot), :meth:`pump` O(budget).
     """
 
     def __init__(self, buffer_steps: int):
@@ -58,6 +63,9 @@ class ReplayBuffer:
         self._published = 0
         self._requests = 0
         self._bad = 0
+        self._pending: deque[tuple[bytes, list[tuple[int, bytes]], int]] = deque()  # (ident, answer, sent)
+        self._bad_unlogged = 0
+        self._next_log = float("-inf")
 
     def record(self, seq: int, payload: bytes) -> None:
         """Keep batch ``seq`` (just sent); the oldest goes past ``buffer_steps``."""
@@ -81,26 +89,60 @@ class ReplayBuffer:
             return [(s, p) for s, p in self._buffer if s >= start_seq]
 
     def serve_one(self, router: zmq.Socket[bytes]) -> None:
-        """Receive one request on the ROUTER socket ``router`` and answer it (the protocol
-        of the module docstring). Raises what the socket raises (``zmq.ZMQError``)."""
+        """Receive one request and send its whole answer (:meth:`accept`, then :meth:`pump`
+        without a budget). Raises what the socket raises (``zmq.ZMQError``)."""
+        self.accept(router)
+        self.pump(router, None)
+
+    @property
+    def pending(self) -> int:
+        """Answers accepted and not fully sent."""
+        return len(self._pending)
+
+    def accept(self, router: zmq.Socket[bytes]) -> None:
+        """Receive one request on the ROUTER socket ``router`` and queue its answer (the
+        protocol of the module docstring); a malformed one is answered at once."""
         frames = router.recv_multipart()
         with self._lock:
             self._requests += 1
         if len(frames) < 2:
-            with self._lock:
-                self._bad += 1
+            self._malformed(len(frames))
             return  # no envelope to answer
         ident = frames[0]
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-            with self._lock:
-                self._bad += 1
-            log.warning("malformed KV event replay request (%d frames)", len(frames))
+            self._malformed(len(frames))
             router.send_multipart((ident, b"", END_SEQ, b""))
             return
-        start = int.from_bytes(frames[2], "big")
-        for seq, payload in self.since(start):
-            router.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload))
-        router.send_multipart((ident, b"", END_SEQ, b""))
+        self._pending.append((ident, self.since(int.from_bytes(frames[2], "big")), 0))
+
+    def pump(self, router: zmq.Socket[bytes], budget: int | None) -> int:
+        """Send at most ``budget`` messages (None: all) of the queued answers, oldest answer
+        first, each ended by its end marker. Returns the messages sent."""
+        sent = 0
+        while self._pending and (budget is None or sent < budget):
+            ident, answer, i = self._pending[0]
+            n = len(answer) - i if budget is None else min(len(answer) - i, budget - sent)
+            for seq, payload in answer[i:i + n]:
+                router.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload))
+            sent += n
+            if i + n < len(answer):
+                self._pending[0] = (ident, answer, i + n)
+                break
+            router.send_multipart((ident, b"", END_SEQ, b""))
+            self._pending.popleft()
+            sent += 1
+        return sent
+
+    def _malformed(self, frames: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._bad += 1
+            self._bad_unlogged += 1
+            if now < self._next_log:
+                return
+            n, self._bad_unlogged, self._next_log = self._bad_unlogged, 0, now + LOG_PERIOD_S
+        log.warning("%d malformed KV event replay request(s) (the last of %d frames); the next are counted "
+                    "and logged at most once per %.0f s", n, frames, LOG_PERIOD_S)
 
     def stats(self) -> ReplayStats:
         with self._lock:

@@ -328,8 +328,8 @@ class LocalDecodes:
     def _write(r2t: torch.Tensor, rows: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:
         """``r2t[rows, pos] = slots`` (one scatter), after a bounds check."""
         n_rows, width = r2t.shape
-        if int(rows.min()) < 0 or int(rows.max()) >= n_rows or int(pos.max()) >= width:
-            bad = np.flatnonzero((rows < 0) | (rows >= n_rows) | (pos >= width))
+        if int(rows.min()) < 0 or int(rows.max()) >= n_rows or int(pos.min()) < 0 or int(pos.max()) >= width:
+            bad = np.flatnonzero((rows < 0) | (rows >= n_rows) | (pos < 0) | (pos >= width))
             raise InvariantError(f"local decode: rows/positions outside req_to_token {tuple(r2t.shape)} at "
                                  f"items {describe_ids(bad)}")
         dev = r2t.device

@@ -45,8 +45,8 @@ from radixkv.engine import CacheEngine, EngineConfig, plan_arenas
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.zmq_flags import PublisherConfig
 
-__all__ = ["CacheManagerServer", "ServeOptions", "serve", "DEFAULT_MAX_CONCURRENT_RPCS", "DEFAULT_QUARANTINE_S",
-           "DEFAULT_HANDSHAKE_TIMEOUT_S",
+__all__ = ["CacheManagerServer", "ServeOptions", "serve", "raise_fd_limit", "DEFAULT_MAX_CONCURRENT_RPCS",
+           "DEFAULT_QUARANTINE_S", "DEFAULT_HANDSHAKE_TIMEOUT_S",
            "DEFAULT_EVENTS_INTERVAL_S"]
 
 log = logging.getLogger("radixkv.service")
@@ -131,7 +131,9 @@ class CacheManagerServer:
         if clock is None:
             clock = self.lease_clock = LoopClock()
         try:
-            for name, plan in plan_arenas(config).items():
+            plans = plan_arenas(config)
+            self.shared.check_space(sum(p.total_bytes for p in plans.values()))
+            for name, plan in plans.items():
                 self.shared.allocate(name, plan.total_bytes)
             mappings = {n: wire.descriptor_to_dict(d) for n, d in self.shared.descriptors.items()}
             self.engine = CacheEngine(config, clock=clock, epoch=epoch, buffers=dict(self.shared.buffers),
@@ -153,6 +155,10 @@ class CacheManagerServer:
         self.address: str | None = None
         self.metrics_port: int | None = None
         self._stopped = False
+        #: Why the manager cannot go on (a pool file shrunk under it), once it is so; ``serve``
+        #: then stops it and exits 1.
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
 
     # ------------------------------------------------------------------ start
     async def start(self) -> str:
@@ -265,6 +271,13 @@ class CacheManagerServer:
         sv, events = self.servicer, self.events
         if sv is None or events is None:
             raise RuntimeError("sweep_once() runs only after start()")
+        broken = self.shared.repair_truncated()
+        if broken and self.failure is None:
+            self.failure = "; ".join(broken)
+            log.critical("a pool file was shrunk under the running manager (another process of this user "
+                         "truncated it): %s. Its contents are lost (now zeros): stopping; restart the manager",
+                         self.failure)
+            self.failed.set()
         expired, released = sv.housekeeping()
         if expired:
             log.info("lease expired for %d session(s); everything they held was reclaimed", len(expired))
@@ -378,9 +391,28 @@ def _check_options(o: ServeOptions) -> None:
         raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_flags.PublisherConfig or None")
 
 
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit of open descriptors to the hard one (every worker holds
+    a few; a 1,024 default runs out first). Returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if resource.RLIM_INFINITY in (soft, hard) or soft >= hard:  # nothing to raise, or no number to raise to
+        return int(soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, e)
+        return int(soft)
+    log.info("descriptor limit raised from %d to %d", soft, hard)
+    return int(hard)
+
+
 async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),  # noqa: B008
                 on_ready: Callable[[CacheManagerServer], None] | None = None) -> int:
-    """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0."""
+    """Run a server until SIGTERM/SIGINT, then shut down gracefully. Returns 0, or 1 when the
+    manager stopped because it could not go on (:attr:`CacheManagerServer.failure`)."""
+    raise_fd_limit()
     server = CacheManagerServer(config, token, options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -390,10 +422,14 @@ async def serve(config: EngineConfig, token: Token, options: ServeOptions = Serv
         await server.start()
         if on_ready is not None:
             on_ready(server)
-        await stop.wait()
-        log.info("signal received: shutting down (grace %.1f s)", options.grace_s)
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.failed.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if server.failure is None:
+            log.info("signal received: shutting down (grace %.1f s)", options.grace_s)
     finally:
         await server.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    return 0
+    return 0 if server.failure is None else 1

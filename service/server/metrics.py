@@ -140,10 +140,11 @@ class ServiceMetrics:
         return generate_latest(self.registry)
 
     def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0 picks a free port). Returns the port."""
-        from prometheus_client import start_http_server
+        """Serve ``/metrics`` on ``addr:port`` (0 picks a free port; bounded: see
+        :mod:`~radixkv.service.server.metrics_http`). Returns the port."""
+        from radixkv.service.server.metrics_http import start_metrics_http
 
-        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        server, thread = start_metrics_http(self.registry, port, addr)
         self._http = (server, thread)
         return int(server.server_address[1])
 

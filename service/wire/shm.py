@@ -1,7 +1,9 @@
 """Shared pool buffers: one allocation per pool, made once by the manager, mapped by workers.
 
 CPU: each pool's buffer is a file in ``/dev/shm`` (or a configured directory), created with
-mode 0600 (``O_CREAT | O_EXCL``: never an existing file), sized with ``ftruncate`` and mapped
+mode 0600 (``O_CREAT | O_EXCL``: never an existing file), its space reserved with
+``posix_fallocate`` (a pool the directory cannot back is refused at once, never a sparse file
+that kills its users with SIGBUS later: :class:`~radixkv.errors.SharedMemorySpaceError`) and mapped
 with ``torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)``. The mapping is
 page aligned, so the arena's alignment (256 bytes) holds. A worker maps the same file and
 gets a ``uint8`` tensor aliasing the manager's memory; the manager removes the files when it
@@ -17,16 +19,18 @@ values; :mod:`radixkv.service.wire.codec` turns them into ``PoolMapping`` messag
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import importlib
 import os
 import re
 import stat
 import tempfile
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError
+from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError, SharedMemorySpaceError
 
 DEFAULT_SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -72,36 +76,81 @@ def _check_size(nbytes: int) -> int:
     return nbytes
 
 
-def create_shm_buffer(directory: str, name: str, nbytes: int) -> tuple[torch.Tensor, ShmDescriptor]:
-    """Create a new 0600 shared-memory file of ``nbytes`` zero bytes and map it.
+def space_free(directory: str) -> int:
+    """Bytes an unprivileged user may still allocate in ``directory``'s filesystem (statvfs)."""
+    st = os.statvfs(directory)
+    return int(st.f_bavail) * int(st.f_frsize)
 
-    Returns the ``uint8`` tensor (1-D, ``nbytes`` long) and its descriptor.
 
-    Raises:
-        InvalidArgumentError: bad name or size, or the file already exists / cannot be made.
-    """
+def check_space(directory: str, nbytes: int, what: str = "the pools") -> None:
+    """Raise :class:`SharedMemorySpaceError` (naming the directory, ``nbytes`` and the bytes
+    free) when ``directory`` has less than ``nbytes`` free. O(1): one statvfs."""
+    free = space_free(directory)
+    if nbytes > free:
+        raise SharedMemorySpaceError(directory, nbytes, free, what)
+
+
+def _create_shm_file(directory: str, name: str, nbytes: int) -> tuple[int, str]:
+    """Create the 0600 file ``name`` and reserve its ``nbytes`` (``posix_fallocate``: the
+    pages exist once it returns, so no later write can fault). Returns ``(fd, path)``; the
+    caller closes the fd. Nothing is left behind when it raises."""
     _check_size(nbytes)
     if not _NAME_RE.match(name):
         raise InvalidArgumentError(f"shared buffer name {name!r} must be letters, digits, '_', '.', '-'")
     path = os.path.join(directory, name)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise InvalidArgumentError(f"cannot create shared buffer {path!r}: {e.strerror}") from None
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
-        os.ftruncate(fd, nbytes)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:  # no reservation on this platform (macOS): a sparse file, as before
+            os.ftruncate(fd, nbytes)
     except OSError as e:
         os.close(fd)
         os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise SharedMemorySpaceError(directory, nbytes, space_free(directory), f"shared buffer {name!r}") from None
         raise InvalidArgumentError(f"cannot size shared buffer {path!r} to {nbytes} bytes: {e.strerror}") from None
+    return fd, path
+
+
+def create_shm_buffer(directory: str, name: str, nbytes: int) -> tuple[torch.Tensor, ShmDescriptor]:
+    """Create a new 0600 shared-memory file of ``nbytes`` zero bytes, reserved, and map it.
+
+    Returns the ``uint8`` tensor (1-D, ``nbytes`` long) and its descriptor.
+
+    Raises:
+        InvalidArgumentError: bad name or size, or the file already exists / cannot be made.
+        SharedMemorySpaceError: the directory has less than ``nbytes`` free.
+    """
+    fd, path = _create_shm_file(directory, name, nbytes)
     os.close(fd)
+    return _map_new(path, nbytes), ShmDescriptor(path, nbytes)
+
+
+def _map_new(path: str, nbytes: int) -> torch.Tensor:
     try:
-        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     except Exception:
         os.unlink(path)
         raise
-    return tensor, ShmDescriptor(path, nbytes)
+
+
+def _load_sigbus_guard() -> Any:
+    """The optional C extension ``radixkv.service.wire._sigbus`` (csrc/sigbus.c), or None."""
+    try:
+        return importlib.import_module("radixkv.service.wire._sigbus")
+    except ImportError:
+        return None
+
+
+_SIGBUS = _load_sigbus_guard()
+#: Whether a pool file shrunk under this process is repaired on SIGBUS (else only by
+#: :meth:`SharedBuffers.repair_truncated`, which the manager's sweeper calls).
+SIGBUS_GUARD = _SIGBUS is not None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -269,7 +318,8 @@ class SharedBuffers:
     """The manager's pool buffers: created once at start-up, removed at shutdown.
 
     ``allocate(pool, nbytes)`` makes one buffer per pool name on ``device`` (a 0600 file in
-    ``shm_dir`` on CPU, device memory on CUDA) and remembers its descriptor. ``close()``
+    ``shm_dir`` on CPU, its space reserved, device memory on CUDA) and remembers its
+    descriptor; each file's fd stays open (``repair_truncated``, the SIGBUS guard). ``close()``
     removes every file (idempotent). ``check_invariants()``: every CPU file still exists with
     its size and mode 0600.
     """
@@ -282,6 +332,8 @@ class SharedBuffers:
         self.descriptors: dict[str, Descriptor] = {}
         self._closed = False
         self._lock_fd: int | None = None
+        self._fds: dict[str, int] = {}  # pool -> its file, open while the buffers live
+        self._faults_seen = _SIGBUS.repaired() if _SIGBUS is not None else 0
         if self.device.type == "cpu" and not os.path.isdir(self.shm_dir):
             raise InvalidArgumentError(f"shared-memory directory {self.shm_dir!r} does not exist")
         if self.device.type == "cpu" and _LOCK_FILE_RE.match(prefix + ".lock"):
@@ -298,7 +350,16 @@ class SharedBuffers:
             t = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             desc: Descriptor = export_cuda_buffer(t)
         elif self.device.type == "cpu":
-            t, desc = create_shm_buffer(self.shm_dir, f"{self.prefix}-{pool}.buf", nbytes)
+            fd, path = _create_shm_file(self.shm_dir, f"{self.prefix}-{pool}.buf", nbytes)
+            try:
+                t = _map_new(path, nbytes)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[pool] = fd
+            if _SIGBUS is not None:
+                _SIGBUS.watch(fd, nbytes)
+            desc = ShmDescriptor(path, nbytes)
         else:
             raise InvalidArgumentError(f"shared buffers on {self.device.type!r} devices are not supported")
         self.buffers[pool] = t
@@ -316,12 +377,41 @@ class SharedBuffers:
             desc = export_cuda_buffer(self.buffers[pool])
         return desc
 
+    def check_space(self, nbytes: int) -> None:
+        """Refuse (:class:`SharedMemorySpaceError`) pools of ``nbytes`` in all that the
+        directory cannot back now; a no-op on CUDA. Each file's reservation checks again."""
+        if self.device.type == "cpu":
+            check_space(self.shm_dir, nbytes)
+
+    def repair_truncated(self) -> list[str]:
+        """Give back its size to every pool file shrunk under this process (its lost pages
+        read as zeros, so no access faults) and describe each; [] when none was. O(pools):
+        one fstat each (~1 us). Counts the SIGBUS guard's repairs too."""
+        found = []
+        faults = _SIGBUS.repaired() - self._faults_seen if _SIGBUS is not None else 0
+        if faults:
+            self._faults_seen += faults
+            found.append(f"{faults} access(es) faulted on a shrunk pool file (SIGBUS; the sizes were given back) "
+                         f"among {sorted(self.paths().values())}")
+        paths = self.paths()
+        for pool, fd in self._fds.items():
+            size, want = os.fstat(fd).st_size, self.descriptors[pool].nbytes
+            if size < want:
+                os.ftruncate(fd, want)
+                found.append(f"pool file {paths[pool]!r} ({pool}) was cut to {size} of its {want} bytes")
+        return found
+
     def paths(self) -> dict[str, str]:
         return {k: d.path for k, d in self.descriptors.items() if isinstance(d, ShmDescriptor)}
 
     def close(self) -> None:
         """Remove every shared-memory file (mappings already made stay valid). Idempotent."""
         self._closed = True
+        for fd in self._fds.values():
+            if _SIGBUS is not None:
+                _SIGBUS.unwatch(fd)
+            os.close(fd)
+        self._fds.clear()
         for path in self.paths().values():
             try:
                 os.unlink(path)

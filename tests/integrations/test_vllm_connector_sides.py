@@ -293,3 +293,61 @@ def test_a_failed_queued_commit_fails_the_link_and_the_manager_reclaims(manager)
     while idle(manager) != (0, 0) and time.monotonic() < deadline:  # the session's stream ended
         time.sleep(0.05)
     assert idle(manager) == (0, 0)
+
+
+# ------------------------------------------------------------------ what the worker half trusts (issue 34, item 7)
+def snapshot(engine):
+    """(vLLM's KV, every mapped manager pool's KV) as copies."""
+    pools = []
+    for wb in engine.worker._buffers.values():
+        for layer in range(LAYERS):
+            pools.extend(t.clone() for t in wb.get_kv_buffer(layer))
+    return [t.clone() for t in engine.kv], pools
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True))
+
+
+def test_rows_ranges_and_slots_from_the_manager_are_checked_before_any_copy(manager):
+    """Every row, token range and slot index the manager names is checked against the mapped
+    pools before any copy, negative ones included; a bad one fails the load or save (the whole
+    batch) and writes nothing on either side."""
+    e = Engine(manager.cfg, seed=3)
+    try:
+        prompt = list(range(300, 314))  # 3 whole blocks + 2 tokens
+        assert e.sched.num_new_matched_tokens("good", prompt, 0, KEY) == 0
+        plan, _ = e.step([ScheduledReq("good", 0, len(prompt))], {"good": [5, 2, 9, 1]})
+        (ok,) = plan.saves
+        assert (ok.start, ok.end) == (0, 12)
+        wb = e.worker._buffers[ok.epoch]
+        rows, width = wb.req_to_token.shape
+        four = np.arange(4, dtype=np.int64)
+        bad = {
+            "row -1 (wraps to the last row)": ok._replace(row=-1, end=4, slots=four),
+            "row 0 (padding)": ok._replace(row=0, end=4, slots=four),
+            "row past the table": ok._replace(row=int(rows), end=4, slots=four),
+            "negative start": ok._replace(start=-4, end=0, slots=four),
+            "end past the row": ok._replace(start=int(width) - 2, end=int(width) + 2, slots=four),
+            "start after end": ok._replace(start=4, end=0, slots=four[:0]),
+            "slots shorter than the range": ok._replace(end=4, slots=four[:2]),
+            "negative vLLM slot": ok._replace(end=4, slots=np.array([0, 1, 2, -1], np.int64)),
+            "vLLM slot past the cache": ok._replace(end=4, slots=np.array([0, 1, 2, 16 * BS], np.int64)),
+        }
+        for why, op in bad.items():
+            before = snapshot(e)
+            saved, failed = e.worker.save([op])
+            assert (saved, failed) == ({}, {op.req_id}), why
+            loaded = e.worker.counters["loaded_tokens"]
+            failed_blocks = e.worker.load([op])  # the blocks it names are reported for recompute
+            assert failed_blocks == set((op.slots // BS).tolist()), why
+            assert e.worker.counters["loaded_tokens"] == loaded, why
+            assert same(before, snapshot(e)), f"{why}: something was written"
+        # a good op beside a bad one in the same batch: the batch fails whole, nothing written
+        before = snapshot(e)
+        assert e.worker.save([ok, bad["row -1 (wraps to the last row)"]])[0] == {}
+        assert same(before, snapshot(e))
+        assert e.worker.save([ok]) == ({"good": ok.end}, set())  # the good one alone still goes
+    finally:
+        e.close()
+

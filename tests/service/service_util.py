@@ -9,6 +9,8 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from typing import NamedTuple
 
@@ -80,3 +82,50 @@ def run_worker(target, *args, timeout_s: float = START_TIMEOUT_S):
             p.join(10)
     assert kind == "ok", payload
     return payload
+
+
+class ServeCommand(NamedTuple):
+    """A ``radixkv serve`` run as a command (see :func:`popen_serve`)."""
+
+    process: subprocess.Popen
+    address: str
+    token: str
+    directory: str
+
+    def log(self) -> str:
+        with open(os.path.join(self.directory, "serve.log")) as f:
+            return f.read()
+
+
+def popen_serve(extra_args: list[str], ulimit: str | None = None) -> ServeCommand:
+    """``python -m radixkv serve`` (its exact exit code; stdout and stderr in ``log()``) on a
+    socket in a fresh 0700 directory; ``ulimit``: flags of sh's ``ulimit`` applied first.
+    Does not wait for it to answer (``connect(..., wait_s=START_TIMEOUT_S)`` does)."""
+    directory = tempfile.mkdtemp(prefix="rkv-")
+    token = secrets.token_urlsafe(24)
+    token_file = os.path.join(directory, "token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(token)
+    address = f"unix://{directory}/s.sock"
+    cmd = [sys.executable, "-m", "radixkv", "serve", "--address", address, "--token-file", token_file] + extra_args
+    if ulimit is not None:
+        cmd = ["sh", "-c", f"ulimit {ulimit}; exec " + " ".join(cmd)]
+    with open(os.path.join(directory, "serve.log"), "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return ServeCommand(p, address, token, directory)
+
+
+def end_serve(srv: ServeCommand, wait_s: float = STOP_TIMEOUT_S) -> int:
+    """Wait up to ``wait_s`` for it to exit by itself, then SIGTERM, then SIGKILL; removes its
+    directory. Returns the exit code."""
+    p = srv.process
+    for stop in (None, p.terminate, p.kill):
+        if stop is not None and p.poll() is None:
+            stop()
+        try:
+            p.wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    shutil.rmtree(srv.directory, ignore_errors=True)
+    return p.wait()

@@ -295,6 +295,19 @@ def test_local_decode_writes_the_mapped_row_or_nothing():
     assert t.stats() == before and int(r2t.count_nonzero()) == 2
 
 
+def test_local_decode_refuses_a_negative_position_from_the_manager():
+    """Issue 34, item 7: a seq_len < 0 in a manager's reply (altered or buggy) would make the
+    position negative, which torch wraps to the row's end: refused, nothing written."""
+    t = LocalDecodes()
+    r2t = torch.zeros((4, 8), dtype=torch.int32)
+    t.map_req_to_token(7, r2t)
+    t.observe_extend(S1, [ExtendResult("n", 2, 0, 0, -3, np.zeros(0, np.int64), -1, np.array([70, 71], np.int64))])
+    before = t.stats()
+    with pytest.raises(InvariantError, match="items"):
+        t.try_local(S1, [DecodeItem("n", 1)])
+    assert t.stats() == before and int(r2t.count_nonzero()) == 0
+
+
 def test_check_invariants_names_corruption():
     t = LocalDecodes()
     t.observe_extend(S1, [ExtendResult("a", 1, 0, 0, 3, np.zeros(3, np.int64), -1, np.array([4, 5, 6], np.int64)),

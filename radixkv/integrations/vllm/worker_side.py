@@ -174,16 +174,29 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ copies
     def _indices(self, wb: WorkerBuffers, ops: Sequence[CopyOp]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(manager slots, vLLM blocks, offsets) of ``ops``, on the KV device. Raises
-        ``InvalidArgumentError`` for slots outside the pool (a stale row)."""
+        """(manager slots, vLLM blocks, offsets) of ``ops``, on the KV device. Every index the
+        manager named is checked before any copy (negative ones included: Python would wrap
+        them onto another request's row or block): the row in ``[1, rows)`` (row 0 is the
+        padding row), ``0 <= start <= end <= width``, ``end - start`` vLLM slots each in
+        ``[0, vLLM's slots)``, the manager slots read from the row in ``[0, pool)``. Raises
+        ``InvalidArgumentError`` naming the op (nothing copied)."""
         table = wb.req_to_token
+        n_rows, width = int(table.shape[0]), int(table.shape[1])
+        vllm_cap = int(self._views[0][0].shape[0]) * self.shape.page_size
+        for op in ops:
+            slots = op.slots
+            if not (1 <= op.row < n_rows and 0 <= op.start <= op.end <= width) or len(slots) != op.end - op.start \
+                    or (len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= vllm_cap)):
+                raise InvalidArgumentError(
+                    f"request {op.req_id!r}: row {op.row}, tokens [{op.start}, {op.end}), {len(slots)} vLLM slots "
+                    f"outside req_to_token {n_rows} x {width} or vLLM's {vllm_cap} slots")
         rows = torch.cat([table[op.row, op.start:op.end] for op in ops]).to(torch.int64)
         cap = self._views_capacity(wb)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= cap):
             raise InvalidArgumentError(f"manager rows out of range [0, {cap})")
         dev = self._views[0][0].device
-        slots = torch.from_numpy(np.concatenate([op.slots for op in ops])).to(dev)
-        return rows.to(dev), slots // self.shape.page_size, slots % self.shape.page_size
+        slots_all = torch.from_numpy(np.concatenate([op.slots for op in ops])).to(dev)
+        return rows.to(dev), slots_all // self.shape.page_size, slots_all % self.shape.page_size
 
     @staticmethod
     def _views_capacity(wb: WorkerBuffers) -> int:
