@@ -9,8 +9,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from radixkv.cache.events import AllBlocksCleared  # noqa: E402
-
+from radixkv.cache.kv_events import AllBlocksCleared  # noqa: E402
 from radixkv.events import zmq_publisher  # noqa: E402
 from radixkv.events.zmq_publisher import ZmqEventPublisher  # noqa: E402
 from radixkv.events.zmq_replay import END_SEQ, ReplayBuffer  # noqa: E402
