@@ -53,14 +53,16 @@ class CapacityError(RadixKVError):
 
 
 class SharedMemorySpaceError(CapacityError):
-    """The shared-memory directory cannot back a pool: ``directory``, ``requested`` (bytes
-    asked) and ``available`` (bytes free there) are named in the message and kept."""
+    """The shared-memory directory cannot back a pool; :meth:`in_directory` names the
+    directory, the bytes asked (``requested``) and the bytes free there (``available``)."""
 
-    def __init__(self, directory: str, requested: int, available: int, what: str = "the pools"):
-        super().__init__(f"{what} need {requested:,} bytes in the shared-memory directory {directory!r}, "
-                         f"which has {available:,} bytes free (a larger --shm-dir or smaller pools)",
-                         requested=requested, available=available)
-        self.directory = directory
+    @classmethod
+    def in_directory(cls, directory: str, requested: int, available: int,
+                     what: str = "the pools") -> SharedMemorySpaceError:
+        """The error for ``what`` needing ``requested`` bytes in ``directory``."""
+        return cls(f"{what} need {requested:,} bytes in the shared-memory directory {directory!r}, "
+                   f"which has {available:,} bytes free (a larger --shm-dir or smaller pools)",
+                   requested=requested, available=available)
 
 
 class NotFoundError(RadixKVError, KeyError):

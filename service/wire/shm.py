@@ -87,7 +87,7 @@ def check_space(directory: str, nbytes: int, what: str = "the pools") -> None:
     free) when ``directory`` has less than ``nbytes`` free. O(1): one statvfs."""
     free = space_free(directory)
     if nbytes > free:
-        raise SharedMemorySpaceError(directory, nbytes, free, what)
+        raise SharedMemorySpaceError.in_directory(directory, nbytes, free, what)
 
 
 def _create_shm_file(directory: str, name: str, nbytes: int) -> tuple[int, str]:
@@ -112,7 +112,8 @@ def _create_shm_file(directory: str, name: str, nbytes: int) -> tuple[int, str]:
         os.close(fd)
         os.unlink(path)
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise SharedMemorySpaceError(directory, nbytes, space_free(directory), f"shared buffer {name!r}") from None
+            raise SharedMemorySpaceError.in_directory(directory, nbytes, space_free(directory),
+                                                     f"shared buffer {name!r}") from None
         raise InvalidArgumentError(f"cannot size shared buffer {path!r} to {nbytes} bytes: {e.strerror}") from None
     return fd, path
 
