@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from radixkv.cache.radix_key import RadixKey
-from radixkv.contracts import Event
+from radixkv.contracts import Event, StorageBackend
 from radixkv.engine import engine_audit, engine_events
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.pools import EnginePools, build_tree
@@ -121,6 +121,7 @@ class CacheEngine:
             shared buffers), see :class:`~radixkv.engine.pools.EnginePools`.
         mappings: ``{pool name: mapping dict}`` put into the layout ``attach`` returns (how
             workers map those buffers); default ``"embedded"``.
+        storage: a storage backend for the host tier (instead of ``config.storage``'s URL).
 
     Attributes: ``config``, ``pools`` (:class:`EnginePools`), ``tree`` (a RadixCache, or a
     MambaRadixCache for hybrid models), ``sessions`` (:class:`SessionTable`).
@@ -132,10 +133,10 @@ class CacheEngine:
     def __init__(self, config: EngineConfig | dict[str, Any] | None = None, *,
                  clock: Callable[[], float] | None = None, epoch: int | None = None,
                  buffers: dict[str, torch.Tensor] | None = None,
-                 mappings: dict[str, dict[str, Any]] | None = None):
+                 mappings: dict[str, dict[str, Any]] | None = None, storage: StorageBackend | None = None):
         self.config = _as_config(config)
         self.pools = EnginePools(self.config, buffers)
-        self.tree = build_tree(self.pools)
+        self.tree = build_tree(self.pools, storage)
         self.sessions = SessionTable(self.config.lease_ttl_s, self.config.max_sessions,
                                      self.config.max_requests_per_session, clock=clock, epoch=epoch)
         self._layout = self.pools.layout(mappings)
@@ -195,9 +196,13 @@ class CacheEngine:
         return expired
 
     def close(self) -> None:
-        """Reclaim every session (server shutdown)."""
+        """Reclaim every session (server shutdown); drain the storage write queue (at most
+        ``storage_drain_timeout_s``) and close the storage backend."""
         for sid in self.sessions.session_ids():
             self.reclaim(sid, "was closed: the engine shut down")
+        storage = getattr(self.tree, "storage", None)
+        if storage is not None:
+            storage.close(self.config.storage_drain_timeout_s)
 
     def _enter(self, session: Session) -> str:
         self.sweep()
@@ -220,7 +225,8 @@ class CacheEngine:
         out = []
         for key in keys:
             m = self.tree.match_prefix(key)
-            out.append(MatchInfo(m.prefix_len, getattr(m, "kv_prefix_len", m.prefix_len)))
+            n = m.prefix_len + getattr(m, "host_len", 0)  # host pages count: alloc_extend loads them
+            out.append(MatchInfo(n, getattr(m, "kv_prefix_len", n)))
         return out
 
     # ------------------------------------------------------------------ extend / decode

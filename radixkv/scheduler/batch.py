@@ -50,7 +50,8 @@ class Batch:
     ``out_cache_loc`` (int64 on the device), ``forward_mode``; with a track buffer
     (:mod:`radixkv.scheduler.track`) ``mamba_track_indices`` (int64 on the device, 0: none)
     and ``mamba_track_seqlens`` (int64 host, -1: none): where the model writes the state at
-    the aligned position the step passes.
+    the aligned position the step passes; with a tiered tree ``tier_lens``: per request, the
+    tokens of its prefix the extend loaded from the host tier and, of those, read from storage.
     """
 
     reqs: list[Req]
@@ -68,6 +69,7 @@ class Batch:
     mamba_track_indices: torch.Tensor | None = None
     mamba_track_seqlens: torch.Tensor | None = None
     forward_mode: str = field(default=ForwardMode.IDLE)
+    tier_lens: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         self.reqs = list(self.reqs)
