@@ -284,12 +284,14 @@ class CacheEngine:
         pre, seq = _filled(batch.prefix_lens).tolist(), _filled(batch.seq_lens_cpu).tolist()
         t_slots = [0] * len(reqs) if batch.mamba_track_indices is None else batch.mamba_track_indices.tolist()
         t_lens = [-1] * len(reqs) if batch.mamba_track_seqlens is None else batch.mamba_track_seqlens.tolist()
+        tiers = batch.tier_lens or [(0, 0)] * len(reqs)
         results, pos = [], 0
         for i, r in enumerate(reqs):
             n = seq[i] - pre[i]
             results.append(ExtendResult(r.rid, _row(r), 0 if known[i] else pre[i], pre[i],
                                         seq[i], out[pos:pos + n].copy(), self._slot(r),
-                                        r.decode_reserve.copy(), int(t_slots[i]), int(t_lens[i])))
+                                        r.decode_reserve.copy(), int(t_slots[i]), int(t_lens[i]),
+                                        tiers[i][0], tiers[i][1]))
             pos += n
         if log.isEnabledFor(logging.DEBUG):
             log.debug("alloc_extend: %s", ", ".join(f"{r.rid} {p}/{q} tokens reused"

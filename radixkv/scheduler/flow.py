@@ -14,7 +14,8 @@ All-or-nothing: when a call raises (bad input, or ``CapacityError`` when even ev
 cannot make room) no lock, row or slot it took is kept, and no request or batch field
 changes. Eviction runs only once the call knows it will succeed (``available + evictable
 >= needed``), so a refused call evicts nothing; matching may still have split a tree node
-or refreshed access times, which changes no size or content.
+or refreshed access times, which changes no size or content; with a tiered tree it may
+have loaded host pages into device rows (and demoted others), which stay cached.
 
 Lengths. A request's ``fill_ids`` is its prompt plus its output; ``kv_committed_len`` of
 them have KV slots written in its row. Extend brings that to the batch's target
@@ -169,6 +170,7 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
     track_interval(pool, ps)  # a bad interval raises before anything changes
 
     locked: list[Any] = []  # the tree's nodes
+    tier_lens = [(0, 0)] * len(reqs)
     matches: list[PrefixMatch | None] = [None] * len(reqs)
     prefixes: list[torch.Tensor] = []
     new_rows: list[Req] = []
@@ -178,6 +180,7 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
         for i, r in enumerate(reqs):
             if r.req_pool_idx is None:
                 m = tree.match_prefix(RadixKey(r.fill_ids[: targets[i] - 1], r.extra_key))
+                m, tier_lens[i] = _load_tiers(tree, m)
                 tree.inc_lock_ref(m.last_node)
                 locked.append(m.last_node)
                 matches[i] = m
@@ -236,8 +239,25 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
     batch.seq_lens_cpu, batch.seq_lens = seq, seq.to(dev)
     batch.out_cache_loc = out
     batch.forward_mode = ForwardMode.EXTEND
+    batch.tier_lens = tier_lens
     prepare_track(batch, reqs, pre, seq)
+    wait_loads = getattr(tree, "wait_loads", None)
+    if wait_loads is not None:  # a worker reads the loaded rows only once their copies are done
+        wait_loads()
     return out
+
+
+def _load_tiers(tree: PrefixCache, m: PrefixMatch) -> tuple[PrefixMatch, tuple[int, int]]:
+    """A tiered tree's match with its host (and storage) pages loaded into device rows as
+    far as they fit (``TieredRadixCache.load_back``); returns it and ``(tokens loaded,
+    of which read from storage)``. Other trees' matches come back as they are."""
+    host_len = getattr(m, "host_len", 0)
+    if not host_len:
+        return m, (0, 0)
+    loaded_m = cast(Any, tree).load_back(m)
+    loaded = int(loaded_m.device_indices.numel() - m.device_indices.numel())
+    from_storage = max(0, loaded - (host_len - getattr(m, "storage_len", 0)))
+    return loaded_m, (loaded, from_storage)
 
 
 def alloc_for_decode(batch: Batch) -> torch.Tensor:

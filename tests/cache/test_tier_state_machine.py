@@ -11,7 +11,8 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from tier_util import DictStorage, make_cache, serve
+from storage_double import DictStorage
+from tier_util import make_cache, serve
 
 from radixkv.cache.radix_key import RadixKey
 from radixkv.storage.tier_controller import StorageController

@@ -3,7 +3,8 @@ write policies, locks, invariants, and bit-equal KV through every move."""
 import numpy as np
 import pytest
 import torch
-from tier_util import DictStorage, kv_of, make_cache, read_kv, serve
+from storage_double import DictStorage
+from tier_util import kv_of, make_cache, read_kv, serve
 
 from radixkv.cache.radix_key import RadixKey
 from radixkv.errors import InvalidArgumentError, InvariantError
