@@ -24,18 +24,13 @@ def _fail(msg: str, ids: list[int]) -> None:
 
 
 def check(cache: TieredRadixCache) -> None:
-    """Raise :class:`InvariantError` naming nodes / rows / host pages unless:
-
-    * heads, parent pointers, ``only``, page-aligned keys and lock counts are right;
-    * every node is on a tier: ``vbuf`` empty or one row per token, ``hbuf`` ``None`` or one
-      host page per page, not both absent; a device node's parent is on the device; a
-      host-only node is unlocked;
-    * sizes: evictable / protected are the unlocked / locked device tokens, ``host_size``
-      the host tokens; the evictable leaves are exactly the unlocked device nodes without a
-      device child;
-    * no KV row held twice or free in the allocator; no host page held twice, every page in
-      use held by a node (else leaked) and every held page in use; nothing left pinned.
-    """
+    """Raise :class:`InvariantError` naming nodes / rows / host pages unless: heads, parents,
+    ``only``, keys and lock counts are right; every node is on a tier (``vbuf`` one row per
+    token or empty, ``hbuf`` one page per page or ``None``), the device part is prefix-closed
+    and only device nodes are locked; sizes (evictable, protected, host) match the tree; the
+    evictable leaves are exactly the unlocked device nodes without a device child; no KV row
+    or host page is held twice, every host page in use is held (else leaked) and every held
+    page in use; nothing is left pinned."""
     pb = cache._pb
     nodes: list[Any] = []
     evictable = protected = host = 0

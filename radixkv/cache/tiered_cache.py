@@ -1,23 +1,15 @@
 """``TieredRadixCache``: a RadixCache whose nodes live on the device (L1), in host memory
 (L2, a :class:`~radixkv.memory.host_kv_pool.HostKVPool`) or both, with an optional storage
-tier (L3, a :class:`~radixkv.storage.tier_controller.StorageController`) behind them.
-SGLang's HiRadixCache, rebuilt on this tree; the story is in ``docs/tiers.md``.
+tier (L3, a :class:`~radixkv.storage.tier_controller.StorageController`) behind them: SGLang's
+HiRadixCache on this tree (the story: ``docs/tiers.md``).
 
-Where a node's KV lives (:class:`TierNode`): ``vbuf`` (device rows, empty when not on the
-device) and ``hbuf`` (host page ids, ``None`` when not on the host); every node is on at least
-one tier, and the device part of the tree is prefix-closed (a device node's parent is on the
-device). Sizes (``evictable_size`` / ``protected_size``) count device tokens; locks are taken
-on device nodes only.
-
-* ``match_prefix``: walks device and host nodes (and asks storage for the rest, bounded by
-  its timeout); a :class:`TierMatch` gives the device rows and the host nodes after them.
-* ``load_back``: host pages -> device rows (one batched copy), so ``prefix_len`` counts them.
-* ``evict``: device leaves are demoted to the host (``write_back``) or simply drop their rows
-  when the host already has them; host eviction drops LRU host-only leaves (storage keeps its
-  copy). ``write_through`` copies every insert to the host at once.
-
-Compiled paths: none (the walks here read both tiers); a cache with the host tier off is a
-plain RadixCache, so the device-only speed does not change.
+A :class:`TierNode` keeps ``vbuf`` (device rows, empty when not on the device) and ``hbuf``
+(host page ids, ``None`` when not on the host). Invariants: every node is on a tier; the device
+part of the tree is prefix-closed; sizes count device tokens; only device nodes are locked.
+``match_prefix`` walks both tiers (then asks storage, bounded by its timeout); ``load_back``
+copies host pages into device rows in one batch; ``evict`` demotes device leaves to the host
+(or just drops their rows when the host has them); host eviction drops LRU host-only leaves.
+No compiled paths: with the host tier off a cache is a plain RadixCache (speed unchanged).
 """
 from __future__ import annotations
 
@@ -237,8 +229,9 @@ class TieredRadixCache(RadixCache):
             if self.write_policy == "write_back":
                 for x in take:  # their pages can take the demoted ones: the tiers hold their sum
                     self._drop_host_copy(x)
-            if alloc.available_size() < tot:
-                self.evict(tot - alloc.available_size())
+            while alloc.available_size() < tot and self._evictable:  # rows a node frees may be fewer than
+                if not self.evict(tot - alloc.available_size()):   # its tokens (an allocator's virtual rows)
+                    break
             rows = alloc.alloc(tot)
             if rows is None:  # evict() freed less than it could: these nodes are on no tier
                 for x in take:
