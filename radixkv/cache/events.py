@@ -1,21 +1,13 @@
 """KV-cache events: what the RadixCache stored, removed or cleared, in vLLM's event schema.
 
-An external router (or a second cache tier) that mirrors the cache's contents consumes these
-events. The event types and their field names follow vLLM's KV-event schema
-(``vllm/distributed/kv_events.py``): :class:`BlockStored`, :class:`BlockRemoved`,
-:class:`AllBlocksCleared` and :class:`KVEventBatch`. radixkv adds one field, ``extra_key``
-on :class:`BlockStored`: the cache namespace (LoRA id/name, tenant, salt) that vLLM spreads
-over ``lora_id`` / ``lora_name``. ``lora_id`` is filled when the extra key is an ``int`` and
-``lora_name`` when it is a ``str``, so vLLM consumers that only read those still see it.
-
-One block is one page of the cache (``page_size`` tokens). A node of the radix tree holds a
-whole number of pages, and storing it produces one ``BlockStored`` event that lists one hash
-per page.
-
-Block hashes (chained SHA-256, reduced to u64) are computed in
-:mod:`radixkv.cache.block_hash`, whose docstring gives their exact byte layout; its names
-(``block_hashes``, ``chain_root``, ``encode_extra_key``, ``DEFAULT_SEED``, ``HASH_BITS``, ``Seed``)
-are re-exported here, so ``from radixkv.cache.events import block_hashes`` keeps working.
+:class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared` and
+:class:`KVEventBatch` follow vLLM's ``vllm/distributed/kv_events.py``; radixkv adds
+``extra_key`` on :class:`BlockStored` (the cache namespace), also written as ``lora_id``
+(``int``) or ``lora_name`` (``str``) so vLLM consumers see it. One block is one page; storing
+a node produces one ``BlockStored`` with one hash per page. The hashes are computed in
+:mod:`radixkv.cache.block_hash` (re-exported here: ``block_hashes``, ``chain_root``,
+``encode_extra_key``, ``DEFAULT_SEED``, ``HASH_BITS``, ``Seed``). Consumers and wires:
+``docs/events.md``.
 """
 from __future__ import annotations
 
@@ -194,7 +186,7 @@ class KVEventRecorder:
 
     Args:
         page_size: tokens per block.
-        seed: seed of the hash chain (see the module docstring); processes that must agree
+        seed: seed of the hash chain (:mod:`radixkv.cache.block_hash`); processes that must agree
             on hashes pass the same one. Default :data:`DEFAULT_SEED`.
         medium: the ``medium`` field of the events (``"GPU"``).
     """

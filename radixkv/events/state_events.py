@@ -2,8 +2,8 @@
 live recurrent states) and :class:`UsableOverlap`.
 
 The event types, their dict codec and the producer (:class:`HybridEventRecorder`, which
-the hybrid tree records with) are in :mod:`radixkv.cache.state_events` (the module doc
-states the rules a consumer relies on) and re-exported here.
+the hybrid tree records with) are in :mod:`radixkv.cache.state_events` (the rules a
+consumer relies on: ``docs/events.md``, section 3) and re-exported here.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class StateIndex:
     """Router-side index of the live states of many workers, fed with their event streams.
 
     It consumes both kinds of events (``BlockRemoved`` and ``AllBlocksCleared`` drop states,
-    rule 2 and 3 of the module doc) and answers, for a request's chain of block hashes
+    the rules of ``docs/events.md``, section 3) and answers, for a request's chain of block hashes
     (:func:`radixkv.cache.events.block_hashes` of its tokens) and a KV overlap found elsewhere,
     how much of the overlap ends at a state. Unknown removals are ignored (a consumer must not
     fail on a stream it joined late).

@@ -1,34 +1,17 @@
 """A state-aware router index: credits a hybrid manager only with the prefix it can reuse.
 
-A hybrid model (full attention mixed with Mamba / KDA layers) resumes a prefix only where
-its tree holds the recurrent state after that prefix's last token. A plain KV index (vLLM /
-Dynamo style) credits a manager with every cached KV block of a request, so after a
-manager evicted states (tombstones: KV kept, state gone) it overstates what that manager
-can reuse. :class:`StateAwareIndex` consumes the same event streams (KV events and the
-state events of :mod:`radixkv.events.state_events`) and scores a manager by the deepest
-matched block that ALSO has a live state -- exactly the manager's own hybrid
-``match_prefix(tokens).prefix_len // page_size``.
+A hybrid model resumes a prefix only where its tree holds the state after its last token; a
+plain KV index overstates managers that evicted states (tombstones). :class:`StateAwareIndex`
+feeds each manager's stream to a KV index (Dynamo's ``RadixTree`` or the Python one, through
+a :class:`~radixkv.events.dynamo.DynamoEventAdapter`: ``kv_blocks``) and a
+:class:`~radixkv.events.state_events.StateIndex` (the deepest matched block that ALSO has a
+live state: ``blocks``, exactly the manager's ``match_prefix(tokens).prefix_len //
+page_size``). A lost-events gap marker makes it forget the manager until its next
+``AllBlocksCleared`` (:meth:`StateAwareIndex.desynced`). Details: ``docs/events.md``, "The
+reference consumer".
 
-It is two indexes fed by one stream per manager:
-
-* the KV index: Dynamo's ``RadixTree`` or the Python fallback
-  (:func:`radixkv.events.router_index.make_index`), fed the Dynamo JSON of the KV events
-  (:class:`~radixkv.events.dynamo.DynamoEventAdapter`, one per manager). It gives, per
-  manager, the KV overlap ``kv_blocks`` of a request;
-* a :class:`~radixkv.events.state_events.StateIndex`: the live states per manager. Within the
-  KV overlap, the deepest block of the request's radixkv hash chain
-  (:func:`radixkv.cache.block_hash.block_hashes`, the hashes the events name) holding a
-  state is ``blocks``.
-
-Lost events (a ``{"type": "EventsLost"}`` gap marker of the gRPC stream): the manager's
-mirror is incomplete, so its blocks and states are forgotten at once and its later events
-are ignored until its next ``AllBlocksCleared`` (a ``Flush``, or the manager's shutdown), from
-which the mirror is exact again (:meth:`StateAwareIndex.desynced`). A consumer that wants it
-back sooner resubscribes from the oldest kept seq and calls :meth:`remove_worker` first.
-
-Costs: :meth:`apply` O(tokens) for a stored event (one XXH3 call per page), O(blocks)
-otherwise; :meth:`scores` O(pages of the request) hashes (one XXH3 and one SHA-256 per page)
-plus O(kv_blocks) dict probes per manager that matched.
+Costs: :meth:`apply` O(tokens) for a stored event, O(blocks) otherwise; :meth:`scores`
+O(pages) hashes (XXH3 + SHA-256 per page) plus O(kv_blocks) probes per matching manager.
 """
 from __future__ import annotations
 
@@ -75,16 +58,13 @@ class StateAwareIndex:
 
     Args:
         page_size: the managers' page size (one block = one page).
-        index: the KV index: ``"auto"`` (Dynamo's ``RadixTree`` when ai-dynamo-runtime is
-            installed, else Python), ``"python"``, ``"dynamo"``, or an object with
-            ``apply_event(worker, raw_json)`` and ``scores(tokens_hashes) -> {worker: blocks}``.
-        seed: the managers' block-hash seed (``kv_event_seed``; default
-            :data:`~radixkv.cache.block_hash.DEFAULT_SEED`).
+        index: the KV index: ``"auto"`` (Dynamo's ``RadixTree`` if installed, else Python),
+            ``"python"``, ``"dynamo"``, or an object with ``apply_event`` and ``scores``.
+        seed: the managers' block-hash seed (default :data:`~radixkv.cache.block_hash.DEFAULT_SEED`).
         namespace_fn: ``extra_key -> DynamoNamespace`` for the KV index (as the adapter's).
 
-    Workers are Dynamo worker ids (ints in ``[0, 2**64)``). Raises ``InvalidArgumentError``
-    for a bad argument; an event the KV adapter refuses raises its typed error, and the
-    state index is then left as it was.
+    Workers are Dynamo worker ids (ints in ``[0, 2**64)``). Raises ``InvalidArgumentError`` for a
+    bad argument; an event the KV adapter refuses raises its typed error, state index unchanged.
     """
 
     def __init__(self, page_size: int, index: str | KVIndex = "auto", seed: Seed = DEFAULT_SEED,

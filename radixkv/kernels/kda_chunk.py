@@ -1,24 +1,15 @@
 """Chunked KDA (Kimi Delta Attention) prefill for a batch of variable-length sequences.
 
-The map is the gated delta rule of :mod:`radixkv.kernels.kda_decode` applied token by token
-(state ``S [D_k, D_v]`` per head), computed chunk by chunk in parallel form (SGLang's
-``chunk_kda``; chunk size 64). Within a chunk of length ``L`` with start state ``S0`` and
-in-chunk cumulative log decay ``G_t = sum_{s<=t} g_s``::
-
-    A[t, s] = beta_t * sum_d k_t[d] k_s[d] exp(G_t[d] - G_s[d])     (s < t; 0 elsewhere)
-    U       = (I + A)^-1 (beta * (V - (exp(G) * K) S0))              (unit lower triangular)
-    O       = (exp(G) * Q) S0 + P U,  P[t, s] = sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])  (s <= t)
-    S_end   = exp(G_L) * S0 + (K * exp(G_L - G))^T U
-
-Decay ratios are formed as differences in log space (never ``exp(-G)``), so nothing
-overflows. The sequences are packed along the token axis and delimited by ``cu_seqlens``
-(``[N+1]``, ascending from 0), each with its own initial state.
+The gated delta rule of :mod:`radixkv.kernels.kda_decode`, computed chunk by chunk in
+parallel form (SGLang's ``chunk_kda``; chunk size 64; formulas in ``docs/internals.md``,
+"Chunked KDA prefill"). Decay ratios are differences in log space, so nothing overflows.
+Sequences are packed along the token axis, delimited by ``cu_seqlens`` (``[N+1]``, ascending
+from 0), each with its own initial state.
 
 * :func:`kda_chunked`: one sequence, torch (the reference; any chunk size).
-* :func:`chunk_kda`: the batch; the torch path loops over sequences, the Triton kernel runs one
-  program per (sequence, head), its state in registers, chunk after chunk, inverting
-  ``I + A`` as ``(I - A)(I + A^2)(I + A^4)...`` (``A`` is nilpotent: six factors for 64).
-Cost per chunk: O(H * L^2 * D) for ``A`` / ``P`` plus O(H * L * D^2).
+* :func:`chunk_kda`: the batch; torch loops over sequences, the Triton kernel runs one program
+  per (sequence, head), its state in registers.
+Cost per chunk: O(H * L^2 * D) for the in-chunk products plus O(H * L * D^2).
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Fused KDA (Kimi Delta Attention) decode step over state slots.
 
-For request ``b``, head ``h``, with state ``S = ssm_states[cache_indices[b], h]`` of shape
-``[D_k, D_v]`` (indexed ``[key_dim, value_dim]``), the gated delta rule applies in place::
-
-    S     = S * exp(g)[:, None]          # channel-wise decay along the key dim (g <= 0, log space)
-    v_new = (v - S^T k) * beta           # delta correction: v - sum_i S[i, :] * k[i]
-    S     = S + outer(k, v_new)          # rank-1 write
-    o     = S^T q                        # o[j] = sum_i S[i, j] * q[i]
-
-with ``q, k, g [D_k]``, ``v [D_v]``, ``beta`` a scalar per head. (No scale is applied to ``q``;
-the caller pre-scales / L2-normalises as it likes.)
+For each request and head, with state ``S = ssm_states[cache_indices[b], h]`` ``[D_k, D_v]``,
+the gated delta rule applies in place: ``S *= exp(g)`` along the key dim, ``v_new = (v - S^T
+k) * beta``, ``S += outer(k, v_new)``, ``o = S^T q`` (``q`` unscaled). The formulas:
+``docs/internals.md``, "The fused KDA decode step".
 
 Torch reference (CPU) and Triton kernel (dispatched on CUDA): one program per (request, head,
-block of value columns); value columns are independent, so each program owns its column
-block of the state. Cost: O(B*H*D_k*D_v) flops and state bytes read + written once.
+block of value columns). Cost: O(B*H*D_k*D_v) flops and state bytes read + written once.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scheduler flow around the cache (seed section 5; SGLang's mem_cache/common.py)."""
+"""The scheduler flow around the cache (SGLang's mem_cache/common.py)."""
 from radixkv.scheduler.batch import Batch, ForwardMode
 from radixkv.scheduler.flow import (
     Conservation,

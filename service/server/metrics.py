@@ -1,36 +1,12 @@
 """Service metrics: RPC latency histograms and the engine's counters, for Prometheus.
 
-Each server owns one :class:`ServiceMetrics` with its own ``CollectorRegistry`` (several
-servers in one process, as in tests, do not collide). The event loop that owns the engine
-calls :meth:`ServiceMetrics.update` with a fresh ``EngineStats`` (after every RPC that
-changes the engine is too often; the server refreshes at every lease sweep and on the Stats
-RPC); the HTTP exporter thread only ever reads that snapshot, never the engine, so no lock
-is needed around the engine.
-
-Exported (Prometheus conventions: cumulative counts are counters ending in ``_total``, names
-carry their unit; vLLM's names where vLLM has the metric, so that dashboards and hit-rate
-queries written for vLLM work):
-
-* ``radixkv_build_info{version}`` (always 1), and the process collector's ``process_*``
-  (CPU seconds, resident memory, open file descriptors, start time);
-* ``radixkv_rpc_latency_seconds{method,code}`` histogram (its ``_count``: calls);
-  ``radixkv_auth_failures_total{method}``; ``radixkv_step_socket_refused_total{why}``
-  (Step socket connections closed by its limits: ``handshake_timeout``, ``auth``, ...);
-* ``radixkv_prefix_cache_queries_total`` / ``radixkv_prefix_cache_hits_total``: prompt tokens
-  looked up / found in the cache (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``;
-  hit rate: ``rate(..._hits_total[5m]) / rate(..._queries_total[5m])``);
-  ``radixkv_match_queries_total`` (lookups), ``radixkv_inserted_tokens_total``,
-  ``radixkv_evicted_tokens_total``;
-* ``radixkv_kv_cache_usage_perc``: the fraction (0..1) of KV slots held by running requests
-  or locked in the tree (vLLM's ``kv_cache_usage_perc``; evictable cached slots count as
-  free, as in vLLM); ``radixkv_kv_tokens{state=available|evictable|protected|held}``,
-  ``radixkv_kv_capacity_tokens``;
-* ``radixkv_state_slots{state=...}``, ``radixkv_state_capacity_slots`` (Mamba states);
-  ``radixkv_request_rows{state=available|used}``, ``radixkv_request_rows_capacity``;
-* ``radixkv_sessions``, ``radixkv_running_requests`` (gauges);
-* ``radixkv_quarantined_sessions`` (gauge), ``radixkv_quarantine_released_sessions_total{why=gone|timeout}``,
-  ``radixkv_reply_cache_bytes`` (gauge), ``radixkv_reply_cache_hits_total`` (idempotent retries
-  answered from the reply cache).
+Each server owns one :class:`ServiceMetrics` with its own ``CollectorRegistry``. The event
+loop that owns the engine calls :meth:`ServiceMetrics.update` with a fresh ``EngineStats``
+(at every lease sweep and Stats call); the HTTP exporter thread only reads that snapshot,
+never the engine, so no lock is needed. Names follow Prometheus conventions and vLLM's
+where vLLM has the metric (``radixkv_prefix_cache_queries_total`` / ``_hits_total``,
+``radixkv_kv_cache_usage_perc``), so vLLM dashboards work. The full list:
+``docs/service.md``, "Metrics".
 """
 from __future__ import annotations
 

@@ -62,7 +62,6 @@ from radixkv.service.wire.limits import CallLimits, check_raw, limits_for
 from radixkv.service.wire.shm import SharedBuffers
 from radixkv.service.wire.step import error_to_msg
 
-from radixkv.engine.decode_replay import replay_decodes
 from radixkv.engine.protocol import DecodeItem, Session
 from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
 
@@ -251,7 +250,7 @@ class CacheManagerServicer:
         """Replay decode steps a client answered from its reserves: ``alloc_decode`` for
         each call in order (see ``radixkv.service.client.local_decode``), the leading calls
         that need no allocator call in one batched update
-        (:func:`radixkv.engine.decode_replay.replay_decodes`), the rest one by one. An error
+        (``CacheEngine.replay_decodes``), the rest one by one. An error
         at call ``k`` names ``ApplyDecodes call k`` in its message; at ``k == 0`` (nothing
         changed) it fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k``
         and ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``
@@ -264,7 +263,7 @@ class CacheManagerServicer:
                 e.args = (f"ApplyDecodes call 0 of {n}: {e}",) + e.args[1:]
             raise
         rids, lens, idx, toks = wire.apply_decodes_from_msg(request)
-        done = replay_decodes(self.engine, session, rids, lens, idx, toks)
+        done = self.engine.replay_decodes(session, rids, lens, idx, toks)
         if done == n:
             return pb.ApplyDecodesResponse(applied=n)
         ends = np.cumsum(lens, dtype=np.int64).tolist()

@@ -25,7 +25,7 @@ def bundled_trace(name, shared_fallback=False):
     except ImportError:
         pass
     if shared_fallback:
-        p = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake",
+        p = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces", "mooncake",
                          f"{name}_trace.jsonl")
         if os.path.isfile(p):
             return p

@@ -36,15 +36,6 @@ def test_config_forms_and_protocol():
         CacheEngine("kv_tokens=64")
 
 
-def test_hybrid_config_is_refused_until_the_mamba_tree_exists():
-    import importlib.util
-
-    if importlib.util.find_spec("radixkv.cache.mamba_radix_cache") is not None:
-        pytest.skip("the Mamba-aware tree exists")
-    with pytest.raises(InvalidArgumentError, match="hybrid prefix caching needs radixkv.cache.mamba_radix_cache"):
-        CacheEngine(EngineConfig(layer_types="KKKF"))
-
-
 def test_refused_chunk_and_decode_leave_the_request_as_it_was():
     e = CacheEngine(EngineConfig(kv_tokens=32, max_context_len=64))
     s = e.attach().session

@@ -6,7 +6,6 @@ import pytest
 from engine_fixtures import toks
 
 from radixkv.engine import CacheEngine, EngineConfig
-from radixkv.engine.decode_replay import replay_decodes
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 from radixkv.errors import RadixKVError
 
@@ -67,7 +66,7 @@ def test_bulk_replay_equals_alloc_decode_one_call_at_a_time(case):
     calls, bulk, kw = CASES[case]
     (e1, s1), (e2, s2) = _pair(**kw)
     want = _one_by_one(e1, s1, calls)
-    done = replay_decodes(e2, s2, *_packed(calls))
+    done = e2.replay_decodes(s2, *_packed(calls))
     assert done == bulk
     got = _one_by_one(e2, s2, calls[done:])
     assert (got[0] + done, got[1]) == want
@@ -78,4 +77,4 @@ def test_bulk_replay_equals_alloc_decode_one_call_at_a_time(case):
 
 def test_nothing_in_bulk_without_reserves():
     (e, s), _ = _pair(decode_reserve=0)
-    assert replay_decodes(e, s, *_packed([(["a"], [1])])) == 0
+    assert e.replay_decodes(s, *_packed([(["a"], [1])])) == 0

@@ -13,7 +13,7 @@ import pytest
 from radixkv.bench.traces import MooncakeTrace
 from radixkv.errors import InvalidArgumentError
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRACE = ROOT / "radixkv" / "data" / "mooncake" / "conversation_trace.jsonl"
 
 

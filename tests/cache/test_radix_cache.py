@@ -374,7 +374,7 @@ def test_benchmark_runs_and_reports_json(capsys):
     import json
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_radix.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_radix.py"
     spec = importlib.util.spec_from_file_location("bench_radix", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

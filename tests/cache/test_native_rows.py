@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from tooling.debug_malloc import run_under_debug_malloc
+from debug_malloc import run_under_debug_malloc
 
 from radixkv.cache import RadixCache, RadixKey, native
 

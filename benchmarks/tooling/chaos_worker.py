@@ -92,7 +92,7 @@ class _KV:
             if m.pool == "kv" and m.WhichOneof("source") == "shm":
                 path, nbytes = m.shm.path, int(m.shm.nbytes)
         self.k = None
-        if path is None:
+        if path is None or nbytes is None:
             return
         t = next(t for t in layout["pools"]["kv"]["arena"]["tensors"] if t["name"].startswith("k."))
         fd = os.open(path, os.O_RDWR)

@@ -9,7 +9,7 @@ after every step. Skipped when the extension is not built.
 """
 
 import pytest
-from tooling.debug_malloc import run_under_debug_malloc
+from debug_malloc import run_under_debug_malloc
 
 from radixkv.cache import native
 

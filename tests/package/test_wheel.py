@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.wheel
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(env, *args, cwd, timeout=300, check=True):

@@ -2,7 +2,7 @@
 
 ``PYTHONMALLOC=debug`` fills freed blocks with a pattern and checks guard bytes, so a C
 extension that reads or writes memory it no longer owns fails loudly there (used for the
-compiled RadixCache paths: ``tests/test_native_split.py``, ``tests/test_native_rows.py``).
+compiled RadixCache paths: ``tests/cache/test_native_split.py``, ``tests/cache/test_native_rows.py``).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import torch
 
 from radixkv.engine.buffers import WorkerBuffers, attach_buffers
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.pools import HYBRID_NEEDS_TREE, EnginePools, build_tree, hybrid_tree_available, plan_arenas
+from radixkv.engine.pools import EnginePools, build_tree, plan_arenas
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError
 from radixkv.memory import HybridReqToTokenPool, ReqToTokenPool
 
@@ -122,14 +122,6 @@ def test_hybrid_worker_buffers_route_global_layer_ids():
         w.get_kv_buffer(3)
     w.check_invariants()
     assert isinstance(pools.worker_buffers(), WorkerBuffers)
-
-
-def test_hybrid_tree_needs_the_mamba_tree():
-    pools = EnginePools(HYBRID)
-    if hybrid_tree_available():
-        pytest.skip("the Mamba-aware tree exists; the engine wiring is tested by the conformance suite")
-    with pytest.raises(InvalidArgumentError, match=HYBRID_NEEDS_TREE):
-        build_tree(pools)
 
 
 def test_tree_follows_the_config():

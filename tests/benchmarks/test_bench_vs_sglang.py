@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_vs_sglang.py"
+PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vs_sglang.py"
 N_REQUESTS = 40
 BIG_POOL = 400_000    # > the workload's total tokens: nothing is evicted
 SMALL_POOL = 30_000   # evicts on most requests

@@ -41,7 +41,7 @@ __all__ = ["StandbyPool", "WorkerProc", "PoolStats", "KILL_POINTS"]
 KILL_POINTS = ("after_alloc", "after_cache_unfinished", "mid_call", "mid_batch", "after_decode")
 WORKER_MODULE = "tooling.chaos_worker"
 #: The directory that holds the ``tooling`` package (a worker's PYTHONPATH starts with it).
-TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLING_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDBY_NICE_ENV = "RADIXKV_CHAOS_STANDBY_NICE"  # read by the worker module before its imports
 
 
@@ -138,10 +138,10 @@ class StandbyPool:
         self._env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._env[STANDBY_NICE_ENV] = str(standby_nice)
         self._env.update(env or {})
-        # The worker module lives in tests/tooling/ (not installed): its interpreter finds it
-        # through PYTHONPATH, as the test process found it through pytest's sys.path.
+        # The worker module lives in benchmarks/tooling/ (not installed): its interpreter finds
+        # it through PYTHONPATH, as the test process found it through pytest's pythonpath.
         inherited = (self._env.get("PYTHONPATH") or "").split(os.pathsep)
-        self._env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR] + [p for p in inherited if p])
+        self._env["PYTHONPATH"] = os.pathsep.join([TOOLING_PARENT] + [p for p in inherited if p])
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.workers: dict[int, WorkerProc] = {}
         self._cv = threading.Condition()
