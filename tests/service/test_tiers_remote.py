@@ -1,10 +1,10 @@
 """A manager started with ``--host-kv-tokens``: a worker's extends over gRPC come back with
 the tokens loaded from the host tier (``ExtendResult.host_len``), and the audit holds."""
 import numpy as np
+from radixkv.service.client import connect
 from service_util import start_server, stop_server
 
 from radixkv.engine.protocol import ExtendItem
-from radixkv.service.client import connect
 
 
 def test_remote_extend_reports_host_loads():
