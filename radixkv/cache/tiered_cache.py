@@ -23,6 +23,7 @@ import torch
 from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
 from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.eviction import EvictionPolicy
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import RadixCache
@@ -248,6 +249,7 @@ class TieredRadixCache(RadixCache):
                 size = len(x.kbuf)
                 x.vbuf = rb[off:off + size]
                 off += size
+                self._moved(x, MEDIUM_CPU, MEDIUM_GPU)
             self._evictable += tot
             self._file_if_leaf(take[-1])
             self.tier_stats["loaded_pages"] += tot // self.page_size
@@ -315,6 +317,7 @@ class TieredRadixCache(RadixCache):
                 child = self._split(child, m)
             last = child
             child.vbuf = tail[start - base:start - base + m]
+            self._moved(child, MEDIUM_CPU, MEDIUM_GPU)
             self._evictable += m >> 2
             if self.write_policy == "write_back":
                 self._drop_host_copy(child)
@@ -377,10 +380,11 @@ class TieredRadixCache(RadixCache):
                 self._on_evict(node)
             parent: Any = node.parent
             if node.hbuf is not None:
+                self._moved(node, MEDIUM_GPU, MEDIUM_CPU)
                 if not node.children:
                     heapq.heappush(self._host_heap, (node.last_access, node.id, node))
             else:
-                self._drop(node)
+                self._drop(node, MEDIUM_GPU)
             self._file_if_leaf(parent)
             evicted += t
         self._evictable -= evicted
@@ -508,9 +512,10 @@ class TieredRadixCache(RadixCache):
             self._host_tokens -= len(node.kbuf) >> 2
             node.hbuf = None
 
-    def _drop(self, node: TierNode) -> None:
+    def _drop(self, node: TierNode, medium: str = MEDIUM_CPU) -> None:
         """Remove ``node`` (no device rows left) and its host-only subtree from the tree,
-        freeing their host pages; KV events record their pages removed."""
+        freeing their host pages; KV events record their pages removed (``node``'s from
+        ``medium``, the subtree's from the host)."""
         stack = [node]
         while stack:
             x = stack.pop()
@@ -519,7 +524,7 @@ class TieredRadixCache(RadixCache):
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
             if self.kv_events is not None:
-                self.kv_events.on_removed(x.block_hashes)  # type: ignore[arg-type]
+                self.kv_events.on_removed(x.block_hashes, medium if x is node else MEDIUM_CPU)  # type: ignore[arg-type]
         parent: Any = node.parent
         del parent.children[node.kbuf[:self._pb]]
         sync_only(parent)
@@ -528,6 +533,19 @@ class TieredRadixCache(RadixCache):
                 del self._heads[parent.extra_key]
         elif not parent.children and not parent.vbuf and parent.hbuf is not None:
             heapq.heappush(self._host_heap, (parent.last_access, parent.id, parent))
+
+    def _moved(self, node: TierNode, src: str, dst: str) -> None:
+        """KV events of ``node``'s pages moving tier: ``BlockRemoved`` from ``src``, then
+        ``BlockStored`` in ``dst`` (same hashes), so a router keeps them with their tier."""
+        if self.kv_events is None or not node.block_hashes:
+            return
+        parent: Any = node.parent
+        x: Any = parent
+        while x.parent is not None:
+            x = x.parent
+        prior = parent.block_hashes[-1] if parent.parent is not None and parent.block_hashes else None
+        self.kv_events.on_removed(node.block_hashes, src)
+        node.block_hashes = self.kv_events.on_stored(prior, node.key.copy(), x.extra_key, dst)
 
     def _seed(self, node: TreeNode) -> bytes:
         x: Any = node
@@ -586,7 +604,7 @@ class TieredRadixCache(RadixCache):
         leaf.hbuf, leaf.pkeys, leaf.backed, leaf.hits = pages.tobytes(), keys[:k], True, 1
         if self.kv_events is not None:
             parent_hash = node.block_hashes[-1] if node.block_hashes else None
-            leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key)
+            leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key, MEDIUM_CPU)
         node.children[kb[:self._pb]] = leaf
         sync_only(node)
         self._host_tokens += size >> 2

@@ -139,16 +139,22 @@ def test_load_back_with_no_room_serves_what_fits():
     c.check_invariants()
 
 
-def test_events_remove_a_page_only_when_it_leaves_every_tier():
+def test_events_carry_the_tier_and_remove_a_page_only_when_it_leaves_every_tier():
     c = make_cache(device_tokens=8, host_tokens=8, events=True)
     serve(c, seq(1, 8))
-    c.take_events()
-    serve(c, seq(2, 8))  # 1 demoted: not removed
-    kinds = [type(e).__name__ for e in c.take_events()]
-    assert "BlockRemoved" not in kinds
-    serve(c, seq(3, 8))  # 1 dropped from the host: removed
-    kinds = [type(e).__name__ for e in c.take_events()]
-    assert "BlockRemoved" in kinds
+    stored = c.take_events()
+    assert [(type(e).__name__, e.medium) for e in stored] == [("BlockStored", "GPU")]
+    serve(c, seq(2, 8))  # 1 moves to the host: removed from GPU, stored in CPU, same hashes
+    ev = [(type(e).__name__, e.medium, e.block_hashes) for e in c.take_events()]
+    assert ev[0] == ("BlockRemoved", "GPU", stored[0].block_hashes)
+    assert ev[1] == ("BlockStored", "CPU", stored[0].block_hashes)
+    c.check_invariants()
+    serve(c, seq(1, 8))  # back to the device: CPU -> GPU (and 2 to the host)
+    ev = [(type(e).__name__, e.medium) for e in c.take_events()]
+    assert ("BlockRemoved", "CPU") in ev and ("BlockStored", "GPU") in ev
+    serve(c, seq(3, 8))  # 2 leaves the host for good: removed from CPU, not stored again
+    ev = [(type(e).__name__, e.medium) for e in c.take_events()]
+    assert ev.count(("BlockRemoved", "CPU")) == 1 and ("BlockStored", "CPU") in ev
     c.check_invariants()
 
 

@@ -2,6 +2,10 @@
 invariants after every call, and the proof: the reference model's logits computed over KV
 loaded back from host memory (and storage) equal the from-scratch logits (fp64, 1e-9) at page
 sizes 1 and 16."""
+import logging
+import sys
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -39,16 +43,16 @@ class Proof:
     """An embedded engine and the reference model (KV-only) on its buffers: every extend's
     logits are compared with forward_reference from scratch."""
 
-    def __init__(self, ps, storage=None, **cfg):
+    def __init__(self, ps, storage=None, device="cpu", **cfg):
         base = dict(layer_types="FF", head_num=2, head_dim=8, kv_dtype="float64", page_size=ps,
-                    request_rows=4, max_context_len=256)
+                    request_rows=4, max_context_len=256, device=device)
         base.update(cfg)
         self.eng = CacheEngine(EngineConfig(**base), storage=storage)
         self.session = self.eng.attach("proof").session
         self.wb = self.eng.worker_buffers()
         self.mc = ModelCache.over(self.wb)
         self.model = HybridModel(HybridConfig(vocab=VOCAB, hidden=16, num_heads=2, head_dim=8, layer_pattern="FF",
-                                              dtype=torch.float64, seed=5))
+                                              dtype=torch.float64, seed=5), device)
         self.tiers = np.zeros(3, dtype=np.int64)
         self.n = 0
 
@@ -114,3 +118,30 @@ def test_match_counts_host_tokens_and_results_name_the_tiers():
     assert info.prefix_len == 30
     res = p.run(np.concatenate([a, a[:2]]))
     assert res.prefix_len == 30 and res.host_len == 30 and res.storage_len == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ps", [1, 16])
+def test_cuda_host_loads_are_complete_when_the_worker_reads_them(ps):
+    """On CUDA the loads run on the host pool's side stream; alloc_extend returns only after
+    their events, so the model (on the default stream) reads the loaded rows whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = np.random.default_rng(ps)
+    p = Proof(ps, device="cuda", kv_tokens=96, host_kv_tokens=512)
+    assert p.eng.pools.host_pool.pinned
+    for tokens in _conversations(rng, 4, 3, 24):
+        p.run(tokens)
+    assert p.tiers[1] > 0
+
+
+def test_storage_down_at_start_runs_on_device_and_host(monkeypatch, caplog):
+    def refuse(url):
+        raise ConnectionRefusedError(f"{url}: nobody listens")
+
+    monkeypatch.setitem(sys.modules, "radixkv.storage.url", types.SimpleNamespace(open_storage=refuse))
+    with caplog.at_level(logging.WARNING):
+        eng = CacheEngine(EngineConfig(host_kv_tokens=64, storage="mooncake://127.0.0.1:1"))
+    assert isinstance(eng.tree, TieredRadixCache) and eng.tree.storage is None
+    assert any("unavailable" in r.getMessage() for r in caplog.records)
+    eng.close()
