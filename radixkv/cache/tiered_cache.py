@@ -14,6 +14,7 @@ No compiled paths: with the host tier off a cache is a plain RadixCache (speed u
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -113,7 +114,7 @@ class TieredRadixCache(RadixCache):
         #: tokens hit per tier by matches, and tier traffic in pages
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
         self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0,
-                           "written_through_pages": 0}
+                           "written_through_pages": 0, "load_ns": 0}
 
     # ------------------------------------------------------------------ sizes
     def host_size(self) -> int:
@@ -123,6 +124,17 @@ class TieredRadixCache(RadixCache):
     def host_capacity(self) -> int:
         """Tokens the host tier holds at most. O(1)."""
         return self.host_pool.num_pages * self.page_size
+
+    def tier_counters(self) -> dict[str, int]:
+        """Every tier's figures (usage in tokens, hits in tokens, traffic in pages and bytes,
+        load time in ns; storage counters when on), for metrics. O(1)."""
+        out = {"host_capacity_tokens": self.host_capacity(), "host_used_tokens": self._host_tokens,
+               "page_bytes": self.host_pool.page_bytes}
+        out.update({f"hit_tokens_{k}": v for k, v in self.tier_hits.items()})
+        out.update(self.tier_stats)
+        if self.storage is not None:
+            out.update({f"storage_{k}": v for k, v in self.storage.stats.snapshot().items()})
+        return out
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: RadixKey | object, extra_key: Hashable = None) -> TierMatch:  # type: ignore[override]
@@ -213,6 +225,7 @@ class TieredRadixCache(RadixCache):
         if locked:
             self.inc_lock_ref(m.last_node)
         self._pinned.update(x.id for x in nodes)
+        t0 = time.perf_counter_ns()
         try:
             room = alloc.available_size() + self._evictable  # the path is locked: not in it
             take: list[TierNode] = []
@@ -257,15 +270,19 @@ class TieredRadixCache(RadixCache):
             self._pinned.difference_update(x.id for x in nodes)
             if locked:
                 self.dec_lock_ref(m.last_node)
+            self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
         dev = torch.cat([m.device_indices, rows.to(self.device, torch.int64)])
         rest = tuple(x for x in m.host_nodes if x not in take)
         return TierMatch(dev, take[-1], m.prefix_len + tot, m.host_len - tot, m.storage_len, rest)
 
     def wait_loads(self) -> None:
         """Block until every load issued so far has completed (CUDA; a no-op on CPU)."""
-        for ev in self._inflight:
-            ev.synchronize()
-        self._inflight.clear()
+        if self._inflight:
+            t0 = time.perf_counter_ns()
+            for ev in self._inflight:
+                ev.synchronize()
+            self._inflight.clear()
+            self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
 
     # ------------------------------------------------------------------ insert
     def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
