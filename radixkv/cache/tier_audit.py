@@ -82,6 +82,7 @@ def check(cache: TieredRadixCache) -> None:
         _fail("evictable-leaf index wrong", wrong)
     tree_audit._check_rows(cache, nodes)
     _check_host(cache, nodes)
+    cache.policy.check_invariants([x for x in nodes if x.vbuf])  # it orders device nodes only
     if cache.kv_events is not None:
         tree_audit._check_events(cache, nodes)
 

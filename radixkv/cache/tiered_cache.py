@@ -171,7 +171,7 @@ class TieredRadixCache(RadixCache):
             tick += 1
             child.last_access = tick
             child.hits += 1
-            if self._on_hit is not None:
+            if self._on_hit is not None and child.vbuf:  # the policy orders device nodes only
                 self._on_hit(child)
             if not self._lazy and child.skey is not None:
                 self._refile(child)
@@ -263,6 +263,8 @@ class TieredRadixCache(RadixCache):
                 x.vbuf = rb[off:off + size]
                 off += size
                 self._moved(x, MEDIUM_CPU, MEDIUM_GPU)
+                if self._on_insert is not None:  # back on the device: the policy sees it anew
+                    self._on_insert(x)
             self._evictable += tot
             self._file_if_leaf(take[-1])
             self.tier_stats["loaded_pages"] += tot // self.page_size
@@ -335,6 +337,8 @@ class TieredRadixCache(RadixCache):
             last = child
             child.vbuf = tail[start - base:start - base + m]
             self._moved(child, MEDIUM_CPU, MEDIUM_GPU)
+            if self._on_insert is not None:
+                self._on_insert(child)
             self._evictable += m >> 2
             if self.write_policy == "write_back":
                 self._drop_host_copy(child)
@@ -489,7 +493,13 @@ class TieredRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ helpers
     def _split(self, child: TreeNode, m: int) -> TreeNode:
-        new: Any = super()._split(child, m)
+        hook = self._on_split
+        if not child.vbuf:  # the policy keeps no state for host-only nodes
+            self._on_split = None
+        try:
+            new: Any = super()._split(child, m)
+        finally:
+            self._on_split = hook
         c: Any = child
         pages = m // self._pb
         if c.hbuf is not None:

@@ -6,7 +6,9 @@ import torch
 from storage_double import DictStorage
 from tier_util import kv_of, make_cache, read_kv, serve
 
+from radixkv.cache.eviction import available_policies
 from radixkv.cache.radix_key import RadixKey
+from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.storage.tier_controller import StorageController
 
@@ -156,6 +158,22 @@ def test_events_carry_the_tier_and_remove_a_page_only_when_it_leaves_every_tier(
     ev = [(type(e).__name__, e.medium) for e in c.take_events()]
     assert ev.count(("BlockRemoved", "CPU")) == 1 and ("BlockStored", "CPU") in ev
     c.check_invariants()
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_eviction_policy_orders_the_device_tier(policy):
+    """The policy sees a node leave the device (on_evict) and come back (on_insert); host-only
+    nodes get no policy hooks. Two namespaces; the audit (policy's included) after each step."""
+    rng = np.random.default_rng(0)
+    base = make_cache(device_tokens=16, host_tokens=32)
+    c = TieredRadixCache(None, base.token_to_kv_pool_allocator, host_pool=base.host_pool, eviction_policy=policy)
+    hits = 0
+    for i in range(120):
+        w = rng.integers(0, 6, rng.integers(1, 4))
+        t = np.array([x * 10 + j for x in w for j in range(4)], dtype=np.int32)
+        hits += serve(c, t, extra_key=[None, "ns"][i % 2])[1]
+        c.check_invariants()
+    assert hits > 0
 
 
 # ---------------------------------------------------------------------- storage
