@@ -380,15 +380,10 @@ def run_walkthrough(device: str = "cpu") -> int:
     A's tokens back, else 1."""
     from radixkv.allocator import TokenToKVPoolAllocator
     from radixkv.cache import RadixCache
+    from radixkv.cache.kv_conservation import check_conservation, conservation
     from radixkv.memory import MHATokenToKVPool, ReqToTokenPool
     from radixkv.scheduler.batch import Batch
-    from radixkv.scheduler.flow import (
-        alloc_for_decode,
-        alloc_for_extend,
-        check_conservation,
-        conservation,
-        release_kv_cache,
-    )
+    from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
     from radixkv.scheduler.req import Req
 
     dev = torch.device(device)

@@ -5,7 +5,7 @@ policy objects (lru, lfu, fifo, filo, mru, priority) on blocks: one family of po
 the tree and the simulator. Block-level research policies (queue baselines, history
 policies) build on these classes in ``benchmarks/policy_research``. The simulator itself
 (which blocks are cached, the protected path, the replay loop) is
-:mod:`radixkv.bench.blocksim`, which re-exports these names.
+:mod:`radixkv.bench.blocksim`.
 """
 from __future__ import annotations
 

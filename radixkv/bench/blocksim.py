@@ -8,7 +8,7 @@ victims among evictable leaves through vectorized callbacks (:class:`KeyPolicy`:
 per-block sort key). Per request: O(1) numpy calls plus O(log n) per eviction and leaf
 change. Policy names are the RadixCache's: :class:`TreePolicy` runs the tree's own pure
 sort-key policies; any :class:`BlockPolicy` runs too. The interface lives in
-:mod:`radixkv.bench.block_policy` (re-exported here). Details: ``docs/hitrate.md``, "The
+:mod:`radixkv.bench.block_policy`. Details: ``docs/hitrate.md``, "The
 block simulator".
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.bench.block_policy import BlockPolicy, KeyPolicy, LeafHeap, TreePolicy, runs_on_blocks
+from radixkv.bench.block_policy import BlockPolicy, TreePolicy, runs_on_blocks
 from radixkv.cache import eviction
 from radixkv.errors import (
     InvalidArgumentError,
@@ -33,8 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from radixkv.bench.traces import BlockTrace
 
 __all__ = [
-    "AccessResult", "SimResult", "BlockSim", "BlockPolicy", "LeafHeap", "KeyPolicy",
-    "TreePolicy", "simulate", "make_policy", "available_policies",
+    "AccessResult", "SimResult", "BlockSim", "simulate", "make_policy", "available_policies",
 ]
 
 

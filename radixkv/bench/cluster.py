@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 
 from radixkv.bench.progress import Progress, ProgressBar
-from radixkv.cache.events import KVEvent
+from radixkv.bench.router_index import DynamoIndex, PyRadixIndex, make_index
+from radixkv.cache.kv_events import KVEvent
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
-from radixkv.events.router_index import DynamoIndex, PyRadixIndex, make_index
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing_extensions import Unpack

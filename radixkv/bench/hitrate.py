@@ -23,7 +23,8 @@ from typing import Any, NamedTuple, Protocol, cast
 import numpy as np
 
 from radixkv.bench.belady import belady
-from radixkv.bench.blocksim import BlockPolicy, BlockSim, make_policy, simulate
+from radixkv.bench.block_policy import BlockPolicy
+from radixkv.bench.blocksim import BlockSim, make_policy, simulate
 from radixkv.bench.progress import Progress, ProgressBar
 from radixkv.bench.radix_engine import RadixReplayEngine, default_policy_name
 from radixkv.bench.traces import MOONCAKE_BLOCK_SIZE, BlockTrace, load_mooncake

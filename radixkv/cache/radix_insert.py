@@ -26,7 +26,7 @@ from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError, LengthMismatchError
 
 if TYPE_CHECKING:
-    from radixkv.cache.events import KVEventRecorder
+    from radixkv.cache.kv_events import KVEventRecorder
     from radixkv.cache.leaf_index import LeafIndex
     from radixkv.cache.metrics import CacheMetrics
 

@@ -21,16 +21,15 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from radixkv.cache.block_hash import DEFAULT_SEED, Seed
 from radixkv.cache.block_hash import check_hash as _check_hash
-from radixkv.cache.events import (
-    DEFAULT_SEED,
+from radixkv.cache.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventRecorder,
-    Seed,
     event_from_dict,
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids

@@ -24,8 +24,8 @@ import torch
 from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
 from radixkv.cache.block_hash import encode_extra_key
-from radixkv.cache.events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.radix_insert import InsertMixin

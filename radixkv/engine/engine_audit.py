@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
+from radixkv.cache.kv_conservation import check_conservation, conservation
 from radixkv.cache.mamba_audit import StateConservation
 from radixkv.engine.protocol import EngineStats
 from radixkv.errors import InvariantError
-from radixkv.scheduler.flow import check_conservation, conservation
 
 if TYPE_CHECKING:
     from radixkv.cache.mamba_radix_cache import MambaRadixCache

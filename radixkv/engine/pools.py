@@ -8,7 +8,7 @@ named in the layout:
 * ``"kv"``: the K/V buffers of the full-attention layers (``MHATokenToKVPool``);
 * ``"mamba"``: the KDA states (``MambaPool``), hybrid models only.
 
-:func:`plan_arenas` computes their layouts without allocating anything, so a server can
+:func:`~radixkv.engine.layout.plan_arenas` computes their layouts without allocating anything, so a server can
 create shared-memory buffers of the right size first and pass them in (``buffers=``); the
 pools then live in those bytes. :meth:`EnginePools.layout` describes everything a worker
 needs to map them (``radixkv.engine.buffers.attach_buffers``), as plain JSON-able data.
@@ -27,9 +27,8 @@ from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.contracts import KVAllocator, PoolRequest, StorageBackend
 from radixkv.engine.buffers import WorkerBuffers
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.layout import (  # noqa: F401 (the layout names are also this module's)
+from radixkv.engine.layout import (
     LAYOUT_FORMAT,
-    POOL_NAMES,
     build_kv_pool,
     build_mamba_pool,
     plan_arenas,
@@ -44,8 +43,7 @@ from radixkv.storage.tier_controller import StorageController
 if TYPE_CHECKING:
     from radixkv.engine.buffers import WorkerBuffers
 
-__all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "plan_arenas",
-           "EnginePools", "build_kv_pool", "build_mamba_pool", "build_tree", "kv_fingerprint", "open_tier_storage"]
+__all__ = ["EnginePools", "build_tree", "kv_fingerprint", "open_tier_storage"]
 
 log = logging.getLogger(__name__)
 

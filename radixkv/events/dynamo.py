@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_extra_key
-from radixkv.cache.state_events import CacheEvent
+from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.state_events import CacheEvent, any_event_from_dict, is_state_event
 from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
@@ -31,7 +32,6 @@ from radixkv.errors import (
     NotFoundError,
     describe_ids,
 )
-from radixkv.events.state_events import any_event_from_dict, is_state_event
 
 __all__ = ["XXH3_SEED", "DynamoNamespace", "default_namespace", "dynamo_seed", "compute_block_hash_for_seq",
            "tokens_hashes", "DynamoEventAdapter", "dumps"]

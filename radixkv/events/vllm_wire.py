@@ -21,10 +21,9 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from radixkv.cache.state_events import CacheEvent
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from radixkv.cache.state_events import CacheEvent, StateRemoved, StateStored, as_events, is_state_event
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
-from radixkv.events.state_events import StateRemoved, StateStored, as_events, is_state_event
 
 __all__ = ["LAYOUTS", "STATE_POLICIES", "encode_batch", "encode_event", "decode_batch", "as_events"]
 

@@ -25,13 +25,12 @@ from typing import Final, NamedTuple
 
 import zmq
 
-from radixkv.cache.events import KVEventBatch
+from radixkv.cache.kv_events import KVEventBatch
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
-from radixkv.events.zmq_replay import END_SEQ, ReplayBuffer  # END_SEQ re-exported
+from radixkv.events.zmq_replay import ReplayBuffer
 
-__all__ = ["ZmqEventPublisher", "PublisherStats", "PublisherConfig", "END_SEQ", "add_arguments", "from_args",
-           "config_from_args", "should_bind"]
+__all__ = ["ZmqEventPublisher", "PublisherStats", "should_bind"]
 
 log = logging.getLogger(__name__)
 
@@ -352,9 +351,3 @@ class ZmqEventPublisher:
         published = self._kept.published
         if published > self._next_seq:
             raise InvariantError(f"{published} batches sent but only {self._next_seq} numbered")
-
-
-# --------------------------------------------------------------------------- flags
-
-# The command-line switches live in their own module; their names stay importable from here.
-from radixkv.events.zmq_flags import PublisherConfig, add_arguments, config_from_args, from_args  # noqa: E402

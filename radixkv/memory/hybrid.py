@@ -7,7 +7,7 @@
   model with the state at the last ``mamba_track_interval``-aligned position the request
   passed (see :mod:`radixkv.scheduler.track`), so the tree can cache a state at a position
   it can hold (a page end) although the request's own state sits past it.
-* :class:`HybridLinearKVPool` (in :mod:`radixkv.memory.hybrid_kv`, re-exported here) --
+* :class:`HybridLinearKVPool` (in :mod:`radixkv.memory.hybrid_kv`) --
   routes global layer ids: full-attention layers to a KV pool, linear (KDA) layers to the
   Mamba pool's layers.
 """
@@ -324,7 +324,3 @@ def _set_track(req: PoolRequest, pair: list[int] | None) -> None:
     req.mamba_ping_pong_track_buffer = pair
     req.mamba_next_track_idx = 0
     req.mamba_last_track_seqlen = None
-
-
-# The hybrid KV pool lives in its own module; importable from here too.
-from radixkv.memory.hybrid_kv import HybridLinearKVPool  # noqa: E402,F401

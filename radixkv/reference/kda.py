@@ -7,7 +7,7 @@ KDA layer"). A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D]
 at the start.
 
 * ``kda_recurrent``: the rule token by token (the ground truth, used by ``forward_reference``).
-* ``extend`` runs ``chunk_kda`` (:mod:`radixkv.kernels.kda_chunk`: torch, or Triton on CUDA).
+* ``extend`` runs ``chunk_kda`` (:mod:`radixkv.reference.kda_chunk`: torch, or Triton on CUDA).
   Cost per chunk of length L: O(H * L^2 * D) plus O(H * L * D^2).
 * ``decode`` uses the fused kernels ``causal_conv1d_update`` and ``kda_decode``.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from radixkv.kernels.kda_chunk import CHUNK, KDAOutput, chunk_kda, kda_chunked
-from radixkv.kernels.kda_decode import kda_decode
 from radixkv.memory.mamba_pool import Mamba2LayerCache
+from radixkv.reference.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from radixkv.reference.config import HybridConfig
+from radixkv.reference.kda_chunk import CHUNK, KDAOutput, chunk_kda
+from radixkv.reference.kda_decode import kda_decode
 
-__all__ = ["CHUNK", "KDALayer", "KDAOutput", "chunk_kda", "kda_chunked", "kda_recurrent"]
+__all__ = ["KDALayer", "kda_recurrent"]
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

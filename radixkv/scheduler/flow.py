@@ -5,10 +5,9 @@
   tree when the allocator falls short), and write prefix + new slots into the rows.
 * :func:`alloc_for_decode`: one KV slot per request for the token it just generated.
 * :func:`release_kv_cache`: a finished request's KV goes into the tree, its row is freed.
-* :func:`conservation` / :func:`check_conservation` (from
-  :mod:`radixkv.cache.kv_conservation`, re-exported): every KV slot of the pool is exactly
-  one of: free, in the tree (evictable or protected), or held by a running request and not
-  yet in the tree.
+* The KV conservation law the flow keeps is audited by
+  :mod:`radixkv.cache.kv_conservation`: every KV slot of the pool is exactly one of: free,
+  in the tree (evictable or protected), or held by a running request and not yet in the tree.
 
 All-or-nothing: when a call raises (bad input, or ``CapacityError`` when even eviction
 cannot make room) no lock, row or slot it took is kept, and no request or batch field
@@ -41,7 +40,6 @@ from typing import Any, cast
 
 import torch
 
-from radixkv.cache.kv_conservation import Conservation, check_conservation, conservation  # noqa: F401
 from radixkv.cache.radix_key import RadixKey
 from radixkv.contracts import (
     HybridPrefixCache,
@@ -61,12 +59,9 @@ from radixkv.scheduler.req import Req
 from radixkv.scheduler.track import prepare_track, track_interval
 
 __all__ = [
-    "Conservation",
     "alloc_for_extend",
     "alloc_for_decode",
     "release_kv_cache",
-    "conservation",
-    "check_conservation",
     "pages_needed",
 ]
 

@@ -20,9 +20,9 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.state_events import STATE_EVENT_TYPES
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
-from radixkv.events.state_events import STATE_EVENT_TYPES
 
 if TYPE_CHECKING:
     from radixkv.engine.embedded import CacheEngine

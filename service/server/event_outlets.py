@@ -15,7 +15,7 @@ from typing import Any
 
 from radixkv.service.server.event_hub import EventHub, HubRecord
 
-from radixkv.cache.events import AllBlocksCleared
+from radixkv.cache.kv_events import AllBlocksCleared
 from radixkv.events.zmq_flags import PublisherConfig
 
 __all__ = ["EventOutlets"]

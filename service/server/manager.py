@@ -27,10 +27,11 @@ import grpc
 from radixkv.service.server.auth import DEFAULT_HEALTH_BUDGET, TokenAuthInterceptor
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
-from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
+from radixkv.service.server.exposure import exposure_warnings
 from radixkv.service.server.listen import bind, default_address
 from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
+from radixkv.service.server.periodic_count import PeriodicCount
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
 from radixkv.service.server.step_socket import StepSocketServer
 from radixkv.service.wire import codec as wire
@@ -375,7 +376,7 @@ def _check_options(o: ServeOptions) -> None:
     if o.operator_token is not None and not isinstance(o.operator_token, Token):
         raise InvalidArgumentError("operator_token must be a radixkv.service.wire.auth.Token or None")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
-        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
+        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_flags.PublisherConfig or None")
 
 
 async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),  # noqa: B008

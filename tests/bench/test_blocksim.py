@@ -12,7 +12,8 @@ from policy_research import make_block_policy as make_policy
 from trace_fixtures import bundled_trace
 
 from radixkv.bench import blocksim
-from radixkv.bench.blocksim import BlockSim, LeafHeap, simulate
+from radixkv.bench.block_policy import LeafHeap
+from radixkv.bench.blocksim import BlockSim, simulate
 from radixkv.bench.hitrate import BlockSimAdapter, replay
 from radixkv.bench.traces import BlockTrace
 from radixkv.bench.workloads import make_workload, random_block_trace

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixkv.cache.kv_conservation import check_conservation
 from radixkv.cache.mamba_policies import FlopModel, FlopStateOrder, make_admission, make_state_order
 from radixkv.cache.mamba_radix_cache import MambaRadixCache
 from radixkv.cache.radix_cache import RadixCache
@@ -21,7 +22,7 @@ from radixkv.errors import (
 )
 from radixkv.memory import HybridReqToTokenPool, MambaPool
 from radixkv.scheduler.batch import Batch
-from radixkv.scheduler.flow import alloc_for_extend, check_conservation, release_kv_cache
+from radixkv.scheduler.flow import alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
 
 

@@ -6,7 +6,8 @@ import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache import RadixCache, RadixKey
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from radixkv.cache.block_hash import block_hashes
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.errors import (
     AlignmentError,
     InvalidArgumentError,

@@ -8,7 +8,8 @@ import torch
 
 from radixkv.engine.buffers import WorkerBuffers, attach_buffers
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.pools import EnginePools, build_tree, plan_arenas
+from radixkv.engine.layout import plan_arenas
+from radixkv.engine.pools import EnginePools, build_tree
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvalidIndexError
 from radixkv.memory import HybridReqToTokenPool, ReqToTokenPool
 

@@ -12,8 +12,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from radixkv.bench.cluster import PyRadixIndex  # noqa: E402
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from radixkv.cache.block_hash import block_hashes
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.state_events import (
+    HybridEventRecorder,
+    StateRemoved,
+    StateStored,
+    any_event_from_dict,
+    split_state_events,
+)
 from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
@@ -30,14 +38,7 @@ from radixkv.events.dynamo import (
     tokens_hashes,
 )
 from radixkv.events.sources import drain_events
-from radixkv.events.state_events import (
-    HybridEventRecorder,
-    StateIndex,
-    StateRemoved,
-    StateStored,
-    any_event_from_dict,
-    split_state_events,
-)
+from radixkv.events.state_index import StateIndex
 
 try:
     from dynamo._core import compute_block_hash_for_seq as dynamo_hash

@@ -10,13 +10,13 @@ import pytest
 
 dynamo_core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is not installed")
 
-from radixkv.cache.events import block_hashes  # noqa: E402
+from radixkv.cache.block_hash import block_hashes  # noqa: E402
 from radixkv.cache.radix_cache import RadixCache  # noqa: E402
 from radixkv.engine import CacheEngine, EngineConfig  # noqa: E402
 from radixkv.engine.protocol import ExtendItem, MatchQuery  # noqa: E402
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq, dumps, tokens_hashes  # noqa: E402
 from radixkv.events.sources import drain_events  # noqa: E402
-from radixkv.events.state_events import StateIndex  # noqa: E402
+from radixkv.events.state_index import StateIndex  # noqa: E402
 
 PS = 4
 KEYS = [None, "lora-a", ("tenant", 7)]

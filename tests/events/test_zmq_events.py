@@ -13,12 +13,14 @@ msgspec = pytest.importorskip("msgspec")
 
 from test_vllm_wire import vllm_structs  # noqa: E402  (tests/ is on sys.path under pytest)
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from radixkv.cache.radix_cache import RadixCache  # noqa: E402
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError  # noqa: E402
 from radixkv.events.sources import drain_events  # noqa: E402
 from radixkv.events.vllm_wire import decode_batch  # noqa: E402
-from radixkv.events.zmq_publisher import END_SEQ, ZmqEventPublisher, add_arguments, from_args  # noqa: E402
+from radixkv.events.zmq_flags import add_arguments, from_args  # noqa: E402
+from radixkv.events.zmq_publisher import ZmqEventPublisher  # noqa: E402
+from radixkv.events.zmq_replay import END_SEQ  # noqa: E402
 
 TIMEOUT_MS = 5000
 
@@ -329,7 +331,7 @@ def test_serve_flags_carry_the_outlet_into_serve_options():
     from radixkv.service.server.cli import add_serve_arguments, serve_options_from_args
     from radixkv.service.server.manager import ServeOptions
 
-    from radixkv.events.zmq_publisher import PublisherConfig, config_from_args
+    from radixkv.events.zmq_flags import PublisherConfig, config_from_args
 
     p = add_serve_arguments(argparse.ArgumentParser())
     off = serve_options_from_args(p.parse_args([]))

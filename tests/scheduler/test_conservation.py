@@ -11,17 +11,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixkv.cache.kv_conservation import check_conservation, conservation
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import CapacityError, InvariantError
 from radixkv.memory import ReqToTokenPool
 from radixkv.scheduler.batch import Batch
-from radixkv.scheduler.flow import (
-    alloc_for_decode,
-    alloc_for_extend,
-    check_conservation,
-    conservation,
-    release_kv_cache,
-)
+from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
 
 PREFIXES = [np.arange(1, 1 + n, dtype=np.int32) * k for n, k in ((24, 1), (40, 3), (9, 7))]

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixkv.cache.kv_conservation import check_conservation
 from radixkv.cache.mamba_radix_cache import MambaRadixCache
 from radixkv.errors import CapacityError
 from radixkv.memory import HybridLinearKVPool, HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from radixkv.reference import HybridConfig, HybridModel, ModelCache
 from radixkv.scheduler.batch import Batch
-from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, check_conservation, release_kv_cache
+from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
 
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}

@@ -9,17 +9,13 @@ import pytest
 import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixkv.cache.kv_conservation import check_conservation
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import CapacityError, InvalidArgumentError
 from radixkv.memory import ReqToTokenPool
 from radixkv.scheduler import flow
 from radixkv.scheduler.batch import Batch, ForwardMode
-from radixkv.scheduler.flow import (
-    alloc_for_decode,
-    alloc_for_extend,
-    check_conservation,
-    release_kv_cache,
-)
+from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
 
 

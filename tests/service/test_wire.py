@@ -7,7 +7,7 @@ from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.shm import CudaIpcDescriptor, ShmDescriptor
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.engine.protocol import (
     CacheResult,
     DecodeItem,

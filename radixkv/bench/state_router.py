@@ -4,7 +4,7 @@ A hybrid model resumes a prefix only where its tree holds the state after its la
 plain KV index overstates managers that evicted states (tombstones). :class:`StateAwareIndex`
 feeds each manager's stream to a KV index (Dynamo's ``RadixTree`` or the Python one, through
 a :class:`~radixkv.events.dynamo.DynamoEventAdapter`: ``kv_blocks``) and a
-:class:`~radixkv.events.state_events.StateIndex` (the deepest matched block that ALSO has a
+:class:`~radixkv.events.state_index.StateIndex` (the deepest matched block that ALSO has a
 live state: ``blocks``, exactly the manager's ``match_prefix(tokens).prefix_len //
 page_size``). A lost-events gap marker makes it forget the manager until its next
 ``AllBlocksCleared`` (:meth:`StateAwareIndex.desynced`). Details: ``docs/events.md``, "The
@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from radixkv.cache.block_hash import DEFAULT_SEED, Seed, block_hashes, chain_root
-from radixkv.cache.events import AllBlocksCleared
-from radixkv.cache.state_events import CacheEvent
+from radixkv.cache.kv_events import AllBlocksCleared
+from radixkv.cache.state_events import CacheEvent, any_event_from_dict
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.dynamo import DynamoEventAdapter, DynamoNamespace, default_namespace, tokens_hashes
-from radixkv.events.state_events import StateIndex, any_event_from_dict
+from radixkv.events.state_index import StateIndex
 from radixkv.validation import int32_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
-    from radixkv.events.router_index import KVIndex
+    from radixkv.bench.router_index import KVIndex
 
 __all__ = ["StateAwareIndex", "StateAwareScore", "EVENTS_LOST"]
 
@@ -75,7 +75,7 @@ class StateAwareIndex:
             raise InvalidArgumentError("namespace_fn must be callable")
         chain_root(seed)  # validates the seed
         if isinstance(index, str):
-            from radixkv.events.router_index import make_index
+            from radixkv.bench.router_index import make_index
 
             index = make_index(index)
         elif not (callable(getattr(index, "apply_event", None)) and callable(getattr(index, "scores", None))):

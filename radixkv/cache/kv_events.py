@@ -5,7 +5,7 @@
 ``extra_key`` on :class:`BlockStored` (the cache namespace), also written as ``lora_id``
 (``int``) or ``lora_name`` (``str``) so vLLM consumers see it. One block is one page; storing
 a node produces one ``BlockStored`` with one hash per page. The hashes are computed in
-:mod:`radixkv.cache.block_hash` (re-exported here: ``block_hashes``, ``chain_root``,
+:mod:`radixkv.cache.block_hash` (``block_hashes``, ``chain_root``,
 ``encode_extra_key``, ``DEFAULT_SEED``, ``HASH_BITS``, ``Seed``). Consumers and wires:
 ``docs/events.md``.
 """
@@ -19,13 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from radixkv.cache.block_hash import (  # re-exported: the hashing lives there
+from radixkv.cache.block_hash import (
     DEFAULT_SEED,
-    HASH_BITS,
     Seed,
     block_hashes,
     chain_root,
-    encode_extra_key,
 )
 from radixkv.cache.block_hash import (
     check_hash as _check_hash,
@@ -35,9 +33,8 @@ from radixkv.cache.block_hash import (
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids
 
-__all__ = ["DEFAULT_SEED", "MEDIUM_GPU", "MEDIUM_CPU", "HASH_BITS", "BlockStored", "BlockRemoved", "AllBlocksCleared",
-           "KVEventBatch", "KVEventRecorder", "block_hashes", "chain_root", "encode_extra_key",
-           "event_from_dict", "Seed"]
+__all__ = ["MEDIUM_GPU", "MEDIUM_CPU", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+           "KVEventBatch", "KVEventRecorder", "event_from_dict"]
 
 #: The ``medium`` vLLM uses for device memory (radixkv's device tier, a CPU device included).
 MEDIUM_GPU = "GPU"

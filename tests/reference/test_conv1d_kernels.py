@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
-from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from radixkv.kernels.triton_util import triton_runnable
+from radixkv.reference.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 
 BACKENDS = ["torch"] + (["triton"] if triton_runnable("cpu") else [])
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}

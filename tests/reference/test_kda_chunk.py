@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
-from radixkv.kernels.kda_chunk import CHUNK, chunk_kda
 from radixkv.kernels.triton_util import triton_runnable
 from radixkv.reference.kda import kda_recurrent
+from radixkv.reference.kda_chunk import CHUNK, chunk_kda
 
 
 def batch(lens, heads=2, d_k=8, d_v=8, dtype=torch.float64, seed=0, decay=1.0):

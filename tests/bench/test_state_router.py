@@ -1,6 +1,6 @@
 """Hybrid state events end to end, in-process: real hybrid ``CacheEngine`` managers (KDA +
 full attention) record ``StateStored`` / ``StateRemoved`` in their tree's one event queue, and
-a :class:`~radixkv.events.state_router.StateAwareIndex` fed with those streams scores each
+a :class:`~radixkv.bench.state_router.StateAwareIndex` fed with those streams scores each
 manager exactly as that manager's own hybrid ``match`` (``prefix_len``, which stops at the
 deepest state), while the plain KV index keeps crediting the longer KV prefix
 (``kv_prefix_len``) after mamba evictions. Also: the cache-level hooks (order, reset, audit,
@@ -12,13 +12,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from radixkv.cache.events import block_hashes
+from radixkv.bench.state_router import StateAwareIndex, StateAwareScore
+from radixkv.cache.block_hash import block_hashes
+from radixkv.cache.state_events import StateRemoved, StateStored
 from radixkv.cache.state_table import StateTable
 from radixkv.engine import CacheEngine, EngineConfig, ExtendItem, MatchQuery
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.sources import drain_events
-from radixkv.events.state_events import StateRemoved, StateStored
-from radixkv.events.state_router import StateAwareIndex, StateAwareScore
 
 PS = 2
 

@@ -3,29 +3,23 @@ live recurrent states) and :class:`UsableOverlap`.
 
 The event types, their dict codec and the producer (:class:`HybridEventRecorder`, which
 the hybrid tree records with) are in :mod:`radixkv.cache.state_events` (the rules a
-consumer relies on: ``docs/events.md``, section 3) and re-exported here.
+consumer relies on: ``docs/events.md``, section 3).
 """
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from radixkv.cache.state_events import (  # noqa: F401  (re-exported)
-    STATE_EVENT_TYPES,
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.state_events import (
     CacheEvent,
-    HybridEventRecorder,
     StateRemoved,
     StateStored,
     any_event_from_dict,
-    as_events,
-    is_state_event,
-    split_state_events,
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
-__all__ = ["StateStored", "StateRemoved", "STATE_EVENT_TYPES", "is_state_event", "any_event_from_dict",
-           "as_events", "split_state_events", "HybridEventRecorder", "StateIndex", "UsableOverlap"]
+__all__ = ["StateIndex", "UsableOverlap"]
 
 
 # --------------------------------------------------------------------------- consumer
@@ -44,7 +38,7 @@ class StateIndex:
 
     It consumes both kinds of events (``BlockRemoved`` and ``AllBlocksCleared`` drop states,
     the rules of ``docs/events.md``, section 3) and answers, for a request's chain of block hashes
-    (:func:`radixkv.cache.events.block_hashes` of its tokens) and a KV overlap found elsewhere,
+    (:func:`radixkv.cache.block_hash.block_hashes` of its tokens) and a KV overlap found elsewhere,
     how much of the overlap ends at a state. Unknown removals are ignored (a consumer must not
     fail on a stream it joined late).
     """

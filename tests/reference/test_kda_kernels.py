@@ -7,9 +7,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
-from radixkv.kernels.kda_decode import kda_decode
 from radixkv.kernels.triton_util import triton_runnable
-from radixkv.reference.kda import kda_chunked, kda_recurrent
+from radixkv.reference.kda import kda_recurrent
+from radixkv.reference.kda_chunk import kda_chunked
+from radixkv.reference.kda_decode import kda_decode
 
 BACKENDS = ["torch"] + (["triton"] if triton_runnable("cpu") else [])
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}

@@ -1,6 +1,6 @@
 """Chunked KDA (Kimi Delta Attention) prefill for a batch of variable-length sequences.
 
-The gated delta rule of :mod:`radixkv.kernels.kda_decode`, computed chunk by chunk in
+The gated delta rule of :mod:`radixkv.reference.kda_decode`, computed chunk by chunk in
 parallel form (SGLang's ``chunk_kda``; chunk size 64; formulas in ``docs/internals.md``,
 "Chunked KDA prefill"). Decay ratios are differences in log space, so nothing overflows.
 Sequences are packed along the token axis, delimited by ``cu_seqlens`` (``[N+1]``, ascending

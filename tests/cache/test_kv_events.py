@@ -10,14 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from radixkv.cache.events import (
-    DEFAULT_SEED,
+from radixkv.cache.block_hash import DEFAULT_SEED, block_hashes
+from radixkv.cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     KVEventRecorder,
-    block_hashes,
     event_from_dict,
 )
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, NotFoundError
@@ -58,7 +57,7 @@ def _spec_hashes(tokens, page_size, parent_hash, extra_key, seed):
 
 def _hashes_in_child(args):
     tokens, page_size, parent, extra, seed = args
-    from radixkv.cache.events import block_hashes as bh
+    from radixkv.cache.block_hash import block_hashes as bh
 
     return bh(np.asarray(tokens, dtype=np.int32), page_size, parent, extra, seed)
 
