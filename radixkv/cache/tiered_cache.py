@@ -548,6 +548,8 @@ class TieredRadixCache(RadixCache):
             x = stack.pop()
             stack.extend(x.children.values())  # type: ignore[arg-type]
             if x.hbuf is not None:
+                if self.storage is not None and self.storage.admit == "all":
+                    self._backup(x)  # its backup at insert found the queue full: the last chance
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
             if self.kv_events is not None:

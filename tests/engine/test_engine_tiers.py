@@ -81,12 +81,13 @@ def _conversations(rng, n_conv, turns, turn_len):
     return order
 
 
-@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_logits_over_host_loads_equal_the_from_scratch_logits(ps, policy):
     rng = np.random.default_rng(ps)
-    p = Proof(ps, kv_tokens=96, host_kv_tokens=512, write_policy=policy)
-    for tokens in _conversations(rng, 4, 3, 24):  # 4 conversations do not fit the device at once
+    kv, turn = (256, 32) if ps == 64 else (96, 24)
+    p = Proof(ps, kv_tokens=kv, host_kv_tokens=1024, write_policy=policy)
+    for tokens in _conversations(rng, 4, 3, turn):  # 4 conversations do not fit the device at once
         p.run(tokens)
     assert p.tiers[1] > 0, "no KV came back from the host tier"
     assert p.eng.tree.tier_stats["loaded_pages"] > 0
