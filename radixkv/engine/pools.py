@@ -215,9 +215,12 @@ def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None)
             raise InvalidArgumentError(f"storage {c.storage!r}: this build has no storage backends "
                                        "(radixkv.storage.url)") from None
         try:
-            backend = open_storage(c.storage)
-        except OSError as e:  # unreachable at start: serve from the device and host tiers
-            log.warning("storage %r is unavailable (%s); running on the device and host tiers", c.storage, e)
+            backend = open_storage(c.storage, page_bytes=pools.host_pool.page_bytes)
+        except (InvalidArgumentError, ImportError):
+            raise  # a bad URL or a backend not installed: the configuration is wrong
+        except Exception as e:  # unreachable at start: serve from the device and host tiers
+            log.warning("storage %r is unavailable (%s: %s); running on the device and host tiers",
+                        c.storage, type(e).__name__, e)
             return None
     return StorageController(backend, pools.host_pool.page_bytes, timeout_s=c.storage_timeout_ms / 1000.0,
                              admit=c.storage_admit)
