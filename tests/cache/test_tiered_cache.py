@@ -209,8 +209,9 @@ def test_a_stalled_backend_costs_hits_not_time():
         serve(c, seq(i, 8))
     assert ctl.drain(5.0)
     store.gate.clear()  # the backend hangs
+    before = ctl.stats.fetch_timeouts  # a busy machine may have timed out a miss already
     dev, host, sto = serve(c, seq(0, 8))
-    assert sto == 0 and ctl.stats.fetch_timeouts == 1
+    assert sto == 0 and ctl.stats.fetch_timeouts == before + 1
     c.check_invariants()
     store.gate.set()
     ctl.close(1.0)
