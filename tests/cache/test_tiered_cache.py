@@ -264,6 +264,7 @@ def test_a_page_whose_backup_was_dropped_is_backed_up_when_the_host_drops_it():
     assert ctl.stats.backup_dropped == 8
     store.gate.set()
     assert ctl.drain(5.0)
+    ctl.max_pending_pages = 1 << 20  # from here on no backup is refused, however slow the writes
     serve(c, seq(3, 8))  # 2 moves to the host, 1 (backed up already) leaves it
     serve(c, seq(4, 8))  # 3 moves to the host, 2 leaves it: backed up on its way out
     assert ctl.drain(5.0)
