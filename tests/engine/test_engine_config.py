@@ -97,3 +97,9 @@ def test_bad_files(tmp_path, name, text):
 def test_frozen():
     with pytest.raises(Exception):  # noqa: B017
         EngineConfig().kv_tokens = 5
+
+
+def test_host_tier_with_an_mla_pool_is_refused():
+    with pytest.raises(InvalidArgumentError, match="MLA"):
+        EngineConfig(kv_tokens=64, head_num=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64,
+                     host_kv_tokens=64)
