@@ -10,7 +10,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.radixkv-vllm-installed
 
-.PHONY: all setup demo test installed-tree lint-imports typecheck proto bench bench-sglang soak clean setup-vllm test-vllm
+.PHONY: all setup demo test installed-tree lint-imports typecheck proto bench bench-sglang soak clean setup-vllm test-vllm gpu-check
 
 all: test
 
@@ -93,3 +93,10 @@ soak: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis .bench
+
+# The prepared GPU check (issue 31 item 8; docs/gpu_check.md): every CUDA test (none may skip),
+# Triton kernels against their torch references, tier copies against plain copies, a second
+# process mapping the pools through CUDA IPC; results in build/gpu_check.json. Without CUDA it
+# says so and exits 0. `timeout` keeps it under 8 minutes; each step's result is written as it ends.
+gpu-check: $(STAMP)
+	timeout 470 $(PY) benchmarks/gpu_check.py --out build/gpu_check.json

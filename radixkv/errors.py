@@ -87,6 +87,13 @@ class InvariantError(RadixKVError, AssertionError):
     code = "INTERNAL"
 
 
+class MissingDependencyError(RadixKVError, ImportError):
+    """A feature asked for whose optional package is not installed; the message names the
+    extra (``pip install 'radixkv[EXTRA]'``) or system package that provides it."""
+
+    code = "FAILED_PRECONDITION"
+
+
 def describe_ids(ids: Iterable[SupportsInt], limit: int = 16) -> str:
     """Format a collection of ids for an error message (first ``limit`` of them, sorted)."""
     srt = sorted(int(i) for i in ids)

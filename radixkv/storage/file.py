@@ -1,0 +1,344 @@
+"""``file:///DIR``: the storage tier as one checksummed file per page (docs/tiers.md).
+
+A page lives at ``DIR/v1/ab/cd/<h>.page`` (``v1``: the format version; ``h = sha256(key)`` in hex,
+``ab``/``cd`` its first digits: 65,536 leaf directories, ~15 pages each at a million). A file is
+a 40-byte header (:data:`_HEADER`: magic, xxh3-64 checksum of everything after it, version, key
+length, payload length), the key's UTF-8 bytes, then the payload. It is written to a unique temp
+name in the same directory and renamed over the final name, so a reader sees a whole file or
+none. fsync is off by default: a killed process leaves no visible partial page either way, and
+after a power loss a torn page fails its checksum and is a miss; ``fsync=True`` syncs the file
+before the rename and the directory after, for durability. Any unusable file is a counted miss,
+never an error nor wrong bytes; write failures are counted and logged once per kind. Pages are
+never evicted here (capacity is the disk's); temp files of a killed writer stay until removed.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+import xxhash
+
+from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.storage.stats import StatsRecorder, StorageStats
+
+__all__ = ["FileStorage", "FILE_FORMAT_VERSION", "MAX_KEY_BYTES"]
+
+log = logging.getLogger(__name__)
+
+#: Bumped when the on-disk layout changes: files of another version are misses.
+FILE_FORMAT_VERSION = 1
+#: Longest key accepted (UTF-8 bytes); the chained SHA-256 keys are 64.
+MAX_KEY_BYTES = 1024
+_MAGIC = b"RKVPAGE\x00"
+# magic, checksum (xxh3-64 of the rest of the file), version, flags, key length, payload length
+_HEADER = struct.Struct("<8sQHHIQ8x")
+_T = TypeVar("_T")
+_SUFFIX = ".page"
+# A batch is split over the threads only when each gets at least this many pages.
+_MIN_PAGES_PER_THREAD = 4
+# Bytes read per system call and hashed at once: small enough to stay in a core's L2 cache.
+_CHUNK = 256 << 10
+_TMP_MARK = ".tmp-"
+
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_READ_ONLY = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _write_failure_kind(err: OSError) -> str:
+    if err.errno in _DISK_FULL:
+        return "disk full"
+    if err.errno in _READ_ONLY:
+        return "read-only or not permitted"
+    return f"I/O error ({errno.errorcode.get(err.errno or 0, err.errno)})"
+
+
+def _as_rows(t: torch.Tensor, n: int, page_bytes: int, what: str) -> torch.Tensor:
+    """``t`` checked as ``[n, page_bytes]`` uint8 CPU with contiguous rows."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.device.type != "cpu" or t.dim() != 2:
+        raise InvalidArgumentError(f"{what} must be a 2-D uint8 CPU tensor")
+    if t.shape[0] != n:
+        raise LengthMismatchError(f"{what} has {t.shape[0]} rows for {n} keys")
+    if t.shape[1] != page_bytes or (n and t.stride(1) != 1):
+        raise InvalidArgumentError(f"{what} rows must be {page_bytes} contiguous bytes, got shape "
+                                   f"{tuple(t.shape)} strides {t.stride()}")
+    return t
+
+
+class FileStorage:
+    """Pages of ``page_bytes`` bytes as files under ``root`` (a :class:`~radixkv.contracts.
+    StorageBackend`). Thread-safe: calls share nothing but the counters; a batch is split over
+    ``threads`` worker threads. Cost per page: one open, one vectored read or write per 256 KiB,
+    xxh3 over the page; ``batch_exists`` one ``stat``. Several processes may share a directory
+    (warm restart, several managers)."""
+
+    name = "file"
+
+    def __init__(self, root: str | os.PathLike[str], *, page_bytes: int, fsync: bool = False,
+                 delete_corrupt: bool = True, threads: int = 4) -> None:
+        for what, v in (("page_bytes", page_bytes), ("threads", threads)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidArgumentError(f"{what} must be an int >= 1, got {v!r}")
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise InvalidArgumentError(f"storage path {str(self.root)!r} exists and is not a directory")
+        self.page_bytes = page_bytes
+        self._pages = self.root / f"v{FILE_FORMAT_VERSION}"
+        self._pages_str = str(self._pages)
+        self.fsync = bool(fsync)
+        self.delete_corrupt = bool(delete_corrupt)
+        self._stats = StatsRecorder()
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+        self._tmp_seq = 0
+        self._closed = False
+        self._pool = ThreadPoolExecutor(threads, "radixkv-file-storage") if threads > 1 else None
+        self.threads = threads
+        try:
+            self._pages.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only parent: reads may still hit, writes count errors
+            self._log_once(_write_failure_kind(e), e)
+
+    # ------------------------------------------------------------------ naming and format
+
+    def path_of(self, key: str) -> Path:
+        """Where ``key``'s page lives (whether or not it exists)."""
+        return Path(self._path(self._key_bytes(key)))
+
+    def _path(self, key: bytes) -> str:  # str, not Path: pathlib costs ~20 us a page
+        h = hashlib.sha256(key).hexdigest()
+        return f"{self._pages_str}/{h[:2]}/{h[2:4]}/{h}{_SUFFIX}"
+
+    def file_bytes(self, key: str) -> int:
+        """The size of ``key``'s page file: header, key and payload."""
+        return _HEADER.size + len(self._key_bytes(key)) + self.page_bytes
+
+    @staticmethod
+    def _key_bytes(key: str) -> bytes:
+        if not isinstance(key, str) or not key:
+            raise InvalidArgumentError(f"a storage key must be a non-empty str, got {key!r}")
+        b = key.encode("utf-8")
+        if len(b) > MAX_KEY_BYTES:
+            raise InvalidArgumentError(f"a storage key must be <= {MAX_KEY_BYTES} bytes, got {len(b)}")
+        return b
+
+    def _header(self, key: bytes, payload: memoryview) -> bytes:
+        rest = _HEADER.pack(_MAGIC, 0, FILE_FORMAT_VERSION, 0, len(key), len(payload))[16:]
+        h = xxhash.xxh3_64(rest)
+        h.update(key)
+        h.update(payload)
+        return _MAGIC + struct.pack("<Q", h.intdigest()) + rest
+
+    # ------------------------------------------------------------------ the contract
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Checks the buffer; files need no registration (reads land in ``dst`` rows directly)."""
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.device.type != "cpu":
+            raise InvalidArgumentError("the storage buffer must be a uint8 CPU tensor")
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """Leading ``keys`` whose file is present with the right size (content is checked on read)."""
+        names = [self._key_bytes(k) for k in keys]
+        paths = [(self._path(kb), _HEADER.size + len(kb) + self.page_bytes) for kb in names]
+        if self._closed:
+            return 0
+        n = 0
+        for path, size in paths:
+            try:
+                if os.stat(path).st_size != size:
+                    break
+            except OSError:
+                break
+            n += 1
+        return n
+
+    def batch_get(self, keys: Sequence[str], dst: torch.Tensor) -> list[bool]:
+        """Read each page into its row of ``dst``. A ``False`` row holds no page (zeroed if the
+        read had touched it)."""
+        names, view = self._batch(keys, dst, "dst")
+        if self._closed:
+            return [False] * len(names)
+        t0 = time.perf_counter()
+
+        def read(i: int) -> str:
+            verdict = self._read_one(self._path(names[i]), names[i], memoryview(view[i]))
+            if verdict in ("corrupt", "error"):
+                view[i].fill(0)
+            return verdict
+
+        verdicts = self._map(read, len(names))
+        out = [v == "hit" for v in verdicts]
+        hits = sum(out)
+        corrupt, read_errors = verdicts.count("corrupt"), verdicts.count("error")
+        self._stats.add(hits=hits, misses=len(out) - hits, corrupt=corrupt, read_errors=read_errors,
+                        bytes_read=hits * self.page_bytes, read_seconds=time.perf_counter() - t0)
+        return out
+
+    def batch_set(self, keys: Sequence[str], src: torch.Tensor) -> list[bool]:
+        """Write each row of ``src`` under its key (replacing a page already there: the last
+        writer of a key wins, whole; callers skip present pages with :meth:`batch_exists`)."""
+        names, view = self._batch(keys, src, "src")
+        if self._closed:
+            return [False] * len(names)
+        t0 = time.perf_counter()
+        out = self._map(lambda i: self._write_one(self._path(names[i]), names[i], memoryview(view[i])), len(names))
+        stored = sum(out)
+        self._stats.add(writes=stored, write_errors=len(out) - stored,
+                        bytes_written=stored * self.page_bytes, write_seconds=time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        """Later calls miss (files are complete after every call: nothing to flush)."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def stats(self) -> StorageStats:
+        """The counters since this object was opened."""
+        return self._stats.snapshot()
+
+    # ------------------------------------------------------------------ one page
+
+    def _map(self, fn: Callable[[int], _T], n: int) -> list[_T]:
+        """``[fn(0), ..., fn(n - 1)]``, split into up to :attr:`threads` runs of pages done in
+        parallel (reads, writes and xxh3 release the GIL)."""
+        runs = min(self.threads, n // _MIN_PAGES_PER_THREAD)
+        if self._pool is None or runs < 2:
+            return [fn(i) for i in range(n)]
+        bounds = [n * r // runs for r in range(runs + 1)]
+        try:
+            parts = list(self._pool.map(lambda r: [fn(i) for i in range(bounds[r], bounds[r + 1])], range(runs)))
+        except RuntimeError:  # closed meanwhile: finish here
+            return [fn(i) for i in range(n)]
+        return [x for part in parts for x in part]
+
+    def _batch(self, keys: Sequence[str], t: torch.Tensor, what: str) -> tuple[list[bytes], np.ndarray]:
+        """The keys' bytes and ``t`` as a numpy view of its rows, both checked."""
+        names = [self._key_bytes(k) for k in keys]
+        return names, _as_rows(t, len(names), self.page_bytes, what).numpy()
+
+    def _read_one(self, path: str, key: bytes, row: memoryview) -> str:
+        """``hit``, ``absent``, ``corrupt`` or ``error``; on a hit ``row`` holds the payload.
+        Reads in :data:`_CHUNK` pieces, each hashed while it is still in the CPU cache."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return "absent"
+        except OSError:
+            return "error"
+        head = bytearray(_HEADER.size + len(key))
+        total = len(row)
+        extra = bytearray(1)  # read with the last piece: catches a file longer than its header says
+
+        def piece(off: int) -> list[memoryview | bytearray]:
+            end = min(off + _CHUNK, total)
+            return [row[off:end], extra] if end == total else [row[off:end]]
+
+        try:
+            off = min(_CHUNK, total)
+            if os.readv(fd, [head, *piece(0)]) != len(head) + off:
+                return self._corrupt(path)
+            magic, checksum, version, _flags, klen, plen = _HEADER.unpack_from(head)
+            if (magic != _MAGIC or version != FILE_FORMAT_VERSION or klen != len(key) or plen != total
+                    or head[_HEADER.size:] != key):
+                return self._corrupt(path)
+            h = xxhash.xxh3_64(memoryview(head)[16:])
+            h.update(row[:off])
+            while off < total:
+                want = min(_CHUNK, total - off)
+                if os.readv(fd, piece(off)) != want:
+                    return self._corrupt(path)
+                h.update(row[off:off + want])
+                off += want
+        except OSError:
+            return "error"
+        finally:
+            os.close(fd)
+        if h.intdigest() != checksum:
+            return self._corrupt(path)
+        return "hit"
+
+    def _corrupt(self, path: str) -> str:
+        if self.delete_corrupt:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        return "corrupt"
+
+    def _write_one(self, path: str, key: bytes, payload: memoryview) -> bool:
+        with self._lock:
+            self._tmp_seq += 1
+            seq = self._tmp_seq
+        parent, _, name = path.rpartition("/")
+        tmp = f"{parent}/{_TMP_MARK}{name}.{os.getpid()}.{threading.get_ident()}.{seq}"
+        fd = self._open_tmp(tmp)
+        if fd is None:
+            return False
+        head = self._header(key, payload)
+        try:
+            try:
+                total = len(head) + len(key) + len(payload)
+                if os.writev(fd, [head, key, payload]) != total:  # short write: the disk filled
+                    raise OSError(errno.ENOSPC, "short write")
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            self._log_once(_write_failure_kind(e), e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        if self.fsync:
+            self._fsync_dir(parent)
+        return True
+
+    def _open_tmp(self, tmp: str) -> int | None:
+        """A new temp file's descriptor, creating its directory (new or deleted) once."""
+        for attempt in (0, 1):
+            try:
+                return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError as e:
+                if attempt:
+                    self._log_once("directory vanished", e)
+                    return None
+                try:
+                    os.makedirs(tmp.rpartition("/")[0], exist_ok=True)
+                except OSError as e2:
+                    self._log_once(_write_failure_kind(e2), e2)
+                    return None
+            except OSError as e:
+                self._log_once(_write_failure_kind(e), e)
+                return None
+        return None
+
+    def _fsync_dir(self, d: str) -> None:
+        try:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self._log_once(_write_failure_kind(e), e)
+
+    def _log_once(self, kind: str, err: OSError) -> None:
+        with self._lock:
+            if kind in self._logged:
+                return
+            self._logged.add(kind)
+        log.warning("file storage %s: %s (%s); such writes are skipped and counted", self.root, kind, err)
