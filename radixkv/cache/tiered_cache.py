@@ -14,6 +14,7 @@ No compiled paths: with the host tier off a cache is a plain RadixCache (speed u
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -23,6 +24,7 @@ import torch
 from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
 from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.eviction import EvictionPolicy
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import RadixCache
@@ -112,7 +114,7 @@ class TieredRadixCache(RadixCache):
         #: tokens hit per tier by matches, and tier traffic in pages
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
         self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0,
-                           "written_through_pages": 0}
+                           "written_through_pages": 0, "load_ns": 0}
 
     # ------------------------------------------------------------------ sizes
     def host_size(self) -> int:
@@ -200,6 +202,7 @@ class TieredRadixCache(RadixCache):
         alloc = self.token_to_kv_pool_allocator
         if not m.host_len or alloc is None:
             return m
+        t0 = time.perf_counter_ns()
         self._check_node(m.last_node)
         nodes: list[TierNode] = []
         prev: TreeNode = m.last_node
@@ -248,6 +251,7 @@ class TieredRadixCache(RadixCache):
                 size = len(x.kbuf)
                 x.vbuf = rb[off:off + size]
                 off += size
+                self._announce(x, MEDIUM_GPU)
             self._evictable += tot
             self._file_if_leaf(take[-1])
             self.tier_stats["loaded_pages"] += tot // self.page_size
@@ -255,15 +259,18 @@ class TieredRadixCache(RadixCache):
             self._pinned.difference_update(x.id for x in nodes)
             if locked:
                 self.dec_lock_ref(m.last_node)
+            self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
         dev = torch.cat([m.device_indices, rows.to(self.device, torch.int64)])
         rest = tuple(x for x in m.host_nodes if x not in take)
         return TierMatch(dev, take[-1], m.prefix_len + tot, m.host_len - tot, m.storage_len, rest)
 
     def wait_loads(self) -> None:
         """Block until every load issued so far has completed (CUDA; a no-op on CPU)."""
+        t0 = time.perf_counter_ns()
         for ev in self._inflight:
             ev.synchronize()
         self._inflight.clear()
+        self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
 
     # ------------------------------------------------------------------ insert
     def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
@@ -316,6 +323,7 @@ class TieredRadixCache(RadixCache):
             last = child
             child.vbuf = tail[start - base:start - base + m]
             self._evictable += m >> 2
+            self._announce(child, MEDIUM_GPU)
             if self.write_policy == "write_back":
                 self._drop_host_copy(child)
             parent: Any = child.parent
@@ -377,6 +385,7 @@ class TieredRadixCache(RadixCache):
                 self._on_evict(node)
             parent: Any = node.parent
             if node.hbuf is not None:
+                self._announce(node, MEDIUM_CPU)
                 if not node.children:
                     heapq.heappush(self._host_heap, (node.last_access, node.id, node))
             else:
@@ -465,6 +474,8 @@ class TieredRadixCache(RadixCache):
         device part prefix-closed, host pages owned once and exactly the allocator's in-use
         ones (naming leaked / double-owned pages) (:func:`radixkv.cache.tier_audit.check`)."""
         tier_audit.check(self)
+        if self.storage is not None:
+            self.storage.check_invariants()
 
     # ------------------------------------------------------------------ helpers
     def _split(self, child: TreeNode, m: int) -> TreeNode:
@@ -511,14 +522,16 @@ class TieredRadixCache(RadixCache):
     def _drop(self, node: TierNode) -> None:
         """Remove ``node`` (no device rows left) and its host-only subtree from the tree,
         freeing their host pages; KV events record their pages removed."""
-        stack = [node]
+        stack, order = [node], []
         while stack:
             x = stack.pop()
             stack.extend(x.children.values())  # type: ignore[arg-type]
+            order.append(x)
             if x.hbuf is not None:
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
-            if self.kv_events is not None:
+        if self.kv_events is not None:
+            for x in reversed(order):  # children before their parent: no removal leaves an orphan
                 self.kv_events.on_removed(x.block_hashes)  # type: ignore[arg-type]
         parent: Any = node.parent
         del parent.children[node.kbuf[:self._pb]]
@@ -529,11 +542,23 @@ class TieredRadixCache(RadixCache):
         elif not parent.children and not parent.vbuf and parent.hbuf is not None:
             heapq.heappush(self._host_heap, (parent.last_access, parent.id, parent))
 
-    def _seed(self, node: TreeNode) -> bytes:
+    @staticmethod
+    def _namespace(node: TreeNode) -> Hashable:
         x: Any = node
         while x.parent is not None:
             x = x.parent
-        ns = x.extra_key
+        return x.extra_key  # type: ignore[no-any-return]
+
+    def _announce(self, node: TreeNode, medium: str) -> None:
+        """KV events: ``node``'s pages are now served from tier ``medium`` (docs/events.md, "Tiers")."""
+        if self.kv_events is None or not node.block_hashes:
+            return
+        parent: Any = node.parent
+        ph = parent.block_hashes[-1] if parent.block_hashes else None
+        self.kv_events.on_moved(node.block_hashes, medium, ph, np.frombuffer(node.kbuf, _I32), self._namespace(node))
+
+    def _seed(self, node: TreeNode) -> bytes:
+        ns = self._namespace(node)
         seed = self._seeds.get(ns)
         if seed is None:
             seed = self._seeds[ns] = storage_seed(encode_extra_key(ns), self._fingerprint)
@@ -586,7 +611,8 @@ class TieredRadixCache(RadixCache):
         leaf.hbuf, leaf.pkeys, leaf.backed, leaf.hits = pages.tobytes(), keys[:k], True, 1
         if self.kv_events is not None:
             parent_hash = node.block_hashes[-1] if node.block_hashes else None
-            leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key)
+            leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key,
+                                                         MEDIUM_CPU)
         node.children[kb[:self._pb]] = leaf
         sync_only(node)
         self._host_tokens += size >> 2

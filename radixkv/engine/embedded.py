@@ -142,7 +142,7 @@ class CacheEngine:
         self._layout = self.pools.layout(mappings)
         self._reqs: dict[tuple[str, str], EngineReq] = {}  # (session id, rid): ids are per session
         self._events: deque[Event] = deque()
-        self._discount = [0, 0, 0]  # queries, queried tokens, hit tokens of calls that raised
+        self._discount = [0] * 6  # engine_audit.query_counters of calls that raised
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -225,8 +225,9 @@ class CacheEngine:
         out = []
         for key in keys:
             m = self.tree.match_prefix(key)
-            n = m.prefix_len + getattr(m, "host_len", 0)  # host pages count: alloc_extend loads them
-            out.append(MatchInfo(n, getattr(m, "kv_prefix_len", n)))
+            host = getattr(m, "host_len", 0)  # host pages count: alloc_extend loads them
+            n = m.prefix_len + host
+            out.append(MatchInfo(n, getattr(m, "kv_prefix_len", n), host, getattr(m, "storage_len", 0)))
         return out
 
     # ------------------------------------------------------------------ extend / decode
@@ -267,7 +268,7 @@ class CacheEngine:
                 r = EngineReq.create(it.rid, tok, it.extra_key, int(it.priority))
             reqs.append(r)
         batch = self._batch(reqs)
-        before = self.tree.metrics.snapshot()
+        before = engine_audit.query_counters(self)
         try:
             alloc_for_extend(batch)
         except BaseException:

@@ -10,16 +10,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from radixkv.cache.mamba_audit import StateConservation
+from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.engine.protocol import EngineStats, Session
 from radixkv.errors import InvariantError
 from radixkv.scheduler.flow import check_conservation, conservation
 
 if TYPE_CHECKING:
     from radixkv.cache.mamba_radix_cache import MambaRadixCache
-    from radixkv.cache.metrics import MetricsSnapshot
     from radixkv.engine.embedded import CacheEngine
 
-__all__ = ["stats", "check_invariants", "state_counts", "discount_since"]
+__all__ = ["stats", "check_invariants", "state_counts", "tier_counts", "query_counters", "discount_since"]
 
 
 def stats(engine: CacheEngine, session: Session | None = None) -> EngineStats:
@@ -34,6 +34,7 @@ def stats(engine: CacheEngine, session: Session | None = None) -> EngineStats:
     pool = engine.pools.req_to_token_pool
     s = state_counts(engine)
     d = engine._discount
+    tiers = tier_counts(engine)
     return EngineStats(
         kv_capacity=c.pool_size, kv_available=c.available, kv_evictable=c.evictable,
         kv_protected=c.protected, kv_held=c.held_by_requests,
@@ -43,8 +44,31 @@ def stats(engine: CacheEngine, session: Session | None = None) -> EngineStats:
         sessions=len(engine.sessions), requests=len(engine._reqs),
         queries=m.queries - d[0], queried_tokens=m.queried_tokens - d[1],
         hit_tokens=m.hit_tokens - d[2], inserted_tokens=m.inserted_tokens,
-        evicted_tokens=m.evicted_tokens,
+        evicted_tokens=m.evicted_tokens, **tiers,
     )
+
+
+def tier_counts(engine: CacheEngine) -> dict[str, int]:
+    """The tier fields of :class:`EngineStats` (empty with the host tier off; the tier hits
+    less those of calls that raised). O(1)."""
+    tree = engine.tree
+    if not isinstance(tree, TieredRadixCache):
+        return {}
+    ps, page_bytes = engine.config.page_size, tree.host_pool.page_bytes
+    h, t, d = tree.tier_hits, tree.tier_stats, engine._discount
+    free = tree.host_alloc.available_size() * ps
+    out = dict(host_capacity=tree.host_capacity(), host_available=free, host_used=tree.host_capacity() - free,
+               tier_hit_device=h["device"] - d[3], tier_hit_host=h["host"] - d[4],
+               tier_hit_storage=h["storage"] - d[5], host_loaded_pages=t["loaded_pages"],
+               host_loaded_bytes=t["loaded_pages"] * page_bytes, host_load_us=t["load_ns"] // 1000,
+               host_demoted_pages=t["demoted_pages"], host_dropped_pages=t["host_dropped_pages"])
+    if tree.storage is not None:
+        st = tree.storage.stats
+        out.update(storage_loaded_pages=st.fetched, storage_loaded_bytes=st.fetched * page_bytes,
+                   storage_load_us=st.wait_us, storage_written_pages=st.written,
+                   storage_write_failed=st.write_failed, storage_backup_dropped=st.backup_dropped,
+                   storage_fetch_timeouts=st.fetch_timeouts, storage_errors=st.errors, storage_pending=st.pending)
+    return out
 
 
 def check_invariants(engine: CacheEngine) -> None:
@@ -94,10 +118,16 @@ def state_counts(engine: CacheEngine) -> StateConservation:
                              int(tree.mamba_protected_size()), held)
 
 
-def discount_since(engine: CacheEngine, before: MetricsSnapshot) -> None:
-    """Discount the tree's query counters gained since the snapshot ``before`` (a call that
-    raised must not count in ``stats``)."""
+def query_counters(engine: CacheEngine) -> tuple[int, ...]:
+    """The tree's query counters: queries, queried and hit tokens, and the hits per tier
+    (device, host, storage; zeros without tiers). O(1)."""
     m = engine.tree.metrics.snapshot()
-    engine._discount[0] += m.queries - before.queries
-    engine._discount[1] += m.queried_tokens - before.queried_tokens
-    engine._discount[2] += m.hit_tokens - before.hit_tokens
+    h = getattr(engine.tree, "tier_hits", None) or {"device": 0, "host": 0, "storage": 0}
+    return (m.queries, m.queried_tokens, m.hit_tokens, h["device"], h["host"], h["storage"])
+
+
+def discount_since(engine: CacheEngine, before: tuple[int, ...]) -> None:
+    """Discount the query counters gained since ``before`` (:func:`query_counters`; a call
+    that raised must not count in ``stats``)."""
+    for i, (now, then) in enumerate(zip(query_counters(engine), before)):
+        engine._discount[i] += now - then

@@ -222,16 +222,18 @@ def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None)
     backend ``config.storage`` names (``radixkv.storage.url.open_storage``); ``None`` when
     neither. Raises ``InvalidArgumentError`` for a URL no backend of this build opens."""
     c = pools.config
-    if pools.host_pool is None or (backend is None and c.storage is None):
+    if pools.host_pool is None:
         return None
     if backend is None:
+        if c.storage is None:
+            return None
         try:
-            from radixkv.storage.url import open_storage  # type: ignore[import-not-found,unused-ignore]
+            from radixkv.storage.url import open_storage
         except ImportError:
             raise InvalidArgumentError(f"storage {c.storage!r}: this build has no storage backends "
                                        "(radixkv.storage.url)") from None
         try:
-            backend = open_storage(c.storage)
+            backend = open_storage(c.storage, page_bytes=pools.host_pool.page_bytes)
         except OSError as e:  # unreachable at start: serve from the device and host tiers
             log.warning("storage %r is unavailable (%s); running on the device and host tiers", c.storage, e)
             return None

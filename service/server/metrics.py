@@ -28,6 +28,13 @@ queries written for vLLM work):
 * ``radixkv_state_slots{state=...}``, ``radixkv_state_capacity_slots`` (Mamba states);
   ``radixkv_request_rows{state=available|used}``, ``radixkv_request_rows_capacity``;
 * ``radixkv_sessions``, ``radixkv_running_requests`` (gauges);
+* with the host tier on (``docs/tiers.md``, "Stats and metrics"): ``radixkv_tier_usage_tokens{tier=device|host}``
+  and ``radixkv_tier_capacity_tokens{tier}``; ``radixkv_tier_hits_tokens_total{tier=device|host|storage}``
+  (they sum to ``radixkv_prefix_cache_hits_total``); ``radixkv_tier_loaded_pages_total{tier=host|storage}``,
+  ``radixkv_tier_loaded_bytes_total{tier}``, ``radixkv_tier_load_seconds_total{tier}`` (host: loads into
+  device rows; storage: reads into host memory, time waited included); ``radixkv_tier_demoted_pages_total``,
+  ``radixkv_tier_host_dropped_pages_total``; ``radixkv_storage_errors_total{kind=error|write_failed|
+  fetch_timeout|backup_dropped}``, ``radixkv_storage_written_pages_total``, ``radixkv_storage_queue_pages``;
 * ``radixkv_quarantined_sessions`` (gauge), ``radixkv_quarantine_released_sessions_total{why=gone|timeout}``,
   ``radixkv_reply_cache_bytes`` (gauge), ``radixkv_reply_cache_hits_total`` (idempotent retries
   answered from the reply cache).
@@ -60,7 +67,48 @@ class _StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._engine()
+        yield from self._tiers()
         yield from self._reliability()
+
+    def _tiers(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None or not s.host_capacity:
+            return
+        usage = GaugeMetricFamily("radixkv_tier_usage_tokens", "tokens cached per tier (device: held, locked "
+                                  "or evictable; host: with a host copy)", labels=["tier"])
+        usage.add_metric(["device"], s.kv_capacity - s.kv_available)
+        usage.add_metric(["host"], s.host_used)
+        yield usage
+        cap = GaugeMetricFamily("radixkv_tier_capacity_tokens", "capacity per tier (tokens)", labels=["tier"])
+        cap.add_metric(["device"], s.kv_capacity)
+        cap.add_metric(["host"], s.host_capacity)
+        yield cap
+        hits = CounterMetricFamily("radixkv_tier_hits_tokens", "prompt tokens found per tier", labels=["tier"])
+        for tier in ("device", "host", "storage"):
+            hits.add_metric([tier], getattr(s, f"tier_hit_{tier}"))
+        yield hits
+        for name, field, doc in (("loaded_pages", "loaded_pages", "pages loaded from the tier"),
+                                 ("loaded_bytes", "loaded_bytes", "bytes loaded from the tier"),
+                                 ("load_seconds", "load_us", "seconds spent loading from the tier")):
+            fam = CounterMetricFamily(f"radixkv_tier_{name}", doc, labels=["tier"])
+            for tier in ("host", "storage"):
+                v = getattr(s, f"{tier}_{field}")
+                fam.add_metric([tier], v / 1e6 if field == "load_us" else v)
+            yield fam
+        yield CounterMetricFamily("radixkv_tier_demoted_pages", "device pages demoted to the host tier",
+                                  value=s.host_demoted_pages)
+        yield CounterMetricFamily("radixkv_tier_host_dropped_pages", "pages dropped from the host tier",
+                                  value=s.host_dropped_pages)
+        errors = CounterMetricFamily("radixkv_storage_errors", "storage faults (pages, backend calls that raised)",
+                                     labels=["kind"])
+        for kind, v in (("error", s.storage_errors), ("write_failed", s.storage_write_failed),
+                        ("fetch_timeout", s.storage_fetch_timeouts), ("backup_dropped", s.storage_backup_dropped)):
+            errors.add_metric([kind], v)
+        yield errors
+        yield CounterMetricFamily("radixkv_storage_written_pages", "pages written to storage",
+                                  value=s.storage_written_pages)
+        yield GaugeMetricFamily("radixkv_storage_queue_pages", "pages waiting to be written to storage",
+                                value=s.storage_pending)
 
     def _engine(self) -> Iterator[Metric]:
         s = self.stats

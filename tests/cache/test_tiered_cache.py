@@ -142,13 +142,15 @@ def test_load_back_with_no_room_serves_what_fits():
 def test_events_remove_a_page_only_when_it_leaves_every_tier():
     c = make_cache(device_tokens=8, host_tokens=8, events=True)
     serve(c, seq(1, 8))
-    c.take_events()
-    serve(c, seq(2, 8))  # 1 demoted: not removed
-    kinds = [type(e).__name__ for e in c.take_events()]
-    assert "BlockRemoved" not in kinds
+    (first,) = c.take_events()
+    serve(c, seq(2, 8))  # 1 demoted: a tier move (stored on the CPU, then off the GPU), still live
+    moved = [(type(e).__name__, e.medium) for e in c.take_events() if e.block_hashes == first.block_hashes]
+    assert moved == [("BlockStored", "CPU"), ("BlockRemoved", "GPU")]
+    assert all(c.kv_events.is_live(h) for h in first.block_hashes)
     serve(c, seq(3, 8))  # 1 dropped from the host: removed
-    kinds = [type(e).__name__ for e in c.take_events()]
-    assert "BlockRemoved" in kinds
+    gone = [e for e in c.take_events() if type(e).__name__ == "BlockRemoved" and e.medium == "CPU"]
+    assert [e.block_hashes for e in gone] == [first.block_hashes]
+    assert not any(c.kv_events.is_live(h) for h in first.block_hashes)
     c.check_invariants()
 
 
