@@ -47,14 +47,19 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.e = self.factory(clock=self.clock, page_size=self.ps, kv_tokens=4096, request_rows=24,
-                              max_context_len=256, lease_ttl_s=100.0, max_requests_per_session=32)
+        self.e = self.factory(clock=self.clock, **self.config())
         self.sessions = {}  # name -> Session
         self.buf = None
         self.running = {}  # rid -> [session name, tokens list, row]
         self.cached = {}  # extra_key -> list of cached token tuples (page-aligned)
         self.extra = {}  # rid -> extra_key
         self.n = 0
+        self.evicted = 0  # tokens evict() freed (the tiered machine's rule)
+
+    def config(self):
+        """The engine's config (EngineConfig fields)."""
+        return dict(page_size=self.ps, kv_tokens=4096, request_rows=24, max_context_len=256, lease_ttl_s=100.0,
+                    max_requests_per_session=32)
 
     # -- helpers -----------------------------------------------------------------------
     def _predict(self, tokens, extra_key):
@@ -203,7 +208,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.e.check_invariants()
         s = self.e.stats()
         assert_law(s)
-        assert (s.sessions, s.requests, s.evicted_tokens) == (len(self.sessions), len(self.running), 0)
+        assert (s.sessions, s.requests, s.evicted_tokens) == (len(self.sessions), len(self.running), self.evicted)
         for _rid, (_, tokens, row) in self.running.items():
             np.testing.assert_array_equal(read_token_kv(self.buf, row, len(tokens)), tokens)
 

@@ -118,6 +118,34 @@ def test_tier_metrics_and_idle_check(tmp_path):
         c.detach(s)
 
 
+def test_tier_families_read_the_stats_fields():
+    """Each family reads its own EngineStats field (distinct values), microseconds as seconds."""
+    from radixkv.engine.protocol import EngineStats
+    from radixkv.service.server.metrics import ServiceMetrics
+
+    fields = EngineStats._fields
+    st = EngineStats(*[1000 + i for i in range(len(fields))])
+    m = ServiceMetrics()
+    m.update(st)
+    text = m.exposition().decode()
+    assert _metric(text, "radixkv_tier_capacity_tokens", tier="host") == st.host_capacity
+    assert _metric(text, "radixkv_tier_usage_tokens", tier="host") == st.host_used
+    assert _metric(text, "radixkv_tier_usage_tokens", tier="device") == st.kv_capacity - st.kv_available
+    for tier in ("device", "host", "storage"):
+        assert _metric(text, "radixkv_tier_hits_tokens_total", tier=tier) == getattr(st, f"tier_hit_{tier}")
+    for tier in ("host", "storage"):
+        assert _metric(text, "radixkv_tier_loaded_pages_total", tier=tier) == getattr(st, f"{tier}_loaded_pages")
+        assert _metric(text, "radixkv_tier_loaded_bytes_total", tier=tier) == getattr(st, f"{tier}_loaded_bytes")
+        assert _metric(text, "radixkv_tier_load_seconds_total", tier=tier) == getattr(st, f"{tier}_load_us") / 1e6
+    assert _metric(text, "radixkv_tier_demoted_pages_total") == st.host_demoted_pages
+    assert _metric(text, "radixkv_tier_host_dropped_pages_total") == st.host_dropped_pages
+    assert _metric(text, "radixkv_storage_written_pages_total") == st.storage_written_pages
+    assert _metric(text, "radixkv_storage_queue_pages") == st.storage_pending
+    for kind, field in (("error", "storage_errors"), ("write_failed", "storage_write_failed"),
+                        ("fetch_timeout", "storage_fetch_timeouts"), ("backup_dropped", "storage_backup_dropped")):
+        assert _metric(text, "radixkv_storage_errors_total", kind=kind) == getattr(st, field)
+
+
 def test_no_tier_families_with_the_tiers_off():
     with ThreadedServer({"kv_tokens": 64}, options=ServeOptions(metrics_port=0, grace_s=1.0)) as srv:
         srv.client().stats()

@@ -205,3 +205,23 @@ def test_plain_extend_request_packs_what_the_item_by_item_path_packs():
                 [ExtendItem("a", a, "k")], [ExtendItem("a", a, None, True)], [ExtendItem("a", a, None, np.int64(1))],
                 [ExtendItem("a", a, None, 1 << 63)]):
         assert wire.plain_extend_request(ref, bad) is None, bad
+
+
+def test_tier_columns_round_trip_and_default_to_zero():
+    """MatchInfo / ExtendResult host_len and storage_len travel; a reply without the columns
+    (tiers off, or an older manager) reads as all 0; a column of the wrong length is refused."""
+    infos = [MatchInfo(32, 32, 24, 8), MatchInfo(4, 4)]
+    msg = wire.match_infos_to_msg(infos)
+    assert wire.match_infos_from_msg(msg, 2) == infos
+    assert wire.match_infos_to_msg([MatchInfo(3, 3)]).host_len_i64 == b""  # nothing sent when all 0
+    plain = wire.match_infos_to_msg([MatchInfo(3, 4)])
+    assert wire.match_infos_from_msg(plain, 1) == [MatchInfo(3, 4, 0, 0)]
+    msg.storage_len_i64 = wire.pack([1], wire.I64)
+    with pytest.raises(LengthMismatchError):
+        wire.match_infos_from_msg(msg, 2)
+    res = [ExtendResult("a", 3, 8, 8, 9, np.array([7], np.int64), host_len=8, storage_len=4),
+           ExtendResult("b", 4, 0, 0, 1, np.array([1], np.int64))]
+    back = wire.extend_results_from_msg(wire.extend_results_to_msg(res), ["a", "b"])
+    assert [(b.host_len, b.storage_len) for b in back] == [(8, 4), (0, 0)]
+    plain = wire.extend_results_to_msg(res[1:])
+    assert plain.host_len_i64 == b"" and wire.extend_results_from_msg(plain, ["b"])[0].host_len == 0
