@@ -120,8 +120,9 @@ def test_tier_metrics_and_idle_check(tmp_path):
 
 def test_tier_families_read_the_stats_fields():
     """Each family reads its own EngineStats field (distinct values), microseconds as seconds."""
-    from radixkv.engine.protocol import EngineStats
     from radixkv.service.server.metrics import ServiceMetrics
+
+    from radixkv.engine.protocol import EngineStats
 
     fields = EngineStats._fields
     st = EngineStats(*[1000 + i for i in range(len(fields))])
