@@ -49,13 +49,13 @@ test-vllm: $(VLLM_STAMP)
 
 # The import-graph builder and mypy read the package from one directory, but an editable
 # install maps radixkv.service from service/: a link tree puts the two together as a wheel
-# installs them, with what mypy checks beside the package: benchmarks/, tests/test_contracts.py
-# and the test tooling that benchmarks import (tests/tooling/).
+# installs them, with what mypy checks beside the package: benchmarks/ (with the harness that
+# tests import, benchmarks/tooling/) and tests/package/test_contracts.py.
 INSTALLED_TREE := build/installed-tree
 installed-tree: $(STAMP)
-	rm -rf $(INSTALLED_TREE) && mkdir -p $(INSTALLED_TREE)/radixkv $(INSTALLED_TREE)/tests
+	rm -rf $(INSTALLED_TREE) && mkdir -p $(INSTALLED_TREE)/radixkv $(INSTALLED_TREE)/tests/package
 	ln -s $(CURDIR)/radixkv/* $(INSTALLED_TREE)/radixkv/ && ln -s $(CURDIR)/service $(INSTALLED_TREE)/radixkv/service
-	ln -s $(CURDIR)/tests/test_contracts.py $(CURDIR)/tests/tooling $(INSTALLED_TREE)/tests/
+	ln -s $(CURDIR)/tests/package/test_contracts.py $(INSTALLED_TREE)/tests/package/
 	ln -s $(CURDIR)/benchmarks $(INSTALLED_TREE)/benchmarks
 lint-imports: installed-tree
 	cd $(INSTALLED_TREE) && $(abspath $(VENV))/bin/lint-imports $(CURDIR)/pyproject.toml

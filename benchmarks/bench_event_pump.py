@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import sys
@@ -35,14 +34,11 @@ from typing import Any
 
 import numpy as np
 from radixkv.service.server.manager import ServeOptions
+from tooling.testing import ThreadedServer
 
 from radixkv.engine import EngineConfig
 from radixkv.engine.protocol import ExtendItem
 from radixkv.events.zmq_flags import PublisherConfig
-
-# The test tooling (tests/tooling/, not installed) is imported from the checkout.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from tooling.testing import ThreadedServer  # noqa: E402
 
 PS = 4
 MODES = ("off", "on", "on+zmq")

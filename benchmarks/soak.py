@@ -40,11 +40,8 @@ from typing import Any
 
 import numpy as np
 from radixkv.service.client import connect
-
-# The test tooling (tests/tooling/, not installed) is imported from the checkout.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from tooling.chaos import KILL_POINTS, StandbyPool  # noqa: E402
-from tooling.proc_stats import drift, proc_sample  # noqa: E402
+from tooling.chaos import KILL_POINTS, StandbyPool
+from tooling.proc_stats import drift, proc_sample
 
 FATES = (("kill", 0.40), ("self_kill", 0.20), ("detach", 0.15), ("vanish", 0.15), ("stop", 0.10))
 

@@ -5,7 +5,7 @@ The layers (bottom to top): ``errors``/``validation``/``contracts`` <- ``kernels
 Code that takes an object of another layer names it by a ``Protocol`` here, not by its
 concrete class (the engine, which builds the objects, and a pool's own free list are the
 exceptions), so a reader sees in one page what each layer needs of the next, and any object
-with that surface (SGLang's own pools, a test double) can stand in. ``tests/test_contracts.py`` checks that the
+with that surface (SGLang's own pools, a test double) can stand in. ``tests/package/test_contracts.py`` checks that the
 concrete classes satisfy them, statically (mypy) and at run time.
 
 ===========================  =================================================================

@@ -1,26 +1,15 @@
 """``radixkv demo``: the main job, end to end.
 
 :func:`run_demo` starts the cache manager (``radixkv serve``) on a Unix socket in a fresh
-0700 temp directory and spawns worker processes (``multiprocessing`` spawn: gRPC does not
-survive fork). Each worker runs the reference hybrid model (KDA + full attention, fp64) over
-its share of multi-turn conversations of the bundled Mooncake ``conversation`` trace
-(:func:`conversation_prompts`: each later turn resends the earlier ones, the reuse a prefix
-cache is for; one conversation stays on one worker, as a session-affine router does, and the
-workers share the one cache): prefill through ``alloc_extend`` (reusing cached KV and forking
-cached states straight from the manager's shared buffers), a few greedy decode steps,
-``cache_finished``; and every logit it computed is compared with a from-scratch
-``forward_reference``. The parent shows a progress bar (tqdm), then a table (token hit rate
-beside its unbounded-cache bound, the prefill computation saved, requests/s, RPC p50/p99,
-pool usage, logits checked), checks the manager's invariants and shuts it down (SIGTERM, exit
-code 0, shared memory removed). ``embedded=True`` runs the same requests in one process
-against ``CacheEngine``. The return value is non-zero when any check fails.
-
-The trace is scaled to run in seconds on a laptop CPU: each 512-token block becomes
-``tokens_per_block`` pseudo-tokens (the partial last block proportionally fewer), mapped
-into the model's vocabulary by a fixed per-token hash, so equal prefixes stay equal.
-
-:func:`run_walkthrough` is the earlier embedded walk-through of one scheduler cycle (extend
--> decode -> release -> reuse) that prints where every KV slot is after each step.
+0700 temp directory and spawns worker processes (``spawn``: gRPC does not survive fork) that
+run the reference hybrid model over multi-turn conversations of the bundled Mooncake trace
+(:func:`conversation_prompts`; one conversation per worker, one shared cache), check every
+logit against a from-scratch forward, and report a table (hit rate beside its bound,
+computation saved, requests/s, RPC p50/p99, pool usage). The manager's invariants are
+checked and it is shut down cleanly. ``embedded=True`` runs the same requests in one process
+against ``CacheEngine``; the return value is non-zero when any check fails. The trace is
+scaled to ``tokens_per_block`` pseudo-tokens per block. :func:`run_walkthrough` prints the
+pools through one extend -> decode -> release -> reuse cycle. Details: ``docs/demo.md``.
 """
 from __future__ import annotations
 
@@ -391,15 +380,10 @@ def run_walkthrough(device: str = "cpu") -> int:
     A's tokens back, else 1."""
     from radixkv.allocator import TokenToKVPoolAllocator
     from radixkv.cache import RadixCache
+    from radixkv.cache.kv_conservation import check_conservation, conservation
     from radixkv.memory import MHATokenToKVPool, ReqToTokenPool
     from radixkv.scheduler.batch import Batch
-    from radixkv.scheduler.flow import (
-        alloc_for_decode,
-        alloc_for_extend,
-        check_conservation,
-        conservation,
-        release_kv_cache,
-    )
+    from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
     from radixkv.scheduler.req import Req
 
     dev = torch.device(device)

@@ -2,22 +2,15 @@
 through the cache-engine protocol, reading and writing KV and states straight in the
 engine's buffers, and checked against a from-scratch forward.
 
-* :func:`demo_model_config` / :func:`engine_config_for`: the tiny fp64 model and an engine
-  config of the same shape (layer pattern, heads, state shapes, dtypes).
-* :class:`TimedEngine`: any ``CacheEngineAPI`` with each protocol call's latency recorded.
-* :class:`HybridWorker`: one worker's loop for one request: plan the prefill chunks,
-  ``alloc_extend`` + ``HybridModel.extend`` per chunk (``cache_unfinished`` at each chunk
-  end checkpoints the state there), greedy decode steps (``alloc_decode`` +
-  ``HybridModel.decode``), ``cache_finished``, then every logit it produced is compared with
-  ``forward_reference`` over the request's tokens.
-* :func:`worker_main`: a worker process (started with ``spawn``): connect, attach, map the
-  shared buffers, run its requests, report each through a queue.
+* :func:`demo_model_config` / :func:`engine_config_for`: the tiny fp64 model and its engine.
+* :class:`TimedEngine`: any ``CacheEngineAPI`` with each call's latency recorded.
+* :class:`HybridWorker`: one request: prefill chunks (``alloc_extend`` + ``extend``,
+  ``cache_unfinished`` checkpoints), greedy decode steps, ``cache_finished``, then every
+  logit compared with ``forward_reference``.
+* :func:`worker_main`: a worker process (``spawn``): connect, attach, map, run, report.
 
-Chunk plan (the prefill is one extend unless a checkpoint helps): a chunk ends where the
-tree holds KV past its deepest state (``kv_prefix_len``, a branch point: Marconi's
-speculative checkpoint), and at the last block boundary of the prompt (multi-turn
-conversations resend the previous turn's whole blocks, so the next turn hits that state).
-A state is positional: it is only reusable at the very token it was taken at.
+A chunk ends at ``kv_prefix_len`` (Marconi's speculative checkpoint) and at the prompt's last
+block boundary, where the next turn will hit. Why: ``docs/demo.md``, "The workers".
 """
 from __future__ import annotations
 

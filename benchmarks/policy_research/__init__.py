@@ -27,7 +27,8 @@ from policy_research.history_policies import LRU2, AdaptiveProbationLRU, Probati
 from policy_research.overdue_policy import OverdueAPLRU
 from policy_research.queue_baselines import ARC, S3FIFO, SLRU, TwoQ, WTinyLFU
 from policy_research.queue_policies import Ghost, QueuePolicy
-from radixkv.bench.blocksim import BlockPolicy, available_policies, make_policy
+from radixkv.bench.block_policy import BlockPolicy
+from radixkv.bench.blocksim import available_policies, make_policy
 
 __all__ = ["Ghost", "QueuePolicy", "SLRU", "TwoQ", "S3FIFO", "ARC", "WTinyLFU",
            "LRU2", "Probation", "AdaptiveProbationLRU", "OverdueAPLRU",

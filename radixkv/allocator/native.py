@@ -1,20 +1,12 @@
 """The KV allocators' compiled free, when it is built (``csrc/free.c``, built as
-``radixkv.allocator._native``).
+``radixkv.allocator._native``, an optional C extension).
 
-``setup.py`` builds it as an *optional* C extension: without a C compiler the install still
-succeeds and the allocators free through their numpy path, which stays the contract and the
-reference (``tests/test_allocator_native.py`` runs both on the same frees, good and bad, and
-compares results, errors and states). ``RADIXKV_PURE_PYTHON=1`` in the environment (read at
-import) turns it off for the whole process, as it does the RadixCache's compiled paths.
-
-``mark_free``: the checked free of a batch of slot ids in one pass (range, double free,
-repeats: each page is marked in the mask as it is reached, so a page met twice finds its mark;
-no sort) straight into the free list's ring. It takes only valid frees in the common layout
-and changes nothing otherwise (see :meth:`radixkv.allocator.page_free_list.PageFreeList.free_host`).
-
-Why compiled: an eviction returns a few thousand rows in one call, and the numpy path spends
-most of its time in the dispatch of its ~30 small vector ops, not in the work
-(``docs/benchmarks.md``, issue 20).
+Without it (no compiler, or ``RADIXKV_PURE_PYTHON=1`` at import) the allocators free through
+their numpy path, which stays the contract and the reference. ``mark_free``: the checked free
+of a batch of slot ids in one pass (range, double free, repeats; no sort) straight into the
+free list's ring; it takes only valid frees in the common layout and changes nothing
+otherwise (see :meth:`radixkv.allocator.page_free_list.PageFreeList.free_host`). Why compiled:
+``docs/internals.md``, "The compiled free".
 """
 from __future__ import annotations
 

@@ -1,37 +1,16 @@
 """``PageFreeList``: the free-list core shared by the KV slot allocators.
 
-Pure bookkeeping of the ids ``1..num_ids`` (KV slots when ``page_size == 1``, pages
-otherwise; id 0 is reserved), with SGLang's semantics:
+Bookkeeping of the ids ``1..num_ids`` (KV slots, or pages when ``page_size > 1``; id 0 is
+reserved) with SGLang's semantics: a FIFO ring ``free_pages``, deferred ``release_pages``
+merged and sorted only when an allocation would fall short (``need_sort``), free groups, and
+``backup()``/``restore()``. A bool mask ``not_in_use[id]`` makes the double-free check O(k).
 
-* ``free_pages``: a FIFO ring (``alloc`` takes from its head);
-* ``release_pages`` (``need_sort=True``): freed ids wait there and are merged and sorted
-  into ``free_pages`` only when an allocation would otherwise fall short, so later
-  allocations come out ascending;
-* a free group (``group_begin``/``group_end``) collects frees and releases them at once;
-* ``backup()``/``restore(state)`` snapshot and roll back the free list.
-
-One bool mask ``not_in_use[id]`` (True while the id is in ``free_pages``, in
-``release_pages`` or pending in an open group) makes the double-free check O(k).
-
-Cost (k = ids in the call, F = free ids): ``alloc`` O(k), plus O(F log F) for the merge a
-need_sort allocation may trigger; ``free`` O(k log k) with checks, O(k) without;
-``backup`` O(1); ``restore`` O(ids allocated and freed since the backup), or O(F) when a
-merge ran since the backup. Memory per id: 8 bytes for the ``free_pages`` ring (twice
-``num_ids`` int32 entries, so that a backup survives a merge), 4 more with ``need_sort``
-(the ``release_pages`` ring), 1 for the mask.
-
-Backups are restorable while their entries have not been overwritten in the rings. The
-rule: the ring holds ``2 * num_ids`` entries and the backup's free list occupies its
-``[head, tail)``; the backup survives while no entry was written at or beyond ``head +
-2 * num_ids`` (counting writes in rolled-back futures); likewise for ``release_pages``
-(``num_ids`` entries). Hence it is guaranteed whenever, since the backup, at most
-``num_ids`` entries went to ``free_pages`` (frees without need_sort; a need_sort merge
-writes the whole free list once) and at most ``num_ids`` minus the releases pending at
-the backup went to ``release_pages``: the speculative pattern (backup, allocate, maybe
-free, restore) always qualifies. A backup taken before ``clear()``, one taken after the
-backup just restored (a discarded future), or one older than the last 1024 live backups
-is rejected with ``StaleBackupError``; restoring a backup keeps it and its ancestors
-restorable.
+Cost (k ids, F free): ``alloc`` O(k) (+ O(F log F) for a merge), ``free`` O(k log k) checked,
+``backup`` O(1), ``restore`` O(ids changed since the backup). Memory: 9 bytes per id (13 with
+``need_sort``). A backup whose ring entries were overwritten, taken before ``clear()``, or on
+a discarded future raises ``StaleBackupError``; the speculative pattern (backup, allocate,
+maybe free, restore) always qualifies. The full rule: ``docs/internals.md``, "The free-list
+core".
 """
 from __future__ import annotations
 

@@ -121,16 +121,14 @@ class PagedTokenToKVPoolAllocator(BaseKVAllocator):
                      extend_num_tokens: int) -> torch.Tensor | None:
         """Slots for the new tokens of a batch of requests.
 
-        Request ``i`` extends from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens; its last
-        prefix token is in slot ``last_loc[i]`` (ignored when ``prefix_lens[i] == 0``). It
-        first fills the rest of that page, then takes fresh pages. Returns the int64
-        ``out_cache_loc`` (length ``extend_num_tokens``, request after request), or None
-        (unchanged) when not enough pages are free. O(bs + extend_num_tokens).
+        Request ``i`` extends from ``prefix_lens[i]`` to ``seq_lens[i]`` tokens, filling the rest of
+        the page of its last prefix slot ``last_loc[i]`` first, then fresh pages. Returns the int64
+        ``out_cache_loc`` (``extend_num_tokens`` long, request after request), or None (unchanged)
+        when too few pages are free. O(bs + extend_num_tokens).
 
-        Raises (unchanged): InvalidArgumentError (non-integer dtypes, negative lengths,
-        seq < prefix), LengthMismatchError (array lengths, or ``extend_num_tokens !=
-        sum(seq_lens - prefix_lens)``), AlignmentError / InvalidIndexError (a ``last_loc``
-        not consistent with its prefix, out of range, or in a free page).
+        Raises (unchanged): InvalidArgumentError (dtypes, negative lengths, seq < prefix),
+        LengthMismatchError (array lengths, ``extend_num_tokens``), AlignmentError /
+        InvalidIndexError (a ``last_loc`` inconsistent with its prefix, out of range, or free).
         """
         extend_num_tokens = check_count(extend_num_tokens, "extend_num_tokens")
         pre = self._lens(prefix_lens, "prefix_lens")

@@ -1,20 +1,11 @@
 """Hit-rate studies of prefix caches: traces, synthetic workloads, a block-level simulator
 with pluggable eviction policies, the offline (Belady) bound and the replay CLI.
 
-* :mod:`radixkv.bench.traces`           Mooncake JSONL loading, pseudo-tokens, block view
-* :mod:`radixkv.bench.workloads`        seeded synthetic request streams (``--workload``)
-* :mod:`radixkv.bench.blocksim`         leaf-only block simulator (RadixCache policy names)
-* :mod:`radixkv.bench.block_policy`     the simulator's policy interface; ``TreePolicy`` runs
-                                        the RadixCache's own policy objects on blocks
-* :mod:`radixkv.bench.belady`           farthest-next-use offline bound
-* :mod:`radixkv.bench.hitrate`          replay driver, engine adapters, ``bench hitrate`` CLI
-* :mod:`radixkv.bench.radix_engine`     the real RadixCache as a replay engine (``--engine radix``)
-* :mod:`radixkv.bench.hybrid_hitrate`   KV + Mamba-state replay through the MambaRadixCache
-* :mod:`radixkv.bench.hybrid_report`    ``bench hitrate --hybrid``: grid, JSON, tables, plot
-* :mod:`radixkv.bench.cluster`          N managers behind a KV-aware router (``bench cluster``)
-* :mod:`radixkv.bench.cli`              ``radixkv bench``: hitrate and cluster (the rest: benchmarks/)
-
-Block-level policy research the RadixCache does not run (queue baselines, history
-policies, odlru, oracles) is in ``benchmarks/policy_research`` of a source checkout
-(``benchmarks/bench_policies.py``).
+``traces`` (Mooncake JSONL), ``workloads`` (seeded synthetic streams), ``blocksim`` and
+``block_policy`` (the leaf-only block simulator and its policies), ``belady`` (the offline
+bound), ``hitrate`` (replay driver and ``bench hitrate``), ``radix_engine`` (the real
+RadixCache as a replay engine), ``hybrid_hitrate`` / ``hybrid_report`` (KV + state replay,
+``--hybrid``), ``cluster`` (``bench cluster``), ``cli`` (``radixkv bench``). Policy research
+the RadixCache does not run is in ``benchmarks/policy_research`` of a source checkout. The
+map and how each replay works: ``docs/hitrate.md``, "Inside the replays".
 """

@@ -1,26 +1,14 @@
 """The offline bound: Belady's farthest-next-use eviction under prefix semantics.
 
-The simulator is :mod:`blocksim`'s (longest cached leading run hits; capacity in tokens;
-the matched path is protected; only leaves are evicted), with the future known:
-
-* ``next_use[o]`` for every block occurrence ``o`` is the index of the next request that
-  contains the same block (``NEVER`` if none), computed once with one stable sort;
-* on each request the touched blocks take their next use; eviction takes the evictable
-  leaf whose next use is farthest (a lazy heap keyed by ``-next_use``). Since a parent is
-  in every request its child is in, ``next_use(parent) <= next_use(child)``: the farthest
-  leaf is a farthest block overall, so the leaf rule costs Belady nothing;
-* ``bypass=True`` (the default, the README's "offline optimum"): a new block is cached
-  only while it is reused sooner than the farthest evictable block (or fits the free
-  space), and never-reused blocks are not cached: optimal for unit-size blocks, and the
-  variant that reproduces the README's figures to the decimal.
-  ``bypass=False`` inserts every block like the online policies must ("forced insertion";
-  also optimal among forced policies for unit sizes).
-
-With variable sizes (partial tail blocks) neither is guaranteed optimal: a bound in
-practice, not a theorem. Cost: O(B log B) for next uses, O(log n) per eviction.
-
-The partial-knowledge oracles (online eviction fed one fact about the future) are research
-aids and live with the research policies (``benchmarks/policy_research/oracles.py``).
+:mod:`blocksim`'s simulator with the future known: every block occurrence gets its next use
+(one stable sort), and eviction takes the evictable leaf used farthest ahead (a lazy heap);
+as a parent is in every request its child is in, the leaf rule costs Belady nothing.
+``bypass=True`` (default, the README's "offline optimum") caches a new block only while it
+is reused sooner than the farthest evictable block; ``bypass=False`` inserts every block
+(forced insertion). Optimal for unit-size blocks; with partial tail blocks, a bound in
+practice. Cost: O(B log B) for next uses, O(log n) per eviction. Why:
+``docs/hitrate.md``, "The offline bound". The partial-knowledge oracles are research aids
+(``benchmarks/policy_research/oracles.py``).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ policy objects (lru, lfu, fifo, filo, mru, priority) on blocks: one family of po
 the tree and the simulator. Block-level research policies (queue baselines, history
 policies) build on these classes in ``benchmarks/policy_research``. The simulator itself
 (which blocks are cached, the protected path, the replay loop) is
-:mod:`radixkv.bench.blocksim`, which re-exports these names.
+:mod:`radixkv.bench.blocksim`.
 """
 from __future__ import annotations
 
@@ -201,16 +201,12 @@ class BlockNode:
 class TreePolicy(KeyPolicy):
     """A RadixCache policy object (:class:`~radixkv.cache.policies.base.EvictionPolicy`) run
     by the simulator: a block is filed under ``policy.sort_key(node)``, ``node`` holding the
-    block's fields as the tree keeps them, in request-index ticks:
+    block's fields as the tree keeps them, in request-index ticks (``last_access``, ``created``,
+    ``hits``; ``priority`` 0).
 
-    * ``last_access``: the last request that matched or inserted the block;
-    * ``created``: the request that inserted it; ``hits``: matches through it since then;
-    * ``priority``: 0 (the traces carry none).
-
-    Only policies that are a pure sort key run here (:func:`runs_on_blocks`); the others keep
-    per-node state through hooks that need the tree (``--engine radix``). A block's fields
-    change only while it is on the current request's path, where it is not a filed leaf, so
-    the key frozen at filing is the policy's current key (also for non-monotonic ones).
+    Only pure sort-key policies run here (:func:`runs_on_blocks`); others need the tree
+    (``--engine radix``). A block's fields change only while it is on the current request's
+    path, where it is not a filed leaf, so the key frozen at filing is current.
 
     Raises (constructor): InvalidArgumentError for a policy with hooks.
     """

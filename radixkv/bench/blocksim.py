@@ -1,27 +1,15 @@
 """A fast block-level prefix-cache simulator with pluggable eviction policies.
 
-Semantics (those of the Mooncake README's reference simulator, and of a radix tree):
-
-* a request is a chain of blocks (root first); it *hits* the longest run of leading cached
-  blocks (hit tokens = their lengths);
-* the matched path is protected (like a locked tree node), space is made by evicting, then
-  the request's remaining blocks are inserted (as many as fit: a request larger than the
-  cache keeps its head);
-* capacity is counted in tokens;
-* only **leaves** are evicted: cached blocks with no cached child, exactly the evictable
-  set of a radix tree that evicts leaves (a parent becomes evictable when its last child
-  goes). The cache therefore always holds prefix-closed chains.
-
-Policies see the stream through vectorized callbacks and choose victims among evictable
-leaves; :class:`KeyPolicy` covers every policy expressible as a per-block sort key. Per
-request the simulator does O(1) numpy calls plus O(log n) work per eviction and per leaf
-change.
-
-Policy names are the RadixCache's (:mod:`radixkv.cache.eviction`, one registry): the
-simulator runs the tree's own policy objects through :class:`TreePolicy` (those that are a
-pure sort key: lru, lfu, fifo, filo, mru, priority). Any other :class:`BlockPolicy`
-instance runs too (the block-level research policies of ``benchmarks/policy_research``).
-The interface lives in :mod:`radixkv.bench.block_policy` (re-exported here).
+Semantics of the Mooncake README's simulator and of a radix tree: a request (a chain of
+blocks) hits its longest run of leading cached blocks; the matched path is protected while
+space is made, then the remaining blocks are inserted as far as they fit; capacity counts
+tokens; only leaves are evicted, so the cache holds prefix-closed chains. Policies choose
+victims among evictable leaves through vectorized callbacks (:class:`KeyPolicy`: any
+per-block sort key). Per request: O(1) numpy calls plus O(log n) per eviction and leaf
+change. Policy names are the RadixCache's: :class:`TreePolicy` runs the tree's own pure
+sort-key policies; any :class:`BlockPolicy` runs too. The interface lives in
+:mod:`radixkv.bench.block_policy`. Details: ``docs/hitrate.md``, "The
+block simulator".
 """
 from __future__ import annotations
 
@@ -30,7 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from radixkv.bench.block_policy import BlockPolicy, KeyPolicy, LeafHeap, TreePolicy, runs_on_blocks
+from radixkv.bench.block_policy import BlockPolicy, TreePolicy, runs_on_blocks
 from radixkv.cache import eviction
 from radixkv.errors import (
     InvalidArgumentError,
@@ -45,8 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from radixkv.bench.traces import BlockTrace
 
 __all__ = [
-    "AccessResult", "SimResult", "BlockSim", "BlockPolicy", "LeafHeap", "KeyPolicy",
-    "TreePolicy", "simulate", "make_policy", "available_policies",
+    "AccessResult", "SimResult", "BlockSim", "simulate", "make_policy", "available_policies",
 ]
 
 

@@ -1,37 +1,16 @@
 """``radixkv bench cluster``: N radixkv managers behind a KV-aware router fed by their own
 events, against round robin, on a Mooncake trace.
 
-Each manager has a fixed capacity in tokens (a multiple of the page size). With
-``--managers-mode inproc`` (the default) a manager is an in-process ``RadixCache`` (KV events
-on) driven the way the service drives its tree; with ``--managers-mode process`` it is a
-real ``radixkv serve`` process reached through ``radixkv.connect``
-(:mod:`radixkv.bench.cluster_procs`). Both give the same per-request hits (a test checks it).
-Per request, in trace order:
-
-1. the router picks a manager: ``kv`` asks the index for every manager's overlap with the
-   part a manager can match (``tokens_hash`` blocks of ``prompt[:L - 1]``,
-   :mod:`radixkv.events.dynamo`) and takes the largest,
-   the least loaded on a tie (load = prompt tokens the manager had to compute so far, then
-   the lowest id); ``kv_bounded`` does the same among the managers whose load is at most
-   ``(1 + slack)`` times the mean (bounded loads: a prefix every request shares, like a
-   system prompt, would otherwise send everything to one manager); ``round_robin`` takes
-   ``i mod N``;
-2. the manager serves it as the service's ``alloc_extend`` -> ``cache_finished`` does: a
-   prompt longer than the capacity is served on its first ``capacity`` tokens (``L``); match
-   ``prompt[:L - 1]`` (at least one token is always computed; its page-aligned match is the
-   hit), lock the match, evict what the new pages ``ceil((L - hit) / page)`` need beyond
-   the free slots, insert the page-aligned ``prompt[:L]``, unlock;
-3. its events go through a :class:`~radixkv.events.dynamo.DynamoEventAdapter` into the
-   index (Dynamo's Rust ``RadixTree`` when ai-dynamo-runtime is installed, else
-   :class:`PyRadixIndex`, the same semantics in Python).
-
-Reported: cluster-wide token hit rate (hit tokens / prompt tokens), per-manager requests,
-prompt tokens, hit tokens and computed tokens, and for the ``kv`` router how often the
-index's predicted overlap equalled the manager's real hit (it must be always). With
-``--mocker`` it also runs Dynamo's own mocker replay (``run_mocker_trace_replay``, offline,
-its own engine model, each worker given the managers' capacity) on the same requests with
-``kv_router`` and ``round_robin``.
-Numbers are measured by the run; nothing is asserted about speed.
+Managers hold a fixed token capacity, in-process ``RadixCache`` objects (``--managers-mode
+inproc``) or real ``radixkv serve`` processes (``process``, :mod:`radixkv.bench.cluster_procs`),
+with the same per-request hits. Per request: the router picks a manager (``kv``: largest
+index overlap of ``prompt[:L - 1]``, least loaded on a tie; ``kv_bounded``: the same within
+``(1 + slack)`` x the mean load; ``round_robin``); the manager serves it as the service's
+``alloc_extend`` -> ``cache_finished``; its events go through a
+:class:`~radixkv.events.dynamo.DynamoEventAdapter` into the index (Dynamo's ``RadixTree`` or
+:class:`PyRadixIndex`). Reported: token hit rate, per-manager load, and how often the
+predicted overlap equalled the real hit (always). ``--mocker`` adds Dynamo's own mocker.
+Numbers are measured by the run; nothing is asserted about speed. See ``docs/cluster.md``.
 """
 from __future__ import annotations
 
@@ -47,12 +26,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 
 from radixkv.bench.progress import Progress, ProgressBar
-from radixkv.cache.events import KVEvent
+from radixkv.bench.router_index import DynamoIndex, PyRadixIndex, make_index
+from radixkv.cache.kv_events import KVEvent
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
-from radixkv.events.router_index import DynamoIndex, PyRadixIndex, make_index
 
 if TYPE_CHECKING:  # pragma: no cover
     from typing_extensions import Unpack

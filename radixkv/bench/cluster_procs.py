@@ -1,22 +1,13 @@
 """The cluster replay's managers as real ``radixkv serve`` processes (``bench cluster
 --managers-mode process``).
 
-:class:`ManagerProcesses` starts N servers with ``subprocess`` (``sys.executable -m radixkv
-serve``; no fork), each on a Unix socket in one fresh 0700 temp directory that also holds
-the token file (0600), the servers' shared-memory pool files (``--shm-dir``) and their
-logs, and waits until each answers ``stats``. Every manager is a KV-only engine of
-``capacity`` tokens in pages of ``page_size``, one request row as wide as the capacity, KV
-events on, and the smallest KV buffers the config allows (the replay moves no KV bytes).
-
-:class:`RemoteManager` serves one request through the public protocol only
-(:mod:`radixkv.engine.protocol` via ``radixkv.connect``): ``alloc_extend`` of the prompt
-(the manager matches ``prompt[:-1]``, locks, allocates, evicting as needed; its
-``prefix_len`` is the hit) then ``cache_finished`` (inserts, unlocks, frees the row), or
-``release`` when that fails; ``take_events`` drains the manager's KV events for the router.
-
-``close()`` (also on ``with`` exit, on error, and when starting fails) detaches, closes the
-clients, SIGTERMs every server, waits (SIGKILL after ``stop_timeout_s``) and removes the
-directory: no process, socket or pool file is left behind.
+:class:`ManagerProcesses` starts N servers with ``subprocess`` (no fork), each on a Unix
+socket in one fresh 0700 temp directory (token file 0600, shared-memory pool files, logs), KV
+events on and the smallest KV buffers, and waits until each answers ``stats``.
+:class:`RemoteManager` serves a request through the public protocol only: ``alloc_extend``
+(its ``prefix_len`` is the hit), then ``cache_finished`` or ``release``; ``take_events``
+feeds the router. ``close()`` (also on error) detaches, SIGTERMs (then SIGKILLs) every
+server and removes the directory: nothing is left behind (``docs/cluster.md``, "Managers").
 """
 from __future__ import annotations
 
@@ -122,13 +113,9 @@ class RemoteManager:
 class ManagerProcesses:
     """``n`` ``radixkv serve`` processes and a :class:`RemoteManager` for each (module doc).
 
-    Args:
-        n: number of managers (>= 1).
-        capacity: KV tokens of each (a multiple of ``page_size``).
-        page_size: tokens per page.
-        start_timeout_s: how long all of them may take to answer.
-        stop_timeout_s: how long each may take to exit after SIGTERM before SIGKILL.
-        extra_args: more ``radixkv serve`` flags (e.g. ``["--no-checks"]``).
+    Args: ``n`` (>= 1); ``capacity`` (KV tokens each, a multiple of ``page_size``);
+    ``page_size``; ``start_timeout_s`` (for all to answer); ``stop_timeout_s`` (after SIGTERM,
+    before SIGKILL); ``extra_args`` (more ``radixkv serve`` flags).
 
     Use as a context manager, or ``start()`` / ``close()`` (idempotent). ``managers``,
     ``pids``, ``directory`` are set by ``start()``. Raises ``InvalidArgumentError`` for bad

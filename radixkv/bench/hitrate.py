@@ -1,26 +1,13 @@
 """Prefix hit-rate replay: a driver over any cache, bounds, and the ``radixkv bench hitrate`` CLI.
 
-The driver (:func:`replay`) talks to a cache through :class:`ReplayCache`::
-
-    hit = cache.match_prefix(tokens)      # hit tokens; protects the matched prefix
-    short = (len(tokens) - hit) - (cache.capacity - cache.used_tokens)
-    if short > 0: cache.evict(short)      # frees >= short tokens (fewer if nothing evictable)
-    cache.insert(tokens)                  # caches what fits, releases the protection
-
-:class:`BlockSimAdapter` puts :mod:`blocksim` behind it (token arrays -> chained block ids).
-:data:`ENGINES` names the engines, factories ``(capacity_tokens, policy, page_size) ->
-ReplayCache``: ``blocksim`` and ``radix`` (the RadixCache adapter of
-:mod:`radixkv.bench.radix_engine`: lock the matched node in ``match_prefix``, unlock after
-``insert``); :func:`register_engine` adds others. For ``blocksim`` the CLI takes the equivalent
-fast path (:func:`~radixkv.bench.blocksim.simulate` on precomputed block ids); a test
-checks both paths agree.
-
-Capacity is a fraction of the stream's unique prompt tokens; token hit rate = matched
-prompt tokens / all prompt tokens. Bounds: infinite capacity and Belady (with bypass) at
-the simulator's block granularity.
-
-``--hybrid`` replays through the MambaRadixCache instead, with a KV-token budget and a
-state-slot budget (:mod:`radixkv.bench.hybrid_report`, :mod:`radixkv.bench.hybrid_hitrate`).
+:func:`replay` drives a :class:`ReplayCache` per request: ``match_prefix`` (hit tokens,
+protects the prefix), ``evict`` the shortfall, ``insert`` (caches what fits, releases).
+:data:`ENGINES` names the engines (``blocksim`` through :class:`BlockSimAdapter`, ``radix``
+through :mod:`radixkv.bench.radix_engine`); :func:`register_engine` adds others; the CLI's
+``blocksim`` fast path is tested equal to the driver. Capacity is a fraction of the
+stream's unique prompt tokens; hit rate = matched / all prompt tokens. Bounds: infinite
+capacity and Belady. ``--hybrid`` replays through the MambaRadixCache
+(:mod:`radixkv.bench.hybrid_report`). The protocol: ``docs/hitrate.md``, "The replay driver".
 """
 from __future__ import annotations
 
@@ -36,7 +23,8 @@ from typing import Any, NamedTuple, Protocol, cast
 import numpy as np
 
 from radixkv.bench.belady import belady
-from radixkv.bench.blocksim import BlockPolicy, BlockSim, make_policy, simulate
+from radixkv.bench.block_policy import BlockPolicy
+from radixkv.bench.blocksim import BlockSim, make_policy, simulate
 from radixkv.bench.progress import Progress, ProgressBar
 from radixkv.bench.radix_engine import RadixReplayEngine, default_policy_name
 from radixkv.bench.traces import MOONCAKE_BLOCK_SIZE, BlockTrace, load_mooncake

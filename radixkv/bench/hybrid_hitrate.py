@@ -1,40 +1,16 @@
 """Hybrid (KV + Mamba state) hit-rate replay through the real ``MambaRadixCache``.
 
-A hybrid model can skip a prefix only where the cache holds both its KV *and* the recurrent
-state at its end, so two budgets matter: KV tokens and state slots. Each prompt runs as a
-chunked prefill (prompts only: a request ends at its prompt), at page size 1 (below) or
-larger: then KV goes in whole pages and a state only at a page end -- with state tracking
-(``track``, the default: the request pool's ``mamba_ping_pong_track_buffer``, interval =
-page size) the state at the last page end each step passed; without it only a step that
-ends on a page end leaves a state:
-
-    m = match_prefix(prompt[:-1])        # prefix_len: deepest cached state; kv_prefix_len: KV
-    lock m.last_node; take the request's working slot (evict a state if the pool is full)
-    for each chunk end (every ``chunk`` tokens from prefix_len; with ``checkpoint`` first at
-    kv_prefix_len when the KV reaches past the state -- Marconi's speculative checkpoint):
-        evict KV if short; insert the KV; admit a state there when the admission policy
-        agrees (cache_unfinished_req)
-    at the prompt end insert the KV and hand the working slot to the tree (cache_finished_req)
-
-:func:`replay_tree` drives the tree's API with those request semantics (virtual KV rows,
-capacity counted in tokens; fast). :func:`replay_flow` runs the real scheduler flow
-(``alloc_for_extend`` / ``cache_unfinished_req`` / ``release_kv_cache``) over a
-``HybridReqToTokenPool`` and a ``TokenToKVPoolAllocator``: exact, slower, the cross-check.
-``admission=None`` replays a KV-only ``RadixCache`` under the same semantics (the state-free
-reference). The logic comes from ``benchmarks/bench_mamba.py --part hitrate``, which now
-imports it from here.
-
-Slots: ``slots`` is the Mamba pool size, the running request's working slot included
-(``bench_mamba``'s convention). With ``working_slot=True`` (``radixkv bench hitrate
---hybrid``) ``slots`` counts only the states the cache may *keep*: the pool gets one more
-slot for the running request and the tree is trimmed back to ``slots`` states after each
-request, so ``slots=0`` keeps none (and nothing can hit).
-
-Figures per replay (:class:`HybridReplayResult`): skipped tokens (``prefix_len``, the token
-hit), the KV match (``kv_prefix_len``; minus the hit = tokens lost for lack of a state),
-requests that hit a state, prefill FLOPs saved (the tree's :class:`FlopModel`), tokens and
-states evicted. Cost: one tree replay per configuration, O(prompt tokens) numpy work per
-request plus the tree's own costs.
+A hybrid model skips a prefix only where both its KV and the state at its end are cached, so
+two budgets matter: KV tokens and state slots. Each prompt runs as a chunked prefill: match
+``prompt[:-1]``, lock, take a working slot, insert KV at each chunk end (first at
+``kv_prefix_len`` with ``checkpoint``) and admit a state where the policy agrees, hand the
+slot over at the end. Above page size 1 states sit at page ends (tracked with ``track``).
+:func:`replay_tree` drives the tree's API (fast); :func:`replay_flow` the real scheduler flow
+and pools (exact, the cross-check); ``admission=None`` replays a KV-only ``RadixCache``.
+``working_slot=True``: ``slots`` counts only the states the cache may keep. Results
+(:class:`HybridReplayResult`): token hit, KV match, state hits, FLOPs saved, evictions.
+Cost: O(prompt tokens) numpy work per request plus the tree's. The algorithm in full:
+``docs/hitrate.md``, "The hybrid replay".
 """
 from __future__ import annotations
 

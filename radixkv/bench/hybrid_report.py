@@ -2,20 +2,12 @@
 grid of KV budgets x state-slot budgets x admission / state-eviction policies, as a JSON
 document, markdown tables and a PNG plot (the replay is :mod:`radixkv.bench.hybrid_hitrate`).
 
-The JSON document keeps ``bench hitrate``'s conventions (``trace``, ``requests``,
-``prompt_tokens``, ``unique_tokens``, ``bounds`` with the block-level infinite-capacity and
-Belady figures, one ``results`` entry per run) and adds ``mode: "hybrid"``, the replay
-settings, and ``kv_only``: the KV-only RadixCache under the same budget and semantics. A
-result adds ``state_slots``, ``admission``, ``state_policy``, ``checkpoint``, the KV match
-(``kv_hit_*``), the tokens it lost for lack of a state (``lost_*``), requests that hit a
-state (``state_hits``, ``state_hit_rate`` = their share of the requests), prefill FLOPs
-saved, evicted tokens and states. ``capacity_tokens`` is ``int(frac * unique_tokens)``
-raised to the longest prompt + 1 (one request must fit).
-
-``--pages 1,16,64`` replays at each page size (``page_size`` in every result and ``kv_only``
-entry); above page 1 a state is cached at a page end, tracked there by the request's
-``mamba_ping_pong_track_buffer`` (``--track on``, the default; ``on,off`` adds untracked
-runs, ``track: false``, where only a step ending on a page end leaves a state).
+The JSON keeps ``bench hitrate``'s keys and adds ``mode: "hybrid"``, the replay settings and
+``kv_only`` (the KV-only RadixCache under the same budget); each result adds the state
+budget and policies, the KV match, the tokens lost for lack of a state, state hits, FLOPs
+saved and evictions. ``capacity_tokens`` is raised to the longest prompt + 1. ``--pages``
+replays at each page size, ``--track on,off`` with and without state tracking. Every field:
+``docs/hitrate.md``, "The hybrid report" and "Hybrid mode".
 """
 from __future__ import annotations
 

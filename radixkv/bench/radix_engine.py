@@ -1,27 +1,13 @@
 """The real :class:`~radixkv.cache.RadixCache` as a hit-rate replay engine (``--engine radix``).
 
-Each prompt runs the scheduler's cycle on a RadixCache (``page_size`` from ``--page-size``)
-over a :class:`~radixkv.allocator.TokenToKVPoolAllocator` of ``capacity`` KV slots::
-
-    match_prefix -> inc_lock_ref -> evict (if the pool is short) -> alloc -> insert
-    -> free duplicate rows -> dec_lock_ref
-
-with the block simulator's semantics (:mod:`radixkv.bench.blocksim`): the hit is the
-longest cached page-aligned prefix, the matched path is protected while space is made,
-then as many of the request's new pages as fit the free slots are inserted (a request
-larger than the cache keeps its head), and capacity counts prompt tokens.
-
-The prompt's last partial page: the tree holds whole pages only, so the prompt is padded
-to a whole page with :data:`PAD_TOKEN` (``2**31 - 1``, never a real token id: the
-Mooncake pseudo-tokens are checked to stay below it). Two prompts whose last partial
-pages are equal then share that page, and a partial page never matches a longer page, as
-in the simulator, whose tail blocks keep their real length. Padding tokens get *virtual*
-rows (ids above the pool, never allocated, dropped when the tree frees them, see
-:class:`PaddedPoolAllocator`), so the pool, like the simulator, counts real tokens only.
-The remaining difference from the simulator is the eviction unit: the tree evicts whole
-leaf nodes (each a run of pages inserted together), the simulator single blocks.
-
-:data:`radixkv.bench.hitrate.ENGINES` names it ``radix``.
+Each prompt runs the scheduler's cycle (``match_prefix -> inc_lock_ref -> evict -> alloc ->
+insert -> free duplicate rows -> dec_lock_ref``) over a ``TokenToKVPoolAllocator`` of
+``capacity`` slots, with the block simulator's semantics. The last partial page is padded
+with :data:`PAD_TOKEN` (``2**31 - 1``, never a real token) whose *virtual* rows
+(:class:`PaddedPoolAllocator`) are never allocated, so the pool counts real tokens only. The
+remaining difference from the simulator: the tree evicts whole leaf nodes. Named ``radix``
+in :data:`radixkv.bench.hitrate.ENGINES`. Details: ``docs/hitrate.md``, "The real
+RadixCache".
 """
 from __future__ import annotations
 
@@ -130,18 +116,14 @@ class PendingMatch(NamedTuple):
 
 
 class RadixReplayEngine:
-    """:class:`~radixkv.bench.hitrate.ReplayCache` over a real RadixCache (see the module
-    docstring for the cycle and the padding).
+    """:class:`~radixkv.bench.hitrate.ReplayCache` over a real RadixCache (module doc).
 
-    Args:
-        capacity_tokens: pool size in prompt tokens (>= 0).
-        policy: a RadixCache policy name (``default`` allowed) or instance.
-        page_size: the tree's page size (>= 1).
-        device: the allocator's (and tree results') device.
-        checks: the allocator validates every ``free`` (the default).
+    Args: ``capacity_tokens`` (pool size in prompt tokens, >= 0); ``policy`` (a RadixCache
+    policy name, ``default`` allowed, or instance); ``page_size`` (>= 1); ``device``;
+    ``checks`` (the allocator validates every ``free``; default).
 
-    Per request: O(matched nodes) dict probes and O(prompt) byte work in the tree, a
-    constant number of numpy / torch calls here, O(evicted nodes x log L) to evict.
+    Per request: O(matched nodes) dict probes and O(prompt) byte work in the tree, a constant
+    number of numpy / torch calls here, O(evicted nodes x log L) to evict.
 
     Raises (constructor): InvalidArgumentError for a bad size, page size or policy.
     """

@@ -9,7 +9,7 @@
   ``mamba_policies``, request entry points ``mamba_req_cache``);
 * :class:`RadixKey`: the compact int32 key (``radix_key``); :class:`TreeNode` (``tree_node``);
 * eviction policies (``policies/``), named in one registry (``eviction``: :func:`register_policy`);
-* :class:`CacheMetrics` (``metrics``); KV events (``events``) and state events
+* :class:`CacheMetrics` (``metrics``); KV events (``kv_events``) and state events
   (``state_events``); the KV conservation law (``kv_conservation``).
 """
 from radixkv.cache.eviction import (

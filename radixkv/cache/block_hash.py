@@ -1,47 +1,13 @@
 """Chained block hashes of the KV events: one unsigned 64-bit hash per page.
 
-Split out of :mod:`radixkv.cache.events` (which re-exports every public name here). The
-cache's events, the Dynamo adapter and the state index all hash pages with
-:func:`block_hashes`, the single place the hash is computed.
-
-The exact byte layout
----------------------
-Hashes are chained SHA-256, reduced to unsigned 64-bit integers, so that any process (or
-language) that knows the seed, the page size and the tokens computes the same hashes.
-
-1. **Chain root.** The seed (``bytes``, ``str`` or ``int``) is reduced to 8 bytes, ``R``:
-
-   * ``int`` ``s`` (``0 <= s < 2**64``): ``R = s.to_bytes(8, "little")``;
-   * ``bytes`` ``b``: ``R = sha256(b).digest()[:8]``;
-   * ``str`` ``t``: as the bytes ``t.encode("utf-8")``.
-
-   The default seed is :data:`DEFAULT_SEED` (``b"radixkv/kv-events/v1"``).
-
-2. **Extra key** ``E`` (the namespace), a tagged, length-prefixed field:
-
-   * ``None``  -> ``b"\\x00"``
-   * ``str``   -> ``b"\\x01" + u32le(len(utf8)) + utf8``
-   * ``bytes`` -> ``b"\\x02" + u32le(len(b)) + b``
-   * ``int``   -> ``b"\\x03" + i64le(value)`` (``-2**63 <= value < 2**63``)
-   * ``tuple`` -> ``b"\\x04" + u32le(len(t)) + E(t[0]) + E(t[1]) + ...`` (nested keys)
-
-   where ``u32le`` / ``i64le`` are little-endian unsigned 32-bit / signed 64-bit integers.
-
-3. **Page ``i``** with tokens ``t[i*P:(i+1)*P]`` (``P`` = page size) and previous link
-   ``prev_i`` (8 bytes)::
-
-       digest_i = sha256(prev_i || E || int32le(t[i*P]) || ... || int32le(t[(i+1)*P - 1]))
-       h_i      = int.from_bytes(digest_i[:8], "little")          # unsigned 64-bit
-
-   with ``prev_0 = R`` when the block has no parent (the node hangs off the root), else
-   ``prev_0 = parent_hash.to_bytes(8, "little")``, and ``prev_i = h_{i-1}.to_bytes(8,
-   "little")`` for ``i > 0``.
-
-Every field has a fixed width or a length prefix, so no two different inputs share a byte
-string. Since the parent link carries the whole chain, a node's page hashes do not change
-when the tree splits the node (the split simply divides its hash list).
-
-:func:`block_hashes` is the single place the hash is computed.
+Chained SHA-256 reduced to u64, so any process (or language) that knows the seed, the page
+size and the tokens computes the same hashes: the chain root ``R`` (8 bytes from the seed,
+default :data:`DEFAULT_SEED`), a tagged length-prefixed encoding ``E`` of the extra key, then
+per page ``h_i = u64le(sha256(prev_i || E || int32le tokens)[:8])`` with ``prev_0`` the root
+or the parent's hash. Every field has a fixed width or a length prefix (no two inputs share
+a byte string), and a node split only divides its hash list. :func:`block_hashes` is the
+single place the hash is computed (the cache's events, the Dynamo adapter, the state index).
+The exact byte layout: ``docs/events.md``, section 5.
 """
 from __future__ import annotations
 
@@ -70,7 +36,7 @@ Seed = bytes | int | str
 
 
 def chain_root(seed: Seed = DEFAULT_SEED) -> bytes:
-    """The 8-byte root of the hash chain for ``seed`` (layout step 1 of the module doc)."""
+    """The 8-byte root of the hash chain for ``seed`` (layout step 1, ``docs/events.md`` section 5)."""
     if isinstance(seed, bool):
         raise InvalidArgumentError("seed must be bytes, str or int, not bool")
     if isinstance(seed, int):
@@ -85,7 +51,7 @@ def chain_root(seed: Seed = DEFAULT_SEED) -> bytes:
 
 
 def encode_extra_key(extra_key: object) -> bytes:
-    """The tagged byte form of a namespace key (layout step 2 of the module doc)."""
+    """The tagged byte form of a namespace key (layout step 2, ``docs/events.md`` section 5)."""
     if extra_key is None:
         return b"\x00"
     if isinstance(extra_key, bool):
@@ -137,24 +103,15 @@ def block_hashes(
     extra_key: object = None,
     seed: Seed = DEFAULT_SEED,
 ) -> list[int]:
-    """Chained per-page hashes of ``token_ids`` (the layout in the module docstring).
+    """Chained per-page hashes of ``token_ids`` (layout: ``docs/events.md``, section 5).
 
-    Args:
-        token_ids: int tokens (numpy/torch/list), a multiple of ``page_size`` long.
-        page_size: tokens per block.
-        parent_hash: hash of the block just before the first page, ``None`` at the root.
-        extra_key: the cache namespace (``None``, ``str``, ``bytes`` or ``int``).
-        seed: the chain seed used when ``parent_hash`` is ``None``.
+    Args: ``token_ids`` (int tokens, numpy/torch/list, a multiple of ``page_size`` long);
+    ``page_size``; ``parent_hash`` (the block just before the first page, ``None`` at the root);
+    ``extra_key`` (``None``, ``str``, ``bytes``, ``int`` or tuples of them); ``seed`` (the chain
+    seed used when ``parent_hash`` is ``None``). Returns one unsigned 64-bit hash per page.
 
-    Returns:
-        One unsigned 64-bit hash per page, in order.
-
-    Raises:
-        AlignmentError: the length is not a multiple of ``page_size``.
-        InvalidArgumentError: bad dtype, page size, parent hash, extra key or seed.
-
-    Complexity: O(n) bytes hashed; one ``sha256`` call per page (the token bytes are
-    produced by one vectorized conversion, then sliced).
+    Raises AlignmentError (length not a multiple of ``page_size``), InvalidArgumentError (bad
+    dtype, page size, parent hash, extra key or seed). O(n) bytes hashed, one ``sha256`` per page.
     """
     tokens = page_tokens(token_ids, page_size)
     extra = encode_extra_key(extra_key)

@@ -7,7 +7,7 @@ decode reserve). :func:`conservation` counts, :func:`check_conservation` also au
 by page and names what leaked, is owned twice, or is free while referenced.
 
 It lives in the cache layer so the trees' own audits (``MambaRadixCache.check_invariants``)
-can run it; the scheduler re-exports it (``radixkv.scheduler.flow``). A request is read
+can run it; the scheduler's flow and the engine's audit import it from here. A request is read
 through the fields the cache's request entry points read (``req_pool_idx``,
 ``cache_protected_len``, ``kv_committed_len``, ``rid``) plus ``decode_reserve`` (the int64
 slots it holds ahead for decoding; empty when none).

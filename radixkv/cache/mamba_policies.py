@@ -1,34 +1,17 @@
 """Policies of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` for its Mamba
 states: which states the tree *admits*, and in which order it *evicts* them.
 
-Admission (``admission_policy=``):
+Admission: ``every`` (SGLang's: every chunk end and request end) or ``branch`` (Marconi:
+request ends and branch-off points only). Eviction order over unpinned states: ``lru``
+(lowest ``last_access`` first, ties in attach order) or ``flop`` (Marconi's FLOP-aware
+utility per state byte plus recency, both normalised; lowest ``recency + alpha * utility``
+first).
 
-* ``every`` -- a state at every request-level insert whose position matches (SGLang's
-  classic MambaRadixCache: every chunk end of a chunked prefill and every request end);
-* ``branch`` -- states only at request ends and at branch-off points (Marconi, MLSys 2025):
-  an unfinished (chunked-prefill) insert keeps its state only when the node it ends at has
-  children, i.e. other cached sequences continue past it. A scheduler reaches such points by
-  ending a chunk at ``MambaMatchResult.kv_prefix_len`` when it exceeds ``prefix_len`` (the KV
-  of the prefix is cached, its state is not): Marconi's speculative checkpoint.
-
-State eviction order (``state_eviction_policy=``), over the unpinned nodes holding a state:
-
-* ``lru`` -- least recently used first (``node.last_access``);
-* ``flop`` -- FLOP-aware (Marconi): utility = the prefill FLOPs the state saves over the
-  nearest state above it (``F(end) - F(ancestor end)``, see :class:`FlopModel`) per byte of
-  state, normalised to [0, 1] over the candidates, plus recency (rank of ``last_access``,
-  normalised to [0, 1]); the lowest ``recency + alpha * utility`` goes first. A deep state on
-  a long shared prefix outlives a shallow one used as recently.
-
-Costs, for S states in the tree: ``lru`` pops its victims off the tree's incremental LRU
-heap (:mod:`radixkv.cache.state_order`): O(log S) amortized per victim, the same victims,
-in the same order, as a stable sort of the unpinned states by ``last_access`` (ties in
-attach order), and nothing added to the match path. ``flop`` normalises recency and utility
-over all candidates, so it ranks all of them at each eviction: O(S log S), vectorized; the
-nearest state ancestor of every state is kept by the tree as states come and go
-(``StateAncestors`` in :mod:`radixkv.cache.state_order`, asked for by the order's
-``needs_ancestors``), so no eviction walks the tree. An order that only defines
-:meth:`StateEvictionOrder.order` gets the full ranking too.
+Costs for S states: ``lru`` pops victims off the incremental heap of
+:mod:`radixkv.cache.state_order`, O(log S) amortized each, nothing on the match path;
+``flop`` ranks all candidates at each eviction, O(S log S) vectorized, with the nearest
+state ancestors kept incrementally. Details: ``docs/internals.md``, "State admission and
+eviction orders".
 """
 from __future__ import annotations
 

@@ -1,37 +1,16 @@
 """``MambaRadixCache``: the prefix tree of hybrid models (KDA / Mamba layers mixed with full
-attention). A :class:`~radixkv.cache.RadixCache` whose nodes may also hold a Mamba state slot:
-the recurrent state (conv + delta-rule, every linear layer) after the node's LAST token. A
-node without one is a *tombstone*: its KV is cached, its state is not. A state is valid only
-at the token it was taken at, so a match returns KV only up to the deepest node that has a
-state, and a tombstone never yields a state.
+attention): a :class:`~radixkv.cache.RadixCache` whose nodes may also hold a Mamba state slot,
+the recurrent state after the node's LAST token. A node without one is a *tombstone*. A
+match returns KV only up to the deepest node with a state.
 
-Positions (the convention of :mod:`radixkv.scheduler.flow`): a request's own slot holds the
-state after ALL tokens whose forward has run. Extend to ``T`` tokens runs ``T`` tokens; a
-decode step feeds the token generated last (``fill_ids[seq_len - 1]``), writes its KV and the
-state after it. So once the forward of the step the flow prepared has run, the state is at
-``req.kv_committed_len`` -- the position ``cache_*_req`` assume (``state_len=`` overrides).
-The token a decode step *produces* has neither KV nor state yet.
-
-Ownership of slots: a request never writes into a tree slot. A hit is forked (copied) into
-the request's own slot (:meth:`fork_states`, a step of ``alloc_for_extend``); an unfinished
-request's state is forked into a new tree slot; a finished request hands its slot to the tree
-(no copy) when its state position is the inserted node's end and the node has none -- else
-the slot stays the request's, and the caller frees it.
-
-Locks: ``inc_lock_ref(node)`` locks the KV of the whole path (as RadixCache) and *pins* the
-node's own state (protected from state eviction); states of ancestors stay evictable.
-
-Eviction (:meth:`evict`): ``num_tokens`` in the full order (unlocked leaves in the KV
-policy's order, tombstone leaves first; a leaf takes its state with it, and a tombstone
-parent left childless goes too), then ``num_states`` in the state order (see
-:mod:`radixkv.cache.mamba_policies`): an unpinned node, leaf or internal, becomes a
-tombstone and keeps its KV -- whose match still reports ``kv_prefix_len``, a checkpoint
-hint. Admission of states is a policy as well.
-
-The bodies of the request-level entry points (``cache_finished_req`` /
-``cache_unfinished_req``) are in :mod:`radixkv.cache.mamba_req_cache`, of ``evict`` in
-:mod:`radixkv.cache.mamba_policies`, of the audit in :mod:`radixkv.cache.mamba_audit`; the
-state table is :mod:`radixkv.cache.state_table`.
+Positions: a request's own slot holds the state after all tokens whose forward has run
+(``req.kv_committed_len`` once the prepared step ran). Slots: a request never writes a tree
+slot; a hit is forked into the request's slot, an unfinished request's state into a new tree
+slot, and a finished request hands its slot over when it ends at a stateless node. Locks pin
+the node's own state. :meth:`evict` takes KV leaves (with their states), then states
+(tombstoning, KV kept). Bodies live in :mod:`~radixkv.cache.mamba_req_cache`,
+:mod:`~radixkv.cache.mamba_policies`, :mod:`~radixkv.cache.mamba_audit`,
+:mod:`~radixkv.cache.state_table`. The rules in full: ``docs/internals.md``, "The hybrid tree".
 """
 from __future__ import annotations
 
@@ -104,33 +83,16 @@ class MambaInsertResult(NamedTuple):
 class MambaRadixCache(RadixCache):
     """The radix tree of a hybrid model: KV rows per token, Mamba states at node ends.
 
-    Args:
-        req_to_token_pool: a ``HybridReqToTokenPool`` (its ``mamba_pool`` holds the states),
-            or ``None`` for a tree driven directly (then pass ``mamba_pool``).
-        token_to_kv_pool_allocator, page_size, eviction_policy, enable_kv_events, disable,
-            kv_event_seed, metrics_window: as :class:`RadixCache` (``eviction_policy`` orders
-            the full eviction). With ``enable_kv_events`` the recorder is a
-            :class:`~radixkv.cache.state_events.HybridEventRecorder`: ``take_events()``
-            returns the KV events and the state events (``StateStored`` when a node gets a
-            state, ``StateRemoved`` when it loses it: tombstoned, evicted, or reset) in the
-            order they happened.
-        admission_policy: ``every`` / ``branch`` / a :class:`StateAdmission`; ``none``
-            disables the cache (as the engine's ``none``).
-        mamba_pool: the ``MambaPool`` (default: ``req_to_token_pool.mamba_pool``).
-        state_eviction_policy: ``lru`` / ``flop`` / a :class:`StateEvictionOrder`.
-        flop_model: the :class:`FlopModel` of the ``flop`` order (default: estimated from
-            the pool's state shapes).
-        checks: look every slot handed in (insert, fork, cache_*_req) up in the pool's free
-            mask, so a free slot raises (one vectorized lookup, ~10 us on CPU). ``False``
-            (trusted callers, benchmarks) keeps the O(1) checks only: type, range, and not
-            already the tree's -- as the pools' own ``checks``.
+    Args as :class:`RadixCache`, plus: ``req_to_token_pool`` (a ``HybridReqToTokenPool``, or
+    ``None`` with ``mamba_pool``); ``admission_policy`` (``every`` / ``branch`` / ``none`` / a
+    :class:`StateAdmission`); ``state_eviction_policy`` (``lru`` / ``flop`` / a
+    :class:`StateEvictionOrder`); ``flop_model``; ``checks`` (look every slot handed in up in
+    the free mask, ~10 us; ``False`` keeps the O(1) checks). With events on, the recorder also
+    records ``StateStored`` / ``StateRemoved`` in order (each argument: ``docs/internals.md``).
 
-    Costs on top of RadixCache's: match O(d) more dict probes (walking up to the deepest
-    state); insert / lock / unlock O(1) more (attaching a state O(log S) amortized: the LRU
-    heap); a fork one vectorized copy per batch; evicting states, over the S states the tree
-    holds, O(log S) amortized per state with ``lru``, O(S log S) with ``flop`` (see
-    ``mamba_policies``).
-    Metrics count a query's hit as ``prefix_len`` (state hit), not the KV match.
+    Costs on top of RadixCache's: match O(d) more probes; attaching a state O(log S) amortized;
+    a fork one vectorized copy per batch; evicting states O(log S) each with ``lru``, O(S log S)
+    with ``flop``. Metrics count a hit as ``prefix_len`` (state hit), not the KV match.
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenTable | None = None,

@@ -1,19 +1,14 @@
 """Request-level entry points of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache`
 (the bodies of its ``cache_finished_req`` / ``cache_unfinished_req``): RadixCache's
-(:mod:`radixkv.cache.req_cache`: insert the page-aligned tokens, free duplicate rows, move
-or release the lock) plus the request's Mamba state.
+(:mod:`radixkv.cache.req_cache`) plus the request's Mamba state.
 
 A finished request hands its own slot to the tree (no copy) when its state position is the
-inserted node's end and that node holds none; an unfinished request's state is forked
-(copied) into a new tree slot. Every argument (row, slot, state position, lock) is
-validated before anything changes. Cost: as RadixCache's, plus O(1) for the state (one
-copy of one slot for an unfinished request).
-
-Tracked states (a request with a ``mamba_ping_pong_track_buffer``, see
-:mod:`radixkv.scheduler.track`): when the request's own state is not at the inserted key's
-end (it sits past the last page end), the state its last tracked step wrote -- at
-``mamba_last_track_seqlen``, an aligned position the tree can hold -- is forked into a tree
-slot at the node ending there (the node is split out when it is inside one).
+inserted node's end and that node holds none; an unfinished request's state is forked into a
+new tree slot. With a track buffer (:mod:`radixkv.scheduler.track`), when the request's own
+state is past the last page end, the state its last tracked step wrote (at
+``mamba_last_track_seqlen``) is forked into the node ending there (split out if needed).
+Everything is validated before anything changes. Cost: as RadixCache's, plus O(1) for the
+state (one slot copy for an unfinished request).
 """
 from __future__ import annotations
 

@@ -1,44 +1,14 @@
 """The RadixCache's compiled hot paths, when they are built (``csrc/``, built as ``radixkv.cache._native``).
 
-``setup.py`` builds ``radixkv.cache._native`` as an *optional* C extension: without a C
-compiler the install still succeeds and every path runs in Python. The Python code in
-``radix_cache`` / ``radix_insert`` / ``rows`` stays the contract and the reference; the
-compiled functions replace pieces of it one for one (``tests/test_native_walk.py`` runs both
-on the same random operations and compares every result and every node's fields):
-
-* ``walk``: ``match_prefix``'s walk plus the int32 -> int64 widening of the matched rows, a
-  tensor made by ``torch._C._from_dlpack`` straight over the C buffer (no numpy array in
-  between); a result of 1,024-131,072 rows uses a pooled buffer, given back when the tensor's
-  storage dies: no first-touch page faults on fresh heap; ``pool_stats()``;
-* ``find``: ``insert``'s read-only walk;
-* ``narrow``: the range check and int32 copy of a contiguous int64 tensor's rows (read
-  at its ``data_ptr()``: no ``.numpy()`` view);
-* ``new_node``: ``TreeNode(...)`` with its fields set in C (no ``__init__`` frame);
-* ``match``: ``RadixCache.match_prefix`` whole for its common case (``NativeRadixCache``'s
-  method; it hands every other call to the Python method ``RadixCache.match_prefix``);
-* ``insert``: ``RadixCache.insert`` likewise (the reference: ``InsertMixin.insert`` in
-  ``radix_insert``); it hands a call over before changing anything.
-
-Both entries read and write the cache's own attributes in its instance ``__dict__`` (no
-generic attribute protocol) while its class defines none of those names and keeps the
-generic protocol; ``insert`` files leaves of a :class:`~radixkv.cache.leaf_index.LeafIndex`
-on its slots (its ``add`` / ``remove``, same steps) and adds to ``CacheMetrics``' insert
-counters on theirs; ``match`` splits a node its match ends inside in C while the cache's
-class has the stock ``_split_end`` / ``_split`` / ``_new_id`` and no ``on_split`` hook
-(``csrc/attrs.c``, ``csrc/split.c``).
-
-Where they are used: ``radixkv.cache.radix_cache`` binds ``match`` and ``insert`` as the
-methods of its ``NativeRadixCache`` subclass, which ``RadixCache(...)`` is when the
-compiled paths are used; ``RadixCache.__init__`` sets the walks (``_cwalk``, ``_cfind``,
-``_cnarrow``, ``_new_node``) that the Python methods call.
-
-Why compiled: the issue's target (mean ``match_prefix`` <= 10 µs, ``insert`` <= 15 µs on
-``benchmarks/bench_radix.py``) is below what the Python walk reaches on a 2-core VM, where
-about half of a match is interpreter work around the ``memcmp`` and the copies
-(``docs/bench_radix.md``).
-
-``RADIXKV_PURE_PYTHON=1`` in the environment (read at import) disables the compiled paths
-for the whole process; ``RadixCache(..., native=False)`` for one cache.
+An optional C extension: without it every path runs in Python, which stays the contract and
+the reference (``tests/cache/test_native_walk.py`` compares both on random operations). ``walk``
+(match's walk + int64 widening, DLPack over a pooled C buffer), ``find`` (insert's read-only
+walk), ``narrow`` (range check + int32 copy of rows), ``new_node``, and ``match`` /
+``insert`` (the common call whole, as ``NativeRadixCache``'s methods; other calls and any
+call they cannot take go to the Python methods before anything changes). The entries read
+the cache's instance ``__dict__`` directly. ``RADIXKV_PURE_PYTHON=1`` (read at import)
+disables them for the process, ``RadixCache(..., native=False)`` for one cache. What each
+entry assumes and why compiled: ``docs/internals.md``, "The compiled hot paths".
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class RadixCache(InsertMixin):
         disable: every match is empty, every insert a no-op.
         enable_kv_events: record KV events (``take_events()``); nodes then keep their
             per-page hashes.
-        kv_event_seed: seed of the event hash chain (see ``radixkv.cache.events``).
+        kv_event_seed: seed of the event hash chain (see ``radixkv.cache.kv_events``).
         metrics_window: queries covered by the rolling hit rate.
         native: use the compiled paths (``radixkv.cache.native``): ``None`` when they are
             built, ``False`` never (the pure-Python reference), ``True`` or raise
@@ -135,7 +135,8 @@ class RadixCache(InsertMixin):
         self._on_evict = self.policy.on_evict if kind.on_evict is not base.on_evict else None
         self.kv_events = None
         if enable_kv_events:
-            from radixkv.cache.events import DEFAULT_SEED, KVEventRecorder
+            from radixkv.cache.block_hash import DEFAULT_SEED
+            from radixkv.cache.kv_events import KVEventRecorder
 
             self.kv_events = KVEventRecorder(page_size, seed=DEFAULT_SEED if kv_event_seed is None
                                              else kv_event_seed)

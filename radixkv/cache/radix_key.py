@@ -33,20 +33,14 @@ class RadixKey:
     """Token ids (int32) plus a namespace; immutable.
 
     Args:
-        token_ids: a list, numpy integer array or torch integer tensor (1-D). Values must
-            fit in int32.
+        token_ids: a list, numpy integer array or torch integer tensor (1-D), values in int32.
         extra_key: the namespace; any hashable value, ``None`` by default.
 
-    Attributes:
-        token_ids: read-only int32 numpy view of the tokens.
-        extra_key: the namespace.
+    Attributes: ``token_ids`` (read-only int32 numpy view), ``extra_key``.
 
-    Raises:
-        InvalidArgumentError: non-integer or multi-dimensional tokens, values outside int32,
-            or an unhashable ``extra_key``.
-
-    Construction is O(n) (one copy); ``len``, slicing with step 1 and ``buffer`` are O(1)
-    apart from the copy a slice makes.
+    Raises InvalidArgumentError: non-integer or multi-dimensional tokens, values outside int32,
+    or an unhashable ``extra_key``. Construction is O(n) (one copy); ``len``, slicing with step
+    1 and ``buffer`` are O(1) apart from the copy a slice makes.
     """
 
     __slots__ = ("_buf", "token_ids", "extra_key")

@@ -1,22 +1,14 @@
 """Request-level entry points of the RadixCache (SGLang's ``cache_finished_req`` /
 ``cache_unfinished_req``), the bodies of those methods of :class:`~radixkv.cache.RadixCache`.
 
-Row ownership, the contract these functions keep: a request's ``req_to_token`` row holds,
-for its tokens ``[0, cache_protected_len)``, rows owned by the tree (locked through
-``req.last_node``), and after that rows the request allocated itself. On caching:
-
-* the page-aligned part of the request's tokens is inserted with the request's rows;
-* for tokens the tree already held (``[cache_protected_len, prefix)``, cached meanwhile by
-  another request), the request's own duplicate rows are freed -- only those that differ
-  from the tree's rows, so a row the tree owns is never freed;
-* finished: the unaligned tail's rows are freed too and the lock is released;
-* unfinished (chunked prefill): the tree's rows are written into the request's row, the
-  lock moves to the node where the inserted key ends, and ``prefix_indices`` /
-  ``last_node`` / ``cache_protected_len`` are updated.
-
-Each call frees with ONE allocator call. Arguments are validated before anything changes.
-The number of tokens with rows is ``len(req.fill_ids)``, or ``req.kv_committed_len`` when
-that is set and smaller (the last decoded token may have no row yet).
+Row ownership, the contract they keep: a request's row holds tree-owned rows (locked through
+``req.last_node``) for tokens ``[0, cache_protected_len)`` and its own rows after. Caching
+inserts the page-aligned tokens with the request's rows and frees the request's duplicates of
+rows the tree already held (never a row the tree owns); finished: the unaligned tail is freed
+and the lock released; unfinished: the tree's rows are written into the request's row and
+the lock moves to the inserted key's end. ONE allocator free per call; arguments validated
+before anything changes. Tokens with rows: ``min(len(fill_ids), kv_committed_len)``. The
+full rules: ``docs/internals.md``, "Row ownership at the request entry points".
 """
 from __future__ import annotations
 

@@ -1,42 +1,16 @@
 """State events of hybrid models: which recurrent (Mamba / KDA) states the cache holds.
 
-A hybrid model's prefix is reusable only up to a position where the tree also holds the
-recurrent state taken after that position's last token: KV without its state cannot resume
-the linear layers. A router that credits a worker with the whole KV prefix overstates what
-the worker can reuse. State events tell it where the states are.
+A hybrid prefix is reusable only where the tree also holds the state after it, so a router
+needs to know where the states are. radixkv's own format, in the style of vLLM's KV events:
+:class:`StateStored` ``(block_hash, position, medium)`` (the state after a live page) and
+:class:`StateRemoved` ``(block_hashes, medium)``. Rules: a ``StateStored`` names a live
+block, at most one state per block; ``BlockRemoved`` and ``AllBlocksCleared`` drop the
+states too.
 
-No existing router indexes these yet, so the format is radixkv's own, kept in the style of
-vLLM's KV events (tagged structs, same envelope):
-
-* :class:`StateStored` ``(block_hash, position, medium)``: the tree now holds the state after
-  the page whose block hash is ``block_hash`` (a page a ``BlockStored`` announced, still
-  live). ``position`` is the number of tokens the state covers (the end of that page).
-* :class:`StateRemoved` ``(block_hashes, medium)``: those states are gone (the node became a
-  *tombstone*, or was evicted).
-
-Rules a consumer relies on (the recorder enforces them on the producer side):
-
-1. A ``StateStored`` names a live block; at most one live state per block.
-2. A ``BlockRemoved`` drops the states of the blocks it removes as well (a producer may send
-   ``StateRemoved`` first; it need not).
-3. ``AllBlocksCleared`` drops every state.
-
-On the vLLM ZMQ wire the two kinds are tagged ``"StateStored"`` / ``"StateRemoved"`` (see
-:mod:`radixkv.events.vllm_wire`); vLLM's own decoders reject unknown tags, so publishers
-keep them off the standard stream unless asked (``state_events="inline"``).
-
-:class:`HybridEventRecorder` is the producer: a ``KVEventRecorder`` whose queue also takes
-state events, so KV and state events stay in one order. The hook a hybrid cache calls:
-
-* after a node gets a state (``StateTable.attach``): ``on_state_stored(node.block_hashes[-1],
-  end)``;
-* when a node loses its state (``StateTable.detach``, tombstoning or eviction):
-  ``on_state_removed([node.block_hashes[-1]])``.
-
-The consumer side, :class:`~radixkv.events.state_events.StateIndex` (per worker, the live
-states; it turns a KV overlap from any KV index, e.g. Dynamo's, into the overlap the worker
-can actually reuse), is in the events package, which imports this module: the cache records
-events, their consumers sit above it.
+:class:`HybridEventRecorder` is the producer: a ``KVEventRecorder`` whose one queue also
+takes state events (hooks ``on_state_stored`` / ``on_state_removed``, called by
+``StateTable.attach`` / ``detach``). The consumer, ``StateIndex``, is in the events package.
+Format and rules: ``docs/events.md``, section 3.
 """
 from __future__ import annotations
 
@@ -47,16 +21,15 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from radixkv.cache.block_hash import DEFAULT_SEED, Seed
 from radixkv.cache.block_hash import check_hash as _check_hash
-from radixkv.cache.events import (
-    DEFAULT_SEED,
+from radixkv.cache.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventRecorder,
-    Seed,
     event_from_dict,
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids
@@ -209,9 +182,9 @@ class HybridEventRecorder(KVEventRecorder):
 
     # -- the KV hooks keep the states consistent (rules 2 and 3)
 
-    def on_removed(self, block_hashes: Sequence[int]) -> None:
+    def on_removed(self, block_hashes: Sequence[int], medium: str | None = None) -> None:
         """The base's ``BlockRemoved``; the removed blocks' states go with them (rule 2)."""
-        super().on_removed(block_hashes)  # validates; raises before any change
+        super().on_removed(block_hashes, medium)  # validates; raises before any change
         for h in block_hashes:
             h = int(h)
             if h in self._states and not self.is_live(h):

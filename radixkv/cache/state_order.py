@@ -1,38 +1,17 @@
 """What the state eviction orders of a
 :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` keep up to date as states come and
-go (pure bookkeeping): ``StateHeap``, the incremental least-recently-used order of the Mamba
-states, and ``StateAncestors``, the position of each state's nearest state ancestor (the
-``flop`` order's marginal utility).
+go (pure bookkeeping): ``StateHeap`` and ``StateAncestors``.
 
-The ``lru`` state eviction order is "lowest ``node.last_access`` first; ties in attach
-order" (what a stable argsort of the states in attach order gives). Sorting every state on
-every eviction costs O(S log S) for S states; this heap gives the same victims in
-O(log S) amortized per victim, with nothing added to the match path:
+``StateHeap``: the ``lru`` order (lowest ``last_access``, ties in attach order) as a lazy
+min-heap, the same victims as a stable sort in O(log S) amortized per victim, nothing on the
+match path. Keys only rise, so a filed key is a lower bound: :meth:`StateHeap.pop_victims`
+drops dead entries, re-files stale ones, sets pinned ones aside. :meth:`StateHeap.compact`
+rebuilds past ``2 x states + 64`` entries. Invariants (:meth:`StateHeap.check`): one live
+entry per state under a key ``<= last_access``; ``seq_at`` 0 exactly on stateless slots.
 
-* :meth:`StateHeap.push` (at ``StateTable.attach``) files ``(last_access, seq, slot, node)``;
-  ``seq`` is a counter that grows with every attach, so it reproduces the attach order of the
-  ties, and ``seq_at[slot]`` remembers the live attach of each slot (0: none);
-* matches and inserts only raise ``node.last_access`` (ticks of a logical clock never go
-  down; a split copies it into a NEW node), so an entry's key is a lower bound of its node's
-  current key. :meth:`StateHeap.pop_victims` looks at the minimum: an entry whose attach is
-  gone (``seq_at[slot] != seq``: detached by a state or full eviction, or re-attached since)
-  is dropped; a stale key is re-filed under the node's current ``last_access``; a pinned
-  node's entry is set aside and filed back afterwards; a fresh entry is the true minimum of
-  the order (every other entry's key bounds its node's key from below) -- a victim;
-* entries of states that left by full (KV) eviction stay in the heap until they surface;
-  :meth:`StateHeap.compact` rebuilds it from the live states once it holds more than
-  ``2 x states + 64`` entries (amortized O(1) per attach).
-
-Invariants (:meth:`StateHeap.check`): each state has exactly one live entry, filed under a
-key ``<= last_access``; no live entry names another node than the slot's; ``seq_at`` is 0
-exactly on the slots no state holds; the heap holds at most ``2 x states + 64`` entries.
-
-``StateAncestors.above[slot]``: the end position of the nearest state strictly above the
-state in ``slot`` (0: none below the namespace head). Only attaching or detaching a state
-changes it (a split inserts a tombstone, a new leaf has no state, a removed leaf has no
-children), and then only for the states just below the node: those reached from it through
-tombstones. So :meth:`StateAncestors.attach` walks up to the nearest state and down to that
-frontier, :meth:`StateAncestors.detach` down to it: O(tombstones crossed), O(1) for a leaf.
+``StateAncestors.above[slot]``: the end of the nearest state strictly above (the ``flop``
+order's marginal utility); attach / detach cost O(tombstones crossed). Why each step is
+right: ``docs/internals.md``, "The incremental state orders".
 """
 from __future__ import annotations
 

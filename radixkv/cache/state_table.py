@@ -1,28 +1,16 @@
 """``StateTable``: which radix-tree nodes hold a Mamba state, in which slot, and at which
 token position; which nodes requests pin; the validation of slots handed to the tree; and
-the table's own audit (pure bookkeeping: no state tensor is touched here, only the pool's
-free mask is read). The hybrid tree's audit and the slot conservation law are in
-:mod:`radixkv.cache.mamba_audit`.
+the table's own audit (pure bookkeeping: only the pool's free mask is read).
 
-A node's state is the recurrent state after the node's LAST token: ``end[slot]`` is that
-position, counted from the start of the sequence (the node's depth in tokens). It never
-changes: a split keeps the state on the lower half (same end), so a state can never be
-restored at a position other than the one it was taken at.
-
-Pins: ``pins[node]`` counts the ``inc_lock_ref(node)`` calls not yet undone *on that very
-node* (the base tree's ``lock_ref`` counts locks through a node). A state is *protected*
-while its node is pinned and *evictable* otherwise; a node that gains a state while pinned
-is protected at once. Hence, for every node, ``lock_ref == sum of pins over its subtree``.
-
-The LRU order of the states is kept incrementally in ``lru``, a
-:class:`~radixkv.cache.state_order.StateHeap` that :meth:`StateTable.attach` /
-:meth:`StateTable.detach` keep up to date (O(log S) amortized per attach, O(1) per detach);
-for the ``flop`` order, ``anc`` (a :class:`~radixkv.cache.state_order.StateAncestors`) keeps
-each state's nearest state ancestor position (O(tombstones around the node) per attach /
-detach).
+``end[slot]``: the position after the node's LAST token; it never changes (a split keeps the
+state on the lower half). ``pins[node]`` counts locks taken on that very node, so ``lock_ref
+== sum of pins over the subtree``; a state is protected while its node is pinned. ``lru``
+(:class:`~radixkv.cache.state_order.StateHeap`) and ``anc``
+(:class:`~radixkv.cache.state_order.StateAncestors`) are kept up to date by attach / detach.
 
 All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned`
 (O(states)), :meth:`check_slots` (O(slots) plus one pool lookup) and the audits (O(tree)).
+The hybrid audit is :mod:`radixkv.cache.mamba_audit`; why: ``docs/internals.md``, "The state table".
 """
 from __future__ import annotations
 

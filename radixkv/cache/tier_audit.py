@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from radixkv.cache import tree_audit
-from radixkv.cache.events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvariantError, describe_ids
 
@@ -83,6 +83,7 @@ def check(cache: TieredRadixCache) -> None:
         _fail("evictable-leaf index wrong", wrong)
     tree_audit._check_rows(cache, nodes)
     _check_host(cache, nodes)
+    cache.policy.check_invariants([x for x in nodes if x.vbuf])  # it orders device nodes only
     if cache.kv_events is not None:
         tree_audit._check_events(cache, nodes)
         _check_media(cache.kv_events, nodes)

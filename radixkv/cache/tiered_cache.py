@@ -24,8 +24,8 @@ import torch
 from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
 from radixkv.cache.block_hash import encode_extra_key
-from radixkv.cache.events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.radix_insert import InsertMixin
@@ -125,6 +125,17 @@ class TieredRadixCache(RadixCache):
         """Tokens the host tier holds at most. O(1)."""
         return self.host_pool.num_pages * self.page_size
 
+    def tier_counters(self) -> dict[str, int]:
+        """Every tier's figures (usage in tokens, hits in tokens, traffic in pages and bytes,
+        load time in ns; storage counters when on), for metrics. O(1)."""
+        out = {"host_capacity_tokens": self.host_capacity(), "host_used_tokens": self._host_tokens,
+               "page_bytes": self.host_pool.page_bytes}
+        out.update({f"hit_tokens_{k}": v for k, v in self.tier_hits.items()})
+        out.update(self.tier_stats)
+        if self.storage is not None:
+            out.update({f"storage_{k}": v for k, v in self.storage.stats.snapshot().items()})
+        return out
+
     # ------------------------------------------------------------------ match
     def match_prefix(self, key: RadixKey | object, extra_key: Hashable = None) -> TierMatch:  # type: ignore[override]
         """The longest cached page-aligned prefix of ``key`` over every tier: its device
@@ -160,7 +171,7 @@ class TieredRadixCache(RadixCache):
             tick += 1
             child.last_access = tick
             child.hits += 1
-            if self._on_hit is not None:
+            if self._on_hit is not None and child.vbuf:  # the policy orders device nodes only
                 self._on_hit(child)
             if not self._lazy and child.skey is not None:
                 self._refile(child)
@@ -215,6 +226,7 @@ class TieredRadixCache(RadixCache):
         if locked:
             self.inc_lock_ref(m.last_node)
         self._pinned.update(x.id for x in nodes)
+        t0 = time.perf_counter_ns()
         try:
             room = alloc.available_size() + self._evictable  # the path is locked: not in it
             take: list[TierNode] = []
@@ -251,7 +263,9 @@ class TieredRadixCache(RadixCache):
                 size = len(x.kbuf)
                 x.vbuf = rb[off:off + size]
                 off += size
-                self._announce(x, MEDIUM_GPU)
+                self._moved(x, MEDIUM_GPU)
+                if self._on_insert is not None:  # back on the device: the policy sees it anew
+                    self._on_insert(x)
             self._evictable += tot
             self._file_if_leaf(take[-1])
             self.tier_stats["loaded_pages"] += tot // self.page_size
@@ -266,11 +280,12 @@ class TieredRadixCache(RadixCache):
 
     def wait_loads(self) -> None:
         """Block until every load issued so far has completed (CUDA; a no-op on CPU)."""
-        t0 = time.perf_counter_ns()
-        for ev in self._inflight:
-            ev.synchronize()
-        self._inflight.clear()
-        self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
+        if self._inflight:
+            t0 = time.perf_counter_ns()
+            for ev in self._inflight:
+                ev.synchronize()
+            self._inflight.clear()
+            self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
 
     # ------------------------------------------------------------------ insert
     def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
@@ -322,8 +337,10 @@ class TieredRadixCache(RadixCache):
                 child = self._split(child, m)
             last = child
             child.vbuf = tail[start - base:start - base + m]
+            self._moved(child, MEDIUM_GPU)
+            if self._on_insert is not None:
+                self._on_insert(child)
             self._evictable += m >> 2
-            self._announce(child, MEDIUM_GPU)
             if self.write_policy == "write_back":
                 self._drop_host_copy(child)
             parent: Any = child.parent
@@ -385,11 +402,11 @@ class TieredRadixCache(RadixCache):
                 self._on_evict(node)
             parent: Any = node.parent
             if node.hbuf is not None:
-                self._announce(node, MEDIUM_CPU)
+                self._moved(node, MEDIUM_CPU)
                 if not node.children:
                     heapq.heappush(self._host_heap, (node.last_access, node.id, node))
             else:
-                self._drop(node)
+                self._drop(node, MEDIUM_GPU)
             self._file_if_leaf(parent)
             evicted += t
         self._evictable -= evicted
@@ -479,7 +496,13 @@ class TieredRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ helpers
     def _split(self, child: TreeNode, m: int) -> TreeNode:
-        new: Any = super()._split(child, m)
+        hook = self._on_split
+        if not child.vbuf:  # the policy keeps no state for host-only nodes
+            self._on_split = None
+        try:
+            new: Any = super()._split(child, m)
+        finally:
+            self._on_split = hook
         c: Any = child
         pages = m // self._pb
         if c.hbuf is not None:
@@ -519,9 +542,10 @@ class TieredRadixCache(RadixCache):
             self._host_tokens -= len(node.kbuf) >> 2
             node.hbuf = None
 
-    def _drop(self, node: TierNode) -> None:
+    def _drop(self, node: TierNode, medium: str = MEDIUM_CPU) -> None:
         """Remove ``node`` (no device rows left) and its host-only subtree from the tree,
-        freeing their host pages; KV events record their pages removed."""
+        freeing their host pages; KV events record their pages removed, children before their
+        parent (``node``'s from ``medium``, the subtree's from the host)."""
         stack, order = [node], []
         while stack:
             x = stack.pop()
@@ -531,8 +555,8 @@ class TieredRadixCache(RadixCache):
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
         if self.kv_events is not None:
-            for x in reversed(order):  # children before their parent: no removal leaves an orphan
-                self.kv_events.on_removed(x.block_hashes)  # type: ignore[arg-type]
+            for x in reversed(order):  # children first: no removal leaves an orphan (a router refuses one)
+                self.kv_events.on_removed(x.block_hashes, medium if x is node else MEDIUM_CPU)  # type: ignore[arg-type]
         parent: Any = node.parent
         del parent.children[node.kbuf[:self._pb]]
         sync_only(parent)
@@ -549,13 +573,15 @@ class TieredRadixCache(RadixCache):
             x = x.parent
         return x.extra_key  # type: ignore[no-any-return]
 
-    def _announce(self, node: TreeNode, medium: str) -> None:
-        """KV events: ``node``'s pages are now served from tier ``medium`` (docs/events.md, "Tiers")."""
+    def _moved(self, node: TreeNode, dst: str) -> None:
+        """KV events of ``node``'s pages moving to tier ``dst``: ``BlockStored`` in ``dst``, then
+        ``BlockRemoved`` from the tier they left (same hashes), so no consumer sees them absent
+        (docs/events.md, section 6)."""
         if self.kv_events is None or not node.block_hashes:
             return
         parent: Any = node.parent
-        ph = parent.block_hashes[-1] if parent.block_hashes else None
-        self.kv_events.on_moved(node.block_hashes, medium, ph, np.frombuffer(node.kbuf, _I32), self._namespace(node))
+        ph = parent.block_hashes[-1] if parent.parent is not None and parent.block_hashes else None
+        self.kv_events.on_moved(node.block_hashes, dst, ph, np.frombuffer(node.kbuf, _I32), self._namespace(node))
 
     def _seed(self, node: TreeNode) -> bytes:
         ns = self._namespace(node)

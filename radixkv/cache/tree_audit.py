@@ -26,23 +26,14 @@ def _fail(msg: str, ids: Iterable[int]) -> None:
 
 
 def check_invariants(cache: RadixCache) -> None:
-    """Raise :class:`InvariantError` naming the offending node ids / rows unless:
+    """Raise :class:`InvariantError` naming the offending node ids / rows unless the tree holds.
 
-    * every namespace head is registered, empty, locked once, and (but the ``None`` one)
-      has children; every child's ``parent`` and dict key (its first page) are right, and
-      ``only`` is the lone child (``None`` unless there is exactly one);
-    * every node holds a non-empty whole number of pages, as many rows as tokens;
-    * lock counts are >= 0 and a node's parent is locked at least as often as the node;
-    * ``evictable_size() + protected_size() == total_size()`` == the sum of node lengths,
-      split by lock state;
-    * the filed evictable leaves are exactly the unlocked leaves, each filed under a key
-      equal to (eager policies) or not above (lazy ones) its current sort key, and the
-      sorted index itself is ordered;
-    * no KV row is held by two nodes, and (when the allocator has ``is_free``) no row in
-      the tree is free in the allocator;
-    * with KV events, every node has one hash per page, and the recorder's live blocks
-      are exactly the tree's;
-    * the policy's own state agrees with the tree.
+    Checked: namespace heads; parent links, child keys and ``only``; whole pages, as many rows
+    as tokens; lock counts (a parent locked at least as often as its child); the size split
+    ``evictable + protected == total``; the filed evictable leaves are exactly the unlocked
+    leaves under keys not above their current ones, in order; no row in two nodes or free in
+    the allocator; with events, one hash per page and the recorder's blocks equal to the tree's;
+    the policy's own state. The list in full: ``docs/internals.md``, "What the tree audit checks".
     """
     pb = cache._pb
     heads = cache._heads

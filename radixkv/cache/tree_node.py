@@ -1,24 +1,13 @@
 """``TreeNode``: one edge of the radix tree (a run of tokens and their KV rows).
 
-Memory layout (the tree holds millions of tokens, so this is what the cache costs):
-
-* ``kbuf`` / ``vbuf``: the node's token ids and KV row indices as int32 ``bytes``
-  (4 bytes per token each, plus ~33 bytes of object header). ``bytes`` rather than numpy
-  arrays: smaller headers, ``startswith`` compares without copying, and ``b"".join`` builds
-  a match result in one copy. ``key`` / ``value`` give read-only int32 numpy views.
-* ``children``: a dict keyed by the child's first page as bytes (4 bytes per token).
-* ``only``: the child when there is exactly one, else ``None``. Most nodes on a path (the
-  turns of a conversation) have one child, and a walk that follows ``only`` skips the dict
-  lookup (hashing the page, and two to three cold lines of dict and key). The cache keeps it
-  in step with ``children`` (:func:`sync_only`); ``check_invariants`` checks it.
-* ``__slots__`` only, no per-node tensors.
-
-Bookkeeping fields the cache maintains for every policy: ``lock_ref`` (requests holding the
-node), ``last_access`` / ``created`` (ticks of a logical clock, unique among leaves),
-``hits`` (matches through the node), ``priority`` (max priority of the inserts through it),
-``skey`` (the sort key it is filed under in the evictable-leaf index, ``None`` when it is
-not filed), ``pstate`` (free for the eviction policy), ``block_hashes`` (KV-event page
-hashes, kept only when events are enabled).
+Memory (what the cache costs): ``kbuf`` / ``vbuf`` hold the token ids and KV rows as int32
+``bytes`` (4 bytes per token each; ``key`` / ``value`` are read-only numpy views);
+``children`` is a dict keyed by the child's first page; ``only`` is the lone child (else
+``None``), kept in step by :func:`sync_only` so a walk skips the dict; ``__slots__`` only.
+Fields the cache keeps for every policy: ``lock_ref``, ``last_access`` / ``created``
+(logical ticks, unique among leaves), ``hits``, ``priority``, ``skey`` (key filed under in
+the leaf index, ``None`` when not filed), ``pstate`` (the policy's), ``block_hashes`` (with
+events on). Why bytes and ``only``: ``docs/internals.md``, "Tree nodes and their memory".
 """
 from __future__ import annotations
 

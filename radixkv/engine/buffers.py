@@ -1,27 +1,14 @@
 """``WorkerBuffers``: what a worker (model runner) reads and writes KV and states through.
 
-A worker never sends KV bytes through the engine protocol: it writes the K/V of the tokens
-it computes into the slots ``alloc_extend`` / ``alloc_decode`` returned, reads the reused
-prefix's K/V through ``req_to_token``, and advances its request's KDA state slot, all
-directly in the engine's buffers. ``WorkerBuffers`` gives it exactly the pools' API over
-those buffers, with GLOBAL layer ids (as the reference model and ``HybridLinearKVPool``
-number layers):
-
-* ``get_kv_buffer(layer_id) -> (k, v)`` and ``set_kv_buffer(layer_id, loc, k, v)`` for
-  full-attention layers;
-* ``mamba2_layer_cache(layer_id)`` (``.conv[0]``, ``.temporal``) for KDA layers;
-* ``req_to_token``: the ``[rows + 1, max_context_len]`` int32 table.
-
-Two ways to get one:
-
-* in-process: ``attach_buffers(layout)`` for a layout whose pools are mapped
-  ``"embedded"`` (what ``CacheEngine.attach`` returns), or ``EnginePools.worker_buffers()``;
-* from other memory: ``attach_buffers(layout, {"kv": t, "req_to_token": t, ...})`` with one
-  flat tensor per pool (a shared-memory file mapped with ``torch.from_file``, a tensor
-  rebuilt from a CUDA IPC handle). The views alias those bytes: no copies.
-
-Every view is checked against the layout (names, shapes, dtypes, offsets), so a worker
-built for another config fails at attach, not with garbage later.
+A worker writes the K/V of the tokens it computes into the slots ``alloc_*`` returned, reads
+the reused prefix through ``req_to_token`` and advances its state slot, all directly in the
+engine's buffers. ``WorkerBuffers`` gives it the pools' API with GLOBAL layer ids:
+``get_kv_buffer`` / ``set_kv_buffer``, ``mamba2_layer_cache`` (``.conv[0]``,
+``.temporal``), ``req_to_token``. Get one in-process (``attach_buffers(layout)`` for
+``"embedded"`` mappings, or ``EnginePools.worker_buffers()``) or over other memory
+(``attach_buffers(layout, {"kv": t, ...})``, one flat tensor per pool: aliasing views, no
+copies). Every view is checked against the layout, so a worker built for another config
+fails at attach. See ``docs/internals.md``, "Worker buffers".
 """
 from __future__ import annotations
 

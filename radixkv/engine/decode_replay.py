@@ -4,11 +4,11 @@ A remote client answers a decode call itself when every request of it holds >= 2
 KV slots (``radixkv.service.client.local_decode``), then sends the manager the calls it
 answered, to run as ``alloc_decode`` each. Such a call takes each request's front reserved
 slot, writes it into the request's row and appends the token: no allocator call, no
-eviction, no top-up. :func:`replay_decodes` runs the longest leading run of the calls for
-which that holds, as ONE batched update (one ``req_to_token`` write, one append per
-request) leaving the engine exactly as the calls one by one would; the caller runs the
-rest with ``CacheEngine.alloc_decode`` (which raises the error of a bad call with its own
-checks and message). A call whose validity is in any doubt (a bad or foreign rid, a rid
+eviction, no top-up. :func:`replay_decodes` (run by ``CacheEngine.replay_decodes``) runs
+the longest leading run of the calls for which that holds, as ONE batched update (one
+``req_to_token`` write, one append per request) leaving the engine exactly as the calls one
+by one would; the caller runs the rest with ``CacheEngine.alloc_decode`` (which raises the
+error of a bad call with its own checks and message). A call whose validity is in any doubt (a bad or foreign rid, a rid
 twice in it, a request with < 2 reserved slots at that point, at ``max_context_len`` or the
 row width, hybrid state tracking) ends the run before it; nothing is changed for it.
 
@@ -21,31 +21,30 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from radixkv.engine.protocol import Session
 from radixkv.errors import RadixKVError
 from radixkv.scheduler.track import track_interval
 
 if TYPE_CHECKING:
-    from radixkv.engine.embedded import CacheEngine
+    from radixkv.contracts import ReqToTokenTable
+    from radixkv.engine.config import EngineConfig
+    from radixkv.engine.requests import EngineReq
 
-__all__ = ["replay_decodes"]
+__all__ = ["can_replay", "replay_decodes"]
 
 
-def replay_decodes(engine: CacheEngine, session: Session, rids: list[str], call_lens: np.ndarray, rid_index: np.ndarray,
-                   token_ids: np.ndarray) -> int:
-    """Apply the leading calls of a replay in bulk (see the module doc): call ``k`` names
-    ``rids[rid_index[a:b]]`` with tokens ``token_ids[a:b]``, ``b - a = call_lens[k]``.
-    Returns how many calls were applied (0 .. len(call_lens)); raises nothing for bad input
-    (the calls it declines are left to ``alloc_decode``). ``session`` must be live."""
-    pools, cfg = engine.pools, engine.config
-    pool = pools.req_to_token_pool
-    if not len(call_lens) or not cfg.decode_reserve or cfg.page_size != 1 or track_interval(pool, 1) is not None:
-        return 0
-    try:
-        sid = engine._enter(session)
-        reqs = engine._own(sid, rids)  # checks the rids: well formed, distinct, this session's
-    except RadixKVError:
-        return 0
+def can_replay(config: EngineConfig, pool: ReqToTokenTable, calls: int) -> bool:
+    """Whether a replay of ``calls`` calls may run in bulk at all: decode reserves on, page
+    size 1, no state tracking. O(1)."""
+    return bool(calls and config.decode_reserve and config.page_size == 1 and track_interval(pool, 1) is None)
+
+
+def replay_decodes(pool: ReqToTokenTable, max_context_len: int, reqs: list[EngineReq], call_lens: np.ndarray,
+                   rid_index: np.ndarray, token_ids: np.ndarray) -> int:
+    """Apply the leading calls of a replay in bulk (see the module doc; ``can_replay`` holds):
+    call ``k`` names ``reqs[rid_index[a:b]]`` (the session's, distinct) with tokens
+    ``token_ids[a:b]``, ``b - a = call_lens[k]``. Returns how many calls were applied
+    (0 .. len(call_lens)); raises nothing for bad input (the calls it declines are left to
+    ``alloc_decode``)."""
     n, m = int(rid_index.size), len(reqs)
     if n == 0:  # calls naming nobody change nothing
         return len(call_lens)
@@ -63,7 +62,7 @@ def replay_decodes(engine: CacheEngine, session: Session, rids: list[str], call_
     seq = np.array([r.seq_len for r in reqs], np.int64)
     ready = np.array([r.req_pool_idx is not None and r.seq_len == r.kv_committed_len for r in reqs], bool)
     left = np.array([r.decode_reserve.size for r in reqs], np.int64)
-    width = min(int(cfg.max_context_len), int(pool.req_to_token.shape[1]))
+    width = min(int(max_context_len), int(pool.req_to_token.shape[1]))
     pos = seq[idx] + occ
     ok = ready[idx] & (occ <= left[idx] - 2) & (pos + 1 <= width) & (token_ids >= 0)
     dup = np.zeros(n, bool)  # a rid twice in one call

@@ -24,8 +24,9 @@ keeps it (a fork for unfinished requests) only at a page-aligned node end. With 
 track slot where the worker writes the state at the last interval boundary the step passes;
 that state is what the tree keeps when the request's own one is off the page grid.
 
-Events: one queue, KV and (hybrid) state events in the tree's order, read by ``take_events``
-(dicts) or ``drain_events`` (objects, no session). ``stats`` / ``check_invariants`` live in
+Events: one queue, KV and (hybrid) state events in the tree's order
+(:class:`~radixkv.engine.engine_events.EventQueue`), read by ``take_events`` (dicts) or
+``drain_events`` (objects, no session). ``stats`` / ``check_invariants`` run the functions of
 :mod:`radixkv.engine.engine_audit`.
 
 Thread-safety: none. The engine is single-threaded by design: the service runs it in one
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -44,14 +44,16 @@ import torch
 
 from radixkv.cache.radix_key import RadixKey
 from radixkv.contracts import Event, StorageBackend
-from radixkv.engine import engine_audit, engine_events
+from radixkv.engine import decode_replay, engine_audit
 from radixkv.engine.config import EngineConfig
+from radixkv.engine.engine_events import EventQueue
 from radixkv.engine.pools import EnginePools, build_tree
 from radixkv.engine.protocol import (
     AttachInfo,
     CacheResult,
     DecodeItem,
     DecodeResult,
+    EngineStats,
     EvictResult,
     ExtendItem,
     ExtendResult,
@@ -61,7 +63,7 @@ from radixkv.engine.protocol import (
 )
 from radixkv.engine.requests import EngineReq
 from radixkv.engine.sessions import SessionTable
-from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
+from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, RadixKVError
 from radixkv.scheduler.batch import Batch
 from radixkv.scheduler.decode_reserve import free_reserves, reserved_slots, top_up
 from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
@@ -141,12 +143,13 @@ class CacheEngine:
                                      self.config.max_requests_per_session, clock=clock, epoch=epoch)
         self._layout = self.pools.layout(mappings)
         self._reqs: dict[tuple[str, str], EngineReq] = {}  # (session id, rid): ids are per session
-        self._events: deque[Event] = deque()
-        self._discount = [0] * 6  # engine_audit.query_counters of calls that raised
+        self._events = EventQueue(self.tree)
+        self._discount = [0] * 6  # _query_counters() of calls that raised
 
     # ------------------------------------------------------------------ sessions
     @property
     def epoch(self) -> int:
+        """The session epoch (a restarted engine gets a new one)."""
         return self.sessions.epoch
 
     def layout(self) -> dict[str, Any]:
@@ -268,7 +271,7 @@ class CacheEngine:
                 r = EngineReq.create(it.rid, tok, it.extra_key, int(it.priority))
             reqs.append(r)
         batch = self._batch(reqs)
-        before = engine_audit.query_counters(self)
+        before = self._query_counters()
         try:
             alloc_for_extend(batch)
         except BaseException:
@@ -406,16 +409,71 @@ class CacheEngine:
         self.tree.reset()
         return True
 
-    take_events = engine_events.take_events
-    events_enabled = property(engine_events.events_enabled)
-    pending_events = engine_events.pending_events
-    drain_events = engine_events.drain_events
+    def replay_decodes(self, session: Session, rids: list[str], call_lens: np.ndarray, rid_index: np.ndarray,
+                       token_ids: np.ndarray) -> int:
+        """Apply the leading decode calls of a replay in bulk; returns how many
+        (:func:`radixkv.engine.decode_replay.replay_decodes`; raises nothing)."""
+        pool = self.pools.req_to_token_pool
+        if not decode_replay.can_replay(self.config, pool, len(call_lens)):
+            return 0
+        try:
+            reqs = self._own(self._enter(session), rids)  # well formed, distinct, this session's
+        except RadixKVError:
+            return 0
+        return decode_replay.replay_decodes(pool, self.config.max_context_len, reqs, call_lens, rid_index,
+                                            token_ids)
+
+    # ------------------------------------------------------------------ events
+    def take_events(self, session: Session, max_events: int = 0) -> list[dict[str, Any]]:
+        """Take up to ``max_events`` events (0: all), oldest first, as dicts (``EventQueue.take``)."""
+        self._enter(session)
+        return self._events.take(check_count(max_events, "max_events"))
+
+    @property
+    def events_enabled(self) -> bool:
+        """Whether the tree records events (``enable_kv_events``). O(1)."""
+        return self._events.enabled
+
+    def pending_events(self) -> int:
+        """Events recorded and not yet taken (0 when events are off). O(1)."""
+        return self._events.pending()
+
+    def drain_events(self) -> list[Event]:
+        """Take every pending event as objects, without a session (the service's event hub)."""
+        return self._events.drain()
 
     # ------------------------------------------------------------------ stats / audit
-    stats = engine_audit.stats
-    check_invariants = engine_audit.check_invariants
-    _state_counts = engine_audit.state_counts
-    _discount_since = engine_audit.discount_since
+    def stats(self, session: Session | None = None) -> EngineStats:
+        """Counters of the whole engine (``session`` checked and renewed when given; else a sweep)."""
+        if session is not None:
+            self._enter(session)
+        else:
+            self.sweep()
+        return engine_audit.stats(self.pools, self.tree, self.sessions, self._reqs, self._discount)
+
+    def tier_stats(self) -> dict[str, int]:
+        """The host and storage tiers' counters (``TieredRadixCache.tier_counters``); ``{}``
+        with the host tier off. O(1)."""
+        counters = getattr(self.tree, "tier_counters", None)
+        return dict(counters()) if counters is not None else {}
+
+    def check_invariants(self) -> None:
+        """Audit pools, tree, conservation laws, sessions and requests (``engine_audit.check_invariants``)."""
+        engine_audit.check_invariants(self.config, self.pools, self.tree, self.sessions, self._reqs,
+                                      self._batch(list(self._reqs.values())))
+
+    def _query_counters(self) -> tuple[int, ...]:
+        """The tree's query counters: queries, queried and hit tokens, and the hits per tier
+        (device, host, storage; zeros without tiers). O(1)."""
+        m = self.tree.metrics.snapshot()
+        h = getattr(self.tree, "tier_hits", None) or {"device": 0, "host": 0, "storage": 0}
+        return (m.queries, m.queried_tokens, m.hit_tokens, h["device"], h["host"], h["storage"])
+
+    def _discount_since(self, before: tuple[int, ...]) -> None:
+        """Discount the query counters gained since ``before`` (:meth:`_query_counters`): a
+        call that raised must not count in ``stats``."""
+        for i, (now, then) in enumerate(zip(self._query_counters(), before)):
+            self._discount[i] += now - then
 
     # ------------------------------------------------------------------ helpers
     def _batch(self, reqs: list[EngineReq]) -> Batch:

@@ -8,14 +8,13 @@ named in the layout:
 * ``"kv"``: the K/V buffers of the full-attention layers (``MHATokenToKVPool``);
 * ``"mamba"``: the KDA states (``MambaPool``), hybrid models only.
 
-:func:`plan_arenas` computes their layouts without allocating anything, so a server can
+:func:`~radixkv.engine.layout.plan_arenas` computes their layouts without allocating anything, so a server can
 create shared-memory buffers of the right size first and pass them in (``buffers=``); the
 pools then live in those bytes. :meth:`EnginePools.layout` describes everything a worker
 needs to map them (``radixkv.engine.buffers.attach_buffers``), as plain JSON-able data.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -28,9 +27,8 @@ from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.contracts import KVAllocator, PoolRequest, StorageBackend
 from radixkv.engine.buffers import WorkerBuffers
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.layout import (  # noqa: F401 (the layout names are also this module's)
+from radixkv.engine.layout import (
     LAYOUT_FORMAT,
-    POOL_NAMES,
     build_kv_pool,
     build_mamba_pool,
     plan_arenas,
@@ -45,19 +43,9 @@ from radixkv.storage.tier_controller import StorageController
 if TYPE_CHECKING:
     from radixkv.engine.buffers import WorkerBuffers
 
-__all__ = ["POOL_NAMES", "LAYOUT_FORMAT", "HYBRID_TREE_MODULE", "HYBRID_NEEDS_TREE", "plan_arenas",
-           "EnginePools", "build_kv_pool", "build_mamba_pool", "build_tree", "hybrid_tree_available",
-           "kv_fingerprint", "open_tier_storage"]
+__all__ = ["EnginePools", "build_tree", "kv_fingerprint", "open_tier_storage"]
 
 log = logging.getLogger(__name__)
-
-HYBRID_TREE_MODULE = "radixkv.cache.mamba_radix_cache"
-HYBRID_NEEDS_TREE = f"hybrid prefix caching needs {HYBRID_TREE_MODULE}"
-
-
-def hybrid_tree_available() -> bool:
-    """Whether the Mamba-aware radix tree module is installed."""
-    return importlib.util.find_spec(HYBRID_TREE_MODULE) is not None
 
 
 class EnginePools:
@@ -186,10 +174,8 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states only at request ends and branch-off points; ``none`` disables the
     cache; KV-only trees treat ``branch`` like ``every``), ``checks`` turns on its free-mask lookups of the slots
-    handed in. ``InvalidArgumentError(HYBRID_NEEDS_TREE)`` when that module is missing.
-    With ``host_kv_tokens`` the tree is a :class:`TieredRadixCache` over the host pool and,
-    with ``storage`` (a backend) or ``config.storage`` (a URL), a storage controller.
-    O(1) (empty trees)."""
+    handed in. With ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a
+    storage controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
     c = pools.config
     if pools.host_pool is not None:
         return TieredRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
@@ -198,8 +184,6 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
                                 layout_fingerprint=kv_fingerprint(c), disable=c.admission_policy == "none",
                                 enable_kv_events=c.enable_kv_events)
     if c.is_hybrid:
-        if not hybrid_tree_available():
-            raise InvalidArgumentError(HYBRID_NEEDS_TREE)
         from radixkv.cache.mamba_radix_cache import MambaRadixCache
 
         return MambaRadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,

@@ -1,33 +1,16 @@
 """The cache-engine protocol: what a scheduler needs from the cache for one step, in batch form.
 
-Two implementations, one contract:
-
-* ``radixkv.CacheEngine`` runs it in-process (embedded mode, a library);
-* ``radixkv.connect(address, token=...)`` returns a client that runs it over gRPC against a
-  cache-manager process (``radixkv serve``) that owns the device-resident buffers.
-
-A conformance suite (``tests/conformance/``) runs the same scenarios against both; they must
-agree call for call. The service maps :mod:`radixkv.errors` to gRPC status codes in one place,
-and the client maps them back, so both raise the same typed errors.
-
-Vocabulary (SGLang's): a *request* (``rid``, unique within its session) holds a row of the
-shared ``req_to_token`` table (``req_pool_idx``), KV slots for the tokens it has committed, and,
-for hybrid models, one Mamba state slot. Its tokens are everything it was given so far: the
-prompt (sent with its first ``alloc_extend``), more prompt chunks, and the token fed at each
-decode step. KV bytes never travel through this protocol: workers read and write the shared
-buffers directly (``attach`` describes them); only token ids and indices travel, as int32 /
-int64 numpy arrays.
-
-Sessions and leases: ``attach`` opens a session (id + epoch + lease TTL). A session is kept
-alive by calls and ``heartbeat``; when its lease expires (or ``detach`` is called) every row,
-lock, KV slot and state slot its requests held is reclaimed, and later calls under it raise
-``StaleSessionError``. A session may touch only its own requests; request ids are per
-session (two sessions may use the same rid; another session's rid is an unknown one).
-
-Errors (all subclasses of ``RadixKVError``): bad input -> ``InvalidArgumentError``; out of
-capacity after eviction -> ``CapacityError`` (with requested/available); stale or unknown
-session -> ``StaleSessionError``; unknown request (another session's included) ->
-``NotFoundError``. A call that raises changes nothing.
+Two implementations, one contract: ``radixkv.CacheEngine`` (in-process) and
+``radixkv.connect(address, token=...)`` (over gRPC to ``radixkv serve``);
+``tests/conformance/`` checks they agree call for call, errors included. A request (``rid``,
+per session) holds a ``req_to_token`` row, KV slots for its committed tokens and, for hybrid
+models, a state slot. Only token ids and indices travel (int32 / int64 numpy), never KV
+bytes. ``attach`` opens a session (id, epoch, lease TTL) kept alive by calls and
+``heartbeat``; when it ends, everything its requests held is reclaimed and later calls raise
+``StaleSessionError``; a session sees only its own rids. Errors: ``InvalidArgumentError``,
+``CapacityError`` (requested / available), ``StaleSessionError``, ``NotFoundError``; a call
+that raises changes nothing. The vocabulary and rules: ``docs/internals.md``, "The
+cache-engine protocol".
 """
 from __future__ import annotations
 

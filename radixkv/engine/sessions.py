@@ -1,25 +1,15 @@
 """The session table: sessions, their epoch and leases, and which session owns which request.
 
-Pure bookkeeping (no pools, no tensors): the engine asks it who may do what, and does the
-reclaiming itself. Time comes from an injectable ``clock`` (seconds, monotonic), so tests
-drive lease expiry by hand.
+Pure bookkeeping (no pools, no tensors); time from an injectable monotonic ``clock``. A
+session is ``(session_id, epoch, lease_ttl_s)``; another epoch's is stale. Every call renews
+the lease; :meth:`due` lists expired sessions, oldest first, for the engine to reclaim and
+:meth:`close`. Rids are scoped per session (another session's rid is unknown: no probing). A
+*fenced* session (:meth:`fence`) is refused as stale and not listed as due, but keeps its
+rids until closed: the service's quarantine.
 
-* A session is ``(session_id, epoch, lease_ttl_s)``. ``epoch`` identifies this table (one
-  per engine / manager start): a session of another epoch is stale.
-* Its lease runs out ``lease_ttl_s`` after its last renewal (every call renews it). A
-  session is *expired* once ``clock() >= expires_at``; :meth:`due` lists those, oldest
-  first, and the engine reclaims and :meth:`close` s them.
-* Request ids (``rid``) are scoped per session: two sessions may use the same rid
-  independently, and a session sees only its own (another session's rid is answered as an
-  unknown one: no session can probe or take another's ids).
-* A session can be *fenced* (:meth:`fence`): from then on every lookup refuses it as stale
-  and :meth:`due` no longer lists it, but it keeps its rids (so nothing it held is freed)
-  until the owner of the table reclaims and :meth:`close` s it. The service uses this to
-  quarantine what an expired session held while its worker process may still be running.
-
-Costs: every lookup / renewal O(1) (a heap entry per renewal, compacted when stale entries
-pile up); :meth:`due` O(k log n) for k entries popped; request bookkeeping O(rids in the
-call). Not thread-safe (the engine is single-threaded).
+Costs: lookups and renewals O(1) (a heap entry per renewal, compacted); :meth:`due`
+O(k log n) for k popped; request bookkeeping O(rids in the call). Not thread-safe (the
+engine is single-threaded). See ``docs/internals.md``, "Sessions and leases".
 """
 from __future__ import annotations
 

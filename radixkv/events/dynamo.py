@@ -1,41 +1,16 @@
 """radixkv's KV events as NVIDIA Dynamo ``KvCacheEvent`` JSON, for Dynamo's KV router.
 
-Dynamo's router keeps a radix tree of every worker's blocks (``dynamo._core.RadixTree`` in
-its Python bindings). A worker feeds it JSON events::
+Events are ``{"event_id", "data": {"stored": {"parent_hash", "blocks": [{"block_hash",
+"tokens_hash"}]}} | {"removed": {"block_hashes"}} | "cleared", "dp_rank"}``. ``block_hash``
+/ ``parent_hash`` are radixkv's chained block hashes, unchanged; ``tokens_hash`` is what the
+router computes (``compute_block_hash_for_seq``): per page, XXH3-64 of the tokens as u32
+little-endian, seeded with :func:`dynamo_seed` of the LoRA name and cache namespace, NOT
+chained (checked against ai-dynamo-runtime 1.6.1 in ``tests/events/test_dynamo_adapter.py``).
 
-    {"event_id": 7, "data": {"stored": {"parent_hash": P | null,
-                                         "blocks": [{"block_hash": B, "tokens_hash": T}, ...]}},
-     "dp_rank": 0}
-    {"event_id": 8, "data": {"removed": {"block_hashes": [B, ...]}}, "dp_rank": 0}
-    {"event_id": 9, "data": "cleared", "dp_rank": 0}
-
-* ``block_hash`` / ``parent_hash`` are the worker's own ids of the blocks (opaque u64): here
-  radixkv's chained block hashes, unchanged.
-* ``tokens_hash`` is what the router computes from a request's tokens to walk its tree
-  (``compute_block_hash_for_seq``): per page, XXH3-64 of the page's tokens as u32
-  little-endian, seeded with :func:`dynamo_seed` of the request's LoRA name and cache
-  namespace. It is NOT chained; the tree's shape carries the prefix.
-
-Dynamo's seed (checked against ``dynamo._core.compute_block_hash_for_seq`` of
-``ai-dynamo-runtime`` 1.6.1 in ``tests/test_dynamo_adapter.py``)::
-
-    seed = 1337
-    if lora_name:        seed += xxh3_64(lora_name.utf8, seed=0)      (mod 2**64)
-    if cache_namespace:  seed += xxh3_64(cache_namespace.utf8, seed=1) (mod 2**64)
-
-Empty strings count as absent. Tokens are hashed as u32: an int32 token ``t < 0`` is the
-u32 ``t + 2**32`` (same bytes).
-
-Namespaces. radixkv's ``extra_key`` must become the ``(lora_name, cache_namespace)`` the
-router passes for the same request, and distinct extra keys must stay distinct (two radixkv
-namespaces sharing a Dynamo seed would merge in the router's tree). The default,
-:func:`default_namespace`: ``None`` -> ``(None, None)``; a non-empty ``str`` -> the LoRA name
-(as vLLM's ``lora_name``); anything else (``int``, ``bytes``, tuples, ``""``) -> the cache
-namespace ``"radixkv:" + hex(encode_extra_key(k))``. Pass ``namespace_fn`` to map otherwise;
-the adapter refuses a mapping that sends two extra keys to one namespace.
-
-State events of hybrid models have no Dynamo equivalent: :meth:`DynamoEventAdapter.convert`
-skips them (feed them to a :class:`~radixkv.events.state_events.StateIndex`).
+:func:`default_namespace` maps ``extra_key`` to Dynamo's ``(lora_name, cache_namespace)``
+keeping distinct keys distinct; ``namespace_fn`` maps otherwise (a mapping that merges two
+keys is refused). State events have no Dynamo kind: :meth:`DynamoEventAdapter.convert` skips
+them. The format, seed and namespace table: ``docs/events.md``, section 2.
 """
 from __future__ import annotations
 
@@ -47,8 +22,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_extra_key
-from radixkv.cache.state_events import CacheEvent
+from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.state_events import CacheEvent, any_event_from_dict, is_state_event
 from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
@@ -56,7 +32,6 @@ from radixkv.errors import (
     NotFoundError,
     describe_ids,
 )
-from radixkv.events.state_events import any_event_from_dict, is_state_event
 
 __all__ = ["XXH3_SEED", "DynamoNamespace", "default_namespace", "dynamo_seed", "compute_block_hash_for_seq",
            "tokens_hashes", "DynamoEventAdapter", "dumps"]
@@ -146,17 +121,12 @@ def tokens_hashes(tokens: object, block_size: int, extra_key: Hashable = None,
 class DynamoEventAdapter:
     """Turns one radixkv manager's KV events into Dynamo ``KvCacheEvent`` dicts / JSON.
 
-    It tracks the blocks the stream has stored and not removed (block hash -> parent and
-    tokens hash, and each block's live children), so that it can refuse an event Dynamo's
-    tree would reject or silently mis-apply (a parent that is not stored, a block stored
-    twice, the removal of an unknown block or of one whose children stay), and so that
-    :meth:`snapshot` can replay the whole state to a router that starts late.
+    It tracks the live blocks (parent, tokens hash, live children) to refuse what Dynamo's tree
+    would reject or mis-apply (an unstored parent, a block stored twice, removing an unknown
+    block or one whose children stay), and to :meth:`snapshot` the state for a late router.
 
-    Args:
-        page_size: tokens per block (the manager's page size).
-        namespace_fn: ``extra_key -> DynamoNamespace`` (default :func:`default_namespace`).
-        dp_rank: the ``dp_rank`` written in every event.
-        first_event_id: id of the first event; ids then increase by one per event.
+    Args: ``page_size`` (tokens per block); ``namespace_fn`` (``extra_key -> DynamoNamespace``,
+    default :func:`default_namespace`); ``dp_rank``; ``first_event_id`` (then +1 per event).
 
     Every method that raises leaves the adapter unchanged (the event id included).
     Cost: O(tokens) per stored event (one XXH3 call per page), O(blocks) per removal.

@@ -10,9 +10,8 @@ every outlet: each source has one queue, and an event taken is gone from it.
 """
 from __future__ import annotations
 
-from radixkv.cache.state_events import CacheEvent
+from radixkv.cache.state_events import CacheEvent, as_events
 from radixkv.errors import InvalidArgumentError
-from radixkv.events.state_events import as_events
 
 __all__ = ["drain_events"]
 

@@ -1,47 +1,16 @@
 """vLLM's KV-event wire format: the msgpack bytes of one ``KVEventBatch``.
 
-vLLM (``vllm/distributed/kv_events.py``) declares its events as ``msgspec`` structs and
-encodes a batch with ``msgspec.msgpack``. This module writes the same bytes with the
-``msgpack`` package, and reads them back, so any vLLM-event consumer (vLLM's example
-subscriber, Dynamo's ZMQ relay, llm-d's indexer) decodes radixkv's batches.
-
-Byte layout
------------
-A batch is a msgpack array (``EventBatch`` is ``array_like``)::
-
-    [ts: float64, events: array, data_parallel_rank: int | nil]
-
-``array_like`` structs keep every field, defaults included, so ``data_parallel_rank`` is
-always there (nil when unset). Events are *tagged* structs (``tag=True``: the tag is the
-class name) in one of two layouts:
-
-* ``"array"`` (default; vLLM's original ``array_like`` events, what the example subscriber
-  and llm-d decode): the tag, then every field in declaration order::
-
-      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-       lora_name]
-      ["BlockRemoved", block_hashes, medium]
-      ["AllBlocksCleared"]
-
-* ``"map"`` (vLLM's later map events): a map whose first key is ``"type"`` (the tag), then
-  the fields in the same order, fields equal to their default omitted (``omit_defaults``);
-  the seven ``BlockStored`` fields above have no default, so they are always present.
-
-``block_hashes`` / ``parent_block_hash`` are unsigned 64-bit ints (vLLM's integer
-``ExternalBlockHash``), ``token_ids`` plain ints, ``medium`` ``"GPU"``. msgpack ints take
-their shortest form, floats are always float64, strings are msgpack ``str``: exactly what
-``msgspec`` writes, byte for byte (``tests/test_vllm_wire.py`` checks it against vLLM's structs).
-
-vLLM's later optional ``BlockStored`` fields (``extra_keys``, ``group_idx``, ...) are not
-written: a decoder fills trailing defaults, and older decoders ignore trailing fields, so
-every vLLM version reads these batches. The radixkv namespace travels as vLLM does it:
-``lora_name`` for a ``str`` extra key, ``lora_id`` for an ``int``; other extra keys (bytes,
-tuples) are not representable on this wire and decode as ``None``.
-
-State events of hybrid models (:mod:`radixkv.events.state_events`) are radixkv's own tags,
-``["StateStored", block_hash, position, medium]`` and ``["StateRemoved", block_hashes,
-medium]`` (or their maps). vLLM's decoders reject unknown tags, so :func:`encode_batch`
-drops them unless ``state_events="inline"``.
+Writes (with ``msgpack``) and reads the bytes vLLM's ``msgspec`` structs
+(``vllm/distributed/kv_events.py``) produce, byte for byte, so any vLLM-event consumer
+decodes radixkv's batches. A batch is ``[ts, events, data_parallel_rank]``; events are tagged
+in the ``"array"`` layout (``["BlockStored", block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", ...]``,
+``["AllBlocksCleared"]``) or the ``"map"`` layout. Hashes are u64; the namespace travels as
+``lora_name`` (``str``) or ``lora_id`` (``int``), others decode as ``None``. Later optional
+vLLM fields are not written, so every vLLM version reads the batches. Hybrid state events
+(``StateStored`` / ``StateRemoved``) are radixkv's own tags, dropped by :func:`encode_batch`
+unless ``state_events="inline"``. The byte layout, with an annotated example:
+``docs/events.md``, "Payload" and "Layouts".
 """
 from __future__ import annotations
 
@@ -52,10 +21,9 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from radixkv.cache.state_events import CacheEvent
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from radixkv.cache.state_events import CacheEvent, StateRemoved, StateStored, as_events, is_state_event
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
-from radixkv.events.state_events import StateRemoved, StateStored, as_events, is_state_event
 
 __all__ = ["LAYOUTS", "STATE_POLICIES", "encode_batch", "encode_event", "decode_batch", "as_events"]
 
@@ -119,15 +87,12 @@ def encode_batch(events: KVEventBatch | Iterable[object], *, ts: float | None = 
     """The msgpack bytes of one vLLM ``KVEventBatch``.
 
     Args:
-        events: a :class:`KVEventBatch` (its ``ts`` / ``data_parallel_rank`` are used unless
-            given here), or a sequence of events or their ``to_dict()`` dicts.
-        ts: wall-clock seconds (default: the batch's, else ``time.time()``).
-        data_parallel_rank: the rank written in the batch (default: the batch's, else nil).
-        layout: ``"array"`` or ``"map"`` (module doc).
-        state_events: ``"drop"`` (default; vLLM consumers reject them), ``"inline"``, or
-            ``"error"`` (raise if any).
+        events: a :class:`KVEventBatch` (its ``ts`` / ``data_parallel_rank`` unless given
+            here), or a sequence of events or their ``to_dict()`` dicts.
+        ts, data_parallel_rank: override the batch's (defaults ``time.time()``, nil).
+        layout: ``"array"`` or ``"map"``; state_events: ``"drop"`` (default), ``"inline"``,
+            ``"error"``. Raises InvalidArgumentError / LengthMismatchError for a bad event.
 
-    Raises InvalidArgumentError / LengthMismatchError for a bad event or argument.
     O(total tokens), no per-token Python loop (numpy ``tolist`` + C msgpack).
     """
     if layout not in LAYOUTS:

@@ -2,8 +2,7 @@
 
 :func:`add_arguments` adds them to a parser, :func:`config_from_args` reads them into a
 :class:`PublisherConfig` (picklable, nothing opened; ``radixkv serve`` keeps one in its
-``ServeOptions``), :func:`from_args` opens the publisher directly. Re-exported by
-:mod:`radixkv.events.zmq_publisher`.
+``ServeOptions``), :func:`from_args` opens the publisher directly.
 """
 from __future__ import annotations
 

@@ -1,28 +1,16 @@
 """Publish KV event batches on vLLM's ZMQ wire: a PUB socket plus a replay ROUTER socket.
 
-Wire protocol (vLLM's ``ZmqEventPublisher``, reproduced):
+As vLLM's ``ZmqEventPublisher``: each batch is one PUB message ``[topic, seq (8 bytes BE),
+payload]`` (payload: :mod:`radixkv.events.vllm_wire`); an optional ROUTER replays the last
+``buffer_steps`` batches from a ``start_seq`` (:mod:`radixkv.events.zmq_replay`). The PUB
+socket binds for ``*`` / ``::`` / ``ipc://`` / ``inproc://`` endpoints and connects
+otherwise; the replay socket binds.
 
-* **PUB** (``endpoint``): every batch is one 3-frame message ``[topic, seq, payload]``:
-  ``topic`` the UTF-8 topic (``b""`` by default; SUB sockets filter on its prefix), ``seq``
-  the batch's sequence number as 8 bytes big-endian (0, 1, 2, ... per publisher), ``payload``
-  the msgpack batch of :mod:`radixkv.events.vllm_wire`.
-* **Replay ROUTER** (``replay_endpoint``, optional): a subscriber that sees a gap in ``seq``
-  (or joins late) asks for the batches from a ``start_seq``; the last ``buffer_steps`` batches
-  are kept for it. The protocol and the buffer are :mod:`radixkv.events.zmq_replay`.
-
-Endpoints: like vLLM, the PUB socket binds when the endpoint has a ``*`` / ``::`` or is
-``ipc://`` / ``inproc://``, and connects otherwise (to a proxy); the replay socket binds.
-``tcp://127.0.0.1:*`` binds a free port; :attr:`ZmqEventPublisher.endpoint` tells which.
-
-Threading: with ``background=True`` (default) a thread owns both sockets, sends queued
-batches and serves replay requests; :meth:`publish` (any thread) validates and encodes the
-batch in the caller, takes the next sequence number and queues it, so a bad batch raises in
-the caller and takes no number. With ``background=False`` the caller's thread owns the
-sockets: :meth:`publish` sends at once and :meth:`serve_replay` answers waiting requests.
-
-Flags: :func:`add_arguments` / :func:`from_args` (or :func:`config_from_args`, a picklable
-:class:`PublisherConfig`) give the CLI switches (endpoint, replay endpoint, topic, buffer,
-layout); ``radixkv serve`` takes them and publishes its events itself (``service/server/manager.py``).
+With ``background=True`` (default) a thread owns the sockets; :meth:`publish` (any thread)
+validates and encodes in the caller before taking a number, so a bad batch raises there and
+takes none. With ``background=False`` the caller sends and calls :meth:`serve_replay`.
+:func:`add_arguments` / :func:`from_args` / :func:`config_from_args` give the CLI flags. The
+wire, endpoints and flags: ``docs/events.md``, section 1.
 """
 from __future__ import annotations
 
@@ -37,13 +25,12 @@ from typing import Final, NamedTuple
 
 import zmq
 
-from radixkv.cache.events import KVEventBatch
+from radixkv.cache.kv_events import KVEventBatch
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.events.vllm_wire import LAYOUTS, STATE_POLICIES, encode_batch
-from radixkv.events.zmq_replay import END_SEQ, ReplayBuffer  # END_SEQ re-exported
+from radixkv.events.zmq_replay import ReplayBuffer
 
-__all__ = ["ZmqEventPublisher", "PublisherStats", "PublisherConfig", "END_SEQ", "add_arguments", "from_args",
-           "config_from_args", "should_bind"]
+__all__ = ["ZmqEventPublisher", "PublisherStats", "should_bind"]
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +74,12 @@ def _check_int(name: str, v: object, lo: int) -> int:
 class ZmqEventPublisher:
     """vLLM-compatible KV event publisher (PUB + replay ROUTER, bounded replay buffer).
 
-    Args:
-        endpoint: PUB address (``tcp://*:5557`` by default, vLLM's).
-        replay_endpoint: ROUTER address for replay, ``None`` for no replay.
-        topic: the first frame of every message.
-        buffer_steps: batches kept for replay (the oldest are dropped past it).
-        hwm: send high-water mark of the PUB socket (ZMQ drops past it for slow subscribers).
-        max_queue_size: batches the background thread may have waiting; :meth:`publish`
-            waits up to ``put_timeout_s`` for room, then raises ``CapacityError``.
-        data_parallel_rank: written into batches that carry none.
-        layout: event layout on the wire, ``"array"`` or ``"map"`` (see ``vllm_wire``).
-        state_events: ``"drop"`` / ``"inline"`` / ``"error"`` for hybrid state events.
-        background: run the sending thread (default) or send from the caller.
-        linger_ms: how long ``close`` lets unsent messages drain.
-        context: a ``zmq.Context`` to use (default: a private one, terminated by ``close``).
+    Args: ``endpoint`` (PUB, ``tcp://*:5557`` by default); ``replay_endpoint`` (``None``: no
+    replay); ``topic``; ``buffer_steps`` (batches kept for replay); ``hwm`` (PUB send
+    high-water mark); ``max_queue_size`` / ``put_timeout_s`` (the background queue; full:
+    ``CapacityError``); ``data_parallel_rank``; ``layout`` (``"array"`` / ``"map"``);
+    ``state_events`` (``"drop"`` / ``"inline"`` / ``"error"``); ``background``; ``linger_ms``
+    (drain time at ``close``); ``context`` (default: a private one, terminated by ``close``).
 
     Raises InvalidArgumentError for a bad argument or an endpoint that cannot be bound or
     connected (nothing left open).
@@ -220,11 +199,9 @@ class ZmqEventPublisher:
     def publish(self, events: KVEventBatch | Iterable[object], ts: float | None = None) -> int:
         """Publish one batch; returns its sequence number.
 
-        ``events``: a ``KVEventBatch`` or a sequence of events / ``to_dict()`` dicts. An
-        empty batch -- also one whose only events were state events dropped by the
-        ``state_events`` policy -- is published and numbered all the same (callers skip
-        empty drains). The batch is validated and encoded here (``vllm_wire.encode_batch``)
-        before it takes a number.
+        ``events``: a ``KVEventBatch`` or a sequence of events / ``to_dict()`` dicts. An empty
+        batch (also one emptied by the ``state_events`` policy) is published and numbered all the
+        same. The batch is validated and encoded here before it takes a number.
 
         Raises: InvalidArgumentError (bad events, or the publisher is closed),
         CapacityError (background queue full for ``put_timeout_s``; the number is not used).
@@ -374,9 +351,3 @@ class ZmqEventPublisher:
         published = self._kept.published
         if published > self._next_seq:
             raise InvariantError(f"{published} batches sent but only {self._next_seq} numbered")
-
-
-# --------------------------------------------------------------------------- flags
-
-# The command-line switches live in their own module; their names stay importable from here.
-from radixkv.events.zmq_flags import PublisherConfig, add_arguments, config_from_args, from_args  # noqa: E402

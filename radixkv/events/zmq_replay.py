@@ -1,7 +1,7 @@
 """The replay side of the vLLM ZMQ outlet: the last published batches and the answers to
 replay requests.
 
-Split out of :mod:`radixkv.events.zmq_publisher` (which re-exports :data:`END_SEQ`). The
+Split out of :mod:`radixkv.events.zmq_publisher`. The
 protocol (vLLM's ``ZmqEventPublisher``): a subscriber that sees a gap in ``seq`` (or joins
 late) sends one request to the ROUTER socket, ``[start_seq]`` (8 bytes big-endian) from a
 REQ socket (or ``[b"", start_seq]`` from a DEALER); the ROUTER answers with one message

@@ -197,14 +197,10 @@ def plan_layout(
 class Arena:
     """One flat ``uint8`` buffer on one device, and typed views of it named by a layout.
 
-    ``Arena(layout, device)`` allocates ``layout.total_bytes`` (zero-filled, started on an
-    ``alignment`` boundary). ``Arena(layout, buffer=t)`` attaches to the caller's buffer
-    instead (a 1-D contiguous tensor of any dtype, reinterpreted as bytes, at least
-    ``total_bytes`` long, its start aligned to ``layout.alignment``) and leaves its bytes as
-    they are: that is how a second process maps a pool another one created.
-
-    Every view is ``buffer[offset:offset+nbytes].view(dtype).view(shape)``: O(1) per tensor,
-    no copies.
+    ``Arena(layout, device)`` allocates ``layout.total_bytes`` (zero-filled, aligned);
+    ``Arena(layout, buffer=t)`` attaches to the caller's buffer (1-D contiguous, at least
+    ``total_bytes``, aligned) and leaves its bytes as they are: how a second process maps a pool
+    another one created. Every view is O(1), no copies.
 
     Raises (constructor):
         InvalidArgumentError: the buffer is not a 1-D contiguous tensor, is too small, or lives

@@ -7,7 +7,7 @@
   model with the state at the last ``mamba_track_interval``-aligned position the request
   passed (see :mod:`radixkv.scheduler.track`), so the tree can cache a state at a position
   it can hold (a page end) although the request's own state sits past it.
-* :class:`HybridLinearKVPool` (in :mod:`radixkv.memory.hybrid_kv`, re-exported here) --
+* :class:`HybridLinearKVPool` (in :mod:`radixkv.memory.hybrid_kv`) --
   routes global layer ids: full-attention layers to a KV pool, linear (KDA) layers to the
   Mamba pool's layers.
 """
@@ -34,21 +34,13 @@ TRACK_SIZE = 2  # ping-pong: the step being prepared writes one while the last o
 class HybridReqToTokenPool(ReqToTokenPool):
     """Request rows plus one Mamba state slot per request.
 
-    Pass an existing ``mamba_pool`` (on the same device type), or the arguments to build one
-    (``conv_state_shape``, ``temporal_state_shape``, ``num_mamba_layers``; ``mamba_size``
-    defaults to ``size``). Besides ``req_to_token`` the arena holds
-    ``req_index_to_mamba_index_mapping`` (int32 ``[size+1]``, row -> slot) and its inverse
-    ``mamba_index_to_req_index`` (int32 ``[mamba_size+1]``, slot -> row, 0 when no row maps
-    to the slot), which makes the "slot already mapped" check O(1) per request.
-
-    A slot outlives its row when freed with ``free_mamba_cache=False`` (the request, or a
-    cache, keeps ``req.mamba_pool_idx``); such a request keeps that slot on its next ``alloc``.
-
-    ``enable_mamba_extra_buffer``: every new row also takes ``TRACK_SIZE`` (2) slots, its
-    ``mamba_ping_pong_track_buffer`` (int32 ``[size+1, 2]`` in the arena, row -> slots; also
-    ``req.mamba_ping_pong_track_buffer``), allocated with the row and freed with it, all or
-    nothing. ``mamba_track_interval`` (default: the tree's page size) is where states are
-    tracked; it must be a multiple of the page size (checked by ``MambaRadixCache``).
+    Pass an existing ``mamba_pool`` or the arguments to build one. The arena also holds the
+    row -> slot map ``req_index_to_mamba_index_mapping`` and its inverse (slot -> row, 0 when
+    unmapped), so the "slot already mapped" check is O(1) per request. A slot freed with
+    ``free_mamba_cache=False`` outlives its row and is kept by the request's next ``alloc``.
+    ``enable_mamba_extra_buffer``: each row also takes ``TRACK_SIZE`` (2) ping-pong track slots,
+    allocated and freed with it, all or nothing. Details: ``docs/internals.md``, "Hybrid request
+    rows".
     """
 
     def __init__(self, size: int, max_context_len: int, mamba_pool: MambaPool | None = None, *,
@@ -332,7 +324,3 @@ def _set_track(req: PoolRequest, pair: list[int] | None) -> None:
     req.mamba_ping_pong_track_buffer = pair
     req.mamba_next_track_idx = 0
     req.mamba_last_track_seqlen = None
-
-
-# The hybrid KV pool lives in its own module; importable from here too.
-from radixkv.memory.hybrid_kv import HybridLinearKVPool  # noqa: E402,F401

@@ -50,19 +50,16 @@ def _check_shape(name: str, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 class KimiLinearStateShape(NamedTuple):
-    """State shapes of one KDA (Kimi Delta Attention) layer on one tensor-parallel rank, by
-    the seed's formula (section 8.2, SGLang's ``KimiLinearStateShape.create``):
+    """State shapes of one KDA (Kimi Delta Attention) layer on one tensor-parallel rank, as
+    SGLang's ``KimiLinearStateShape.create``:
 
-    * ``conv = (conv_kernel_size - 1, proj_size / tp)``: the causal conv1d's window of the
-      last ``conv_kernel_size - 1`` inputs of ONE projection, ``proj_size`` defaulting to
-      ``num_heads * head_dim`` -- the seed's example ``(3, 4096)`` for 32 heads of 128;
-    * ``temporal = (num_heads / tp, head_dim, head_dim)``: one ``head_dim x head_dim``
-      delta-rule state per head.
+    * ``conv = (conv_kernel_size - 1, proj_size / tp)``: the conv1d window of ONE projection
+      (``proj_size`` defaults to ``num_heads * head_dim``);
+    * ``temporal = (num_heads / tp, head_dim, head_dim)``: one delta-rule state per head.
 
-    A KDA layer convolves ``num_conv_states`` (3: q, k and v) projections; SGLang keeps three
-    conv tensors of ``conv``'s shape, a ``MambaPool`` keeps one with their channels
-    concatenated: :attr:`pool_conv`, ``(conv_kernel_size - 1, 3 * proj_size / tp)`` (what
-    :meth:`MambaPool.from_state_shape` allocates, and the reference model's layout).
+    A ``MambaPool`` keeps the ``num_conv_states`` (3: q, k, v) conv tensors concatenated:
+    :attr:`pool_conv`, ``(conv_kernel_size - 1, 3 * proj_size / tp)``
+    (``docs/internals.md``, "KDA state shapes").
     """
 
     conv: tuple[int, int]
@@ -168,14 +165,11 @@ class SlotViews:
 class MambaPool:
     """State slots ``1..size`` of ``num_layers`` linear-attention layers.
 
-    ``conv_state`` is ``[num_layers, size+1, *conv_state_shape]`` (dtype ``conv_dtype`` or
-    ``dtype``), ``temporal_state`` ``[num_layers, size+1, *temporal_state_shape]`` (dtype
-    ``temporal_dtype`` or ``dtype``); both are views into one arena.
-
-    ``copy_backend`` picks how ``copy_from`` moves states: ``None`` (the Triton kernel of
-    :mod:`radixkv.kernels.state_copy` on CUDA, torch indexing elsewhere), ``"torch"`` or
-    ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``). Copies whose sources and
-    destinations overlap always take the torch path, which gathers before it writes.
+    ``conv_state`` ``[num_layers, size+1, *conv_state_shape]`` and ``temporal_state``
+    ``[num_layers, size+1, *temporal_state_shape]`` (dtypes ``conv_dtype`` / ``temporal_dtype``,
+    else ``dtype``) are views into one arena. ``copy_backend`` (``None``, ``"torch"``,
+    ``"triton"``) picks how ``copy_from`` moves states; overlapping copies always take the torch
+    path (``docs/internals.md``, "State copies").
 
     Costs (k = slots in the call, S = bytes of one slot over all layers): ``alloc`` O(k * S)
     (it zeroes the slots), ``free`` O(k log k), ``copy_from`` O(k * S).

@@ -38,14 +38,11 @@ class ReqToTokenPool:
     """The ``[size + 1, max_context_len]`` int32 table and its free rows.
 
     Args:
-        size: rows for requests (ids ``1..size``).
-        max_context_len: columns (tokens per request).
+        size: rows for requests (ids ``1..size``); max_context_len: columns (tokens per request).
         device: where the table lives.
-        checks: validate index ranges in :meth:`write` (on CUDA, one device sync per tensor
-            index part).
+        checks: validate index ranges in :meth:`write` (on CUDA, one device sync per index part).
         buffer: attach to an existing arena buffer (see ``Arena``) instead of allocating.
-        enable_memory_saver: accepted for SGLang's signature; radixkv has no memory saver
-            (the table is always resident), so it changes nothing.
+        enable_memory_saver: SGLang's signature; radixkv has no memory saver, it changes nothing.
 
     ``alloc`` / ``free`` are O(number of requests) host work; ``write`` is one scatter.
     """

@@ -21,23 +21,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64)
 class HybridConfig:
     """Hyper-parameters of the reference hybrid model (all validated on construction).
 
-    Attributes:
-        vocab: vocabulary size (token ids are ``0..vocab-1``).
-        hidden: residual stream width.
-        num_heads: heads of every mixer (KDA and full attention alike).
-        head_dim: per-head width (key and value dims are equal: the KDA state is
-            ``head_dim x head_dim`` per head).
-        conv_kernel: width of the KDA short causal depthwise conv (>= 2); its state holds the
-            last ``conv_kernel - 1`` inputs.
-        layer_pattern: one character per layer, ``K`` (KDA) or ``F`` (full attention).
-        dtype: ``torch.float32`` or ``torch.float64``; weights, activations and states.
-        seed: weights are drawn from ``torch.Generator().manual_seed(seed)`` in float64 on the
-            CPU and then cast/moved, so a seed gives the same model on every device and dtype.
-        mlp_mult: the per-layer SwiGLU MLP is ``hidden -> mlp_mult*hidden -> hidden`` (0: none).
-        rope_theta: RoPE base of the full-attention layers (positions are absolute).
-        chunk_size: chunk length of the chunked KDA prefill used by ``extend`` (64, the
-            seed's, which the Triton kernel runs; others take the torch path).
-        norm_eps: RMSNorm epsilon.
+    ``vocab``, ``hidden``, ``num_heads``, ``head_dim`` (the KDA state is ``head_dim x head_dim``
+    per head), ``conv_kernel`` (>= 2), ``layer_pattern`` (``K`` = KDA, ``F`` = full attention, one
+    per layer), ``dtype`` (float32 or float64), ``seed`` (weights drawn in float64 on the CPU, so
+    a seed gives the same model on every device and dtype), ``mlp_mult`` (SwiGLU width factor,
+    0: none), ``rope_theta``, ``chunk_size`` (64 runs the Triton prefill kernel), ``norm_eps``.
+    Each field: ``docs/internals.md``, "Hyper-parameters".
     """
 
     vocab: int = 64

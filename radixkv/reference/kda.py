@@ -1,35 +1,14 @@
 """The KDA (Kimi Delta Attention) layer of the reference model: its math and its two ways to run.
 
-Per token ``x`` (width ``hidden``), with ``H`` heads of width ``D``::
-
-    qkv      = x @ W_qkv                          # [3*H*D], channels q | k | v
-    qkv      = silu(causal_conv1d(qkv))           # short depthwise conv, kernel K, rolling state
-    q, k, v  = split(qkv) -> [H, D] each;  q, k = q / |q|, k / |k|   (L2 per head)
-    g        = -softplus(x @ W_g + g_bias)        # [H, D]: channel-wise log decay, < 0
-    beta     = sigmoid(x @ W_beta)                # [H]
-    o        = gated_delta_rule(q, k, v, g, beta; state S [H, D_k, D_v])
-    out      = o.flatten() @ W_o                  # [hidden]
-
-Gated delta rule, per head, state ``S [D_k, D_v]`` indexed ``[key_dim, value_dim]``::
-
-    S     = S * exp(g)[:, None]       # decay along the key dim
-    v_new = (v - S^T k) * beta
-    S     = S + outer(k, v_new)
-    o     = S^T q
-
-A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D])``, zeros at the start.
+Per token: a q | k | v projection through a short causal conv1d and SiLU, L2-normalised q and
+k per head, a channel-wise log decay ``g < 0`` and a gate ``beta`` per head, then the gated
+delta rule on a per-head state ``S [D_k, D_v]`` (the formulas: ``docs/internals.md``, "The
+KDA layer"). A sequence's layer state is ``(conv_state [K-1, 3*H*D], S [H, D, D])``, zeros
+at the start.
 
 * ``kda_recurrent``: the rule token by token (the ground truth, used by ``forward_reference``).
-* ``kda_chunked`` / ``chunk_kda`` (:mod:`radixkv.kernels.kda_chunk`; ``extend`` runs
-  ``chunk_kda``: torch, or the Triton kernel on CUDA): the same map chunk by chunk in parallel form:
-  within a chunk with start state ``S0`` and in-chunk cumulative log decay ``G_t = sum_{s<=t}
-  g_s``, the pseudo-values ``U`` solve the unit lower-triangular system
-  ``(I + A) U = beta * (V - (exp(G) * K) S0)`` with ``A[t, s] = beta_t * sum_d k_t[d] k_s[d]
-  exp(G_t[d] - G_s[d])`` for ``s < t``; then ``O = (exp(G) * Q) S0 + P U`` with ``P[t, s] =
-  sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])`` for ``s <= t``, and the end state is
-  ``exp(G_L) * S0 + (K * exp(G_L - G))^T U``. Decay ratios are formed as differences in log
-  space (never ``exp(-G)``), so nothing overflows. Cost per chunk of length L:
-  O(H * L^2 * D) for A/P plus O(H * L * D^2); Python loops over chunks only.
+* ``extend`` runs ``chunk_kda`` (:mod:`radixkv.reference.kda_chunk`: torch, or Triton on CUDA).
+  Cost per chunk of length L: O(H * L^2 * D) plus O(H * L * D^2).
 * ``decode`` uses the fused kernels ``causal_conv1d_update`` and ``kda_decode``.
 """
 from __future__ import annotations
@@ -37,13 +16,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixkv.kernels.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-from radixkv.kernels.kda_chunk import CHUNK, KDAOutput, chunk_kda, kda_chunked
-from radixkv.kernels.kda_decode import kda_decode
 from radixkv.memory.mamba_pool import Mamba2LayerCache
+from radixkv.reference.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from radixkv.reference.config import HybridConfig
+from radixkv.reference.kda_chunk import CHUNK, KDAOutput, chunk_kda
+from radixkv.reference.kda_decode import kda_decode
 
-__all__ = ["CHUNK", "KDALayer", "KDAOutput", "chunk_kda", "kda_chunked", "kda_recurrent"]
+__all__ = ["KDALayer", "kda_recurrent"]
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -1,30 +1,14 @@
 """``HybridModel``: a tiny Kimi-Linear-like model (KDA + full attention) with random weights,
 runnable from scratch (the ground truth) or incrementally through the cache pools.
 
-Architecture: ``x = embed[token]``; per layer ``x += mixer(rmsnorm(x))`` then
-``x += mlp(rmsnorm(x))`` (SwiGLU; omitted when ``mlp_mult == 0``); ``logits = rmsnorm(x) @
-lm_head``. Mixers follow ``config.layer_pattern``: ``K`` = ``KDALayer``, ``F`` =
-``FullAttentionLayer``.
-
-The cache interface (``ModelCache``), exactly the API of the real pools:
-
-* ``kv_pool.get_kv_buffer(layer_id) -> (k_buf, v_buf)``, each ``[rows, H, D]``, and
-  ``kv_pool.set_kv_buffer(layer_id, loc, k, v)`` (``MHATokenToKVPool`` / ``HybridLinearKVPool``);
-* ``mamba_cache(layer_id)`` returning an object with ``.conv[0]`` (``[slots+1, K-1, 3*H*D]``)
-  and ``.temporal`` (``[slots+1, H, D, D]``) (``MambaPool.mamba2_layer_cache`` /
-  ``HybridReqToTokenPool.mamba2_layer_cache``);
-* ``req_to_token`` (``[reqs+1, max_context]`` int, ``ReqToTokenPool.req_to_token``): only
-  ``decode`` reads it.
-
-Layer ids passed to the pools are global (``"global"``, as ``HybridLinearKVPool`` and the hybrid
-request pool expect) or per kind (``"local"``: the i-th full layer is KV layer i, the i-th KDA
-layer is Mamba layer i, as a bare ``MHATokenToKVPool`` / ``MambaPool`` expect).
-
-Slot/row conventions: KV row 0, state slot 0 and request row 0 are padding and never used.
-A request's KV rows are ``req_to_token[req_pool_idx, :seq_len]``. ``extend`` at
-``start_pos == 0`` starts from a zero state whatever the slot holds; later extends and decodes
-continue from the slot's state. To fork (prefix sharing), copy the state slot with
-``radixkv.kernels.state_copy.copy_states`` (or ``MambaPool.copy_from``) and reuse the KV rows.
+Per layer ``x += mixer(rmsnorm(x))`` then a SwiGLU MLP; mixers follow
+``config.layer_pattern``. The cache interface (``ModelCache``) is exactly the API of the real
+pools: ``kv_pool.get_kv_buffer`` / ``set_kv_buffer``, ``mamba_cache(layer_id)`` (``.conv[0]``,
+``.temporal``) and ``req_to_token`` (read by ``decode`` only). Layer ids are ``"global"``
+(hybrid pools) or ``"local"`` (per kind, bare pools). KV row 0, state slot 0 and request row
+0 are padding. ``extend`` at ``start_pos == 0`` starts from a zero state; to fork, copy the
+state slot and reuse the KV rows. Details: ``docs/internals.md``, "The model and its cache
+interface".
 """
 from __future__ import annotations
 
@@ -131,17 +115,13 @@ class _Block:
 class HybridModel:
     """The reference hybrid model. ``HybridModel(config, device="cpu", *, backend=None)``;
     ``backend`` selects the decode kernels (``None``: Triton on CUDA, torch elsewhere) and,
-    given explicitly, the chunked prefill of ``extend`` (default torch: its Triton kernel is
-    verified under the interpreter, not yet on a GPU).
+    given explicitly, the chunked prefill of ``extend`` (default torch).
 
     Methods (all validate fully before touching any pool, and raise typed errors from
-    ``radixkv.errors``; state is unchanged on error):
-
-    * ``forward_reference(token_ids) -> logits [T, vocab]``
-    * ``extend(token_ids_new, start_pos, kv_rows_prefix, kv_rows_new, state_slot, pools)
-      -> logits [T_new, vocab]``
-    * ``decode(token_ids, req_pool_indices, seq_lens, out_cache_loc, state_slots, pools)
-      -> logits [B, vocab]``
+    ``radixkv.errors``; state is unchanged on error): ``forward_reference(token_ids) -> logits
+    [T, vocab]``; ``extend(token_ids_new, start_pos, kv_rows_prefix, kv_rows_new, state_slot,
+    pools) -> [T_new, vocab]``; ``decode(token_ids, req_pool_indices, seq_lens, out_cache_loc,
+    state_slots, pools) -> [B, vocab]``.
     """
 
     def __init__(self, config: HybridConfig, device: torch.device | str = "cpu", *, backend: str | None = None):
@@ -252,15 +232,11 @@ class HybridModel:
     ) -> torch.Tensor:
         """Run ``T`` new tokens of ONE request at positions ``start_pos..start_pos+T-1``.
 
-        ``kv_rows_prefix [start_pos]``: the KV rows of the tokens before (i.e.
-        ``req_to_token[req_pool_idx, :start_pos]``); ``kv_rows_new [T]``: fresh rows for the new
-        tokens (``out_cache_loc``), written here for every full layer. ``state_slot``: the
-        request's Mamba slot; its state is read (unless ``start_pos == 0``: zeros) and replaced
-        by the state after the last new token. Chunked prefill = successive extends.
-        ``track_slot`` / ``track_seqlen`` (the flow's ``mamba_track_indices`` /
-        ``mamba_track_seqlens``; slot 0 or position -1: none): also write the state after
-        ``track_seqlen`` tokens (``start_pos < track_seqlen <= start_pos + T``) into
-        ``track_slot``, another slot. Returns the logits of the new tokens ``[T, vocab]``.
+        ``kv_rows_prefix [start_pos]``: the rows of the tokens before; ``kv_rows_new [T]``: fresh
+        rows, written here for every full layer. ``state_slot``'s state is read (zeros when
+        ``start_pos == 0``) and replaced by the state after the last new token. ``track_slot`` /
+        ``track_seqlen`` (slot 0 or -1: none): also write the state after ``track_seqlen`` tokens
+        into ``track_slot``. Returns the logits of the new tokens ``[T, vocab]``.
         Cost: O(T * (start_pos + T)) attention, O(T * chunk * D + T * D^2) per KDA layer.
         """
         ids = self._tokens(token_ids_new)
@@ -320,14 +296,10 @@ class HybridModel:
     ) -> torch.Tensor:
         """One new token for each of ``B`` requests (batched).
 
-        ``seq_lens[b]`` counts request b's tokens INCLUDING the new one (so the new token sits
-        at position ``seq_lens[b] - 1``; ``seq_lens >= 2``); its KV row ``out_cache_loc[b]``
-        must already be recorded at ``req_to_token[req_pool_indices[b], seq_lens[b] - 1]``
-        (SGLang's convention: the scheduler writes the table before the forward). The earlier
-        rows come from ``pools.req_to_token``. ``state_slots[b]``: its Mamba slot, advanced in
-        place. Requests, rows and slots must be distinct. ``track_slots [B]`` (the flow's
-        ``mamba_track_indices``, 0: none): where to copy request b's new state as well (the
-        state after ``seq_lens[b]`` tokens, an aligned position). Returns ``[B, vocab]``.
+        ``seq_lens[b]`` counts the new token (at position ``seq_lens[b] - 1``; ``seq_lens >= 2``),
+        whose row ``out_cache_loc[b]`` must already be in ``req_to_token`` (SGLang's convention).
+        ``state_slots[b]`` advances in place; requests, rows and slots must be distinct.
+        ``track_slots [B]`` (0: none): where to copy the new state as well. Returns ``[B, vocab]``.
         Cost: O(B * max(seq_lens)) attention, O(B * H * D^2) per KDA layer.
         """
         ids = self._tokens(token_ids)

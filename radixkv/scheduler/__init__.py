@@ -1,13 +1,6 @@
-"""The scheduler flow around the cache (seed section 5; SGLang's mem_cache/common.py)."""
+"""The scheduler flow around the cache (SGLang's mem_cache/common.py)."""
 from radixkv.scheduler.batch import Batch, ForwardMode
-from radixkv.scheduler.flow import (
-    Conservation,
-    alloc_for_decode,
-    alloc_for_extend,
-    check_conservation,
-    conservation,
-    release_kv_cache,
-)
+from radixkv.scheduler.flow import alloc_for_decode, alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
 from radixkv.validation import as_token_array
 

@@ -37,21 +37,14 @@ class Batch:
 
     Args:
         reqs: the requests (distinct objects).
-        req_to_token_pool: the request-to-token table (``ReqToTokenPool`` or the hybrid one).
-        allocator: the KV slot allocator (``TokenToKVPoolAllocator`` or the paged one).
-        tree_cache: the ``RadixCache`` (matched, locked and evicted by the flow).
-        fill_lens: for the next extend only, how many tokens of each request's
-            ``fill_ids`` should have KV slots afterwards (chunked prefill sets it below
-            ``req.seq_len``); ``None`` means all of them.
+        req_to_token_pool, allocator, tree_cache: the table, the KV slot allocator, the tree.
+        fill_lens: for the next extend only, how many tokens of each request's ``fill_ids``
+            should have KV slots afterwards (``None``: all of them).
         kv_pool: the KV buffers the slots index (optional; the flow never touches them).
 
-    Filled by the flow (``None`` before): ``req_pool_indices`` and ``seq_lens`` (int64 on the
-    pool's device), ``seq_lens_cpu``, ``prefix_lens``, ``extend_lens`` (int64 host tensors),
-    ``out_cache_loc`` (int64 on the device), ``forward_mode``; with a track buffer
-    (:mod:`radixkv.scheduler.track`) ``mamba_track_indices`` (int64 on the device, 0: none)
-    and ``mamba_track_seqlens`` (int64 host, -1: none): where the model writes the state at
-    the aligned position the step passes; with a tiered tree ``tier_lens``: per request, the
-    tokens of its prefix the extend loaded from the host tier and, of those, read from storage.
+    The flow fills (``None`` before) ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu``,
+    ``prefix_lens``, ``extend_lens``, ``out_cache_loc``, ``forward_mode``, with a track
+    buffer ``mamba_track_indices`` / ``mamba_track_seqlens``, with tiers ``tier_lens`` (docs/).
     """
 
     reqs: list[Req]

@@ -1,23 +1,13 @@
 """Decode reserves: KV slots a running request holds ahead for its next decode tokens.
 
-With a reserve, a decode step takes the new token's slot from the front of the request's
-reserve instead of the allocator (:func:`radixkv.scheduler.flow.alloc_for_decode`), so a
-step whose requests all have reserved slots makes no allocator call and evicts nothing.
-That makes such a step's result a function of the earlier results alone, which is what lets
-a remote client of the cache manager answer it locally and tell the manager later (see
-``radixkv.service.client.local_decode``).
-
-Rules (deterministic, the same in every engine):
-
-* :func:`top_up` gives every request of a batch whose reserve is empty a new reserve of
-  ``min(n, limit - seq_len)`` slots, from ONE allocator call, only when the allocator has
-  them all free (never by eviction: a reserve must not cost the cache its prefixes); else
-  nobody in the batch gets one.
-* the reserve is held by the request: it counts in the conservation law as held by
-  requests and in the page audit as the request's (``Req.decode_reserve``), and goes back
-  to the allocator when the request is finished or aborted (:func:`free_reserves`).
-
-Only with page size 1 (a paged decode takes a new page only at page boundaries already).
+A decode step takes the new token's slot from the front of the request's reserve, so a step
+whose requests all have one makes no allocator call and evicts nothing: its result depends on
+earlier results alone, which lets a remote client answer it locally
+(``radixkv.service.client.local_decode``). :func:`top_up` gives every request with an empty
+reserve ``min(n, limit - seq_len)`` slots from ONE allocator call, only when all are free
+(never by eviction), else nobody gets one. Reserves count as held by the request in the
+conservation law and go back at finish or abort (:func:`free_reserves`). Page size 1 only.
+Why: ``docs/internals.md``, "Decode reserves".
 """
 from __future__ import annotations
 

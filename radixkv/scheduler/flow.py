@@ -5,10 +5,9 @@
   tree when the allocator falls short), and write prefix + new slots into the rows.
 * :func:`alloc_for_decode`: one KV slot per request for the token it just generated.
 * :func:`release_kv_cache`: a finished request's KV goes into the tree, its row is freed.
-* :func:`conservation` / :func:`check_conservation` (from
-  :mod:`radixkv.cache.kv_conservation`, re-exported): every KV slot of the pool is exactly
-  one of: free, in the tree (evictable or protected), or held by a running request and not
-  yet in the tree.
+* The KV conservation law the flow keeps is audited by
+  :mod:`radixkv.cache.kv_conservation`: every KV slot of the pool is exactly one of: free,
+  in the tree (evictable or protected), or held by a running request and not yet in the tree.
 
 All-or-nothing: when a call raises (bad input, or ``CapacityError`` when even eviction
 cannot make room) no lock, row or slot it took is kept, and no request or batch field
@@ -41,7 +40,6 @@ from typing import Any, cast
 
 import torch
 
-from radixkv.cache.kv_conservation import Conservation, check_conservation, conservation  # noqa: F401
 from radixkv.cache.radix_key import RadixKey
 from radixkv.contracts import (
     HybridPrefixCache,
@@ -61,12 +59,9 @@ from radixkv.scheduler.req import Req
 from radixkv.scheduler.track import prepare_track, track_interval
 
 __all__ = [
-    "Conservation",
     "alloc_for_extend",
     "alloc_for_decode",
     "release_kv_cache",
-    "conservation",
-    "check_conservation",
     "pages_needed",
 ]
 
@@ -123,39 +118,9 @@ def _check_rows_free(pool: ReqToTokenTable, reqs: list[Req]) -> None:
         )
 
 
-def alloc_for_extend(batch: Batch) -> torch.Tensor:
-    """Prepare ``batch`` for an extend (prefill) step; return ``out_cache_loc``.
-
-    For each request ``i`` with target length ``T = batch.target_len(i)``:
-
-    * a new request (no row): ``match_prefix(RadixKey(fill_ids[:T - 1], extra_key))`` (at
-      least one token is always computed, as SGLang does), ``inc_lock_ref`` on the matched
-      node, and a fresh row;
-    * a request that holds a row (chunked prefill, or more input after decoding): its
-      committed tokens are the prefix, its row and locks are kept.
-
-    Hybrid pools: rows and Mamba slots come together (``pool.alloc``), states are evicted
-    first when slots are short, and each new request's matched state is forked into its slot
-    (``tree.fork_states``).
-
-    Then the KV slots of tokens ``prefix_len .. T`` are allocated (``alloc`` with page size
-    1, else ``alloc_extend`` with each request's ``last_loc``) after evicting the shortfall
-    from the tree, and :func:`~radixkv.kernels.write_cache_indices.write_cache_indices`
-    writes prefix and new slots into the rows.
-
-    Sets ``req.prefix_indices``, ``req.last_node``, ``req.cache_protected_len`` (new
-    requests) and ``req.kv_committed_len = T`` (all), and the batch tensors.
-
-    Raises (nothing changes, nothing leaks): ``InvalidArgumentError`` for a target outside
-    ``(kv_committed_len, seq_len]`` or an inconsistent request; ``CapacityError`` when a
-    target exceeds the table width, or rows or slots run out even after eviction.
-
-    Cost: O(bs) matches + O(tokens) vectorized index work; one eviction at most.
-    """
-    reqs, pool, allocator, tree = batch.reqs, batch.req_to_token_pool, batch.allocator, batch.tree_cache
-    ps, dev = batch.page_size, batch.device
-    width = pool.req_to_token.shape[1]
-    targets = [batch.target_len(i) for i in range(len(reqs))]
+def _check_extend(reqs: list[Req], targets: list[int], width: int) -> None:
+    """Every target in ``(kv_committed_len, seq_len]`` and within the row ``width``; a
+    request without a row holds no lock or KV. O(bs)."""
     for r, t in zip(reqs, targets):
         if not r.kv_committed_len < t <= r.seq_len:
             raise InvalidArgumentError(
@@ -166,37 +131,83 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
                                 requested=t, available=width)
         if r.req_pool_idx is None and (r.last_node is not None or r.kv_committed_len):
             raise InvalidArgumentError(f"request {r.rid!r} has no row but holds a lock or KV")
+
+
+def _match_and_lock(batch: Batch, targets: list[int], matches: list[PrefixMatch | None],
+                    locked: list[Any], tier_lens: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each request's prefix slots (int64, on the batch's device): a new request's match of
+    ``fill_ids[:target - 1]`` (a tiered tree's host pages loaded first, counted in
+    ``tier_lens``), its node locked (appended to ``locked`` at once, so the caller can unlock
+    on failure) and its match put in ``matches``; a request with a row, its committed slots.
+    O(bs) matches."""
+    pool, tree, dev = batch.req_to_token_pool, batch.tree_cache, batch.device
+    prefixes: list[torch.Tensor] = []
+    for i, r in enumerate(batch.reqs):
+        if r.req_pool_idx is None:
+            m = tree.match_prefix(RadixKey(r.fill_ids[: targets[i] - 1], r.extra_key))
+            m, tier_lens[i] = _load_tiers(tree, m)
+            tree.inc_lock_ref(m.last_node)
+            locked.append(m.last_node)
+            matches[i] = m
+            prefixes.append(torch.as_tensor(m.device_indices).to(device=dev, dtype=torch.int64))
+        else:
+            prefixes.append(pool.req_to_token[r.req_pool_idx, : r.kv_committed_len].to(torch.int64))
+    return prefixes
+
+
+def _states_needed(pool: ReqToTokenTable, reqs: list[Req]) -> int:
+    """Mamba slots an extend takes (hybrid pools; 0 otherwise): one per request without
+    one, and the track buffers of each new row."""
+    if getattr(pool, "mamba_pool", None) is None:
+        return 0
+    per_row: int = getattr(pool, "track_slots_per_row", lambda: 0)()
+    return sum(r.mamba_pool_idx is None for r in reqs) + per_row * sum(r.req_pool_idx is None for r in reqs)
+
+
+def _alloc_extend_slots(batch: Batch, pre: torch.Tensor, seq: torch.Tensor, ext: torch.Tensor,
+                        prefixes: list[torch.Tensor]) -> torch.Tensor | None:
+    """KV slots for tokens ``pre .. seq`` of each request (``alloc``, or ``alloc_extend``
+    after each prefix's last slot with pages); None when the allocator falls short."""
+    allocator, dev = batch.allocator, batch.device
+    if batch.page_size == 1:
+        return allocator.alloc(int(ext.sum()))
+    last_loc = torch.stack([p[-1] if p.numel() else p.new_tensor(-1) for p in prefixes]) \
+        if prefixes else torch.empty(0, dtype=torch.int64, device=dev)
+    return cast(PagedKVAllocator, allocator).alloc_extend(pre.to(dev), seq.to(dev), last_loc, int(ext.sum()))
+
+
+def alloc_for_extend(batch: Batch) -> torch.Tensor:
+    """Prepare ``batch`` for an extend (prefill) step; return ``out_cache_loc``.
+
+    Match and lock each new request's prefix (``fill_ids[:T - 1]``, ``T = batch.target_len(i)``:
+    one token is always computed) and give it a row; a request with a row keeps it, its
+    committed tokens the prefix. Make room (evict), take rows (hybrid: and Mamba slots, the
+    matched states forked in), take KV slots for ``prefix_len .. T``, write prefix and new
+    slots into the rows; set ``prefix_indices``, ``last_node``, ``cache_protected_len`` (new
+    requests), ``kv_committed_len = T`` and the batch tensors. Raises (nothing changes or
+    leaks) ``InvalidArgumentError`` (a bad target or request), ``CapacityError`` (row width,
+    rows or slots even after eviction). Cost: O(bs) matches, O(tokens) vectorized, one evict.
+    """
+    reqs, pool, allocator, tree = batch.reqs, batch.req_to_token_pool, batch.allocator, batch.tree_cache
+    targets = [batch.target_len(i) for i in range(len(reqs))]
+    _check_extend(reqs, targets, pool.req_to_token.shape[1])
     _check_rows_free(pool, reqs)
-    track_interval(pool, ps)  # a bad interval raises before anything changes
+    track_interval(pool, batch.page_size)  # a bad interval raises before anything changes
 
     locked: list[Any] = []  # the tree's nodes
     tier_lens = [(0, 0)] * len(reqs)
     matches: list[PrefixMatch | None] = [None] * len(reqs)
-    prefixes: list[torch.Tensor] = []
     new_rows: list[Req] = []
     out = None
     backup = None
     try:
-        for i, r in enumerate(reqs):
-            if r.req_pool_idx is None:
-                m = tree.match_prefix(RadixKey(r.fill_ids[: targets[i] - 1], r.extra_key))
-                m, tier_lens[i] = _load_tiers(tree, m)
-                tree.inc_lock_ref(m.last_node)
-                locked.append(m.last_node)
-                matches[i] = m
-                prefixes.append(torch.as_tensor(m.device_indices).to(device=dev, dtype=torch.int64))
-            else:
-                prefixes.append(pool.req_to_token[r.req_pool_idx, : r.kv_committed_len].to(torch.int64))
+        prefixes = _match_and_lock(batch, targets, matches, locked, tier_lens)
         pre = torch.tensor([p.numel() for p in prefixes], dtype=torch.int64)
         seq = torch.tensor(targets, dtype=torch.int64)
         ext = seq - pre
-        need = pages_needed(pre, seq, ps)
+        need = pages_needed(pre, seq, batch.page_size)
         state_pool = getattr(pool, "mamba_pool", None)
-        need_states = 0
-        if state_pool is not None:  # a slot per request without one, the track buffers of new rows
-            need_states = sum(r.mamba_pool_idx is None for r in reqs) + getattr(
-                pool, "track_slots_per_row", lambda: 0)() * sum(r.req_pool_idx is None for r in reqs)
-        _make_room(tree, allocator, need, "alloc_for_extend", state_pool, need_states)
+        _make_room(tree, allocator, need, "alloc_for_extend", state_pool, _states_needed(pool, reqs))
 
         new_rows = [r for r in reqs if r.req_pool_idx is None]
         rows = pool.alloc(reqs)
@@ -207,13 +218,7 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
         if state_pool is not None and forks and hasattr(tree, "fork_states"):
             tree.fork_states([node for node, _ in forks], [r for _, r in forks])
         backup = allocator.backup_state()
-        if ps == 1:
-            out = allocator.alloc(int(ext.sum()))
-        else:
-            last_loc = torch.stack([p[-1] if p.numel() else p.new_tensor(-1) for p in prefixes]) \
-                if prefixes else torch.empty(0, dtype=torch.int64, device=dev)
-            out = cast(PagedKVAllocator, allocator).alloc_extend(pre.to(dev), seq.to(dev), last_loc,
-                                                                 int(ext.sum()))
+        out = _alloc_extend_slots(batch, pre, seq, ext, prefixes)
         if out is None:
             raise CapacityError(f"alloc_for_extend: {need} KV slots not available",
                                 requested=need, available=allocator.available_size())
@@ -234,13 +239,9 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
             r.last_node = match.last_node
             r.cache_protected_len = int(pre[i])
         r.kv_committed_len = targets[i]
-    batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=dev)
-    batch.prefix_lens, batch.extend_lens = pre, ext
-    batch.seq_lens_cpu, batch.seq_lens = seq, seq.to(dev)
-    batch.out_cache_loc = out
-    batch.forward_mode = ForwardMode.EXTEND
+    batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=batch.device)
+    _set_forward(batch, ForwardMode.EXTEND, pre, ext, seq, seq.to(batch.device), out)
     batch.tier_lens = tier_lens
-    prepare_track(batch, reqs, pre, seq)
     wait_loads = getattr(tree, "wait_loads", None)
     if wait_loads is not None:  # a worker reads the loaded rows only once their copies are done
         wait_loads()
@@ -260,30 +261,19 @@ def _load_tiers(tree: PrefixCache, m: PrefixMatch) -> tuple[PrefixMatch, tuple[i
     return loaded_m, (loaded, from_storage)
 
 
-def alloc_for_decode(batch: Batch) -> torch.Tensor:
-    """Prepare ``batch`` for one decode step; return ``out_cache_loc`` (one slot each).
+def _set_forward(batch: Batch, mode: str, pre: torch.Tensor, ext: torch.Tensor, seq: torch.Tensor,
+                 seq_d: torch.Tensor, out: torch.Tensor) -> None:
+    """Set the batch's step fields for tokens ``pre .. seq`` (CPU int64; ``ext = seq - pre``,
+    ``seq_d`` on the device) written at ``out``, and the track-buffer positions (hybrid)."""
+    batch.prefix_lens, batch.extend_lens = pre, ext
+    batch.seq_lens_cpu, batch.seq_lens = seq, seq_d
+    batch.out_cache_loc = out
+    batch.forward_mode = mode
+    prepare_track(batch, batch.reqs, pre, seq)
 
-    Every request must hold a row and exactly one uncommitted token: the token it just
-    generated, already appended to ``output_ids`` (``seq_len == kv_committed_len + 1``).
-    Its slot is written at ``req_to_token[req_pool_idx, seq_len - 1]``. This is SGLang's
-    convention (``write((req_pool_indices, seq_lens), out_cache_loc)`` *before*
-    ``seq_lens += 1``): the batch's ``seq_lens`` before the step count the tokens with KV,
-    and the new token takes the column right after them. Afterwards
-    ``batch.seq_lens == seq_len`` and ``kv_committed_len == seq_len``.
 
-    With page size 1 it allocates one slot for each request without a decode reserve; a
-    request with one takes the front slot of ``req.decode_reserve`` (no allocator call, see
-    :mod:`radixkv.scheduler.decode_reserve`). With pages, ``alloc_decode`` takes a fresh
-    page only for requests whose new token starts a page (``(seq_len - 1) % ps == 0``) and
-    otherwise uses the next slot of the request's last page (``last_loc + 1``).
-
-    Raises (nothing changes): ``InvalidArgumentError`` (a request without a row, or not
-    exactly one uncommitted token); ``CapacityError`` (row width, or slots even after
-    eviction). Cost: O(bs) vectorized; one eviction at most.
-    """
-    reqs, pool, allocator, tree = batch.reqs, batch.req_to_token_pool, batch.allocator, batch.tree_cache
-    ps, dev = batch.page_size, batch.device
-    width = pool.req_to_token.shape[1]
+def _check_decode(reqs: list[Req], width: int) -> None:
+    """Every request holds a row and exactly one uncommitted token within ``width``. O(bs)."""
     for r in reqs:
         if r.req_pool_idx is None:
             raise InvalidArgumentError(f"request {r.rid!r} holds no row; extend it first")
@@ -295,30 +285,53 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
         if r.seq_len > width:
             raise CapacityError(f"request {r.rid!r}: {r.seq_len} tokens exceed the row width {width}",
                                 requested=r.seq_len, available=width)
+
+
+def _alloc_decode_slots(batch: Batch, res: list[int], need: int, rows_d: torch.Tensor,
+                        pos_d: torch.Tensor) -> torch.Tensor | None:
+    """One KV slot per request: page size 1, the front of its decode reserve (requests
+    ``res``) or one of ``need`` fresh slots; pages, ``alloc_decode`` after the row's last
+    slot. None when the allocator falls short."""
+    reqs, allocator, dev = batch.reqs, batch.allocator, batch.device
+    if batch.page_size != 1:
+        last_loc = batch.req_to_token_pool.req_to_token[rows_d, (pos_d - 1).clamp(min=0)].to(torch.int64)
+        return cast(PagedKVAllocator, allocator).alloc_decode(pos_d + 1, last_loc)
+    if not need:  # every request decodes into its reserve: no allocator call
+        return torch.tensor([int(r.decode_reserve[0]) for r in reqs], dtype=torch.int64).to(dev)
+    fresh = allocator.alloc(need)
+    if not res or fresh is None:
+        return fresh
+    out = torch.empty(len(reqs), dtype=torch.int64, device=dev)  # reserved slots first, fresh for the others
+    mask = torch.zeros(len(reqs), dtype=torch.bool, device=dev)
+    mask[res] = True
+    out[mask] = torch.tensor([int(reqs[i].decode_reserve[0]) for i in res], dtype=torch.int64, device=dev)
+    out[~mask] = fresh.to(dev, torch.int64)
+    return out
+
+
+def alloc_for_decode(batch: Batch) -> torch.Tensor:
+    """Prepare ``batch`` for one decode step; return ``out_cache_loc`` (one slot each).
+
+    Each request holds a row and one uncommitted token (``seq_len == kv_committed_len + 1``),
+    whose slot goes to ``req_to_token[row, seq_len - 1]`` (SGLang's order: write, then
+    ``seq_lens += 1``); afterwards ``batch.seq_lens == kv_committed_len == seq_len``. Page
+    size 1: a slot from ``req.decode_reserve`` when it has one, else from the allocator;
+    pages: ``alloc_decode`` (a fresh page when the token starts one, else ``last_loc + 1``).
+    Raises (nothing changes) ``InvalidArgumentError`` (no row, not one uncommitted token),
+    ``CapacityError`` (row width, slots even after eviction). Cost: O(bs) vectorized, one evict.
+    """
+    reqs, pool, allocator, ps = batch.reqs, batch.req_to_token_pool, batch.allocator, batch.page_size
+    _check_decode(reqs, pool.req_to_token.shape[1])
     track_interval(pool, ps)  # a bad interval raises before anything changes
     pos = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64)
     rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     res = [i for i, r in enumerate(reqs) if r.decode_reserve.size] if ps == 1 else []
     need = len(reqs) - len(res) if ps == 1 else ps * int((pos % ps == 0).sum())
-    _make_room(tree, allocator, need, "alloc_for_decode")
+    _make_room(batch.tree_cache, allocator, need, "alloc_for_decode")
 
-    rows_d, pos_d = rows.to(dev), pos.to(dev)
+    rows_d, pos_d = rows.to(batch.device), pos.to(batch.device)
     backup = allocator.backup_state() if need or ps != 1 else None
-    out: torch.Tensor | None
-    if ps == 1 and not need:  # every request decodes into its reserve: no allocator call
-        out = torch.tensor([int(r.decode_reserve[0]) for r in reqs], dtype=torch.int64).to(dev)
-    elif ps == 1:
-        out = allocator.alloc(need)
-        if res and out is not None:  # reserved slots first, fresh ones for the others
-            fresh, out = out, torch.empty(len(reqs), dtype=torch.int64, device=dev)
-            mask = torch.zeros(len(reqs), dtype=torch.bool, device=dev)
-            mask[res] = True
-            out[mask] = torch.tensor([int(reqs[i].decode_reserve[0]) for i in res], dtype=torch.int64,
-                                     device=dev)
-            out[~mask] = fresh.to(dev, torch.int64)
-    else:
-        last_loc = pool.req_to_token[rows_d, (pos_d - 1).clamp(min=0)].to(torch.int64)
-        out = cast(PagedKVAllocator, allocator).alloc_decode(pos_d + 1, last_loc)
+    out = _alloc_decode_slots(batch, res, need, rows_d, pos_d)
     if out is None:
         raise CapacityError(f"alloc_for_decode: {need} KV slots not available",
                             requested=need, available=allocator.available_size())
@@ -335,11 +348,7 @@ def alloc_for_decode(batch: Batch) -> torch.Tensor:
     for i in res:
         reqs[i].decode_reserve = reqs[i].decode_reserve[1:]
     batch.req_pool_indices = rows_d
-    batch.prefix_lens, batch.extend_lens = pos, torch.ones_like(pos)
-    batch.seq_lens_cpu, batch.seq_lens = pos + 1, pos_d + 1
-    batch.out_cache_loc = out
-    batch.forward_mode = ForwardMode.DECODE
-    prepare_track(batch, reqs, pos, pos + 1)
+    _set_forward(batch, ForwardMode.DECODE, pos, torch.ones_like(pos), pos + 1, pos_d + 1, out)
     return out
 
 

@@ -22,26 +22,15 @@ if TYPE_CHECKING:
 class Req:
     """One request as the memory layers see it.
 
-    Attributes:
-        rid: request id (unique per scheduler / session).
-        origin_input_ids: prompt tokens, int32.
-        output_ids: generated tokens so far, int32.
-        req_pool_idx: its row in ``req_to_token`` (``None`` until allocated).
-        prefix_indices: int64 tensor of KV rows reused from the cache (the matched prefix).
-        last_node: the tree node locked on behalf of this request (``None`` when none).
-        extra_key: cache namespace (LoRA id, tenant, salt); ``None`` is its own namespace.
-        priority: eviction priority for the ``priority`` policy (higher is kept longer).
-        mamba_pool_idx: its Mamba state slot (hybrid models), else ``None``.
-        kv_committed_len: tokens of ``fill_ids`` whose KV rows are written in its row.
-        cache_protected_len: tokens at the head of its row that belong to the tree (locked).
-        mamba_ping_pong_track_buffer: its two track slots (hybrid pools with
-            ``enable_mamba_extra_buffer``), allocated and freed with its row; ``None`` else.
-        mamba_next_track_idx: which of the two the next tracked step writes (0 or 1).
-        mamba_last_track_seqlen: the position of the state the last tracked step wrote
-            (into the other one), ``None`` before any (:mod:`radixkv.scheduler.track`).
-        decode_reserve: int64 KV slots (page size 1) allocated ahead for its next decode
-            tokens, used front first (:mod:`radixkv.scheduler.decode_reserve`); empty by
-            default. They are held by the request, in no row column and not in the tree.
+    Attributes: ``rid``; ``origin_input_ids`` / ``output_ids`` (int32); ``req_pool_idx`` (its
+    ``req_to_token`` row, ``None`` until allocated); ``prefix_indices`` (KV rows of the matched
+    prefix); ``last_node`` (the node locked for it); ``extra_key`` (cache namespace);
+    ``priority``; ``mamba_pool_idx`` (its state slot, hybrid); ``kv_committed_len`` (tokens of
+    ``fill_ids`` with KV written in its row); ``cache_protected_len`` (head of its row owned by
+    the tree); ``mamba_ping_pong_track_buffer``, ``mamba_next_track_idx``,
+    ``mamba_last_track_seqlen`` (:mod:`radixkv.scheduler.track`); ``decode_reserve`` (int64 KV
+    slots held ahead for decode, front first, in no row and not in the tree;
+    :mod:`radixkv.scheduler.decode_reserve`).
     """
 
     rid: str

@@ -1,20 +1,13 @@
 """State tracking at aligned positions (SGLang's ``mamba_ping_pong_track_buffer``).
 
-A hybrid request's own Mamba slot holds the state after every token computed so far, a
-position no page boundary holds in general (a 40-token prompt plus one decode step sits at
-41). The tree can only keep a state at a page end, so with the request pool's
-``enable_mamba_extra_buffer`` each request holds two more slots, written alternately: a step
-whose tokens pass an aligned position ``a`` (a multiple of ``mamba_track_interval``, itself a
-multiple of the page size) has the model write the state after ``a`` tokens into
-``mamba_ping_pong_track_buffer[mamba_next_track_idx]``. The flow call that prepares the step
-records it (:func:`prepare_track`): ``batch.mamba_track_indices`` / ``mamba_track_seqlens``
-tell the model where and which position (slot 0 / -1: none), and the request's
-``mamba_last_track_seqlen`` and ``mamba_next_track_idx`` move on, so ``cache_*_req`` (called
-after that step's forward) read the slot just written while the next step may already be
-writing the other one -- the overlap the pair exists for.
-
-A position is tracked only when the step computes it (``a > prefix``): at ``a == prefix`` the
-state came from the tree, which holds it already. Cost: O(batch) host work per flow call.
+The tree keeps states only at page ends, while a request's own slot sits after its last token.
+With ``enable_mamba_extra_buffer`` each request holds two more slots, written alternately: a
+step whose tokens pass an aligned position ``a`` (a multiple of ``mamba_track_interval``) has
+the model write the state after ``a`` tokens into the next one. :func:`prepare_track` records
+it in the batch (``mamba_track_indices`` / ``mamba_track_seqlens``; 0 / -1: none) and the
+request, so ``cache_*_req`` read the slot just written while the next step may write the
+other. Only positions the step computes (``a > prefix``) are tracked. Cost: O(batch) host
+work per flow call. Why a pair: ``docs/internals.md``, "State tracking at aligned positions".
 """
 from __future__ import annotations
 

@@ -1,41 +1,17 @@
 """Client-local decode steps: what a remote client knows of its requests' decode reserves.
 
-With ``EngineConfig.decode_reserve`` > 0 every running request holds KV slots for its next
-decode tokens (``radixkv.scheduler.decode_reserve``). A decode step takes each request's
-slot from the FRONT of its reserve, and when every request of the step still has >= 2
-reserved slots nobody's reserve runs empty, so the manager makes no allocator call and tops
-nothing up: the step's result follows from the earlier replies alone::
+When every request of a decode step holds >= 2 reserved slots, the manager makes no
+allocator call and the result follows from earlier replies (``out_cache_loc = reserve[0]``,
+``seq_len + 1``, same row and slot). :class:`LocalDecodes` is the client's table of this,
+per session and epoch, refreshed from every reply; :meth:`LocalDecodes.try_local` answers
+such a step without an RPC, logs it and writes the mapped ``req_to_token``;
+:meth:`LocalDecodes.flush` replays the log as one ``ApplyDecodes`` before any other call of
+the session (over a Step stream it rides on the next call). The table is dropped for a
+session on any error, detach or new epoch; one client per session.
 
-    out_cache_loc[i] = reserve[0]      seq_lens[i] = seq_len + 1      reserve <- reserve[1:]
-    req_pool_indices[i] = row          mamba_slots[i] = the request's slot (-1: KV-only)
-
-:class:`LocalDecodes` is the client's table of what it knows, per session (keyed by session
-id and epoch): for each request this client extended or decoded, its row, ``seq_len``, Mamba
-slot and reserve, refreshed from every ``ExtendResult`` / ``DecodeResult`` the manager sends.
-:meth:`LocalDecodes.try_local` answers such a step without an RPC, appends it (rids and
-int32 tokens) to the session's *pending log*, and writes the new slots into the worker's
-mapped ``req_to_token`` when this client mapped the manager's buffers (without the mapping
-nothing on the worker can read that row; the manager writes it at the replay).
-:meth:`LocalDecodes.flush` sends the log as one ``ApplyDecodes`` RPC (the manager runs
-``alloc_decode`` for each logged call, in order); the client flushes before every other call
-of the session, so the manager has replayed everything before anything can observe it. Over
-a Step stream the log instead rides on the session's next step call (:meth:`LocalDecodes.guard`
-with ``ride``; one message, the manager replays it just before running the call).
-
-The table holds only requests with >= 2 reserved slots (nothing local can be done for the
-others until a reply refreshes them). It is dropped for a session on any error the manager
-answers for a call of that session (a failed flush included: the replay stopped somewhere,
-the error names the call), on detach, and when a reply comes from a new epoch (a restarted
-manager). A session's requests must be driven through ONE client (another client's calls on
-them would not refresh this table).
-
-Costs: ``try_local`` O(B + reserved slots of the B requests): C-level passes over the items
-to check them, then, for the batch of the previous local call (same rids, same order: a
-scheduler's decode steps), vector ops on that batch's arrays (``_Batch``); a new batch costs
-one Python loop over its B requests to build, and writes its progress back into the
-per-request table (``_Table.sync``, O(B)) before anything else reads it. ``observe_*``
-O(B + reserved slots); ``flush`` O(logged items) plus one RPC.
-Thread-safe (one lock; a flush holds it during its RPC, so the log leaves in order).
+Costs: ``try_local`` O(B + reserved slots) (vector ops when the batch repeats the previous
+one's rids, one loop over B to build a new one); ``flush`` O(logged items) plus one RPC.
+Thread-safe (one lock held across a flush). Details: ``docs/service.md``, "Local decode steps".
 """
 from __future__ import annotations
 
@@ -292,17 +268,15 @@ class LocalDecodes:
     # ------------------------------------------------------------------ the local step
     def try_local(self, session: Session, items: Sequence[DecodeItem]) -> DecodeResult | None:
         """The result of decode call ``items`` when it needs no allocator call (see the module
-        doc), with the call logged and the table advanced; None (nothing changed) when it
-        may need one, anything is unknown, or ``items`` is not a list/tuple of ``DecodeItem``
-        whose token ids are ints in ``[0, 2**31)`` and whose rids are distinct strs (the caller
-        validates those and asks again). Raises ``InvariantError`` (nothing changed) when a
-        known slot falls outside the mapped ``req_to_token``.
+        doc), with the call logged and the table advanced; None (nothing changed) when it may
+        need one, anything is unknown, or ``items`` is not a list/tuple of ``DecodeItem`` with int
+        token ids in ``[0, 2**31)`` and distinct str rids (the caller validates and asks again).
+        Raises ``InvariantError`` (nothing changed) when a known slot falls outside the mapped
+        ``req_to_token``.
 
-        The checks are C-level passes over the items (``map``, ``set``, ``min`` / ``max``);
-        a call with the rids of the previous local call, in the same order (a scheduler's
-        decode steps), is answered from that call's :class:`_Batch` with vector ops, O(B +
-        reserved slots) with no Python loop per request; another batch costs one loop over
-        its B requests to build."""
+        Checks are C-level passes over the items; a repeat of the previous call's rids is answered
+        with vector ops, O(B + reserved slots); a new batch costs one loop over its B requests.
+        """
         if not self.enabled or type(items) not in (list, tuple) or not items:
             return None
         if set(map(type, items)) != {DecodeItem}:

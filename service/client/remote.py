@@ -1,49 +1,17 @@
 """The worker side: :func:`connect` returns a :class:`RemoteCacheEngine`, the cache-engine
 protocol (``radixkv.engine.protocol.CacheEngineAPI``) run against a cache-manager server.
 
-Every protocol call carries the whole batch (token ids and indices as packed int32/int64
-bytes). The step calls (heartbeat, match, alloc_extend, alloc_decode, cache_*, release,
-evict) are by default messages of one persistent lane per client, opened on the first step
-call, carrying the same request and reply messages as the unary RPCs: the manager's Step
-socket when it has one (a ``unix:`` address; plain frames, no gRPC thread hand-off,
-:mod:`radixkv.service.client.step_socket`; measured in ``docs/service.md``, "The Step
-socket"), else one gRPC ``Step`` stream (:mod:`radixkv.service.server.step_stream`; 7-39% less
-CPU per request than unary calls); ``connect(..., step_socket=False)`` uses the stream,
-``step_stream=False`` makes every call a unary RPC (the other calls always are). Failed
-calls raise the same :mod:`radixkv.errors` types the embedded engine raises
-(:func:`radixkv.service.wire.errors.error_from_rpc`).
-
-Input the wire cannot carry (token ids that are not a 1-D int32 array, a rid that is not a
-str, a token id outside int32, ...) is rejected here with the engine's own validators
-(``radixkv.validation``); before raising, the client sends a ``Heartbeat`` so that a
-stale session still raises ``StaleSessionError`` first and a live one has its lease renewed,
-exactly as a failed embedded call does. (When one call has two defects, the one reported
-may differ from the embedded engine's.)
-
-KV bytes never travel: :meth:`RemoteCacheEngine.worker_buffers` maps the manager's pools
-(once per pool and epoch) and returns ``WorkerBuffers`` aliasing them.
-
-Sessions stay alive through calls, :meth:`~RemoteCacheEngine.heartbeat`, or a keep-alive
-stream (:meth:`~RemoteCacheEngine.start_keepalive`, :mod:`~radixkv.service.client.keepalive`): a
-background thread that renews the lease every ``ttl / 3`` s; if the worker dies the stream
-drops and the manager reclaims the session at once. ``attach`` reports this process's pid, so
-a session that expires while this process still runs (paused) is quarantined rather than
-handed to others.
-
-Retries: every call but ``Stats`` / ``CheckInvariants`` carries a fresh
-``radixkv-request-id``; with ``retries=N`` a call that failed UNAVAILABLE or
-DEADLINE_EXCEEDED (the reply may have been lost after the manager ran it) is sent again
-with the same id, up to N times, and the manager answers a retry it already ran with the
-reply it kept: a retried ``alloc_extend`` never allocates twice.
-
-Local decode (default; ``connect(..., local_decode=False)``: off): a decode step whose
-requests all hold >= 2 reserved KV slots (``EngineConfig.decode_reserve``) is answered here
-without an RPC and replayed on the manager (``ApplyDecodes``) before the session's next
-other call (:mod:`radixkv.service.client.local_decode`); over a Step stream the replay rides
-on that call's message (the manager runs it just before the call). ``rpc_counts``: calls
-sent (RPCs and stream messages), by method; a replay riding on a call is not one.
-
-The client is thread-safe as gRPC channels are; the engine behind it serializes calls.
+Every call carries the whole batch as packed int32/int64 bytes. Step calls go over one lane
+per client: the manager's Step socket (``unix:`` addresses), else one gRPC ``Step`` stream,
+else unary RPCs (``step_socket=False`` / ``step_stream=False``). Failures raise the embedded
+engine's :mod:`radixkv.errors` types; input the wire cannot carry is rejected here by the
+engine's validators, after a ``Heartbeat`` so a stale session still raises
+``StaleSessionError`` first. KV bytes never travel (:meth:`~RemoteCacheEngine.worker_buffers`
+maps the pools). Leases: calls, :meth:`~RemoteCacheEngine.heartbeat` or a keep-alive stream.
+``retries=N`` resends UNAVAILABLE / DEADLINE_EXCEEDED calls with the same request id (never
+run twice). Local decode (default) answers reserve-only decode steps without an RPC.
+``rpc_counts``: calls sent, by method. Thread-safe as gRPC channels are. The full story:
+``docs/service.md``, "The client".
 """
 from __future__ import annotations
 
@@ -98,22 +66,13 @@ log = logging.getLogger(__name__)
 class RemoteCacheEngine:
     """``CacheEngineAPI`` over gRPC (see the module doc). Build it with :func:`connect`.
 
-    Args:
-        channel: a gRPC channel to the manager.
-        token: the auth token.
-        timeout_s: deadline of each call.
-        address: for messages.
-        retries: how many times a call that failed UNAVAILABLE / DEADLINE_EXCEEDED is sent
-            again with the same request id (0: never).
-        retry_backoff_s: the first pause between tries (doubled each time, at most 1 s).
-        step_stream: send the step calls over one ``Step`` stream (default; first try only:
-            retries, and calls made while another thread's call is on the stream, go as
-            unary calls). The open stream holds one of the manager's ``max_concurrent_rpcs``.
-        local_decode: answer decode steps from the requests' reserves locally (see the
-            module doc; False: every ``alloc_decode`` is an RPC).
-        step_socket: with ``step_stream`` and a ``unix:`` address, send the step calls over
-            the manager's Step socket when it has one (default; no gRPC thread hand-off per
-            call, :mod:`~radixkv.service.client.step_socket`), else over the gRPC stream.
+    Args: ``channel``; ``token``; ``timeout_s`` (each call's deadline); ``address`` (for
+    messages); ``retries`` / ``retry_backoff_s`` (resends of UNAVAILABLE / DEADLINE_EXCEEDED
+    calls with the same request id, backoff doubled up to 1 s); ``step_stream`` (step calls on
+    one ``Step`` stream, first try only; it holds one of the manager's ``max_concurrent_rpcs``);
+    ``local_decode`` (answer reserve-only decode steps locally); ``step_socket`` (with a
+    ``unix:`` address, the Step socket when the manager has one). Each argument:
+    ``docs/service.md``, "The client".
     """
 
     def __init__(self, channel: grpc.Channel, token: Token, *, timeout_s: float = 30.0, address: str = "",
@@ -483,16 +442,10 @@ def connect(address: str, token: str | None = None, *, token_file: str | None = 
             local_decode: bool = True, step_socket: bool = True) -> RemoteCacheEngine:
     """A client of the manager at ``address`` (``unix:///dir/s.sock`` or ``host:port``).
 
-    The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``. With ``tls_ca``
-    the channel is TLS (``tls_cert``/``tls_key`` for a client certificate). Waits up to
-    ``wait_s`` for the channel to be ready. ``retries``: see :class:`RemoteCacheEngine`.
-    ``step_stream`` (default True): send the step calls (heartbeat, match, alloc_extend,
-    alloc_decode, cache_*, release, evict) over one persistent ``Step`` stream, opened on the
-    first step call, instead of one unary call each (:mod:`radixkv.service.server.step_stream`;
-    cheaper per call, same protocol; False: unary calls only). ``local_decode`` (default
-    True): answer decode steps from reserved slots locally (:mod:`radixkv.service.client.local_decode`).
-    ``step_socket`` (default True): with a ``unix:`` address, the step calls go over the
-    manager's Step socket when it has one (:mod:`radixkv.service.client.step_socket`).
+    The token comes from ``token``, ``token_file`` or ``$RADIXKV_TOKEN``; ``tls_ca`` (with
+    ``tls_cert``/``tls_key``) makes the channel TLS. Waits up to ``wait_s`` for the channel.
+    ``retries``, ``step_stream``, ``local_decode``, ``step_socket``: as
+    :class:`RemoteCacheEngine` (all on by default but ``retries``).
 
     Raises ``InvalidArgumentError`` (no/short token, unreadable TLS file) or
     ``ServiceUnavailableError`` (nothing answers within ``wait_s``).

@@ -1,20 +1,13 @@
 """The manager's token check: a gRPC interceptor that ends a call without the right token
 ``UNAUTHENTICATED`` before any handler runs (the token itself: :mod:`radixkv.service.wire.auth`).
 
-Budgets: calls with a right token count against ``call_budget`` (``--max-concurrent-rpcs``),
-calls that need no token (the health service) against a small one of their own
-(``health_budget``, default :data:`DEFAULT_HEALTH_BUDGET`); one more call than its budget is
-answered RESOURCE_EXHAUSTED at once. gRPC's own limit (which counts calls from their
-arrival, queued ones included) is set to their sum, so unauthenticated streams never take a
-worker's slot.
-
-With an operator token (``--operator-token-file``), the operator calls (:data:`OPERATOR_METHODS`:
-``Flush`` empties the tree every worker shares, ``Evict`` drops its unlocked prefixes,
-``CheckInvariants`` walks every structure)
-need it: a worker's token gets ``PERMISSION_DENIED`` for them. The operator token is accepted
-for every other call too. Without one, the worker token may make them (the manager warns at
-start-up). Workers never need ``Evict``: an allocation that lacks room evicts what it needs
-itself (all or nothing).
+Budgets: token-bearing calls count against ``call_budget`` (``--max-concurrent-rpcs``),
+token-free ones (health) against ``health_budget``; one more is RESOURCE_EXHAUSTED at once.
+gRPC's own limit is their sum, so unauthenticated streams never take a worker's slot. With
+an operator token, :data:`OPERATOR_METHODS` (``Flush``, ``Evict``, ``CheckInvariants``)
+need it (a worker's token: PERMISSION_DENIED); it is accepted for every other call. Without
+one, the worker token may make them (the manager warns). Details: ``docs/service.md``,
+"Token check and call budgets".
 """
 from __future__ import annotations
 

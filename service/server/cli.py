@@ -42,8 +42,8 @@ from radixkv.service.wire.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, RadixKVError
-from radixkv.events.zmq_publisher import add_arguments as add_kv_event_arguments
-from radixkv.events.zmq_publisher import config_from_args
+from radixkv.events.zmq_flags import add_arguments as add_kv_event_arguments
+from radixkv.events.zmq_flags import config_from_args
 
 DEFAULT_ADDRESS = ServeOptions().address
 

@@ -1,29 +1,16 @@
 """The manager's event hub: drain the cache's events once, number them, fan them out.
 
-The cache has one event queue and a drain is destructive, so exactly one party drains it:
-the hub. :meth:`EventHub.pump` takes whatever the source (the engine's tree) recorded since
-the last pump, gives each event the next **sequence number** (0, 1, 2, ... from the
-manager's start, one per event, KV and hybrid state events alike) and appends it to a
-bounded **ring** of the most recent ``capacity`` events. Readers never take events out of
-the ring; each has its own :class:`Cursor` (the next seq it wants), so any number of them see
-the same events in the same order and none competes with another:
-
-* every ``WatchEvents`` stream (a cursor each; it may start at any ``start_seq`` the ring
-  still holds);
-* ``TakeEvents`` (one cursor shared by all its callers: the embedded engine's one queue);
-* outlets (:meth:`EventHub.add_outlet`), e.g. the ZMQ publisher: called by every pump with
-  the new records, one batch per pump.
-
-A cursor that falls behind the ring (a slow watcher, an old ``start_seq``) is not silently
-moved on: its next :meth:`EventHub.read` reports the lost range (:class:`Lost`) before the
-events it still can have, and the loss is counted.
-
-Pure bookkeeping for one asyncio event loop (the loop that owns the engine): no locks, no
-gRPC; :meth:`EventHub.wait` is the only coroutine. The wire form of a record is computed at
-most once (``encode``, lazily, cached in the ring) however many streams send it.
+:meth:`EventHub.pump` drains the engine's one (destructive) event queue, numbers each event
+(0, 1, 2, ... per manager start, KV and state events alike) and appends it to a bounded ring
+of ``capacity``. Readers never take events out: each has its own :class:`Cursor`
+(``WatchEvents`` streams, the shared ``TakeEvents`` cursor), and outlets
+(:meth:`EventHub.add_outlet`) get each pump's new records as one batch. A cursor that falls
+behind the ring is told the lost range (:class:`Lost`) before the events it can still have,
+and the loss is counted. Pure bookkeeping on the engine's event loop (no locks, no gRPC);
+a record's wire form is encoded at most once.
 
 Costs: ``pump`` O(new events + outlets); ``read`` O(events returned); ``subscribe`` O(1);
-``check_invariants`` O(capacity + cursors).
+``check_invariants`` O(capacity + cursors). See ``docs/service.md``, "The event hub".
 """
 from __future__ import annotations
 
@@ -33,9 +20,9 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.state_events import STATE_EVENT_TYPES
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
-from radixkv.events.state_events import STATE_EVENT_TYPES
 
 if TYPE_CHECKING:
     from radixkv.engine.embedded import CacheEngine

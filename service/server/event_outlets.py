@@ -1,22 +1,12 @@
 """The server's side of the event hub: who pumps it, where its batches go, how it ends.
 
-:class:`EventOutlets` owns, for one :class:`~radixkv.service.server.manager.CacheManagerServer`:
-
-* the ZMQ outlet (vLLM's wire, :class:`~radixkv.events.zmq_publisher.ZmqEventPublisher`),
-  opened from a :class:`~radixkv.events.zmq_publisher.PublisherConfig` when one is given: an
-  outlet of the hub, so every pump's new events go out as one numbered batch. The publisher
-  never blocks the event loop (``put_timeout_s=0``): when its queue is full the hub hands it
-  the same events again at the next pump;
-* the pump task, while the ZMQ outlet is on: pumps every ``interval_s``. The servicer pumps
-  right after every call that recorded events (``CacheManagerServicer.pump_events``), and
-  ``TakeEvents`` / ``WatchEvents`` on their own, so the task only catches what no call
-  pumped (events recorded outside a call, e.g. by a lease reclaim);
-* the shutdown flush (:meth:`EventOutlets.close`): pump what is left, append
-  ``AllBlocksCleared`` (the pools are about to be removed: routers must forget this
-  manager's blocks), hand it to the outlets, close the hub, close the publisher after it sent
-  what is queued.
-
-Runs on the server's event loop (as the hub does).
+:class:`EventOutlets` owns, for one server: the ZMQ outlet (vLLM's wire, never blocking the
+loop: ``put_timeout_s=0``, a full queue gets the same events at the next pump); the pump task
+(every ``interval_s`` while ZMQ is on, catching events no call pumped, e.g. a lease reclaim);
+and the shutdown flush (:meth:`EventOutlets.close`: pump the rest, append
+``AllBlocksCleared`` so routers forget this manager, close the hub, then the publisher after
+it sent what is queued). Runs on the server's event loop. See ``docs/service.md``, "Event
+outlets".
 """
 from __future__ import annotations
 
@@ -25,7 +15,7 @@ from typing import Any
 
 from radixkv.service.server.event_hub import EventHub, HubRecord
 
-from radixkv.cache.events import AllBlocksCleared
+from radixkv.cache.kv_events import AllBlocksCleared
 from radixkv.events.zmq_flags import PublisherConfig
 
 __all__ = ["EventOutlets"]

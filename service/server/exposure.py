@@ -1,24 +1,19 @@
-"""What a careless deployment exposes, said once at start-up; rejected calls, said once a period.
+"""What a careless deployment exposes, said once at start-up.
 
 :func:`exposure_warnings` names each exposure of a set of ``ServeOptions`` the manager starts
 with anyway (it logs each as a WARNING): plaintext TCP beyond loopback
 (``--allow-insecure-tcp``), the Prometheus endpoint beyond loopback, the vLLM-format ZMQ event
 outlet on TCP beyond loopback (it has no authentication: a subscriber receives prompt token
 ids), and operator calls open to every worker token (no ``--operator-token-file``).
-
-:class:`PeriodicCount` turns a flood of rejected unauthenticated calls into one line per
-period with a count (never one line per call).
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from radixkv.service.server.manager import ServeOptions
 
-__all__ = ["exposure_warnings", "PeriodicCount"]
+__all__ = ["exposure_warnings"]
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -51,32 +46,3 @@ def exposure_warnings(o: ServeOptions) -> list[str]:
         out.append("no --operator-token-file: every worker token may Flush or Evict the shared tree and run "
                    "CheckInvariants")
     return out
-
-
-class PeriodicCount:
-    """Counts events and calls ``emit(count, last)`` at most once per ``period_s`` (the
-    first event of a quiet period at once, the rest summed into the next line)."""
-
-    def __init__(self, emit: Callable[[int, str], None], period_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self._emit, self._period, self._clock = emit, float(period_s), clock
-        self._count = 0
-        self._last = ""
-        self._next = float("-inf")
-        self.total = 0
-
-    def add(self, what: str) -> None:
-        self._count += 1
-        self.total += 1
-        self._last = what
-        now = self._clock()
-        if now >= self._next:
-            self._emit(self._count, what)
-            self._count = 0
-            self._next = now + self._period
-
-    def flush(self) -> None:
-        """Say what is still counted (at shutdown)."""
-        if self._count:
-            self._emit(self._count, self._last)
-            self._count = 0

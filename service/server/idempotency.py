@@ -1,25 +1,13 @@
 """Idempotency keys: a retried call (same request id, same bytes) gets the first reply again.
 
-A worker whose call timed out cannot know whether the manager ran it: the reply may have
-been lost after the engine allocated. Retrying blindly would allocate twice (a second
-``AllocExtend`` of a known rid appends its tokens again). So a unary call may carry the
-metadata ``radixkv-request-id``; the manager keeps the serialized reply of every successful
-call under ``(scope, request id)`` (the scope is the session id; for ``Attach``, which has
-no session yet, a hash of the client's ``client_nonce``, so two clients never share a
-reply) together with a digest of the request bytes:
-
-* same id, same request bytes: the kept reply is returned and the engine is not called;
-* same id, other bytes or another method: ``InvalidArgumentError`` (a client bug);
-* failed calls are not kept (they changed nothing, so running them again is safe).
-
-Bounds: at most ``per_scope`` replies per scope (the oldest is dropped first: a client
-retries its latest calls) and ``max_bytes`` in all (oldest scopes' entries dropped first).
-A scope whose session ended is kept for ``grace_s`` more seconds (so a retried ``Detach``
-still gets its reply), then dropped (:meth:`ReplyCache.retain`).
-
-Pure bookkeeping, single-threaded (the server's event loop). Costs: lookup/store O(1)
-amortized plus one SHA-256 digest of the request bytes (O(bytes), done by the caller; SHA-256
-rather than BLAKE2b: CPUs with SHA extensions hash a 50 KB AllocExtend in ~28 us, BLAKE2b ~49 us).
+A worker whose call timed out cannot know whether it ran, so unary calls may carry
+``radixkv-request-id``; the manager keeps each successful reply under ``(scope, request
+id)`` (scope: the session, or for ``Attach`` a hash of the client nonce) with a digest of the
+request bytes. Same id and bytes: the kept reply, no engine call; same id, other bytes or
+method: ``InvalidArgumentError``; failed calls are not kept. Bounds: ``per_scope`` replies
+per scope and ``max_bytes`` in all (oldest first); an ended session's scope lives ``grace_s``
+more (:meth:`ReplyCache.retain`). Single-threaded. Costs: O(1) amortized plus one SHA-256 of
+the request bytes. Why SHA-256: ``docs/service.md``, "The reply cache".
 """
 from __future__ import annotations
 

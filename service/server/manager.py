@@ -1,49 +1,17 @@
 """The cache-manager server: one process owns the engine, its shared pools, and the gRPC port.
 
-Start-up (:class:`CacheManagerServer`): pool files left in the shared-memory directory by
-managers that died without cleaning up (SIGKILL) are removed; the pools' sizes come from
-``radixkv.engine.plan_arenas(config)``; each pool's buffer is allocated ONCE as shared memory
-(:class:`~radixkv.service.wire.shm.SharedBuffers`: a 0600 file in ``/dev/shm`` on CPU, CUDA IPC on
-GPU) and handed to the engine (``CacheEngine(buffers=..., mappings=...)``), which builds its
-pools over those bytes. Then the gRPC ``grpc.aio`` server starts with the auth interceptor, the
-``CacheManager`` service, the gRPC health service and (behind a flag) reflection.
-
-Listening (:mod:`~radixkv.service.server.listen`): a Unix socket by default (``unix:///dir/name.sock``,
-the directory 0700, a stale socket file replaced, a live one refused); TCP (``host:port``) with
-TLS, or plaintext on loopback only unless ``allow_insecure_tcp``.
-
-Beside a Unix socket the manager also opens the **Step socket** (``<socket>.step``,
-:mod:`~radixkv.service.server.step_socket`; ``step_socket=False`` / ``--no-step-socket``: off):
-the Step stream's messages as plain frames, which workers use for their step calls (no gRPC
-thread hand-off per message); it shares the call budget and the token checks.
-
-Running: one event loop owns the engine (no lock); a sweeper task reclaims expired leases
-every ``sweep_interval_s`` (quarantining what a session held while its worker process may
-still run, for at most ``quarantine_s``, 30 s by default; see
-:mod:`~radixkv.service.server.quarantine`), refreshes the metrics snapshot, and
-(``check_idle``) runs every ``check_invariants()`` when no request is running. At most
-``max_concurrent_rpcs`` calls (streams included) are in flight; beyond that a call is
-answered RESOURCE_EXHAUSTED at once (gRPC's own limiter), so overload never builds a queue.
-An open stream holds its slot while idle: a worker holds two (its keep-alive stream and its
-Step stream, which carries its step calls one at a time, so it takes the slot its unary calls
-would take while in flight), a watcher one; size the limit as 2 x workers + watchers + the
-unary calls you allow in flight at once (the default, 256, fits ~100 workers). A Step stream
-the limit refuses falls back to the unary call, which the limit then refuses the same way.
-
-Events (:mod:`~radixkv.service.server.event_hub`): the server owns the one event hub over the
-engine's tree. It is pumped (drained once, numbered, kept in a ring of
-``events_ring_size``) by every ``TakeEvents`` / ``WatchEvents`` poll, by the sweeper, and,
-when the ZMQ outlet is on (``kv_events``: a
-:class:`~radixkv.events.zmq_publisher.PublisherConfig`), every ``events_interval_s`` by a
-pump task that hands each new batch to the ZMQ publisher (vLLM's wire, with replay).
-
-Shutdown (:meth:`CacheManagerServer.stop`, on SIGTERM/SIGINT in :func:`serve`): health goes
-NOT_SERVING, the streams end, in-flight calls drain for ``grace_s`` (no new call is
-accepted), every session is reclaimed (``engine.close()``); then the events left are pumped,
-an ``AllBlocksCleared`` is appended (the pools are about to be removed: a router must forget
-this manager's blocks) and published, the ZMQ sockets are closed after sending what is
-queued (:class:`~radixkv.service.server.event_outlets.EventOutlets`); last, the shared-memory files
-and the socket file are removed.
+Start-up (:class:`CacheManagerServer`): stale pool files are removed, each pool's buffer is
+allocated once as shared memory (:class:`~radixkv.service.wire.shm.SharedBuffers`) and handed
+to the engine, then ``grpc.aio`` starts with the auth interceptor, the ``CacheManager`` and
+health services. It listens on a Unix socket (or TCP with TLS; :mod:`~radixkv.service.server.listen`)
+and, beside it, the Step socket (:mod:`~radixkv.service.server.step_socket`). One event loop
+owns the engine (no lock); a sweeper reclaims expired leases (quarantining, see
+:mod:`~radixkv.service.server.quarantine`), refreshes metrics and audits when idle. At most
+``max_concurrent_rpcs`` calls are in flight (streams included), beyond it RESOURCE_EXHAUSTED
+at once. The event hub is pumped by every call, poll, sweep and the ZMQ pump task. Shutdown
+(:meth:`CacheManagerServer.stop`): NOT_SERVING, drain for ``grace_s``, reclaim sessions,
+publish ``AllBlocksCleared``, remove the shared-memory and socket files. Sizing the call
+limit and each step: ``docs/service.md``, "The server, start to stop".
 """
 from __future__ import annotations
 
@@ -59,10 +27,11 @@ import grpc
 from radixkv.service.server.auth import DEFAULT_HEALTH_BUDGET, TokenAuthInterceptor
 from radixkv.service.server.event_hub import DEFAULT_RING_SIZE, EventHub, engine_event_source
 from radixkv.service.server.event_outlets import EventOutlets
-from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
+from radixkv.service.server.exposure import exposure_warnings
 from radixkv.service.server.listen import bind, default_address
 from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
+from radixkv.service.server.periodic_count import PeriodicCount
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
 from radixkv.service.server.step_socket import StepSocketServer
 from radixkv.service.wire import codec as wire
@@ -304,6 +273,7 @@ class CacheManagerServer:
         events.pump()  # bounds what waits in the tree's queue when nobody reads events
         stats = self.engine.stats()
         self.metrics.update(stats)
+        self.metrics.update_tiers(self.engine.tier_stats())
         self.metrics.update_reliability(sv.quarantine.stats(), sv.replies.bytes, sv.replies.hits)
         if self.options.check_idle and stats.requests == 0 and not sv.idle_failures:
             try:
@@ -406,7 +376,7 @@ def _check_options(o: ServeOptions) -> None:
     if o.operator_token is not None and not isinstance(o.operator_token, Token):
         raise InvalidArgumentError("operator_token must be a radixkv.service.wire.auth.Token or None")
     if o.kv_events is not None and not isinstance(o.kv_events, PublisherConfig):
-        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_publisher.PublisherConfig or None")
+        raise InvalidArgumentError("kv_events must be a radixkv.events.zmq_flags.PublisherConfig or None")
 
 
 async def serve(config: EngineConfig, token: Token, options: ServeOptions = ServeOptions(),  # noqa: B008

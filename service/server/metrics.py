@@ -1,43 +1,12 @@
 """Service metrics: RPC latency histograms and the engine's counters, for Prometheus.
 
-Each server owns one :class:`ServiceMetrics` with its own ``CollectorRegistry`` (several
-servers in one process, as in tests, do not collide). The event loop that owns the engine
-calls :meth:`ServiceMetrics.update` with a fresh ``EngineStats`` (after every RPC that
-changes the engine is too often; the server refreshes at every lease sweep and on the Stats
-RPC); the HTTP exporter thread only ever reads that snapshot, never the engine, so no lock
-is needed around the engine.
-
-Exported (Prometheus conventions: cumulative counts are counters ending in ``_total``, names
-carry their unit; vLLM's names where vLLM has the metric, so that dashboards and hit-rate
-queries written for vLLM work):
-
-* ``radixkv_build_info{version}`` (always 1), and the process collector's ``process_*``
-  (CPU seconds, resident memory, open file descriptors, start time);
-* ``radixkv_rpc_latency_seconds{method,code}`` histogram (its ``_count``: calls);
-  ``radixkv_auth_failures_total{method}``; ``radixkv_step_socket_refused_total{why}``
-  (Step socket connections closed by its limits: ``handshake_timeout``, ``auth``, ...);
-* ``radixkv_prefix_cache_queries_total`` / ``radixkv_prefix_cache_hits_total``: prompt tokens
-  looked up / found in the cache (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``;
-  hit rate: ``rate(..._hits_total[5m]) / rate(..._queries_total[5m])``);
-  ``radixkv_match_queries_total`` (lookups), ``radixkv_inserted_tokens_total``,
-  ``radixkv_evicted_tokens_total``;
-* ``radixkv_kv_cache_usage_perc``: the fraction (0..1) of KV slots held by running requests
-  or locked in the tree (vLLM's ``kv_cache_usage_perc``; evictable cached slots count as
-  free, as in vLLM); ``radixkv_kv_tokens{state=available|evictable|protected|held}``,
-  ``radixkv_kv_capacity_tokens``;
-* ``radixkv_state_slots{state=...}``, ``radixkv_state_capacity_slots`` (Mamba states);
-  ``radixkv_request_rows{state=available|used}``, ``radixkv_request_rows_capacity``;
-* ``radixkv_sessions``, ``radixkv_running_requests`` (gauges);
-* with the host tier on (``docs/tiers.md``, "Stats and metrics"): ``radixkv_tier_usage_tokens{tier=device|host}``
-  and ``radixkv_tier_capacity_tokens{tier}``; ``radixkv_tier_hits_tokens_total{tier=device|host|storage}``
-  (they sum to ``radixkv_prefix_cache_hits_total``); ``radixkv_tier_loaded_pages_total{tier=host|storage}``,
-  ``radixkv_tier_loaded_bytes_total{tier}``, ``radixkv_tier_load_seconds_total{tier}`` (host: loads into
-  device rows; storage: reads into host memory, time waited included); ``radixkv_tier_demoted_pages_total``,
-  ``radixkv_tier_host_dropped_pages_total``; ``radixkv_storage_errors_total{kind=error|write_failed|
-  fetch_timeout|backup_dropped}``, ``radixkv_storage_written_pages_total``, ``radixkv_storage_queue_pages``;
-* ``radixkv_quarantined_sessions`` (gauge), ``radixkv_quarantine_released_sessions_total{why=gone|timeout}``,
-  ``radixkv_reply_cache_bytes`` (gauge), ``radixkv_reply_cache_hits_total`` (idempotent retries
-  answered from the reply cache).
+Each server owns one :class:`ServiceMetrics` with its own ``CollectorRegistry``. The event
+loop that owns the engine calls :meth:`ServiceMetrics.update` with a fresh ``EngineStats``
+(at every lease sweep and Stats call); the HTTP exporter thread only reads that snapshot,
+never the engine, so no lock is needed. Names follow Prometheus conventions and vLLM's
+where vLLM has the metric (``radixkv_prefix_cache_queries_total`` / ``_hits_total``,
+``radixkv_kv_cache_usage_perc``), so vLLM dashboards work. The full list:
+``docs/service.md``, "Metrics".
 """
 from __future__ import annotations
 
@@ -64,51 +33,50 @@ class _StatsCollector(Collector):
     def __init__(self) -> None:
         self.stats: EngineStats | None = None
         self.reliability: tuple[QuarantineStats, int, int] | None = None  # (quarantine, reply bytes, reply hits)
+        self.tiers: dict[str, int] = {}  # CacheEngine.tier_stats(), empty with the host tier off
 
     def collect(self) -> Iterator[Metric]:
         yield from self._engine()
-        yield from self._tiers()
         yield from self._reliability()
+        yield from self._tiers()
 
     def _tiers(self) -> Iterator[Metric]:
-        s = self.stats
-        if s is None or not s.host_capacity:
+        t = self.tiers
+        if not t:
             return
-        usage = GaugeMetricFamily("radixkv_tier_usage_tokens", "tokens cached per tier (device: held, locked "
-                                  "or evictable; host: with a host copy)", labels=["tier"])
-        usage.add_metric(["device"], s.kv_capacity - s.kv_available)
-        usage.add_metric(["host"], s.host_used)
-        yield usage
-        cap = GaugeMetricFamily("radixkv_tier_capacity_tokens", "capacity per tier (tokens)", labels=["tier"])
-        cap.add_metric(["device"], s.kv_capacity)
-        cap.add_metric(["host"], s.host_capacity)
-        yield cap
-        hits = CounterMetricFamily("radixkv_tier_hits_tokens", "prompt tokens found per tier", labels=["tier"])
+        host = GaugeMetricFamily("radixkv_host_tier_tokens", "host-memory tier (tokens)", labels=["state"])
+        host.add_metric(["capacity"], t["host_capacity_tokens"])
+        host.add_metric(["used"], t["host_used_tokens"])
+        yield host
+        hits = CounterMetricFamily("radixkv_tier_hit_tokens", "matched prompt tokens by the tier that held them",
+                                   labels=["tier"])
         for tier in ("device", "host", "storage"):
-            hits.add_metric([tier], getattr(s, f"tier_hit_{tier}"))
+            hits.add_metric([tier], t[f"hit_tokens_{tier}"])
         yield hits
-        for name, field, doc in (("loaded_pages", "loaded_pages", "pages loaded from the tier"),
-                                 ("loaded_bytes", "loaded_bytes", "bytes loaded from the tier"),
-                                 ("load_seconds", "load_us", "seconds spent loading from the tier")):
-            fam = CounterMetricFamily(f"radixkv_tier_{name}", doc, labels=["tier"])
-            for tier in ("host", "storage"):
-                v = getattr(s, f"{tier}_{field}")
-                fam.add_metric([tier], v / 1e6 if field == "load_us" else v)
-            yield fam
-        yield CounterMetricFamily("radixkv_tier_demoted_pages", "device pages demoted to the host tier",
-                                  value=s.host_demoted_pages)
-        yield CounterMetricFamily("radixkv_tier_host_dropped_pages", "pages dropped from the host tier",
-                                  value=s.host_dropped_pages)
-        errors = CounterMetricFamily("radixkv_storage_errors", "storage faults (pages, backend calls that raised)",
-                                     labels=["kind"])
-        for kind, v in (("error", s.storage_errors), ("write_failed", s.storage_write_failed),
-                        ("fetch_timeout", s.storage_fetch_timeouts), ("backup_dropped", s.storage_backup_dropped)):
-            errors.add_metric([kind], v)
-        yield errors
-        yield CounterMetricFamily("radixkv_storage_written_pages", "pages written to storage",
-                                  value=s.storage_written_pages)
-        yield GaugeMetricFamily("radixkv_storage_queue_pages", "pages waiting to be written to storage",
-                                value=s.storage_pending)
+        pages = CounterMetricFamily("radixkv_tier_pages", "pages moved between the tiers", labels=["move"])
+        for move in ("loaded", "demoted", "host_dropped", "written_through"):
+            pages.add_metric([move], t[f"{move}_pages"])
+        yield pages
+        yield CounterMetricFamily("radixkv_tier_loaded_bytes", "bytes loaded from the host tier into device rows",
+                                  value=t["loaded_pages"] * t["page_bytes"])
+        yield CounterMetricFamily("radixkv_tier_load_seconds", "seconds spent loading host pages (copies and waits)",
+                                  value=t["load_ns"] / 1e9)
+        if "storage_written" not in t:
+            return
+        sto = CounterMetricFamily("radixkv_storage_pages", "storage tier pages by outcome", labels=["outcome"])
+        for outcome in ("written", "write_failed", "backup_dropped", "fetched"):
+            sto.add_metric([outcome], t[f"storage_{outcome}"])
+        yield sto
+        yield CounterMetricFamily("radixkv_storage_read_bytes", "bytes read from storage into the host tier",
+                                  value=t["storage_fetched"] * t["page_bytes"])
+        yield CounterMetricFamily("radixkv_storage_read_seconds", "seconds matches waited on storage reads "
+                                  "(misses and timeouts included)", value=t["storage_wait_us"] / 1e6)
+        yield CounterMetricFamily("radixkv_storage_fetch_timeouts", "storage reads that ran past the timeout",
+                                  value=t["storage_fetch_timeouts"])
+        yield CounterMetricFamily("radixkv_storage_errors", "storage backend calls that raised",
+                                  value=t["storage_errors"])
+        yield GaugeMetricFamily("radixkv_storage_queue_pages", "pages queued for storage writes",
+                                value=t["storage_pending"])
 
     def _engine(self) -> Iterator[Metric]:
         s = self.stats
@@ -201,6 +169,10 @@ class ServiceMetrics:
     def update(self, stats: EngineStats) -> None:
         """Replace the engine snapshot the exporter serves (call from the engine's loop)."""
         self._stats.stats = stats
+
+    def update_tiers(self, tiers: dict[str, int]) -> None:
+        """Replace the tier counters the exporter serves (``CacheEngine.tier_stats()``)."""
+        self._stats.tiers = dict(tiers)
 
     def update_reliability(self, quarantine: QuarantineStats, reply_bytes: int, reply_hits: int) -> None:
         """Replace the quarantine (a ``QuarantineStats``: cumulative releases) and reply-cache

@@ -1,32 +1,15 @@
 """Quarantine: what an expired session held is not reused while its worker may still write.
 
-The remaining risk of leases: a worker that is paused (SIGSTOP, a debugger, a VM freeze, a
-long GC or driver stall) past its lease loses its session, and the manager frees its KV
-slots, rows and state slots; when the worker resumes it may still write into them (KV bytes
-never go through the manager: workers write the shared buffers directly) before its next
-call is refused. Those slots may by then belong to another worker's request.
-
-The mitigation: when a session ends without the worker saying so (its lease ran out, or its
-keep-alive stream was dropped rather than closed) and its process may still run, the session
-is *fenced* (:meth:`radixkv.engine.sessions.SessionTable.fence`): every later call under it is
-refused as stale (``StaleSessionError`` / FAILED_PRECONDITION), but its requests keep what
-they hold (counted as held in the stats, never on a free list). It is reclaimed at the first
-sweep after
-
-* the worker process is confirmed gone: the worker reports its pid at ``Attach``; the
-  manager opens a pidfd on it then (immune to pid reuse) and polls it, a zombie counts as
-  gone; or
-* ``hold_s`` seconds have passed since the fence (the bound on how long a hung worker can
-  pin memory; the risk after that is documented in ``docs/reliability.md``).
-
-No quarantine when ``hold_s`` is 0, for a worker that is the manager's own process (it
-cannot run while the manager reclaims), for a pid that is known to have exited, or for a
-session ended by ``Detach`` or a keep-alive stream the worker closed itself. A session whose
-pid is unknown (0, or not a process the manager can see: another host, another pid
-namespace) is held for the timeout only.
-
-Single-threaded: called from the server's event loop only. Costs: :meth:`fence_due` O(1)
-when nothing is due; :meth:`release_ready` O(fenced sessions); :meth:`forget_ended` O(tracked).
+A worker paused past its lease may still write the KV slots, rows and states it held (KV
+never goes through the manager) after they were handed on. So a session that ends without
+the worker saying so, while its process may still run, is *fenced*
+(:meth:`radixkv.engine.sessions.SessionTable.fence`): its calls are refused as stale, its
+requests keep what they hold. It is reclaimed at the first sweep after the process is gone
+(pidfd polled, immune to pid reuse) or ``hold_s`` seconds. No quarantine when ``hold_s`` is
+0, for the manager's own process, a pid known to have exited, ``Detach`` or a keep-alive the
+worker closed; an unknown pid is held for the timeout. Single-threaded. Costs:
+:meth:`fence_due` O(1) when nothing is due; :meth:`release_ready` O(fenced);
+:meth:`forget_ended` O(tracked). See ``docs/reliability.md``.
 """
 from __future__ import annotations
 

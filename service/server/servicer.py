@@ -38,8 +38,9 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import grpc
 import numpy as np
@@ -51,8 +52,15 @@ from radixkv.service.server.quarantine import Quarantine
 from radixkv.service.server.session_keys import SessionKeys
 from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 from radixkv.service.server.step_stream import serve_step_stream
-from radixkv.service.server.unary_rpc import STREAM_END, Body, M, RawContext, parse, request_id_of  # re-exported
-from radixkv.service.server.unary_rpc import unary_rpc as _rpc
+from radixkv.service.server.unary_rpc import (
+    STREAM_END,
+    Body,
+    M,
+    RawContext,
+    UnaryRpc,
+    parse,
+    unary_handler,
+)
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire import events as event_wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
@@ -62,14 +70,13 @@ from radixkv.service.wire.limits import CallLimits, check_raw, limits_for
 from radixkv.service.wire.shm import SharedBuffers
 from radixkv.service.wire.step import error_to_msg
 
-from radixkv.engine.decode_replay import replay_decodes
 from radixkv.engine.protocol import DecodeItem, Session
 from radixkv.errors import InvalidArgumentError, InvariantError, RadixKVError, StaleSessionError
 
 if TYPE_CHECKING:
     from radixkv.engine.embedded import CacheEngine
 
-__all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "parse", "request_id_of", "SERVICE_NAME",
+__all__ = ["CacheManagerServicer", "add_to_server", "encode_record", "SERVICE_NAME",
            "UNARY_METHODS", "STREAM_METHODS"]
 
 log = logging.getLogger("radixkv.service")
@@ -212,7 +219,6 @@ class CacheManagerServicer:
         return 0
 
     # ------------------------------------------------------------------ sessions
-    @_rpc("Attach", pb.AttachRequest)
     def Attach(self, request: pb.AttachRequest) -> pb.AttachResponse:
         pid = Quarantine.check_pid(int(request.pid))
         info = self.engine.attach(request.worker_name)
@@ -221,37 +227,31 @@ class CacheManagerServicer:
         return pb.AttachResponse(session=self.session_keys.ref(info.session), layout_json=self._layout_json,
                                  mappings=mappings)
 
-    @_rpc("Heartbeat", pb.HeartbeatRequest)
     def Heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         return pb.HeartbeatResponse(lease_left_s=self.engine.heartbeat(self.session_of(request.session)))
 
-    @_rpc("Detach", pb.DetachRequest)
     def Detach(self, request: pb.DetachRequest) -> pb.DetachResponse:
         self.engine.detach(self.session_of(request.session))
         return pb.DetachResponse()
 
     # ------------------------------------------------------------------ the step
-    @_rpc("Match", pb.MatchRequest)
     def Match(self, request: pb.MatchRequest) -> pb.MatchResponse:
         session = self.live_session(request.session)
         return wire.match_infos_to_msg(self.engine.match(session, wire.match_queries_from_msg(request.queries)))
 
-    @_rpc("AllocExtend", pb.AllocExtendRequest)
     def AllocExtend(self, request: pb.AllocExtendRequest) -> pb.AllocExtendResponse:
         session = self.live_session(request.session)
         return wire.extend_results_to_msg(self.engine.alloc_extend(session, wire.extend_items_from_msg(request)))
 
-    @_rpc("AllocDecode", pb.AllocDecodeRequest)
     def AllocDecode(self, request: pb.AllocDecodeRequest) -> pb.AllocDecodeResponse:
         session = self.live_session(request.session)
         return wire.decode_result_to_msg(self.engine.alloc_decode(session, wire.decode_items_from_msg(request)))
 
-    @_rpc("ApplyDecodes", pb.ApplyDecodesRequest)
     def ApplyDecodes(self, request: pb.ApplyDecodesRequest) -> pb.ApplyDecodesResponse:
         """Replay decode steps a client answered from its reserves: ``alloc_decode`` for
         each call in order (see ``radixkv.service.client.local_decode``), the leading calls
         that need no allocator call in one batched update
-        (:func:`radixkv.engine.decode_replay.replay_decodes`), the rest one by one. An error
+        (``CacheEngine.replay_decodes``), the rest one by one. An error
         at call ``k`` names ``ApplyDecodes call k`` in its message; at ``k == 0`` (nothing
         changed) it fails the RPC, at ``k >= 1`` it is answered in the reply (``applied = k``
         and ``error``) so the reply cache keeps it and a retry cannot apply calls ``0 .. k-1``
@@ -264,7 +264,7 @@ class CacheManagerServicer:
                 e.args = (f"ApplyDecodes call 0 of {n}: {e}",) + e.args[1:]
             raise
         rids, lens, idx, toks = wire.apply_decodes_from_msg(request)
-        done = replay_decodes(self.engine, session, rids, lens, idx, toks)
+        done = self.engine.replay_decodes(session, rids, lens, idx, toks)
         if done == n:
             return pb.ApplyDecodesResponse(applied=n)
         ends = np.cumsum(lens, dtype=np.int64).tolist()
@@ -280,40 +280,34 @@ class CacheManagerServicer:
                 return pb.ApplyDecodesResponse(applied=k, error=error_to_msg(status_of(e)).error)
         return pb.ApplyDecodesResponse(applied=n)
 
-    @_rpc("CacheUnfinished", pb.CacheRequest)
     def CacheUnfinished(self, request: pb.CacheRequest) -> pb.CacheResponse:
         return wire.cache_results_to_msg(
             self.engine.cache_unfinished(self.session_of(request.session), list(request.rids)))
 
-    @_rpc("CacheFinished", pb.CacheRequest)
     def CacheFinished(self, request: pb.CacheRequest) -> pb.CacheResponse:
         return wire.cache_results_to_msg(
             self.engine.cache_finished(self.session_of(request.session), list(request.rids)))
 
-    @_rpc("Release", pb.ReleaseRequest)
     def Release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         self.engine.release(self.session_of(request.session), list(request.rids))
         return pb.ReleaseResponse()
 
-    @_rpc("Evict", pb.EvictRequest)
     def Evict(self, request: pb.EvictRequest) -> pb.EvictResponse:
         return wire.evict_result_to_msg(
             self.engine.evict(self.session_of(request.session), int(request.num_tokens),
                               int(request.num_states)))
 
     # ------------------------------------------------------------------ stats / admin
-    @_rpc("Stats", pb.StatsRequest, idempotent=False)
     def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
         session = self.session_of(request.session) if request.HasField("session") else None
         stats = self.engine.stats(session)
         self.metrics.update(stats)
+        self.metrics.update_tiers(self.engine.tier_stats())  # a scrape after Stats sees the same counters
         return wire.stats_to_msg(stats)
 
-    @_rpc("Flush", pb.FlushRequest)
     def Flush(self, request: pb.FlushRequest) -> pb.FlushResponse:
         return pb.FlushResponse(flushed=bool(self.engine.flush(self.session_of(request.session))))
 
-    @_rpc("TakeEvents", pb.TakeEventsRequest)
     def TakeEvents(self, request: pb.TakeEventsRequest) -> pb.TakeEventsResponse:
         """The events no TakeEvents caller has taken, oldest first, up to ``max_events``
         (0: all, within ``TAKE_MAX_BYTES``); an ``events_lost`` marker first when the ring
@@ -332,7 +326,6 @@ class CacheManagerServicer:
             resp.events.add().MergeFromString(hub.encoded(r))
         return resp
 
-    @_rpc("CheckInvariants", pb.CheckInvariantsRequest, idempotent=False)
     def CheckInvariants(self, request: pb.CheckInvariantsRequest) -> pb.CheckInvariantsResponse:
         self.check_all()
         return pb.CheckInvariantsResponse()
@@ -454,6 +447,31 @@ class CacheManagerServicer:
                 hub.unsubscribe(cursor)
 
 
+    # ------------------------------------------------------------------ the dispatch table
+    #: Every unary call: method -> its body (above: ``body(servicer, parsed request) -> reply``),
+    #: request type and idempotence. The one table both paths read: the unary handlers
+    #: (:func:`add_to_server`, :func:`~radixkv.service.server.unary_rpc.unary_handler`) and the
+    #: Step paths (:func:`~radixkv.service.server.step_stream.answer_step`: the gRPC Step stream
+    #: and the Step socket).
+    RPCS: ClassVar[Mapping[str, UnaryRpc]] = MappingProxyType({
+        "Attach": UnaryRpc(Attach, pb.AttachRequest),
+        "Heartbeat": UnaryRpc(Heartbeat, pb.HeartbeatRequest),
+        "Detach": UnaryRpc(Detach, pb.DetachRequest),
+        "Match": UnaryRpc(Match, pb.MatchRequest),
+        "AllocExtend": UnaryRpc(AllocExtend, pb.AllocExtendRequest),
+        "AllocDecode": UnaryRpc(AllocDecode, pb.AllocDecodeRequest),
+        "ApplyDecodes": UnaryRpc(ApplyDecodes, pb.ApplyDecodesRequest),
+        "CacheUnfinished": UnaryRpc(CacheUnfinished, pb.CacheRequest),
+        "CacheFinished": UnaryRpc(CacheFinished, pb.CacheRequest),
+        "Release": UnaryRpc(Release, pb.ReleaseRequest),
+        "Evict": UnaryRpc(Evict, pb.EvictRequest),
+        "Stats": UnaryRpc(Stats, pb.StatsRequest, idempotent=False),
+        "Flush": UnaryRpc(Flush, pb.FlushRequest),
+        "TakeEvents": UnaryRpc(TakeEvents, pb.TakeEventsRequest),
+        "CheckInvariants": UnaryRpc(CheckInvariants, pb.CheckInvariantsRequest, idempotent=False),
+    })
+
+
 def reply_scope(name: str, request: Any) -> str:
     """The reply-cache scope of an idempotent call: its session, or for ``Attach`` (no
     session yet) its ``client_nonce`` (hashed), so two clients using one request id never
@@ -481,9 +499,7 @@ def encode_record(record: HubRecord) -> bytes:
     return event_wire.event_to_msg(record.event, record.seq).SerializeToString()
 
 
-UNARY_METHODS = ("Attach", "Heartbeat", "Detach", "Match", "AllocExtend", "AllocDecode", "ApplyDecodes",
-                 "CacheUnfinished", "CacheFinished", "Release", "Evict", "Stats", "Flush", "TakeEvents",
-                 "CheckInvariants")
+UNARY_METHODS = tuple(CacheManagerServicer.RPCS)
 STREAM_METHODS = ("KeepAlive", "WatchEvents", "Step")
 
 
@@ -491,7 +507,8 @@ def add_to_server(servicer: CacheManagerServicer, server: grpc.aio.Server) -> No
     """Register every method of ``radixkv.v1.CacheManager`` with raw-bytes requests and
     replies (the handlers parse and serialize themselves, see the module docstring)."""
     handlers: dict[str, grpc.RpcMethodHandler[bytes, bytes]] = {
-        m: grpc.unary_unary_rpc_method_handler(getattr(servicer, m)) for m in UNARY_METHODS}
+        m: grpc.unary_unary_rpc_method_handler(unary_handler(servicer, m, rpc))
+        for m, rpc in CacheManagerServicer.RPCS.items()}
     handlers["KeepAlive"] = grpc.stream_stream_rpc_method_handler(servicer.KeepAlive)
     handlers["WatchEvents"] = grpc.unary_stream_rpc_method_handler(servicer.WatchEvents)
     handlers["Step"] = grpc.stream_stream_rpc_method_handler(functools.partial(serve_step_stream, servicer))

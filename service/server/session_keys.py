@@ -1,20 +1,12 @@
 """Session secrets: a session is bound to a secret that only its attacher gets.
 
-A session id is no credential: it shows in logs, stats and quarantine messages, and a
-caller who learned one could otherwise end that session (open and close a KeepAlive for it),
-detach it or act in it. So ``Attach`` returns, beside the session, its *secret*, and every
-call naming the session must carry it (``SessionRef.secret``).
-
-The secret is derived, not stored: ``HMAC-SHA256(key, epoch || session id)`` under a key of
-32 random bytes drawn when the manager starts. Nothing is kept per session (no table to
-leak or to reclaim), a restarted manager's key differs (its epoch does too), and the check
-is one HMAC and a constant-time compare (``hmac.compare_digest``), O(1).
-
-Order of the checks (:meth:`SessionKeys.check`, run before any work for the call): a session
-that is not live (unknown, ended, another epoch, lease run out) is ``StaleSessionError`` as
-the embedded engine answers (a worker re-attaches on it), whatever secret came; a live one
-with a wrong or missing secret is :class:`~radixkv.service.wire.errors.SessionSecretError`
-(PERMISSION_DENIED).
+A session id shows in logs and stats, so it is no credential: ``Attach`` also returns a
+secret, and every call naming the session must carry it (``SessionRef.secret``). The secret
+is ``HMAC-SHA256(key, epoch || session id)`` under 32 random bytes drawn at start: nothing
+stored per session, O(1) check with a constant-time compare. :meth:`SessionKeys.check` runs
+before any work: a session that is not live is ``StaleSessionError`` whatever the secret; a
+live one with a wrong or missing secret is
+:class:`~radixkv.service.wire.errors.SessionSecretError` (PERMISSION_DENIED).
 """
 from __future__ import annotations
 

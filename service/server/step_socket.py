@@ -37,8 +37,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
-from radixkv.service.server.exposure import PeriodicCount
 from radixkv.service.server.listen import prepare_unix_socket
+from radixkv.service.server.periodic_count import PeriodicCount
 from radixkv.service.server.step_stream import answer_step
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.auth import Token

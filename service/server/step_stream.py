@@ -1,4 +1,5 @@
-"""The manager's side of the ``Step`` stream: each message runs as its unary call would.
+"""The manager's side of the ``Step`` stream: each message runs as its unary call would,
+through the same entry of the servicer's dispatch table (``CacheManagerServicer.RPCS``).
 
 The stream, its messages and its error form are described in :mod:`radixkv.service.wire.step`;
 the worker's side is :mod:`radixkv.service.client.step_lane`.
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from radixkv.service.server.unary_rpc import STREAM_END
+from radixkv.service.server.unary_rpc import STREAM_END, parse
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.auth import presented_token
 from radixkv.service.wire.errors import RpcStatus, status_of
@@ -22,24 +23,16 @@ from radixkv.service.wire.step import STEP_METHODS, error_to_msg
 from radixkv.errors import InvalidArgumentError, PermissionDeniedError, RadixKVError
 
 if TYPE_CHECKING:
-    from google.protobuf.message import Message
     from radixkv.service.server.servicer import CacheManagerServicer
-    from radixkv.service.server.unary_rpc import Body, RawContext
+    from radixkv.service.server.unary_rpc import RawContext, UnaryRpc
 
 __all__ = ["serve_step_stream", "answer_step"]
 
 log = logging.getLogger("radixkv.service")
 
 
-_BODIES: dict[type, dict[str, tuple[Body, type[Message]]]] = {}
-
-
-def _bodies(cls: type) -> dict[str, tuple[Body, type[Message]]]:
-    """``{method: (body, request type)}`` of the servicer class's unary handlers (once per class)."""
-    got = _BODIES.get(cls)
-    if got is None:
-        got = _BODIES[cls] = {m: (getattr(cls, m).body, getattr(cls, m).request_cls) for m in STEP_METHODS}
-    return got
+#: The calls a Step message may carry (each runs its entry of ``CacheManagerServicer.RPCS``).
+_STEP_METHODS = frozenset(STEP_METHODS)
 
 
 #: Step methods that need the operator token when the manager has one (the unary calls'
@@ -52,31 +45,27 @@ async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool
     call would run, with no await between them) and return the StepResponse bytes.
     ``operator``: whether the stream may make operator calls. (The Step socket,
     :mod:`~radixkv.service.server.step_socket`, runs its frames through this too.)"""
-    from radixkv.service.server.servicer import parse
-
     t0 = time.perf_counter()
     name, code, replayed = "Step", "OK", False
     try:
         step = parse(pb.StepRequest, raw, "Step")
-        bodies = _bodies(type(servicer))
-        spec = bodies.get(step.method)
-        if spec is None:
+        if step.method not in _STEP_METHODS:
             raise InvalidArgumentError(f"Step: {step.method!r:.80} is not a step method {list(STEP_METHODS)}")
         name = step.method
         if not operator and name in OPERATOR_STEP_METHODS:
             raise PermissionDeniedError(f"/radixkv.v1.CacheManager/{name} needs the operator token")
-        body, request_cls = spec
+        rpc = servicer.RPCS[name]
         raw_request = step.request  # each read of a bytes field is a copy: read it once
-        request = servicer.parse_request(request_cls, raw_request, name)
+        request = servicer.parse_request(rpc.request_cls, raw_request, name)
         servicer.quarantine.fence_due()
         rid = check_request_id(step.request_id) if step.request_id else None
         if step.replay:
-            failed = _replay(servicer, bodies["ApplyDecodes"], step)
+            failed = _replay(servicer, servicer.RPCS["ApplyDecodes"], step)
             if failed is not None:  # the call does not run: it ends with the replay's error
                 code, out = failed
                 return out
             replayed = True
-        reply, delay = await servicer.answer_async(name, body, request, raw_request, rid)
+        reply, delay = await servicer.answer_async(name, rpc.body, request, raw_request, rid)
         if delay:  # fault injection, as on the unary path
             await asyncio.sleep(delay)
         return pb.StepResponse(reply=reply, rides_replay=True, replayed=replayed).SerializeToString()
@@ -90,8 +79,7 @@ async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool
         servicer.metrics.observe(name, code, time.perf_counter() - t0)
 
 
-def _replay(servicer: CacheManagerServicer, spec: tuple[Body, type[Message]],
-            step: pb.StepRequest) -> tuple[str, bytes] | None:
+def _replay(servicer: CacheManagerServicer, rpc: UnaryRpc, step: pb.StepRequest) -> tuple[str, bytes] | None:
     """Run the ``ApplyDecodes`` riding on ``step`` as its unary call would run (request id
     ``step.replay_request_id``, same reply cache). None when every replayed call applied;
     (status code name, StepResponse bytes) of its error when one failed at call k >= 1
@@ -99,11 +87,10 @@ def _replay(servicer: CacheManagerServicer, spec: tuple[Body, type[Message]],
     t0 = time.perf_counter()
     code = "OK"
     try:
-        body, request_cls = spec
         raw = step.replay  # read once (a copy each time)
-        request = servicer.parse_request(request_cls, raw, "ApplyDecodes")  # limits first
+        request = servicer.parse_request(rpc.request_cls, raw, "ApplyDecodes")  # limits first
         rid = check_request_id(step.replay_request_id) if step.replay_request_id else None
-        reply, _ = servicer.answer("ApplyDecodes", body, request, raw, rid)
+        reply, _ = servicer.answer("ApplyDecodes", rpc.body, request, raw, rid)
         got = pb.ApplyDecodesResponse.FromString(reply)
         if not got.HasField("error"):
             return None

@@ -1,8 +1,8 @@
 """How one unary RPC of the cache manager runs, around its handler body.
 
-Split out of :mod:`radixkv.service.server.servicer` (which re-exports ``parse`` and
-``request_id_of``). The handlers are registered with raw-bytes (de)serializers, so every
-call goes through :func:`unary_rpc`'s wrapper:
+The servicer's dispatch table (``CacheManagerServicer.RPCS``: method -> :class:`UnaryRpc`)
+names each call's body; the handlers are registered with raw-bytes (de)serializers, so every
+unary call goes through :func:`unary_handler`:
 
 1. count the request's entries and tokens on its raw bytes against the servicer's limits,
    then parse them (``servicer.parse_request``, :func:`parse`: bytes that are not a valid message -- garbage,
@@ -22,10 +22,10 @@ Every function here is O(request size).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
@@ -38,7 +38,7 @@ from radixkv.errors import InvalidArgumentError, RadixKVError
 if TYPE_CHECKING:
     from radixkv.service.server.servicer import CacheManagerServicer
 
-__all__ = ["STREAM_END", "Body", "RawContext", "parse", "request_id_of", "unary_rpc"]
+__all__ = ["STREAM_END", "Body", "RawContext", "UnaryRpc", "parse", "request_id_of", "unary_handler"]
 
 log = logging.getLogger("radixkv.service")
 
@@ -74,37 +74,42 @@ def request_id_of(context: RawContext) -> str | None:
     return None
 
 
-def unary_rpc(name: str, request_cls: type[Message],
-              idempotent: bool = True) -> Callable[[Body], Callable[..., Awaitable[bytes]]]:
-    """Wrap a synchronous ``body(servicer, request) -> response message`` as a unary aio
-    handler over raw bytes (the steps of the module docstring). ``idempotent=False``:
-    the request id is ignored (nothing kept). The handler carries ``request_cls`` and
-    ``body`` (the ``Step`` stream runs the same body, :mod:`radixkv.service.server.step_stream`)."""
+@dataclass(frozen=True)
+class UnaryRpc:
+    """One entry of the servicer's dispatch table (``CacheManagerServicer.RPCS``): a call's
+    ``body(servicer, parsed request) -> reply``, its request type, and whether a request id
+    makes it idempotent (``False``: the id is ignored, nothing kept)."""
 
-    def deco(body: Body) -> Callable[..., Awaitable[bytes]]:
-        @functools.wraps(body)
-        async def handler(self: CacheManagerServicer, raw: bytes, context: RawContext) -> bytes:
-            t0 = time.perf_counter()
-            code = "OK"
-            try:
-                request = self.parse_request(request_cls, raw, name)
-                self.quarantine.fence_due()
-                rid = request_id_of(context) if idempotent else None
-                reply, delay = await self.answer_async(name, body, request, raw, rid)
-                if delay:  # fault injection: the reply is late (the client may time out)
-                    await asyncio.sleep(delay)
-                return reply
-            except Exception as exc:  # mapped, never leaked as a traceback
-                st = status_of(exc)
-                code = st.code.name
-                if not isinstance(exc, RadixKVError):
-                    log.exception("internal error in %s", name)
-                await context.abort(st.code, st.details, st.trailing_metadata)
-            finally:
-                self.metrics.observe(name, code, time.perf_counter() - t0)
+    body: Body
+    request_cls: type[Message]
+    idempotent: bool = True
 
-        handler.request_cls = request_cls  # type: ignore[attr-defined]
-        handler.body = body  # type: ignore[attr-defined]
-        return handler
 
-    return deco
+def unary_handler(servicer: CacheManagerServicer, name: str, rpc: UnaryRpc) -> Callable[[bytes, RawContext],
+                                                                                       Awaitable[bytes]]:
+    """The aio handler over raw bytes of the unary call ``name`` (the steps of the module
+    docstring); the ``Step`` paths run the same ``rpc`` (:mod:`radixkv.service.server.step_stream`)."""
+    body, request_cls, idempotent = rpc.body, rpc.request_cls, rpc.idempotent
+
+    async def handler(raw: bytes, context: RawContext) -> bytes:
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            request = servicer.parse_request(request_cls, raw, name)
+            servicer.quarantine.fence_due()
+            rid = request_id_of(context) if idempotent else None
+            reply, delay = await servicer.answer_async(name, body, request, raw, rid)
+            if delay:  # fault injection: the reply is late (the client may time out)
+                await asyncio.sleep(delay)
+            return reply
+        except Exception as exc:  # mapped, never leaked as a traceback
+            st = status_of(exc)
+            code = st.code.name
+            if not isinstance(exc, RadixKVError):
+                log.exception("internal error in %s", name)
+            await context.abort(st.code, st.details, st.trailing_metadata)
+        finally:
+            servicer.metrics.observe(name, code, time.perf_counter() - t0)
+
+    handler.__name__ = handler.__qualname__ = name
+    return handler

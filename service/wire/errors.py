@@ -1,19 +1,13 @@
 """THE one place radixkv errors map to gRPC status codes, and back.
 
-Server side, :func:`status_of` turns an exception into ``(StatusCode, details, trailing
-metadata)``: the code is the exception's ``code`` attribute (every
-:class:`~radixkv.errors.RadixKVError` subclass names its gRPC status there), the trailing
-metadata names the exact error type (``radixkv-error-type``) and, for a
-:class:`~radixkv.errors.CapacityError`, what was asked and what was free
-(``radixkv-requested`` / ``radixkv-available``). Anything that is not a ``RadixKVError`` is
-an ``INTERNAL`` error.
-
-Client side, :func:`error_from_rpc` rebuilds the same type from a ``grpc.RpcError``: the
-named type when it is one of :mod:`radixkv.errors` (or this module) and its code matches
-the status, else the base type of the status code. So the remote client raises exactly what
-the embedded engine raises. Transport failures get two types of their own:
-:class:`MessageTooLargeError` (a ``CapacityError``: the message size and the limit, in
-bytes) and :class:`ServiceUnavailableError`.
+Server side, :func:`status_of` gives ``(StatusCode, details, trailing metadata)``: the
+exception's ``code``, its exact type (``radixkv-error-type``) and, for a
+:class:`~radixkv.errors.CapacityError`, ``radixkv-requested`` / ``radixkv-available``;
+anything not a ``RadixKVError`` is ``INTERNAL``. Client side, :func:`error_from_rpc`
+rebuilds the named type when it is one of :mod:`radixkv.errors` (or this module) and its code
+matches, else the status's base type: the remote client raises what the embedded engine
+raises. Transport failures: :class:`MessageTooLargeError` (a ``CapacityError``) and
+:class:`ServiceUnavailableError`.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ messages. The event hub's outlets add three things, kept here:
 * the event's sequence number (``KVEvent.seq``), the same on every stream;
 * the hybrid state events as their own kinds (``state_stored`` / ``state_removed``), dict form
   ``{"type": "StateStored", "block_hash", "position", "medium"}`` /
-  ``{"type": "StateRemoved", "block_hashes", "medium"}`` (``radixkv.events.state_events``);
+  ``{"type": "StateRemoved", "block_hashes", "medium"}`` (``radixkv.events.state_index``);
 * the gap marker ``events_lost`` (not an event): the events ``first_seq .. first_seq +
   count - 1`` are lost to this stream; dict form ``{"type": "EventsLost", "first_seq",
   "count"}``.

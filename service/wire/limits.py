@@ -1,13 +1,10 @@
 """What one call may ask for, checked on the request's raw bytes before it is decoded.
 
-Decoding a message costs in proportion to its items, not its bytes: an empty ``MatchQuery``
-is two bytes on the wire but a Python object, a numpy array and an engine lookup on the
-manager. A call's items (queries, extend items, decode rids, replayed calls, rids to cache or
-release) and its tokens are therefore bounded by :class:`CallLimits` *before* the message is
-parsed: :func:`check_raw` walks the protobuf wire format of the request (tags and lengths
-only, never the payloads) and stops as soon as a count passes its limit, so refusing a hostile
-call costs O(limit), whatever its size. A batch packed into int32 byte fields (one value per
-entry, issue 20) is counted from a field's length alone: O(1) per field. A refused call is ``RequestLimitError``
+Decoding costs in proportion to a message's items, not its bytes, so a call's items and
+tokens are bounded by :class:`CallLimits` *before* parsing: :func:`check_raw` walks the
+protobuf wire format (tags and lengths only) and stops as soon as a count passes its limit:
+refusing a hostile call costs O(limit), whatever its size. Packed int32 byte fields are
+counted from their length alone, O(1) per field. A refused call is ``RequestLimitError``
 (RESOURCE_EXHAUSTED) naming the limit.
 
 The field numbers below are those of ``proto/radixkv/v1/cache_manager.proto``;

@@ -1,47 +1,18 @@
 """The ``Step`` stream: the step calls of one worker over one persistent gRPC stream.
 
-A unary RPC in Python gRPC pays a call set-up each time (a new HTTP/2 stream, headers,
-deadline, the auth interceptor, trailers): about half the cost of a small call (measured
-in ``docs/service.md``, "Benchmark": CPU and round trip per call, unary against a message of
-an open stream). A scheduler makes ~10 calls per
-step, so a client may instead send its step calls as messages of one long-lived
-bidirectional stream (``connect(..., step_stream=True)``). It is the same protocol, not a
-second one:
-
-* a :class:`pb.StepRequest` carries the method name and the bytes of that method's *unary*
-  request message; the manager parses them with the same parser, fences due sessions and
-  runs the same handler body through ``CacheManagerServicer.answer`` (same validation, same
-  engine call, same reply cache: ``request_id`` is the ``radixkv-request-id`` and the digest
-  is over the same request bytes, so a call retried over the unary path after a broken
-  stream gets the reply kept from the stream, and the other way round);
-* the :class:`pb.StepResponse` carries the unary reply's bytes, or the status a failed unary
-  call would end with (:class:`pb.StepError`: code, details, trailing metadata), which the
-  client turns into the same ``radixkv.errors`` type with the one mapping
-  (``radixkv.service.wire.errors.error_from_rpc``). A failed call does not end the stream.
-
-A :class:`pb.StepRequest` may also carry a replay (``replay``: an ``ApplyDecodesRequest``,
-``replay_request_id``: its own request id), the session's locally answered decode steps: the
-manager runs it first, as the ``ApplyDecodes`` call would run, then the call, with no other
-call between them, so the replay costs no message of its own. A failed replay is the
-message's error (the call does not run). The manager sets ``rides_replay`` in every answer; a
-worker sends a replay only on a stream whose manager said so (an older one would ignore it).
-
-Only :data:`STEP_METHODS` travel on it (session-scoped, idempotent calls); anything else is
-answered INVALID_ARGUMENT in the stream. The stream ends when the worker closes it or the
-manager starts shutting down (``closing``); a worker whose stream broke sends the call over
-the unary path with the same request id (safe: see the reply cache).
-
-The same messages also travel without gRPC, over the **Step socket**: a plain Unix stream
-socket beside the manager's gRPC socket (:func:`step_socket_path`), each message a frame (its
-length as 4 little-endian bytes, then its bytes), opened with a :class:`pb.StepHello` that
-carries the token (the wire format is in the proto, above ``StepHello``). It saves gRPC's
-thread hand-offs on both sides, which cost most of a small message's CPU. A worker uses it
-when it can connect to it and falls back to the gRPC stream otherwise.
-
-This module holds what both sides share: the methods a stream carries, the error form of
-a failed call and the Step socket's framing. The manager's side is
-:mod:`radixkv.service.server.step_stream` (and :mod:`~radixkv.service.server.step_socket`),
-the worker's :mod:`radixkv.service.client.step_lane` (and :mod:`~radixkv.service.client.step_socket`).
+A unary RPC pays a call set-up each time (about half the cost of a small call), so a client
+sends its step calls as messages of one long-lived stream. Same protocol, not a second one:
+a :class:`pb.StepRequest` carries a method name and that method's *unary* request bytes, run
+through the same handler, validation and reply cache (same request id and digest, so a retry
+may cross between stream and unary); a :class:`pb.StepResponse` carries the unary reply or
+the status a failed call would end with (:class:`pb.StepError`); a failed call does not end
+the stream. A request may carry a replay of locally answered decodes, run first (only once
+the manager said ``rides_replay``). Only :data:`STEP_METHODS` travel on it. The Step socket
+carries the same messages as length-prefixed frames of a Unix socket
+(:func:`step_socket_path`), opened with a token-bearing :class:`pb.StepHello`. This module
+holds what both sides share: the methods, the error form and the framing (server:
+``step_stream`` / ``step_socket``; client: ``step_lane`` / ``step_socket``). Why and how:
+``docs/service.md``, "The Step stream and the Step socket".
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from tier_util import make_cache, serve
 
-from radixkv.cache.events import MEDIUM_CPU
+from radixkv.cache.kv_events import MEDIUM_CPU
 from radixkv.errors import InvariantError
 
 

@@ -34,10 +34,10 @@ class TierMachine(RuleBasedStateMachine):
         self.ctl = None
 
     @rule(ps=st.sampled_from([1, 2, 4]), host=st.sampled_from([8, 16, 48]),
-          policy=st.sampled_from(["write_back", "write_through"]), storage=st.booleans())
+          policy=st.sampled_from(["write_back", "write_through"]), storage=st.booleans(), events=st.booleans())
     @precondition(lambda self: self.cache is None)
-    def build(self, ps, host, policy, storage):
-        self.cache = make_cache(ps=ps, device_tokens=POOL, host_tokens=host, write_policy=policy)
+    def build(self, ps, host, policy, storage, events):
+        self.cache = make_cache(ps=ps, device_tokens=POOL, host_tokens=host, write_policy=policy, events=events)
         if storage:
             self.store = DictStorage()
             self._attach()
@@ -93,7 +93,7 @@ class TierMachine(RuleBasedStateMachine):
         self.ctl.close(5.0)
         c = self.cache
         self.cache = make_cache(ps=c.page_size, device_tokens=POOL, host_tokens=c.host_capacity(),
-                                write_policy=c.write_policy)
+                                write_policy=c.write_policy, events=c.kv_events is not None)
         self._attach()
 
     @invariant()
@@ -101,7 +101,8 @@ class TierMachine(RuleBasedStateMachine):
         c = self.cache
         if c is None:
             return
-        c.check_invariants()
+        c.check_invariants()  # with events: the recorder's live blocks are exactly the tree's
+        c.take_events()
         alloc = c.token_to_kv_pool_allocator
         assert alloc.available_size() + c.evictable_size() + c.protected_size() == POOL
         for node in c.iter_nodes():

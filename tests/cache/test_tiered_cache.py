@@ -6,7 +6,9 @@ import torch
 from storage_double import DictStorage
 from tier_util import kv_of, make_cache, read_kv, serve
 
+from radixkv.cache.eviction import available_policies
 from radixkv.cache.radix_key import RadixKey
+from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.storage.tier_controller import StorageController
 
@@ -139,19 +141,39 @@ def test_load_back_with_no_room_serves_what_fits():
     c.check_invariants()
 
 
-def test_events_remove_a_page_only_when_it_leaves_every_tier():
+def test_events_carry_the_tier_and_remove_a_page_only_when_it_leaves_every_tier():
     c = make_cache(device_tokens=8, host_tokens=8, events=True)
     serve(c, seq(1, 8))
-    (first,) = c.take_events()
-    serve(c, seq(2, 8))  # 1 demoted: a tier move (stored on the CPU, then off the GPU), still live
-    moved = [(type(e).__name__, e.medium) for e in c.take_events() if e.block_hashes == first.block_hashes]
-    assert moved == [("BlockStored", "CPU"), ("BlockRemoved", "GPU")]
-    assert all(c.kv_events.is_live(h) for h in first.block_hashes)
-    serve(c, seq(3, 8))  # 1 dropped from the host: removed
-    gone = [e for e in c.take_events() if type(e).__name__ == "BlockRemoved" and e.medium == "CPU"]
-    assert [e.block_hashes for e in gone] == [first.block_hashes]
-    assert not any(c.kv_events.is_live(h) for h in first.block_hashes)
+    stored = c.take_events()
+    assert [(type(e).__name__, e.medium) for e in stored] == [("BlockStored", "GPU")]
+    serve(c, seq(2, 8))  # 1 moves to the host: stored in CPU, then removed from GPU, same hashes
+    ev = [(type(e).__name__, e.medium, e.block_hashes) for e in c.take_events()]
+    assert ev[:2] == [("BlockStored", "CPU", stored[0].block_hashes), ("BlockRemoved", "GPU", stored[0].block_hashes)]
+    assert all(c.kv_events.is_live(h) for h in stored[0].block_hashes)  # never absent
     c.check_invariants()
+    serve(c, seq(1, 8))  # back to the device: CPU -> GPU (and 2 to the host)
+    ev = [(type(e).__name__, e.medium) for e in c.take_events()]
+    assert ("BlockRemoved", "CPU") in ev and ("BlockStored", "GPU") in ev
+    serve(c, seq(3, 8))  # 2 leaves the host for good: removed from CPU, not stored again
+    ev = [(type(e).__name__, e.medium) for e in c.take_events()]
+    assert ev.count(("BlockRemoved", "CPU")) == 1 and ("BlockStored", "CPU") in ev
+    c.check_invariants()
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_eviction_policy_orders_the_device_tier(policy):
+    """The policy sees a node leave the device (on_evict) and come back (on_insert); host-only
+    nodes get no policy hooks. Two namespaces; the audit (policy's included) after each step."""
+    rng = np.random.default_rng(0)
+    base = make_cache(device_tokens=16, host_tokens=32)
+    c = TieredRadixCache(None, base.token_to_kv_pool_allocator, host_pool=base.host_pool, eviction_policy=policy)
+    hits = 0
+    for i in range(120):
+        w = rng.integers(0, 6, rng.integers(1, 4))
+        t = np.array([x * 10 + j for x in w for j in range(4)], dtype=np.int32)
+        hits += serve(c, t, extra_key=[None, "ns"][i % 2])[1]
+        c.check_invariants()
+    assert hits > 0
 
 
 # ---------------------------------------------------------------------- storage

@@ -1,8 +1,7 @@
 """Hybrid models (KDA + full attention) through the protocol: requests also hold a Mamba
 state slot; a prefix hit forks the cached state into the request's own slot (a copy: the
 cached state never changes); the state law (available + evictable + protected + held ==
-capacity) holds after every call, raising or not. Skipped until the Mamba-aware tree
-(``radixkv.cache.mamba_radix_cache``) exists.
+capacity) holds after every call, raising or not.
 
 The states are read and written through the worker buffers (shared memory for the remote
 engine), so "the fork holds the cached state" is checked on the data, not only on the
@@ -10,8 +9,6 @@ bookkeeping. States are positional: one cached at a request's end is usable only
 end is page-aligned; an unaligned end leaves its KV with no state (a tombstone), and a chunk
 that ends on a page boundary checkpoints the state there.
 """
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
@@ -28,10 +25,6 @@ from conformance_util import (
 
 from radixkv.engine.protocol import CacheResult, DecodeItem, EvictResult, ExtendItem, MatchQuery
 from radixkv.errors import CapacityError, StaleSessionError
-
-HYBRID_TREE = "radixkv.cache.mamba_radix_cache"
-pytestmark = pytest.mark.skipif(importlib.util.find_spec(HYBRID_TREE) is None,
-                                reason=f"hybrid prefix caching needs {HYBRID_TREE}")
 
 # mamba_track_interval=0: these tests pin down the untracked behaviour; state tracking (the
 # default at page sizes > 1) is tested at the end of this file

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from cache.tier_util import make_cache, serve
 
-from radixkv.bench.cluster import PyRadixIndex
-from radixkv.cache.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, KVEventBatch, KVEventRecorder
+from radixkv.bench.router_index import PyRadixIndex
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, KVEventBatch, KVEventRecorder
 from radixkv.errors import InvalidArgumentError, NotFoundError
 from radixkv.events.dynamo import DynamoEventAdapter, dumps, tokens_hashes
 from radixkv.events.vllm_wire import decode_batch, encode_batch

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from tooling.testing import ThreadedServer
-from tooling.vllm_fake import BS, HD, HEADS, KEY, LAYERS, Engine, idle
+from vllm_fake import BS, HD, HEADS, KEY, LAYERS, Engine, idle
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, InvariantError

@@ -27,7 +27,7 @@ from service_util import start_server, stop_server  # noqa: E402
 
 from radixkv.engine.protocol import ExtendItem, MatchQuery  # noqa: E402
 from radixkv.events.vllm_wire import decode_batch  # noqa: E402
-from radixkv.events.zmq_publisher import END_SEQ  # noqa: E402
+from radixkv.events.zmq_replay import END_SEQ  # noqa: E402
 
 PS = 4
 TOPIC = "kv@m0"
@@ -305,7 +305,7 @@ def test_the_zmq_outlet_needs_events_on_and_an_endpoint_it_can_open():
     from tooling.testing import ThreadedServer
 
     from radixkv.errors import InvalidArgumentError
-    from radixkv.events.zmq_publisher import PublisherConfig
+    from radixkv.events.zmq_flags import PublisherConfig
 
     opts = ServeOptions(sweep_interval_s=0.2, grace_s=1.0, kv_events=PublisherConfig("tcp://127.0.0.1:*"))
     with pytest.raises(InvalidArgumentError, match="enable-kv-events"):

@@ -6,7 +6,7 @@
   (``--kv-events-interval-s 60``) and the sweeper (``--sweep-interval-s 1000``) never run
   during the test, so only the servicer's pump after each call can have sent them;
 * ZMQ, a ``WatchEvents`` stream and ``TakeEvents`` carry the same KV + state sequence;
-* a :class:`~radixkv.events.state_router.StateAwareIndex` fed from any of them scores the
+* a :class:`~radixkv.bench.state_router.StateAwareIndex` fed from any of them scores the
   manager exactly as its own ``match`` (``prefix_len``) after mamba evictions (states gone,
   KV kept), while the plain KV index credits ``kv_prefix_len``.
 """
@@ -25,12 +25,12 @@ zmq = pytest.importorskip("zmq")
 from radixkv.service.client import connect  # noqa: E402
 from service_util import start_server, stop_server  # noqa: E402
 
+from radixkv.bench.state_router import StateAwareIndex, StateAwareScore  # noqa: E402
 from radixkv.engine import EngineConfig  # noqa: E402
 from radixkv.engine.protocol import ExtendItem, MatchQuery  # noqa: E402
 from radixkv.events.dynamo import tokens_hashes  # noqa: E402
-from radixkv.events.state_router import StateAwareIndex, StateAwareScore  # noqa: E402
 from radixkv.events.vllm_wire import decode_batch  # noqa: E402
-from radixkv.events.zmq_publisher import END_SEQ  # noqa: E402
+from radixkv.events.zmq_replay import END_SEQ  # noqa: E402
 
 PS = 2
 WAIT_S = 10

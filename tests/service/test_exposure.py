@@ -6,8 +6,9 @@ import os
 
 import numpy as np
 import pytest
-from radixkv.service.server.exposure import PeriodicCount, exposure_warnings
+from radixkv.service.server.exposure import exposure_warnings
 from radixkv.service.server.manager import CacheManagerServer, ServeOptions
+from radixkv.service.server.periodic_count import PeriodicCount
 from radixkv.service.wire.auth import Token, resolve_token
 from tooling.testing import ThreadedServer
 

@@ -93,22 +93,25 @@ def test_tier_metrics_and_idle_check(tmp_path):
         (m,) = c.match(s, [MatchQuery(q)])
         assert (m.prefix_len, m.storage_len) == (32, 32)
         st = c.stats()
+        assert (st.tier_hit_device, st.tier_hit_host, st.tier_hit_storage) == (0, 32, 32)
+        assert (st.host_used, st.host_loaded_pages, st.storage_loaded_pages, st.storage_written_pages) == (32, 8, 8, 8)
         text = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=30).read().decode()
-        assert _metric(text, "radixkv_tier_capacity_tokens", tier="host") == 128
-        assert _metric(text, "radixkv_tier_usage_tokens", tier="host") == 32  # a's pages, read from storage
-        assert _metric(text, "radixkv_tier_usage_tokens", tier="device") == 0
-        hits = {t: _metric(text, "radixkv_tier_hits_tokens_total", tier=t) for t in ("device", "host", "storage")}
+        assert _metric(text, "radixkv_host_tier_tokens", state="capacity") == 128
+        assert _metric(text, "radixkv_host_tier_tokens", state="used") == 32  # a's pages, read from storage
+        hits = {t: _metric(text, "radixkv_tier_hit_tokens_total", tier=t) for t in ("device", "host", "storage")}
         assert hits == {"device": 0, "host": 32, "storage": 32}
         assert sum(hits.values()) == _metric(text, "radixkv_prefix_cache_hits_total")
-        for tier in ("host", "storage"):
-            assert _metric(text, "radixkv_tier_loaded_pages_total", tier=tier) == 8
-            assert _metric(text, "radixkv_tier_loaded_bytes_total", tier=tier) == 8 * (st.host_loaded_bytes // 8) > 0
-            assert _metric(text, "radixkv_tier_load_seconds_total", tier=tier) > 0
-        assert _metric(text, "radixkv_tier_demoted_pages_total") == 8
-        assert _metric(text, "radixkv_storage_written_pages_total") == 8
+        assert _metric(text, "radixkv_tier_pages_total", move="loaded") == 8
+        assert _metric(text, "radixkv_tier_pages_total", move="demoted") == 8
+        assert _metric(text, "radixkv_tier_loaded_bytes_total") == st.host_loaded_bytes > 0
+        assert _metric(text, "radixkv_tier_load_seconds_total") > 0
+        assert _metric(text, "radixkv_storage_read_bytes_total") == st.storage_loaded_bytes == st.host_loaded_bytes
+        assert _metric(text, "radixkv_storage_read_seconds_total") > 0
+        for outcome, want in (("written", 8), ("fetched", 8), ("write_failed", 0), ("backup_dropped", 0)):
+            assert _metric(text, "radixkv_storage_pages_total", outcome=outcome) == want
+        assert _metric(text, "radixkv_storage_errors_total") == 0
+        assert _metric(text, "radixkv_storage_fetch_timeouts_total") == 0
         assert _metric(text, "radixkv_storage_queue_pages") == 0
-        for kind in ("error", "write_failed", "fetch_timeout", "backup_dropped"):
-            assert _metric(text, "radixkv_storage_errors_total", kind=kind) == 0
         types = {ln.split()[2]: ln.split()[3] for ln in text.splitlines() if ln.startswith("# TYPE")}
         assert all(name.endswith("_total") for name, kind in types.items() if kind == "counter"), types
         # the idle check covered both tiers at every sweep since: none failed, and it runs now
@@ -118,33 +121,32 @@ def test_tier_metrics_and_idle_check(tmp_path):
         c.detach(s)
 
 
-def test_tier_families_read_the_stats_fields():
-    """Each family reads its own EngineStats field (distinct values), microseconds as seconds."""
-    from radixkv.service.server.metrics import ServiceMetrics
+def test_stats_tier_fields_read_the_tier_counters(tmp_path):
+    """EngineStats' tier fields (what travels to a remote client) read the tree's counters
+    (the metrics' source) one for one: each counter set to a distinct value."""
+    from radixkv.engine import CacheEngine
 
-    from radixkv.engine.protocol import EngineStats
-
-    fields = EngineStats._fields
-    st = EngineStats(*[1000 + i for i in range(len(fields))])
-    m = ServiceMetrics()
-    m.update(st)
-    text = m.exposition().decode()
-    assert _metric(text, "radixkv_tier_capacity_tokens", tier="host") == st.host_capacity
-    assert _metric(text, "radixkv_tier_usage_tokens", tier="host") == st.host_used
-    assert _metric(text, "radixkv_tier_usage_tokens", tier="device") == st.kv_capacity - st.kv_available
-    for tier in ("device", "host", "storage"):
-        assert _metric(text, "radixkv_tier_hits_tokens_total", tier=tier) == getattr(st, f"tier_hit_{tier}")
-    for tier in ("host", "storage"):
-        assert _metric(text, "radixkv_tier_loaded_pages_total", tier=tier) == getattr(st, f"{tier}_loaded_pages")
-        assert _metric(text, "radixkv_tier_loaded_bytes_total", tier=tier) == getattr(st, f"{tier}_loaded_bytes")
-        assert _metric(text, "radixkv_tier_load_seconds_total", tier=tier) == getattr(st, f"{tier}_load_us") / 1e6
-    assert _metric(text, "radixkv_tier_demoted_pages_total") == st.host_demoted_pages
-    assert _metric(text, "radixkv_tier_host_dropped_pages_total") == st.host_dropped_pages
-    assert _metric(text, "radixkv_storage_written_pages_total") == st.storage_written_pages
-    assert _metric(text, "radixkv_storage_queue_pages") == st.storage_pending
-    for kind, field in (("error", "storage_errors"), ("write_failed", "storage_write_failed"),
-                        ("fetch_timeout", "storage_fetch_timeouts"), ("backup_dropped", "storage_backup_dropped")):
-        assert _metric(text, "radixkv_storage_errors_total", kind=kind) == getattr(st, field)
+    eng = CacheEngine(EngineConfig(**_tiers(tmp_path / "pages")))
+    try:
+        t = {k: 1000 + i for i, k in enumerate(eng.tier_stats())}
+        eng.tree.tier_counters = lambda: t
+        st = eng.stats()
+        pb = t["page_bytes"]
+        assert (st.host_capacity, st.host_used, st.host_available) == (
+            t["host_capacity_tokens"], t["host_used_tokens"], t["host_capacity_tokens"] - t["host_used_tokens"])
+        assert (st.tier_hit_device, st.tier_hit_host, st.tier_hit_storage) == (
+            t["hit_tokens_device"], t["hit_tokens_host"], t["hit_tokens_storage"])
+        assert (st.host_loaded_pages, st.host_loaded_bytes, st.host_load_us) == (
+            t["loaded_pages"], t["loaded_pages"] * pb, t["load_ns"] // 1000)
+        assert (st.host_demoted_pages, st.host_dropped_pages) == (t["demoted_pages"], t["host_dropped_pages"])
+        assert (st.storage_loaded_pages, st.storage_loaded_bytes, st.storage_load_us) == (
+            t["storage_fetched"], t["storage_fetched"] * pb, t["storage_wait_us"])
+        assert (st.storage_written_pages, st.storage_write_failed, st.storage_backup_dropped,
+                st.storage_fetch_timeouts, st.storage_errors, st.storage_pending) == tuple(
+            t[f"storage_{k}"] for k in ("written", "write_failed", "backup_dropped", "fetch_timeouts", "errors",
+                                        "pending"))
+    finally:
+        eng.close()
 
 
 def test_no_tier_families_with_the_tiers_off():

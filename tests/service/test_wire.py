@@ -7,7 +7,7 @@ from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.shm import CudaIpcDescriptor, ShmDescriptor
 
-from radixkv.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.engine.protocol import (
     CacheResult,
     DecodeItem,
@@ -95,6 +95,17 @@ def test_extend_round_trip():
         assert np.array_equal(a.out_cache_loc, b.out_cache_loc) and b.out_cache_loc.dtype == np.int64
     with pytest.raises(LengthMismatchError):
         wire.extend_results_from_msg(wire.extend_results_to_msg(res), ["a"])
+
+
+def test_extend_results_carry_the_tiers_and_read_zeros_from_an_older_manager():
+    res = [ExtendResult("a", 3, 8, 8, 9, np.array([7], np.int64), host_len=6, storage_len=2),
+           ExtendResult("b", 4, 0, 0, 1, np.array([5], np.int64))]
+    msg = wire.extend_results_to_msg(res)
+    back = wire.extend_results_from_msg(msg, ["a", "b"])
+    assert [(b.host_len, b.storage_len) for b in back] == [(6, 2), (0, 0)]
+    msg.ClearField("host_len_i64")
+    msg.ClearField("storage_len_i64")  # what a manager without tiers sends
+    assert [(b.host_len, b.storage_len) for b in wire.extend_results_from_msg(msg, ["a", "b"])] == [(0, 0), (0, 0)]
 
 
 def test_packed_fields_that_disagree_are_refused():
@@ -207,21 +218,13 @@ def test_plain_extend_request_packs_what_the_item_by_item_path_packs():
         assert wire.plain_extend_request(ref, bad) is None, bad
 
 
-def test_tier_columns_round_trip_and_default_to_zero():
-    """MatchInfo / ExtendResult host_len and storage_len travel; a reply without the columns
-    (tiers off, or an older manager) reads as all 0; a column of the wrong length is refused."""
+def test_match_infos_carry_the_tiers_and_read_zeros_from_an_older_manager():
     infos = [MatchInfo(32, 32, 24, 8), MatchInfo(4, 4)]
     msg = wire.match_infos_to_msg(infos)
     assert wire.match_infos_from_msg(msg, 2) == infos
-    assert wire.match_infos_to_msg([MatchInfo(3, 3)]).host_len_i64 == b""  # nothing sent when all 0
-    plain = wire.match_infos_to_msg([MatchInfo(3, 4)])
-    assert wire.match_infos_from_msg(plain, 1) == [MatchInfo(3, 4, 0, 0)]
+    msg.ClearField("host_len_i64")
+    msg.ClearField("storage_len_i64")  # what a manager without tiers sends
+    assert wire.match_infos_from_msg(msg, 2) == [MatchInfo(32, 32, 0, 0), MatchInfo(4, 4, 0, 0)]
     msg.storage_len_i64 = wire.pack([1], wire.I64)
     with pytest.raises(LengthMismatchError):
         wire.match_infos_from_msg(msg, 2)
-    res = [ExtendResult("a", 3, 8, 8, 9, np.array([7], np.int64), host_len=8, storage_len=4),
-           ExtendResult("b", 4, 0, 0, 1, np.array([1], np.int64))]
-    back = wire.extend_results_from_msg(wire.extend_results_to_msg(res), ["a", "b"])
-    assert [(b.host_len, b.storage_len) for b in back] == [(8, 4), (0, 0)]
-    plain = wire.extend_results_to_msg(res[1:])
-    assert plain.host_len_i64 == b"" and wire.extend_results_from_msg(plain, ["b"])[0].host_len == 0

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-# ``tests/`` is on sys.path (for ``tooling``), so this very folder is a namespace package
+# ``tests/`` is on sys.path (for ``engine_fixtures``), so this very folder is a namespace package
 # named ``vllm``: only a regular package (one with an origin) is the real vLLM.
 _spec = importlib.util.find_spec("vllm")
 if _spec is None or _spec.origin is None:

@@ -2,7 +2,7 @@
  *
  * Optional: setup.py builds it when a C compiler is present; radixkv.allocator.native falls
  * back to the numpy path of the allocators (the contract and the reference) when it is absent
- * or RADIXKV_PURE_PYTHON is set. tests/test_allocator_native.py runs both on the same frees,
+ * or RADIXKV_PURE_PYTHON is set. tests/allocator/test_allocator_native.py runs both on the same frees,
  * good and bad, and compares every result, error and state.
  *
  * mark_free(ids, mask, ring, pos, shift, num_ids, ascending) -> int

@@ -2,7 +2,7 @@
  *
  * Optional: setup.py builds it when a C compiler is present, and radixkv.cache.native falls
  * back to the pure-Python code (which stays the contract and the reference) when it is
- * absent or RADIXKV_PURE_PYTHON is set. tests/test_native_walk.py runs a compiled and a pure
+ * absent or RADIXKV_PURE_PYTHON is set. tests/cache/test_native_walk.py runs a compiled and a pure
  * cache in lockstep and compares every result and every node after every step.
  *
  * Parts: nodes.c (TreeNode slot offsets, new_node), rows.c (pooled int64 results, int32

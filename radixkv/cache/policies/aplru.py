@@ -2,41 +2,14 @@
 nodes that were reused, ported from the block simulator's research policy
 (``AdaptiveProbationLRU`` in ``benchmarks/policy_research``; see ``docs/hitrate.md``).
 
-Per node (``node.pstate``, a list ``[key, f, start, ns]``):
-
-* ``f``: requests that went through the node (its insert, then one per ``match_prefix``);
-  class 1 iff ``f >= 2`` (the node was reused);
-* ``key`` = ``vclock at the last touch + B * class``, frozen at each touch (insert or hit);
-  the smallest goes first, ties by ``last_access`` (so ``B = 0`` orders exactly like LRU
-  whenever every insert follows a match of the same key, the request flow);
-* ``start`` (token offset of the node in its namespace) and ``ns`` (the namespace): with
-  the node's first page they form its *signature*.
-
-Global state: ``vclock`` (tokens inserted so far), the bonus ``B`` and the ghost.
-
-Ghost: when a node is evicted, its signature ``hash((ns, start, first page))`` enters an
-ordered dict with (eviction vclock, class, ``f``, tokens). Entries older than ``window x
-capacity`` tokens of insertions expire from the front (and at most ``max_ghost_entries``
-are kept). A node inserted while its signature is in the ghost was evicted too early: its
-``f`` is restored (``ghost f + 1``) and ``B`` moves toward the class that lost it, each
-event weighted by the other class's share of recently evicted tokens (ARC's rule on
-rates): class 1 raises ``B``, class 0 lowers it; ``0 <= B <= b_max x capacity``, starting
-at ``b0 x capacity``. Signatures are hashes of the first page only, so two nodes can
-collide (same namespace, offset and first page under different parents); the only effect
-is one node inserted with a restored ``f``. A tree node is a run of pages inserted
-together, not a block: the ghost remembers evicted runs by their head, so a re-inserted
-run is recognised when it starts where an evicted one started.
-
-``capacity_tokens``: the pool size the window and ``B`` are relative to. When ``None``
-the policy uses the high-water mark of the tokens it has seen cached (equal to the pool
-size once the cache has filled and evicted); ``B`` is then initialised at the first
-eviction (before it, class-1 keys use ``b0 x`` the high-water mark).
-
-``monotonic = False``: ``B`` can fall between two touches, so a touched leaf's key can
-drop; the cache re-files touched leaves at once.
-
-Cost: O(1) per hook (a few list / dict / deque operations; expiry is amortized O(1)).
-Memory: one 4-item list per node, one ghost entry per recently evicted node.
+Per node (``node.pstate = [key, f, start, ns]``): ``f`` counts the requests through it
+(class 1 iff ``f >= 2``); ``key = vclock at the last touch + B * class`` (smallest evicted
+first; ``B = 0`` is LRU). A ghost of evicted signatures (namespace, offset, first page)
+expires after ``window x capacity`` inserted tokens; a node re-inserted while in it gets its
+``f`` back and moves ``B`` toward the class that lost it (ARC's rule on rates), within
+``[0, b_max x capacity]``. ``monotonic = False``. Cost: O(1) per hook; memory: a 4-item list
+per node plus the ghost. The rules in full: ``docs/internals.md``, "Adaptive-probation LRU
+as implemented".
 """
 from __future__ import annotations
 
@@ -65,12 +38,10 @@ class AdaptiveProbationLRUPolicy(EvictionPolicy):
     """Adaptive-probation LRU for the RadixCache (see the module docstring).
 
     Args:
-        capacity_tokens: pool size in tokens (> 0), or ``None`` to use the high-water mark
-            of cached tokens.
+        capacity_tokens: pool size in tokens (> 0), or ``None`` for the high-water mark.
         window: ghost lifetime, in multiples of the capacity of inserted tokens (> 0).
         gain: step of the ``B`` update (>= 0; 0 freezes ``B``).
-        b0: initial ``B`` as a fraction of the capacity (>= 0).
-        b_max: upper bound of ``B`` as a multiple of the capacity (>= b0).
+        b0, b_max: initial ``B`` as a fraction of the capacity (>= 0), and its bound (>= b0).
         max_ghost_entries: hard bound on the ghost's entries (>= 0).
 
     Raises:

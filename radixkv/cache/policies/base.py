@@ -1,46 +1,15 @@
 """Eviction policies of the RadixCache: the interface and the classic policies (the
 registry that names them is :mod:`radixkv.cache.eviction`).
 
-How the cache uses a policy
----------------------------
-Only *evictable leaves* (unlocked nodes without children) can be evicted. The cache files
-them in one index ordered by the policy's ``sort_key(node)`` (smallest evicted first,
-ties in filing order; :mod:`radixkv.cache.leaf_index`) and updates it incrementally: a node
-is added when it becomes an unlocked leaf and removed when it is locked, gains a child or
-is evicted. ``evict()`` pops from the front, so it costs O(evicted nodes x log n) and never rebuilds the index.
-
-Every node carries fields the cache keeps up to date for all policies:
-
-* ``last_access``: tick of a logical clock, set on every match or insert through the node
-  (deeper nodes of one path get later ticks; ticks are unique among leaves);
-* ``created``: tick at which the node's tokens were inserted;
-* ``hits``: how many ``match_prefix`` calls went through the node;
-* ``priority``: max ``priority`` of the inserts through the node;
-* ``pstate``: free for the policy (e.g. a segment id); ``None`` initially.
-
-A policy is a small object::
-
-    class MyPolicy(EvictionPolicy):
-        name = "mine"
-        monotonic = True              # see below
-        def sort_key(self, node: PolicyNode) -> Any: ... # required: comparable, smallest is evicted first
-        def on_insert(self, node): ...   # optional hooks, called after the cache has set
-        def on_hit(self, node): ...      # the node's fields; the default does nothing
-        def on_split(self, parent, child): ...
-        def on_evict(self, node): ...
-
-    RadixCache(..., eviction_policy=MyPolicy())     # an instance, or by name once
-    register_policy("mine", MyPolicy)                # registered (radixkv.cache.eviction)
-
-``monotonic``: True when a node's sort key never *decreases* between two moments the cache
-files it (true for keys built from ``last_access`` / ``hits`` / ``priority`` / ``created``).
-The cache then re-keys lazily: a touch only updates the node's fields, and ``evict()``
-re-files a front node whose stored key is stale instead of evicting it. A policy whose keys
-can decrease (MRU) sets ``monotonic = False`` and the cache re-files touched leaves at once;
-a policy that lowers a key from inside a hook (SLRU demotion) calls ``self.rekey(node)``
-(bound by the cache in :meth:`EvictionPolicy.bind`).
-
-Cost per hook call is O(1) for every policy here; SLRU's ghost lookup is one dict probe.
+Only evictable leaves (unlocked, childless) are evicted, from one index ordered by the
+policy's ``sort_key(node)`` (smallest first, ties in filing order), updated incrementally:
+``evict()`` costs O(evicted x log n). Nodes carry ``last_access``, ``created``, ``hits``,
+``priority`` and ``pstate`` (the policy's own). A policy defines ``name``, ``monotonic`` and
+``sort_key``, and optionally the hooks ``on_insert`` / ``on_hit`` / ``on_split`` /
+``on_evict``. ``monotonic`` (keys never decrease between filings) lets the cache re-key
+lazily; otherwise touched leaves are re-filed at once, and a hook that lowers a key calls
+``self.rekey(node)``. O(1) per hook for every policy here. How to write one:
+``docs/internals.md``, "How the cache uses an eviction policy".
 """
 from __future__ import annotations
 

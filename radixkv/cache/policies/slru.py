@@ -1,24 +1,13 @@
 """``SLRUPolicy``: segmented LRU with a ghost history, a scan-resistant eviction policy.
 
-Nodes live in one of two segments (kept in ``node.pstate``):
-
-* *probation* (0): where new nodes start. A one-shot document that is never matched again
-  stays here and is evicted first, so a scan of such documents cannot flush the hot
-  shared prefixes.
-* *protected* (1): a node moves here when ``match_prefix`` matches through it. The segment
-  is capped at ``protected_fraction`` of the cached tokens; past the cap its least recently
-  used nodes are demoted back to probation (the cache re-files them through ``rekey``).
-
-Eviction order: every probation leaf before any protected leaf, LRU within a segment.
-
-Ghost history: when a node is evicted its *signature* (its namespace plus its first
-``max(page_size, 16)`` tokens, hashed) enters a bounded FIFO of ``ghost_capacity`` entries.
-A node inserted later whose signature is in the ghost was evicted recently and is wanted
-again, so it is admitted straight into the protected segment. Signatures are hashes, so
-two different nodes can collide; the only effect is one node admitted as protected.
-
-Cost: O(1) per hook (dict operations), plus O(depth) on insert/evict to find the node's
-namespace. Memory: one ordered-dict entry per protected node and one per ghost entry.
+New nodes start in *probation*; a match moves a node to *protected*, capped at
+``protected_fraction`` of the cached tokens (past it, its LRU nodes are demoted through
+``rekey``). Every probation leaf is evicted before any protected one, LRU within a segment.
+An evicted node's signature (namespace + first ``max(page_size, 16)`` tokens, hashed) enters
+a FIFO ghost of ``ghost_capacity``; a node re-inserted while in it is admitted as protected
+(a hash collision only admits one node as protected). Cost: O(1) per hook, plus O(depth) on
+insert/evict to find the namespace. Memory: one entry per protected node and per ghost entry.
+Details: ``docs/internals.md``, "Segmented LRU".
 """
 from __future__ import annotations
 

@@ -1,21 +1,15 @@
 """``RadixKVConnector``: vLLM engines share one radixkv cache manager (``docs/vllm.md``).
 
-Use::
-
-    LLM(model=..., kv_transfer_config=KVTransferConfig(
-        kv_connector="RadixKVConnector", kv_connector_module_path="radixkv.integrations.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"address": "unix:///run/radixkv-manager/s.sock",
-                                   "token_file": "/run/radixkv-manager/token"}))
+Use: ``LLM(model=..., kv_transfer_config=KVTransferConfig(kv_connector="RadixKVConnector",
+kv_connector_module_path="radixkv.integrations.vllm", kv_role="kv_both",
+kv_connector_extra_config={"address": "unix:///run/radixkv-manager/s.sock", "token_file":
+...}))``.
 
 Modules (only ``connector`` imports vLLM; the rest is plain radixkv and tested without it):
-
-* ``config``: the ``kv_connector_extra_config`` keys (:class:`ConnectorConfig`);
-* ``layout``: vLLM's paged KV tensors as K/V views, and the shape check against the manager;
-* ``link``: the connection to the manager (connect, attach, back-off, fault counters);
-* ``scheduler_side``: match + lock, load and save plans, commit / release (batch calls);
-* ``worker_side``: the copies between the manager's mapped pool and vLLM's KV cache;
-* ``connector``: the ``KVConnectorBase_V1`` subclass vLLM loads.
+``config`` (the ``kv_connector_extra_config`` keys), ``layout`` (vLLM's paged KV tensors as
+K/V views), ``link`` (the connection to the manager), ``scheduler_side`` (match + lock, load
+and save plans, commit / release), ``worker_side`` (the copies), ``first_blocks`` (the index
+of the manager's first blocks), ``connector`` (the ``KVConnectorBase_V1`` subclass).
 """
 from typing import TYPE_CHECKING
 

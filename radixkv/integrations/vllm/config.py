@@ -1,26 +1,13 @@
 """The connector's settings: vLLM's ``kv_connector_extra_config`` dict, validated.
 
-Keys (``address`` is required):
-
-* ``address``: the manager, ``unix:///DIR/NAME.sock`` or ``HOST:PORT``;
-* ``token_file``: a file holding the manager's token (else ``$RADIXKV_TOKEN``);
-* ``namespace``: the cache namespace of this model (default: vLLM's model name). Engines
-  share entries only within one namespace; LoRA adapters and ``cache_salt`` split it further;
-* ``connect_timeout_s`` (2): how long one connection attempt waits for the manager;
-* ``call_timeout_s`` (10): the deadline of each call to the manager;
-* ``retry_interval_s`` (2): after a failure, how long the engine serves without the cache
-  before it tries the manager again;
-* ``recompute_load_failures`` (true): set vLLM's ``kv_load_failure_policy`` to
-  ``"recompute"``, so that a load that cannot be done (the manager restarted between the
-  match and the load) recomputes the tokens instead of failing the request;
-* ``defer_miss_saves`` (``"auto"``): answer a request whose first block the manager does not
-  hold with no hit and no round trip (an index of the manager's first blocks fed by its KV
-  events: ``radixkv serve --enable-kv-events``; without them every request asks), and save its
-  blocks off its steps: the row is allocated from a background thread and the copy runs in a
-  later step, after the request if it has finished (vLLM keeps its blocks until then).
-  ``"auto"``: on when vLLM's engine core runs its own loop (``VLLM_ENABLE_V1_MULTIPROCESSING``,
-  vLLM's default; ``vllm serve``), since an in-process ``LLM`` steps again only at its next
-  ``generate`` (until then other engines would not see the prompt); ``true`` / ``false``.
+Keys: ``address`` (required: ``unix:///DIR/NAME.sock`` or ``HOST:PORT``); ``token_file``
+(else ``$RADIXKV_TOKEN``); ``namespace`` (default: vLLM's model name; engines share entries
+only within one, split further by LoRA and ``cache_salt``); ``connect_timeout_s`` (2);
+``call_timeout_s`` (10); ``retry_interval_s`` (2: serving without the cache between
+tries); ``recompute_load_failures`` (true: vLLM recomputes a load that cannot be done);
+``defer_miss_saves`` (``"auto"``: a request whose first block the manager does not hold gets
+no hit and no round trip, and is saved off its steps; on when vLLM's engine core runs its own
+loop). Unknown keys are refused. Each key: ``docs/vllm.md``, "Config keys".
 """
 from __future__ import annotations
 

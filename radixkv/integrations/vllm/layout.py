@@ -1,22 +1,13 @@
 """vLLM's paged KV cache seen as K / V views, and the shape check against the manager's pool.
 
-vLLM hands the worker connector one tensor per attention layer (``register_kv_caches``).
-Its layout depends on the attention backend; :func:`paged_kv_views` turns it into ``(K, V)``
-views of shape ``[num_blocks, block_size, kv_heads, head_dim]`` (aliasing, no copy), so the
-copies index ``K[block_ids, offsets]`` -> ``[n, kv_heads, head_dim]``, the manager's
-per-token row layout (``MHATokenToKVPool``: ``[slots, kv_heads, head_dim]`` per layer).
-
-Layouts read (checked with vLLM 0.32.0):
-
-* CPU attention (``CPU_ATTN``): ``[num_blocks, kv_heads, block_size, 2 * head_size]``, each
-  block/head holding ``block_size`` K rows then ``block_size`` V rows of ``head_size``
-  (the backend views it as ``[num_blocks, kv_heads, 2 * block_size, head_size]`` and splits
-  dim 2);
-* FlashAttention / Triton: ``[2, num_blocks, block_size, kv_heads, head_size]``;
-* FlashInfer: ``[num_blocks, 2, block_size, kv_heads, head_size]``.
-
-Anything else (another kernel block size, MLA, quantized KV) is refused with
-:class:`LayoutMismatchError` naming the shape.
+:func:`paged_kv_views` turns the tensor vLLM hands per attention layer into ``(K, V)`` views
+``[num_blocks, block_size, kv_heads, head_dim]`` (aliasing, no copy), so the copies index
+``K[block_ids, offsets]`` -> the manager's per-token rows ``[n, kv_heads, head_dim]``.
+Layouts read (vLLM 0.32.0): ``CPU_ATTN`` ``[num_blocks, kv_heads, block_size, 2 *
+head_size]``, FlashAttention / Triton ``[2, num_blocks, block_size, kv_heads, head_size]``,
+FlashInfer ``[num_blocks, 2, block_size, kv_heads, head_size]``. Anything else (another
+kernel block size, MLA, quantized KV) is refused with :class:`LayoutMismatchError` naming the
+shape. Details: ``docs/vllm.md``, "vLLM KV layouts".
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """``ManagerLink``: one connector side's connection to the cache manager, fault-tolerant.
 
-The engine must keep serving whatever the manager does, so every manager call of the
-connector goes through a link that can be *down*:
-
-* ``get()`` returns ``(client, info)`` of a live session, or ``None`` while down. It never
-  waits for the manager: a down link reconnects in a background thread (connect + attach,
-  each try bounded by ``connect_timeout_s``, one every ``retry_interval_s``) while the engine
-  recomputes. ``get(force=True)`` tries once in the caller's thread (engine start-up,
-  mapping a new manager epoch).
-* ``fail(error)`` is called by the user of the link after a manager call failed for a reason
-  other than bad input or capacity (the manager died, restarted, the lease expired): the link
-  drops its client and is down until the background thread is back (a warning per outage).
-* The session is kept alive by a keep-alive stream; when this process dies the stream drops
-  and the manager reclaims the session's rows and locks at once.
-
-``counters``: ``connects`` (sessions opened), ``connect_failures``, ``call_failures``.
-``get`` / ``fail`` are called from one thread (vLLM's scheduler or worker); the reconnect
-thread only publishes a finished connection (one atomic attribute store).
+The engine keeps serving whatever the manager does, so every manager call goes through a
+link that can be *down*. ``get()`` returns ``(client, info)`` of a live session or ``None``
+while down, never waiting: a background thread reconnects (bounded tries every
+``retry_interval_s``); ``get(force=True)`` tries once in the caller's thread. ``fail(error)``
+after a call failed for a reason other than bad input or capacity drops the client (one
+warning per outage). A keep-alive stream holds the session; if this process dies the manager
+reclaims it at once. ``counters``: ``connects``, ``connect_failures``, ``call_failures``.
+``get`` / ``fail`` run on one thread; the reconnect thread only publishes a finished
+connection (one atomic attribute store). See ``docs/vllm.md``, "The link to the manager".
 """
 from __future__ import annotations
 

@@ -1,47 +1,18 @@
 """The scheduler half of the connector: match + lock, plan the copies, commit or release.
 
-Per vLLM request, through radixkv's engine protocol (batch calls only):
+Per vLLM request, batch calls only: (1) the first ask is one ``alloc_extend`` that matches
+and *locks* the cached prefix and allocates rows for the rest (answer kept for re-asks;
+capacity or bad input: no hit); (2) ``after_alloc`` plans the accepted tokens' load; (3)
+``build_plan`` gives each step's load ops and the save ops of the whole blocks it completes;
+(4) ``on_worker_report``: once a prompt's blocks are saved, one ``cache_finished`` inserts
+them and drops the lock; (5) ``finished``: a request ending earlier is ``release``d. The
+lock holds from the ask to the commit or release, so no eviction can hand its rows away.
 
-1. First ask (``num_new_matched_tokens``): one ``alloc_extend`` of the prompt (namespaced by
-   ``extra_key``). The manager matches the longest cached prefix of its first ``n - 1``
-   tokens in whole pages, *locks* it under this session, and allocates KV slots (a
-   ``req_to_token`` row) for the rest; only the prompt's whole blocks are saved and cached.
-   The hit offered to vLLM is that prefix minus what vLLM has locally. The answer is kept: a
-   request asked again (not schedulable yet, preempted) gets the same hit, or none once
-   its load was planned. ``CapacityError`` / ``InvalidArgumentError`` (prompt longer than the
-   pool or the manager's context): no hit, nothing stored, vLLM computes everything.
-2. ``after_alloc``: vLLM accepted ``num_external`` tokens: plan their load.
-3. ``build_plan`` (each step): load ops for accepted hits (tokens ``[hit - n, hit)``), save
-   ops for the whole blocks the step completes beyond the manager's prefix. An op names the
-   request's manager row and token range (the worker reads the slots from the shared
-   ``req_to_token``) and vLLM's slot ids (``block * block_size + offset``).
-4. ``on_worker_report``: the worker saved ``[start, end)``; once every block of the prompt
-   is saved, one ``cache_finished`` for all such requests puts them into the tree (rows a
-   concurrent insert already holds are freed by the tree) and drops the lock.
-5. ``finished``: a request that ends before its blocks are saved is ``release``d (nothing
-   cached). After a manager restart or lease loss the old session's requests are dropped
-   (the manager reclaims them); the link reconnects and later requests use the new one.
-
-Commits and releases are not awaited: they go to a :class:`CallQueue` whose thread sends
-them in order, off vLLM's step (the side forgets the request when it queues the call, so
-each is sent exactly once). Every call in the caller's thread first waits for the queue, so
-the client is never used by two threads and a match sees this side's earlier commits;
-``flush()`` waits for the queue. Nothing else waits: another engine sees a commit once
-it is sent (milliseconds after the step), not when vLLM returns the request's output (with
-one generated token the output leaves in the very step that queues the commit).
-
-The lock is held from the first ask until the commit or release lands, so an eviction between the
-match and the load can never hand a row to another request.
-
-**Misses off the step** (with a :class:`FirstBlockIndex`, fed by the manager's KV events). A
-request whose first block the manager does not hold is answered 0 at once, with no call: its
-``alloc_extend`` is queued (sent from the queue's thread, like a commit) and its saves wait for
-the reply (``_settle``). If vLLM finishes the request before they are done, ``finished`` asks
-vLLM to keep its blocks (``delay_free_blocks``); a later step copies them once the row is known
-and names the request in the plan's ``finish`` list, which the worker reports as finished
-sending (vLLM then frees the blocks). The alloc locks whatever prefix the manager turns out to
-hold (the index lagged: a lost hit); the save skips it, so no shared row is ever written. An
-alloc the manager refuses (capacity, context) or that fails leaves nothing to save or release.
+Commits and releases go to a :class:`CallQueue` sent in order off vLLM's step, each exactly
+once; every call in the caller's thread waits for it first. With a :class:`FirstBlockIndex`,
+a miss is answered 0 with no call and saved off the step (vLLM keeps the blocks until then);
+no shared row is ever written. The steps in full: ``docs/vllm.md``, "The scheduler side,
+step by step".
 """
 from __future__ import annotations
 

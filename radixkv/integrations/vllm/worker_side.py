@@ -1,19 +1,11 @@
 """The worker half of the connector: copies between the manager's KV pool and vLLM's cache.
 
-The manager's pools are mapped zero-copy (``client.worker_buffers``: a shared-memory file on
-CPU, CUDA IPC on GPU), once per manager epoch; only the session's layout travels over gRPC.
-The worker opens a session just to read that layout, maps the pools, and detaches.
-
-A step's loads run before the forward (``load``), its saves after it (``save``), each as one
-gather and one scatter per layer and K/V over all the step's tokens (``index_select`` /
-``index_copy_`` on the manager side, advanced indexing on vLLM's ``[blocks, block, heads,
-head_dim]`` views): no per-token Python loop.
-
-An op of a manager epoch this worker cannot map (the manager restarted again) is not done:
-its load is reported as failed (vLLM recomputes those blocks) and its save as failed (the
-scheduler releases the request). A load from an epoch already mapped is done even if that
-manager has died meanwhile: its memory stays mapped, and the rows were locked for this
-request when matched, so nobody rewrote them.
+The manager's pools are mapped zero-copy once per manager epoch (a session is opened just to
+read the layout). A step's loads run before the forward, its saves after it, each one gather
+and one scatter per layer and K/V over all the step's tokens: no per-token Python loop. An
+op of an epoch this worker cannot map is reported failed (vLLM recomputes the load, the
+scheduler releases the save); a load from a mapped epoch is done even if that manager died
+(the memory stays mapped and the rows were locked). See ``docs/vllm.md``, "The worker side".
 """
 from __future__ import annotations
 

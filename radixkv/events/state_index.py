@@ -1,0 +1,101 @@
+"""State events of hybrid models, the consumer side: :class:`StateIndex` (per worker, the
+live recurrent states) and :class:`UsableOverlap`.
+
+The event types, their dict codec and the producer (:class:`HybridEventRecorder`, which
+the hybrid tree records with) are in :mod:`radixkv.cache.state_events` (the rules a
+consumer relies on: ``docs/events.md``, section 3).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import NamedTuple
+
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.state_events import (
+    CacheEvent,
+    StateRemoved,
+    StateStored,
+    any_event_from_dict,
+)
+from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
+
+__all__ = ["StateIndex", "UsableOverlap"]
+
+
+# --------------------------------------------------------------------------- consumer
+
+
+class UsableOverlap(NamedTuple):
+    """``kv_blocks``: the KV overlap the caller gave; ``blocks``: the deepest block within
+    it that has a live state (0 when none) -- what the worker can really reuse."""
+
+    kv_blocks: int
+    blocks: int
+
+
+class StateIndex:
+    """Router-side index of the live states of many workers, fed with their event streams.
+
+    It consumes both kinds of events (``BlockRemoved`` and ``AllBlocksCleared`` drop states,
+    the rules of ``docs/events.md``, section 3) and answers, for a request's chain of block hashes
+    (:func:`radixkv.cache.block_hash.block_hashes` of its tokens) and a KV overlap found elsewhere,
+    how much of the overlap ends at a state. Unknown removals are ignored (a consumer must not
+    fail on a stream it joined late).
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[Hashable, dict[int, int]] = {}
+
+    def apply(self, worker: Hashable, event: CacheEvent | dict[str, object]) -> None:
+        """Apply one event (object or ``to_dict()`` dict) of ``worker``. O(len(event))."""
+        if isinstance(event, dict):
+            event = any_event_from_dict(event)
+        states = self._states.setdefault(worker, {})
+        if isinstance(event, StateStored):
+            states[event.block_hash] = event.position
+        elif isinstance(event, (StateRemoved, BlockRemoved)):
+            for h in event.block_hashes:
+                states.pop(int(h), None)
+        elif isinstance(event, AllBlocksCleared):
+            states.clear()
+        elif not isinstance(event, BlockStored):
+            raise InvalidArgumentError(f"unknown event type {type(event).__name__}")
+
+    def apply_all(self, worker: Hashable, events: Iterable[CacheEvent | dict[str, object]]) -> None:
+        """:meth:`apply` of each event, in order."""
+        for e in events:
+            self.apply(worker, e)
+
+    def remove_worker(self, worker: Hashable) -> None:
+        """Forget ``worker`` (it died)."""
+        self._states.pop(worker, None)
+
+    def workers(self) -> list[Hashable]:
+        return list(self._states)
+
+    def num_states(self, worker: Hashable) -> int:
+        return len(self._states.get(worker, ()))
+
+    def live(self, worker: Hashable) -> dict[int, int]:
+        """A copy of ``worker``'s live states: block hash -> position."""
+        return dict(self._states.get(worker, {}))
+
+    def usable(self, worker: Hashable, chain_hashes: Sequence[int], kv_blocks: int) -> UsableOverlap:
+        """The deepest ``i <= kv_blocks`` with a state after block ``chain_hashes[i-1]`` on
+        ``worker``. O(kv_blocks) dict probes, scanning from the deep end."""
+        if isinstance(kv_blocks, bool) or not isinstance(kv_blocks, int) or kv_blocks < 0:
+            raise InvalidArgumentError(f"kv_blocks must be an int >= 0, got {kv_blocks!r}")
+        if kv_blocks > len(chain_hashes):
+            raise InvalidArgumentError(f"kv_blocks {kv_blocks} exceeds the {len(chain_hashes)} hashes given")
+        states = self._states.get(worker)
+        if states:
+            for i in range(kv_blocks, 0, -1):
+                if int(chain_hashes[i - 1]) in states:
+                    return UsableOverlap(kv_blocks, i)
+        return UsableOverlap(kv_blocks, 0)
+
+    def check_invariants(self) -> None:
+        """Every position is a positive int."""
+        bad: set[int] = {h for s in self._states.values() for h, p in s.items() if p < 1}
+        if bad:
+            raise InvariantError(f"states with non-positive positions: {describe_ids(bad)}")
