@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -199,6 +200,7 @@ def run(device: torch.device, layers: int, heads: int, head_dim: int, page_sizes
         batches: tuple[int, ...], reps: int, work_dir: str | None, storage_threads: int = 4) -> dict[str, Any]:
     """Both parts at every page size: ``{"meta", "rows"}``."""
     rows: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="radixkv-bench-tiers-", dir=work_dir) as d:
         for ps in page_sizes:
             rows += bench_host_to_device(device, layers, heads, head_dim, ps, batches, reps)
@@ -207,7 +209,7 @@ def run(device: torch.device, layers: int, heads: int, head_dim: int, page_sizes
     meta = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
             else platform.processor() or platform.machine(), "torch": torch.__version__,
             "layout": {"layers": layers, "heads": heads, "head_dim": head_dim, "dtype": "float16"},
-            "reps": reps, "storage_threads": storage_threads, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
+            "reps": reps, "storage_threads": storage_threads, "cpus": os.cpu_count(), "loadavg_before": load_before,
             "python": platform.python_version()}
     return {"meta": meta, "rows": rows}
 
@@ -243,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(torch.device(a.device), a.layers, a.heads, a.head_dim, tuple(a.page_sizes), tuple(a.batches),
                  a.reps, a.dir, a.storage_threads)
     result["meta"]["loadavg_after"] = os.getloadavg()
-    result["meta"]["command"] = "python benchmarks/bench_tiers.py " + " ".join(argv or [])
+    args = sys.argv[1:] if argv is None else argv
+    result["meta"]["command"] = " ".join(["python", "benchmarks/bench_tiers.py", *args])
     print(table(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))

@@ -39,7 +39,8 @@ DEFAULT_OUT = ROOT / "build" / "gpu_check.json"
 # The whole check's budget on one GPU (issue 31: under 8 minutes); pytest gets most of it.
 PYTEST_TIMEOUT_S = 330
 # The CUDA tests: those marked ``cuda`` and the ``[cuda]`` cases of the ``device`` fixture (both
-# carry the keyword), less the tests of what happens *without* CUDA (skipped where it exists).
+# carry the keyword), less the tests of what happens *without* CUDA (skipped where it exists):
+# such a test has ``without_cuda`` in its name, and no other test has ``cuda`` in its name.
 CUDA_TESTS = "cuda and not without_cuda"
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
+from radixkv.errors import InvariantError
+
 __all__ = ["StorageStats", "StatsRecorder"]
 
 
@@ -44,6 +46,21 @@ class StatsRecorder:
         with self._lock:
             cur = self._stats
             self._stats = cur._replace(**{k: getattr(cur, k) + v for k, v in deltas.items()})
+
+    def check_invariants(self, page_bytes: int | None = None) -> None:
+        """Raises ``InvariantError`` naming the counters that disagree: a negative one, more
+        corrupt + unreadable pages than misses, or (with ``page_bytes``) bytes not equal to
+        pages x ``page_bytes``."""
+        st = self.snapshot()
+        bad = [f"{k}={v}" for k, v in st._asdict().items() if v < 0]
+        if st.corrupt + st.read_errors > st.misses:
+            bad.append(f"corrupt + read_errors = {st.corrupt + st.read_errors} > misses = {st.misses}")
+        if page_bytes is not None:
+            for pages, nbytes in (("hits", "bytes_read"), ("writes", "bytes_written")):
+                if getattr(st, nbytes) != getattr(st, pages) * page_bytes:
+                    bad.append(f"{nbytes} = {getattr(st, nbytes)} != {pages} x {page_bytes}")
+        if bad:
+            raise InvariantError("storage counters disagree: " + "; ".join(bad))
 
     def snapshot(self) -> StorageStats:
         """The counters now (immutable)."""

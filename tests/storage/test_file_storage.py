@@ -11,10 +11,10 @@ import torch
 from storage_util import pages_of, remount_read_only, tmpfs
 
 from radixkv.contracts import StorageBackend
-from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
 from radixkv.storage.file import FileStorage
 from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
-from radixkv.storage.stats import StorageStats
+from radixkv.storage.stats import StatsRecorder, StorageStats
 
 PB = 4096
 
@@ -334,16 +334,29 @@ def test_bad_arguments_raise_and_change_nothing(store, tmp_path):
     assert _files(store.root) == [] and store.stats() == StorageStats()
 
 
+def test_check_invariants_names_the_counters():
+    rec = StatsRecorder()
+    rec.add(hits=2, misses=1, corrupt=1, bytes_read=2 * PB)
+    rec.check_invariants(PB)
+    rec.add(read_errors=1)
+    with pytest.raises(InvariantError, match="corrupt \\+ read_errors = 2 > misses = 1"):
+        rec.check_invariants()
+    rec2 = StatsRecorder()
+    rec2.add(writes=1, bytes_written=PB - 1)
+    with pytest.raises(InvariantError, match="bytes_written"):
+        rec2.check_invariants(PB)
+
+
 def test_stats_add_up():
     a = StorageStats(hits=1, misses=2, bytes_read=3, read_seconds=0.5)
     assert a.plus(a) == StorageStats(hits=2, misses=4, bytes_read=6, read_seconds=1.0)
 
 
-BIG = 3 * (256 << 10) + 100  # several read pieces (radixkv.storage.file._CHUNK), the last one short
+BIG = 3 * (256 << 10) + 100  # a large page, damaged far from its header
 
 
 @pytest.mark.parametrize("damage", ["flip_last", "flip_second_piece", "truncate_1", "truncate_mid", "append_1"])
-def test_large_pages_read_in_pieces(tmp_path, damage):
+def test_large_pages(tmp_path, damage):
     store = FileStorage(tmp_path, page_bytes=BIG, threads=1)
     keys = _keys(2)
     src = pages_of(keys, BIG)
@@ -383,3 +396,17 @@ def test_threads_split_a_batch_in_order(tmp_path, threads):
     assert store.stats().hits == sum(present) and store.stats().misses == 37 - sum(present)
     store.close()
     assert store.batch_get(keys, dst) == [False] * 37
+
+
+def test_sweep_removes_only_old_temp_files(store):
+    keys = _keys(2)
+    store.batch_set(keys, pages_of(keys, PB))
+    d = store.path_of(keys[0]).parent
+    old, fresh = d / ".tmp-x.page.1.2.3", d / ".tmp-y.page.1.2.4"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(old, (1, 1))
+    assert store.sweep_temp_files(older_than_s=600) == 1
+    assert not old.exists() and fresh.exists()
+    assert store.batch_exists(keys) == 2
+    assert store.sweep_temp_files(older_than_s=-1) == 1 and not fresh.exists()

@@ -74,4 +74,7 @@ def test_sigkill_mid_write_leaves_no_bad_page(tmp_path):
         st = store.stats()
         assert st.corrupt == 0 and st.read_errors == 0
         assert hits == len(visible) >= start + 3  # every visible page is whole, and it got going
+        temps = [f for f in tmp_path.rglob(".tmp-*")]
+        assert store.sweep_temp_files(older_than_s=-1) == len(temps)  # the killed writer's leftovers
+        assert not list(tmp_path.rglob(".tmp-*")) and len(list(tmp_path.rglob("*.page"))) == hits
         start = hits

@@ -17,7 +17,7 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA path")
-def test_asking_for_cuda_without_it_fails(tmp_path):
+def test_device_cuda_without_cuda_fails(tmp_path):
     assert gpu_check.main(["--device", "cuda", "--out", str(tmp_path / "r.json")]) == 1
 
 
@@ -40,7 +40,7 @@ def _junit(path, **counts):
     return path
 
 
-def test_a_skipped_cuda_test_fails_the_check(tmp_path):
+def test_a_skipped_gpu_test_fails_the_check(tmp_path):
     ok = gpu_check.junit_verdict(_junit(tmp_path / "a.xml", tests=5, failures=0, errors=0, skipped=0), 0)
     assert ok["status"] == "pass" and ok["tests"] == 5
     skipped = gpu_check.junit_verdict(_junit(tmp_path / "b.xml", tests=5, failures=0, errors=0, skipped=1), 0)
