@@ -383,7 +383,7 @@ class TieredRadixCache(RadixCache):
         pinned: list[int] = []
         evicted = 0
         while evicted < num_tokens:
-            node: Any = pop_victim(self)
+            node: Any = pop_victim(self._leaves, self._sort_key if self._lazy else None)
             if node is None:
                 break
             t = len(node.kbuf) >> 2
