@@ -382,8 +382,9 @@ class TieredRadixCache(RadixCache):
         d_rows: list[bytes] = []
         pinned: list[int] = []
         evicted = 0
+        stale_key = self._sort_key if self._lazy else None
         while evicted < num_tokens:
-            node: Any = pop_victim(self._leaves, self._sort_key if self._lazy else None)
+            node: Any = pop_victim(self._leaves, stale_key)
             if node is None:
                 break
             t = len(node.kbuf) >> 2
@@ -490,7 +491,7 @@ class TieredRadixCache(RadixCache):
         """RadixCache's checks adapted to tiers, plus the host tier's: every node on a tier,
         device part prefix-closed, host pages owned once and exactly the allocator's in-use
         ones (naming leaked / double-owned pages) (:func:`radixkv.cache.tier_audit.check`)."""
-        tier_audit.check(self)
+        tier_audit.check(self, self._heads, self._leaves, self._pinned)
         if self.storage is not None:
             self.storage.check_invariants()
 
@@ -552,6 +553,8 @@ class TieredRadixCache(RadixCache):
             stack.extend(x.children.values())  # type: ignore[arg-type]
             order.append(x)
             if x.hbuf is not None:
+                if self.storage is not None and self.storage.admit == "all":
+                    self._backup(x)  # its backup at insert found the queue full: the last chance
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
         if self.kv_events is not None:
