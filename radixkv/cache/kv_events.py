@@ -199,21 +199,61 @@ class KVEventRecorder:
         self.medium = medium
         self._events: list[Any] = []  # KVEvents (HybridEventRecorder adds its state events)
         self._live: Counter[int] = Counter()
+        self._media: dict[int, str] = {}  # live blocks on a tier other than ``medium``
 
     # -- the interface the RadixCache calls
 
     # ``extra_key: Any``: any hashable namespace, read as an int or a str after the tests below
     def on_stored(self, parent_hash: int | None, token_ids: object, extra_key: Any = None,
                   medium: str | None = None) -> list[int]:
-        """Record one ``BlockStored`` for a new node (``medium``: default the recorder's);
+        """Record one ``BlockStored`` for a new node (on ``medium``, default the recorder's);
         return its per-page hashes. ``token_ids`` must be a whole number of pages. An empty
-        node records nothing and returns ``[]``. Raises (recording nothing) on bad input.
+        node records nothing and returns ``[]``. Raises (and records nothing) on bad input.
         O(len(token_ids)).
         """
         tokens = _page_tokens(token_ids, self.page_size)
         hashes = block_hashes(tokens, self.page_size, parent_hash, extra_key, self.seed)
         if not hashes:
             return hashes
+        self._events.append(self._stored_event(hashes, parent_hash, tokens, extra_key, medium or self.medium))
+        self._live.update(hashes)
+        if medium is not None and medium != self.medium:
+            self._media.update(dict.fromkeys(hashes, medium))
+        return hashes
+
+    def on_moved(self, hashes: Sequence[int], medium: str, parent_hash: int | None, token_ids: object,
+                 extra_key: Any = None) -> None:
+        """Live blocks ``hashes`` (one node: its tokens, parent and namespace) moved to tier
+        ``medium``: record ``BlockStored`` on ``medium``, then ``BlockRemoved`` on the tier
+        they left (per tier), so a consumer never sees them absent. Blocks already on
+        ``medium`` record nothing. Raises ``NotFoundError`` (not live), records nothing. O(len)."""
+        hs = [_check_hash(h, "block hash") for h in hashes]
+        missing = [h for h in hs if not self._live.get(h)]
+        if missing:
+            raise NotFoundError(f"tier move of blocks that are not stored: {describe_ids(missing)}")
+        old = [self.medium_of(h) for h in hs]
+        if all(m == medium for m in old):
+            return
+        tokens = _page_tokens(token_ids, self.page_size)
+        self._events.append(self._stored_event(hs, parent_hash, tokens, extra_key, medium))
+        self._removed_events(hs, old)
+        for h in hs:
+            if medium == self.medium:
+                self._media.pop(h, None)
+            else:
+                self._media[h] = medium
+
+    def medium_of(self, block_hash: int) -> str:
+        """The tier a live block was last announced on (the recorder's ``medium`` by default)."""
+        return self._media.get(block_hash, self.medium)
+
+    def _removed_events(self, hashes: list[int], media: list[str]) -> None:
+        """One ``BlockRemoved`` per tier among ``media``, in first-seen order."""
+        for m in dict.fromkeys(media):
+            self._events.append(BlockRemoved(tuple(h for h, x in zip(hashes, media) if x == m), m))
+
+    def _stored_event(self, hashes: list[int], parent_hash: int | None, tokens: np.ndarray, extra_key: Any,
+                      medium: str) -> BlockStored:
         is_int = isinstance(extra_key, (int, np.integer)) and not isinstance(extra_key, bool)
         event = BlockStored(
             block_hashes=tuple(hashes),
@@ -221,17 +261,15 @@ class KVEventRecorder:
             token_ids=_frozen(tokens.astype(np.int32, copy=True)),
             block_size=self.page_size,
             lora_id=int(extra_key) if is_int else None,
-            medium=self.medium if medium is None else medium,
+            medium=medium,
             lora_name=extra_key if isinstance(extra_key, str) else None,
             extra_key=extra_key,
         )
-        self._events.append(event)
-        self._live.update(hashes)
-        return hashes
+        return event
 
     def on_removed(self, block_hashes: Sequence[int], medium: str | None = None) -> None:
-        """Record one ``BlockRemoved`` for blocks that were stored (``medium``: default the
-        recorder's).
+        """Record ``BlockRemoved`` for blocks that were stored: one per tier they were last
+        announced on, or one on ``medium`` when given.
 
         Raises ``NotFoundError`` naming the hashes that are not live (never stored, or
         removed already), recording nothing. An empty list records nothing. O(len).
@@ -243,15 +281,18 @@ class KVEventRecorder:
         missing = [h for h, n in want.items() if self._live.get(h, 0) < n]
         if missing:
             raise NotFoundError(f"BlockRemoved for blocks that are not stored: {describe_ids(missing)}")
+        media = [self.medium_of(h) if medium is None else medium for h in hashes]
         self._live.subtract(want)
         for h in want:
             if self._live[h] == 0:
                 del self._live[h]
-        self._events.append(BlockRemoved(tuple(hashes), self.medium if medium is None else medium))
+                self._media.pop(h, None)
+        self._removed_events(hashes, media)
 
     def on_cleared(self) -> None:
         """Record ``AllBlocksCleared``; every block stops being live."""
         self._live.clear()
+        self._media.clear()
         self._events.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
@@ -286,6 +327,9 @@ class KVEventRecorder:
         bad = [h for h, n in self._live.items() if n <= 0]
         if bad:
             raise InvariantError(f"non-positive live counts for blocks {describe_ids(bad)}")
+        gone = [h for h in self._media if h not in self._live]
+        if gone:
+            raise InvariantError(f"tiers kept for blocks that are not live: {describe_ids(gone)}")
         for i, e in enumerate(self._events):
             if isinstance(e, BlockStored):
                 if len(e.block_hashes) * e.block_size != e.token_ids.size:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from radixkv.cache import tree_audit
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventRecorder
 from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvariantError, describe_ids
 
@@ -89,6 +90,16 @@ def check(cache: TieredRadixCache, heads: Mapping[Hashable, NamespaceHead], leav
     cache.policy.check_invariants([x for x in nodes if x.vbuf])  # it orders device nodes only
     if cache.kv_events is not None:
         tree_audit._check_events(cache, nodes)
+        _check_media(cache.kv_events, nodes)
+
+
+def _check_media(rec: KVEventRecorder, nodes: list[Any]) -> None:
+    """Every node's blocks were last announced on its fastest tier (``GPU`` with device
+    rows, else ``CPU``)."""
+    wrong = [x.id for x in nodes if any(rec.medium_of(h) != (MEDIUM_GPU if x.vbuf else MEDIUM_CPU)
+                                        for h in x.block_hashes or ())]
+    if wrong:
+        _fail("KV events announced blocks on another tier than the one they are on", wrong)
 
 
 def _check_host(cache: TieredRadixCache, nodes: list[Any], pinned: Collection[int]) -> None:

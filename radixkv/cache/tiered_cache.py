@@ -213,6 +213,7 @@ class TieredRadixCache(RadixCache):
         alloc = self.token_to_kv_pool_allocator
         if not m.host_len or alloc is None:
             return m
+        t0 = time.perf_counter_ns()
         self._check_node(m.last_node)
         nodes: list[TierNode] = []
         prev: TreeNode = m.last_node
@@ -262,7 +263,7 @@ class TieredRadixCache(RadixCache):
                 size = len(x.kbuf)
                 x.vbuf = rb[off:off + size]
                 off += size
-                self._moved(x, MEDIUM_CPU, MEDIUM_GPU)
+                self._moved(x, MEDIUM_GPU)
                 if self._on_insert is not None:  # back on the device: the policy sees it anew
                     self._on_insert(x)
             self._evictable += tot
@@ -336,7 +337,7 @@ class TieredRadixCache(RadixCache):
                 child = self._split(child, m)
             last = child
             child.vbuf = tail[start - base:start - base + m]
-            self._moved(child, MEDIUM_CPU, MEDIUM_GPU)
+            self._moved(child, MEDIUM_GPU)
             if self._on_insert is not None:
                 self._on_insert(child)
             self._evictable += m >> 2
@@ -402,7 +403,7 @@ class TieredRadixCache(RadixCache):
                 self._on_evict(node)
             parent: Any = node.parent
             if node.hbuf is not None:
-                self._moved(node, MEDIUM_GPU, MEDIUM_CPU)
+                self._moved(node, MEDIUM_CPU)
                 if not node.children:
                     heapq.heappush(self._host_heap, (node.last_access, node.id, node))
             else:
@@ -491,6 +492,8 @@ class TieredRadixCache(RadixCache):
         device part prefix-closed, host pages owned once and exactly the allocator's in-use
         ones (naming leaked / double-owned pages) (:func:`radixkv.cache.tier_audit.check`)."""
         tier_audit.check(self, self._heads, self._leaves, self._pinned)
+        if self.storage is not None:
+            self.storage.check_invariants()
 
     # ------------------------------------------------------------------ helpers
     def _split(self, child: TreeNode, m: int) -> TreeNode:
@@ -542,18 +545,20 @@ class TieredRadixCache(RadixCache):
 
     def _drop(self, node: TierNode, medium: str = MEDIUM_CPU) -> None:
         """Remove ``node`` (no device rows left) and its host-only subtree from the tree,
-        freeing their host pages; KV events record their pages removed (``node``'s from
-        ``medium``, the subtree's from the host)."""
-        stack = [node]
+        freeing their host pages; KV events record their pages removed, children before their
+        parent (``node``'s from ``medium``, the subtree's from the host)."""
+        stack, order = [node], []
         while stack:
             x = stack.pop()
             stack.extend(x.children.values())  # type: ignore[arg-type]
+            order.append(x)
             if x.hbuf is not None:
                 if self.storage is not None and self.storage.admit == "all":
                     self._backup(x)  # its backup at insert found the queue full: the last chance
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
-            if self.kv_events is not None:
+        if self.kv_events is not None:
+            for x in reversed(order):  # children first: no removal leaves an orphan (a router refuses one)
                 self.kv_events.on_removed(x.block_hashes, medium if x is node else MEDIUM_CPU)  # type: ignore[arg-type]
         parent: Any = node.parent
         del parent.children[node.kbuf[:self._pb]]
@@ -564,24 +569,25 @@ class TieredRadixCache(RadixCache):
         elif not parent.children and not parent.vbuf and parent.hbuf is not None:
             heapq.heappush(self._host_heap, (parent.last_access, parent.id, parent))
 
-    def _moved(self, node: TierNode, src: str, dst: str) -> None:
-        """KV events of ``node``'s pages moving tier: ``BlockRemoved`` from ``src``, then
-        ``BlockStored`` in ``dst`` (same hashes), so a router keeps them with their tier."""
-        if self.kv_events is None or not node.block_hashes:
-            return
-        parent: Any = node.parent
-        x: Any = parent
-        while x.parent is not None:
-            x = x.parent
-        prior = parent.block_hashes[-1] if parent.parent is not None and parent.block_hashes else None
-        self.kv_events.on_removed(node.block_hashes, src)
-        node.block_hashes = self.kv_events.on_stored(prior, node.key.copy(), x.extra_key, dst)
-
-    def _seed(self, node: TreeNode) -> bytes:
+    @staticmethod
+    def _namespace(node: TreeNode) -> Hashable:
         x: Any = node
         while x.parent is not None:
             x = x.parent
-        ns = x.extra_key
+        return x.extra_key  # type: ignore[no-any-return]
+
+    def _moved(self, node: TreeNode, dst: str) -> None:
+        """KV events of ``node``'s pages moving to tier ``dst``: ``BlockStored`` in ``dst``, then
+        ``BlockRemoved`` from the tier they left (same hashes), so no consumer sees them absent
+        (docs/events.md, section 6)."""
+        if self.kv_events is None or not node.block_hashes:
+            return
+        parent: Any = node.parent
+        ph = parent.block_hashes[-1] if parent.parent is not None and parent.block_hashes else None
+        self.kv_events.on_moved(node.block_hashes, dst, ph, np.frombuffer(node.kbuf, _I32), self._namespace(node))
+
+    def _seed(self, node: TreeNode) -> bytes:
+        ns = self._namespace(node)
         seed = self._seeds.get(ns)
         if seed is None:
             seed = self._seeds[ns] = storage_seed(encode_extra_key(ns), self._fingerprint)
@@ -634,7 +640,8 @@ class TieredRadixCache(RadixCache):
         leaf.hbuf, leaf.pkeys, leaf.backed, leaf.hits = pages.tobytes(), keys[:k], True, 1
         if self.kv_events is not None:
             parent_hash = node.block_hashes[-1] if node.block_hashes else None
-            leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key, MEDIUM_CPU)
+            leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key,
+                                                         MEDIUM_CPU)
         node.children[kb[:self._pb]] = leaf
         sync_only(node)
         self._host_tokens += size >> 2

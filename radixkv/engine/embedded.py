@@ -79,7 +79,6 @@ from radixkv.validation import (
 
 if TYPE_CHECKING:
     from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
-    from radixkv.cache.metrics import MetricsSnapshot
     from radixkv.engine.buffers import WorkerBuffers
 
 __all__ = ["CacheEngine"]
@@ -145,7 +144,7 @@ class CacheEngine:
         self._layout = self.pools.layout(mappings)
         self._reqs: dict[tuple[str, str], EngineReq] = {}  # (session id, rid): ids are per session
         self._events = EventQueue(self.tree)
-        self._discount = [0, 0, 0]  # queries, queried tokens, hit tokens of calls that raised
+        self._discount = [0] * 6  # _query_counters() of calls that raised
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -229,8 +228,9 @@ class CacheEngine:
         out = []
         for key in keys:
             m = self.tree.match_prefix(key)
-            n = m.prefix_len + getattr(m, "host_len", 0)  # host pages count: alloc_extend loads them
-            out.append(MatchInfo(n, getattr(m, "kv_prefix_len", n)))
+            host = getattr(m, "host_len", 0)  # host pages count: alloc_extend loads them
+            n = m.prefix_len + host
+            out.append(MatchInfo(n, getattr(m, "kv_prefix_len", n), host, getattr(m, "storage_len", 0)))
         return out
 
     # ------------------------------------------------------------------ extend / decode
@@ -271,7 +271,7 @@ class CacheEngine:
                 r = EngineReq.create(it.rid, tok, it.extra_key, int(it.priority))
             reqs.append(r)
         batch = self._batch(reqs)
-        before = self.tree.metrics.snapshot()
+        before = self._query_counters()
         try:
             alloc_for_extend(batch)
         except BaseException:
@@ -462,12 +462,18 @@ class CacheEngine:
         engine_audit.check_invariants(self.config, self.pools, self.tree, self.sessions, self._reqs,
                                       self._batch(list(self._reqs.values())))
 
-    def _discount_since(self, before: MetricsSnapshot) -> None:
-        """Discount the tree's query counters gained since ``before`` (a call that raised)."""
+    def _query_counters(self) -> tuple[int, ...]:
+        """The tree's query counters: queries, queried and hit tokens, and the hits per tier
+        (device, host, storage; zeros without tiers). O(1)."""
         m = self.tree.metrics.snapshot()
-        self._discount[0] += m.queries - before.queries
-        self._discount[1] += m.queried_tokens - before.queried_tokens
-        self._discount[2] += m.hit_tokens - before.hit_tokens
+        h = getattr(self.tree, "tier_hits", None) or {"device": 0, "host": 0, "storage": 0}
+        return (m.queries, m.queried_tokens, m.hit_tokens, h["device"], h["host"], h["storage"])
+
+    def _discount_since(self, before: tuple[int, ...]) -> None:
+        """Discount the query counters gained since ``before`` (:meth:`_query_counters`): a
+        call that raised must not count in ``stats``."""
+        for i, (now, then) in enumerate(zip(self._query_counters(), before)):
+            self._discount[i] += now - then
 
     # ------------------------------------------------------------------ helpers
     def _batch(self, reqs: list[EngineReq]) -> Batch:

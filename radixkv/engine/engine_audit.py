@@ -22,13 +22,13 @@ if TYPE_CHECKING:
     from radixkv.engine.sessions import SessionTable
     from radixkv.scheduler.batch import Batch
 
-__all__ = ["stats", "check_invariants", "state_counts"]
+__all__ = ["stats", "tier_fields", "check_invariants", "state_counts"]
 
 
 def stats(pools: EnginePools, tree: RadixCache, sessions: SessionTable, reqs: Mapping[tuple[str, str], EngineReq],
           discount: Sequence[int]) -> EngineStats:
     """Counters of the whole engine, the tree's query counters less ``discount`` (queries,
-    queried tokens, hit tokens of calls that raised). O(running requests)."""
+    queried and hit tokens, hits per tier, of calls that raised). O(running requests)."""
     c = conservation(pools.allocator, tree, reqs.values())
     m = tree.metrics.snapshot()
     pool = pools.req_to_token_pool
@@ -43,8 +43,30 @@ def stats(pools: EnginePools, tree: RadixCache, sessions: SessionTable, reqs: Ma
         sessions=len(sessions), requests=len(reqs),
         queries=m.queries - d[0], queried_tokens=m.queried_tokens - d[1],
         hit_tokens=m.hit_tokens - d[2], inserted_tokens=m.inserted_tokens,
-        evicted_tokens=m.evicted_tokens,
+        evicted_tokens=m.evicted_tokens, **tier_fields(tree, discount),
     )
+
+
+def tier_fields(tree: RadixCache, discount: Sequence[int]) -> dict[str, int]:
+    """The tier fields of :class:`EngineStats` from the tree's ``tier_counters`` (none with
+    the host tier off), the tier hits less ``discount[3:6]`` (calls that raised). O(1)."""
+    counters = getattr(tree, "tier_counters", None)
+    if counters is None:
+        return {}
+    t, d = counters(), discount
+    cap, used, pb = t["host_capacity_tokens"], t["host_used_tokens"], t["page_bytes"]
+    out = dict(host_capacity=cap, host_available=cap - used, host_used=used,
+               tier_hit_device=t["hit_tokens_device"] - d[3], tier_hit_host=t["hit_tokens_host"] - d[4],
+               tier_hit_storage=t["hit_tokens_storage"] - d[5], host_loaded_pages=t["loaded_pages"],
+               host_loaded_bytes=t["loaded_pages"] * pb, host_load_us=t["load_ns"] // 1000,
+               host_demoted_pages=t["demoted_pages"], host_dropped_pages=t["host_dropped_pages"])
+    if "storage_written" in t:
+        out.update(storage_loaded_pages=t["storage_fetched"], storage_loaded_bytes=t["storage_fetched"] * pb,
+                   storage_load_us=t["storage_wait_us"], storage_written_pages=t["storage_written"],
+                   storage_write_failed=t["storage_write_failed"], storage_backup_dropped=t["storage_backup_dropped"],
+                   storage_fetch_timeouts=t["storage_fetch_timeouts"], storage_errors=t["storage_errors"],
+                   storage_pending=t["storage_pending"])
+    return out
 
 
 def check_invariants(config: EngineConfig, pools: EnginePools, tree: RadixCache, sessions: SessionTable,

@@ -211,7 +211,7 @@ def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None)
         return None
     if backend is None and url is not None:
         try:
-            from radixkv.storage.url import open_storage  # type: ignore[import-not-found,unused-ignore]
+            from radixkv.storage.url import open_storage
         except ImportError:
             raise InvalidArgumentError(f"storage {c.storage!r}: this build has no storage backends "
                                        "(radixkv.storage.url)") from None

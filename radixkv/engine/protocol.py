@@ -70,10 +70,14 @@ class MatchQuery(NamedTuple):
 class MatchInfo(NamedTuple):
     """``prefix_len``: tokens whose KV rows (and, for hybrid models, state) can be reused.
     ``kv_prefix_len``: tokens whose KV rows are cached (>= prefix_len; equal for KV-only
-    models)."""
+    models). With the host tier, ``host_len`` of ``prefix_len`` are not on the device (an
+    ``alloc_extend`` loads them) and ``storage_len`` of those were read from storage by this
+    probe (they are in host memory now)."""
 
     prefix_len: int
     kv_prefix_len: int
+    host_len: int = 0
+    storage_len: int = 0
 
 
 class ExtendItem(NamedTuple):
@@ -161,7 +165,11 @@ class EngineStats(NamedTuple):
     """Counters of the whole engine. ``kv_*`` in tokens, ``state_*`` in Mamba slots.
 
     Conservation (checked at idle): ``kv_available + kv_evictable + kv_protected + kv_held ==
-    kv_capacity`` and likewise for states.
+    kv_capacity`` and likewise for states; ``host_available + host_used == host_capacity``.
+    The tier fields (0 with the tiers off; ``docs/tiers.md``, "Stats and metrics"): ``tier_hit_*``
+    split ``hit_tokens`` by tier; ``host_loaded_*`` / ``storage_loaded_*`` count the pages (and
+    bytes, and microseconds spent) moved host -> device and storage -> host; ``storage_*`` the
+    storage queue (pages).
     """
 
     kv_capacity: int
@@ -183,6 +191,26 @@ class EngineStats(NamedTuple):
     hit_tokens: int
     inserted_tokens: int
     evicted_tokens: int
+    host_capacity: int = 0
+    host_available: int = 0
+    host_used: int = 0
+    tier_hit_device: int = 0
+    tier_hit_host: int = 0
+    tier_hit_storage: int = 0
+    host_loaded_pages: int = 0
+    host_loaded_bytes: int = 0
+    host_load_us: int = 0
+    host_demoted_pages: int = 0
+    host_dropped_pages: int = 0
+    storage_loaded_pages: int = 0
+    storage_loaded_bytes: int = 0
+    storage_load_us: int = 0
+    storage_written_pages: int = 0
+    storage_write_failed: int = 0
+    storage_backup_dropped: int = 0
+    storage_fetch_timeouts: int = 0
+    storage_errors: int = 0
+    storage_pending: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -145,6 +145,7 @@ class DynamoEventAdapter:
         self.dp_rank = dp_rank
         self._next_id = first_event_id
         self._blocks: dict[int, tuple[int | None, int]] = {}  # hash -> (parent, tokens_hash)
+        self._media: dict[int, str | None] = {}  # hash -> the tier it was last announced on
         self._children: Counter[int] = Counter()  # hash -> live children
         self._seeds: dict[Hashable, int] = {}  # extra_key -> seed
         self._owner: dict[int, bytes] = {}  # seed -> encoded extra key that claimed it
@@ -174,7 +175,8 @@ class DynamoEventAdapter:
 
     def convert(self, event: CacheEvent | dict[str, object]) -> dict[str, Any] | None:
         """The Dynamo event dict for one radixkv event (object or ``to_dict()`` dict), or
-        ``None`` for a state event (no Dynamo equivalent).
+        ``None`` for a state event or either half of a tier move (no Dynamo equivalent: the
+        worker still holds the blocks; docs/events.md, "Tiers").
 
         Raises: InvalidArgumentError (wrong page size, namespace collision, a block stored
         twice), LengthMismatchError (tokens vs hashes), NotFoundError (unknown parent or
@@ -184,7 +186,7 @@ class DynamoEventAdapter:
             event = any_event_from_dict(event)
         if is_state_event(event):
             return None
-        data: dict[str, Any] | str
+        data: dict[str, Any] | str | None
         if isinstance(event, BlockStored):
             data = self._stored(event)
         elif isinstance(event, BlockRemoved):
@@ -192,9 +194,12 @@ class DynamoEventAdapter:
         elif isinstance(event, AllBlocksCleared):
             self._blocks.clear()
             self._children.clear()
+            self._media.clear()
             data = "cleared"
         else:
             raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
+        if data is None:
+            return None
         out = {"event_id": self._next_id, "data": data, "dp_rank": self.dp_rank}
         self._next_id += 1
         return out
@@ -214,7 +219,21 @@ class DynamoEventAdapter:
         d = self.convert(event)
         return None if d is None else dumps(d)
 
-    def _stored(self, ev: BlockStored) -> dict[str, Any]:
+    def _moved(self, hashes: list[int], medium: str | None, stored: bool) -> bool:
+        """Whether ``hashes`` (live) are one half of a tier move: stored on another tier than
+        they are on (then they are on ``medium`` now), or removed from a tier they left."""
+        if medium is None or not hashes or any(h not in self._blocks for h in hashes):
+            return False
+        left = [self._media.get(h) != medium for h in hashes]
+        if any(left) != all(left):
+            raise InvalidArgumentError(f"a tier move of blocks partly on {medium!r}: {describe_ids(hashes)}")
+        if stored and left[0]:
+            self._media.update(dict.fromkeys(hashes, medium))
+        return left[0]
+
+    def _stored(self, ev: BlockStored) -> dict[str, Any] | None:
+        if self._moved([int(h) for h in ev.block_hashes], ev.medium, True):
+            return None
         if int(ev.block_size) != self.page_size:
             raise InvalidArgumentError(f"BlockStored of block_size {ev.block_size}, adapter page_size {self.page_size}")
         hashes = [int(h) for h in ev.block_hashes]
@@ -234,14 +253,17 @@ class DynamoEventAdapter:
         prev = parent
         for h, t in zip(hashes, th):
             self._blocks[h] = (prev, t)
+            self._media[h] = ev.medium
             if prev is not None:
                 self._children[prev] += 1
             prev = h
         return {"stored": {"parent_hash": parent,
                            "blocks": [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, th)]}}
 
-    def _removed(self, ev: BlockRemoved) -> dict[str, Any]:
+    def _removed(self, ev: BlockRemoved) -> dict[str, Any] | None:
         hashes = [int(h) for h in ev.block_hashes]
+        if self._moved(hashes, ev.medium, False):
+            return None
         missing = [h for h in hashes if h not in self._blocks]
         if missing or len(set(hashes)) != len(hashes):
             raise NotFoundError(f"BlockRemoved of blocks not stored (or named twice): "
@@ -254,6 +276,7 @@ class DynamoEventAdapter:
         # ---- mutation ----
         for h in hashes:
             parent = self._blocks.pop(h)[0]
+            self._media.pop(h, None)
             self._children.pop(h, None)
             if parent is not None and parent not in gone:
                 self._children[parent] -= 1
@@ -303,6 +326,9 @@ class DynamoEventAdapter:
         orphans = [h for h, (p, _) in self._blocks.items() if p is not None and p not in self._blocks]
         if orphans:
             raise InvariantError(f"blocks whose parent is not stored: {describe_ids(orphans)}")
+        if self._media.keys() != self._blocks.keys():
+            raise InvariantError(f"tiers kept for other blocks than the live ones: "
+                                 f"{describe_ids(set(self._media) ^ set(self._blocks))}")
         counts = Counter(p for p, _ in self._blocks.values() if p is not None)
         wrong = [h for h in set(counts) | set(self._children) if counts.get(h, 0) != self._children.get(h, 0)]
         if wrong:

@@ -19,13 +19,14 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from radixkv.contracts import STORAGE_ADMIT, StorageBackend
-from radixkv.errors import InvalidArgumentError
+from radixkv.errors import InvalidArgumentError, InvariantError
 
 __all__ = ["StorageController", "StorageStats"]
 
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StorageStats:
-    """Counters of the storage tier (pages unless named otherwise)."""
+    """Counters of the storage tier (pages unless named otherwise): ``queued`` pages were
+    accepted by ``backup``; ``wait_us`` is the time callers spent in ``fetch``."""
 
     written: int = 0
     write_failed: int = 0
@@ -43,6 +45,8 @@ class StorageStats:
     fetch_timeouts: int = 0
     errors: int = 0
     pending: int = 0
+    queued: int = 0
+    wait_us: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -105,6 +109,7 @@ class StorageController:
                 self.stats.backup_dropped += n
                 return False
             self.stats.pending += n
+            self.stats.queued += n
         self._jobs.put((1, next(self._seq), (list(keys), rows)))
         return True
 
@@ -114,9 +119,12 @@ class StorageController:
         if not keys or self._closed:
             return self._staging[:0].clone()
         job = _Read(list(keys))
+        t0 = time.perf_counter_ns()
         self._jobs.put((0, next(self._seq), job))
-        if not job.done.wait(self.timeout_s):
-            with self._lock:
+        done = job.done.wait(self.timeout_s)
+        with self._lock:
+            self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
+            if not done:
                 job.abandoned = True
                 if not job.done.is_set():
                     self.stats.fetch_timeouts += 1
@@ -141,6 +149,15 @@ class StorageController:
         self._jobs.put((2, next(self._seq), None))
         self._thread.join(timeout=max(drain_timeout_s, 1.0))
         self._call("close", self.backend.close)
+
+    def check_invariants(self) -> None:
+        """Every page queued is written, failed or still pending (``queued == written +
+        write_failed + pending``, ``pending >= 0``); raises ``InvariantError``. O(1)."""
+        with self._lock:
+            s = self.stats
+            if s.pending < 0 or s.queued != s.written + s.write_failed + s.pending:
+                raise InvariantError(f"storage queue not conserved: queued {s.queued} != written {s.written} "
+                                     f"+ failed {s.write_failed} + pending {s.pending}")
 
     # ------------------------------------------------------------------ worker side
     def _warn(self, msg: str) -> None:
@@ -193,10 +210,9 @@ class StorageController:
             src = self._staging[:len(part)]
             src.copy_(rows[start:start + len(part)])
             ok = self._call("batch_set", self.backend.batch_set, part, src)
-            flags = list(ok) if isinstance(ok, list) else [False] * len(part)
-            with self._lock:
+            flags = (list(ok) + [False] * len(part))[:len(part)] if isinstance(ok, list) else [False] * len(part)
+            with self._idle:  # one lock section: check_invariants sees the queue conserved
                 self.stats.written += sum(bool(f) for f in flags)
                 self.stats.write_failed += sum(not f for f in flags)
-        with self._idle:
-            self.stats.pending -= len(keys)
-            self._idle.notify_all()
+                self.stats.pending -= len(part)
+                self._idle.notify_all()

@@ -67,6 +67,10 @@ class _StatsCollector(Collector):
         for outcome in ("written", "write_failed", "backup_dropped", "fetched"):
             sto.add_metric([outcome], t[f"storage_{outcome}"])
         yield sto
+        yield CounterMetricFamily("radixkv_storage_read_bytes", "bytes read from storage into the host tier",
+                                  value=t["storage_fetched"] * t["page_bytes"])
+        yield CounterMetricFamily("radixkv_storage_read_seconds", "seconds matches waited on storage reads "
+                                  "(misses and timeouts included)", value=t["storage_wait_us"] / 1e6)
         yield CounterMetricFamily("radixkv_storage_fetch_timeouts", "storage reads that ran past the timeout",
                                   value=t["storage_fetch_timeouts"])
         yield CounterMetricFamily("radixkv_storage_errors", "storage backend calls that raised",

@@ -302,6 +302,7 @@ class CacheManagerServicer:
         session = self.session_of(request.session) if request.HasField("session") else None
         stats = self.engine.stats(session)
         self.metrics.update(stats)
+        self.metrics.update_tiers(self.engine.tier_stats())  # a scrape after Stats sees the same counters
         return wire.stats_to_msg(stats)
 
     def Flush(self, request: pb.FlushRequest) -> pb.FlushResponse:

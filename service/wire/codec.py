@@ -168,13 +168,23 @@ def match_queries_from_msg(msgs: Sequence[pb.MatchQuery]) -> list[MatchQuery]:
 
 def match_infos_to_msg(infos: Sequence[MatchInfo]) -> pb.MatchResponse:
     return pb.MatchResponse(prefix_len_i64=pack([i.prefix_len for i in infos], I64),
-                            kv_prefix_len_i64=pack([i.kv_prefix_len for i in infos], I64))
+                            kv_prefix_len_i64=pack([i.kv_prefix_len for i in infos], I64),
+                            host_len_i64=pack([i.host_len for i in infos], I64),
+                            storage_len_i64=pack([i.storage_len for i in infos], I64))
+
+
+def _optional_col(data: bytes, n: int, field: str) -> list[int]:
+    """A per-item int64 column that an empty field means all 0 of (the tier columns: a
+    manager without tiers sends none)."""
+    return _count(unpack_i64(data, field), n, field).tolist() if data else [0] * n
 
 
 def match_infos_from_msg(msg: pb.MatchResponse, n: int) -> list[MatchInfo]:
     p = _count(unpack_i64(msg.prefix_len_i64, "prefix_len"), n, "prefix_len")
     k = _count(unpack_i64(msg.kv_prefix_len_i64, "kv_prefix_len"), n, "kv_prefix_len")
-    return [MatchInfo(int(a), int(b)) for a, b in zip(p.tolist(), k.tolist())]
+    h = _optional_col(msg.host_len_i64, n, "host_len")
+    s = _optional_col(msg.storage_len_i64, n, "storage_len")
+    return [MatchInfo(int(a), int(b), c, d) for a, b, c, d in zip(p.tolist(), k.tolist(), h, s)]
 
 
 # --------------------------------------------------------------------------- extend

@@ -73,11 +73,20 @@ class Checked:
         return call
 
 
+#: Stats the storage tier's writer thread moves on its own, whatever the calls do.
+ASYNC_STATS = ("storage_written_pages", "storage_write_failed", "storage_pending", "storage_errors")
+
+
+def settled(s: EngineStats) -> EngineStats:
+    """``s`` without the counters that move on their own (:data:`ASYNC_STATS`)."""
+    return s._replace(**dict.fromkeys(ASYNC_STATS, 0))
+
+
 def fingerprint(engine: Any, buffers: Any = None) -> tuple:
-    """What must not change when a call raises: the stats, and (given the worker buffers)
-    the whole request-to-token table."""
+    """What must not change when a call raises: the stats (but :data:`ASYNC_STATS`), and
+    (given the worker buffers) the whole request-to-token table."""
     table = None if buffers is None else buffers.req_to_token.clone()
-    return engine.stats(), table
+    return settled(engine.stats()), table
 
 
 def same(a: tuple, b: tuple) -> bool:

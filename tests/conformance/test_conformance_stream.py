@@ -20,6 +20,7 @@ from test_conformance_hybrid import *  # noqa: F401,F403
 from test_conformance_lifecycle import *  # noqa: F401,F403
 from test_conformance_sessions import *  # noqa: F401,F403
 from test_conformance_stress import *  # noqa: F401,F403
+from test_conformance_tiers import *  # noqa: F401,F403
 
 
 def _make_stream(config: dict[str, Any], clock: FakeClock | None,

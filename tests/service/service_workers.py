@@ -96,3 +96,23 @@ def holding_worker(address, token, keepalive, q):
         q.put(("error", traceback.format_exc()))
         return
     time.sleep(600)  # until SIGKILL
+
+
+def loading_worker(address, token, tokens, q):
+    """Attach with a keep-alive stream, report, then ask for a host-tier load (killed while
+    it runs or right after)."""
+    try:
+        from radixkv.service.client import connect
+
+        from radixkv.engine.protocol import ExtendItem
+
+        c = connect(address, token=token, wait_s=60)
+        s = c.attach("loader").session
+        c.start_keepalive(s, interval_s=0.2)
+        q.put(("loading", s.session_id))
+        c.alloc_extend(s, [ExtendItem("load", np.asarray(tokens, dtype=np.int32))])
+        q.put(("loaded", None))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+        return
+    time.sleep(600)  # until SIGKILL

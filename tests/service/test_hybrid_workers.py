@@ -107,7 +107,7 @@ def worker_b(address, token, prompt, continuation, q):
         (m,) = c.match(s, [MatchQuery(full)])
         (r,) = c.alloc_extend(s, [ExtendItem("b", full)])
         prefix_rows = wb.req_to_token[r.req_pool_idx, :r.start].to(torch.int64)
-        report = {"match": tuple(m), "prefix_len": r.prefix_len, "start": r.start,
+        report = {"match": (m.prefix_len, m.kv_prefix_len), "prefix_len": r.prefix_len, "start": r.start,
                   "kv": _full_kv(wb, prefix_rows), "state": _state(wb, r.mamba_slot)}
         out = model.extend(full[r.start:], r.start, prefix_rows, r.out_cache_loc, r.mamba_slot, mc,
                            track_slot=r.track_slot, track_seqlen=r.track_seqlen)

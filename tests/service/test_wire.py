@@ -216,3 +216,15 @@ def test_plain_extend_request_packs_what_the_item_by_item_path_packs():
                 [ExtendItem("a", a, "k")], [ExtendItem("a", a, None, True)], [ExtendItem("a", a, None, np.int64(1))],
                 [ExtendItem("a", a, None, 1 << 63)]):
         assert wire.plain_extend_request(ref, bad) is None, bad
+
+
+def test_match_infos_carry_the_tiers_and_read_zeros_from_an_older_manager():
+    infos = [MatchInfo(32, 32, 24, 8), MatchInfo(4, 4)]
+    msg = wire.match_infos_to_msg(infos)
+    assert wire.match_infos_from_msg(msg, 2) == infos
+    msg.ClearField("host_len_i64")
+    msg.ClearField("storage_len_i64")  # what a manager without tiers sends
+    assert wire.match_infos_from_msg(msg, 2) == [MatchInfo(32, 32, 0, 0), MatchInfo(4, 4, 0, 0)]
+    msg.storage_len_i64 = wire.pack([1], wire.I64)
+    with pytest.raises(LengthMismatchError):
+        wire.match_infos_from_msg(msg, 2)

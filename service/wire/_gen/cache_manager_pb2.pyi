@@ -120,12 +120,16 @@ class MatchRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., queries: _Optional[_Iterable[_Union[MatchQuery, _Mapping]]] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("prefix_len_i64", "kv_prefix_len_i64")
+    __slots__ = ("prefix_len_i64", "kv_prefix_len_i64", "host_len_i64", "storage_len_i64")
     PREFIX_LEN_I64_FIELD_NUMBER: _ClassVar[int]
     KV_PREFIX_LEN_I64_FIELD_NUMBER: _ClassVar[int]
+    HOST_LEN_I64_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LEN_I64_FIELD_NUMBER: _ClassVar[int]
     prefix_len_i64: bytes
     kv_prefix_len_i64: bytes
-    def __init__(self, prefix_len_i64: _Optional[bytes] = ..., kv_prefix_len_i64: _Optional[bytes] = ...) -> None: ...
+    host_len_i64: bytes
+    storage_len_i64: bytes
+    def __init__(self, prefix_len_i64: _Optional[bytes] = ..., kv_prefix_len_i64: _Optional[bytes] = ..., host_len_i64: _Optional[bytes] = ..., storage_len_i64: _Optional[bytes] = ...) -> None: ...
 
 class AllocExtendRequest(_message.Message):
     __slots__ = ("session", "rids", "rid_lens_i32", "token_ids_i32", "token_lens_i32", "extra_keys", "extra_key_lens_i32", "priorities_i64")
@@ -278,7 +282,7 @@ class StatsRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("kv_capacity", "kv_available", "kv_evictable", "kv_protected", "kv_held", "state_capacity", "state_available", "state_evictable", "state_protected", "state_held", "rows_capacity", "rows_available", "sessions", "requests", "queries", "queried_tokens", "hit_tokens", "inserted_tokens", "evicted_tokens")
+    __slots__ = ("kv_capacity", "kv_available", "kv_evictable", "kv_protected", "kv_held", "state_capacity", "state_available", "state_evictable", "state_protected", "state_held", "rows_capacity", "rows_available", "sessions", "requests", "queries", "queried_tokens", "hit_tokens", "inserted_tokens", "evicted_tokens", "host_capacity", "host_available", "host_used", "tier_hit_device", "tier_hit_host", "tier_hit_storage", "host_loaded_pages", "host_loaded_bytes", "host_load_us", "host_demoted_pages", "host_dropped_pages", "storage_loaded_pages", "storage_loaded_bytes", "storage_load_us", "storage_written_pages", "storage_write_failed", "storage_backup_dropped", "storage_fetch_timeouts", "storage_errors", "storage_pending")
     KV_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     KV_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     KV_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +302,26 @@ class StatsResponse(_message.Message):
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INSERTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    HOST_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_HOST_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_STORAGE_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOADED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_US_FIELD_NUMBER: _ClassVar[int]
+    HOST_DEMOTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LOADED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LOAD_US_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_WRITTEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_WRITE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BACKUP_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FETCH_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PENDING_FIELD_NUMBER: _ClassVar[int]
     kv_capacity: int
     kv_available: int
     kv_evictable: int
@@ -317,7 +341,27 @@ class StatsResponse(_message.Message):
     hit_tokens: int
     inserted_tokens: int
     evicted_tokens: int
-    def __init__(self, kv_capacity: _Optional[int] = ..., kv_available: _Optional[int] = ..., kv_evictable: _Optional[int] = ..., kv_protected: _Optional[int] = ..., kv_held: _Optional[int] = ..., state_capacity: _Optional[int] = ..., state_available: _Optional[int] = ..., state_evictable: _Optional[int] = ..., state_protected: _Optional[int] = ..., state_held: _Optional[int] = ..., rows_capacity: _Optional[int] = ..., rows_available: _Optional[int] = ..., sessions: _Optional[int] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., inserted_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ...) -> None: ...
+    host_capacity: int
+    host_available: int
+    host_used: int
+    tier_hit_device: int
+    tier_hit_host: int
+    tier_hit_storage: int
+    host_loaded_pages: int
+    host_loaded_bytes: int
+    host_load_us: int
+    host_demoted_pages: int
+    host_dropped_pages: int
+    storage_loaded_pages: int
+    storage_loaded_bytes: int
+    storage_load_us: int
+    storage_written_pages: int
+    storage_write_failed: int
+    storage_backup_dropped: int
+    storage_fetch_timeouts: int
+    storage_errors: int
+    storage_pending: int
+    def __init__(self, kv_capacity: _Optional[int] = ..., kv_available: _Optional[int] = ..., kv_evictable: _Optional[int] = ..., kv_protected: _Optional[int] = ..., kv_held: _Optional[int] = ..., state_capacity: _Optional[int] = ..., state_available: _Optional[int] = ..., state_evictable: _Optional[int] = ..., state_protected: _Optional[int] = ..., state_held: _Optional[int] = ..., rows_capacity: _Optional[int] = ..., rows_available: _Optional[int] = ..., sessions: _Optional[int] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., inserted_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., host_capacity: _Optional[int] = ..., host_available: _Optional[int] = ..., host_used: _Optional[int] = ..., tier_hit_device: _Optional[int] = ..., tier_hit_host: _Optional[int] = ..., tier_hit_storage: _Optional[int] = ..., host_loaded_pages: _Optional[int] = ..., host_loaded_bytes: _Optional[int] = ..., host_load_us: _Optional[int] = ..., host_demoted_pages: _Optional[int] = ..., host_dropped_pages: _Optional[int] = ..., storage_loaded_pages: _Optional[int] = ..., storage_loaded_bytes: _Optional[int] = ..., storage_load_us: _Optional[int] = ..., storage_written_pages: _Optional[int] = ..., storage_write_failed: _Optional[int] = ..., storage_backup_dropped: _Optional[int] = ..., storage_fetch_timeouts: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_pending: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("session",)
