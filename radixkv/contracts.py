@@ -44,8 +44,15 @@ __all__ = [
     "KVAllocator", "PagedKVAllocator",
     "PoolRequest", "CacheRequest", "ReqToTokenTable", "HybridReqTable",
     "KVPool", "StatePool", "SlotFreeList", "Event", "PrefixMatch", "PrefixCache", "HybridPrefixCache",
-    "StorageBackend",
+    "StorageBackend", "WRITE_POLICIES", "STORAGE_ADMIT",
 ]
+
+#: The host tier's write policies (SGLang HiCache's names): ``write_back`` copies a page to
+#: the host when the device evicts it, ``write_through`` when it is inserted.
+WRITE_POLICIES: tuple[str, ...] = ("write_back", "write_through")
+
+#: Storage admission: ``all`` backs up every inserted page, ``reused`` a page once it is hit again.
+STORAGE_ADMIT: tuple[str, ...] = ("all", "reused")
 
 #: Ids as the pools and allocators accept them: an integer tensor or numpy array (any
 #: shape, flattened), one int, or (pools only) a sequence of ints.

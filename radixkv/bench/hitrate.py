@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -210,10 +211,18 @@ def _frac_key(f: float) -> str:
 
 
 def measure(src: Source, fracs: list[float], policies: list[str], engine: str = "blocksim",
-            show_progress: bool | None = None, make_block_policy: BlockPolicyFactory = make_policy) -> dict[str, Any]:
+            show_progress: bool | None = None, make_block_policy: BlockPolicyFactory = make_policy,
+            host_frac: float | None = None, storage_frac: float | None = None) -> dict[str, Any]:
     """Bounds and every (policy, capacity) result as the CLI's JSON document.
     ``make_block_policy(name)``: the ``blocksim`` engine's policy for a name (default: the
-    RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`)."""
+    RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`).
+    ``host_frac`` (engine ``radix``): a host tier of that fraction of the unique tokens
+    behind the device (:mod:`radixkv.bench.tier_engine`); ``storage_frac`` a storage tier
+    behind it (``math.inf``: unbounded). Each row gives ``tier_hit_rates``."""
+    if host_frac is None and storage_frac is not None:
+        raise InvalidArgumentError("--storage-capacity-frac needs --host-capacity-frac (storage sits behind the host)")
+    if host_frac is not None and engine != "radix":
+        raise InvalidArgumentError("--host-capacity-frac replays through the tiered RadixCache: use --engine radix")
     bt = src.blocks
     doc: dict[str, Any] = {
         "trace": src.name,
@@ -234,16 +243,33 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
         for f in fracs:
             cap = int(f * src.unique_tokens)
             with Progress(src.n_requests, f"{pol} @ {f:g}", enabled=show_progress) as bar:
+                tiers: dict[str, int] | None = None
                 if engine == "blocksim":
                     r = simulate(bt, cap, make_block_policy(pol), progress=bar)
                     hit, ev = r.hit_tokens, r.evicted_tokens
+                elif host_frac is not None:
+                    from radixkv.bench.tier_engine import TieredReplayEngine
+
+                    sto = None if storage_frac is None else (
+                        -1 if math.isinf(storage_frac) else int(storage_frac * src.unique_tokens))
+                    te = TieredReplayEngine(cap, int(host_frac * src.unique_tokens), sto, pol, src.page_size)
+                    try:
+                        rr = replay(src.tokens(), te, progress=bar)
+                    finally:
+                        te.close()
+                    hit, ev, tiers = rr.hit_tokens, rr.evicted_tokens, te.tier_hits
                 else:
                     rr = replay(src.tokens(), ENGINES[engine](cap, pol, src.page_size), progress=bar)
                     hit, ev = rr.hit_tokens, rr.evicted_tokens
                 bar.update(bar.total - bar.n)                # the simulator reports in batches
+            tiers = tiers or {"device": int(hit), "host": 0, "storage": 0}
             doc["results"].append({
                 "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": src.page_size,
                 "hit_tokens": int(hit), "token_hit_rate": hit / src.prompt_tokens, "evicted_tokens": int(ev),
+                "host_capacity_frac": host_frac,
+                "storage_capacity_frac": None if storage_frac is None else (
+                    "inf" if math.isinf(storage_frac) else storage_frac),
+                "tier_hit_rates": {k: v / src.prompt_tokens for k, v in tiers.items()},
             })
     return doc
 
@@ -264,7 +290,13 @@ def markdown_table(doc: dict[str, Any]) -> str:
              "", head, "| --- |" + " ---: |" * len(fracs)]
     by: dict[str, dict[float, float]] = {}
     for r in doc["results"]:
-        by.setdefault(r["policy"], {})[r["capacity_frac"]] = r["token_hit_rate"]
+        label = r["policy"]
+        if r.get("host_capacity_frac") is not None:
+            label += f" + host {100 * r['host_capacity_frac']:g}%"
+            sto = r.get("storage_capacity_frac")
+            if sto is not None:
+                label += " + storage " + ("inf" if sto == "inf" else f"{100 * sto:g}%")
+        by.setdefault(label, {})[r["capacity_frac"]] = r["token_hit_rate"]
     for pol, row in by.items():
         lines.append(f"| {pol} | " + " | ".join(f"{100 * row[f]:.2f}" if f in row else "" for f in fracs) + " |")
     bel = {float(k): v for k, v in doc["bounds"]["belady"].items()}
@@ -334,6 +366,17 @@ def _floats(text: str) -> list[float]:
     return vals
 
 
+def _frac(text: str) -> float:
+    vals = _floats(text)
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"one fraction expected, got {text!r}")
+    return vals[0]
+
+
+def _storage_frac(text: str) -> float:
+    return math.inf if text.strip().lower() == "inf" else _frac(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``radixkv bench hitrate``."""
     src = parser.add_mutually_exclusive_group(required=True)
@@ -354,6 +397,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default=None,
                         help="blocksim (default) or radix (the real RadixCache); with --hybrid: tree (default) "
                              "or flow")
+    parser.add_argument("--host-capacity-frac", type=_frac, default=None,
+                        help="engine radix: a host-memory tier of this fraction of the unique prompt tokens "
+                             "behind the device capacity (write-back; default: off)")
+    parser.add_argument("--storage-capacity-frac", type=_storage_frac, default=None,
+                        help="engine radix, with --host-capacity-frac: a storage tier behind the host tier, a "
+                             "fraction of the unique prompt tokens or 'inf' (default: off)")
     parser.add_argument("--json", dest="json_out",
                         help="write the JSON document here ('-': stdout, and the tables go to stderr)")
     parser.add_argument("--plot", help="PNG path (default: the --json path with .png)")
@@ -389,7 +438,8 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
                 for p in policies:
                     make_block_policy(p)                     # fail before any work
             doc = measure(src, args.capacity_frac, policies, engine, show_progress=show,
-                          make_block_policy=make_block_policy)
+                          make_block_policy=make_block_policy, host_frac=getattr(args, "host_capacity_frac", None),
+                          storage_frac=getattr(args, "storage_capacity_frac", None))
     except RadixKVError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -33,11 +33,13 @@ from radixkv.cache.block_hash import (
 )
 from radixkv.errors import InvalidArgumentError, InvariantError, NotFoundError, describe_ids
 
-__all__ = ["MEDIUM_GPU", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+__all__ = ["MEDIUM_GPU", "MEDIUM_CPU", "BlockStored", "BlockRemoved", "AllBlocksCleared",
            "KVEventBatch", "KVEventRecorder", "event_from_dict"]
 
-#: The ``medium`` vLLM uses for device memory.
+#: The ``medium`` vLLM uses for device memory (radixkv's device tier, a CPU device included).
 MEDIUM_GPU = "GPU"
+#: The ``medium`` of the host-memory tier (vLLM's CPU offloading uses the same name).
+MEDIUM_CPU = "CPU"
 
 
 # --------------------------------------------------------------------------- events
@@ -201,11 +203,12 @@ class KVEventRecorder:
     # -- the interface the RadixCache calls
 
     # ``extra_key: Any``: any hashable namespace, read as an int or a str after the tests below
-    def on_stored(self, parent_hash: int | None, token_ids: object, extra_key: Any = None) -> list[int]:
-        """Record one ``BlockStored`` for a new node; return its per-page hashes.
-
-        ``token_ids`` must be a whole number of pages. An empty node records nothing and
-        returns ``[]``. Raises (and records nothing) on bad input. O(len(token_ids)).
+    def on_stored(self, parent_hash: int | None, token_ids: object, extra_key: Any = None,
+                  medium: str | None = None) -> list[int]:
+        """Record one ``BlockStored`` for a new node (``medium``: default the recorder's);
+        return its per-page hashes. ``token_ids`` must be a whole number of pages. An empty
+        node records nothing and returns ``[]``. Raises (recording nothing) on bad input.
+        O(len(token_ids)).
         """
         tokens = _page_tokens(token_ids, self.page_size)
         hashes = block_hashes(tokens, self.page_size, parent_hash, extra_key, self.seed)
@@ -218,7 +221,7 @@ class KVEventRecorder:
             token_ids=_frozen(tokens.astype(np.int32, copy=True)),
             block_size=self.page_size,
             lora_id=int(extra_key) if is_int else None,
-            medium=self.medium,
+            medium=self.medium if medium is None else medium,
             lora_name=extra_key if isinstance(extra_key, str) else None,
             extra_key=extra_key,
         )
@@ -226,8 +229,9 @@ class KVEventRecorder:
         self._live.update(hashes)
         return hashes
 
-    def on_removed(self, block_hashes: Sequence[int]) -> None:
-        """Record one ``BlockRemoved`` for blocks that were stored.
+    def on_removed(self, block_hashes: Sequence[int], medium: str | None = None) -> None:
+        """Record one ``BlockRemoved`` for blocks that were stored (``medium``: default the
+        recorder's).
 
         Raises ``NotFoundError`` naming the hashes that are not live (never stored, or
         removed already), recording nothing. An empty list records nothing. O(len).
@@ -243,7 +247,7 @@ class KVEventRecorder:
         for h in want:
             if self._live[h] == 0:
                 del self._live[h]
-        self._events.append(BlockRemoved(tuple(hashes), self.medium))
+        self._events.append(BlockRemoved(tuple(hashes), self.medium if medium is None else medium))
 
     def on_cleared(self) -> None:
         """Record ``AllBlocksCleared``; every block stops being live."""

@@ -182,9 +182,9 @@ class HybridEventRecorder(KVEventRecorder):
 
     # -- the KV hooks keep the states consistent (rules 2 and 3)
 
-    def on_removed(self, block_hashes: Sequence[int]) -> None:
+    def on_removed(self, block_hashes: Sequence[int], medium: str | None = None) -> None:
         """The base's ``BlockRemoved``; the removed blocks' states go with them (rule 2)."""
-        super().on_removed(block_hashes)  # validates; raises before any change
+        super().on_removed(block_hashes, medium)  # validates; raises before any change
         for h in block_hashes:
             h = int(h)
             if h in self._states and not self.is_live(h):

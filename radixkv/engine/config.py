@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from radixkv.contracts import STORAGE_ADMIT, WRITE_POLICIES
 from radixkv.errors import InvalidArgumentError
 
 __all__ = ["EngineConfig", "ADMISSION_POLICIES"]
@@ -37,6 +38,7 @@ _INT_MIN = {  # field -> smallest allowed value
     "kv_tokens": 1, "page_size": 1, "head_num": 1, "head_dim": 1, "conv_kernel": 2,
     "kda_num_heads": 1, "kda_head_dim": 1, "state_slots": 1, "request_rows": 1,
     "max_context_len": 1, "max_sessions": 1, "max_requests_per_session": 1, "decode_reserve": 0,
+    "host_kv_tokens": 0,
 }
 
 
@@ -77,6 +79,15 @@ class EngineConfig:
             ``None`` (default): the page size when ``page_size > 1``, no tracking at page size
             1 (every position is a page end there). 0: no tracking (an unaligned end then
             caches no state). Else a multiple of ``page_size``; not with ``decode_reserve``.
+        host_kv_tokens: tokens of the host tier (L2) behind the device pool, a multiple of
+            ``page_size``; 0 (default): off. KV-only models (``layer_types`` all ``F``).
+        write_policy: one of :data:`WRITE_POLICIES` (how pages reach the host tier).
+        storage: the storage tier's (L3) URL (``file:///DIR``, ...; needs the host tier);
+            ``None``: off.
+        storage_timeout_ms: the longest a match waits on storage before it serves what the
+            faster tiers hold.
+        storage_admit: one of :data:`STORAGE_ADMIT`.
+        storage_drain_timeout_s: at shutdown, the longest the storage write queue is drained.
 
     Raises ``InvalidArgumentError`` naming the field for any bad value.
     """
@@ -104,6 +115,12 @@ class EngineConfig:
     checks: bool = True
     decode_reserve: int = 0
     mamba_track_interval: int | None = None
+    host_kv_tokens: int = 0
+    write_policy: str = "write_back"
+    storage: str | None = None
+    storage_timeout_ms: float = 50.0
+    storage_admit: str = "all"
+    storage_drain_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name, lo in _INT_MIN.items():
@@ -128,6 +145,7 @@ class EngineConfig:
             raise InvalidArgumentError(
                 f"EngineConfig.kv_tokens ({self.kv_tokens}) must be a multiple of page_size "
                 f"({self.page_size})")
+        self._check_tiers()
         lt = self.layer_types
         if not isinstance(lt, str) or not lt or set(lt) - {"F", "K"} or "F" not in lt:
             raise InvalidArgumentError(
@@ -160,6 +178,30 @@ class EngineConfig:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
             raise InvalidArgumentError(f"EngineConfig.lease_ttl_s must be a finite number > 0, got {ttl!r}")
         object.__setattr__(self, "lease_ttl_s", float(ttl))
+
+    def _check_tiers(self) -> None:
+        if self.host_kv_tokens % self.page_size:
+            raise InvalidArgumentError(f"EngineConfig.host_kv_tokens ({self.host_kv_tokens}) must be a multiple "
+                                       f"of page_size ({self.page_size})")
+        if self.host_kv_tokens and "K" in str(self.layer_types):
+            raise InvalidArgumentError("EngineConfig.host_kv_tokens: the host tier holds KV-only models "
+                                       "(hybrid states in the host tier are not built yet)")
+        if self.write_policy not in WRITE_POLICIES:
+            raise InvalidArgumentError(f"EngineConfig.write_policy must be one of {list(WRITE_POLICIES)}, "
+                                       f"got {self.write_policy!r}")
+        if self.storage_admit not in STORAGE_ADMIT:
+            raise InvalidArgumentError(f"EngineConfig.storage_admit must be one of {list(STORAGE_ADMIT)}, "
+                                       f"got {self.storage_admit!r}")
+        if self.storage is not None:
+            if not isinstance(self.storage, str) or "://" not in self.storage:
+                raise InvalidArgumentError(f"EngineConfig.storage must be a URL (scheme://...), got {self.storage!r}")
+            if not self.host_kv_tokens:
+                raise InvalidArgumentError("EngineConfig.storage needs the host tier (host_kv_tokens > 0)")
+        for name in ("storage_timeout_ms", "storage_drain_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise InvalidArgumentError(f"EngineConfig.{name} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))
 
     def _check_device(self) -> None:
         d = self.device

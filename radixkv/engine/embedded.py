@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from radixkv.cache.radix_key import RadixKey
-from radixkv.contracts import Event
+from radixkv.contracts import Event, StorageBackend
 from radixkv.engine import decode_replay, engine_audit
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine_events import EventQueue
@@ -124,6 +124,7 @@ class CacheEngine:
             shared buffers), see :class:`~radixkv.engine.pools.EnginePools`.
         mappings: ``{pool name: mapping dict}`` put into the layout ``attach`` returns (how
             workers map those buffers); default ``"embedded"``.
+        storage: a storage backend for the host tier (instead of ``config.storage``'s URL).
 
     Attributes: ``config``, ``pools`` (:class:`EnginePools`), ``tree`` (a RadixCache, or a
     MambaRadixCache for hybrid models), ``sessions`` (:class:`SessionTable`).
@@ -135,10 +136,10 @@ class CacheEngine:
     def __init__(self, config: EngineConfig | dict[str, Any] | None = None, *,
                  clock: Callable[[], float] | None = None, epoch: int | None = None,
                  buffers: dict[str, torch.Tensor] | None = None,
-                 mappings: dict[str, dict[str, Any]] | None = None):
+                 mappings: dict[str, dict[str, Any]] | None = None, storage: StorageBackend | None = None):
         self.config = _as_config(config)
         self.pools = EnginePools(self.config, buffers)
-        self.tree = build_tree(self.pools)
+        self.tree = build_tree(self.pools, storage)
         self.sessions = SessionTable(self.config.lease_ttl_s, self.config.max_sessions,
                                      self.config.max_requests_per_session, clock=clock, epoch=epoch)
         self._layout = self.pools.layout(mappings)
@@ -199,9 +200,13 @@ class CacheEngine:
         return expired
 
     def close(self) -> None:
-        """Reclaim every session (server shutdown)."""
+        """Reclaim every session (server shutdown); drain the storage write queue (at most
+        ``storage_drain_timeout_s``) and close the storage backend."""
         for sid in self.sessions.session_ids():
             self.reclaim(sid, "was closed: the engine shut down")
+        storage = getattr(self.tree, "storage", None)
+        if storage is not None:
+            storage.close(self.config.storage_drain_timeout_s)
 
     def _enter(self, session: Session) -> str:
         self.sweep()
@@ -224,7 +229,8 @@ class CacheEngine:
         out = []
         for key in keys:
             m = self.tree.match_prefix(key)
-            out.append(MatchInfo(m.prefix_len, getattr(m, "kv_prefix_len", m.prefix_len)))
+            n = m.prefix_len + getattr(m, "host_len", 0)  # host pages count: alloc_extend loads them
+            out.append(MatchInfo(n, getattr(m, "kv_prefix_len", n)))
         return out
 
     # ------------------------------------------------------------------ extend / decode
@@ -282,12 +288,14 @@ class CacheEngine:
         pre, seq = _filled(batch.prefix_lens).tolist(), _filled(batch.seq_lens_cpu).tolist()
         t_slots = [0] * len(reqs) if batch.mamba_track_indices is None else batch.mamba_track_indices.tolist()
         t_lens = [-1] * len(reqs) if batch.mamba_track_seqlens is None else batch.mamba_track_seqlens.tolist()
+        tiers = batch.tier_lens or [(0, 0)] * len(reqs)
         results, pos = [], 0
         for i, r in enumerate(reqs):
             n = seq[i] - pre[i]
             results.append(ExtendResult(r.rid, _row(r), 0 if known[i] else pre[i], pre[i],
                                         seq[i], out[pos:pos + n].copy(), self._slot(r),
-                                        r.decode_reserve.copy(), int(t_slots[i]), int(t_lens[i])))
+                                        r.decode_reserve.copy(), int(t_slots[i]), int(t_lens[i]),
+                                        tiers[i][0], tiers[i][1]))
             pos += n
         if log.isEnabledFor(logging.DEBUG):
             log.debug("alloc_extend: %s", ", ".join(f"{r.rid} {p}/{q} tokens reused"
@@ -442,6 +450,12 @@ class CacheEngine:
         else:
             self.sweep()
         return engine_audit.stats(self.pools, self.tree, self.sessions, self._reqs, self._discount)
+
+    def tier_stats(self) -> dict[str, int]:
+        """The host and storage tiers' counters (``TieredRadixCache.tier_counters``); ``{}``
+        with the host tier off. O(1)."""
+        counters = getattr(self.tree, "tier_counters", None)
+        return dict(counters()) if counters is not None else {}
 
     def check_invariants(self) -> None:
         """Audit pools, tree, conservation laws, sessions and requests (``engine_audit.check_invariants``)."""

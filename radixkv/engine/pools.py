@@ -15,6 +15,7 @@ needs to map them (``radixkv.engine.buffers.attach_buffers``), as plain JSON-abl
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,8 @@ import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache.radix_cache import RadixCache
-from radixkv.contracts import KVAllocator, PoolRequest
+from radixkv.cache.tiered_cache import TieredRadixCache
+from radixkv.contracts import KVAllocator, PoolRequest, StorageBackend
 from radixkv.engine.buffers import WorkerBuffers
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.layout import (
@@ -34,11 +36,16 @@ from radixkv.engine.layout import (
 )
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.memory import Arena, HybridLinearKVPool, HybridReqToTokenPool, MambaPool, ReqToTokenPool
+from radixkv.memory.host_kv_pool import HostKVPool
+from radixkv.storage.keys import layout_fingerprint
+from radixkv.storage.tier_controller import StorageController
 
 if TYPE_CHECKING:
     from radixkv.engine.buffers import WorkerBuffers
 
-__all__ = ["EnginePools", "build_tree"]
+__all__ = ["EnginePools", "build_tree", "kv_fingerprint", "open_tier_storage"]
+
+log = logging.getLogger(__name__)
 
 
 class EnginePools:
@@ -52,8 +59,9 @@ class EnginePools:
 
     Attributes: ``config``, ``device``, ``req_to_token_pool``, ``kv_pool``,
     ``mamba_pool`` (``None`` unless hybrid), ``hybrid_kv_pool`` (``None`` unless hybrid),
-    ``allocator`` (token or paged, ``need_sort=True``), ``embedded_key`` (how in-process
-    workers find these pools).
+    ``allocator`` (token or paged, ``need_sort=True``), ``host_pool`` (the host tier's
+    :class:`HostKVPool`, ``None`` unless ``host_kv_tokens``; the manager's own memory, not in
+    the layout), ``embedded_key`` (how in-process workers find these pools).
 
     Raises ``InvalidArgumentError`` (a CUDA device without CUDA, unknown buffer names, a
     buffer too small / misaligned / on another device).
@@ -97,6 +105,9 @@ class EnginePools:
             self.allocator = PagedTokenToKVPoolAllocator(config.kv_tokens, config.page_size, dev,
                                                          need_sort=True, kvcache=self.kv_pool,
                                                          checks=config.checks)
+        self.host_pool: HostKVPool | None = None
+        if config.host_kv_tokens:
+            self.host_pool = HostKVPool(self.kv_pool, config.host_kv_tokens // config.page_size)
         for name, arena in self.arenas().items():
             if arena.layout != plans[name]:
                 raise InvariantError(f"pool {name!r} was built with a layout other than plan_arenas() gives")
@@ -154,7 +165,7 @@ class EnginePools:
             self.hybrid_kv_pool.check_invariants()
 
 
-def build_tree(pools: EnginePools) -> RadixCache:
+def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> RadixCache:
     """The prefix tree over ``pools`` as the config asks (policy, admission, events).
 
     KV-only models get a :class:`RadixCache`. Hybrid models get a
@@ -163,8 +174,15 @@ def build_tree(pools: EnginePools) -> RadixCache:
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states only at request ends and branch-off points; ``none`` disables the
     cache; KV-only trees treat ``branch`` like ``every``), ``checks`` turns on its free-mask lookups of the slots
-    handed in. O(1) (empty trees)."""
+    handed in. With ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a
+    storage controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
     c = pools.config
+    if pools.host_pool is not None:
+        return TieredRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
+                                page_size=c.page_size, eviction_policy=c.eviction_policy,
+                                write_policy=c.write_policy, storage=open_tier_storage(pools, storage),
+                                layout_fingerprint=kv_fingerprint(c), disable=c.admission_policy == "none",
+                                enable_kv_events=c.enable_kv_events)
     if c.is_hybrid:
         from radixkv.cache.mamba_radix_cache import MambaRadixCache
 
@@ -174,3 +192,32 @@ def build_tree(pools: EnginePools) -> RadixCache:
     return RadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
                       eviction_policy=c.eviction_policy, disable=c.admission_policy == "none",
                       enable_kv_events=c.enable_kv_events)
+
+
+def kv_fingerprint(c: EngineConfig) -> str:
+    """The KV layout's fingerprint that seeds the storage keys (layers, heads, head dim,
+    dtype, page size): a manager with another layout never loads these pages."""
+    return layout_fingerprint(kind="mha", layers=len(c.full_layer_ids), heads=c.head_num,
+                              head_dim=c.head_dim, dtype=c.kv_dtype, page_size=c.page_size)
+
+
+def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None) -> StorageController | None:
+    """The storage controller of the host tier: over ``backend`` when given, else over the
+    backend ``config.storage`` names (``radixkv.storage.url.open_storage``); ``None`` when
+    neither. Raises ``InvalidArgumentError`` for a URL no backend of this build opens."""
+    c = pools.config
+    if pools.host_pool is None or (backend is None and c.storage is None):
+        return None
+    if backend is None:
+        try:
+            from radixkv.storage.url import open_storage  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            raise InvalidArgumentError(f"storage {c.storage!r}: this build has no storage backends "
+                                       "(radixkv.storage.url)") from None
+        try:
+            backend = open_storage(c.storage)
+        except OSError as e:  # unreachable at start: serve from the device and host tiers
+            log.warning("storage %r is unavailable (%s); running on the device and host tiers", c.storage, e)
+            return None
+    return StorageController(backend, pools.host_pool.page_bytes, timeout_s=c.storage_timeout_ms / 1000.0,
+                             admit=c.storage_admit)

@@ -102,6 +102,8 @@ class ExtendResult(NamedTuple):
     a fresh start); ``-1`` for KV-only models. With state tracking
     (``EngineConfig.mamba_track_interval``) the worker also writes the state after
     ``track_seqlen`` tokens into slot ``track_slot`` (0 / -1: this step passes no boundary).
+    With the host tier, ``host_len`` tokens of ``prefix_len`` were loaded from host memory
+    by this call and ``storage_len`` of those read from storage (the rest were on the device).
     """
 
     rid: str
@@ -114,6 +116,8 @@ class ExtendResult(NamedTuple):
     reserved: np.ndarray = _NO_SLOTS  # int64: its decode reserve after the call, front first
     track_slot: int = 0
     track_seqlen: int = -1
+    host_len: int = 0
+    storage_len: int = 0
 
 
 class DecodeItem(NamedTuple):

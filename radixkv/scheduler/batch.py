@@ -43,8 +43,8 @@ class Batch:
         kv_pool: the KV buffers the slots index (optional; the flow never touches them).
 
     The flow fills (``None`` before) ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu``,
-    ``prefix_lens``, ``extend_lens``, ``out_cache_loc``, ``forward_mode`` and, with a track
-    buffer, ``mamba_track_indices`` / ``mamba_track_seqlens`` (``docs/internals.md``, "Batch fields").
+    ``prefix_lens``, ``extend_lens``, ``out_cache_loc``, ``forward_mode``, with a track
+    buffer ``mamba_track_indices`` / ``mamba_track_seqlens``, with tiers ``tier_lens`` (docs/).
     """
 
     reqs: list[Req]
@@ -62,6 +62,7 @@ class Batch:
     mamba_track_indices: torch.Tensor | None = None
     mamba_track_seqlens: torch.Tensor | None = None
     forward_mode: str = field(default=ForwardMode.IDLE)
+    tier_lens: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         self.reqs = list(self.reqs)

@@ -13,7 +13,8 @@ All-or-nothing: when a call raises (bad input, or ``CapacityError`` when even ev
 cannot make room) no lock, row or slot it took is kept, and no request or batch field
 changes. Eviction runs only once the call knows it will succeed (``available + evictable
 >= needed``), so a refused call evicts nothing; matching may still have split a tree node
-or refreshed access times, which changes no size or content.
+or refreshed access times, which changes no size or content; with a tiered tree it may
+have loaded host pages into device rows (and demoted others), which stay cached.
 
 Lengths. A request's ``fill_ids`` is its prompt plus its output; ``kv_committed_len`` of
 them have KV slots written in its row. Extend brings that to the batch's target
@@ -133,16 +134,18 @@ def _check_extend(reqs: list[Req], targets: list[int], width: int) -> None:
 
 
 def _match_and_lock(batch: Batch, targets: list[int], matches: list[PrefixMatch | None],
-                    locked: list[Any]) -> list[torch.Tensor]:
+                    locked: list[Any], tier_lens: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Each request's prefix slots (int64, on the batch's device): a new request's match of
-    ``fill_ids[:target - 1]``, its node locked (appended to ``locked`` at once, so the caller
-    can unlock on failure) and its match put in ``matches``; a request with a row, its
-    committed slots. O(bs) matches."""
+    ``fill_ids[:target - 1]`` (a tiered tree's host pages loaded first, counted in
+    ``tier_lens``), its node locked (appended to ``locked`` at once, so the caller can unlock
+    on failure) and its match put in ``matches``; a request with a row, its committed slots.
+    O(bs) matches."""
     pool, tree, dev = batch.req_to_token_pool, batch.tree_cache, batch.device
     prefixes: list[torch.Tensor] = []
     for i, r in enumerate(batch.reqs):
         if r.req_pool_idx is None:
             m = tree.match_prefix(RadixKey(r.fill_ids[: targets[i] - 1], r.extra_key))
+            m, tier_lens[i] = _load_tiers(tree, m)
             tree.inc_lock_ref(m.last_node)
             locked.append(m.last_node)
             matches[i] = m
@@ -192,12 +195,13 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
     track_interval(pool, batch.page_size)  # a bad interval raises before anything changes
 
     locked: list[Any] = []  # the tree's nodes
+    tier_lens = [(0, 0)] * len(reqs)
     matches: list[PrefixMatch | None] = [None] * len(reqs)
     new_rows: list[Req] = []
     out = None
     backup = None
     try:
-        prefixes = _match_and_lock(batch, targets, matches, locked)
+        prefixes = _match_and_lock(batch, targets, matches, locked, tier_lens)
         pre = torch.tensor([p.numel() for p in prefixes], dtype=torch.int64)
         seq = torch.tensor(targets, dtype=torch.int64)
         ext = seq - pre
@@ -237,7 +241,24 @@ def alloc_for_extend(batch: Batch) -> torch.Tensor:
         r.kv_committed_len = targets[i]
     batch.req_pool_indices = torch.tensor(rows, dtype=torch.int64, device=batch.device)
     _set_forward(batch, ForwardMode.EXTEND, pre, ext, seq, seq.to(batch.device), out)
+    batch.tier_lens = tier_lens
+    wait_loads = getattr(tree, "wait_loads", None)
+    if wait_loads is not None:  # a worker reads the loaded rows only once their copies are done
+        wait_loads()
     return out
+
+
+def _load_tiers(tree: PrefixCache, m: PrefixMatch) -> tuple[PrefixMatch, tuple[int, int]]:
+    """A tiered tree's match with its host (and storage) pages loaded into device rows as
+    far as they fit (``TieredRadixCache.load_back``); returns it and ``(tokens loaded,
+    of which read from storage)``. Other trees' matches come back as they are."""
+    host_len = getattr(m, "host_len", 0)
+    if not host_len:
+        return m, (0, 0)
+    loaded_m = cast(Any, tree).load_back(m)
+    loaded = int(loaded_m.device_indices.numel() - m.device_indices.numel())
+    from_storage = max(0, loaded - (host_len - getattr(m, "storage_len", 0)))
+    return loaded_m, (loaded, from_storage)
 
 
 def _set_forward(batch: Batch, mode: str, pre: torch.Tensor, ext: torch.Tensor, seq: torch.Tensor,

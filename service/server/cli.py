@@ -54,11 +54,16 @@ def _engine_fields() -> list[dataclasses.Field[Any]]:
 
 def _choices() -> dict[str, str]:
     from radixkv.cache.eviction import available_policies
+    from radixkv.contracts import STORAGE_ADMIT, WRITE_POLICIES
     from radixkv.engine.config import ADMISSION_POLICIES
 
     return {"eviction_policy": f": one of {', '.join(available_policies())}",
             "admission_policy": f": one of {', '.join(ADMISSION_POLICIES)}",
-            "device": ": cpu, cuda or cuda:N"}
+            "device": ": cpu, cuda or cuda:N",
+            "host_kv_tokens": ": tokens of the host-memory tier behind the device pool (0: off)",
+            "write_policy": f": one of {', '.join(WRITE_POLICIES)}",
+            "storage": ": the storage tier's URL (file:///DIR, ...; needs --host-kv-tokens)",
+            "storage_admit": f": one of {', '.join(STORAGE_ADMIT)}"}
 
 
 _FIELD_CHOICES = _choices()

@@ -273,6 +273,7 @@ class CacheManagerServer:
         events.pump()  # bounds what waits in the tree's queue when nobody reads events
         stats = self.engine.stats()
         self.metrics.update(stats)
+        self.metrics.update_tiers(self.engine.tier_stats())
         self.metrics.update_reliability(sv.quarantine.stats(), sv.replies.bytes, sv.replies.hits)
         if self.options.check_idle and stats.requests == 0 and not sv.idle_failures:
             try:

@@ -33,10 +33,46 @@ class _StatsCollector(Collector):
     def __init__(self) -> None:
         self.stats: EngineStats | None = None
         self.reliability: tuple[QuarantineStats, int, int] | None = None  # (quarantine, reply bytes, reply hits)
+        self.tiers: dict[str, int] = {}  # CacheEngine.tier_stats(), empty with the host tier off
 
     def collect(self) -> Iterator[Metric]:
         yield from self._engine()
         yield from self._reliability()
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator[Metric]:
+        t = self.tiers
+        if not t:
+            return
+        host = GaugeMetricFamily("radixkv_host_tier_tokens", "host-memory tier (tokens)", labels=["state"])
+        host.add_metric(["capacity"], t["host_capacity_tokens"])
+        host.add_metric(["used"], t["host_used_tokens"])
+        yield host
+        hits = CounterMetricFamily("radixkv_tier_hit_tokens", "matched prompt tokens by the tier that held them",
+                                   labels=["tier"])
+        for tier in ("device", "host", "storage"):
+            hits.add_metric([tier], t[f"hit_tokens_{tier}"])
+        yield hits
+        pages = CounterMetricFamily("radixkv_tier_pages", "pages moved between the tiers", labels=["move"])
+        for move in ("loaded", "demoted", "host_dropped", "written_through"):
+            pages.add_metric([move], t[f"{move}_pages"])
+        yield pages
+        yield CounterMetricFamily("radixkv_tier_loaded_bytes", "bytes loaded from the host tier into device rows",
+                                  value=t["loaded_pages"] * t["page_bytes"])
+        yield CounterMetricFamily("radixkv_tier_load_seconds", "seconds spent loading host pages (copies and waits)",
+                                  value=t["load_ns"] / 1e9)
+        if "storage_written" not in t:
+            return
+        sto = CounterMetricFamily("radixkv_storage_pages", "storage tier pages by outcome", labels=["outcome"])
+        for outcome in ("written", "write_failed", "backup_dropped", "fetched"):
+            sto.add_metric([outcome], t[f"storage_{outcome}"])
+        yield sto
+        yield CounterMetricFamily("radixkv_storage_fetch_timeouts", "storage reads that ran past the timeout",
+                                  value=t["storage_fetch_timeouts"])
+        yield CounterMetricFamily("radixkv_storage_errors", "storage backend calls that raised",
+                                  value=t["storage_errors"])
+        yield GaugeMetricFamily("radixkv_storage_queue_pages", "pages queued for storage writes",
+                                value=t["storage_pending"])
 
     def _engine(self) -> Iterator[Metric]:
         s = self.stats
@@ -129,6 +165,10 @@ class ServiceMetrics:
     def update(self, stats: EngineStats) -> None:
         """Replace the engine snapshot the exporter serves (call from the engine's loop)."""
         self._stats.stats = stats
+
+    def update_tiers(self, tiers: dict[str, int]) -> None:
+        """Replace the tier counters the exporter serves (``CacheEngine.tier_stats()``)."""
+        self._stats.tiers = dict(tiers)
 
     def update_reliability(self, quarantine: QuarantineStats, reply_bytes: int, reply_hits: int) -> None:
         """Replace the quarantine (a ``QuarantineStats``: cumulative releases) and reply-cache

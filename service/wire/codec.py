@@ -249,11 +249,14 @@ def extend_items_from_msg(msg: pb.AllocExtendRequest) -> list[ExtendItem]:
     return [ExtendItem(*it) for it in zip(rids, toks, keys, pri)]
 
 
-_EXTEND_COLS = ("req_pool_idx", "prefix_len", "start", "seq_len", "mamba_slot", "track_slot", "track_seqlen")
+_EXTEND_COLS = ("req_pool_idx", "prefix_len", "start", "seq_len", "mamba_slot", "track_slot", "track_seqlen",
+                "host_len", "storage_len")
+_OPTIONAL_COLS = ("host_len", "storage_len")  # empty from a manager without tiers: zeros
 
 
 def extend_results_to_msg(results: Sequence[ExtendResult]) -> pb.AllocExtendResponse:
-    cols = np.array([[getattr(r, f) for f in _EXTEND_COLS] for r in results], dtype=I64).reshape(-1, 7).T.copy()
+    cols = np.array([[getattr(r, f) for f in _EXTEND_COLS] for r in results],
+                    dtype=I64).reshape(-1, len(_EXTEND_COLS)).T.copy()
     res = [r.reserved for r in results]
     return pb.AllocExtendResponse(**{f + "_i64": c.tobytes() for f, c in zip(_EXTEND_COLS, cols)},
                                   out_cache_loc_i64=_concat([r.out_cache_loc for r in results], I64),
@@ -264,13 +267,14 @@ def extend_results_from_msg(msg: pb.AllocExtendResponse, rids: Sequence[str]) ->
     """The results of the extend of ``rids`` (in their order). Raises ``LengthMismatchError``
     when a field does not have one value per rid or the slot counts do not add up."""
     n = len(rids)
-    cols = {f: _count(unpack_i64(getattr(msg, f + "_i64"), f), n, f) for f in _EXTEND_COLS}
+    cols = {f: np.zeros(n, dtype=I64) if f in _OPTIONAL_COLS and not getattr(msg, f + "_i64")
+            else _count(unpack_i64(getattr(msg, f + "_i64"), f), n, f) for f in _EXTEND_COLS}
     out = _split(unpack_i64(msg.out_cache_loc_i64, "out_cache_loc"), cols["seq_len"] - cols["start"], "out_cache_loc")
     res = _split(unpack_i64(msg.reserved_i64, "reserved"),
                  _count(unpack_i64(msg.reserved_lens_i64, "reserved_lens"), n, "reserved_lens"), "reserved_lens")
     c = [cols[f].tolist() for f in _EXTEND_COLS]
-    return [ExtendResult(rid, c[0][i], c[1][i], c[2][i], c[3][i], out[i], c[4][i], res[i], c[5][i], c[6][i])
-            for i, rid in enumerate(rids)]
+    return [ExtendResult(rid, c[0][i], c[1][i], c[2][i], c[3][i], out[i], c[4][i], res[i], c[5][i], c[6][i],
+                         c[7][i], c[8][i]) for i, rid in enumerate(rids)]
 
 
 # --------------------------------------------------------------------------- decode

@@ -252,6 +252,28 @@ def test_reliability_metrics_are_counters_with_units():
     assert "# TYPE radixkv_reply_cache_hits_total counter" in text
 
 
+def test_tier_metrics_follow_the_engine_counters():
+    from radixkv.service.server.metrics import ServiceMetrics
+
+    from radixkv.engine.config import EngineConfig
+    from radixkv.engine.embedded import CacheEngine
+
+    m = ServiceMetrics()
+    m.update_tiers(CacheEngine(EngineConfig()).tier_stats())
+    assert "radixkv_host_tier_tokens" not in m.exposition().decode()  # host tier off: no families
+    eng = CacheEngine(EngineConfig(kv_tokens=64, host_kv_tokens=128))
+    s = eng.attach().session
+    for rid, base in (("a", 1), ("b", 100), ("c", 1)):  # b demotes a; c loads it back
+        eng.alloc_extend(s, [ExtendItem(rid, np.arange(base, base + 48, dtype=np.int32))])
+        eng.cache_finished(s, [rid])
+    m.update_tiers(eng.tier_stats())
+    text = m.exposition().decode()
+    assert 'radixkv_host_tier_tokens{state="capacity"} 128.0' in text
+    assert 'radixkv_tier_hit_tokens_total{tier="host"} 47.0' in text
+    assert 'radixkv_tier_pages_total{move="loaded"} 47.0' in text
+    assert "# TYPE radixkv_tier_load_seconds_total counter" in text
+
+
 def test_keepalive_stream_end_detaches_and_stale_epoch_is_refused():
     with ThreadedServer({"kv_tokens": 128, "lease_ttl_s": 60.0}) as srv:
         c = srv.client()

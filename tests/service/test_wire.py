@@ -97,6 +97,17 @@ def test_extend_round_trip():
         wire.extend_results_from_msg(wire.extend_results_to_msg(res), ["a"])
 
 
+def test_extend_results_carry_the_tiers_and_read_zeros_from_an_older_manager():
+    res = [ExtendResult("a", 3, 8, 8, 9, np.array([7], np.int64), host_len=6, storage_len=2),
+           ExtendResult("b", 4, 0, 0, 1, np.array([5], np.int64))]
+    msg = wire.extend_results_to_msg(res)
+    back = wire.extend_results_from_msg(msg, ["a", "b"])
+    assert [(b.host_len, b.storage_len) for b in back] == [(6, 2), (0, 0)]
+    msg.ClearField("host_len_i64")
+    msg.ClearField("storage_len_i64")  # what a manager without tiers sends
+    assert [(b.host_len, b.storage_len) for b in wire.extend_results_from_msg(msg, ["a", "b"])] == [(0, 0), (0, 0)]
+
+
 def test_packed_fields_that_disagree_are_refused():
     ref = pb.SessionRef(session_id="s", epoch=1)
     good = wire.extend_request_to_msg(ref, [ExtendItem("ab", np.array([1, 2], np.int32), "k", 3)])

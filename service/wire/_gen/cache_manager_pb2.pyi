@@ -148,7 +148,7 @@ class AllocExtendRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., rids: _Optional[str] = ..., rid_lens_i32: _Optional[bytes] = ..., token_ids_i32: _Optional[bytes] = ..., token_lens_i32: _Optional[bytes] = ..., extra_keys: _Optional[str] = ..., extra_key_lens_i32: _Optional[bytes] = ..., priorities_i64: _Optional[bytes] = ...) -> None: ...
 
 class AllocExtendResponse(_message.Message):
-    __slots__ = ("req_pool_idx_i64", "prefix_len_i64", "start_i64", "seq_len_i64", "out_cache_loc_i64", "mamba_slot_i64", "reserved_i64", "reserved_lens_i64", "track_slot_i64", "track_seqlen_i64")
+    __slots__ = ("req_pool_idx_i64", "prefix_len_i64", "start_i64", "seq_len_i64", "out_cache_loc_i64", "mamba_slot_i64", "reserved_i64", "reserved_lens_i64", "track_slot_i64", "track_seqlen_i64", "host_len_i64", "storage_len_i64")
     REQ_POOL_IDX_I64_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_I64_FIELD_NUMBER: _ClassVar[int]
     START_I64_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class AllocExtendResponse(_message.Message):
     RESERVED_LENS_I64_FIELD_NUMBER: _ClassVar[int]
     TRACK_SLOT_I64_FIELD_NUMBER: _ClassVar[int]
     TRACK_SEQLEN_I64_FIELD_NUMBER: _ClassVar[int]
+    HOST_LEN_I64_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LEN_I64_FIELD_NUMBER: _ClassVar[int]
     req_pool_idx_i64: bytes
     prefix_len_i64: bytes
     start_i64: bytes
@@ -169,7 +171,9 @@ class AllocExtendResponse(_message.Message):
     reserved_lens_i64: bytes
     track_slot_i64: bytes
     track_seqlen_i64: bytes
-    def __init__(self, req_pool_idx_i64: _Optional[bytes] = ..., prefix_len_i64: _Optional[bytes] = ..., start_i64: _Optional[bytes] = ..., seq_len_i64: _Optional[bytes] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot_i64: _Optional[bytes] = ..., reserved_i64: _Optional[bytes] = ..., reserved_lens_i64: _Optional[bytes] = ..., track_slot_i64: _Optional[bytes] = ..., track_seqlen_i64: _Optional[bytes] = ...) -> None: ...
+    host_len_i64: bytes
+    storage_len_i64: bytes
+    def __init__(self, req_pool_idx_i64: _Optional[bytes] = ..., prefix_len_i64: _Optional[bytes] = ..., start_i64: _Optional[bytes] = ..., seq_len_i64: _Optional[bytes] = ..., out_cache_loc_i64: _Optional[bytes] = ..., mamba_slot_i64: _Optional[bytes] = ..., reserved_i64: _Optional[bytes] = ..., reserved_lens_i64: _Optional[bytes] = ..., track_slot_i64: _Optional[bytes] = ..., track_seqlen_i64: _Optional[bytes] = ..., host_len_i64: _Optional[bytes] = ..., storage_len_i64: _Optional[bytes] = ...) -> None: ...
 
 class AllocDecodeRequest(_message.Message):
     __slots__ = ("session", "rids", "token_ids_i32")

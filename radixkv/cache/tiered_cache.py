@@ -1,0 +1,639 @@
+"""``TieredRadixCache``: a RadixCache whose nodes live on the device (L1), in host memory
+(L2, a :class:`~radixkv.memory.host_kv_pool.HostKVPool`) or both, with an optional storage
+tier (L3, a :class:`~radixkv.storage.tier_controller.StorageController`) behind them: SGLang's
+HiRadixCache on this tree (the story: ``docs/tiers.md``).
+
+A :class:`TierNode` keeps ``vbuf`` (device rows, empty when not on the device) and ``hbuf``
+(host page ids, ``None`` when not on the host). Invariants: every node is on a tier; the device
+part of the tree is prefix-closed; sizes count device tokens; only device nodes are locked.
+``match_prefix`` walks both tiers (then asks storage, bounded by its timeout); ``load_back``
+copies host pages into device rows in one batch; ``evict`` demotes device leaves to the host
+(or just drops their rows when the host has them); host eviction drops LRU host-only leaves.
+No compiled paths: with the host tier off a cache is a plain RadixCache (speed unchanged).
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+
+from radixkv.allocator.host_pages import HostPageAllocator
+from radixkv.cache import tier_audit
+from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
+from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.leaf_eviction import pop_victim
+from radixkv.cache.radix_cache import RadixCache
+from radixkv.cache.radix_insert import InsertMixin
+from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
+from radixkv.cache.rows import check_value, rows_bytes, rows_tensor
+from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
+from radixkv.contracts import WRITE_POLICIES, KVAllocator, ReqToTokenTable
+from radixkv.errors import InvalidArgumentError
+from radixkv.memory.host_kv_pool import HostKVPool
+from radixkv.storage.keys import page_keys, storage_seed
+from radixkv.validation import check_count
+
+if TYPE_CHECKING:
+    from radixkv.cache.block_hash import Seed
+    from radixkv.storage.tier_controller import StorageController
+
+__all__ = ["TieredRadixCache", "TierNode", "TierMatch"]
+_I32 = np.dtype(np.int32)
+
+
+class TierNode(TreeNode):
+    """A tree node that knows its tiers: ``hbuf`` (int32 host page ids, one per page, or
+    ``None``), ``pkeys`` (storage page keys when storage is on) and ``backed`` (its pages
+    were queued to storage)."""
+
+    __slots__ = ("hbuf", "pkeys", "backed")
+
+    def __init__(self, node_id: int, parent: TreeNode | None, kbuf: bytes, vbuf: bytes,
+                 tick: int = 0, priority: int = 0):
+        super().__init__(node_id, parent, kbuf, vbuf, tick, priority)
+        self.hbuf: bytes | None = None
+        self.pkeys: list[str] | None = None
+        self.backed = False
+
+
+class TierMatch(NamedTuple):
+    """A match over the tiers: ``device_indices`` / ``last_node`` / ``prefix_len`` as
+    :class:`~radixkv.cache.radix_cache.MatchResult` (the device part); then ``host_len``
+    tokens in ``host_nodes`` (host-only nodes continuing the path), of which ``storage_len``
+    were read from storage by this match."""
+
+    device_indices: torch.Tensor
+    last_node: TreeNode
+    prefix_len: int
+    host_len: int = 0
+    storage_len: int = 0
+    host_nodes: tuple[TierNode, ...] = ()
+
+    @property
+    def last_device_node(self) -> TreeNode:
+        return self.last_node
+
+
+class TieredRadixCache(RadixCache):
+    """A RadixCache over a device pool, a host tier and optionally storage.
+
+    Args (beyond RadixCache's): ``host_pool`` (the host buffer; its page count is the tier's
+    size), ``write_policy`` (one of :data:`WRITE_POLICIES`), ``storage`` (a started
+    StorageController or ``None``), ``layout_fingerprint`` (seeds the storage keys).
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenTable | None,
+                 token_to_kv_pool_allocator: KVAllocator | None, *, host_pool: HostKVPool,
+                 page_size: int = 1, eviction_policy: str | EvictionPolicy = "lru",
+                 write_policy: str = "write_back", storage: StorageController | None = None,
+                 layout_fingerprint: str = "", disable: bool = False, enable_kv_events: bool = False,
+                 kv_event_seed: Seed | None = None, metrics_window: int = 1000) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise InvalidArgumentError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
+        if not isinstance(host_pool, HostKVPool) or host_pool.kv_pool.page_size != page_size:
+            raise InvalidArgumentError("host_pool must be a HostKVPool of the cache's page size")
+        super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
+                         disable, enable_kv_events, kv_event_seed, metrics_window, native=False)
+        self._new_node = TierNode
+        self._cinsert = TieredRadixCache.insert
+        self.host_pool = host_pool
+        self.host_alloc = HostPageAllocator(host_pool.num_pages)
+        self.write_policy = write_policy
+        self.storage = storage
+        self._fingerprint = layout_fingerprint
+        self._seeds: dict[Hashable, bytes] = {}
+        self._host_heap: list[tuple[int, int, TierNode]] = []  # (last_access, id, host-only leaf)
+        self._pinned: set[int] = set()  # node ids host eviction must not drop (loads, stores in flight)
+        self._inflight: list[Any] = []  # CUDA events of loads the worker must not read past
+        self._host_tokens = 0
+        #: tokens hit per tier by matches, and tier traffic in pages
+        self.tier_hits = {"device": 0, "host": 0, "storage": 0}
+        self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0,
+                           "written_through_pages": 0, "load_ns": 0}
+
+    # ------------------------------------------------------------------ sizes
+    def host_size(self) -> int:
+        """Tokens with a host copy. O(1)."""
+        return self._host_tokens
+
+    def host_capacity(self) -> int:
+        """Tokens the host tier holds at most. O(1)."""
+        return self.host_pool.num_pages * self.page_size
+
+    def tier_counters(self) -> dict[str, int]:
+        """Every tier's figures (usage in tokens, hits in tokens, traffic in pages and bytes,
+        load time in ns; storage counters when on), for metrics. O(1)."""
+        out = {"host_capacity_tokens": self.host_capacity(), "host_used_tokens": self._host_tokens,
+               "page_bytes": self.host_pool.page_bytes}
+        out.update({f"hit_tokens_{k}": v for k, v in self.tier_hits.items()})
+        out.update(self.tier_stats)
+        if self.storage is not None:
+            out.update({f"storage_{k}": v for k, v in self.storage.stats.snapshot().items()})
+        return out
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, key: RadixKey | object, extra_key: Hashable = None) -> TierMatch:  # type: ignore[override]
+        """The longest cached page-aligned prefix of ``key`` over every tier: its device
+        part (rows, last device node) and the host-only nodes after it; with storage, the
+        pages after those that storage holds are read (at most its timeout) into a new host
+        node. Touches every node on the path; counts hits per tier. O(path + tokens)."""
+        if type(key) is not RadixKey or extra_key is not None:
+            key = as_radix_key(key, extra_key)
+        buf = key._buf
+        pb = self._pb
+        n = len(buf) - len(buf) % pb
+        head = self._heads.get(key.extra_key)
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        if n == 0 or self.disable or (head is None and self.storage is None):
+            self._metrics.record_query(len(buf) >> 2, 0)
+            return TierMatch(empty, head if head is not None else self._heads[None], 0)
+        node: TreeNode | None = head
+        dev_node: TreeNode | None = head
+        pos = dev_pos = 0
+        vals: list[bytes] = []
+        hosts: list[TierNode] = []
+        tick = self._clock
+        while node is not None and pos < n:
+            child: Any = node.children.get(buf[pos:pos + pb])
+            if child is None:
+                break
+            kb = child.kbuf
+            split = not buf.startswith(kb, pos, n)
+            if split:  # the key ends or diverges inside child: keep its whole matching pages
+                m = common_prefix_tokens(kb, buf, pos, n)
+                child = self._split(child, (m - m % self.page_size) * 4)
+                kb = child.kbuf
+            tick += 1
+            child.last_access = tick
+            child.hits += 1
+            if self._on_hit is not None and child.vbuf:  # the policy orders device nodes only
+                self._on_hit(child)
+            if not self._lazy and child.skey is not None:
+                self._refile(child)
+            if self.storage is not None and self.storage.admit == "reused" and child.hits >= 2:
+                self._backup(child)
+            pos += len(kb)
+            if child.vbuf and not hosts:
+                vals.append(child.vbuf)
+                dev_node, dev_pos = child, pos
+            else:
+                hosts.append(child)
+            node = child
+            if split:
+                break
+        self._clock = tick
+        stored = 0
+        if self.storage is not None and pos < n:
+            got = self._fetch(key, node, pos, n)
+            if got is not None:
+                hosts.append(got)
+                stored = len(got.kbuf) >> 2
+                pos += len(got.kbuf)
+        if dev_node is None:
+            dev_node = self._heads.get(key.extra_key) or self._heads[None]
+        self._metrics.record_query(len(buf) >> 2, pos >> 2)
+        host_len = (pos - dev_pos) >> 2
+        self.tier_hits["device"] += dev_pos >> 2
+        self.tier_hits["host"] += host_len - stored
+        self.tier_hits["storage"] += stored
+        rows = rows_tensor(b"".join(vals), self.device) if vals else empty
+        return TierMatch(rows, dev_node, dev_pos >> 2, host_len, stored, tuple(hosts))
+
+    # ------------------------------------------------------------------ load back
+    def load_back(self, m: TierMatch) -> TierMatch:
+        """Load the leading host nodes of ``m`` that fit into device rows (evicting device
+        leaves outside the path if needed) with one batched copy; returns the match grown
+        by them. The path stays the tree's (unlocked) afterwards: lock it as usual. On CUDA
+        the copy runs on a side stream: :meth:`wait_loads` before a worker reads the rows."""
+        alloc = self.token_to_kv_pool_allocator
+        if not m.host_len or alloc is None:
+            return m
+        self._check_node(m.last_node)
+        nodes: list[TierNode] = []
+        prev: TreeNode = m.last_node
+        for x in m.host_nodes:  # the leading ones still hanging below the device part
+            if x.hbuf is None or x.vbuf or x.parent is not prev:
+                break
+            nodes.append(x)
+            prev = x
+        locked = m.last_node.parent is not None
+        if locked:
+            self.inc_lock_ref(m.last_node)
+        self._pinned.update(x.id for x in nodes)
+        t0 = time.perf_counter_ns()
+        try:
+            room = alloc.available_size() + self._evictable  # the path is locked: not in it
+            take: list[TierNode] = []
+            tot = 0
+            for x in nodes:
+                t = len(x.kbuf) >> 2
+                if tot + t > room:
+                    break
+                take.append(x)
+                tot += t
+            if not take:
+                return m
+            pages = np.frombuffer(b"".join(x.hbuf or b"" for x in take), _I32).astype(np.int64)
+            src = self.host_pool.snapshot(torch.from_numpy(pages))
+            if self.write_policy == "write_back":
+                for x in take:  # their pages can take the demoted ones: the tiers hold their sum
+                    self._drop_host_copy(x)
+            while alloc.available_size() < tot and self._evictable:  # rows a node frees may be fewer than
+                if not self.evict(tot - alloc.available_size()):   # its tokens (an allocator's virtual rows)
+                    break
+            rows = alloc.alloc(tot)
+            if rows is None:  # evict() freed less than it could: these nodes are on no tier
+                for x in take:
+                    if x.hbuf is None and x.parent is not None:
+                        self._drop(x)
+                        break
+                return m
+            ev = self.host_pool.load_from(src, rows)
+            if ev is not None:
+                self._inflight.append(ev)
+            rb = rows.to("cpu", torch.int64).numpy().astype(_I32).tobytes()
+            off = 0
+            for x in take:
+                size = len(x.kbuf)
+                x.vbuf = rb[off:off + size]
+                off += size
+                self._moved(x, MEDIUM_CPU, MEDIUM_GPU)
+                if self._on_insert is not None:  # back on the device: the policy sees it anew
+                    self._on_insert(x)
+            self._evictable += tot
+            self._file_if_leaf(take[-1])
+            self.tier_stats["loaded_pages"] += tot // self.page_size
+        finally:
+            self._pinned.difference_update(x.id for x in nodes)
+            if locked:
+                self.dec_lock_ref(m.last_node)
+            self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
+        dev = torch.cat([m.device_indices, rows.to(self.device, torch.int64)])
+        rest = tuple(x for x in m.host_nodes if x not in take)
+        return TierMatch(dev, take[-1], m.prefix_len + tot, m.host_len - tot, m.storage_len, rest)
+
+    def wait_loads(self) -> None:
+        """Block until every load issued so far has completed (CUDA; a no-op on CPU)."""
+        if self._inflight:
+            t0 = time.perf_counter_ns()
+            for ev in self._inflight:
+                ev.synchronize()
+            self._inflight.clear()
+            self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, key: RadixKey | object, value: Any, priority: int = 0, extra_key: Hashable = None,
+               _path: bool = False) -> Any:
+        """RadixCache's ``insert``; host-only nodes on the key's path take the caller's rows
+        (they are on the device again, and those rows are the tree's: not duplicates). The
+        new leaf is copied to the host (``write_through``) and queued to storage (admit
+        ``all``). Raises as RadixCache's insert, the tree unchanged."""
+        if type(key) is not RadixKey or extra_key is not None:
+            key = as_radix_key(key, extra_key)
+        if type(priority) is not int and (isinstance(priority, bool)
+                                          or not isinstance(priority, (int, np.integer))):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        if not self.disable:
+            self._revive(key, value)
+        res = InsertMixin.insert(self, key, value, priority, None, True)
+        prefix, node, _ = res
+        if prefix < (len(key._buf) >> 2) and isinstance(node, TierNode):
+            self._on_new_leaf(node)
+        return res if _path else prefix
+
+    def _revive(self, key: RadixKey, value: Any) -> None:
+        """Give the host-only nodes on ``key``'s path the caller's rows (validated first)."""
+        buf, pb = key._buf, self._pb
+        if len(buf) % pb:
+            return  # InsertMixin.insert raises
+        node: Any = self._heads.get(key.extra_key)
+        pos = 0
+        spans: list[tuple[TierNode, int, int]] = []
+        while node is not None and pos < len(buf):
+            child = node.children.get(buf[pos:pos + pb])
+            if child is None:
+                break
+            m = min(len(child.kbuf), (common_prefix_tokens(child.kbuf, buf, pos, len(buf)) * 4) // pb * pb)
+            if not child.vbuf:
+                spans.append((child, pos, m))
+            if m < len(child.kbuf):
+                break
+            pos += m
+            node = child
+        if not spans:
+            return
+        value = check_value(value, len(buf) >> 2)
+        tail = rows_bytes(value, spans[0][1] >> 2)  # validates every row the tree would take
+        base = spans[0][1]
+        last: TreeNode | None = None
+        for child, start, m in spans:
+            if m < len(child.kbuf):
+                child = self._split(child, m)
+            last = child
+            child.vbuf = tail[start - base:start - base + m]
+            self._moved(child, MEDIUM_CPU, MEDIUM_GPU)
+            if self._on_insert is not None:
+                self._on_insert(child)
+            self._evictable += m >> 2
+            if self.write_policy == "write_back":
+                self._drop_host_copy(child)
+            parent: Any = child.parent
+            if parent.skey is not None:  # it has a device child now
+                self._leaves.remove(parent)
+                parent.skey = None
+        if last is not None:
+            self._file_if_leaf(last)
+
+    def _on_new_leaf(self, leaf: TierNode) -> None:
+        if self.storage is not None:
+            parent: Any = leaf.parent
+            prior = parent.pkeys[-1] if isinstance(parent, TierNode) and parent.pkeys else None
+            leaf.pkeys = page_keys(leaf.key.copy(), self.page_size, self._seed(leaf), prior)
+            if self.storage.admit == "all":
+                self._backup(leaf)
+        if self.write_policy == "write_through" and leaf.hbuf is None:
+            pages = self._host_alloc(len(leaf.kbuf) // self._pb)
+            if pages is not None:
+                ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
+                                          rows_tensor(leaf.vbuf, self.device))
+                if ev is not None:
+                    ev.synchronize()
+                leaf.hbuf = pages.tobytes()
+                self._host_tokens += len(leaf.kbuf) >> 2
+                self.tier_stats["written_through_pages"] += pages.size
+
+    # ------------------------------------------------------------------ evict
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens (whole nodes, policy order): a victim
+        with a host copy just gives up its rows; else it is demoted (host pages, one batched
+        copy for the call) or, when the host has no room, dropped with its host-only subtree.
+        All freed rows go back in ONE allocator call. Returns the device tokens freed."""
+        num_tokens = check_count(num_tokens, "num_tokens")
+        if self.disable or num_tokens == 0 or not self._leaves:
+            return 0
+        freed: list[bytes] = []
+        d_pages: list[np.ndarray] = []
+        d_rows: list[bytes] = []
+        pinned: list[int] = []
+        evicted = 0
+        while evicted < num_tokens:
+            node: Any = pop_victim(self)
+            if node is None:
+                break
+            t = len(node.kbuf) >> 2
+            if node.hbuf is None:
+                pages = self._host_alloc(t // self.page_size)
+                if pages is not None:
+                    node.hbuf = pages.tobytes()
+                    self._host_tokens += t
+                    d_pages.append(pages)
+                    d_rows.append(node.vbuf)
+                    self._pinned.add(node.id)
+                    pinned.append(node.id)
+            freed.append(node.vbuf)
+            node.vbuf = b""
+            if self._on_evict is not None:
+                self._on_evict(node)
+            parent: Any = node.parent
+            if node.hbuf is not None:
+                self._moved(node, MEDIUM_GPU, MEDIUM_CPU)
+                if not node.children:
+                    heapq.heappush(self._host_heap, (node.last_access, node.id, node))
+            else:
+                self._drop(node, MEDIUM_GPU)
+            self._file_if_leaf(parent)
+            evicted += t
+        self._evictable -= evicted
+        if d_pages:
+            pages = np.concatenate(d_pages)
+            ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
+                                      rows_tensor(b"".join(d_rows), self.device))
+            if ev is not None:
+                ev.synchronize()  # the rows are freed below: the copy must be done
+            self.tier_stats["demoted_pages"] += pages.size
+        self._pinned.difference_update(pinned)
+        self._free_rows(freed)
+        self._metrics.record_evict(evicted)
+        return evicted
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop host-only leaves (least recently used first, pinned ones kept) until
+        ``num_pages`` host pages are free beyond those free now, or none is left. Returns
+        the pages freed. O(dropped x log H)."""
+        need = check_count(num_pages, "num_pages")
+        freed = 0
+        kept: list[tuple[int, int, TierNode]] = []
+        heap = self._host_heap
+        while freed < need and heap:
+            item = heapq.heappop(heap)
+            node = item[2]
+            if not self._host_leaf(node):
+                continue
+            if node.id in self._pinned:
+                kept.append(item)
+                continue
+            if node.last_access != item[0]:
+                heapq.heappush(heap, (node.last_access, node.id, node))
+                continue
+            freed += len(node.kbuf) // self._pb
+            self._drop(node)
+        for item in kept:
+            heapq.heappush(heap, item)
+        return freed
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """RadixCache's; a host-only node cannot be locked (load it first)."""
+        if self.disable:
+            return 0
+        self._check_node(node)
+        if node.parent is not None and not node.vbuf:
+            raise InvalidArgumentError(f"node {node.id} is not on the device (load_back it first)")
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """RadixCache's; a node becomes evictable when it has no child on the device."""
+        if self.disable:
+            return 0
+        self._check_node(node)
+        if node.parent is not None and node.lock_ref < 1:
+            raise InvalidArgumentError(f"dec_lock_ref on node {node.id}, which is not locked")
+        delta = 0
+        x: Any = node
+        while x.parent is not None:
+            x.lock_ref -= 1
+            if x.lock_ref == 0:
+                delta += len(x.kbuf) >> 2
+                self._file_if_leaf(x)
+            x = x.parent
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    # ------------------------------------------------------------------ whole tree
+    def reset(self) -> None:
+        """RadixCache's reset; every host page goes back too."""
+        owned = [x.hbuf for x in self.iter_nodes() if isinstance(x, TierNode) and x.hbuf]
+        if owned:
+            self.host_alloc.free(np.frombuffer(b"".join(owned), _I32))
+        self._host_heap.clear()
+        self._host_tokens = 0
+        super().reset()
+
+    def check_invariants(self) -> None:
+        """RadixCache's checks adapted to tiers, plus the host tier's: every node on a tier,
+        device part prefix-closed, host pages owned once and exactly the allocator's in-use
+        ones (naming leaked / double-owned pages) (:func:`radixkv.cache.tier_audit.check`)."""
+        tier_audit.check(self)
+
+    # ------------------------------------------------------------------ helpers
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        hook = self._on_split
+        if not child.vbuf:  # the policy keeps no state for host-only nodes
+            self._on_split = None
+        try:
+            new: Any = super()._split(child, m)
+        finally:
+            self._on_split = hook
+        c: Any = child
+        pages = m // self._pb
+        if c.hbuf is not None:
+            new.hbuf, c.hbuf = c.hbuf[:pages * 4], c.hbuf[pages * 4:]
+        if c.pkeys is not None:
+            new.pkeys, c.pkeys = c.pkeys[:pages], c.pkeys[pages:]
+        new.backed = c.backed
+        return new  # type: ignore[no-any-return]
+
+    def _has_device_child(self, node: TreeNode) -> bool:
+        return any(c.vbuf for c in node.children.values())
+
+    def _file_if_leaf(self, node: TreeNode) -> None:
+        """File ``node`` as an evictable device leaf if it now is one."""
+        if node.parent is None or not node.vbuf or node.lock_ref or node.skey is not None:
+            return
+        if not self._has_device_child(node):
+            node.skey = self._sort_key(node)
+            self._leaves.add(node)
+
+    def _host_leaf(self, node: TierNode) -> bool:
+        """``node`` is in the tree, host-only and childless."""
+        p: Any = node.parent
+        return (node.hbuf is not None and not node.vbuf and not node.children and p is not None
+                and p.children.get(node.kbuf[:self._pb]) is node)
+
+    def _host_alloc(self, n: int) -> np.ndarray | None:
+        pages = self.host_alloc.alloc(n)
+        if pages is None and n <= self.host_alloc.num_pages:
+            self.evict_host(n - self.host_alloc.available_size())
+            pages = self.host_alloc.alloc(n)
+        return pages
+
+    def _drop_host_copy(self, node: TierNode) -> None:
+        if node.hbuf is not None:
+            self.host_alloc.free(np.frombuffer(node.hbuf, _I32))
+            self._host_tokens -= len(node.kbuf) >> 2
+            node.hbuf = None
+
+    def _drop(self, node: TierNode, medium: str = MEDIUM_CPU) -> None:
+        """Remove ``node`` (no device rows left) and its host-only subtree from the tree,
+        freeing their host pages; KV events record their pages removed (``node``'s from
+        ``medium``, the subtree's from the host)."""
+        stack = [node]
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children.values())  # type: ignore[arg-type]
+            if x.hbuf is not None:
+                self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
+                self._drop_host_copy(x)
+            if self.kv_events is not None:
+                self.kv_events.on_removed(x.block_hashes, medium if x is node else MEDIUM_CPU)  # type: ignore[arg-type]
+        parent: Any = node.parent
+        del parent.children[node.kbuf[:self._pb]]
+        sync_only(parent)
+        if parent.parent is None:
+            if not parent.children and parent.extra_key is not None:
+                del self._heads[parent.extra_key]
+        elif not parent.children and not parent.vbuf and parent.hbuf is not None:
+            heapq.heappush(self._host_heap, (parent.last_access, parent.id, parent))
+
+    def _moved(self, node: TierNode, src: str, dst: str) -> None:
+        """KV events of ``node``'s pages moving tier: ``BlockRemoved`` from ``src``, then
+        ``BlockStored`` in ``dst`` (same hashes), so a router keeps them with their tier."""
+        if self.kv_events is None or not node.block_hashes:
+            return
+        parent: Any = node.parent
+        x: Any = parent
+        while x.parent is not None:
+            x = x.parent
+        prior = parent.block_hashes[-1] if parent.parent is not None and parent.block_hashes else None
+        self.kv_events.on_removed(node.block_hashes, src)
+        node.block_hashes = self.kv_events.on_stored(prior, node.key.copy(), x.extra_key, dst)
+
+    def _seed(self, node: TreeNode) -> bytes:
+        x: Any = node
+        while x.parent is not None:
+            x = x.parent
+        ns = x.extra_key
+        seed = self._seeds.get(ns)
+        if seed is None:
+            seed = self._seeds[ns] = storage_seed(encode_extra_key(ns), self._fingerprint)
+        return seed
+
+    def _backup(self, node: TierNode) -> None:
+        """Queue ``node``'s pages to storage from its device rows or host pages (a snapshot)."""
+        if self.storage is None or node.backed or node.pkeys is None:
+            return
+        if node.vbuf:
+            rows = self.host_pool.gather(rows_tensor(node.vbuf, self.device))
+        elif node.hbuf is not None:
+            rows = self.host_pool.pages[torch.from_numpy(np.frombuffer(node.hbuf, _I32).astype(np.int64))]
+        else:
+            return
+        node.backed = self.storage.backup(node.pkeys, rows)
+
+    def _fetch(self, key: RadixKey, node: TreeNode | None, pos: int, n: int) -> TierNode | None:
+        """Read the pages of ``key[pos:n]`` storage holds (from the first) into a new
+        host-only node under ``node``; ``None`` when storage has none or the host no room."""
+        assert self.storage is not None
+        tokens = np.frombuffer(key._buf, _I32, count=(n - pos) >> 2, offset=pos).copy()
+        prior = node.pkeys[-1] if isinstance(node, TierNode) and node.pkeys else None
+        if node is None:
+            seed = self._seeds.get(key.extra_key)
+            if seed is None:
+                seed = self._seeds[key.extra_key] = storage_seed(encode_extra_key(key.extra_key),
+                                                                 self._fingerprint)
+        else:
+            seed = self._seed(node)
+        keys = page_keys(tokens, self.page_size, seed, prior)
+        rows = self.storage.fetch(keys)
+        k = int(rows.shape[0])
+        if not k:
+            return None
+        pages = self._host_alloc(k)
+        while pages is None and k > 1:
+            k //= 2
+            pages = self._host_alloc(k)
+        if pages is None:
+            return None
+        self.host_pool.write_rows(torch.from_numpy(pages.astype(np.int64)), rows[:k])
+        if node is None:
+            node = self._heads[key.extra_key] = NamespaceHead(self._new_id(), key.extra_key)
+        size = k * self._pb
+        kb = key._buf[pos:pos + size]
+        self._next_id += 1
+        self._clock += 1
+        leaf = TierNode(self._next_id, node, kb, b"", self._clock)
+        leaf.hbuf, leaf.pkeys, leaf.backed, leaf.hits = pages.tobytes(), keys[:k], True, 1
+        if self.kv_events is not None:
+            parent_hash = node.block_hashes[-1] if node.block_hashes else None
+            leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key, MEDIUM_CPU)
+        node.children[kb[:self._pb]] = leaf
+        sync_only(node)
+        self._host_tokens += size >> 2
+        heapq.heappush(self._host_heap, (leaf.last_access, leaf.id, leaf))
+        return leaf

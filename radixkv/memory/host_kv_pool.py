@@ -1,0 +1,144 @@
+"""``HostKVPool``: the host tier's (L2) KV buffer, laid out page-first.
+
+One uint8 buffer of ``[num_pages + 1, page_bytes]`` (row 0 is padding, never handed out):
+a row holds one page whole, every layer's K then V of the page's tokens, i.e. the row viewed
+as the store dtype is ``[layers, 2, page_size, heads, head_dim]``. So a page travels to the
+storage tier as ONE contiguous row. Pinned memory when the device is CUDA, plain on CPU.
+
+Copies go in batches: ``store`` gathers the device rows of every page of a batch into one
+staging tensor (one indexed read per layer and K/V), moves it to the host once and scatters
+it into the host rows with one indexed write; ``load`` is the reverse. On CUDA both run on a
+side stream and return an event; the caller waits on it before the rows are read (loads) or
+the device rows are reused (stores). Cost: O(bytes of the batch), 2 x layers + 2 kernels.
+"""
+from __future__ import annotations
+
+import torch
+
+from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.memory.kv_pool import MHATokenToKVPool
+
+__all__ = ["HostKVPool"]
+
+
+class HostKVPool:
+    """The host copy of KV pages of one :class:`MHATokenToKVPool` (same dtype and shape).
+
+    Args:
+        kv_pool: the device pool whose pages this tier holds.
+        num_pages: host pages (ids ``1..num_pages``; the ids come from a
+            :class:`~radixkv.allocator.host_pages.HostPageAllocator`).
+    Attributes: ``buffer`` (flat uint8), ``pages`` (``[num_pages + 1, page_bytes]``),
+    ``page_bytes``, ``device`` (the device pool's), ``pinned``.
+    """
+
+    def __init__(self, kv_pool: MHATokenToKVPool, num_pages: int) -> None:
+        if not isinstance(kv_pool, MHATokenToKVPool):
+            raise InvalidArgumentError(f"the host tier holds MHA KV pools, got {type(kv_pool).__name__}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise InvalidArgumentError(f"num_pages must be an int >= 1, got {num_pages!r}")
+        self.kv_pool = kv_pool
+        self.device = kv_pool.device
+        self.num_pages = num_pages
+        ps, n_layers = kv_pool.page_size, kv_pool.layer_num
+        self._shape = (n_layers, 2, ps, kv_pool.head_num, kv_pool.head_dim)
+        dt = kv_pool.store_dtype
+        self.page_bytes = 2 * n_layers * ps * kv_pool.head_num * kv_pool.head_dim * dt.itemsize
+        self.pinned = self.device.type == "cuda"
+        self.buffer = torch.zeros((num_pages + 1) * self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        self.pages = self.buffer.view(num_pages + 1, self.page_bytes)
+        self._typed = self.buffer.view(dt).view(num_pages + 1, *self._shape)
+        self._stream = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def _check(self, pages: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        r = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
+        if r.numel() != p.numel() * self._shape[2]:
+            raise LengthMismatchError(f"{p.numel()} pages need {p.numel() * self._shape[2]} rows, got {r.numel()}")
+        if p.numel() and (int(p.min()) < 1 or int(p.max()) > self.num_pages):
+            raise InvalidArgumentError(f"host pages must lie in [1, {self.num_pages}]")
+        return p, r
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """The device rows (whole pages) as host page rows ``[pages, page_bytes]`` (uint8,
+        CPU, a fresh tensor): one indexed read per layer and K/V, one transfer."""
+        r = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
+        n_layers, _, ps, h, d = self._shape
+        n = r.numel() // ps
+        stage = torch.empty((n, *self._shape), dtype=self.kv_pool.store_dtype, device=self.device)
+        for layer in range(n_layers):
+            stage[:, layer, 0] = self.kv_pool.k_buffer[layer][r].view(n, ps, h, d)
+            stage[:, layer, 1] = self.kv_pool.v_buffer[layer][r].view(n, ps, h, d)
+        return stage.cpu().view(torch.uint8).view(n, self.page_bytes)
+
+    def store(self, pages: torch.Tensor, rows: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy device ``rows`` (``page_size`` per page, in order) into host ``pages``.
+        On CUDA the copy runs on the side stream; wait on the returned event before the
+        device rows are reused. Raises (nothing copied) for mismatched lengths or bad ids."""
+        p, r = self._check(pages, rows)
+        if not p.numel():
+            return None
+        if self._stream is None:
+            self.pages.index_copy_(0, p, self.gather(r))
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self.pages.index_copy_(0, p, self.gather(r))
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(self._stream)
+        return ev
+
+    def snapshot(self, pages: torch.Tensor) -> torch.Tensor:
+        """A copy of host ``pages`` (one indexed read; pinned on CUDA), for :meth:`load_from`:
+        the pages may be freed and reused once it is taken."""
+        p = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        if p.numel() and (int(p.min()) < 1 or int(p.max()) > self.num_pages):
+            raise InvalidArgumentError(f"host pages must lie in [1, {self.num_pages}]")
+        src = self._typed.index_select(0, p)
+        return src.pin_memory() if self.pinned else src
+
+    def load_from(self, src: torch.Tensor, rows: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy a :meth:`snapshot` into device ``rows`` (``page_size`` per page): one
+        transfer, one indexed write per layer and K/V. On CUDA on the side stream: a reader
+        of the rows waits on the returned event first."""
+        r = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
+        if r.numel() != src.shape[0] * self._shape[2]:
+            raise LengthMismatchError(f"{src.shape[0]} pages need {src.shape[0] * self._shape[2]} rows, "
+                                      f"got {r.numel()}")
+        if not r.numel():
+            return None
+        if self._stream is None:
+            self._scatter(src, r)
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._scatter(src.to(self.device, non_blocking=True), r)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(self._stream)
+        return ev
+
+    def load(self, pages: torch.Tensor, rows: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy host ``pages`` into device ``rows``: :meth:`load_from` of a :meth:`snapshot`."""
+        p, r = self._check(pages, rows)
+        return self.load_from(self.snapshot(p), r)
+
+    def _scatter(self, src: torch.Tensor, rows: torch.Tensor) -> None:
+        n_layers, _, ps, h, d = self._shape
+        n = src.shape[0]
+        for layer in range(n_layers):
+            self.kv_pool.k_buffer[layer][rows] = src[:, layer, 0].reshape(n * ps, h, d)
+            self.kv_pool.v_buffer[layer][rows] = src[:, layer, 1].reshape(n * ps, h, d)
+        return None
+
+    def write_rows(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        """Put page rows read from storage (``[len(pages), page_bytes]`` uint8) into ``pages``."""
+        p = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        if tuple(data.shape) != (p.numel(), self.page_bytes):
+            raise LengthMismatchError(f"expected rows {(p.numel(), self.page_bytes)}, got {tuple(data.shape)}")
+        self.pages.index_copy_(0, p, data)

@@ -1,0 +1,182 @@
+"""The embedded engine with the host tier (and storage): configuration, per-tier results,
+invariants after every call, and the proof: the reference model's logits computed over KV
+loaded back from host memory (and storage) equal the from-scratch logits (fp64, 1e-9) at page
+sizes 1 and 16."""
+import logging
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from storage_double import DictStorage
+
+from radixkv.cache.tiered_cache import TieredRadixCache
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.embedded import CacheEngine
+from radixkv.engine.protocol import ExtendItem, MatchQuery
+from radixkv.errors import InvalidArgumentError
+from radixkv.reference import HybridConfig, HybridModel, ModelCache
+
+VOCAB = 50
+TOL = 1e-9
+
+
+@pytest.mark.parametrize("bad", [dict(host_kv_tokens=-1), dict(host_kv_tokens=10, page_size=4, kv_tokens=64),
+                                 dict(write_policy="later"), dict(storage="file:///x"),
+                                 dict(host_kv_tokens=64, storage="nourl"), dict(storage_admit="some"),
+                                 dict(host_kv_tokens=64, layer_types="FK"),
+                                 dict(storage_timeout_ms=-1.0)])
+def test_bad_tier_settings_are_refused(bad):
+    with pytest.raises(InvalidArgumentError):
+        EngineConfig(**bad)
+
+
+def test_host_tier_off_by_default_keeps_the_plain_tree():
+    eng = CacheEngine(EngineConfig())
+    assert type(eng.tree) is not TieredRadixCache and eng.pools.host_pool is None
+    eng2 = CacheEngine(EngineConfig(host_kv_tokens=256))
+    assert isinstance(eng2.tree, TieredRadixCache) and eng2.pools.host_pool.num_pages == 256
+
+
+class Proof:
+    """An embedded engine and the reference model (KV-only) on its buffers: every extend's
+    logits are compared with forward_reference from scratch."""
+
+    def __init__(self, ps, storage=None, device="cpu", **cfg):
+        base = dict(layer_types="FF", head_num=2, head_dim=8, kv_dtype="float64", page_size=ps,
+                    request_rows=4, max_context_len=256, device=device)
+        base.update(cfg)
+        self.eng = CacheEngine(EngineConfig(**base), storage=storage)
+        self.session = self.eng.attach("proof").session
+        self.wb = self.eng.worker_buffers()
+        self.mc = ModelCache.over(self.wb)
+        self.model = HybridModel(HybridConfig(vocab=VOCAB, hidden=16, num_heads=2, head_dim=8, layer_pattern="FF",
+                                              dtype=torch.float64, seed=5), device)
+        self.tiers = np.zeros(3, dtype=np.int64)
+        self.n = 0
+
+    def run(self, tokens):
+        self.n += 1
+        rid = f"r{self.n}"
+        res = self.eng.alloc_extend(self.session, [ExtendItem(rid, tokens)])[0]
+        row = self.wb.req_to_token[res.req_pool_idx, :res.seq_len].long()
+        out = self.model.extend(tokens[res.start:], res.start, row[:res.start], row[res.start:], 0, self.mc)
+        ref = self.model.forward_reference(tokens)
+        diff = (out - ref[res.start:]).abs().max().item()
+        assert diff <= TOL, f"{rid}: logits differ from scratch by {diff:.3g} (host {res.host_len})"
+        self.tiers += (res.prefix_len - res.host_len, res.host_len - res.storage_len, res.storage_len)
+        self.eng.cache_finished(self.session, [rid])
+        self.eng.check_invariants()
+        return res
+
+
+def _conversations(rng, n_conv, turns, turn_len):
+    convs = [rng.integers(0, VOCAB, turn_len).astype(np.int32) for _ in range(n_conv)]
+    order = []
+    for _ in range(turns):
+        for c in range(n_conv):
+            convs[c] = np.concatenate([convs[c], rng.integers(0, VOCAB, turn_len).astype(np.int32)])
+            order.append(convs[c].copy())
+    return order
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_logits_over_host_loads_equal_the_from_scratch_logits(ps, policy):
+    rng = np.random.default_rng(ps)
+    p = Proof(ps, kv_tokens=96, host_kv_tokens=512, write_policy=policy)
+    for tokens in _conversations(rng, 4, 3, 24):  # 4 conversations do not fit the device at once
+        p.run(tokens)
+    assert p.tiers[1] > 0, "no KV came back from the host tier"
+    assert p.eng.tree.tier_stats["loaded_pages"] > 0
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_logits_over_storage_loads_equal_the_from_scratch_logits(ps):
+    store = DictStorage()
+    rng = np.random.default_rng(7)
+    convs = _conversations(rng, 4, 2, 16)  # 32 then 48 tokens
+    p = Proof(ps, storage=store, kv_tokens=64, host_kv_tokens=64, storage_timeout_ms=5000.0)
+    for tokens in convs:
+        p.run(tokens)
+    p.eng.close()  # drains the storage queue
+    q = Proof(ps, storage=store, kv_tokens=64, host_kv_tokens=64, storage_timeout_ms=5000.0)  # a restart
+    for tokens in convs[-4:]:
+        q.run(np.concatenate([tokens, rng.integers(0, VOCAB, 8).astype(np.int32)]))
+    assert q.tiers[2] > 0, "nothing came back from storage after the restart"
+    q.eng.close()
+
+
+def test_match_counts_host_tokens_and_results_name_the_tiers():
+    p = Proof(1, kv_tokens=32, host_kv_tokens=128)
+    a = np.arange(30, dtype=np.int32) % VOCAB
+    b = (np.arange(30, dtype=np.int32) + 7) % VOCAB
+    p.run(a)
+    p.run(b)  # a goes to the host
+    info = p.eng.match(p.session, [MatchQuery(np.concatenate([a, a[:2]]))])[0]
+    assert info.prefix_len == 30
+    res = p.run(np.concatenate([a, a[:2]]))
+    assert res.prefix_len == 30 and res.host_len == 30 and res.storage_len == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ps", [1, 16])
+def test_cuda_host_loads_are_complete_when_the_worker_reads_them(ps):
+    """On CUDA the loads run on the host pool's side stream; alloc_extend returns only after
+    their events, so the model (on the default stream) reads the loaded rows whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = np.random.default_rng(ps)
+    p = Proof(ps, device="cuda", kv_tokens=96, host_kv_tokens=512)
+    assert p.eng.pools.host_pool.pinned
+    for tokens in _conversations(rng, 4, 3, 24):
+        p.run(tokens)
+    assert p.tiers[1] > 0
+
+
+def test_storage_down_at_start_runs_on_device_and_host(monkeypatch, caplog):
+    def refuse(url):
+        raise ConnectionRefusedError(f"{url}: nobody listens")
+
+    monkeypatch.setitem(sys.modules, "radixkv.storage.url", types.SimpleNamespace(open_storage=refuse))
+    with caplog.at_level(logging.WARNING):
+        eng = CacheEngine(EngineConfig(host_kv_tokens=64, storage="mooncake://127.0.0.1:1"))
+    assert isinstance(eng.tree, TieredRadixCache) and eng.tree.storage is None
+    assert any("unavailable" in r.getMessage() for r in caplog.records)
+    eng.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("ps", [1, 16])
+def test_seeded_stress_batches_with_loads_evictions_and_aborts(seed, ps):
+    """Batches of 1-3 requests sharing prefixes over a device pool that holds about one of
+    them: loads, demotions and drops interleave inside one alloc_extend; some requests are
+    aborted instead of cached. Every logit equals the from-scratch one; the audit holds."""
+    rng = np.random.default_rng(seed)
+    p = Proof(ps, kv_tokens=128, host_kv_tokens=192, request_rows=4,
+              write_policy=["write_back", "write_through"][seed % 2])
+    stems = [rng.integers(0, VOCAB, 32).astype(np.int32) for _ in range(4)]
+    for step in range(16):
+        k = int(rng.integers(1, 4))
+        items = []
+        for j in range(k):
+            stem = stems[int(rng.integers(0, 4))]
+            cut = int(rng.integers(8, 33))
+            toks = np.concatenate([stem[:cut], rng.integers(0, VOCAB, int(rng.integers(1, 12))).astype(np.int32)])
+            items.append(ExtendItem(f"s{step}-{j}", toks))
+        res = p.eng.alloc_extend(p.session, items)
+        for it, r in zip(items, res):
+            row = p.wb.req_to_token[r.req_pool_idx, :r.seq_len].long()
+            out = p.model.extend(it.token_ids[r.start:], r.start, row[:r.start], row[r.start:], 0, p.mc)
+            ref = p.model.forward_reference(it.token_ids)
+            assert (out - ref[r.start:]).abs().max().item() <= TOL
+            p.tiers += (r.prefix_len - r.host_len, r.host_len - r.storage_len, r.storage_len)
+        p.eng.check_invariants()
+        done = [it.rid for it in items]
+        if rng.random() < 0.25:
+            p.eng.release(p.session, done)
+        else:
+            p.eng.cache_finished(p.session, done)
+        p.eng.check_invariants()
+    assert p.tiers[1] > 0, f"no host loads in the run: {p.tiers}"

@@ -1,0 +1,53 @@
+"""An in-memory StorageBackend for tests (the test double of the storage tier)."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class DictStorage:
+    """An in-memory StorageBackend (the test double): a dict of page bytes, with a switch
+    that makes every call block until released (a slow or dead backend)."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.pages: dict[str, bytes] = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls = 0
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+
+    def batch_exists(self, keys) -> int:
+        self.calls += 1
+        self.gate.wait()
+        n = 0
+        for k in keys:
+            if k not in self.pages:
+                break
+            n += 1
+        return n
+
+    def batch_get(self, keys, dst: torch.Tensor) -> list[bool]:
+        self.gate.wait()
+        out = []
+        for i, k in enumerate(keys):
+            b = self.pages.get(k)
+            if b is None:
+                out.append(False)
+                continue
+            dst[i].copy_(torch.frombuffer(bytearray(b), dtype=torch.uint8))
+            out.append(True)
+        return out
+
+    def batch_set(self, keys, src: torch.Tensor) -> list[bool]:
+        self.gate.wait()
+        for i, k in enumerate(keys):
+            self.pages[k] = src[i].numpy().tobytes()
+        return [True] * len(keys)
+
+    def close(self) -> None:
+        self.gate.set()
