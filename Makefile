@@ -14,10 +14,15 @@ VLLM_STAMP := $(VLLM_VENV)/.radixkv-vllm-installed
 
 all: test
 
+# Mooncake (the mooncake:// storage backend's tests, docs/cluster.md): its binaries link Debian's
+# libibverbs1 even over TCP, installed only when missing and we are root; when either part cannot
+# be installed the Mooncake tests skip, naming what to install.
 $(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[dev,dynamo]"
+	ldconfig -p | grep -q libibverbs || { [ "$$(id -u)" = 0 ] && apt-get update && apt-get install -y libibverbs1; } \
+		|| echo "libibverbs1 is missing and we are not root: the Mooncake tests will skip"
+	$(PY) -m pip install -e ".[dev,dynamo,mooncake]" || $(PY) -m pip install -e ".[dev,dynamo]"
 	touch $(STAMP)
 
 setup: $(STAMP)
