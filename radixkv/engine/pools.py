@@ -215,7 +215,7 @@ def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None)
             raise InvalidArgumentError(f"storage {c.storage!r}: this build has no storage backends "
                                        "(radixkv.storage.url)") from None
         try:
-            backend = open_storage(c.storage)
+            backend = open_storage(c.storage, page_bytes=pools.host_pool.page_bytes)
         except OSError as e:  # unreachable at start: serve from the device and host tiers
             log.warning("storage %r is unavailable (%s); running on the device and host tiers", c.storage, e)
             return None
