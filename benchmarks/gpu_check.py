@@ -118,8 +118,6 @@ def _kernel_cases(dev: Any, small: bool) -> dict[str, tuple[Callable[[], Any], C
     import numpy as np
     import torch
 
-    from radixkv.kernels.causal_conv1d import causal_conv1d_update_torch, causal_conv1d_update_triton
-    from radixkv.kernels.kda_decode import kda_decode_torch, kda_decode_triton
     from radixkv.kernels.paged_alloc import (
         alloc_decode_torch,
         alloc_decode_triton,
@@ -128,6 +126,8 @@ def _kernel_cases(dev: Any, small: bool) -> dict[str, tuple[Callable[[], Any], C
     )
     from radixkv.kernels.state_copy import copy_states
     from radixkv.kernels.write_cache_indices import write_cache_indices
+    from radixkv.reference.causal_conv1d import causal_conv1d_update_torch, causal_conv1d_update_triton
+    from radixkv.reference.kda_decode import kda_decode_torch, kda_decode_triton
 
     rng = np.random.default_rng(8)
     gen = torch.Generator().manual_seed(8)
