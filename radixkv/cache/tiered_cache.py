@@ -24,8 +24,8 @@ import torch
 from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
 from radixkv.cache.block_hash import encode_extra_key
-from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.radix_insert import InsertMixin
@@ -548,6 +548,8 @@ class TieredRadixCache(RadixCache):
             x = stack.pop()
             stack.extend(x.children.values())  # type: ignore[arg-type]
             if x.hbuf is not None:
+                if self.storage is not None and self.storage.admit == "all":
+                    self._backup(x)  # its backup at insert found the queue full: the last chance
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
             if self.kv_events is not None:

@@ -205,19 +205,24 @@ def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None)
     """The storage controller of the host tier: over ``backend`` when given, else over the
     backend ``config.storage`` names (``radixkv.storage.url.open_storage``); ``None`` when
     neither. Raises ``InvalidArgumentError`` for a URL no backend of this build opens."""
-    c = pools.config
-    if pools.host_pool is None or (backend is None and c.storage is None):
+    c, url = pools.config, pools.config.storage
+    if pools.host_pool is None or (backend is None and url is None):
         return None
-    if backend is None:
+    if backend is None and url is not None:
         try:
             from radixkv.storage.url import open_storage  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             raise InvalidArgumentError(f"storage {c.storage!r}: this build has no storage backends "
                                        "(radixkv.storage.url)") from None
         try:
-            backend = open_storage(c.storage, page_bytes=pools.host_pool.page_bytes)
-        except OSError as e:  # unreachable at start: serve from the device and host tiers
-            log.warning("storage %r is unavailable (%s); running on the device and host tiers", c.storage, e)
+            backend = open_storage(url, page_bytes=pools.host_pool.page_bytes)
+        except (InvalidArgumentError, ImportError):
+            raise  # a bad URL or a backend not installed: the configuration is wrong
+        except Exception as e:  # unreachable at start: serve from the device and host tiers
+            log.warning("storage %r is unavailable (%s: %s); running on the device and host tiers",
+                        url, type(e).__name__, e)
             return None
+    if backend is None:
+        return None
     return StorageController(backend, pools.host_pool.page_bytes, timeout_s=c.storage_timeout_ms / 1000.0,
                              admit=c.storage_admit)

@@ -254,6 +254,24 @@ def test_backups_past_the_queue_bound_are_dropped_and_counted():
     ctl.close(1.0)
 
 
+def test_a_page_whose_backup_was_dropped_is_backed_up_when_the_host_drops_it():
+    store = DictStorage()
+    store.gate.clear()  # writes hang: the queue fills
+    c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=0.01, max_pending_pages=8)
+    serve(c, seq(1, 8))  # queued (8 pages: the queue is full)
+    serve(c, seq(2, 8))  # dropped from the queue; 1 moves to the host
+    assert ctl.stats.backup_dropped == 8
+    store.gate.set()
+    assert ctl.drain(5.0)
+    serve(c, seq(3, 8))  # 2 moves to the host, 1 (backed up already) leaves it
+    serve(c, seq(4, 8))  # 3 moves to the host, 2 leaves it: backed up on its way out
+    assert ctl.drain(5.0)
+    assert ctl.stats.written == 32  # 1, 3, 4 at insert; 2 at its drop
+    c.storage.timeout_s = 5.0
+    assert serve(c, seq(2, 8))[2] == 8
+    ctl.close(1.0)
+
+
 def test_kv_of_depends_on_the_prefix():
     a, b = seq(1, 8), seq(1, 8)
     b[3] = 99

@@ -43,9 +43,9 @@ class Proof:
     """An embedded engine and the reference model (KV-only) on its buffers: every extend's
     logits are compared with forward_reference from scratch."""
 
-    def __init__(self, ps, storage=None, device="cpu", **cfg):
+    def __init__(self, ps, storage=None, device="cpu", storage_url=None, **cfg):
         base = dict(layer_types="FF", head_num=2, head_dim=8, kv_dtype="float64", page_size=ps,
-                    request_rows=4, max_context_len=256, device=device)
+                    request_rows=4, max_context_len=256, device=device, storage=storage_url)
         base.update(cfg)
         self.eng = CacheEngine(EngineConfig(**base), storage=storage)
         self.session = self.eng.attach("proof").session
@@ -81,12 +81,13 @@ def _conversations(rng, n_conv, turns, turn_len):
     return order
 
 
-@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_logits_over_host_loads_equal_the_from_scratch_logits(ps, policy):
     rng = np.random.default_rng(ps)
-    p = Proof(ps, kv_tokens=96, host_kv_tokens=512, write_policy=policy)
-    for tokens in _conversations(rng, 4, 3, 24):  # 4 conversations do not fit the device at once
+    kv, turn = (256, 32) if ps == 64 else (96, 24)
+    p = Proof(ps, kv_tokens=kv, host_kv_tokens=1024, write_policy=policy)
+    for tokens in _conversations(rng, 4, 3, turn):  # 4 conversations do not fit the device at once
         p.run(tokens)
     assert p.tiers[1] > 0, "no KV came back from the host tier"
     assert p.eng.tree.tier_stats["loaded_pages"] > 0
@@ -105,6 +106,25 @@ def test_logits_over_storage_loads_equal_the_from_scratch_logits(ps):
     for tokens in convs[-4:]:
         q.run(np.concatenate([tokens, rng.integers(0, VOCAB, 8).astype(np.int32)]))
     assert q.tiers[2] > 0, "nothing came back from storage after the restart"
+    q.eng.close()
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_warm_restart_over_the_file_backend(ps, tmp_path):
+    """``storage="file:///DIR"`` through ``open_storage``: a restarted engine on the same
+    directory serves the earlier prompts from storage, logits equal to the from-scratch ones."""
+    pytest.importorskip("radixkv.storage.url", reason="the file:// backend is not in this build")
+    url = f"file://{tmp_path}"
+    rng = np.random.default_rng(7)
+    convs = _conversations(rng, 4, 2, 16)
+    p = Proof(ps, storage_url=url, kv_tokens=64, host_kv_tokens=64, storage_timeout_ms=5000.0)
+    for tokens in convs:
+        p.run(tokens)
+    p.eng.close()
+    q = Proof(ps, storage_url=url, kv_tokens=64, host_kv_tokens=64, storage_timeout_ms=5000.0)
+    for tokens in convs[-4:]:
+        q.run(np.concatenate([tokens, rng.integers(0, VOCAB, 8).astype(np.int32)]))
+    assert q.tiers[2] > 0
     q.eng.close()
 
 
@@ -136,7 +156,8 @@ def test_cuda_host_loads_are_complete_when_the_worker_reads_them(ps):
 
 
 def test_storage_down_at_start_runs_on_device_and_host(monkeypatch, caplog):
-    def refuse(url):
+    def refuse(url, *, page_bytes):
+        assert page_bytes == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 heads x 16, fp32
         raise ConnectionRefusedError(f"{url}: nobody listens")
 
     monkeypatch.setitem(sys.modules, "radixkv.storage.url", types.SimpleNamespace(open_storage=refuse))
