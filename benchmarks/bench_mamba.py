@@ -61,8 +61,8 @@ from radixkv.bench import hybrid_hitrate  # noqa: E402
 from radixkv.bench.hybrid_hitrate import KDA_LAYERS, KIMI, chunk_ends, mamba_pool  # noqa: E402,F401
 from radixkv.bench.traces import load_mooncake  # noqa: E402
 from radixkv.cache import RadixKey  # noqa: E402
-from radixkv.cache.mamba_policies import FlopStateOrder  # noqa: E402
-from radixkv.cache.mamba_radix_cache import MambaRadixCache  # noqa: E402
+from radixkv.cache.hybrid.mamba_policies import FlopStateOrder  # noqa: E402
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache  # noqa: E402
 
 OPS = ("match_prefix", "fork_state", "insert", "lock", "unlock", "evict", "evict_states", "state_alloc")
 STATE_OPS = ("match_prefix", "evict_states", "state_alloc", "fork_state")  # match_prefix+state

@@ -15,7 +15,7 @@ from sglang_loader import SGLang, sglang_modules
 
 from radixkv.allocator import TokenToKVPoolAllocator
 from radixkv.cache import RadixKey
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.memory import KimiLinearStateShape, MambaPool
 
 __all__ = ["compare_mamba", "summarize_mamba", "print_mamba_table"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-#: The demo's defaults (radixkv.demo.run_demo's), here so that the parser loads no torch.
+#: The demo's defaults (radixkv.demo.job.run_demo's), here so that the parser loads no torch.
 DEMO_DEFAULTS = {"requests": 96, "tokens_per_block": 16, "page_size": 16}
 
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "demo":
-        from radixkv.demo import run_demo, run_walkthrough
+        from radixkv.demo.job import run_demo, run_walkthrough
         from radixkv.errors import InvalidArgumentError
 
         if args.walkthrough:

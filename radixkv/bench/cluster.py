@@ -28,9 +28,9 @@ import numpy as np
 
 from radixkv.bench.progress import Progress, ProgressBar
 from radixkv.bench.router_index import DynamoIndex, PyRadixIndex, make_index
+from radixkv.cache.hybrid.state_events import CacheEvent
 from radixkv.cache.kv_events import KVEvent
 from radixkv.cache.radix_cache import RadixCache
-from radixkv.cache.state_events import CacheEvent
 from radixkv.errors import AlignmentError, InvalidArgumentError, InvariantError, RadixKVError
 from radixkv.events.dynamo import DynamoEventAdapter, compute_block_hash_for_seq
 

@@ -23,8 +23,8 @@ import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache import RadixCache
-from radixkv.cache.mamba_policies import FlopModel, FlopStateOrder, StateEvictionOrder
-from radixkv.cache.mamba_radix_cache import MambaMatchResult, MambaRadixCache
+from radixkv.cache.hybrid.mamba_policies import FlopModel, FlopStateOrder, StateEvictionOrder
+from radixkv.cache.hybrid.mamba_radix_cache import MambaMatchResult, MambaRadixCache
 from radixkv.cache.radix_cache import MatchResult
 from radixkv.errors import InvalidArgumentError
 from radixkv.memory import HybridReqToTokenPool, KimiLinearStateShape, MambaPool, ReqToTokenPool

@@ -81,7 +81,7 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
 
 def hybrid_settings(args: argparse.Namespace) -> HybridSettings:
     """Validated hybrid settings from parsed flags. Raises InvalidArgumentError."""
-    from radixkv.cache.mamba_policies import ADMISSION_POLICIES
+    from radixkv.cache.hybrid.mamba_policies import ADMISSION_POLICIES
 
     engine = args.engine or "tree"
     if engine not in HYBRID_ENGINES:

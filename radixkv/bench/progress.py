@@ -8,7 +8,11 @@ from __future__ import annotations
 import sys
 from typing import Protocol, TextIO
 
-from tqdm import tqdm
+try:
+    from tqdm import tqdm
+except ImportError as e:  # the `bench` extra
+    raise ImportError("radixkv bench and radixkv demo draw progress bars with tqdm: "
+                      "pip install 'radixkv[bench]'") from e
 
 __all__ = ["Progress", "ProgressBar"]
 

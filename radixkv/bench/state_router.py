@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from radixkv.cache.block_hash import DEFAULT_SEED, Seed, block_hashes, chain_root
+from radixkv.cache.hybrid.state_events import CacheEvent, any_event_from_dict
 from radixkv.cache.kv_events import AllBlocksCleared
-from radixkv.cache.state_events import CacheEvent, any_event_from_dict
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 from radixkv.events.dynamo import DynamoEventAdapter, DynamoNamespace, default_namespace, tokens_hashes
 from radixkv.events.state_index import StateIndex

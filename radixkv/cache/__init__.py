@@ -5,12 +5,13 @@
   its request-level entry points (``req_cache``), eviction (``leaf_eviction``) and audit
   (``tree_audit``); the compiled walks (``native``, ``csrc/``);
 * :class:`MambaRadixCache`: the hybrid-model tree whose nodes also hold Mamba state slots
-  (``mamba_radix_cache``; its state table ``state_table``, audit ``mamba_audit``, policies
-  ``mamba_policies``, request entry points ``mamba_req_cache``);
+  (``hybrid/``: ``mamba_radix_cache``; its state table ``state_table``, audit ``mamba_audit``,
+  policies ``mamba_policies``, request entry points ``mamba_req_cache``, state events
+  ``state_events``);
 * :class:`RadixKey`: the compact int32 key (``radix_key``); :class:`TreeNode` (``tree_node``);
 * eviction policies (``policies/``), named in one registry (``eviction``: :func:`register_policy`);
-* :class:`CacheMetrics` (``metrics``); KV events (``kv_events``) and state events
-  (``state_events``); the KV conservation law (``kv_conservation``).
+* :class:`CacheMetrics` (``metrics``); KV events (``kv_events``); the KV conservation law
+  (``kv_conservation``).
 """
 from radixkv.cache.eviction import (
     EvictionPolicy,
@@ -18,7 +19,7 @@ from radixkv.cache.eviction import (
     make_policy,
     register_policy,
 )
-from radixkv.cache.mamba_radix_cache import MambaMatchResult, MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaMatchResult, MambaRadixCache
 from radixkv.cache.metrics import CacheMetrics, MetricsSnapshot
 from radixkv.cache.radix_cache import MatchResult, RadixCache
 from radixkv.cache.radix_key import RadixKey

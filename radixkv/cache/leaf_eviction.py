@@ -9,27 +9,28 @@ eviction costs O(evicted nodes x log L).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from radixkv.cache.tree_node import TreeNode, sync_only
 from radixkv.validation import check_count
 
 if TYPE_CHECKING:
+    from radixkv.cache.leaf_index import LeafIndex
     from radixkv.cache.radix_cache import RadixCache
 
 __all__ = ["evict", "pop_victim"]
 
 
-def pop_victim(cache: RadixCache) -> TreeNode | None:
-    """Remove and return the front of ``cache``'s evictable-leaf index (the policy's next
-    victim), or ``None`` when it is empty. A leaf whose key went stale since it was filed
-    (lazy policies) is re-filed first. The one place both trees take a victim.
+def pop_victim(leaves: LeafIndex[TreeNode], sort_key: Callable[[TreeNode], Any] | None) -> TreeNode | None:
+    """Remove and return the front of the evictable-leaf index ``leaves`` (the policy's next
+    victim), or ``None`` when it is empty. With ``sort_key`` (lazy policies) a leaf whose key
+    went stale since it was filed is re-filed first. The one place both trees take a victim.
     O(log L) amortized."""
-    leaves = cache._leaves
     while (node := leaves.pop()) is not None:  # one O(log L) step; put back below when stale
-        if cache._lazy:
+        if sort_key is not None:
             try:
-                k = cache._sort_key(node)
+                k = sort_key(node)
             except BaseException:  # a policy's sort_key failed: the index stays as it was
                 leaves.add(node)
                 raise
@@ -61,8 +62,9 @@ def evict(cache: RadixCache, num_tokens: int) -> int:
     pb = cache._pb
     freed: list[bytes] = []
     evicted = 0
+    stale_key = sort_key if cache._lazy else None
     while evicted < num_tokens:
-        node = pop_victim(cache)
+        node = pop_victim(leaves, stale_key)
         if node is None:
             break
         kb = node.kbuf

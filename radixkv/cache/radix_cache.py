@@ -433,11 +433,11 @@ class RadixCache(InsertMixin):
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the node ids / rows unless the tree, its sizes,
         its leaf index, its rows and its events agree (:func:`radixkv.cache.tree_audit.check_invariants`)."""
-        tree_audit.check_invariants(self)
+        tree_audit.check_invariants(self, self._heads, self._leaves, self._sort_key, self._lazy)
 
     def pretty_print(self, max_tokens: int = 8) -> str:
         """The tree as text, one node a line (:func:`radixkv.cache.tree_audit.pretty_print`)."""
-        return tree_audit.pretty_print(self, max_tokens)
+        return tree_audit.pretty_print(self, self._heads, max_tokens)
 
     # ------------------------------------------------------------------ helpers
     def _new_id(self) -> int:

@@ -6,8 +6,8 @@ hot path.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvariantError, describe_ids
 
 if TYPE_CHECKING:
+    from radixkv.cache.leaf_index import LeafIndex
     from radixkv.cache.radix_cache import RadixCache
 
 __all__ = ["check_invariants", "pretty_print"]
@@ -25,8 +26,10 @@ def _fail(msg: str, ids: Iterable[int]) -> None:
     raise InvariantError(f"RadixCache: {msg}: nodes {describe_ids(ids)}")
 
 
-def check_invariants(cache: RadixCache) -> None:
-    """Raise :class:`InvariantError` naming the offending node ids / rows unless the tree holds.
+def check_invariants(cache: RadixCache, heads: Mapping[Hashable, NamespaceHead], leaves: LeafIndex[TreeNode],
+                     sort_key: Callable[[TreeNode], Any], lazy: bool) -> None:
+    """Raise :class:`InvariantError` naming the offending node ids / rows unless the tree holds,
+    over the cache's ``heads``, leaf index ``leaves``, policy key ``sort_key``, filing mode ``lazy``.
 
     Checked: namespace heads; parent links, child keys and ``only``; whole pages, as many rows
     as tokens; lock counts (a parent locked at least as often as its child); the size split
@@ -35,8 +38,7 @@ def check_invariants(cache: RadixCache) -> None:
     the allocator; with events, one hash per page and the recorder's blocks equal to the tree's;
     the policy's own state. The list in full: ``docs/internals.md``, "What the tree audit checks".
     """
-    pb = cache._pb
-    heads = cache._heads
+    pb = cache.page_size * 4  # bytes of a page of int32 tokens
     if None not in heads:
         raise InvariantError("RadixCache: the None namespace has no head")
     for extra, head in heads.items():
@@ -78,11 +80,11 @@ def check_invariants(cache: RadixCache) -> None:
                 protected += n >> 2
             else:
                 evictable += n >> 2
-    if (evictable, protected) != (cache._evictable, cache._protected):
+    sizes = (cache.evictable_size(), cache.protected_size())
+    if (evictable, protected) != sizes:
         raise InvariantError(
-            f"RadixCache: sizes evictable/protected {cache._evictable}/{cache._protected} "
-            f"!= tree {evictable}/{protected}")
-    _check_leaves(cache, nodes)
+            f"RadixCache: sizes evictable/protected {sizes[0]}/{sizes[1]} != tree {evictable}/{protected}")
+    _check_leaves(nodes, leaves, sort_key, lazy)
     _check_rows(cache, nodes)
     if cache.kv_events is not None:
         _check_events(cache, nodes)
@@ -91,11 +93,12 @@ def check_invariants(cache: RadixCache) -> None:
     cache.policy.check_invariants(nodes)
 
 
-def _check_leaves(cache: RadixCache, nodes: list[TreeNode]) -> None:
+def _check_leaves(nodes: list[TreeNode], leaves: LeafIndex[TreeNode], sort_key: Callable[[TreeNode], Any],
+                  lazy: bool) -> None:
     expected = {id(n): n for n in nodes if not n.children and n.lock_ref == 0}
-    filed = {id(n): n for n in cache._leaves}
-    if len(filed) != len(cache._leaves):
-        _fail("a leaf filed twice", [n.id for n in cache._leaves])
+    filed = {id(n): n for n in leaves}
+    if len(filed) != len(leaves):
+        _fail("a leaf filed twice", [n.id for n in leaves])
     missing = [n.id for k, n in expected.items() if k not in filed]
     extra = [n.id for k, n in filed.items() if k not in expected]
     if missing or extra:
@@ -104,14 +107,13 @@ def _check_leaves(cache: RadixCache, nodes: list[TreeNode]) -> None:
     unfiled_with_key = [n.id for n in nodes if id(n) not in filed and n.skey is not None]
     if unfiled_with_key:
         _fail("nodes carry a sort key but are not filed", unfiled_with_key)
-    sort_key = cache._sort_key
-    if cache._lazy:
+    if lazy:
         stale = [n.id for n in filed.values() if n.skey is None or sort_key(n) < n.skey]
     else:
         stale = [n.id for n in filed.values() if n.skey is None or sort_key(n) != n.skey]
     if stale:
         _fail("leaves filed under a wrong sort key", stale)
-    cache._leaves.check_invariants()
+    leaves.check_invariants()
 
 
 def _check_rows(cache: RadixCache, nodes: list[TreeNode]) -> None:
@@ -141,7 +143,7 @@ def _check_rows(cache: RadixCache, nodes: list[TreeNode]) -> None:
 
 
 def _check_events(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    pb = cache._pb
+    pb = cache.page_size * 4
     bad = [n.id for n in nodes if n.block_hashes is None or len(n.block_hashes) != len(n.kbuf) // pb]
     if bad:
         _fail("nodes without one block hash per page", bad)
@@ -154,13 +156,13 @@ def _check_events(cache: RadixCache, nodes: list[TreeNode]) -> None:
                              f"the tree {sum(hashes.values())}")
 
 
-def pretty_print(cache: RadixCache, max_tokens: int = 8) -> str:
-    """The tree as text (namespaces, then nodes depth-first, children in key order): one
-    line per node with its id, length, lock count, first tokens and rows. Deterministic,
+def pretty_print(cache: RadixCache, heads: Mapping[Hashable, NamespaceHead], max_tokens: int = 8) -> str:
+    """The tree as text (namespaces ``heads``, then nodes depth-first, children in key order):
+    one line per node with its id, length, lock count, first tokens and rows. Deterministic,
     so two prints compare equal exactly when the trees do (up to ``max_tokens``)."""
     lines = []
-    for extra in sorted(cache._heads, key=repr):
-        head = cache._heads[extra]
+    for extra in sorted(heads, key=repr):
+        head = heads[extra]
         lines.append(f"namespace {extra!r} (head #{head.id})")
         stack = [(c, 1) for _, c in sorted(head.children.items(), reverse=True)]
         while stack:

@@ -4,13 +4,12 @@ A remote client answers a decode call itself when every request of it holds >= 2
 KV slots (``radixkv.service.client.local_decode``), then sends the manager the calls it
 answered, to run as ``alloc_decode`` each. Such a call takes each request's front reserved
 slot, writes it into the request's row and appends the token: no allocator call, no
-eviction, no top-up. :func:`replay_decodes` (run by ``CacheEngine.replay_decodes``) runs
-the longest leading run of the calls for which that holds, as ONE batched update (one
-``req_to_token`` write, one append per request) leaving the engine exactly as the calls one
-by one would; the caller runs the rest with ``CacheEngine.alloc_decode`` (which raises the
-error of a bad call with its own checks and message). A call whose validity is in any doubt (a bad or foreign rid, a rid
-twice in it, a request with < 2 reserved slots at that point, at ``max_context_len`` or the
-row width, hybrid state tracking) ends the run before it; nothing is changed for it.
+eviction, no top-up. :func:`replay_decodes` (``CacheEngine.replay_decodes``) runs the
+longest leading run of the calls for which that holds as ONE batched update (one
+``req_to_token`` write, one append per request); the caller runs the rest with
+``alloc_decode`` (which raises a bad call's error). A call whose validity is in any doubt (a
+bad or foreign rid, a rid twice in it, a request with < 2 reserved slots at that point, at
+``max_context_len`` or the row width, hybrid state tracking) ends the run before it.
 
 Cost: O(items + distinct requests), vectorized but for one loop over the distinct requests.
 """

@@ -78,7 +78,7 @@ from radixkv.validation import (
 )
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
     from radixkv.cache.metrics import MetricsSnapshot
     from radixkv.engine.buffers import WorkerBuffers
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
+from radixkv.cache.hybrid.mamba_audit import StateConservation
 from radixkv.cache.kv_conservation import check_conservation, conservation
-from radixkv.cache.mamba_audit import StateConservation
 from radixkv.engine.protocol import EngineStats
 from radixkv.errors import InvariantError
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
     from radixkv.cache.radix_cache import RadixCache
     from radixkv.engine.config import EngineConfig
     from radixkv.engine.pools import EnginePools

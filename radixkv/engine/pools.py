@@ -169,7 +169,7 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
     """The prefix tree over ``pools`` as the config asks (policy, admission, events).
 
     KV-only models get a :class:`RadixCache`. Hybrid models get a
-    :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` over the hybrid request pool
+    :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` over the hybrid request pool
     (its ``mamba_pool`` holds the states): ``eviction_policy`` orders the full (KV) eviction,
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states only at request ends and branch-off points; ``none`` disables the
@@ -184,7 +184,7 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
                                 layout_fingerprint=kv_fingerprint(c), disable=c.admission_policy == "none",
                                 enable_kv_events=c.enable_kv_events)
     if c.is_hybrid:
-        from radixkv.cache.mamba_radix_cache import MambaRadixCache
+        from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 
         return MambaRadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
                                eviction_policy=c.eviction_policy, admission_policy=c.admission_policy,

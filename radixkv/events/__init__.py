@@ -4,7 +4,7 @@
 * :mod:`~radixkv.events.zmq_publisher`: vLLM's ZMQ outlet (PUB + replay ROUTER);
 * :mod:`~radixkv.events.dynamo`: NVIDIA Dynamo ``KvCacheEvent`` JSON and its ``tokens_hash``;
 * :mod:`~radixkv.events.state_index`: the index of hybrid models' state events (the events
-  themselves and their recorder are :mod:`radixkv.cache.state_events`);
+  themselves and their recorder are :mod:`radixkv.cache.hybrid.state_events`);
 * :mod:`~radixkv.events.sources`: draining a cache, recorder or engine.
 
 The names below load their module on first use, so one outlet's dependency (``pyzmq``,
@@ -17,11 +17,11 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover  (what mypy sees of the lazy names below)
-    from radixkv.cache.state_events import HybridEventRecorder as HybridEventRecorder
-    from radixkv.cache.state_events import StateRemoved as StateRemoved
-    from radixkv.cache.state_events import StateStored as StateStored
-    from radixkv.cache.state_events import any_event_from_dict as any_event_from_dict
-    from radixkv.cache.state_events import split_state_events as split_state_events
+    from radixkv.cache.hybrid.state_events import HybridEventRecorder as HybridEventRecorder
+    from radixkv.cache.hybrid.state_events import StateRemoved as StateRemoved
+    from radixkv.cache.hybrid.state_events import StateStored as StateStored
+    from radixkv.cache.hybrid.state_events import any_event_from_dict as any_event_from_dict
+    from radixkv.cache.hybrid.state_events import split_state_events as split_state_events
     from radixkv.events.dynamo import DynamoEventAdapter as DynamoEventAdapter
     from radixkv.events.dynamo import DynamoNamespace as DynamoNamespace
     from radixkv.events.dynamo import compute_block_hash_for_seq as compute_block_hash_for_seq
@@ -37,9 +37,9 @@ if TYPE_CHECKING:  # pragma: no cover  (what mypy sees of the lazy names below)
     from radixkv.events.zmq_publisher import ZmqEventPublisher as ZmqEventPublisher
 
 _EXPORTS = {
-    "HybridEventRecorder": "radixkv.cache.state_events", "StateRemoved": "radixkv.cache.state_events",
-    "StateStored": "radixkv.cache.state_events", "any_event_from_dict": "radixkv.cache.state_events",
-    "split_state_events": "radixkv.cache.state_events",
+    "HybridEventRecorder": "radixkv.cache.hybrid.state_events", "StateRemoved": "radixkv.cache.hybrid.state_events",
+    "StateStored": "radixkv.cache.hybrid.state_events", "any_event_from_dict": "radixkv.cache.hybrid.state_events",
+    "split_state_events": "radixkv.cache.hybrid.state_events",
     "StateIndex": "radixkv.events.state_index", "UsableOverlap": "radixkv.events.state_index",
     "decode_batch": "radixkv.events.vllm_wire", "encode_batch": "radixkv.events.vllm_wire",
     **dict.fromkeys(("DynamoEventAdapter", "DynamoNamespace", "compute_block_hash_for_seq", "default_namespace",

@@ -23,8 +23,8 @@ import numpy as np
 import xxhash
 
 from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.hybrid.state_events import CacheEvent, any_event_from_dict, is_state_event
 from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from radixkv.cache.state_events import CacheEvent, any_event_from_dict, is_state_event
 from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,

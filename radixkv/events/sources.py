@@ -10,7 +10,7 @@ every outlet: each source has one queue, and an event taken is gone from it.
 """
 from __future__ import annotations
 
-from radixkv.cache.state_events import CacheEvent, as_events
+from radixkv.cache.hybrid.state_events import CacheEvent, as_events
 from radixkv.errors import InvalidArgumentError
 
 __all__ = ["drain_events"]

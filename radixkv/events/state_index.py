@@ -2,7 +2,7 @@
 live recurrent states) and :class:`UsableOverlap`.
 
 The event types, their dict codec and the producer (:class:`HybridEventRecorder`, which
-the hybrid tree records with) are in :mod:`radixkv.cache.state_events` (the rules a
+the hybrid tree records with) are in :mod:`radixkv.cache.hybrid.state_events` (the rules a
 consumer relies on: ``docs/events.md``, section 3).
 """
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from radixkv.cache.state_events import (
+from radixkv.cache.hybrid.state_events import (
     CacheEvent,
     StateRemoved,
     StateStored,
     any_event_from_dict,
 )
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from radixkv.errors import InvalidArgumentError, InvariantError, describe_ids
 
 __all__ = ["StateIndex", "UsableOverlap"]

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
+from radixkv.cache.hybrid.state_events import CacheEvent, StateRemoved, StateStored, as_events, is_state_event
 from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from radixkv.cache.state_events import CacheEvent, StateRemoved, StateStored, as_events, is_state_event
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 
 __all__ = ["LAYOUTS", "STATE_POLICIES", "encode_batch", "encode_event", "decode_batch", "as_events"]

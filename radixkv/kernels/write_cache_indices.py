@@ -103,55 +103,15 @@ def prepare_write_batch(
 
     Complexity: O(batch) host work plus one concatenation of the prefixes.
     """
-    if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2:
-        raise InvalidArgumentError("req_to_token must be a 2-D tensor")
-    if req_to_token.dtype not in _INT_DTYPES:
-        raise InvalidArgumentError(f"req_to_token must be an integer tensor, got {req_to_token.dtype}")
-    if not isinstance(out_cache_loc, torch.Tensor) or out_cache_loc.dim() != 1:
-        raise InvalidArgumentError("out_cache_loc must be a 1-D tensor")
-    if out_cache_loc.dtype not in _INT_DTYPES:
-        raise InvalidArgumentError(f"out_cache_loc must be an integer tensor, got {out_cache_loc.dtype}")
+    _check_table_and_slots(req_to_token, out_cache_loc)
     rows = _as_cpu_int64(req_pool_indices, "req_pool_indices")
     pre = _as_cpu_int64(prefix_lens, "prefix_lens")
     seq = _as_cpu_int64(seq_lens, "seq_lens")
     ext = _as_cpu_int64(extend_lens, "extend_lens")
     bs = rows.numel()
-    sizes = {"req_pool_indices": bs, "prefix_lens": pre.numel(), "seq_lens": seq.numel(),
-             "extend_lens": ext.numel(), "prefix_tensors": len(prefix_tensors)}
-    if len(set(sizes.values())) != 1:
-        raise LengthMismatchError(f"per-request arrays differ in length: {sizes}")
-    if bs and (int(pre.min()) < 0 or int(ext.min()) < 0):
-        raise InvalidArgumentError("prefix_lens and extend_lens must be non-negative")
-    bad = torch.nonzero(seq != pre + ext).flatten()
-    if bad.numel():
-        raise LengthMismatchError(
-            f"seq_lens != prefix_lens + extend_lens for batch entries {describe_ids(bad.tolist())}"
-        )
-    n_rows, width = req_to_token.shape
-    lo = 0 if allow_row_zero else 1
-    bad = torch.nonzero((rows < lo) | (rows >= n_rows)).flatten()
-    if bad.numel():
-        raise InvalidIndexError(
-            f"req_pool_indices {describe_ids(rows[bad].tolist())} outside rows [{lo}, {n_rows})"
-        )
-    if torch.unique(rows).numel() != bs:
-        vals, counts = torch.unique(rows, return_counts=True)
-        raise InvalidArgumentError(f"rows written twice in one batch: {describe_ids(vals[counts > 1].tolist())}")
-    bad = torch.nonzero(seq > width).flatten()
-    if bad.numel():
-        raise InvalidIndexError(
-            f"seq_lens of batch entries {describe_ids(bad.tolist())} exceed the table width {width}"
-        )
-    plens = [int(t.numel()) for t in prefix_tensors]
-    mism = [i for i, (a, b) in enumerate(zip(plens, pre.tolist())) if a != b]
-    if mism:
-        raise LengthMismatchError(f"prefix tensors whose length is not prefix_lens[i]: entries {describe_ids(mism)}")
-    n_ext = int(ext.sum()) if bs else 0
-    if out_cache_loc.numel() != n_ext:
-        raise LengthMismatchError(f"out_cache_loc has {out_cache_loc.numel()} slots, extend_lens sum to {n_ext}")
-    for i, t in enumerate(prefix_tensors):
-        if t.numel() and t.dtype not in _INT_DTYPES:
-            raise InvalidArgumentError(f"prefix_tensors[{i}] must be integer, got {t.dtype}")
+    _check_lengths(rows, pre, seq, ext, len(prefix_tensors))
+    _check_rows(rows, seq, req_to_token.shape, allow_row_zero)
+    plens = _check_prefixes(prefix_tensors, pre, ext, out_cache_loc)
 
     dev = req_to_token.device
     if bs and sum(plens):
@@ -170,6 +130,73 @@ def prepare_write_batch(
         seq_lens_cpu=seq,
         prefix_lens_cpu=pre,
     )
+
+
+def _check_table_and_slots(req_to_token: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+    """``req_to_token`` a 2-D and ``out_cache_loc`` a 1-D integer tensor."""
+    if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2:
+        raise InvalidArgumentError("req_to_token must be a 2-D tensor")
+    if req_to_token.dtype not in _INT_DTYPES:
+        raise InvalidArgumentError(f"req_to_token must be an integer tensor, got {req_to_token.dtype}")
+    if not isinstance(out_cache_loc, torch.Tensor) or out_cache_loc.dim() != 1:
+        raise InvalidArgumentError("out_cache_loc must be a 1-D tensor")
+    if out_cache_loc.dtype not in _INT_DTYPES:
+        raise InvalidArgumentError(f"out_cache_loc must be an integer tensor, got {out_cache_loc.dtype}")
+
+
+def _check_lengths(rows: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor, ext: torch.Tensor,
+                   n_prefixes: int) -> None:
+    """The per-request arrays (and ``n_prefixes`` prefix tensors) of one length, the lengths
+    non-negative and ``seq == pre + ext``. O(batch)."""
+    bs = rows.numel()
+    sizes = {"req_pool_indices": bs, "prefix_lens": pre.numel(), "seq_lens": seq.numel(),
+             "extend_lens": ext.numel(), "prefix_tensors": n_prefixes}
+    if len(set(sizes.values())) != 1:
+        raise LengthMismatchError(f"per-request arrays differ in length: {sizes}")
+    if bs and (int(pre.min()) < 0 or int(ext.min()) < 0):
+        raise InvalidArgumentError("prefix_lens and extend_lens must be non-negative")
+    bad = torch.nonzero(seq != pre + ext).flatten()
+    if bad.numel():
+        raise LengthMismatchError(
+            f"seq_lens != prefix_lens + extend_lens for batch entries {describe_ids(bad.tolist())}"
+        )
+
+
+def _check_rows(rows: torch.Tensor, seq: torch.Tensor, shape: tuple[int, ...], allow_row_zero: bool) -> None:
+    """Each row inside the table of ``shape`` (row 0 only with ``allow_row_zero``), none twice,
+    and each ``seq_len`` within its width. O(batch log batch)."""
+    n_rows, width = shape
+    lo = 0 if allow_row_zero else 1
+    bad = torch.nonzero((rows < lo) | (rows >= n_rows)).flatten()
+    if bad.numel():
+        raise InvalidIndexError(
+            f"req_pool_indices {describe_ids(rows[bad].tolist())} outside rows [{lo}, {n_rows})"
+        )
+    if torch.unique(rows).numel() != rows.numel():
+        vals, counts = torch.unique(rows, return_counts=True)
+        raise InvalidArgumentError(f"rows written twice in one batch: {describe_ids(vals[counts > 1].tolist())}")
+    bad = torch.nonzero(seq > width).flatten()
+    if bad.numel():
+        raise InvalidIndexError(
+            f"seq_lens of batch entries {describe_ids(bad.tolist())} exceed the table width {width}"
+        )
+
+
+def _check_prefixes(prefix_tensors: Sequence[torch.Tensor], pre: torch.Tensor, ext: torch.Tensor,
+                    out_cache_loc: torch.Tensor) -> list[int]:
+    """Prefix tensor ``i`` of ``pre[i]`` integer slots, ``out_cache_loc`` of ``sum(ext)``;
+    returns the prefix lengths. O(batch)."""
+    plens = [int(t.numel()) for t in prefix_tensors]
+    mism = [i for i, (a, b) in enumerate(zip(plens, pre.tolist())) if a != b]
+    if mism:
+        raise LengthMismatchError(f"prefix tensors whose length is not prefix_lens[i]: entries {describe_ids(mism)}")
+    n_ext = int(ext.sum()) if ext.numel() else 0
+    if out_cache_loc.numel() != n_ext:
+        raise LengthMismatchError(f"out_cache_loc has {out_cache_loc.numel()} slots, extend_lens sum to {n_ext}")
+    for i, t in enumerate(prefix_tensors):
+        if t.numel() and t.dtype not in _INT_DTYPES:
+            raise InvalidArgumentError(f"prefix_tensors[{i}] must be integer, got {t.dtype}")
+    return plens
 
 
 def write_cache_indices_torch(req_to_token: torch.Tensor, b: WriteBatch) -> None:

@@ -179,14 +179,13 @@ def _alloc_extend_slots(batch: Batch, pre: torch.Tensor, seq: torch.Tensor, ext:
 def alloc_for_extend(batch: Batch) -> torch.Tensor:
     """Prepare ``batch`` for an extend (prefill) step; return ``out_cache_loc``.
 
-    Match and lock each new request's prefix (``fill_ids[:T - 1]``, ``T = batch.target_len(i)``:
-    one token is always computed) and give it a row; a request with a row keeps it, its
-    committed tokens the prefix. Make room (evict), take rows (hybrid: and Mamba slots, the
-    matched states forked in), take KV slots for ``prefix_len .. T``, write prefix and new
-    slots into the rows; set ``prefix_indices``, ``last_node``, ``cache_protected_len`` (new
-    requests), ``kv_committed_len = T`` and the batch tensors. Raises (nothing changes or
-    leaks) ``InvalidArgumentError`` (a bad target or request), ``CapacityError`` (row width,
-    rows or slots even after eviction). Cost: O(bs) matches, O(tokens) vectorized, one evict.
+    Match and lock each new request's prefix (``fill_ids[:T - 1]``, ``T = batch.target_len(i)``;
+    a request with a row keeps it, its committed tokens the prefix), make room (evict), take
+    rows (hybrid: Mamba slots, matched states forked in) and KV slots for ``prefix_len .. T``,
+    write both into the rows; set ``prefix_indices``, ``last_node``, ``cache_protected_len``
+    (new requests), ``kv_committed_len = T`` and the batch tensors. Raises (nothing changes
+    or leaks) ``InvalidArgumentError`` (a bad target or request), ``CapacityError`` (row
+    width, rows or slots even after eviction). Cost: O(bs) matches, O(tokens), one evict.
     """
     reqs, pool, allocator, tree = batch.reqs, batch.req_to_token_pool, batch.allocator, batch.tree_cache
     targets = [batch.target_len(i) for i in range(len(reqs))]

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import xxhash
 
-from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
+from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError, MissingDependencyError
+from radixkv.storage.stats import StatsRecorder, StorageStats
 
 __all__ = ["HEADER_BYTES", "INSTALL_HINT", "MooncakeConfig", "MooncakeCounters", "MooncakeStorage"]
 
@@ -121,29 +122,25 @@ class MooncakeConfig:
 
 @dataclass
 class MooncakeCounters:
-    """Pages by outcome since the backend was opened. The first ten fields mean what the
-    storage tier's shared counters mean (``misses`` include ``corrupt`` and ``read_errors``;
-    ``write_errors`` every page not stored); ``unavailable`` pages met no connection."""
+    """The connection's counters (the pages' are :meth:`MooncakeStorage.stats`): pages that met
+    no connection (also counted as misses or write errors), failed ``batch_exists`` answers,
+    outages and (re)connections."""
 
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    read_errors: int = 0
-    writes: int = 0
-    write_errors: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    pages_asked: int = 0
-    pages_given: int = 0
-    exists_errors: int = 0
     unavailable: int = 0
+    exists_errors: int = 0
     disconnects: int = 0
     connects: int = 0
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+def _first_positions(keys: Sequence[str]) -> dict[str, int]:
+    """Each distinct key and the position of its first occurrence, in order."""
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    return first
 
 
 def _reachable(address: str, timeout_s: float) -> bool:
@@ -168,8 +165,8 @@ class MooncakeStorage:
     ``page_bytes`` is every page's size; a stored object of another size or header is a miss.
     Calls are serialised; none raises for the store's faults, none waits for a connection:
     :attr:`connected` says whether calls reach the store now. ``close()`` is idempotent.
-    Invariant (:meth:`check_invariants`): every page asked for is one hit or one miss, every
-    page written is stored or failed, and the registered buffers are those the store holds.
+    Invariant (:meth:`check_invariants`): the page counters (:meth:`stats`) agree, and the
+    registered buffers are those the store holds.
     """
 
     def __init__(self, master_address: str, metadata_url: str, page_bytes: int, **options: str) -> None:
@@ -181,13 +178,14 @@ class MooncakeStorage:
         try:
             from mooncake.store import MooncakeDistributedStore  # noqa: F401
         except ImportError as exc:
-            raise ImportError(f"mooncake:// storage needs {INSTALL_HINT} ({exc})") from exc
+            raise MissingDependencyError(f"mooncake:// storage needs {INSTALL_HINT} ({exc})") from exc
         self.page_bytes = page_bytes
         self._checksum = self.config.verify == "checksum"
         # the object format is in the key: managers with another ``verify`` miss, never misread
         self._store_prefix = f"{self.config.prefix}{'h' if self._checksum else 'p'}/"
         self._replicas = self._replicate_config()
         self.counters = MooncakeCounters()
+        self._stats = StatsRecorder()
         self._digest_cache: dict[str, bytes] = {}
         self._prefix = _MAGIC + struct.pack("<Q", page_bytes)
         self._call_lock = threading.Lock()
@@ -447,76 +445,101 @@ class MooncakeStorage:
     def batch_get(self, keys: Sequence[str], dst: torch.Tensor) -> list[bool]:
         """Read each page into its row of ``dst``; ``True`` only where the object has exactly the
         page's size and, with ``verify=checksum``, its header (key, xxh3) matches. A ``False``
-        row holds garbage."""
+        row holds garbage. A repeated key is read once and copied to its other rows (the store
+        fills one buffer per key, yet reports every repeat as read)."""
         self._check_rows(keys, dst, "dst")
         n = len(keys)
         with self._call_lock:
             t0 = time.perf_counter()
-            self.counters.pages_asked += n
             store = self._usable(n) if n else None
+            first = _first_positions(keys)
+            errors = corrupt = 0
             if store is None:
-                self.counters.misses += n
-                return [False] * n
-            mkeys, target, ptrs = self._plan(keys, dst, write=False)
-            if self._checksum:
-                hdr, parts, sizes = self._with_headers(ptrs)
-                codes = [int(c) for c in store.batch_get_into_multi_buffers(mkeys, parts, sizes)]
-                ok = self._verify(mkeys, hdr.numpy(), target.numpy(), codes)
+                ok = np.zeros(n, dtype=bool)
+            elif len(first) == n:
+                ok, errors, corrupt = self._get(store, keys, dst)
             else:
-                codes = [int(c) for c in store.batch_get_into(mkeys, ptrs, [self.page_bytes] * n)]
-                ok = np.asarray(codes, dtype=np.int64) == self.page_bytes
-            self.counters.read_errors += self._errors(codes, "get")
-            if target is not dst:
-                idx = torch.from_numpy(np.flatnonzero(ok))
-                dst[idx] = target[idx]
+                once = dst[list(first.values())]
+                ok_once, errors, corrupt = self._get(store, list(first), once)
+                slot = {k: j for j, k in enumerate(first)}
+                which = np.array([slot[k] for k in keys])
+                ok = ok_once[which]
+                hit = np.flatnonzero(ok)
+                dst[torch.from_numpy(hit)] = once[torch.from_numpy(which[hit])]
             hits = int(ok.sum())
-            c = self.counters
-            c.hits, c.misses, c.bytes_read = c.hits + hits, c.misses + n - hits, c.bytes_read + hits * self.page_bytes
-            c.read_seconds += time.perf_counter() - t0
+            self._stats.add(hits=hits, misses=n - hits, corrupt=corrupt, read_errors=errors,
+                            bytes_read=hits * self.page_bytes, read_seconds=time.perf_counter() - t0)
             return [bool(x) for x in ok]
 
-    def _verify(self, mkeys: Sequence[str], hdr: np.ndarray, rows: np.ndarray, codes: Sequence[int]) -> np.ndarray:
+    def _get(self, store: Any, keys: Sequence[str], dst: torch.Tensor) -> tuple[np.ndarray, int, int]:
+        """One read of distinct ``keys`` into ``dst``: which rows now hold their page, and how
+        many reads failed and how many pages were corrupt."""
+        n = len(keys)
+        mkeys, target, ptrs = self._plan(keys, dst, write=False)
+        if self._checksum:
+            hdr, parts, sizes = self._with_headers(ptrs)
+            codes = [int(c) for c in store.batch_get_into_multi_buffers(mkeys, parts, sizes)]
+            ok, corrupt = self._verify(mkeys, hdr.numpy(), target.numpy(), codes)
+        else:
+            codes = [int(c) for c in store.batch_get_into(mkeys, ptrs, [self.page_bytes] * n)]
+            ok, corrupt = np.asarray(codes, dtype=np.int64) == self.page_bytes, 0
+        errors = self._errors(codes, "get")
+        if target is not dst:
+            idx = torch.from_numpy(np.flatnonzero(ok))
+            dst[idx] = target[idx]
+        return ok, errors, corrupt
+
+    def _verify(self, mkeys: Sequence[str], hdr: np.ndarray, rows: np.ndarray, codes: Sequence[int]
+                ) -> tuple[np.ndarray, int]:
         got = np.asarray(codes, dtype=np.int64) == HEADER_BYTES + self.page_bytes
         head = np.frombuffer(self._prefix, dtype=np.uint8)
         good: np.ndarray = got & (hdr[:, :16] == head).all(axis=1) & (hdr[:, 24:56] == self._digests(mkeys)).all(axis=1)
         sums = hdr[:, 16:24].copy().view("<u8")[:, 0]
         for i in np.flatnonzero(good):
             good[i] = xxhash.xxh3_64_intdigest(rows[i]) == int(sums[i])
-        self.counters.corrupt += int((got & ~good).sum())
-        return good
+        return good, int((got & ~good).sum())
 
     def batch_set(self, keys: Sequence[str], src: torch.Tensor) -> list[bool]:
         """Write each row of ``src`` under its key (with its header under ``verify=checksum``);
-        ``True`` where stored (an object already there under that key counts as stored)."""
+        ``True`` where stored (an object already there under that key counts as stored). A
+        repeated key is written once, from its first row."""
         self._check_rows(keys, src, "src")
         n = len(keys)
         with self._call_lock:
             t0 = time.perf_counter()
-            self.counters.pages_given += n
             store = self._usable(n) if n else None
+            first = _first_positions(keys)
             if store is None:
-                self.counters.write_errors += n
-                return [False] * n
-            mkeys, target, ptrs = self._plan(keys, src, write=True)
-            if self._checksum:
-                hdr, parts, sizes = self._with_headers(ptrs)
-                rows = target.numpy()
-                sums = np.array([xxhash.xxh3_64_intdigest(rows[i]) for i in range(n)], dtype="<u8")
-                h = hdr.numpy()
-                h[:, :16] = np.frombuffer(self._prefix, dtype=np.uint8)
-                h[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
-                h[:, 24:56] = self._digests(mkeys)
-                h[:, 56:] = 0
-                codes = [int(c) for c in store.batch_put_from_multi_buffers(mkeys, parts, sizes, self._replicas)]
+                ok = [False] * n
+            elif len(first) == n:
+                ok = self._set(store, keys, src)
             else:
-                codes = [int(c) for c in store.batch_put_from(mkeys, ptrs, [self.page_bytes] * n, self._replicas)]
-            self._errors(codes, "put")
-            stored = sum(x >= 0 for x in codes)
-            c = self.counters
-            c.writes, c.write_errors = c.writes + stored, c.write_errors + n - stored
-            c.bytes_written += stored * self.page_bytes
-            c.write_seconds += time.perf_counter() - t0
-            return [x >= 0 for x in codes]
+                ok_once = self._set(store, list(first), src[list(first.values())])
+                slot = {k: j for j, k in enumerate(first)}
+                ok = [ok_once[slot[k]] for k in keys]
+            stored = sum(ok)
+            self._stats.add(writes=stored, write_errors=n - stored, bytes_written=stored * self.page_bytes,
+                            write_seconds=time.perf_counter() - t0)
+            return ok
+
+    def _set(self, store: Any, keys: Sequence[str], src: torch.Tensor) -> list[bool]:
+        """One write of distinct ``keys`` from ``src``: which are stored."""
+        n = len(keys)
+        mkeys, target, ptrs = self._plan(keys, src, write=True)
+        if self._checksum:
+            hdr, parts, sizes = self._with_headers(ptrs)
+            rows = target.numpy()
+            sums = np.array([xxhash.xxh3_64_intdigest(rows[i]) for i in range(n)], dtype="<u8")
+            h = hdr.numpy()
+            h[:, :16] = np.frombuffer(self._prefix, dtype=np.uint8)
+            h[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
+            h[:, 24:56] = self._digests(mkeys)
+            h[:, 56:] = 0
+            codes = [int(c) for c in store.batch_put_from_multi_buffers(mkeys, parts, sizes, self._replicas)]
+        else:
+            codes = [int(c) for c in store.batch_put_from(mkeys, ptrs, [self.page_bytes] * n, self._replicas)]
+        self._errors(codes, "put")
+        return [x >= 0 for x in codes]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -543,13 +566,14 @@ class MooncakeStorage:
             time.sleep(0.02)
         return self._connected
 
+    def stats(self) -> StorageStats:
+        """The pages' counters since this object was opened (the storage tier's shared type)."""
+        return self._stats.snapshot()
+
     def check_invariants(self) -> None:
-        c = self.counters
-        if c.hits + c.misses != c.pages_asked or c.corrupt + c.read_errors > c.misses:
-            raise InvariantError(f"mooncake: {c.hits} hits + {c.misses} misses (of which {c.corrupt} corrupt, "
-                                 f"{c.read_errors} read errors) for {c.pages_asked} pages asked for")
-        if c.writes + c.write_errors != c.pages_given:
-            raise InvariantError(f"mooncake: {c.writes} written + {c.write_errors} failed != {c.pages_given} given")
+        """The counters agree (``StatsRecorder.check_invariants``) and the registered buffers
+        are the buffer, headers and staging rows (while open)."""
+        self._stats.check_invariants(self.page_bytes)
         want = [t for t in (self._buffer, self._headers, self._staging) if t is not None and t.numel()]
         if not self._closed and sorted(map(id, want)) != sorted(map(id, self._registered)):
             raise InvariantError("mooncake: registered buffers differ from the buffer, headers and staging")

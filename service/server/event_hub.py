@@ -20,8 +20,8 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
+from radixkv.cache.hybrid.state_events import STATE_EVENT_TYPES
 from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from radixkv.cache.state_events import STATE_EVENT_TYPES
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError, describe_ids
 
 if TYPE_CHECKING:

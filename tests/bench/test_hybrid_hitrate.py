@@ -17,7 +17,7 @@ from radixkv.bench.hybrid_hitrate import (
     state_policy_label,
 )
 from radixkv.bench.workloads import make_workload
-from radixkv.cache.mamba_policies import FlopStateOrder
+from radixkv.cache.hybrid.mamba_policies import FlopStateOrder
 from radixkv.errors import InvalidArgumentError
 
 B = 8  # tokens per block of the synthetic chains

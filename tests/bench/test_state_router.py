@@ -14,8 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from radixkv.bench.state_router import StateAwareIndex, StateAwareScore
 from radixkv.cache.block_hash import block_hashes
-from radixkv.cache.state_events import StateRemoved, StateStored
-from radixkv.cache.state_table import StateTable
+from radixkv.cache.hybrid.state_events import StateRemoved, StateStored
+from radixkv.cache.hybrid.state_table import StateTable
 from radixkv.engine import CacheEngine, EngineConfig, ExtendItem, MatchQuery
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.events.sources import drain_events

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from radixkv.allocator import FreeSlots
 from radixkv.cache import RadixCache, RadixKey
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, RadixKVError
 from radixkv.memory import MambaPool
 

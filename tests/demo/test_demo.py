@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixkv import demo_workers
-from radixkv.demo import conversation_prompts, run_demo, run_walkthrough, token_hash
+from radixkv.demo import workers as demo_workers
+from radixkv.demo.job import conversation_prompts, run_demo, run_walkthrough, token_hash
 
 
 def _run(**kw):

@@ -13,15 +13,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from radixkv.bench.cluster import PyRadixIndex  # noqa: E402
 from radixkv.cache.block_hash import block_hashes
-from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from radixkv.cache.radix_cache import RadixCache
-from radixkv.cache.state_events import (
+from radixkv.cache.hybrid.state_events import (
     HybridEventRecorder,
     StateRemoved,
     StateStored,
     any_event_from_dict,
     split_state_events,
 )
+from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import (
     InvalidArgumentError,
     InvariantError,
@@ -326,7 +326,7 @@ def test_state_index_credits_only_prefixes_that_end_at_a_state():
 def hooked_mamba(page_size=2, slots=8):
     """A MambaRadixCache with KV events on: it emits state events (StateStored / StateRemoved)
     in order with the KV events."""
-    mrc = pytest.importorskip("radixkv.cache.mamba_radix_cache")
+    mrc = pytest.importorskip("radixkv.cache.hybrid.mamba_radix_cache")
     from radixkv.allocator import PagedTokenToKVPoolAllocator
     from radixkv.memory import HybridReqToTokenPool, MambaPool
 

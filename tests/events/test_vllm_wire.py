@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 msgspec = pytest.importorskip("msgspec")
 
+from radixkv.cache.hybrid.state_events import StateRemoved, StateStored  # noqa: E402
 from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 from radixkv.cache.radix_cache import RadixCache  # noqa: E402
-from radixkv.cache.state_events import StateRemoved, StateStored  # noqa: E402
 from radixkv.errors import InvalidArgumentError, LengthMismatchError  # noqa: E402
 from radixkv.events.vllm_wire import decode_batch, encode_batch  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.contracts import (
     HybridPrefixCache,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.cache.kv_conservation import check_conservation
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
 from radixkv.errors import CapacityError
 from radixkv.memory import HybridLinearKVPool, HybridReqToTokenPool, MambaPool, MHATokenToKVPool
 from radixkv.reference import HybridConfig, HybridModel, ModelCache

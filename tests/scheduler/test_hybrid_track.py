@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_hybrid_end_to_end import VOCAB, Runner, toks
 
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 from radixkv.memory import HybridReqToTokenPool
 from radixkv.scheduler.req import Req
@@ -211,7 +211,7 @@ def test_embedded_engine_issue_case(ps):
     2.5 pages, decode one token, finish; the same prompt again gets the last page end with a
     state hit (tracking is on by default at page sizes > 1), and its logits equal a
     from-scratch run."""
-    from radixkv.demo_workers import engine_config_for
+    from radixkv.demo.workers import engine_config_for
     from radixkv.engine import CacheEngine
     from radixkv.engine.protocol import DecodeItem, ExtendItem
     from radixkv.reference import HybridConfig, HybridModel, ModelCache

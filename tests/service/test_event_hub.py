@@ -12,8 +12,8 @@ from radixkv.service.server.servicer import encode_record
 from radixkv.service.wire import events as event_wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
+from radixkv.cache.hybrid.state_events import StateRemoved, StateStored
 from radixkv.cache.kv_events import AllBlocksCleared, BlockRemoved, KVEventRecorder
-from radixkv.cache.state_events import StateRemoved, StateStored
 from radixkv.errors import CapacityError, InvalidArgumentError, InvariantError
 
 

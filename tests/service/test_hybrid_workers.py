@@ -32,7 +32,7 @@ TOL = 1e-9
 def _setup(address, token, name):
     from radixkv.service.client import connect
 
-    from radixkv.demo_workers import demo_model_config
+    from radixkv.demo.workers import demo_model_config
     from radixkv.reference import HybridModel
 
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def worker_b(address, token, prompt, continuation, q):
 
 @pytest.fixture
 def hybrid_server(tmp_path):
-    from radixkv.demo_workers import demo_model_config, engine_config_for
+    from radixkv.demo.workers import demo_model_config, engine_config_for
 
     cfg = engine_config_for(demo_model_config(), page_size=PAGE, kv_tokens=1024, state_slots=8, request_rows=4,
                             max_context_len=256)
@@ -148,7 +148,7 @@ def hybrid_server(tmp_path):
 def test_worker_b_reuses_worker_a_kv_and_state_across_processes(hybrid_server):
     from radixkv.service.client import connect
 
-    from radixkv.demo_workers import demo_model_config
+    from radixkv.demo.workers import demo_model_config
     from radixkv.reference import HybridModel
 
     rng = np.random.default_rng(7)

@@ -1,10 +1,12 @@
 """The mooncake:// storage backend against a real ``mooncake_master`` on loopback (TCP).
 
-Each test starts its own master (``tests/storage/conftest.py``); without Mooncake they skip,
-naming what to install. Pages are seeded random bytes; a read is checked bit-equal.
+The fault tests start their own master, the others share one per module, each with its own
+keys (``tests/storage/conftest.py``); without Mooncake they skip, naming what to install.
+Pages are seeded random bytes; a read is checked bit-equal.
 """
 import contextlib
 import hashlib
+import itertools
 import multiprocessing as mp
 import sys
 import time
@@ -12,12 +14,16 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from tooling.mooncake_master import mooncake_missing
 
 from radixkv.contracts import StorageBackend
-from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.errors import InvalidArgumentError, LengthMismatchError, MissingDependencyError
 from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
 from radixkv.storage.mooncake import INSTALL_HINT, MooncakeConfig, MooncakeStorage
+from radixkv.storage.url import open_storage
 
 PB = 4096  # page bytes
 PAGE = 4  # tokens per page
@@ -41,7 +47,9 @@ def _pages(n: int, seed: int) -> torch.Tensor:
 
 
 def _open(url: str, rows: int = 300) -> tuple[MooncakeStorage, torch.Tensor]:
-    backend = MooncakeStorage.from_url(url, PB)
+    """A backend opened as a manager opens one (``open_storage``) and its registered buffer."""
+    backend = open_storage(url, page_bytes=PB)
+    assert isinstance(backend, MooncakeStorage)
     buf = torch.zeros((rows, PB), dtype=torch.uint8)
     backend.register_buffer(buf)
     return backend, buf
@@ -57,6 +65,12 @@ def _connected(url: str, rows: int = 300):
         backend.check_invariants()
     finally:
         backend.close()
+
+
+def _need_mooncake() -> None:
+    why = mooncake_missing()
+    if why is not None:
+        pytest.skip(why)
 
 
 def _url(master, **params) -> str:
@@ -103,13 +117,11 @@ def test_built_as_open_storage_builds_it():
     with pytest.raises(InvalidArgumentError):
         MooncakeStorage(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata",
                         page_bytes=PB, segment_bytes="many")
-    why = mooncake_missing()
-    if why is not None:
-        pytest.skip(why)
+    _need_mooncake()
     backend = MooncakeStorage(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata",
-                              page_bytes=PB, segment_bytes="1MiB", verify="checksum")
+                              page_bytes=PB, segment_bytes="16MiB", verify="checksum")
     try:
-        assert (backend.config.segment_bytes, backend.config.verify, backend.name) == (1 << 20, "checksum", "mooncake")
+        assert (backend.config.segment_bytes, backend.config.verify, backend.name) == (16 << 20, "checksum", "mooncake")
         assert backend.batch_exists(_keys(1)) == 0 and not backend.connected  # nothing listens there
     finally:
         backend.close()
@@ -117,7 +129,7 @@ def test_built_as_open_storage_builds_it():
 
 def test_without_mooncake_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as where it is missing
-    with pytest.raises(ImportError, match="libibverbs1"):
+    with pytest.raises(MissingDependencyError, match="libibverbs1"):
         MooncakeStorage.from_url("mooncake://127.0.0.1:1", PB)
 
 
@@ -192,6 +204,7 @@ def test_master_down_at_start_then_connects(mooncake_master):
         assert backend.batch_exists(keys) == 0
         assert backend.batch_get(keys, buf[4:8]) == [False] * 4
         assert not backend.connected and backend.counters.unavailable == 8
+        assert backend.stats()[:6] == (0, 4, 0, 0, 0, 4)  # hits, misses, corrupt, read errors, writes, errors
         backend.check_invariants()
         mooncake_master.start()
         assert backend.wait_connected(CONNECT_S)
@@ -217,10 +230,10 @@ def test_master_killed_mid_run_and_restarted(mooncake_master):
         assert backend.batch_get(keys, buf[8:16]) == [False] * 8
         assert backend.batch_set(keys, buf[:8]) == [False] * 8
         assert backend.batch_exists(keys) == 0
-        c = backend.counters
-        assert not backend.connected and c.disconnects == 1
-        assert c.misses == 8 and c.write_errors == 8  # the failed RPC, or the idle probe first:
-        assert c.read_errors + c.unavailable >= 8  # either way counted
+        st = backend.stats()
+        assert not backend.connected and backend.counters.disconnects == 1
+        assert st.misses == 8 and st.write_errors == 8  # the failed RPC, or the idle probe first:
+        assert st.read_errors + backend.counters.unavailable >= 8  # either way counted
         mooncake_master.start()
         assert backend.wait_connected(CONNECT_S)
         buf[8:16] = 0
@@ -259,7 +272,7 @@ def test_store_eviction_under_pressure_never_returns_wrong_bytes(mooncake_master
         hits = np.flatnonzero(got)
         assert torch.equal(buf[hits], pages[hits])
         assert any(w and not g for w, g in zip(wrote, got))  # written, then evicted: a miss
-        assert backend.counters.corrupt == 0
+        assert backend.stats().corrupt == 0
 
 
 def test_corrupt_page_is_a_miss_with_checksums(shared_mooncake, raw_store, ns):
@@ -272,12 +285,11 @@ def test_corrupt_page_is_a_miss_with_checksums(shared_mooncake, raw_store, ns):
         blob[-1] ^= 0xFF  # one payload bit pattern changed, header intact
         assert raw_store.remove(name, True) == 0 and raw_store.put(name, bytes(blob)) == 0
         assert backend.batch_get(keys, buf[2:4]) == [True, False]
-        assert backend.counters.corrupt == 1
+        assert backend.stats().corrupt == 1
 
 
-@pytest.mark.parametrize("verify", ["length", "checksum"])
-def test_other_layout_or_page_size_is_never_loaded(shared_mooncake, ns, verify):
-    url = _url(shared_mooncake, verify=verify)
+def test_other_layout_or_page_size_is_never_loaded(shared_mooncake, ns):
+    url = _url(shared_mooncake)
     backend, buf = _open(url)
     other = MooncakeStorage.from_url(url, PB // 2)  # a manager whose pages are half as large
     try:
@@ -297,6 +309,52 @@ def test_other_layout_or_page_size_is_never_loaded(shared_mooncake, ns, verify):
     finally:
         other.close()
         backend.close()
+
+
+# ----------------------------------------------------------------------------- against a model
+
+
+def test_state_machine_against_a_set_of_stored_pages(shared_mooncake, raw_store):
+    """Random writes, reads, exists and store-side removals of 16 pages against the set of
+    pages stored: a read is True exactly for stored pages, and then bit-equal."""
+    pages, names = _pages(16, 21), itertools.count()
+    with _connected(_url(shared_mooncake)) as (backend, buf):
+
+        class Pages(RuleBasedStateMachine):
+            def __init__(self):
+                super().__init__()
+                self.keys = _keys(16, ns=f"sm{next(names)}".encode())
+                self.stored: set[int] = set()
+
+            @rule(idx=st.lists(st.integers(0, 15), min_size=1, max_size=8, unique=True))
+            def write(self, idx):
+                buf[:len(idx)] = pages[idx]
+                assert backend.batch_set([self.keys[i] for i in idx], buf[:len(idx)]) == [True] * len(idx)
+                self.stored.update(idx)
+
+            @rule(idx=st.lists(st.integers(0, 15), min_size=1, max_size=8))
+            def read(self, idx):
+                rows = buf[100:100 + len(idx)]
+                rows.zero_()
+                assert backend.batch_get([self.keys[i] for i in idx], rows) == [i in self.stored for i in idx]
+                for r, i in enumerate(idx):
+                    assert i not in self.stored or torch.equal(rows[r], pages[i])
+
+            @rule(idx=st.lists(st.integers(0, 15), min_size=1, max_size=8))
+            def exists(self, idx):
+                lead = next((n for n, i in enumerate(idx) if i not in self.stored), len(idx))
+                assert backend.batch_exists([self.keys[i] for i in idx]) == lead
+
+            @rule(i=st.integers(0, 15))
+            def store_evicts(self, i):
+                raw_store.remove(backend.store_key(self.keys[i]), True)
+                self.stored.discard(i)
+
+            @invariant()
+            def counters_add_up(self):
+                backend.check_invariants()
+
+        run_state_machine_as_test(Pages, settings=settings(max_examples=12, stateful_step_count=12, deadline=None))
 
 
 # ----------------------------------------------------------------------------- batches
@@ -322,12 +380,20 @@ def test_batches_round_trip(shared_mooncake, ns, verify):
             outside = torch.zeros((n + 1, PB), dtype=torch.uint8)  # not registered: staged
             assert backend.batch_get(keys + missing, outside) == [True] * n + [False]
             assert torch.equal(outside[:n], pages) and not outside[n].any()
+            twice = [keys[0], keys[-1], keys[0], missing[0], keys[-1]]  # one read per key, copied
+            buf[300:305] = 0
+            assert backend.batch_get(twice, buf[300:305]) == [True, True, True, False, True]
+            assert torch.equal(buf[[300, 301, 302, 304]], pages[[0, n - 1, 0, n - 1]])
+            assert backend.batch_set(twice[:3], buf[300:303]) == [True] * 3
 
 
-def test_bad_arguments_raise_and_change_nothing(shared_mooncake):
-    backend, buf = _open(_url(shared_mooncake))
+def test_bad_arguments_raise_and_change_nothing():
+    _need_mooncake()
+    backend = MooncakeStorage.from_url("mooncake://127.0.0.1:1", PB)  # nothing listens: checks come first
+    buf = torch.zeros((2, PB), dtype=torch.uint8)
+    backend.register_buffer(buf)
     try:
-        before = backend.counters.snapshot()
+        before = backend.stats(), backend.counters.snapshot()
         with pytest.raises(InvalidArgumentError):
             backend.batch_get(_keys(2), torch.zeros((2, PB), dtype=torch.int32))
         with pytest.raises(InvalidArgumentError):
@@ -337,8 +403,8 @@ def test_bad_arguments_raise_and_change_nothing(shared_mooncake):
         with pytest.raises(InvalidArgumentError):
             backend.register_buffer(torch.zeros(8, dtype=torch.float32))
         with pytest.raises(InvalidArgumentError):
-            MooncakeStorage.from_url(_url(shared_mooncake), 0)
-        assert backend.counters.snapshot() == before
+            MooncakeStorage.from_url("mooncake://127.0.0.1:1", 0)
+        assert (backend.stats(), backend.counters.snapshot()) == before
     finally:
         backend.close()
     assert backend.batch_get(_keys(1), buf[:1]) == [False]  # closed: a miss, no error

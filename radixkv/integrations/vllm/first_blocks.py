@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -76,32 +76,48 @@ class FirstBlockIndex:
                 self.counters["streams"] += 1
 
     def apply(self, events: Iterable[Mapping[str, Any]]) -> None:
-        """Apply event dicts (``watch_events`` form), in order."""
+        """Apply event dicts (``watch_events`` form), in order; unknown kinds are counted only."""
         with self._mu:
             for e in events:
                 self.counters["events"] += 1
-                kind = e.get("type")
-                if kind == "BlockStored":
-                    if e.get("parent_block_hash") is None and e["block_hashes"]:
-                        tokens = np.asarray(e["token_ids"][:self.page_size], dtype=np.int32)
-                        key = self._key(e.get("extra_key"), tokens)
-                        h = int(e["block_hashes"][0])
-                        if h not in self._by_hash:
-                            self._by_hash[h] = key
-                            self._keys[key] += 1
-                elif kind == "BlockRemoved":
-                    for h in map(int, e["block_hashes"]):
-                        if h in self._by_hash:
-                            key = self._by_hash.pop(h)
-                            self._keys[key] -= 1
-                            if self._keys[key] <= 0:
-                                del self._keys[key]
-                elif kind == "AllBlocksCleared":
-                    self._keys.clear()
-                    self._by_hash.clear()
-                elif kind == "EventsLost":  # the stream skipped events: unsure until the next one
-                    self.counters["gaps"] += 1
-                    self._ready = False
+                handler = self._HANDLERS.get(e.get("type"))
+                if handler is not None:
+                    handler(self, e)
+
+    def _stored(self, e: Mapping[str, Any]) -> None:
+        """``BlockStored``: a chain's first page (no parent) maps its hash to its key."""
+        if e.get("parent_block_hash") is not None or not e["block_hashes"]:
+            return
+        tokens = np.asarray(e["token_ids"][:self.page_size], dtype=np.int32)
+        key = self._key(e.get("extra_key"), tokens)
+        h = int(e["block_hashes"][0])
+        if h not in self._by_hash:
+            self._by_hash[h] = key
+            self._keys[key] += 1
+
+    def _removed(self, e: Mapping[str, Any]) -> None:
+        """``BlockRemoved``: each known first-page hash leaves, its key's count drops."""
+        for h in map(int, e["block_hashes"]):
+            key = self._by_hash.pop(h, None)
+            if key is None:
+                continue
+            self._keys[key] -= 1
+            if self._keys[key] <= 0:
+                del self._keys[key]
+
+    def _cleared(self, e: Mapping[str, Any]) -> None:
+        """``AllBlocksCleared``: the index empties."""
+        self._keys.clear()
+        self._by_hash.clear()
+
+    def _lost(self, e: Mapping[str, Any]) -> None:
+        """``EventsLost``: the stream skipped events; unsure until the next (re)start."""
+        self.counters["gaps"] += 1
+        self._ready = False
+
+    #: One method per event kind (the others change nothing).
+    _HANDLERS: ClassVar[dict[object, Callable[[FirstBlockIndex, Mapping[str, Any]], None]]] = {
+        "BlockStored": _stored, "BlockRemoved": _removed, "AllBlocksCleared": _cleared, "EventsLost": _lost}
 
     def __len__(self) -> int:
         return len(self._by_hash)

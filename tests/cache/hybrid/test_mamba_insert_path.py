@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixkv.allocator import TokenToKVPoolAllocator
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
 from radixkv.memory import MambaPool
 

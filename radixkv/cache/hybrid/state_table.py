@@ -5,12 +5,12 @@ the table's own audit (pure bookkeeping: only the pool's free mask is read).
 ``end[slot]``: the position after the node's LAST token; it never changes (a split keeps the
 state on the lower half). ``pins[node]`` counts locks taken on that very node, so ``lock_ref
 == sum of pins over the subtree``; a state is protected while its node is pinned. ``lru``
-(:class:`~radixkv.cache.state_order.StateHeap`) and ``anc``
-(:class:`~radixkv.cache.state_order.StateAncestors`) are kept up to date by attach / detach.
+(:class:`~radixkv.cache.hybrid.state_order.StateHeap`) and ``anc``
+(:class:`~radixkv.cache.hybrid.state_order.StateAncestors`) are kept up to date by attach / detach.
 
 All methods are O(1) except :meth:`attach` (O(log S) amortized), :meth:`unpinned`
 (O(states)), :meth:`check_slots` (O(slots) plus one pool lookup) and the audits (O(tree)).
-The hybrid audit is :mod:`radixkv.cache.mamba_audit`; why: ``docs/internals.md``, "The state table".
+The hybrid audit is :mod:`radixkv.cache.hybrid.mamba_audit`; why: ``docs/internals.md``, "The state table".
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from radixkv.cache.state_order import StateAncestors, StateHeap
+from radixkv.cache.hybrid.state_order import StateAncestors, StateHeap
 from radixkv.errors import InvalidArgumentError, InvalidIndexError, InvariantError, describe_ids
 
 if TYPE_CHECKING:
-    from radixkv.cache.state_events import HybridEventRecorder
+    from radixkv.cache.hybrid.state_events import HybridEventRecorder
     from radixkv.cache.tree_node import TreeNode
     from radixkv.contracts import StatePool
 
@@ -255,7 +255,7 @@ class StateTable:
 
 class EventStateTable(StateTable):
     """A :class:`StateTable` that reports every state gained or lost to ``events`` (a
-    :class:`~radixkv.cache.state_events.HybridEventRecorder`): :meth:`attach` records
+    :class:`~radixkv.cache.hybrid.state_events.HybridEventRecorder`): :meth:`attach` records
     ``StateStored(node.block_hashes[-1], end)``, :meth:`detach` ``StateRemoved([node.block_hashes[-1]])``
     (before the ``BlockRemoved`` of a node that goes too), each before the table changes (the
     recorder validates before it records, so a refusal leaves both as they were). The cache

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.memory import MambaPool
 from radixkv.scheduler.req import Req
 

@@ -1,4 +1,4 @@
-"""The audit of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` (its methods
+"""The audit of the :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` (its methods
 ``check_invariants``, ``check_state_conservation`` and ``pretty_print`` call the functions
 here) and the Mamba slot conservation law (:class:`StateConservation`, :func:`audit_slots`):
 every slot of the pool is exactly one of free, a tree state, or a running request's own.
@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from radixkv.cache import tree_audit
 from radixkv.cache.kv_conservation import RunningRequest, check_conservation
 from radixkv.errors import InvariantError, describe_ids
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.state_table import StateTable
     from radixkv.cache.tree_node import TreeNode
     from radixkv.contracts import StatePool
 
-__all__ = ["StateConservation", "HybridRunningRequest", "audit_slots", "check_invariants", "check_state_conservation",
+__all__ = ["StateConservation", "HybridRunningRequest", "audit_slots", "check_slot_laws", "check_state_conservation",
            "pretty_print"]
 
 
@@ -90,17 +90,13 @@ def audit_slots(pool: StatePool, tree_slots: dict[int, TreeNode], held_slots: di
 
 # ----------------------------------------------------------------------------- the tree's audit
 # Called by the MambaRadixCache methods of the same names.
-def check_invariants(cache: MambaRadixCache, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
-    """RadixCache's audit (no KV row held twice or free in the allocator), the state
-    table's (states on live nodes at their nodes' ends, maps inverse, pins consistent with
-    every ``lock_ref``), and both conservation laws: Mamba slots
-    (:meth:`check_state_conservation`) and, given ``running_reqs`` (every request holding
-    a row) and a request pool and allocator, KV slots (allocator available + tree evictable
-    + tree protected + held by the requests == pool size, audited page by page:
+def check_slot_laws(cache: MambaRadixCache, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
+    """Both conservation laws (the end of ``MambaRadixCache.check_invariants``): Mamba slots
+    (:meth:`check_state_conservation`) and, given ``running_reqs`` (every request holding a
+    row) and a request pool and allocator, KV slots (allocator available + tree evictable +
+    tree protected + held by the requests == pool size, audited page by page:
     :func:`radixkv.cache.kv_conservation.check_conservation`). Raises ``InvariantError``
     naming ids."""
-    tree_audit.check_invariants(cache)
-    cache._states.check(cache._heads.values())
     if running_reqs is not None and cache.token_to_kv_pool_allocator is not None \
             and cache.req_to_token_pool is not None:
         check_conservation(cache.token_to_kv_pool_allocator, cache, list(running_reqs))  # + slots
@@ -108,13 +104,13 @@ def check_invariants(cache: MambaRadixCache, running_reqs: Sequence[HybridRunnin
         cache.check_state_conservation(running_reqs)
 
 
-def check_state_conservation(cache: MambaRadixCache,
+def check_state_conservation(cache: MambaRadixCache, states: StateTable,
                              running_reqs: Sequence[HybridRunningRequest] | None = None) -> StateConservation:
-    """Mamba pool available + tree evictable + tree protected + held by running requests
-    == capacity, exactly (no slot leaked, owned twice, or free while referenced).
-    ``running_reqs``: every request holding a slot; default: the slots the request pool
-    maps to rows in use. O(pool size). Raises ``InvariantError``."""
-    tree = {s: n for n, s in cache._states.slot_of.items()}
+    """Mamba pool available + tree evictable + tree protected (``states``, the cache's state
+    table) + held by running requests == capacity, exactly (no slot leaked, owned twice, or
+    free while referenced). ``running_reqs``: every request holding a slot; default: the
+    slots the request pool maps to rows in use. O(pool size). Raises ``InvariantError``."""
+    tree = {s: n for n, s in states.slot_of.items()}
     if running_reqs is not None:
         held: dict[int, str] = {}
         for r in running_reqs:
@@ -126,7 +122,7 @@ def check_state_conservation(cache: MambaRadixCache,
                 held[s] = r.rid
     else:
         held = _mapped_slots(cache)
-    return audit_slots(cache.mamba_pool, tree, held, cache._states.evictable, cache._states.protected)
+    return audit_slots(cache.mamba_pool, tree, held, states.evictable, states.protected)
 
 
 def _mapped_slots(cache: MambaRadixCache) -> dict[int, str]:
@@ -143,15 +139,16 @@ def _mapped_slots(cache: MambaRadixCache) -> dict[int, str]:
     return held
 
 
-def pretty_print(cache: MambaRadixCache, max_tokens: int = 8) -> str:
-    """RadixCache's print, each node's state slot (``-`` for a tombstone), the counts."""
-    lines = tree_audit.pretty_print(cache, max_tokens).split("\n")
-    by_id = {n.id: s for n, s in cache._states.slot_of.items()}
+def pretty_print(cache: MambaRadixCache, states: StateTable, tree_text: str) -> str:
+    """RadixCache's print ``tree_text`` with each node's state slot in ``states`` (``-`` for a
+    tombstone), and the state counts."""
+    lines = tree_text.split("\n")
+    by_id = {n.id: s for n, s in states.slot_of.items()}
     for i, line in enumerate(lines):
         head = line.lstrip()
         if head.startswith("#") and " len=" in head:
             nid = int(head[1:head.index(" ")])
             lines[i] = f"{line} state={by_id.get(nid, '-')}"
-    lines.append(f"#states: {len(cache._states)} (evictable {cache.mamba_evictable_size()}, "
+    lines.append(f"#states: {len(states)} (evictable {cache.mamba_evictable_size()}, "
                  f"protected {cache.mamba_protected_size()})")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """The incremental state eviction orders of MambaRadixCache against the O(S log S) ones.
 
-``lru`` pops its victims off a lazy heap (radixkv.cache.state_order); the reference is the
+``lru`` pops its victims off a lazy heap (radixkv.cache.hybrid.state_order); the reference is the
 order it replaced, verbatim: a stable argsort by ``last_access`` of the unpinned states in
 attach order (``StateTable.unpinned``). Two caches run the same seeded workload (inserts
 with and without states, matches that re-touch states, locks that pin them, full and state
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from radixkv.allocator import TokenToKVPoolAllocator
-from radixkv.cache.mamba_policies import FlopStateOrder, LRUStateOrder, StateEvictionOrder
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
-from radixkv.cache.state_order import COMPACT_SLACK
+from radixkv.cache.hybrid.mamba_policies import FlopStateOrder, LRUStateOrder, StateEvictionOrder
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.state_order import COMPACT_SLACK
 from radixkv.errors import InvariantError
 from radixkv.memory import MambaPool
 

@@ -8,9 +8,9 @@ Positions: a request's own slot holds the state after all tokens whose forward h
 slot; a hit is forked into the request's slot, an unfinished request's state into a new tree
 slot, and a finished request hands its slot over when it ends at a stateless node. Locks pin
 the node's own state. :meth:`evict` takes KV leaves (with their states), then states
-(tombstoning, KV kept). Bodies live in :mod:`~radixkv.cache.mamba_req_cache`,
-:mod:`~radixkv.cache.mamba_policies`, :mod:`~radixkv.cache.mamba_audit`,
-:mod:`~radixkv.cache.state_table`. The rules in full: ``docs/internals.md``, "The hybrid tree".
+(tombstoning, KV kept). Bodies live in :mod:`~radixkv.cache.hybrid.mamba_req_cache`,
+:mod:`~radixkv.cache.hybrid.mamba_policies`, :mod:`~radixkv.cache.hybrid.mamba_audit`,
+:mod:`~radixkv.cache.hybrid.state_table`. The rules in full: ``docs/internals.md``, "The hybrid tree".
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
-from radixkv.cache import mamba_audit, mamba_policies, mamba_req_cache
 from radixkv.cache.block_hash import Seed
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.mamba_audit import HybridRunningRequest, StateConservation
-from radixkv.cache.mamba_policies import (
+from radixkv.cache.hybrid import mamba_audit, mamba_policies, mamba_req_cache
+from radixkv.cache.hybrid.mamba_audit import HybridRunningRequest, StateConservation
+from radixkv.cache.hybrid.mamba_policies import (
     FlopModel,
     MambaEvictResult,
     StateAdmission,
@@ -32,10 +32,10 @@ from radixkv.cache.mamba_policies import (
     make_admission,
     make_state_order,
 )
+from radixkv.cache.hybrid.state_events import HybridEventRecorder
+from radixkv.cache.hybrid.state_table import EventStateTable, StateTable
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
-from radixkv.cache.state_events import HybridEventRecorder
-from radixkv.cache.state_table import EventStateTable, StateTable
 from radixkv.cache.tree_node import TreeNode
 from radixkv.contracts import CacheRequest, KVAllocator, PoolRequest, ReqToTokenTable, StatePool
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
@@ -305,12 +305,12 @@ class MambaRadixCache(RadixCache):
             self, req: CacheRequest, state_len: int | None = None) -> bool:
         """RadixCache's ``cache_finished_req``, and the tree takes the request's state slot
         when it ends at the inserted key's end; True when it did (contract:
-        :func:`radixkv.cache.mamba_req_cache.cache_finished_req`)."""
+        :func:`radixkv.cache.hybrid.mamba_req_cache.cache_finished_req`)."""
         return mamba_req_cache.cache_finished_req(self, req, state_len)
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False, state_len: int | None = None) -> None:
         """RadixCache's ``cache_unfinished_req``, and the request's state is forked into a
-        tree slot when admitted (contract: :func:`radixkv.cache.mamba_req_cache.cache_unfinished_req`)."""
+        tree slot when admitted (contract: :func:`radixkv.cache.hybrid.mamba_req_cache.cache_unfinished_req`)."""
         mamba_req_cache.cache_unfinished_req(self, req, chunked, state_len)
 
     # ------------------------------------------------------------------ evict
@@ -320,7 +320,7 @@ class MambaRadixCache(RadixCache):
         """Free at least ``num_tokens`` KV tokens (full order) and then at least
         ``num_states`` states (state order), or all that can go; rows and slots each go back
         in ONE call. Raises InvalidArgumentError (nothing evicted) for a bad count
-        (contract and costs: :func:`radixkv.cache.mamba_policies.evict`)."""
+        (contract and costs: :func:`radixkv.cache.hybrid.mamba_policies.evict`)."""
         return mamba_policies.evict(self, num_tokens, num_states)
 
     # ------------------------------------------------------------------ locks
@@ -366,16 +366,18 @@ class MambaRadixCache(RadixCache):
     def check_invariants(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
         """RadixCache's audit, the state table's, and both conservation laws (KV slots given
         ``running_reqs``, Mamba slots); raises ``InvariantError`` naming ids (contract:
-        :func:`radixkv.cache.mamba_audit.check_invariants`)."""
-        mamba_audit.check_invariants(self, running_reqs)
+        :func:`radixkv.cache.hybrid.mamba_audit.check_slot_laws`)."""
+        super().check_invariants()
+        self._states.check(self._heads.values())
+        mamba_audit.check_slot_laws(self, running_reqs)
 
     def check_state_conservation(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> StateConservation:
-        """The Mamba slot law, exact (contract: :func:`radixkv.cache.mamba_audit.check_state_conservation`)."""
-        return mamba_audit.check_state_conservation(self, running_reqs)
+        """The Mamba slot law, exact (contract: :func:`radixkv.cache.hybrid.mamba_audit.check_state_conservation`)."""
+        return mamba_audit.check_state_conservation(self, self._states, running_reqs)
 
     def pretty_print(self, max_tokens: int = 8) -> str:
-        """RadixCache's print, each node's state slot, the counts (:func:`radixkv.cache.mamba_audit.pretty_print`)."""
-        return mamba_audit.pretty_print(self, max_tokens)
+        """RadixCache's print, each node's state slot, the counts (:func:`.mamba_audit.pretty_print`)."""
+        return mamba_audit.pretty_print(self, self._states, RadixCache.pretty_print(self, max_tokens))
 
     # ------------------------------------------------------------------ helpers
     def _attach(self, node: TreeNode, slot: int, end: int) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from radixkv.demo_workers import (
+from radixkv.demo.workers import (
     TOLERANCE,
     HybridWorker,
     TimedEngine,

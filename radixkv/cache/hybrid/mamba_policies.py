@@ -1,4 +1,4 @@
-"""Policies of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` for its Mamba
+"""Policies of the :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` for its Mamba
 states: which states the tree *admits*, and in which order it *evicts* them.
 
 Admission: ``every`` (SGLang's: every chunk end and request end) or ``branch`` (Marconi:
@@ -8,7 +8,7 @@ utility per state byte plus recency, both normalised; lowest ``recency + alpha *
 first).
 
 Costs for S states: ``lru`` pops victims off the incremental heap of
-:mod:`radixkv.cache.state_order`, O(log S) amortized each, nothing on the match path;
+:mod:`radixkv.cache.hybrid.state_order`, O(log S) amortized each, nothing on the match path;
 ``flop`` ranks all candidates at each eviction, O(S log S) vectorized, with the nearest
 state ancestors kept incrementally. Details: ``docs/internals.md``, "State admission and
 eviction orders".
@@ -29,7 +29,7 @@ from radixkv.errors import InvalidArgumentError
 from radixkv.validation import check_count
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
     from radixkv.cache.tree_node import TreeNode
 
 __all__ = [
@@ -343,8 +343,9 @@ def evict(cache: MambaRadixCache, num_tokens: int, num_states: int = 0) -> Mamba
 
 def _evict_leaves(cache: MambaRadixCache, num_tokens: int, rows: list[bytes], slots: list[int]) -> int:
     evicted = 0
+    leaves, stale_key = cache._leaves, cache._sort_key if cache._lazy else None
     while evicted < num_tokens:
-        node = pop_victim(cache)
+        node = pop_victim(leaves, stale_key)
         if node is None:
             break
         evicted += _remove_leaf(cache, node, rows, slots)

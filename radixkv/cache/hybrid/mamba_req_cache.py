@@ -1,4 +1,4 @@
-"""Request-level entry points of the :class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache`
+"""Request-level entry points of the :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache`
 (the bodies of its ``cache_finished_req`` / ``cache_unfinished_req``): RadixCache's
 (:mod:`radixkv.cache.req_cache`) plus the request's Mamba state.
 
@@ -24,7 +24,7 @@ from radixkv.contracts import CacheRequest
 from radixkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from radixkv.cache.mamba_radix_cache import MambaRadixCache
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 
 __all__ = ["cache_finished_req", "cache_unfinished_req", "check_request", "tracked_state"]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixkv.cache.hybrid.mamba_policies import FlopModel, FlopStateOrder, make_admission, make_state_order
+from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
 from radixkv.cache.kv_conservation import check_conservation
-from radixkv.cache.mamba_policies import FlopModel, FlopStateOrder, make_admission, make_state_order
-from radixkv.cache.mamba_radix_cache import MambaRadixCache
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.errors import (
     AlignmentError,

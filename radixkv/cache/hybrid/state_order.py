@@ -1,5 +1,5 @@
 """What the state eviction orders of a
-:class:`~radixkv.cache.mamba_radix_cache.MambaRadixCache` keep up to date as states come and
+:class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` keep up to date as states come and
 go (pure bookkeeping): ``StateHeap`` and ``StateAncestors``.
 
 ``StateHeap``: the ``lru`` order (lowest ``last_access``, ties in attach order) as a lazy
