@@ -381,8 +381,9 @@ class TieredRadixCache(RadixCache):
         d_rows: list[bytes] = []
         pinned: list[int] = []
         evicted = 0
+        stale_key = self._sort_key if self._lazy else None
         while evicted < num_tokens:
-            node: Any = pop_victim(self)
+            node: Any = pop_victim(self._leaves, stale_key)
             if node is None:
                 break
             t = len(node.kbuf) >> 2
