@@ -5,6 +5,7 @@ O(nodes + tokens + host pages); for tests and debugging, never on a hot path.
 """
 from __future__ import annotations
 
+from collections.abc import Collection, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvariantError, describe_ids
 
 if TYPE_CHECKING:
+    from radixkv.cache.leaf_index import LeafIndex
     from radixkv.cache.tiered_cache import TieredRadixCache
 
 __all__ = ["check"]
@@ -23,19 +25,20 @@ def _fail(msg: str, ids: list[int]) -> None:
     raise InvariantError(f"TieredRadixCache: {msg}: nodes {describe_ids(ids)}")
 
 
-def check(cache: TieredRadixCache) -> None:
+def check(cache: TieredRadixCache, heads: Mapping[Hashable, NamespaceHead], leaves: LeafIndex[TreeNode],
+          pinned: Collection[int]) -> None:
     """Raise :class:`InvariantError` naming nodes / rows / host pages unless: heads, parents,
     ``only``, keys and lock counts are right; every node is on a tier (``vbuf`` one row per
     token or empty, ``hbuf`` one page per page or ``None``), the device part is prefix-closed
     and only device nodes are locked; sizes (evictable, protected, host) match the tree; the
-    evictable leaves are exactly the unlocked device nodes without a device child; no KV row
-    or host page is held twice, every host page in use is held (else leaked) and every held
-    page in use; nothing is left pinned."""
-    pb = cache._pb
+    evictable leaves (``leaves``) are exactly the unlocked device nodes without a device child;
+    no KV row or host page is held twice, every host page in use is held (else leaked) and
+    every held page in use; ``pinned`` is empty. Sizes are read through the public methods."""
+    pb = 4 * cache.page_size
     nodes: list[Any] = []
     evictable = protected = host = 0
-    stack: list[TreeNode] = list(cache._heads.values())
-    for extra, head in cache._heads.items():
+    stack: list[TreeNode] = list(heads.values())
+    for extra, head in heads.items():
         if not isinstance(head, NamespaceHead) or head.extra_key != extra or head.lock_ref != 1 or head.kbuf:
             _fail(f"bad namespace head for {extra!r}", [head.id])
         if extra is not None and not head.children:
@@ -71,23 +74,24 @@ def check(cache: TieredRadixCache) -> None:
                     evictable += n >> 2
             if x.hbuf is not None:
                 host += n >> 2
-    if (evictable, protected, host) != (cache._evictable, cache._protected, cache._host_tokens):
-        raise InvariantError(f"TieredRadixCache: sizes evictable/protected/host {cache._evictable}/"
-                             f"{cache._protected}/{cache._host_tokens} != tree {evictable}/{protected}/{host}")
+    sizes = (cache.evictable_size(), cache.protected_size(), cache.host_size())
+    if (evictable, protected, host) != sizes:
+        raise InvariantError(f"TieredRadixCache: sizes evictable/protected/host {sizes} != tree "
+                             f"{(evictable, protected, host)}")
     expected = {id(x) for x in nodes if x.vbuf and not x.lock_ref
                 and not any(c.vbuf for c in x.children.values())}
-    filed = {id(x) for x in cache._leaves}
+    filed = {id(x) for x in leaves}
     if expected != filed:
         wrong = [x.id for x in nodes if (id(x) in expected) != (id(x) in filed)]
         _fail("evictable-leaf index wrong", wrong)
     tree_audit._check_rows(cache, nodes)
-    _check_host(cache, nodes)
+    _check_host(cache, nodes, pinned)
     cache.policy.check_invariants([x for x in nodes if x.vbuf])  # it orders device nodes only
     if cache.kv_events is not None:
         tree_audit._check_events(cache, nodes)
 
 
-def _check_host(cache: TieredRadixCache, nodes: list[Any]) -> None:
+def _check_host(cache: TieredRadixCache, nodes: list[Any], pinned: Collection[int]) -> None:
     held = [x for x in nodes if x.hbuf]
     pages = np.frombuffer(b"".join(x.hbuf for x in held), dtype=np.int32)
     owner = np.repeat(np.arange(len(held)), [len(x.hbuf) >> 2 for x in held])
@@ -98,5 +102,5 @@ def _check_host(cache: TieredRadixCache, nodes: list[Any]) -> None:
         raise InvariantError(f"TieredRadixCache: host pages {describe_ids(twice.tolist())} held by two "
                              f"nodes (double-owned): nodes {describe_ids(holders)}")
     cache.host_alloc.check_invariants(pages)
-    if cache._pinned:
-        raise InvariantError(f"TieredRadixCache: nodes {describe_ids(cache._pinned)} left pinned")
+    if pinned:
+        raise InvariantError(f"TieredRadixCache: nodes {describe_ids(pinned)} left pinned")

@@ -490,7 +490,7 @@ class TieredRadixCache(RadixCache):
         """RadixCache's checks adapted to tiers, plus the host tier's: every node on a tier,
         device part prefix-closed, host pages owned once and exactly the allocator's in-use
         ones (naming leaked / double-owned pages) (:func:`radixkv.cache.tier_audit.check`)."""
-        tier_audit.check(self)
+        tier_audit.check(self, self._heads, self._leaves, self._pinned)
 
     # ------------------------------------------------------------------ helpers
     def _split(self, child: TreeNode, m: int) -> TreeNode:

@@ -209,8 +209,9 @@ def test_a_stalled_backend_costs_hits_not_time():
         serve(c, seq(i, 8))
     assert ctl.drain(5.0)
     store.gate.clear()  # the backend hangs
+    before = ctl.stats.fetch_timeouts  # a busy machine may have timed out a miss already
     dev, host, sto = serve(c, seq(0, 8))
-    assert sto == 0 and ctl.stats.fetch_timeouts == 1
+    assert sto == 0 and ctl.stats.fetch_timeouts == before + 1
     c.check_invariants()
     store.gate.set()
     ctl.close(1.0)
@@ -263,6 +264,7 @@ def test_a_page_whose_backup_was_dropped_is_backed_up_when_the_host_drops_it():
     assert ctl.stats.backup_dropped == 8
     store.gate.set()
     assert ctl.drain(5.0)
+    ctl.max_pending_pages = 1 << 20  # from here on no backup is refused, however slow the writes
     serve(c, seq(3, 8))  # 2 moves to the host, 1 (backed up already) leaves it
     serve(c, seq(4, 8))  # 3 moves to the host, 2 leaves it: backed up on its way out
     assert ctl.drain(5.0)
