@@ -9,8 +9,9 @@ index overlap of ``prompt[:L - 1]``, least loaded on a tie; ``kv_bounded``: the 
 ``alloc_extend`` -> ``cache_finished``; its events go through a
 :class:`~radixkv.events.dynamo.DynamoEventAdapter` into the index (Dynamo's ``RadixTree`` or
 :class:`PyRadixIndex`). Reported: token hit rate, per-manager load, and how often the
-predicted overlap equalled the real hit (always). ``--mocker`` adds Dynamo's own mocker.
-Numbers are measured by the run; nothing is asserted about speed. See ``docs/cluster.md``.
+predicted overlap equalled the real hit (always without tiers). ``--mocker`` adds Dynamo's
+mocker; ``--storage URL`` replays again on processes sharing one storage tier, beside one
+cache holding everything. Numbers are measured, never asserted. See ``docs/cluster.md``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
+from radixkv.bench.any_tier_events import AnyTierEvents
 from radixkv.bench.progress import Progress, ProgressBar
 from radixkv.bench.router_index import DynamoIndex, PyRadixIndex, make_index
 from radixkv.cache.hybrid.state_events import CacheEvent
@@ -58,6 +60,8 @@ class ClusterResult(NamedTuple):
     prompt_tokens: int
     hit_tokens: int
     hit_rate: float
+    host_hit_tokens: int
+    storage_hit_tokens: int
     managers: list[dict[str, Any]]
     predicted_exact: float | None
     seconds: float
@@ -71,6 +75,9 @@ class ClusterManager(Protocol):
     :class:`~radixkv.bench.cluster_procs.RemoteManager`)."""
 
     mode: str
+    #: Hit tokens so far that came from the host tier (storage included) and from storage.
+    host_tokens: int
+    storage_tokens: int
 
     def serve(self, toks: np.ndarray) -> int:
         """Serve ``toks`` (int32); returns the hit in tokens."""
@@ -92,6 +99,7 @@ class InprocManager:
     Single-threaded; O(tokens) per request."""
 
     mode = "inproc"
+    host_tokens = storage_tokens = 0  # one tier
 
     def __init__(self, capacity: int, page_size: int):
         self.cache = RadixCache(page_size=page_size, enable_kv_events=True)
@@ -156,7 +164,8 @@ def replay_on(managers: Sequence[ClusterManager], requests: Iterable[np.ndarray]
         raise InvalidArgumentError(f"slack must be a number >= 0, got {slack!r}")
     idx = make_index(index) if router != "round_robin" else None
     adapters = [DynamoEventAdapter(page_size) for _ in managers]
-    stats = np.zeros((n_managers, 4), dtype=np.int64)  # requests, prompt, hit, computed
+    tiers_blind = [AnyTierEvents() for _ in managers]
+    stats = np.zeros((n_managers, 6), dtype=np.int64)  # requests, prompt, hit, computed, host, storage
     routes: list[int] = []
     hits: list[int] = []
     exact = routed = 0
@@ -173,8 +182,10 @@ def replay_on(managers: Sequence[ClusterManager], requests: Iterable[np.ndarray]
             w = max(cand, key=lambda k: (sc.get(k, 0), -stats[k, 3], -k))
         else:
             w = i % n_managers
-        hit = managers[w].serve(served)
-        stats[w] += (1, toks.size, hit, toks.size - hit)
+        m = managers[w]
+        tiers = m.host_tokens, m.storage_tokens
+        hit = m.serve(served)
+        stats[w] += (1, toks.size, hit, toks.size - hit, m.host_tokens - tiers[0], m.storage_tokens - tiers[1])
         routes.append(w)
         hits.append(hit)
         if progress is not None:
@@ -182,7 +193,7 @@ def replay_on(managers: Sequence[ClusterManager], requests: Iterable[np.ndarray]
         if idx is not None:
             exact += sc.get(w, 0) * page_size == hit
             routed += 1
-            for ev in managers[w].take_events():
+            for ev in tiers_blind[w].apply(managers[w].take_events()):
                 raw = adapters[w].encode(ev)
                 if raw is not None:
                     idx.apply_event(w, raw)
@@ -190,9 +201,11 @@ def replay_on(managers: Sequence[ClusterManager], requests: Iterable[np.ndarray]
     tot = stats.sum(axis=0)
     rows_out = [{"manager": k, "requests": int(s[0]), "prompt_tokens": int(s[1]), "hit_tokens": int(s[2]),
                  "computed_tokens": int(s[3]), "hit_rate": float(s[2] / s[1]) if s[1] else 0.0,
+                 "host_hit_tokens": int(s[4]), "storage_hit_tokens": int(s[5]),
                  "cached_tokens": managers[k].cached_tokens()} for k, s in enumerate(stats)]
     return ClusterResult(router, idx.name if idx is not None else "-", managers[0].mode, int(tot[0]),
-                         int(tot[1]), int(tot[2]), float(tot[2] / tot[1]) if tot[1] else 0.0, rows_out,
+                         int(tot[1]), int(tot[2]), float(tot[2] / tot[1]) if tot[1] else 0.0, int(tot[4]),
+                         int(tot[5]), rows_out,
                          exact / routed if routed else None, secs, int(tot[0]) / secs if secs > 0 else 0.0,
                          np.asarray(routes, dtype=np.int64), np.asarray(hits, dtype=np.int64))
 
@@ -268,6 +281,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slack", type=float, default=0.25,
                         help="kv_bounded: a manager takes a request only while its computed tokens stay "
                              "within (1 + slack) x the mean (0.25)")
+    parser.add_argument("--storage", default=None, metavar="URL",
+                        help="also replay with this storage tier shared by every manager (file:///DIR or "
+                             "mooncake://HOST:PORT?metadata=URL...; needs --managers-mode process); each "
+                             "router's replay gets an empty place of its own in it")
+    parser.add_argument("--host-capacity-frac", type=float, default=None,
+                        help="each manager's host tier, as --capacity-frac (default: 0, or --capacity-frac "
+                             "with --storage, which needs a host tier); the same with and without the store")
+    parser.add_argument("--storage-timeout-ms", type=float, default=1000.0,
+                        help="with --storage: the longest a match waits on the store (1000)")
     parser.add_argument("--index", default="auto", choices=("auto", "dynamo", "python"),
                         help="router index: Dynamo's RadixTree, the Python one, or auto")
     parser.add_argument("--mocker", action="store_true",
@@ -277,8 +299,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _replay_routers(src: Source, routers: list[str], cap: int, args: argparse.Namespace,
-                    doc: dict[str, Any]) -> list[ClusterResult]:
-    """Each router on fresh managers: new in-process ones, or the same processes flushed."""
+                    doc: dict[str, Any], extra_args: Sequence[str] = ()) -> list[ClusterResult]:
+    """Each router on fresh managers: new in-process ones, or the same processes flushed
+    (started with ``extra_args``)."""
     show = False if args.no_progress else None
     if args.managers_mode == "inproc":
         out = []
@@ -290,8 +313,8 @@ def _replay_routers(src: Source, routers: list[str], cap: int, args: argparse.Na
     from radixkv.bench.cluster_procs import ManagerProcesses, sigterm_raises
 
     t0 = time.perf_counter()
-    with sigterm_raises(), ManagerProcesses(args.managers, cap, args.page_size,
-                                            start_timeout_s=args.start_timeout_s) as procs:
+    with sigterm_raises(), ManagerProcesses(args.managers, cap, args.page_size, start_timeout_s=args.start_timeout_s,
+                                            extra_args=extra_args) as procs:
         doc["process_start_s"] = time.perf_counter() - t0
         doc["manager_pids"] = procs.pids
         out = []
@@ -301,6 +324,41 @@ def _replay_routers(src: Source, routers: list[str], cap: int, args: argparse.Na
                 out.append(replay_on(procs.managers, src.tokens(), cap, args.page_size, r, args.index,
                                      args.slack, bar))
     return out
+
+
+def _replay_with_storage(src: Source, routers: list[str], cap: int, args: argparse.Namespace,
+                         doc: dict[str, Any], extra_args: Sequence[str]) -> list[ClusterResult]:
+    """Each router on fresh manager processes sharing ``args.storage``, narrowed to an empty
+    place of the router's own (:func:`~radixkv.bench.cluster_procs.storage_for_run`)."""
+    from radixkv.bench.cluster_procs import ManagerProcesses, sigterm_raises, storage_for_run
+
+    show = False if args.no_progress else None
+    run_id = f"bench-{os.getpid()}-{time.time_ns()}"
+    out, starts = [], []
+    for r in routers:
+        url = storage_for_run(args.storage, f"{run_id}-{r}")
+        more = ["--storage", url, "--storage-timeout-ms", str(args.storage_timeout_ms)]
+        t0 = time.perf_counter()
+        procs = ManagerProcesses(args.managers, cap, args.page_size, start_timeout_s=args.start_timeout_s,
+                                 extra_args=[*extra_args, *more])
+        with sigterm_raises(), procs:
+            starts.append(time.perf_counter() - t0)
+            with Progress(src.n_requests, f"{r} router, shared store", enabled=show) as bar:
+                out.append(replay_on(procs.managers, src.tokens(), cap, args.page_size, r, args.index,
+                                     args.slack, bar))
+    doc["storage_process_start_s"] = starts
+    return out
+
+
+def single_cache_bound(src: Source, page_size: int) -> ClusterResult:
+    """One in-process manager large enough never to evict (the trace's prompt tokens): the
+    hit rate of one cache holding everything, the bound a shared store can reach."""
+    cap = -(-max(src.prompt_tokens, 1) // page_size) * page_size
+    return replay_on([InprocManager(cap, page_size)], src.tokens(), cap, page_size, "round_robin")
+
+
+def _row(r: ClusterResult) -> dict[str, Any]:
+    return {k: v for k, v in r._asdict().items() if k not in ("routes", "hits")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -316,13 +374,35 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < args.capacity_frac:
             raise InvalidArgumentError("--capacity-frac must be > 0")
         cap = max(args.page_size, int(src.unique_tokens * args.capacity_frac) // args.page_size * args.page_size)
+        host_frac = args.host_capacity_frac
+        if host_frac is None:
+            host_frac = args.capacity_frac if args.storage else 0.0
+        if args.storage and (args.managers_mode != "process" or not host_frac > 0):
+            raise InvalidArgumentError("--storage needs --managers-mode process and a host tier "
+                                       "(--host-capacity-frac > 0)")
+        if host_frac and args.managers_mode != "process":
+            raise InvalidArgumentError("--host-capacity-frac needs --managers-mode process")
+        host_cap = int(src.unique_tokens * host_frac) // args.page_size * args.page_size
+        tiers = ["--host-kv-tokens", str(host_cap)] if host_cap else []
         doc: dict[str, Any] = {
             "trace": src.name, "requests": src.n_requests, "prompt_tokens": src.prompt_tokens,
             "unique_tokens": src.unique_tokens, "managers": args.managers, "managers_mode": args.managers_mode,
-            "capacity_tokens_each": cap, "page_size": args.page_size, "slack": args.slack,
+            "capacity_tokens_each": cap, "host_capacity_tokens_each": host_cap, "page_size": args.page_size,
+            "slack": args.slack,
         }
-        results = _replay_routers(src, routers, cap, args, doc)
-        doc["results"] = [{k: v for k, v in r._asdict().items() if k not in ("routes", "hits")} for r in results]
+        results = _replay_routers(src, routers, cap, args, doc, tiers)
+        doc["results"] = [_row(r) for r in results]
+        stored: list[ClusterResult] = []
+        if args.storage:
+            doc["storage"] = args.storage
+            doc["storage_timeout_ms"] = args.storage_timeout_ms
+            stored = _replay_with_storage(src, routers, cap, args, doc, tiers)
+            bound = single_cache_bound(src, args.page_size)
+            doc["single_cache_bound"] = {"hit_tokens": bound.hit_tokens, "hit_rate": bound.hit_rate}
+            doc["results_with_storage"] = [
+                {**_row(r), "storage_share_of_hits": r.storage_hit_tokens / r.hit_tokens if r.hit_tokens else 0.0,
+                 "points_below_bound": 100 * (bound.hit_rate - r.hit_rate),
+                 "fraction_of_bound": r.hit_rate / bound.hit_rate if bound.hit_rate else 0.0} for r in stored]
         if args.mocker:
             trace = args.trace
             if not os.path.isfile(trace):
@@ -335,12 +415,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"{src.name}: {src.n_requests} requests, {src.prompt_tokens} prompt tokens, "
           f"{args.managers} managers ({args.managers_mode}) x {cap} tokens")
-    print(f"{'router':<12} {'index':<7} {'hit rate':>8} {'exact':>6} {'req/s':>8}  "
+    print(f"{'router':<12} {'store':<6} {'hit rate':>8} {'from store':>10} {'exact':>6} {'req/s':>8}  "
           f"per manager: requests / hit rate / computed tokens")
-    for r in results:
+    for r, store in [(r, "-") for r in results] + [(r, "shared") for r in stored]:
         per = "  ".join(f"{m['requests']}/{m['hit_rate']:.3f}/{m['computed_tokens']}" for m in r.managers)
         ex = "-" if r.predicted_exact is None else f"{r.predicted_exact:.3f}"
-        print(f"{r.router:<12} {r.index:<7} {r.hit_rate:>8.4f} {ex:>6} {r.requests_per_s:>8.1f}  {per}")
+        share = r.storage_hit_tokens / r.hit_tokens if r.hit_tokens else 0.0
+        print(f"{r.router:<12} {store:<6} {r.hit_rate:>8.4f} {share:>10.4f} {ex:>6} {r.requests_per_s:>8.1f}  {per}")
+    if "single_cache_bound" in doc:
+        print(f"single cache holding everything: hit rate {doc['single_cache_bound']['hit_rate']:.4f}")
     for mode, s in doc.get("dynamo_mocker", {}).items():
         if mode == "extra_engine_args":
             continue

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, TypedDict
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from radixkv.errors import AlignmentError, InvalidArgumentError, RadixKVError
 if TYPE_CHECKING:  # pragma: no cover
     from radixkv.service.client import RemoteCacheEngine
 
-__all__ = ["RemoteManager", "ManagerProcesses", "ManagerStartError", "serve_argv", "sigterm_raises"]
+__all__ = ["RemoteManager", "ManagerProcesses", "ManagerStartError", "serve_argv", "sigterm_raises", "storage_for_run"]
 
 
 class ManagerStartError(RadixKVError):
@@ -59,6 +60,24 @@ def serve_argv(address: str, token_file: str, capacity: int, page_size: int, shm
             *extra_args]
 
 
+def storage_for_run(url: str, tag: str) -> str:
+    """``url`` (``file:///DIR`` or ``mooncake://...``) narrowed to an empty place of its own for
+    one replay: ``DIR/TAG`` (created), or the Mooncake ``prefix`` extended with ``TAG/``.
+    Raises InvalidArgumentError for another scheme or a ``tag`` that is not a plain name."""
+    if not tag or not all(ch.isalnum() or ch in "-_." for ch in tag):
+        raise InvalidArgumentError(f"storage run tag must be a plain name, got {tag!r}")
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        path = os.path.join(unquote(parts.path), tag)
+        os.makedirs(path, exist_ok=True)
+        return urlunsplit(parts._replace(path=quote(path)))
+    if parts.scheme == "mooncake":
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        query["prefix"] = f"{query.get('prefix', 'radixkv/')}{tag}/"
+        return urlunsplit(parts._replace(query=urlencode(query, safe="/:")))
+    raise InvalidArgumentError(f"bench cluster --storage takes file:///DIR or mooncake://..., got {url!r}")
+
+
 class RemoteManager:
     """One manager process seen through its client and session (``mode = "process"``).
 
@@ -71,6 +90,7 @@ class RemoteManager:
         self.client = client
         self.session = client.attach(name).session
         self._next = 0
+        self.host_tokens = self.storage_tokens = 0
 
     def serve(self, toks: np.ndarray) -> int:
         """``alloc_extend`` then ``cache_finished`` of ``toks`` (int32); returns the hit.
@@ -87,6 +107,8 @@ class RemoteManager:
             except RadixKVError:
                 pass  # the original error says more; release fails only if the request is gone
             raise
+        self.host_tokens += int(res.host_len)
+        self.storage_tokens += int(res.storage_len)
         return int(res.prefix_len)
 
     def take_events(self) -> list[dict[str, Any]]:

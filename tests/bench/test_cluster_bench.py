@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -258,3 +259,66 @@ def test_cli_draws_a_bar_per_router_on_stderr_unless_told_not_to(capsys, monkeyp
     assert run(p.parse_args(["--trace", "synthetic", "--limit", "20", "--managers", "2", "--index", "python",
                              "--routers", "kv", "--no-progress"])) == 0
     assert drawn == [(20, "kv router", False)]
+
+
+def test_storage_for_run_gives_each_replay_an_empty_place(tmp_path):
+    from urllib.parse import parse_qsl, urlsplit
+
+    from radixkv.bench.cluster_procs import storage_for_run
+
+    url = storage_for_run(f"file://{tmp_path}/s", "r1")
+    assert url == f"file://{tmp_path}/s/r1" and (tmp_path / "s" / "r1").is_dir()
+    moon = storage_for_run("mooncake://127.0.0.1:5/?metadata=http://127.0.0.1:6/metadata&prefix=x/", "r-2")
+    q = dict(parse_qsl(urlsplit(moon).query))
+    assert q == {"metadata": "http://127.0.0.1:6/metadata", "prefix": "x/r-2/"} and moon.startswith("mooncake://127.0.0.1:5/?")
+    assert dict(parse_qsl(urlsplit(storage_for_run("mooncake://h:5", "t")).query)) == {"prefix": "radixkv/t/"}
+    for bad_url, tag in (("s3://b/k", "t"), ("file:///x", "../up"), ("file:///x", "")):
+        with pytest.raises(InvalidArgumentError):
+            storage_for_run(bad_url, tag)
+
+
+def _pages_under(path) -> int:
+    return sum(len([f for f in files if f.endswith(".page")]) for _, _, files in os.walk(path))
+
+
+def test_a_page_one_manager_computed_is_a_storage_hit_for_another(tmp_path):
+    from radixkv.bench.cluster_procs import storage_for_run
+
+    url = storage_for_run(f"file://{tmp_path}", "one")
+    extra = ["--host-kv-tokens", "1024", "--storage", url, "--storage-timeout-ms", "10000"]
+    prompt = np.arange(3 * PAGE, dtype=np.int32)
+    with ManagerProcesses(2, 1024, PAGE, extra_args=extra, start_timeout_s=600, stop_timeout_s=600) as procs:
+        a, b = procs.managers
+        assert a.serve(prompt) == 0 and (a.host_tokens, a.storage_tokens) == (0, 0)
+        deadline = time.monotonic() + 60  # a bound on the background backup, never a timing check
+        while _pages_under(tmp_path / "one") < 3:
+            assert time.monotonic() < deadline, "manager A never backed its 3 pages up"
+            time.sleep(0.05)
+        assert b.serve(np.append(prompt, 7).astype(np.int32)) == 3 * PAGE
+        assert b.host_tokens == b.storage_tokens == 3 * PAGE
+        got = replay_on(procs.managers, [np.append(prompt, 8).astype(np.int32)], 1024, PAGE, "round_robin")
+        assert (got.hit_tokens, got.host_hit_tokens, got.storage_hit_tokens) == (3 * PAGE, 0, 0)  # A's device
+        assert got.managers[0]["storage_hit_tokens"] == 0
+
+
+def test_cli_with_a_shared_file_store_reports_it_beside_the_single_cache_bound(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "r.json"
+    store = tmp_path / "store"
+    args = ["--trace", "conversation", "--limit", "40", "--managers", "2", "--index", "python",
+            "--capacity-frac", "0.02", "--router", "kv_bounded,round_robin", "--json", str(out), "--no-progress"]
+    assert run(p.parse_args([*args, "--storage", f"file://{store}"])) == 2  # inproc managers have no store
+    assert "--managers-mode process" in capsys.readouterr().err
+    assert run(p.parse_args([*args, "--managers-mode", "process", "--storage", f"file://{store}"])) == 0
+    doc = json.loads(out.read_text())
+    assert doc["host_capacity_tokens_each"] == doc["capacity_tokens_each"] > 0
+    bound = doc["single_cache_bound"]["hit_rate"]
+    assert [r["router"] for r in doc["results_with_storage"]] == ["kv_bounded", "round_robin"]
+    for plain, shared in zip(doc["results"], doc["results_with_storage"], strict=True):
+        assert plain["storage_hit_tokens"] == 0 and plain["requests"] == shared["requests"] == 40
+        assert plain["hit_rate"] <= bound and shared["hit_rate"] <= bound
+        assert shared["storage_hit_tokens"] <= shared["host_hit_tokens"] <= shared["hit_tokens"]
+        assert shared["points_below_bound"] == pytest.approx(100 * (bound - shared["hit_rate"]))
+    assert len(os.listdir(store)) == 2  # one empty place per router's replay
+    assert _pages_under(store) > 0
