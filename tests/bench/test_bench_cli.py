@@ -17,6 +17,8 @@ from radixkv.data import mooncake_trace
 TOP_KEYS = {"trace", "engine", "page_size", "requests", "prompt_tokens", "unique_tokens", "bounds", "results"}
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "hit_tokens",
                "token_hit_rate", "evicted_tokens"}
+#: every row adds the tiers (null capacities and device-only shares when the tiers are off)
+TIER_KEYS = {"host_capacity_frac", "storage_capacity_frac", "tier_hit_rates"}
 HAVE_TRACE = os.path.isfile(str(mooncake_trace("conversation")))
 
 
@@ -33,7 +35,8 @@ def check_schema(doc, policies, fracs, page):
     assert set(doc["bounds"]["belady"]) == {f"{f:g}" for f in fracs}
     assert [r["policy"] for r in doc["results"]] == [p for p in policies for _ in fracs]
     for r in doc["results"]:
-        assert set(r) == RESULT_KEYS
+        assert set(r) == RESULT_KEYS | TIER_KEYS
+        assert sum(r["tier_hit_rates"].values()) == pytest.approx(r["token_hit_rate"])
         assert r["page_size"] == page
         assert r["capacity_tokens"] == int(r["capacity_frac"] * doc["unique_tokens"])
         assert r["token_hit_rate"] == pytest.approx(r["hit_tokens"] / doc["prompt_tokens"])
