@@ -3,26 +3,9 @@
 The layers (bottom to top): ``errors``/``validation``/``contracts`` <- ``kernels`` <-
 ``allocator`` <- ``memory`` <- ``cache`` <- ``scheduler`` <- ``engine`` <- ``service``.
 Code that takes an object of another layer names it by a ``Protocol`` here, not by its
-concrete class (the engine, which builds the objects, and a pool's own free list are the
-exceptions), so a reader sees in one page what each layer needs of the next, and any object
-with that surface (SGLang's own pools, a test double) can stand in. ``tests/package/test_contracts.py`` checks that the
-concrete classes satisfy them, statically (mypy) and at run time.
-
-===========================  =================================================================
-Protocol                     Implemented by (SGLang names)
-===========================  =================================================================
-:class:`KVAllocator`         ``TokenToKVPoolAllocator``: KV slots, page size 1
-:class:`PagedKVAllocator`    ``PagedTokenToKVPoolAllocator``: KV slots in pages
-:class:`ReqToTokenTable`     ``ReqToTokenPool``: one row of KV slot ids per running request
-:class:`HybridReqTable`      ``HybridReqToTokenPool``: the rows plus a Mamba state slot each
-:class:`KVPool`              ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``HybridLinearKVPool``
-:class:`StatePool`           ``MambaPool``: linear-attention (conv + temporal) state slots
-:class:`PoolRequest`         ``Req``: the fields of a request the pools and the tree use
-:class:`CacheRequest`        ``Req``: what the tree reads and writes when caching a request
-:class:`PrefixCache`         ``RadixCache``: the tree as the scheduler drives it
-:class:`HybridPrefixCache`   ``MambaRadixCache``: the tree with Mamba states
-:class:`StorageBackend`      ``HiCacheStorage`` (v1): the storage tier (L3), pages by key
-===========================  =================================================================
+concrete class (the engine and a pool's own free list excepted); ``tests/package/test_contracts.py``
+checks that the concrete classes satisfy them, statically (mypy) and at run time. Which
+SGLang class each Protocol stands for, and why: ``docs/internals.md`` ("The layer contracts").
 
 Conventions every implementation keeps: ids are int64 tensors on the object's ``device``
 (0 is the reserved padding slot / row / page); tokens are int32 numpy arrays; a call that

@@ -48,54 +48,17 @@ _INT_MIN = {  # field -> smallest allowed value
 class EngineConfig:
     """The shape and limits of one cache engine. Immutable; validated on construction.
 
-    Attributes:
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``: where every pool and index lives.
-        kv_tokens: KV slots of the pool (a multiple of ``page_size``).
-        page_size: tokens per KV page (1: token-granular allocator).
-        layer_types: one ``F`` / ``K`` per layer (at least one ``F``).
-        head_num, head_dim: KV heads and head width of the full-attention layers.
-        kv_lora_rank, qk_rope_head_dim: multi-latent attention (MLA, DeepSeek-V2/V3) when
-            ``kv_lora_rank > 0``: one latent row of ``kv_lora_rank + qk_rope_head_dim`` per
-            token and layer; then ``head_num`` must be 1 and ``head_dim`` that width.
-        kv_dtype: floating dtype name of the KV buffers (``"float16"``, ``"bfloat16"``, ...).
-        conv_kernel: KDA short-conv width (its state keeps ``conv_kernel - 1`` inputs).
-        kda_num_heads, kda_head_dim: heads / head width of the KDA layers.
-        state_dtype: floating dtype name of the KDA states.
-        state_slots: Mamba state slots (used by hybrid configs only).
-        request_rows: rows of ``req_to_token`` (running requests at once).
-        max_context_len: tokens per request (columns of ``req_to_token``).
-        eviction_policy: a registered RadixCache policy (``lru``, ``lfu``, ``fifo``, ...).
-        admission_policy: one of :data:`ADMISSION_POLICIES`.
-        enable_kv_events: record BlockStored / BlockRemoved / AllBlocksCleared events.
-        lease_ttl_s: seconds a session lives without a call or heartbeat.
-        max_sessions: sessions at once.
-        max_requests_per_session: running requests of one session at once.
-        checks: range / double-free validation inside the pools and allocators (turn off
-            only for benchmarks; the engine validates its own inputs either way).
-        decode_reserve: KV slots each running request keeps allocated ahead for its next
-            decode steps (0: none). A decode step of requests that all have reserved slots
-            makes no allocator call, so a remote client can answer it locally
-            (:mod:`radixkv.scheduler.decode_reserve`). Page size 1 only.
-        mamba_track_interval: hybrid models: every request row also holds the
-            ``mamba_ping_pong_track_buffer`` (two more state slots, out of ``state_slots``) and
-            the worker writes the state at each multiple of this interval its steps pass
-            (``ExtendResult.track_slot`` / ``DecodeResult.track_slots``), so a request ending
-            off the page grid still leaves a cacheable state (:mod:`radixkv.scheduler.track`).
-            ``None`` (default): the page size when ``page_size > 1``, no tracking at page size
-            1 (every position is a page end there). 0: no tracking (an unaligned end then
-            caches no state). Else a multiple of ``page_size``; not with ``decode_reserve``.
-        host_kv_tokens: tokens of the host tier (L2) behind the device pool, a multiple of
-            ``page_size``; 0 (default): off. KV-only models (``layer_types`` all ``F``).
-        write_policy: one of :data:`WRITE_POLICIES` (how pages reach the host tier).
-        storage: the storage tier's (L3) URL (``file:///DIR``, ...; needs the host tier);
-            ``None``: off.
-        storage_timeout_ms: the longest a match waits on storage before it serves what the
-            faster tiers hold.
-        storage_admit: one of :data:`STORAGE_ADMIT`.
-        storage_drain_timeout_s: at shutdown, the longest the storage write queue is drained.
+Fields: ``device``; the pools' sizes (``kv_tokens``, ``page_size``, ``state_slots``,
+``request_rows``, ``max_context_len``); the model shape (``layer_types``, ``head_num``,
+``head_dim``, MLA's ``kv_lora_rank``/``qk_rope_head_dim``, ``kv_dtype``, the KDA fields);
+the tree's policies; sessions; ``decode_reserve``, ``mamba_track_interval``; the tiers
+(``host_kv_tokens``, ``write_policy``, ``storage*``). Each field: ``docs/internals.md``
+("The engine config"). Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
+``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
+needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; the host tier is KV-only.
 
-    Raises ``InvalidArgumentError`` naming the field for any bad value.
-    """
+Raises ``InvalidArgumentError`` naming the field for any bad value.
+"""
 
     device: str = "cpu"
     kv_tokens: int = 4096

@@ -1,36 +1,17 @@
 """``CacheEngine``: the cache-engine protocol run in-process (embedded mode).
 
-A thin, typed, validating layer over the scheduler flow (``radixkv.scheduler.flow``) and
-the tree: it keeps the sessions (:mod:`radixkv.engine.sessions`) and, per session, its
-requests (:class:`~radixkv.engine.requests.EngineReq`) by rid, and turns protocol calls
+A thin, typed, validating layer over the scheduler flow (``radixkv.scheduler.flow``) and the
+tree: it keeps the sessions and, per session, their requests by rid, and turns protocol calls
 into ``alloc_for_extend`` / ``alloc_for_decode`` / ``cache_unfinished_req`` /
 ``release_kv_cache`` on the pools built by :mod:`radixkv.engine.pools`.
 
-Every call, in this order: expired leases are reclaimed (O(1) when none is due); the
-session is checked (unknown / ended / expired / other epoch -> ``StaleSessionError``) and
-its lease renewed; the whole input is validated (types, int32 token arrays, lengths, rids
-the session does not own -> ``NotFoundError``: ids are per session, so another session's rid
-is an unknown one; repeated rids ->
-``InvalidArgumentError``, limits -> ``CapacityError``); only then does anything change. A
-call that raises leaves pools, tree, requests, sessions and the reported counters as they
-were (the flow is all-or-nothing; appended tokens are rolled back; the tree's query
-counters of a failed call are discounted).
-
-Hybrid models (``K`` layers): the tree is a ``MambaRadixCache``; a new request's state slot
-(``mamba_slot``) gets a fork of the matched state, or zeros. The worker advances it with each
-forward, so when cached the slot holds the state after ``kv_committed_len`` tokens; the tree
-keeps it (a fork for unfinished requests) only at a page-aligned node end. With state tracking
-(``EngineConfig.mamba_track_interval``, on by default at page sizes > 1) the results also name a
-track slot where the worker writes the state at the last interval boundary the step passes;
-that state is what the tree keeps when the request's own one is off the page grid.
-
-Events: one queue, KV and (hybrid) state events in the tree's order
-(:class:`~radixkv.engine.engine_events.EventQueue`), read by ``take_events`` (dicts) or
-``drain_events`` (objects, no session). ``stats`` / ``check_invariants`` run the functions of
-:mod:`radixkv.engine.engine_audit`.
-
-Thread-safety: none. The engine is single-threaded by design: the service runs it in one
-event loop, and in-process users call it from one thread (or hold their own lock).
+Every call reclaims expired leases (O(1) when none is due), checks the session
+(``StaleSessionError``) and renews its lease, validates the whole input (``NotFoundError`` for
+a rid the session does not own, ``InvalidArgumentError``, ``CapacityError``), and only then
+changes anything. A call that raises leaves pools, tree, requests, sessions and the reported
+counters as they were. Hybrid state slots, tracking, events and audits: ``docs/internals.md``
+("The embedded engine"). Thread-safety: none, by design: the service runs it in one event
+loop, and in-process users call it from one thread (or hold their own lock).
 """
 from __future__ import annotations
 
@@ -115,21 +96,16 @@ def _as_config(config: EngineConfig | dict[str, Any] | None) -> EngineConfig:
 class CacheEngine:
     """The embedded cache engine (implements :class:`~radixkv.engine.protocol.CacheEngineAPI`).
 
-    Args:
-        config: an :class:`EngineConfig`, a dict of its fields, or ``None`` (defaults).
-        clock: seconds, non-decreasing (default ``time.monotonic``); leases use it.
-        epoch: the session epoch (default random; a restarted engine gets a new one).
-        buffers: ``{pool name: tensor}`` of existing memory for the pools (the service's
-            shared buffers), see :class:`~radixkv.engine.pools.EnginePools`.
-        mappings: ``{pool name: mapping dict}`` put into the layout ``attach`` returns (how
-            workers map those buffers); default ``"embedded"``.
-        storage: a storage backend for the host tier (instead of ``config.storage``'s URL).
+    Args: ``config`` (an :class:`EngineConfig`, a dict of its fields, or ``None``: defaults);
+    ``clock`` (seconds, non-decreasing; default ``time.monotonic``); ``epoch`` (the session epoch,
+    default random); ``buffers`` / ``mappings`` (``{pool name: tensor}`` of existing memory, and
+    how workers map it, default ``"embedded"``; see :class:`~radixkv.engine.pools.EnginePools`);
+    ``storage`` (a storage backend for the host tier instead of ``config.storage``'s URL).
 
     Attributes: ``config``, ``pools`` (:class:`EnginePools`), ``tree`` (a RadixCache, or a
-    MambaRadixCache for hybrid models), ``sessions`` (:class:`SessionTable`).
-
-    Raises (constructor) ``InvalidArgumentError`` for a bad config or buffers, or a hybrid
-    config while the Mamba-aware tree is missing.
+    MambaRadixCache for hybrid models), ``sessions`` (:class:`SessionTable`). Raises
+    ``InvalidArgumentError`` for a bad config or buffers, or a hybrid config while the Mamba-aware
+    tree is missing.
     """
 
     def __init__(self, config: EngineConfig | dict[str, Any] | None = None, *,

@@ -52,19 +52,15 @@ log = logging.getLogger(__name__)
 class EnginePools:
     """Every pool of one engine, built from a config.
 
-    Args:
-        config: the engine config.
-        buffers: optional ``{pool name: 1-D tensor}`` of existing memory (shared memory on
-            CPU, CUDA IPC on GPU) to build those pools over instead of allocating; each
-            must hold at least ``plan_arenas(config)[name].total_bytes`` bytes.
+    Args: ``config`` (the engine config); ``buffers`` (optional ``{pool name: 1-D tensor}`` of
+    existing memory, shared memory on CPU or CUDA IPC on GPU, to build those pools over instead of
+    allocating; each holds at least ``plan_arenas(config)[name].total_bytes`` bytes).
 
-    Attributes: ``config``, ``device``, ``req_to_token_pool``, ``kv_pool``,
-    ``mamba_pool`` (``None`` unless hybrid), ``hybrid_kv_pool`` (``None`` unless hybrid),
-    ``allocator`` (token or paged, ``need_sort=True``), ``host_pool`` (the host tier's
-    :class:`HostKVPool`, ``None`` unless ``host_kv_tokens``; the manager's own memory, not in
-    the layout), ``embedded_key`` (how in-process workers find these pools).
-
-    Raises ``InvalidArgumentError`` (a CUDA device without CUDA, unknown buffer names, a
+    Attributes: ``config``, ``device``, ``req_to_token_pool``, ``kv_pool``, ``mamba_pool`` and
+    ``hybrid_kv_pool`` (``None`` unless hybrid), ``allocator`` (token or paged, ``need_sort=True``),
+    ``host_pool`` (the host tier's :class:`HostKVPool`, ``None`` unless ``host_kv_tokens``; the
+    manager's own memory, not in the layout), ``embedded_key`` (how in-process workers find these
+    pools). Raises ``InvalidArgumentError`` (a CUDA device without CUDA, unknown buffer names, a
     buffer too small / misaligned / on another device).
     """
 

@@ -7,11 +7,7 @@ The engine is configured by ``--config FILE`` (JSON or TOML, ``EngineConfig.from
 and/or one flag per ``EngineConfig`` field (``--kv-tokens``, ``--page-size``,
 ``--layer-types``, ...); a flag overrides the file. With neither, the defaults start a small
 CPU server. The token comes from ``--token``, ``--token-file`` or ``$RADIXKV_TOKEN`` (the last
-two keep it out of ``ps``); it is never logged.
-
-Example::
-
-    python -m radixkv serve --address unix:///run/radixkv/s.sock --token-file tok --device cpu --kv-tokens 65536
+two keep it out of ``ps``); it is never logged. An example command: ``docs/service.md``.
 
 KV events: ``--enable-kv-events`` records them; the manager then serves them on its gRPC
 stream, and with ``--kv-events-endpoint`` (``--kv-events-replay-endpoint``,

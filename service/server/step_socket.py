@@ -1,43 +1,18 @@
 """The manager's Step socket: the Step stream's messages without gRPC.
 
-The wire format (frames, the hello) is described in :mod:`radixkv.service.wire.step` and the
-proto; each message runs exactly as on the gRPC Step stream (:func:`answer_step`: same parser,
-limits, session checks, reply cache and metrics). The worker's side is
-:mod:`radixkv.service.client.step_socket`.
+The wire format is :mod:`radixkv.service.wire.step`'s; each message runs exactly as on the gRPC
+Step stream (:func:`answer_step`: same parser, limits, session checks, reply cache and
+metrics); the worker's side is :mod:`radixkv.service.client.step_socket`. Each connection is one
+task on the manager's event loop (no thread hand-off per frame).
 
-Each accepted connection is one task on the manager's event loop (the loop that owns the
-engine), so a frame costs no thread hand-off on this side. What a connection may hold is
-bounded before it is trusted:
-
-* a connection has ``handshake_timeout_s`` to send its hello (at most
-  :data:`~radixkv.service.wire.step.HELLO_MAX_BYTES`), and at most :data:`MAX_PENDING`
-  connections wait for theirs at once (more are closed at once);
-* a hello without the workers' or the operator's token is answered UNAUTHENTICATED (and
-  counted as an auth failure of ``Step``, like a gRPC call without it); the operator calls
-  need the operator token, as on the gRPC stream;
-* an accepted connection holds one slot of the manager's call budget
-  (``--max-concurrent-rpcs``) while open, as an open Step stream does; none left:
-  RESOURCE_EXHAUSTED;
-* a frame longer than ``max_message_bytes`` is answered RESOURCE_EXHAUSTED and ends the
-  connection (its bytes are never read);
-* a frame must arrive whole within ``handshake_timeout_s`` + its size at
-  :data:`MIN_FRAME_RATE` (``frame_timeout``), and the bytes of frames still arriving are
-  capped across connections (``partial_bytes_cap``, default 2 x ``max_message_bytes``;
-  over it: RESOURCE_EXHAUSTED, ``partial_bytes``);
-* replies the worker does not read get ``handshake_timeout_s`` to drain, then the transport
-  is aborted (``write_timeout``); a connection holds its call-budget slot until its transport
-  is closed, half-closed ones included.
-
-The accept loop is the server's own: at the descriptor limit (EMFILE) it backs off
-(50 ms doubling to 1 s), counts (``fd_limit``) and logs once per period (asyncio's own
-accept path logs a traceback per failed accept and re-arms itself up to the backlog each
-time: a flood that grows).
-
-Every connection closed by one of these rules is counted (:attr:`StepSocketServer.refused`,
-by reason; exported as ``radixkv_step_socket_refused_total{why}``) and logged, summed, at
-most once per 10 s. The socket file is created 0600 in the gRPC socket's 0700 directory.
-At shutdown (:meth:`StepSocketServer.stop`) the listener closes and every connection ends;
-a worker then falls back to the gRPC path, as after a Step stream ends.
+What a connection may hold is bounded before it is trusted: a hello within
+``handshake_timeout_s`` (at most :data:`MAX_PENDING` waiting), the workers' or operator's token,
+one slot of the call budget while open, frames of at most ``max_message_bytes`` arriving at
+:data:`MIN_FRAME_RATE`, partial bytes capped across connections, unread replies drained within
+``handshake_timeout_s``; at EMFILE the accept loop backs off. Each refusal is counted
+(:attr:`StepSocketServer.refused`, by reason) and logged. The socket file is 0600 in a 0700
+directory; at :meth:`StepSocketServer.stop` every connection ends and workers fall back to gRPC.
+Each rule in full: ``docs/service.md`` ("The Step socket server").
 """
 from __future__ import annotations
 
@@ -113,21 +88,17 @@ class _Conn:
 
 
 class StepSocketServer:
-    """The Step socket of one manager; :meth:`start` on the manager's loop, :meth:`stop` at
-    shutdown.
+    """The Step socket of one manager; :meth:`start` on the manager's loop, :meth:`stop` at shutdown.
 
-    Args:
-        servicer: the manager's ``CacheManagerServicer`` (runs each message).
-        token: the workers' token; ``operator_token``: the operator's (or None).
-        call_budget: the auth interceptor's budget of calls in flight (``in_flight`` /
-            ``limit``), or None for no limit.
-        max_message_bytes: the longest frame accepted.
-        handshake_timeout_s: how long a connection may take to send its hello; also the base
-            of a frame's deadline and how long unread replies may wait.
-        partial_bytes_cap: bytes of frames still arriving, summed over connections (None:
-            2 x ``max_message_bytes``).
-        on_reject: told ``"Step"`` for every hello with a wrong token (metrics, logs).
-        on_refused: told the reason of every connection closed by a rule (metrics).
+    Args: ``servicer`` (the manager's ``CacheManagerServicer``, runs each message); ``token`` /
+    ``operator_token`` (the workers' / the operator's, or None); ``call_budget`` (the auth
+    interceptor's budget of calls in flight, ``in_flight`` / ``limit``, or None for no limit);
+    ``max_message_bytes`` (the longest frame accepted); ``handshake_timeout_s`` (how long a
+    connection may take to send its hello; also the base of a frame's deadline and how long unread
+    replies may wait); ``partial_bytes_cap`` (bytes of frames still arriving, summed over
+    connections; None: 2 x ``max_message_bytes``); ``on_reject`` (told ``"Step"`` for every hello
+    with a wrong token: metrics, logs); ``on_refused`` (told the reason of every connection closed
+    by a rule: metrics).
     """
 
     def __init__(self, servicer: CacheManagerServicer, token: Token, *, operator_token: Token | None,

@@ -1,21 +1,17 @@
 """Shared pool buffers: one allocation per pool, made once by the manager, mapped by workers.
 
-CPU: each pool's buffer is a file in ``/dev/shm`` (or a configured directory), created with
-mode 0600 (``O_CREAT | O_EXCL``: never an existing file), its space reserved with
-``posix_fallocate`` (a pool the directory cannot back is refused at once, never a sparse file
-that kills its users with SIGBUS later: :class:`~radixkv.errors.SharedMemorySpaceError`) and mapped
-with ``torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)``. The mapping is
-page aligned, so the arena's alignment (256 bytes) holds. A worker maps the same file and
-gets a ``uint8`` tensor aliasing the manager's memory; the manager removes the files when it
-shuts down (a worker that mapped one keeps its mapping until it exits).
+CPU: each pool's buffer is a 0600 file in ``/dev/shm`` (or a configured directory), created
+``O_EXCL``, its space reserved with ``posix_fallocate`` (a pool the directory cannot back is
+refused at once with :class:`~radixkv.errors.SharedMemorySpaceError`, never a sparse file
+that SIGBUSes later) and mapped with ``torch.from_file(..., shared=True)``, page aligned. The
+manager removes the files at shutdown (a worker's mapping lasts until it exits).
 
-CUDA: the manager allocates the buffer on its device and exports it with the plain fields of
-``torch.multiprocessing.reductions.reduce_tensor`` (IPC memory handle, ref-counter handle,
-event handle, offsets); a worker rebuilds a tensor over the same device memory with
-``rebuild_cuda_tensor``. Nothing is pickled: the fields travel as protobuf fields.
+CUDA: the manager exports its device buffer with the plain fields of ``reduce_tensor`` (IPC
+handles, offsets); a worker rebuilds it with ``rebuild_cuda_tensor``. Nothing is pickled.
 
 Descriptors (:class:`ShmDescriptor`, :class:`CudaIpcDescriptor`) are NamedTuples of plain
-values; :mod:`radixkv.service.wire.codec` turns them into ``PoolMapping`` messages.
+values; :mod:`radixkv.service.wire.codec` turns them into ``PoolMapping`` messages. The
+reasons: ``docs/service.md`` ("Shared pool buffers").
 """
 from __future__ import annotations
 
@@ -236,11 +232,9 @@ def map_shm_buffer(desc: ShmDescriptor, owner_uid: int | None = None) -> torch.T
     pattern (``radixkv-<pid>-<hex>-<pool>.buf``), opened without following a link, a regular
     file owned by ``owner_uid`` (default: this user) with mode exactly 0600 and exactly
     ``desc.nbytes`` bytes. The checks and the mapping are of the same open file (mapped
-    through ``/proc/self/fd``), so the name cannot be swapped in between.
-
-    Raises:
-        InvalidArgumentError: the file is missing, not a pool file, or not of the stated size.
-        PermissionDeniedError: the file is not the owner's or its mode is not 0600.
+    through ``/proc/self/fd``), so the name cannot be swapped in between. Raises
+    ``InvalidArgumentError`` (missing, not a pool file, not of the stated size) or
+    ``PermissionDeniedError`` (not the owner's, or its mode is not 0600).
     """
     _check_size(int(desc.nbytes))
     path = str(desc.path)

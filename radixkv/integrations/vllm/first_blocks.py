@@ -2,22 +2,16 @@
 block it does not hold is answered "no hit" without a round trip.
 
 A key is ``(extra_key, the first page's tokens)``: a request can only hit the manager's tree
-if the tree holds its first page under its namespace. The index is fed by the manager's KV
-events (``WatchEvents``, needs ``radixkv serve --enable-kv-events``): a ``BlockStored`` with no
-parent block adds its first page, a ``BlockRemoved`` of that page's hash removes it,
-``AllBlocksCleared`` empties the index.
+if the tree holds its first page under its namespace. Fed by the manager's KV events
+(``WatchEvents``, needs ``radixkv serve --enable-kv-events``): a parentless ``BlockStored``
+adds its first page, a ``BlockRemoved`` of that page's hash removes it, ``AllBlocksCleared``
+empties the index. :class:`IndexFeed` keeps an index fed from a daemon thread.
 
-Correctness never depends on it. ``may_hold`` answers ``True`` ("ask the manager") whenever the
-index is not *ready*: no stream, a stream that ended, a gap in the events (``EventsLost``),
-a manager without events. A ready index can lag the manager by the events in flight: a key
-stored a moment ago may be missing (a *false negative*: the request is computed, the hit is
-lost, and the save finds the manager's prefix and skips it), a key removed a moment ago may
-still be there (a *false positive*: one round trip that finds no hit).
-
-:class:`IndexFeed` keeps an index fed from a daemon thread: with its own client, it watches
-the events of the link's current session from the manager's first event (as far as the
-manager's ring holds them: a gap leaves the index not ready for that stream); when the stream
-ends it marks the index not ready and starts again once the link has a session.
+Correctness never depends on it: ``may_hold`` answers ``True`` ("ask the manager") whenever
+the index is not *ready* (no stream, a stream that ended, a gap in the events, a manager
+without events). A ready index lags by the events in flight: a false negative loses a hit, a
+false positive costs one round trip that finds none. The details: ``docs/vllm.md`` ("The
+first-block index").
 """
 from __future__ import annotations
 
