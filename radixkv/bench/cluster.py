@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
-from radixkv.bench.any_tier_events import AnyTierEvents
 from radixkv.bench.progress import Progress, ProgressBar
 from radixkv.bench.router_index import DynamoIndex, PyRadixIndex, make_index
 from radixkv.cache.hybrid.state_events import CacheEvent
@@ -164,7 +163,6 @@ def replay_on(managers: Sequence[ClusterManager], requests: Iterable[np.ndarray]
         raise InvalidArgumentError(f"slack must be a number >= 0, got {slack!r}")
     idx = make_index(index) if router != "round_robin" else None
     adapters = [DynamoEventAdapter(page_size) for _ in managers]
-    tiers_blind = [AnyTierEvents() for _ in managers]
     stats = np.zeros((n_managers, 6), dtype=np.int64)  # requests, prompt, hit, computed, host, storage
     routes: list[int] = []
     hits: list[int] = []
@@ -193,7 +191,7 @@ def replay_on(managers: Sequence[ClusterManager], requests: Iterable[np.ndarray]
         if idx is not None:
             exact += sc.get(w, 0) * page_size == hit
             routed += 1
-            for ev in tiers_blind[w].apply(managers[w].take_events()):
+            for ev in managers[w].take_events():  # a tier move is invisible to the adapter
                 raw = adapters[w].encode(ev)
                 if raw is not None:
                     idx.apply_event(w, raw)
