@@ -1,9 +1,9 @@
 """Tier load throughput: host -> device and storage (file) -> host, each beside a plain copy of
 the same bytes in the same run (issue 31's target: >= 0.8 of the plain copy at 64+ pages).
 
-* ``host_to_device``: :func:`copy_pages_host_to_device` (host page ids -> device KV rows of an
-  ``MHATokenToKVPool``: one gather of page-first host rows, one transfer, one indexed write per
-  layer and K/V) against ``dst.copy_(src)`` of as many contiguous bytes (pinned host on CUDA).
+* ``host_to_device``: the host tier's ``HostKVPool.load(pages, rows)`` (host page ids -> device KV
+  rows of an ``MHATokenToKVPool``: one gather of page-first host rows, one transfer, one indexed
+  write per layer and K/V) against ``dst.copy_(src)`` of as many contiguous bytes (pinned on CUDA).
 * ``storage_to_host``: ``FileStorage.batch_get`` into host page rows against reading the same
   bytes from one plain file per page (``readinto``) in the same directory tree. Both read from a
   warm page cache (the pages were just written): this times the software path, not the disk.
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv.memory.host_kv_pool import HostKVPool
 from radixkv.memory.kv_pool import MHATokenToKVPool
 from radixkv.storage.file import FileStorage
 from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
@@ -41,60 +42,12 @@ PAGE_SIZES = (16, 64)
 BATCHES = (1, 8, 64, 256)
 
 
-class HostPages:
-    """A page-first host buffer for one KV pool: row ``p`` is page ``p`` whole, viewed as
-    ``[layers, 2 (K, V), page_size, heads, head_dim]`` (pinned on CUDA)."""
-
-    def __init__(self, pool: MHATokenToKVPool, num_pages: int) -> None:
-        self.pool = pool
-        self.shape = (pool.layer_num, 2, pool.page_size, pool.head_num, pool.head_dim)
-        self.page_bytes = int(np.prod(self.shape)) * pool.store_dtype.itemsize
-        pinned = pool.device.type == "cuda"
-        self.rows = torch.zeros(num_pages + 1, self.page_bytes, dtype=torch.uint8, pin_memory=pinned)
-        self.typed = self.rows.view(pool.store_dtype).view(num_pages + 1, *self.shape)
-
-
-def _kv_view(pool: MHATokenToKVPool) -> torch.Tensor:
-    """The pool's K and V buffers as one strided ``[2, layers, rows, heads, head_dim]`` view of
-    its arena (they are equal, evenly spaced tensors in it)."""
-    names = [f"k.{l}" for l in range(pool.layer_num)] + [f"v.{l}" for l in range(pool.layer_num)]
-    offsets = [pool.arena.layout.spec(n).offset for n in names]
-    item = pool.store_dtype.itemsize
-    step = offsets[1] - offsets[0]
-    if any(o != offsets[0] + i * step for i, o in enumerate(offsets)) or step % item:
-        raise RuntimeError("the pool's K / V buffers are not evenly spaced in its arena")
-    flat = pool.arena.buffer[offsets[0]:].view(pool.store_dtype)
-    rows, h, d = pool.k_buffer[0].shape
-    n_layers, s = pool.layer_num, step // item
-    return flat.as_strided((2, n_layers, rows, h, d), (n_layers * s, s, h * d, d, 1))
-
-
-def copy_pages_host_to_device(host: HostPages, host_pages: torch.Tensor, device_rows: torch.Tensor) -> None:
-    """Host pages ``host_pages`` (int64, CPU) into device KV rows ``device_rows`` (``page_size``
-    per page, in order, page-aligned): the tier's load, in torch. CUDA: one transfer per run of
-    consecutive host pages into a device staging buffer, then one indexed write per layer and
-    K/V. CPU: one strided copy per page (one pass over the bytes). The tier's own batched copy
-    (``HostKVPool.load(pages, rows)`` on the tiers branch) is what this stands in for."""
-    pool = host.pool
-    n_layers, _, ps, h, d = host.shape
-    n = host_pages.numel()
-    if pool.device.type == "cuda":
-        staging = torch.empty((n, *host.shape), dtype=pool.store_dtype, device=pool.device)
-        p = host_pages.tolist()
-        i = 0
-        while i < n:
-            j = i + 1
-            while j < n and p[j] == p[j - 1] + 1:
-                j += 1
-            staging[i:j].copy_(host.typed[p[i]:p[i] + j - i], non_blocking=True)
-            i = j
-        for layer in range(n_layers):
-            pool.k_buffer[layer][device_rows] = staging[:, layer, 0].reshape(n * ps, h, d)
-            pool.v_buffer[layer][device_rows] = staging[:, layer, 1].reshape(n * ps, h, d)
-        return
-    kv = _kv_view(pool)
-    for page, r0 in zip(host_pages.tolist(), device_rows[::ps].tolist()):
-        kv[:, :, r0:r0 + ps].copy_(host.typed[page].transpose(0, 1))
+def _load(host: HostKVPool, pages: torch.Tensor, rows: torch.Tensor) -> None:
+    """The tier's own load: host ``pages`` into device ``rows``, waited for (on CUDA the copy
+    runs on the pool's side stream; :func:`_timed` synchronizes the device after it)."""
+    event = host.load(pages, rows)
+    if event is not None:
+        event.synchronize()
 
 
 def _sync(device: torch.device) -> None:
@@ -139,9 +92,10 @@ def bench_host_to_device(device: torch.device, layers: int, heads: int, head_dim
     most = max(batches)
     pool = MHATokenToKVPool(most * page_size, page_size, torch.float16, heads, head_dim, layers, device,
                             checks=False)
-    host = HostPages(pool, most)
+    host = HostKVPool(pool, most)
+    typed = host.pages.view(pool.store_dtype).view(most + 1, layers, 2, page_size, heads, head_dim)
     gen = torch.Generator().manual_seed(seed)
-    host.rows.copy_(torch.randint(0, 256, host.rows.shape, dtype=torch.uint8, generator=gen))
+    host.pages.copy_(torch.randint(0, 256, host.pages.shape, dtype=torch.uint8, generator=gen))
     plain_src = torch.empty(most * host.page_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     plain_dst = torch.empty(most * host.page_bytes, dtype=torch.uint8, device=device)
     out = []
@@ -151,10 +105,10 @@ def bench_host_to_device(device: torch.device, layers: int, heads: int, head_dim
         rows = (first.repeat_interleave(page_size) * page_size
                 + torch.arange(page_size).repeat(n)).to(device)
         nbytes = n * host.page_bytes
-        t = _timed_pair(partial(copy_pages_host_to_device, host, pages, rows),
+        t = _timed_pair(partial(_load, host, pages, rows),
                         partial(plain_dst[:nbytes].copy_, plain_src[:nbytes], non_blocking=True), reps, device)
         got = torch.stack([pool.k_buffer[0][rows].cpu(), pool.v_buffer[0][rows].cpu()], 1)
-        want = host.typed[pages][:, 0].transpose(1, 2).reshape(n * page_size, 2, heads, head_dim)
+        want = typed[pages][:, 0].transpose(1, 2).reshape(n * page_size, 2, heads, head_dim)
         if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
             raise RuntimeError(f"host -> device copy wrong at page size {page_size}, batch {n}")
         out.append(_row("host_to_device", page_size, n, nbytes, t))
