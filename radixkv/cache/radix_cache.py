@@ -19,11 +19,8 @@ exactly as it was: arguments are validated, and the walk is done read-only, befo
 first mutation (a split, a new node, a size change).
 
 The write path (``insert``'s validation, read-only walk and mutation; node splits) is the
-base class :class:`~radixkv.cache.radix_insert.InsertMixin`; the bodies of the request-level
-entry points (``cache_finished_req`` / ``cache_unfinished_req``), of ``evict`` and of the
-audit (``check_invariants`` / ``pretty_print``) are functions in :mod:`radixkv.cache.req_cache`,
-:mod:`radixkv.cache.leaf_eviction` and :mod:`radixkv.cache.tree_audit`, called by the methods
-here.
+base class :class:`~radixkv.cache.radix_insert.InsertMixin`; the audit is in
+:mod:`radixkv.cache.tree_audit`.
 
 Compiled paths: ``RadixCache(...)`` is a :class:`NativeRadixCache` (the subclass at the bottom
 of this module; ``__init__`` sets the class) when the compiled paths are used (``native``, see
@@ -39,17 +36,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from radixkv.cache import leaf_eviction, req_cache, tree_audit
 from radixkv.cache import native as native_mod
+from radixkv.cache import tree_audit
 from radixkv.cache.eviction import EvictionPolicy, make_policy
+from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.leaf_index import LeafIndex
 from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import rows_tensor
-from radixkv.cache.tree_node import NamespaceHead, TreeNode
+from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
 from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable
-from radixkv.errors import InvalidArgumentError
+from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
+from radixkv.validation import check_count
 
 if TYPE_CHECKING:
     from radixkv.cache.block_hash import Seed
@@ -323,9 +322,44 @@ class RadixCache(InsertMixin):
 
         Returns the number of tokens freed (whole nodes, so possibly more than asked).
         Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
-        O(evicted nodes x log L) (:func:`radixkv.cache.leaf_eviction.evict`).
+        O(evicted nodes x log L) (the victims: :func:`radixkv.cache.leaf_eviction.pop_victim`).
         """
-        return leaf_eviction.evict(self, num_tokens)
+        num_tokens = check_count(num_tokens, "num_tokens")
+        leaves = self._leaves
+        if self.disable or num_tokens == 0 or not leaves:
+            return 0
+        sort_key = self._sort_key
+        on_evict = self._on_evict
+        events = self.kv_events
+        pb = self._pb
+        freed: list[bytes] = []
+        evicted = 0
+        stale_key = sort_key if self._lazy else None
+        while evicted < num_tokens:
+            node = pop_victim(leaves, stale_key)
+            if node is None:
+                break
+            kb = node.kbuf
+            parent: Any = node.parent  # a TreeNode or a NamespaceHead: a victim is never a head
+            del parent.children[kb[:pb]]
+            sync_only(parent)
+            evicted += len(kb) >> 2
+            freed.append(node.vbuf)
+            if on_evict is not None:
+                on_evict(node)
+            if events is not None:
+                events.on_removed(node.block_hashes)  # type: ignore[arg-type]  # events on: kept
+            if not parent.children:
+                if parent.parent is not None:
+                    if parent.lock_ref == 0:
+                        parent.skey = sort_key(parent)
+                        leaves.add(parent)
+                elif parent.extra_key is not None:  # an empty namespace goes away
+                    del self._heads[parent.extra_key]
+        self._evictable -= evicted
+        self._free_rows(freed)
+        self._metrics.record_evict(evicted)
+        return evicted
 
     def _refile(self, node: TreeNode) -> None:
         """Re-file a filed leaf under its current sort key (policies' ``rekey``)."""
@@ -419,15 +453,105 @@ class RadixCache(InsertMixin):
         return self.kv_events.take_events() if self.kv_events is not None else []
 
     # ------------------------------------------------------------------ requests
+    # Row ownership, the contract of both entry points: ``docs/internals.md``, "Row ownership
+    # at the request entry points".
     def cache_finished_req(self, req: CacheRequest) -> None:
-        """Cache a finished request's tokens and release its lock and its own rows
-        (contract: :func:`radixkv.cache.req_cache.cache_finished_req`)."""
-        req_cache.cache_finished_req(self, req)
+        """Cache a finished request: insert its page-aligned tokens with its rows, free its
+        duplicate rows and its unaligned tail's rows (one allocator call), and release the
+        lock on ``req.last_node``. With ``disable`` every row of the request is freed.
+
+        Raises (nothing changes): InvalidArgumentError / InvalidIndexError /
+        LengthMismatchError for a request without a valid row, with a bad
+        ``cache_protected_len`` or a ``last_node`` not locked in this tree.
+        """
+        row, tokens, kv = self._request_rows(req)
+        if self.disable:
+            self._free_req_rows(kv)
+            return
+        aligned, _, _, dup = self._insert_request(req, tokens, kv)
+        self._free_req_rows(np.concatenate([dup, kv[aligned:]]))
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
-        """Cache a running request's tokens so far and move its lock to where they end
-        (contract: :func:`radixkv.cache.req_cache.cache_unfinished_req`)."""
-        req_cache.cache_unfinished_req(self, req, chunked)
+        """Cache an unfinished request (chunked prefill): insert its page-aligned tokens, free
+        its duplicate rows, point its ``req_to_token`` row at the tree's rows, move its lock to
+        the node where the inserted key ends, and update ``req.prefix_indices`` (tree rows plus
+        the request's unaligned tail), ``req.last_node`` and ``req.cache_protected_len``.
+        No-op with ``disable``. Raises as :meth:`cache_finished_req`.
+        """
+        if self.disable:
+            return
+        row, tokens, kv = self._request_rows(req)
+        aligned, node, tree_rows, dup = self._insert_request(req, tokens, kv)
+        self._free_req_rows(dup)
+        lo = req.cache_protected_len
+        if aligned > lo:
+            pool: Any = self.req_to_token_pool  # checked by _request_rows; SGLang's may lack write()
+            new = torch.from_numpy(tree_rows[lo:aligned].copy()).to(pool.req_to_token.device)
+            if hasattr(pool, "write"):
+                pool.write((row, slice(lo, aligned)), new)
+            else:
+                pool.req_to_token[row, lo:aligned] = new
+        self.inc_lock_ref(node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        prefix = np.concatenate([tree_rows, kv[aligned:]]).astype(np.int64)
+        t = torch.from_numpy(prefix)
+        req.prefix_indices = t if self.device.type == "cpu" else t.to(self.device)
+        req.last_node = node
+        req.cache_protected_len = aligned
+
+    def _request_rows(self, req: CacheRequest) -> tuple[int, np.ndarray, np.ndarray]:
+        """Validate ``req`` against the pool; return (row, tokens with rows, their KV rows).
+        Tokens with rows: ``min(len(fill_ids), kv_committed_len)``."""
+        pool = self.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("this RadixCache has no req_to_token_pool")
+        row = req.req_pool_idx
+        if row is None or isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise InvalidArgumentError(f"request {req.rid!r} holds no req_to_token row")
+        table = pool.req_to_token
+        if not 0 <= int(row) < table.shape[0]:
+            raise InvalidIndexError(f"req_pool_idx {row} out of range [0, {table.shape[0]})")
+        tokens = req.fill_ids
+        n = tokens.size
+        committed = int(getattr(req, "kv_committed_len", 0) or 0)
+        if 0 < committed < n:
+            n = committed
+        if n > table.shape[1]:
+            raise LengthMismatchError(f"request {req.rid!r} has {n} tokens, its row holds {table.shape[1]}")
+        protected = req.cache_protected_len
+        if not 0 <= protected <= n:
+            raise InvalidArgumentError(f"cache_protected_len {protected} outside [0, {n}]")
+        if req.last_node is not None:
+            self._check_node(req.last_node)
+            if req.last_node.parent is not None and req.last_node.lock_ref < 1:
+                raise InvalidArgumentError(f"request {req.rid!r} holds an unlocked last_node")
+        kv = table[int(row), :n].to("cpu", copy=True).numpy()
+        return int(row), tokens[:n], kv
+
+    def _free_req_rows(self, rows: np.ndarray) -> None:
+        """Free a request's KV rows (an int array) to the allocator, in one call."""
+        alloc = self.token_to_kv_pool_allocator
+        if rows.size and alloc is not None:
+            t = torch.from_numpy(rows.astype(np.int64))
+            alloc.free(t if self.device.type == "cpu" else t.to(self.device))
+
+    def _insert_request(self, req: CacheRequest, tokens: np.ndarray,
+                        kv: np.ndarray) -> tuple[int, TreeNode, np.ndarray, np.ndarray]:
+        """Insert the aligned part; return (aligned, node, tree rows of [0, aligned),
+        request rows to free: duplicates differing from the tree's)."""
+        n = tokens.size
+        aligned = n - n % self.page_size
+        key = RadixKey(tokens[:aligned], req.extra_key)
+        prefix, node, path = self._insert(key, kv[:aligned], req.priority or 0)
+        tree_prefix = np.frombuffer(b"".join(x.vbuf for x in path), dtype=_I32)
+        lo = req.cache_protected_len
+        own = kv[lo:prefix]
+        dup = own[own != tree_prefix[lo:prefix]] if prefix > lo else own[:0]
+        tree_rows = np.concatenate([tree_prefix, kv[prefix:aligned]])
+        return aligned, node, tree_rows, dup
 
     # ------------------------------------------------------------------ audit
     def check_invariants(self) -> None:
