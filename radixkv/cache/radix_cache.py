@@ -118,7 +118,7 @@ class RadixCache(InsertMixin):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
-        self._pb = 4 * page_size  # bytes per page
+        self._page_bytes = 4 * page_size  # bytes per page
         self.disable = bool(disable)
         self.device = torch.device(getattr(token_to_kv_pool_allocator, "device", "cpu"))
         self._on_device = self.device.type != "cpu"
@@ -142,8 +142,8 @@ class RadixCache(InsertMixin):
         self._metrics = CacheMetrics(metrics_window)
         # match_prefix appends (queried, hit) to the metrics' log itself: a method call
         # there cost ~0.8 µs in the bench's cycle (cold frame); None: the subclass records
-        self._qlog: list[tuple[int, int]] | None = self._metrics.query_log
-        self._qfold = 2 * metrics_window
+        self._query_log: list[tuple[int, int]] | None = self._metrics.query_log
+        self._query_log_limit = 2 * metrics_window
         self._leaves: LeafIndex[TreeNode] = LeafIndex()
         if native and not native_mod.available():
             raise InvalidArgumentError(f"native=True but {native_mod.unavailable_reason}")
@@ -151,13 +151,13 @@ class RadixCache(InsertMixin):
         self.native = use
         # the compiled match walk touches nodes itself (last_access, hits): only for
         # policies with no on_hit hook whose order needs no re-filing on a touch
-        self._cwalk = native_mod.walk if use and self._on_hit is None and self._lazy else None
-        self._cfind = native_mod.find if use else None
-        self._cnarrow = native_mod.narrow if use else None
+        self._native_walk = native_mod.walk if use and self._on_hit is None and self._lazy else None
+        self._native_find = native_mod.find if use else None
+        self._native_narrow = native_mod.narrow if use else None
         self._new_node = native_mod.new_node if use else TreeNode
         # _insert's entry (cache_*_req, MambaRadixCache.insert): the compiled insert, which
         # takes the common case whole and hands the others to the Python insert
-        self._cinsert = native_mod.insert if use else InsertMixin.insert
+        self._insert_entry = native_mod.insert if use else InsertMixin.insert
         if use and type(self) is RadixCache:
             # the one place the class is chosen: match_prefix and insert become the compiled
             # entries (NativeRadixCache, below); subclasses (MambaRadixCache) keep their own
@@ -228,15 +228,15 @@ class RadixCache(InsertMixin):
             key = as_radix_key(key, extra_key)
         buf = key._buf
         nbytes = len(buf)
-        pb = self._pb
+        pb = self._page_bytes
         n = nbytes - nbytes % pb if pb != 4 else nbytes
         head = self._heads.get(key.extra_key)
         if n == 0 or head is None or self.disable:
-            if self._qlog is not None:
+            if self._query_log is not None:
                 self._metrics.record_query(nbytes >> 2, 0)
             return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
                                head if head is not None else self._heads[None], 0))
-        cwalk = self._cwalk
+        cwalk = self._native_walk
         if cwalk is not None:  # the compiled walk (radixkv.cache.native): the loop below, in C
             pos, node, tick, rows, split = cwalk(head, buf, n, pb, self._clock)
             if split is not None:
@@ -286,10 +286,10 @@ class RadixCache(InsertMixin):
                 if self._on_device:
                     rows = rows.to(self.device)
         self._clock = tick
-        log = self._qlog
+        log = self._query_log
         if log is not None:
             log.append((nbytes >> 2, pos >> 2))
-            if len(log) >= self._qfold:
+            if len(log) >= self._query_log_limit:
                 self._metrics.compact()
         return _tuple_new(MatchResult, (rows, node, pos >> 2))
 
@@ -331,7 +331,7 @@ class RadixCache(InsertMixin):
         sort_key = self._sort_key
         on_evict = self._on_evict
         events = self.kv_events
-        pb = self._pb
+        pb = self._page_bytes
         freed: list[bytes] = []
         evicted = 0
         stale_key = sort_key if self._lazy else None
@@ -376,7 +376,7 @@ class RadixCache(InsertMixin):
         parent: Any = node.parent  # None for a head; the top of the path is a NamespaceHead
         if parent is None:
             return
-        if parent.children.get(node.kbuf[:self._pb]) is not node:
+        if parent.children.get(node.kbuf[:self._page_bytes]) is not node:
             raise InvalidArgumentError(f"node {node.id} is not in the tree (evicted?)")
         while parent.parent is not None:
             parent = parent.parent

@@ -153,7 +153,7 @@ class MambaRadixCache(RadixCache):
         self._key_stated = lambda node: (True, base_key(node))
         self._presort = (self._lazy and self._on_insert is None and self._on_split is None
                          and type(self._states) is StateTable)
-        self._qlog = None  # the hybrid match records its state hit itself
+        self._query_log = None  # the hybrid match records its state hit itself
         # RadixCache's match, which match_prefix extends: the compiled entry of
         # NativeRadixCache when this cache uses the compiled paths (a plain function: called
         # with self)
@@ -296,18 +296,18 @@ class MambaRadixCache(RadixCache):
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
         if state_slot is None:
-            prefix, node, _ = self._cinsert(self, key, value, priority, None, True)  # = self._insert
+            prefix, node, _ = self._insert_entry(self, key, value, priority, None, True)  # = self._insert
             return _tuple_new(MambaInsertResult, (prefix, node, False))
         states = self._states
         slot = states.check_slot(self.mamba_pool, state_slot, "state_slot", self.checks)
         if self._presort:
             self._sort_key = self._key_stated
             try:
-                prefix, node, _ = self._cinsert(self, key, value, priority, None, True)
+                prefix, node, _ = self._insert_entry(self, key, value, priority, None, True)
             finally:
                 self._sort_key = self._key_any
         else:
-            prefix, node, _ = self._cinsert(self, key, value, priority, None, True)
+            prefix, node, _ = self._insert_entry(self, key, value, priority, None, True)
         if node.parent is not None and node not in states.slot_of:
             self._attach(node, slot, len(key._buf) >> 2)
             return _tuple_new(MambaInsertResult, (prefix, node, True))
@@ -475,7 +475,7 @@ class MambaRadixCache(RadixCache):
     def _remove_leaf(self, node: Any, rows: list[bytes], slots: list[int]) -> int:
         """Unlink an unlocked, unfiled leaf (and its state), then every tombstone ancestor it
         leaves childless and unlocked; file a childless parent with a state. Returns tokens."""
-        pb, events, on_evict, states = self._pb, self.kv_events, self._on_evict, self._states
+        pb, events, on_evict, states = self._page_bytes, self.kv_events, self._on_evict, self._states
         tokens = 0
         while True:
             parent = node.parent
