@@ -1,32 +1,18 @@
 """``RadixCache``: token prefix -> KV rows, a radix tree over int32 token ids (SGLang's
-RadixCache, rebuilt for speed and memory).
+RadixCache, rebuilt for speed and memory). One empty :class:`NamespaceHead` per
+``extra_key``; below it :class:`TreeNode` edges of whole pages (tokens and KV rows as int32
+bytes), children keyed by their first page's bytes.
 
-Shape of the tree: one empty :class:`NamespaceHead` per ``extra_key`` (``root_node`` is the
-head of the ``None`` namespace); below it, :class:`TreeNode` edges, each holding a whole
-number of pages of tokens and their KV row indices as int32 bytes. A node's children are
-keyed by the bytes of their first page.
+Costs (n = key tokens, d = nodes on the path, L = evictable leaves): ``match_prefix`` O(d)
+probes + O(n) ``memcmp`` + one concatenation of the rows (a match ending inside a node
+splits it, O(node)); ``insert`` the same walk + one copy of the new tail + O(log L);
+``evict`` O(evicted nodes x log L), ONE allocator call; locks O(depth).
 
-Cost model (n = key tokens, d = nodes on the matched path, L = evictable leaves):
-
-* ``match_prefix``: O(d) dict probes + O(n) ``memcmp`` + one concatenation of the matched
-  rows and one int32->int64 conversion; a match ending inside a node splits it (O(node)).
-* ``insert``: the same walk, then one copy of the new tail; O(log L) to file the new leaf.
-* ``evict``: O(evicted nodes x log L); all the evicted rows go back in ONE allocator call.
-* ``inc_lock_ref`` / ``dec_lock_ref``: O(depth) (+ O(log L) for the bottom node).
-
-Every call that rejects its input raises a :mod:`radixkv.errors` type and leaves the tree
-exactly as it was: arguments are validated, and the walk is done read-only, before the
-first mutation (a split, a new node, a size change).
-
-The write path (``insert``'s validation, read-only walk and mutation; node splits) is the
-base class :class:`~radixkv.cache.radix_insert.InsertMixin`; the audit is in
-:mod:`radixkv.cache.tree_audit`.
-
-Compiled paths: ``RadixCache(...)`` is a :class:`NativeRadixCache` (the subclass at the bottom
-of this module; ``__init__`` sets the class) when the compiled paths are used (``native``, see
-:mod:`radixkv.cache.native`): its ``match_prefix`` and ``insert`` run whole in C for their
-common case and hand every other call to the Python methods defined here, the contract and
-the reference. Either class gives the same results.
+A call that rejects its input raises a :mod:`radixkv.errors` type and leaves the tree as it
+was (validation and a read-only walk come before the first mutation). The write path is the
+base class :class:`~radixkv.cache.radix_insert.InsertMixin`, the audit
+:mod:`radixkv.cache.tree_audit`; with the compiled paths ``RadixCache(...)`` is a
+:class:`NativeRadixCache` (same results). In full: ``docs/internals.md``, "The radix tree".
 """
 from __future__ import annotations
 
@@ -86,25 +72,15 @@ _tuple_new = tuple.__new__  # MatchResult(...) without its Python-level __new__ 
 class RadixCache(InsertMixin):
     """A radix tree mapping token prefixes (per namespace) to KV rows of a token pool.
 
-    Args:
-        req_to_token_pool: the request-to-token table (``ReqToTokenPool``), used by the
-            ``cache_*_req`` methods; ``None`` for a cache driven directly.
-        token_to_kv_pool_allocator: the KV row allocator (``alloc``/``free``/``device``);
-            evicted rows are freed to it. ``None``: rows are simply dropped.
-        page_size: tokens per page; nodes hold whole pages, keys are matched page-aligned.
-        eviction_policy: a registered name (``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``,
-            ``priority``, ``slru``, ``aplru``) or an :class:`EvictionPolicy` instance.
-        disable: every match is empty, every insert a no-op.
-        enable_kv_events: record KV events (``take_events()``); nodes then keep their
-            per-page hashes.
-        kv_event_seed: seed of the event hash chain (see ``radixkv.cache.kv_events``).
-        metrics_window: queries covered by the rolling hit rate.
-        native: use the compiled paths (``radixkv.cache.native``): ``None`` when they are
-            built, ``False`` never (the pure-Python reference), ``True`` or raise
-            ``InvalidArgumentError`` when they are not built. Same results either way. With
-            them, ``RadixCache(...)`` is a :class:`NativeRadixCache` (``__init__`` chooses).
-
-    The device (of ``MatchResult.device_indices``) is the allocator's device, else CPU.
+    ``req_to_token_pool`` (``ReqToTokenPool``, for ``cache_*_req``; ``None``: driven
+    directly); ``token_to_kv_pool_allocator`` (evicted rows go back to it; ``None``: dropped;
+    its device is the matches' device, else CPU); ``page_size`` (nodes hold whole pages);
+    ``eviction_policy`` (a registered name or an :class:`EvictionPolicy`); ``disable`` (every
+    match empty, every insert a no-op); ``enable_kv_events`` / ``kv_event_seed`` (KV events,
+    ``take_events()``); ``metrics_window`` (queries of the rolling hit rate); ``native``
+    (the compiled paths: ``None`` when built, ``False`` never, ``True`` or raise
+    ``InvalidArgumentError``; with them ``RadixCache(...)`` is a :class:`NativeRadixCache`).
+    Each argument in full: ``docs/internals.md``, "The radix tree".
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenTable | None = None,
