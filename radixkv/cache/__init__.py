@@ -1,13 +1,12 @@
 """The prefix cache: a radix tree from token prefixes (per namespace) to KV rows.
 
 * :class:`RadixCache` / :class:`MatchResult`: the tree (``radix_cache``; its compiled
-  variant ``NativeRadixCache`` there too), its write path (``radix_insert``), the bodies of
-  its request-level entry points (``req_cache``), eviction (``leaf_eviction``) and audit
-  (``tree_audit``); the compiled walks (``native``, ``csrc/``);
+  variant ``NativeRadixCache`` there too), its write path (``radix_insert``), eviction
+  victims (``leaf_eviction``) and audit (``tree_audit``); the compiled walks (``native``,
+  ``csrc/``);
 * :class:`MambaRadixCache`: the hybrid-model tree whose nodes also hold Mamba state slots
   (``hybrid/``: ``mamba_radix_cache``; its state table ``state_table``, audit ``mamba_audit``,
-  policies ``mamba_policies``, request entry points ``mamba_req_cache``, state events
-  ``state_events``);
+  policies ``mamba_policies``, state events ``state_events``);
 * :class:`RadixKey`: the compact int32 key (``radix_key``); :class:`TreeNode` (``tree_node``);
 * eviction policies (``policies/``), named in one registry (``eviction``: :func:`register_policy`);
 * :class:`CacheMetrics` (``metrics``); KV events (``kv_events``); the KV conservation law

@@ -1,5 +1,6 @@
-"""``RadixCache.evict``: walking the evictable-leaf index (the mechanics; the order comes
-from the policy, see :mod:`radixkv.cache.eviction`).
+"""Taking eviction victims off the evictable-leaf index, for ``RadixCache.evict`` and
+``MambaRadixCache.evict`` (the mechanics; the order comes from the policy, see
+:mod:`radixkv.cache.eviction`).
 
 The index (:class:`radixkv.cache.leaf_index.LeafIndex`, a heap) holds the unlocked leaves
 keyed by the sort key each was filed under (``node.skey``), ties in filing order. Popping
@@ -12,14 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixkv.cache.tree_node import TreeNode, sync_only
-from radixkv.validation import check_count
-
 if TYPE_CHECKING:
     from radixkv.cache.leaf_index import LeafIndex
-    from radixkv.cache.radix_cache import RadixCache
+    from radixkv.cache.tree_node import TreeNode
 
-__all__ = ["evict", "pop_victim"]
+__all__ = ["pop_victim"]
 
 
 def pop_victim(leaves: LeafIndex[TreeNode], sort_key: Callable[[TreeNode], Any] | None) -> TreeNode | None:
@@ -41,50 +39,3 @@ def pop_victim(leaves: LeafIndex[TreeNode], sort_key: Callable[[TreeNode], Any] 
         node.skey = None
         return node
     return None
-
-
-def evict(cache: RadixCache, num_tokens: int) -> int:
-    """Evict unlocked leaves in the policy's order until ``num_tokens`` tokens are freed
-    (or nothing evictable is left); a parent whose last child goes becomes a candidate.
-    All evicted rows go back to the allocator in ONE ``free`` call.
-
-    Returns the number of tokens freed (whole nodes, so possibly more than asked).
-    Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
-    O(evicted nodes x log L).
-    """
-    num_tokens = check_count(num_tokens, "num_tokens")
-    if cache.disable or num_tokens == 0 or not cache._leaves:
-        return 0
-    leaves = cache._leaves
-    sort_key = cache._sort_key
-    on_evict = cache._on_evict
-    events = cache.kv_events
-    pb = cache._pb
-    freed: list[bytes] = []
-    evicted = 0
-    stale_key = sort_key if cache._lazy else None
-    while evicted < num_tokens:
-        node = pop_victim(leaves, stale_key)
-        if node is None:
-            break
-        kb = node.kbuf
-        parent: Any = node.parent  # a TreeNode or a NamespaceHead: a victim is never a head
-        del parent.children[kb[:pb]]
-        sync_only(parent)
-        evicted += len(kb) >> 2
-        freed.append(node.vbuf)
-        if on_evict is not None:
-            on_evict(node)
-        if events is not None:
-            events.on_removed(node.block_hashes)  # type: ignore[arg-type]  # events on: kept
-        if not parent.children:
-            if parent.parent is not None:
-                if parent.lock_ref == 0:
-                    parent.skey = sort_key(parent)
-                    leaves.add(parent)
-            elif parent.extra_key is not None:  # an empty namespace goes away
-                del cache._heads[parent.extra_key]
-    cache._evictable -= evicted
-    cache._free_rows(freed)
-    cache._metrics.record_evict(evicted)
-    return evicted

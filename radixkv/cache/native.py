@@ -35,8 +35,8 @@ if _mod is not None:
     _mod.bind_metrics(CacheMetrics)  # and adds to its insert counters (slots) itself
 
 # the compiled entries (untyped C functions), None when not built: callers check available().
-# ``find`` / ``narrow`` have the signatures of the attributes they are bound to (``_cfind``,
-# ``_cnarrow``); the others stay ``Any``: ``walk`` returns its rows as a tensor or, when the
+# ``find`` / ``narrow`` have the signatures of the attributes they are bound to (``_native_find``,
+# ``_native_narrow``); the others stay ``Any``: ``walk`` returns its rows as a tensor or, when the
 # match ends inside a node, as the bytes list ``_split_end`` takes; ``new_node`` may be None;
 # ``match`` / ``insert`` become methods through ``method``; ``bind_*`` take Python callables.
 walk: Any = _mod.walk if _mod is not None else None

@@ -1,35 +1,18 @@
 """``RadixCache``: token prefix -> KV rows, a radix tree over int32 token ids (SGLang's
-RadixCache, rebuilt for speed and memory).
+RadixCache, rebuilt for speed and memory). One empty :class:`NamespaceHead` per
+``extra_key``; below it :class:`TreeNode` edges of whole pages (tokens and KV rows as int32
+bytes), children keyed by their first page's bytes.
 
-Shape of the tree: one empty :class:`NamespaceHead` per ``extra_key`` (``root_node`` is the
-head of the ``None`` namespace); below it, :class:`TreeNode` edges, each holding a whole
-number of pages of tokens and their KV row indices as int32 bytes. A node's children are
-keyed by the bytes of their first page.
+Costs (n = key tokens, d = nodes on the path, L = evictable leaves): ``match_prefix`` O(d)
+probes + O(n) ``memcmp`` + one concatenation of the rows (a match ending inside a node
+splits it, O(node)); ``insert`` the same walk + one copy of the new tail + O(log L);
+``evict`` O(evicted nodes x log L), ONE allocator call; locks O(depth).
 
-Cost model (n = key tokens, d = nodes on the matched path, L = evictable leaves):
-
-* ``match_prefix``: O(d) dict probes + O(n) ``memcmp`` + one concatenation of the matched
-  rows and one int32->int64 conversion; a match ending inside a node splits it (O(node)).
-* ``insert``: the same walk, then one copy of the new tail; O(log L) to file the new leaf.
-* ``evict``: O(evicted nodes x log L); all the evicted rows go back in ONE allocator call.
-* ``inc_lock_ref`` / ``dec_lock_ref``: O(depth) (+ O(log L) for the bottom node).
-
-Every call that rejects its input raises a :mod:`radixkv.errors` type and leaves the tree
-exactly as it was: arguments are validated, and the walk is done read-only, before the
-first mutation (a split, a new node, a size change).
-
-The write path (``insert``'s validation, read-only walk and mutation; node splits) is the
-base class :class:`~radixkv.cache.radix_insert.InsertMixin`; the bodies of the request-level
-entry points (``cache_finished_req`` / ``cache_unfinished_req``), of ``evict`` and of the
-audit (``check_invariants`` / ``pretty_print``) are functions in :mod:`radixkv.cache.req_cache`,
-:mod:`radixkv.cache.leaf_eviction` and :mod:`radixkv.cache.tree_audit`, called by the methods
-here.
-
-Compiled paths: ``RadixCache(...)`` is a :class:`NativeRadixCache` (the subclass at the bottom
-of this module; ``__init__`` sets the class) when the compiled paths are used (``native``, see
-:mod:`radixkv.cache.native`): its ``match_prefix`` and ``insert`` run whole in C for their
-common case and hand every other call to the Python methods defined here, the contract and
-the reference. Either class gives the same results.
+A call that rejects its input raises a :mod:`radixkv.errors` type and leaves the tree as it
+was (validation and a read-only walk come before the first mutation). The write path is the
+base class :class:`~radixkv.cache.radix_insert.InsertMixin`, the audit
+:mod:`radixkv.cache.tree_audit`; with the compiled paths ``RadixCache(...)`` is a
+:class:`NativeRadixCache` (same results). In full: ``docs/internals.md``, "The radix tree".
 """
 from __future__ import annotations
 
@@ -39,17 +22,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from radixkv.cache import leaf_eviction, req_cache, tree_audit
 from radixkv.cache import native as native_mod
+from radixkv.cache import tree_audit
 from radixkv.cache.eviction import EvictionPolicy, make_policy
+from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.leaf_index import LeafIndex
 from radixkv.cache.metrics import CacheMetrics
 from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
 from radixkv.cache.rows import rows_tensor
-from radixkv.cache.tree_node import NamespaceHead, TreeNode
+from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
 from radixkv.contracts import CacheRequest, KVAllocator, ReqToTokenTable
-from radixkv.errors import InvalidArgumentError
+from radixkv.errors import InvalidArgumentError, InvalidIndexError, LengthMismatchError
+from radixkv.validation import check_count
 
 if TYPE_CHECKING:
     from radixkv.cache.block_hash import Seed
@@ -87,25 +72,15 @@ _tuple_new = tuple.__new__  # MatchResult(...) without its Python-level __new__ 
 class RadixCache(InsertMixin):
     """A radix tree mapping token prefixes (per namespace) to KV rows of a token pool.
 
-    Args:
-        req_to_token_pool: the request-to-token table (``ReqToTokenPool``), used by the
-            ``cache_*_req`` methods; ``None`` for a cache driven directly.
-        token_to_kv_pool_allocator: the KV row allocator (``alloc``/``free``/``device``);
-            evicted rows are freed to it. ``None``: rows are simply dropped.
-        page_size: tokens per page; nodes hold whole pages, keys are matched page-aligned.
-        eviction_policy: a registered name (``lru``, ``lfu``, ``fifo``, ``filo``, ``mru``,
-            ``priority``, ``slru``, ``aplru``) or an :class:`EvictionPolicy` instance.
-        disable: every match is empty, every insert a no-op.
-        enable_kv_events: record KV events (``take_events()``); nodes then keep their
-            per-page hashes.
-        kv_event_seed: seed of the event hash chain (see ``radixkv.cache.kv_events``).
-        metrics_window: queries covered by the rolling hit rate.
-        native: use the compiled paths (``radixkv.cache.native``): ``None`` when they are
-            built, ``False`` never (the pure-Python reference), ``True`` or raise
-            ``InvalidArgumentError`` when they are not built. Same results either way. With
-            them, ``RadixCache(...)`` is a :class:`NativeRadixCache` (``__init__`` chooses).
-
-    The device (of ``MatchResult.device_indices``) is the allocator's device, else CPU.
+    ``req_to_token_pool`` (``ReqToTokenPool``, for ``cache_*_req``; ``None``: driven
+    directly); ``token_to_kv_pool_allocator`` (evicted rows go back to it; ``None``: dropped;
+    its device is the matches' device, else CPU); ``page_size`` (nodes hold whole pages);
+    ``eviction_policy`` (a registered name or an :class:`EvictionPolicy`); ``disable`` (every
+    match empty, every insert a no-op); ``enable_kv_events`` / ``kv_event_seed`` (KV events,
+    ``take_events()``); ``metrics_window`` (queries of the rolling hit rate); ``native``
+    (the compiled paths: ``None`` when built, ``False`` never, ``True`` or raise
+    ``InvalidArgumentError``; with them ``RadixCache(...)`` is a :class:`NativeRadixCache`).
+    Each argument in full: ``docs/internals.md``, "The radix tree".
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenTable | None = None,
@@ -119,7 +94,7 @@ class RadixCache(InsertMixin):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
-        self._pb = 4 * page_size  # bytes per page
+        self._page_bytes = 4 * page_size  # bytes per page
         self.disable = bool(disable)
         self.device = torch.device(getattr(token_to_kv_pool_allocator, "device", "cpu"))
         self._on_device = self.device.type != "cpu"
@@ -143,8 +118,8 @@ class RadixCache(InsertMixin):
         self._metrics = CacheMetrics(metrics_window)
         # match_prefix appends (queried, hit) to the metrics' log itself: a method call
         # there cost ~0.8 µs in the bench's cycle (cold frame); None: the subclass records
-        self._qlog: list[tuple[int, int]] | None = self._metrics.query_log
-        self._qfold = 2 * metrics_window
+        self._query_log: list[tuple[int, int]] | None = self._metrics.query_log
+        self._query_log_limit = 2 * metrics_window
         self._leaves: LeafIndex[TreeNode] = LeafIndex()
         if native and not native_mod.available():
             raise InvalidArgumentError(f"native=True but {native_mod.unavailable_reason}")
@@ -152,13 +127,13 @@ class RadixCache(InsertMixin):
         self.native = use
         # the compiled match walk touches nodes itself (last_access, hits): only for
         # policies with no on_hit hook whose order needs no re-filing on a touch
-        self._cwalk = native_mod.walk if use and self._on_hit is None and self._lazy else None
-        self._cfind = native_mod.find if use else None
-        self._cnarrow = native_mod.narrow if use else None
+        self._native_walk = native_mod.walk if use and self._on_hit is None and self._lazy else None
+        self._native_find = native_mod.find if use else None
+        self._native_narrow = native_mod.narrow if use else None
         self._new_node = native_mod.new_node if use else TreeNode
         # _insert's entry (cache_*_req, MambaRadixCache.insert): the compiled insert, which
         # takes the common case whole and hands the others to the Python insert
-        self._cinsert = native_mod.insert if use else InsertMixin.insert
+        self._insert_entry = native_mod.insert if use else InsertMixin.insert
         if use and type(self) is RadixCache:
             # the one place the class is chosen: match_prefix and insert become the compiled
             # entries (NativeRadixCache, below); subclasses (MambaRadixCache) keep their own
@@ -229,15 +204,15 @@ class RadixCache(InsertMixin):
             key = as_radix_key(key, extra_key)
         buf = key._buf
         nbytes = len(buf)
-        pb = self._pb
+        pb = self._page_bytes
         n = nbytes - nbytes % pb if pb != 4 else nbytes
         head = self._heads.get(key.extra_key)
         if n == 0 or head is None or self.disable:
-            if self._qlog is not None:
+            if self._query_log is not None:
                 self._metrics.record_query(nbytes >> 2, 0)
             return _tuple_new(MatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
                                head if head is not None else self._heads[None], 0))
-        cwalk = self._cwalk
+        cwalk = self._native_walk
         if cwalk is not None:  # the compiled walk (radixkv.cache.native): the loop below, in C
             pos, node, tick, rows, split = cwalk(head, buf, n, pb, self._clock)
             if split is not None:
@@ -287,10 +262,10 @@ class RadixCache(InsertMixin):
                 if self._on_device:
                     rows = rows.to(self.device)
         self._clock = tick
-        log = self._qlog
+        log = self._query_log
         if log is not None:
             log.append((nbytes >> 2, pos >> 2))
-            if len(log) >= self._qfold:
+            if len(log) >= self._query_log_limit:
                 self._metrics.compact()
         return _tuple_new(MatchResult, (rows, node, pos >> 2))
 
@@ -323,9 +298,44 @@ class RadixCache(InsertMixin):
 
         Returns the number of tokens freed (whole nodes, so possibly more than asked).
         Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
-        O(evicted nodes x log L) (:func:`radixkv.cache.leaf_eviction.evict`).
+        O(evicted nodes x log L) (the victims: :func:`radixkv.cache.leaf_eviction.pop_victim`).
         """
-        return leaf_eviction.evict(self, num_tokens)
+        num_tokens = check_count(num_tokens, "num_tokens")
+        leaves = self._leaves
+        if self.disable or num_tokens == 0 or not leaves:
+            return 0
+        sort_key = self._sort_key
+        on_evict = self._on_evict
+        events = self.kv_events
+        pb = self._page_bytes
+        freed: list[bytes] = []
+        evicted = 0
+        stale_key = sort_key if self._lazy else None
+        while evicted < num_tokens:
+            node = pop_victim(leaves, stale_key)
+            if node is None:
+                break
+            kb = node.kbuf
+            parent: Any = node.parent  # a TreeNode or a NamespaceHead: a victim is never a head
+            del parent.children[kb[:pb]]
+            sync_only(parent)
+            evicted += len(kb) >> 2
+            freed.append(node.vbuf)
+            if on_evict is not None:
+                on_evict(node)
+            if events is not None:
+                events.on_removed(node.block_hashes)  # type: ignore[arg-type]  # events on: kept
+            if not parent.children:
+                if parent.parent is not None:
+                    if parent.lock_ref == 0:
+                        parent.skey = sort_key(parent)
+                        leaves.add(parent)
+                elif parent.extra_key is not None:  # an empty namespace goes away
+                    del self._heads[parent.extra_key]
+        self._evictable -= evicted
+        self._free_rows(freed)
+        self._metrics.record_evict(evicted)
+        return evicted
 
     def _refile(self, node: TreeNode) -> None:
         """Re-file a filed leaf under its current sort key (policies' ``rekey``)."""
@@ -342,7 +352,7 @@ class RadixCache(InsertMixin):
         parent: Any = node.parent  # None for a head; the top of the path is a NamespaceHead
         if parent is None:
             return
-        if parent.children.get(node.kbuf[:self._pb]) is not node:
+        if parent.children.get(node.kbuf[:self._page_bytes]) is not node:
             raise InvalidArgumentError(f"node {node.id} is not in the tree (evicted?)")
         while parent.parent is not None:
             parent = parent.parent
@@ -419,15 +429,105 @@ class RadixCache(InsertMixin):
         return self.kv_events.take_events() if self.kv_events is not None else []
 
     # ------------------------------------------------------------------ requests
+    # Row ownership, the contract of both entry points: ``docs/internals.md``, "Row ownership
+    # at the request entry points".
     def cache_finished_req(self, req: CacheRequest) -> None:
-        """Cache a finished request's tokens and release its lock and its own rows
-        (contract: :func:`radixkv.cache.req_cache.cache_finished_req`)."""
-        req_cache.cache_finished_req(self, req)
+        """Cache a finished request: insert its page-aligned tokens with its rows, free its
+        duplicate rows and its unaligned tail's rows (one allocator call), and release the
+        lock on ``req.last_node``. With ``disable`` every row of the request is freed.
+
+        Raises (nothing changes): InvalidArgumentError / InvalidIndexError /
+        LengthMismatchError for a request without a valid row, with a bad
+        ``cache_protected_len`` or a ``last_node`` not locked in this tree.
+        """
+        row, tokens, kv = self._request_rows(req)
+        if self.disable:
+            self._free_req_rows(kv)
+            return
+        aligned, _, _, dup = self._insert_request(req, tokens, kv)
+        self._free_req_rows(np.concatenate([dup, kv[aligned:]]))
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False) -> None:
-        """Cache a running request's tokens so far and move its lock to where they end
-        (contract: :func:`radixkv.cache.req_cache.cache_unfinished_req`)."""
-        req_cache.cache_unfinished_req(self, req, chunked)
+        """Cache an unfinished request (chunked prefill): insert its page-aligned tokens, free
+        its duplicate rows, point its ``req_to_token`` row at the tree's rows, move its lock to
+        the node where the inserted key ends, and update ``req.prefix_indices`` (tree rows plus
+        the request's unaligned tail), ``req.last_node`` and ``req.cache_protected_len``.
+        No-op with ``disable``. Raises as :meth:`cache_finished_req`.
+        """
+        if self.disable:
+            return
+        row, tokens, kv = self._request_rows(req)
+        aligned, node, tree_rows, dup = self._insert_request(req, tokens, kv)
+        self._free_req_rows(dup)
+        lo = req.cache_protected_len
+        if aligned > lo:
+            pool: Any = self.req_to_token_pool  # checked by _request_rows; SGLang's may lack write()
+            new = torch.from_numpy(tree_rows[lo:aligned].copy()).to(pool.req_to_token.device)
+            if hasattr(pool, "write"):
+                pool.write((row, slice(lo, aligned)), new)
+            else:
+                pool.req_to_token[row, lo:aligned] = new
+        self.inc_lock_ref(node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        prefix = np.concatenate([tree_rows, kv[aligned:]]).astype(np.int64)
+        t = torch.from_numpy(prefix)
+        req.prefix_indices = t if self.device.type == "cpu" else t.to(self.device)
+        req.last_node = node
+        req.cache_protected_len = aligned
+
+    def _request_rows(self, req: CacheRequest) -> tuple[int, np.ndarray, np.ndarray]:
+        """Validate ``req`` against the pool; return (row, tokens with rows, their KV rows).
+        Tokens with rows: ``min(len(fill_ids), kv_committed_len)``."""
+        pool = self.req_to_token_pool
+        if pool is None:
+            raise InvalidArgumentError("this RadixCache has no req_to_token_pool")
+        row = req.req_pool_idx
+        if row is None or isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise InvalidArgumentError(f"request {req.rid!r} holds no req_to_token row")
+        table = pool.req_to_token
+        if not 0 <= int(row) < table.shape[0]:
+            raise InvalidIndexError(f"req_pool_idx {row} out of range [0, {table.shape[0]})")
+        tokens = req.fill_ids
+        n = tokens.size
+        committed = int(getattr(req, "kv_committed_len", 0) or 0)
+        if 0 < committed < n:
+            n = committed
+        if n > table.shape[1]:
+            raise LengthMismatchError(f"request {req.rid!r} has {n} tokens, its row holds {table.shape[1]}")
+        protected = req.cache_protected_len
+        if not 0 <= protected <= n:
+            raise InvalidArgumentError(f"cache_protected_len {protected} outside [0, {n}]")
+        if req.last_node is not None:
+            self._check_node(req.last_node)
+            if req.last_node.parent is not None and req.last_node.lock_ref < 1:
+                raise InvalidArgumentError(f"request {req.rid!r} holds an unlocked last_node")
+        kv = table[int(row), :n].to("cpu", copy=True).numpy()
+        return int(row), tokens[:n], kv
+
+    def _free_req_rows(self, rows: np.ndarray) -> None:
+        """Free a request's KV rows (an int array) to the allocator, in one call."""
+        alloc = self.token_to_kv_pool_allocator
+        if rows.size and alloc is not None:
+            t = torch.from_numpy(rows.astype(np.int64))
+            alloc.free(t if self.device.type == "cpu" else t.to(self.device))
+
+    def _insert_request(self, req: CacheRequest, tokens: np.ndarray,
+                        kv: np.ndarray) -> tuple[int, TreeNode, np.ndarray, np.ndarray]:
+        """Insert the aligned part; return (aligned, node, tree rows of [0, aligned),
+        request rows to free: duplicates differing from the tree's)."""
+        n = tokens.size
+        aligned = n - n % self.page_size
+        key = RadixKey(tokens[:aligned], req.extra_key)
+        prefix, node, path = self._insert(key, kv[:aligned], req.priority or 0)
+        tree_prefix = np.frombuffer(b"".join(x.vbuf for x in path), dtype=_I32)
+        lo = req.cache_protected_len
+        own = kv[lo:prefix]
+        dup = own[own != tree_prefix[lo:prefix]] if prefix > lo else own[:0]
+        tree_rows = np.concatenate([tree_prefix, kv[prefix:aligned]])
+        return aligned, node, tree_rows, dup
 
     # ------------------------------------------------------------------ audit
     def check_invariants(self) -> None:

@@ -42,8 +42,8 @@ _ROW_LIMIT = 1 << 31
 class InsertMixin:
     """``RadixCache``'s write path (a base class of it, so the methods run as its own).
 
-    The attributes it uses (``_heads``, ``_pb``, ``_leaves``, ``_clock``, the policy hooks,
-    the compiled walks ``_cfind`` / ``_cnarrow`` / ``_new_node``, ...) are set by
+    The attributes it uses (``_heads``, ``_page_bytes``, ``_leaves``, ``_clock``, the policy hooks,
+    the compiled walks ``_native_find`` / ``_native_narrow`` / ``_new_node``, ...) are set by
     ``RadixCache.__init__``.
     """
 
@@ -51,7 +51,7 @@ class InsertMixin:
     page_size: int
     disable: bool
     kv_events: KVEventRecorder | None
-    _pb: int
+    _page_bytes: int
     _heads: dict[Hashable, NamespaceHead]
     _leaves: LeafIndex[TreeNode]  # the evictable leaves
     _clock: int
@@ -62,10 +62,10 @@ class InsertMixin:
     _sort_key: Callable[[TreeNode], Any]
     _on_insert: Callable[[TreeNode], None] | None
     _on_split: Callable[[TreeNode, TreeNode], None] | None
-    _cfind: Callable[[TreeNode, bytes, int, int], tuple[int, TreeNode, list[TreeNode], TreeNode | None]] | None
-    _cnarrow: Callable[[int, int, int], bytes | None] | None
+    _native_find: Callable[[TreeNode, bytes, int, int], tuple[int, TreeNode, list[TreeNode], TreeNode | None]] | None
+    _native_narrow: Callable[[int, int, int], bytes | None] | None
     _new_node: Callable[..., TreeNode]
-    _cinsert: Callable[..., Any]  # the compiled insert entry, or InsertMixin.insert
+    _insert_entry: Callable[..., Any]  # the compiled insert entry, or InsertMixin.insert
 
     if TYPE_CHECKING:
         def _new_id(self) -> int: ...
@@ -120,7 +120,7 @@ class InsertMixin:
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
         n = len(key._buf)
-        if n % self._pb:
+        if n % self._page_bytes:
             raise AlignmentError(f"key of {n >> 2} tokens is not a multiple of page_size {self.page_size}")
         plain = type(value) is _Tensor and value.dtype is _I64T and value.ndim == 1 and value.is_cpu
         if plain:
@@ -141,8 +141,8 @@ class InsertMixin:
         node and the page-aligned bytes of it that match. O(d) probes and memcmp."""
         if head is None:
             return 0, None, [], None, 0
-        pb = self._pb
-        cfind = self._cfind
+        pb = self._page_bytes
+        cfind = self._native_find
         if cfind is not None:  # the compiled walk (radixkv.cache.native): the loop below, in C
             pos, node, path, split_child = cfind(head, buf, n, pb)
             if split_child is None:
@@ -179,7 +179,7 @@ class InsertMixin:
             return b""
         if not plain:
             return rows_bytes(value, pos >> 2)
-        cnarrow = self._cnarrow
+        cnarrow = self._native_narrow
         if cnarrow is not None:  # compiled: one pass over the tensor's own memory
             tail = None
             if value.is_contiguous() and not value.is_neg():
@@ -197,7 +197,7 @@ class InsertMixin:
         """``recorder``'s block hashes of the new pages ``buf[pos:]``, chained to the page
         before them: in ``split_child`` at ``split_at``, else ``node``'s last (None: the head)."""
         if split_child is not None:
-            parent_hash = split_child.block_hashes[split_at // self._pb - 1]  # type: ignore[index]  # events on: hashes kept
+            parent_hash = split_child.block_hashes[split_at // self._page_bytes - 1]  # type: ignore[index]  # events on: hashes kept
         else:
             parent_hash = node.block_hashes[-1] if node is not None else None  # type: ignore[index]
         return recorder.on_stored(parent_hash, np.frombuffer(buf, _I32, offset=pos), extra_key)
@@ -230,7 +230,7 @@ class InsertMixin:
             leaves.remove(parent)
             parent.skey = None
         ch = parent.children
-        ch[buf[pos:pos + self._pb]] = leaf
+        ch[buf[pos:pos + self._page_bytes]] = leaf
         parent.only = leaf if len(ch) == 1 else None
         self._evictable += (len(buf) - pos) >> 2
         if self._on_insert is not None:
@@ -242,15 +242,15 @@ class InsertMixin:
     def _insert(self, key: RadixKey, value: Any, priority: int) -> Any:
         """``insert`` returning ``(prefix, node, path)`` (the cache's own callers, and
         MambaRadixCache's insert): the compiled entry when the cache uses the compiled paths
-        (``_cinsert``, set by ``RadixCache.__init__``; it hands what it does not take to the
+        (``_insert_entry``, set by ``RadixCache.__init__``; it hands what it does not take to the
         Python ``insert``), else the Python ``insert``."""
-        return self._cinsert(self, key, value, priority, None, True)
+        return self._insert_entry(self, key, value, priority, None, True)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut the first ``m`` bytes (whole pages, 0 < m < len) of ``child`` into a new parent
         and return it. The new node copies child's bookkeeping (lock count, recency, hits,
         priority); sizes and leaf status do not change. O(len(child))."""
-        pb = self._pb
+        pb = self._page_bytes
         kb, vb = child.kbuf, child.vbuf
         parent: Any = child.parent  # a TreeNode or a NamespaceHead: a head is never split
         new = self._new_node(self._new_id(), parent, kb[:m], vb[:m], child.created, child.priority)

@@ -100,7 +100,7 @@ class TieredRadixCache(RadixCache):
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
                          disable, enable_kv_events, kv_event_seed, metrics_window, native=False)
         self._new_node = TierNode
-        self._cinsert = TieredRadixCache.insert
+        self._insert_entry = TieredRadixCache.insert
         self.host_pool = host_pool
         self.host_alloc = HostPageAllocator(host_pool.num_pages)
         self.write_policy = write_policy
@@ -145,7 +145,7 @@ class TieredRadixCache(RadixCache):
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
         buf = key._buf
-        pb = self._pb
+        pb = self._page_bytes
         n = len(buf) - len(buf) % pb
         head = self._heads.get(key.extra_key)
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -309,7 +309,7 @@ class TieredRadixCache(RadixCache):
 
     def _revive(self, key: RadixKey, value: Any) -> None:
         """Give the host-only nodes on ``key``'s path the caller's rows (validated first)."""
-        buf, pb = key._buf, self._pb
+        buf, pb = key._buf, self._page_bytes
         if len(buf) % pb:
             return  # InsertMixin.insert raises
         node: Any = self._heads.get(key.extra_key)
@@ -358,7 +358,7 @@ class TieredRadixCache(RadixCache):
             if self.storage.admit == "all":
                 self._backup(leaf)
         if self.write_policy == "write_through" and leaf.hbuf is None:
-            pages = self._host_alloc(len(leaf.kbuf) // self._pb)
+            pages = self._host_alloc(len(leaf.kbuf) // self._page_bytes)
             if pages is not None:
                 ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
                                           rows_tensor(leaf.vbuf, self.device))
@@ -442,7 +442,7 @@ class TieredRadixCache(RadixCache):
             if node.last_access != item[0]:
                 heapq.heappush(heap, (node.last_access, node.id, node))
                 continue
-            freed += len(node.kbuf) // self._pb
+            freed += len(node.kbuf) // self._page_bytes
             self._drop(node)
         for item in kept:
             heapq.heappush(heap, item)
@@ -505,7 +505,7 @@ class TieredRadixCache(RadixCache):
         finally:
             self._on_split = hook
         c: Any = child
-        pages = m // self._pb
+        pages = m // self._page_bytes
         if c.hbuf is not None:
             new.hbuf, c.hbuf = c.hbuf[:pages * 4], c.hbuf[pages * 4:]
         if c.pkeys is not None:
@@ -528,7 +528,7 @@ class TieredRadixCache(RadixCache):
         """``node`` is in the tree, host-only and childless."""
         p: Any = node.parent
         return (node.hbuf is not None and not node.vbuf and not node.children and p is not None
-                and p.children.get(node.kbuf[:self._pb]) is node)
+                and p.children.get(node.kbuf[:self._page_bytes]) is node)
 
     def _host_alloc(self, n: int) -> np.ndarray | None:
         pages = self.host_alloc.alloc(n)
@@ -561,7 +561,7 @@ class TieredRadixCache(RadixCache):
             for x in reversed(order):  # children first: no removal leaves an orphan (a router refuses one)
                 self.kv_events.on_removed(x.block_hashes, medium if x is node else MEDIUM_CPU)  # type: ignore[arg-type]
         parent: Any = node.parent
-        del parent.children[node.kbuf[:self._pb]]
+        del parent.children[node.kbuf[:self._page_bytes]]
         sync_only(parent)
         if parent.parent is None:
             if not parent.children and parent.extra_key is not None:
@@ -632,7 +632,7 @@ class TieredRadixCache(RadixCache):
         self.host_pool.write_rows(torch.from_numpy(pages.astype(np.int64)), rows[:k])
         if node is None:
             node = self._heads[key.extra_key] = NamespaceHead(self._new_id(), key.extra_key)
-        size = k * self._pb
+        size = k * self._page_bytes
         kb = key._buf[pos:pos + size]
         self._next_id += 1
         self._clock += 1
@@ -642,7 +642,7 @@ class TieredRadixCache(RadixCache):
             parent_hash = node.block_hashes[-1] if node.block_hashes else None
             leaf.block_hashes = self.kv_events.on_stored(parent_hash, tokens[:size >> 2], key.extra_key,
                                                          MEDIUM_CPU)
-        node.children[kb[:self._pb]] = leaf
+        node.children[kb[:self._page_bytes]] = leaf
         sync_only(node)
         self._host_tokens += size >> 2
         heapq.heappush(self._host_heap, (leaf.last_access, leaf.id, leaf))

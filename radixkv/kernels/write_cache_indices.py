@@ -1,24 +1,16 @@
-"""``write_cache_indices``: fill the req_to_token rows of an extend batch (seed section 5.1).
+"""``write_cache_indices``: fill the req_to_token rows of an extend batch.
 
 For every request ``i`` of the batch::
 
     req_to_token[req_pool_indices[i], 0:prefix_lens[i]]           = prefix_tensors[i]
     req_to_token[req_pool_indices[i], prefix_lens[i]:seq_lens[i]] = out_cache_loc[pt:pt + extend_lens[i]]
 
-where ``pt`` is the sum of the extend lengths of the requests before ``i`` (``out_cache_loc``
-holds the new KV slots of the whole batch, request after request).
-
-Two implementations compute the same table:
-
-* :func:`write_cache_indices_torch`, the reference, used on CPU: one flat index and one flat
-  value vector for the whole batch, then a single scatter (no per-token Python loop);
-* :func:`write_cache_indices_triton`, used on CUDA: one program per request, looping over
-  blocks of ``BLOCK`` columns. It reads the prefixes from one concatenated tensor with
-  per-request offsets, and the extend offsets from an exclusive prefix sum computed once,
-  so no program walks over the requests before it.
-
-:func:`write_cache_indices` validates everything first (so a bad batch writes nothing) and
-dispatches with :func:`radixkv.kernels.triton_util.use_triton`.
+where ``pt`` is the sum of the extend lengths of the requests before ``i``. Two
+implementations compute the same table: :func:`write_cache_indices_torch` (the reference,
+CPU: one scatter, O(sum(seq_lens)) vectorized) and :func:`write_cache_indices_triton` (CUDA:
+one program per request). :func:`write_cache_indices` validates everything first (a bad
+batch writes nothing) and dispatches with :func:`radixkv.kernels.triton_util.use_triton`.
+How each path works: ``docs/internals.md``, "Filling request rows".
 """
 from __future__ import annotations
 
@@ -100,8 +92,7 @@ def prepare_write_batch(
         InvalidIndexError: a row outside the table (or the padding row 0 unless
             ``allow_row_zero``), or a ``seq_len`` beyond the table's width.
         InvalidArgumentError: wrong dtypes or shapes, negative lengths, a row used twice.
-
-    Complexity: O(batch) host work plus one concatenation of the prefixes.
+    O(batch) host work plus one concatenation of the prefixes.
     """
     _check_table_and_slots(req_to_token, out_cache_loc)
     rows = _as_cpu_int64(req_pool_indices, "req_pool_indices")
@@ -305,15 +296,12 @@ def write_cache_indices(
 ) -> None:
     """Write the prefix rows then the new rows of every request into ``req_to_token``.
 
-    Args:
-        req_to_token: the ``(rows, max_context_len)`` integer table, written in place.
-        req_pool_indices, prefix_lens, seq_lens, extend_lens: one entry per request.
-        out_cache_loc: the new KV slots of the batch, request after request.
-        prefix_tensors: per request, the KV slots of its cached prefix.
-        impl: ``"torch"``, ``"triton"``, or ``None`` for the default
-            (:func:`~radixkv.kernels.triton_util.use_triton` of the table's device).
-        allow_row_zero: let the padding row 0 be written (off by default).
-
+    ``req_to_token``: the ``(rows, max_context_len)`` integer table, written in place;
+    ``req_pool_indices``, ``prefix_lens``, ``seq_lens``, ``extend_lens``: one entry per
+    request; ``out_cache_loc``: the new KV slots of the batch, request after request;
+    ``prefix_tensors``: per request, the KV slots of its cached prefix; ``impl``:
+    ``"torch"``, ``"triton"``, or ``None`` (:func:`~radixkv.kernels.triton_util.use_triton`
+    of the table's device); ``allow_row_zero``: let the padding row 0 be written.
     Raises the errors of :func:`prepare_write_batch`, before any write.
     """
     b = prepare_write_batch(

@@ -1,38 +1,17 @@
-"""The scheduler's memory flow (seed section 5; SGLang's ``mem_cache/common.py``).
+"""The scheduler's memory flow (SGLang's ``mem_cache/common.py``).
 
-* :func:`alloc_for_extend`: match every new request's prefix in the tree and lock it, give
-  it a row of ``req_to_token``, take KV slots for the tokens to compute (evicting from the
-  tree when the allocator falls short), and write prefix + new slots into the rows.
+* :func:`alloc_for_extend`: match and lock each new request's prefix, give it a
+  ``req_to_token`` row, take KV slots for the tokens to compute (evicting from the tree when
+  the allocator falls short), write prefix + new slots into the rows.
 * :func:`alloc_for_decode`: one KV slot per request for the token it just generated.
 * :func:`release_kv_cache`: a finished request's KV goes into the tree, its row is freed.
-* The KV conservation law the flow keeps is audited by
-  :mod:`radixkv.cache.kv_conservation`: every KV slot of the pool is exactly one of: free,
-  in the tree (evictable or protected), or held by a running request and not yet in the tree.
 
-All-or-nothing: when a call raises (bad input, or ``CapacityError`` when even eviction
-cannot make room) no lock, row or slot it took is kept, and no request or batch field
-changes. Eviction runs only once the call knows it will succeed (``available + evictable
->= needed``), so a refused call evicts nothing; matching may still have split a tree node
-or refreshed access times, which changes no size or content; with a tiered tree it may
-have loaded host pages into device rows (and demoted others), which stay cached.
-
-Lengths. A request's ``fill_ids`` is its prompt plus its output; ``kv_committed_len`` of
-them have KV slots written in its row. Extend brings that to the batch's target
-(``Batch.fill_lens``, default ``req.seq_len``); decode brings it from ``seq_len - 1`` to
-``seq_len``.
-
-Hybrid models (``HybridReqToTokenPool`` + ``MambaRadixCache``): a request's own Mamba slot
-holds the state after every token whose forward has run (a decode step feeds the token
-generated last, ``fill_ids[seq_len - 1]``, and writes its KV and the state after it), so after
-the forward of the step a flow call prepared, the state is at ``kv_committed_len``: where
-``cache_unfinished_req`` / ``release_kv_cache`` (called after that forward) take it.
-``alloc_for_extend`` matches up to the deepest cached *state*, evicts states when the Mamba
-pool cannot give each new request a slot, and forks the matched state into it
-(``tree.fork_states``; zeros without a hit); with a track buffer both flow calls also
-say where the step writes the state at the aligned position it passes
-(:mod:`radixkv.scheduler.track`), which ``cache_*_req`` cache when the request's own state
-is past the last page end. Decode takes no slot; the KV it evicts takes the
-evicted leaves' states along. ``release_kv_cache`` leaves the slot to the tree or frees it.
+Invariants: the KV conservation law (:mod:`radixkv.cache.kv_conservation`: every slot is
+free, in the tree, or held by one running request); all-or-nothing (a call that raises,
+``CapacityError`` included, keeps no lock, row or slot and changes no field; eviction runs
+only once the call will succeed; a tiered tree's loads of host pages stay cached). Hybrid models: the request's own Mamba slot holds the
+state at ``kv_committed_len``; extend matches to the deepest cached state and forks it.
+Lengths, hybrid states and track buffers in full: ``docs/internals.md``, "The memory flow".
 """
 from __future__ import annotations
 
@@ -360,9 +339,8 @@ def release_kv_cache(req: Req, tree_cache: PrefixCache, req_to_token_pool: ReqTo
     (default ``tree_cache.req_to_token_pool``) frees the row and sets ``req_pool_idx`` to
     ``None``. Hybrid: when the tree took the request's Mamba slot (``cache_finished_req``
     returned True) the row is freed without it and ``mamba_pool_idx`` becomes ``None``;
-    otherwise the slot is freed with the row.
-
-    Raises ``InvalidArgumentError`` (nothing changes) when the request holds no row.
+    otherwise the slot is freed with the row. Raises ``InvalidArgumentError`` (nothing
+    changes) when the request holds no row.
     """
     pool = req_to_token_pool if req_to_token_pool is not None else tree_cache.req_to_token_pool
     allocator = tree_cache.token_to_kv_pool_allocator

@@ -3,32 +3,13 @@
 The engine (``radixkv.engine.CacheEngine``) is single-threaded; every handler runs on the
 one asyncio event loop of the server and calls the engine synchronously (no ``await``
 between decoding a request and answering it), so calls never interleave and no lock is
-needed. How a unary call runs around its body (raw-bytes parsing: hostile bytes are
-INVALID_ARGUMENT, never INTERNAL; the fence of sessions whose lease ran out while their
-worker may still run, :class:`~radixkv.service.server.quarantine.Quarantine`; status mapping and
-latency metrics) is :mod:`radixkv.service.server.unary_rpc`. A unary call carrying
-``radixkv-request-id`` metadata is idempotent (:class:`~radixkv.service.server.idempotency.ReplyCache`):
-a retry gets the kept reply.
-
-Events: right after each call (unary or ``Step``, in :meth:`CacheManagerServicer.answer`)
-the engine's new events, if any, are appended to the event hub and handed to its outlets
-(the ZMQ publisher), so an outlet sees a call's events before its reply leaves. With
-events off this costs one attribute test per call.
-
-Streams:
-
-* ``KeepAlive``: every message renews the lease (one session per stream). When the worker
-  closes the stream the session is detached at once; when the stream drops (the worker was
-  killed, its connection broke) it is reclaimed, or quarantined while its process runs.
-* ``WatchEvents``: streams the manager's numbered events from its own cursor over the event
-  hub (:mod:`radixkv.service.server.event_hub`), from ``start_seq`` (default 0: as far back as the
-  ring holds, a gap marker for the rest) or ``from_now``; a watcher that falls behind the ring
-  gets an ``events_lost`` marker. ``TakeEvents`` callers share one cursor of their own (the
-  embedded engine's one queue); watchers, ``TakeEvents`` and the ZMQ outlet never compete.
-* ``Step``: the step calls of one worker as messages of one stream, each run through the
-  same handler body and reply cache as its unary call (:mod:`radixkv.service.server.step_stream`).
-
-All end promptly when the server starts shutting down (``closing`` is set).
+needed. How a unary call runs around its body: :mod:`radixkv.service.server.unary_rpc`.
+A call's new events reach the event hub and its outlets before its reply leaves (with
+events off: one attribute test per call). Streams: ``KeepAlive`` (renews the lease; a
+dropped stream reclaims or quarantines the session), ``WatchEvents`` (numbered events from
+the hub), ``Step`` (a worker's step calls, each through its unary body,
+:mod:`radixkv.service.server.step_stream`); all end promptly on ``closing``.
+The rules in full: ``docs/service.md``, "The servicer: handlers, events and streams".
 """
 from __future__ import annotations
 
@@ -98,19 +79,14 @@ MIN_CLIENT_NONCE = 16
 class CacheManagerServicer:
     """``radixkv.v1.CacheManager`` over one engine and its shared buffers.
 
-    Args:
-        engine: a ``CacheEngine`` whose pools live in ``shared``'s buffers.
-        shared: the pools' shared buffers (their descriptors go out with ``Attach``).
-        metrics: where RPC latencies and stats snapshots go.
-        closing: set when the server starts shutting down (ends the streams).
-        quarantine_s: how long what an expired session held may stay quarantined while its
-            worker process runs (0: no quarantine); see :mod:`radixkv.service.server.quarantine`.
-        replies: the reply cache of idempotent calls (default: 64 per session, 64 MiB).
-        events: the event hub over the engine's tree (default: one with the default ring);
-            ``TakeEvents`` and ``WatchEvents`` read it, the server pumps it and adds outlets.
-        limits: the entries and tokens one call may carry (default: sized from the engine's
-            pool and rows, :func:`~radixkv.service.wire.limits.limits_for`), checked on the raw
-            request before it is decoded (:meth:`parse_request`).
+    ``engine``: a ``CacheEngine`` whose pools live in ``shared``'s buffers (their descriptors
+    go out with ``Attach``); ``metrics``: RPC latencies and stats snapshots; ``closing``: set
+    when the server starts shutting down; ``quarantine_s``: how long what an expired session
+    held may stay quarantined while its worker runs (0: none); ``replies``: the reply cache
+    of idempotent calls (default: 64 per session, 64 MiB); ``events``: the event hub over the
+    engine's tree (``TakeEvents`` / ``WatchEvents`` read it); ``limits``: entries and tokens
+    one call may carry (default: :func:`~radixkv.service.wire.limits.limits_for`), checked on
+    the raw request before it is decoded (:meth:`parse_request`).
     """
 
     def __init__(self, engine: CacheEngine, shared: SharedBuffers, metrics: ServiceMetrics, closing: asyncio.Event,

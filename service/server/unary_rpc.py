@@ -1,23 +1,16 @@
 """How one unary RPC of the cache manager runs, around its handler body.
 
 The servicer's dispatch table (``CacheManagerServicer.RPCS``: method -> :class:`UnaryRpc`)
-names each call's body; the handlers are registered with raw-bytes (de)serializers, so every
-unary call goes through :func:`unary_handler`:
+names each call's body; every unary call goes through :func:`unary_handler`: count and parse
+the raw request (:func:`parse`: bytes that are not a valid message are
+``InvalidArgumentError``, answered INVALID_ARGUMENT, never INTERNAL), fence the sessions
+whose lease ran out, run the body through ``servicer.answer_async`` (reply cache of a call
+with ``radixkv-request-id``, :func:`request_id_of`; the event pump after it), map any
+exception to its status (:func:`radixkv.service.wire.errors.status_of`; a non-radixkv one
+is logged and answered INTERNAL) and time the call into ``servicer.metrics``.
 
-1. count the request's entries and tokens on its raw bytes against the servicer's limits,
-   then parse them (``servicer.parse_request``, :func:`parse`: bytes that are not a valid message -- garbage,
-   truncated, invalid UTF-8 in a string -- are ``InvalidArgumentError``, answered
-   INVALID_ARGUMENT, never INTERNAL);
-2. fence the sessions whose lease ran out while their worker may still run
-   (``servicer.quarantine.fence_due()``);
-3. run the body through ``servicer.answer_async`` (a large ``Match`` in slices that yield
-   to the loop; the reply cache of a call carrying
-   ``radixkv-request-id`` metadata, :func:`request_id_of`; the event pump after the call);
-4. map any exception to its status (:func:`radixkv.service.wire.errors.status_of`; a non-radixkv
-   exception is logged with its traceback and answered INTERNAL) and time the call into
-   ``servicer.metrics`` labelled with its status code.
-
-Every function here is O(request size).
+Every function here is O(request size). The steps in full: ``docs/service.md``, "One unary
+call, start to end".
 """
 from __future__ import annotations
 

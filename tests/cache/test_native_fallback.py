@@ -14,7 +14,7 @@ assert NativeRadixCache.match_prefix is RadixCache.match_prefix  # no compiled e
 assert NativeRadixCache.insert is RadixCache.insert is InsertMixin.insert
 c = RadixCache(page_size=2)
 assert type(c) is RadixCache  # never a NativeRadixCache without the compiled paths
-assert c.native is False and c._cwalk is None and c._cfind is None
+assert c.native is False and c._native_walk is None and c._native_find is None
 c.insert(RadixKey(np.arange(8, dtype=np.int32)), torch.arange(8))
 m = c.match_prefix(RadixKey(np.r_[np.arange(6), [9, 9]].astype(np.int32)))
 assert m.prefix_len == 6 and m.device_indices.tolist() == list(range(6))

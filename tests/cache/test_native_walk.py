@@ -92,8 +92,8 @@ class Twin:
 def test_native_and_python_walks_agree_on_random_operations(page_size, policy):
     rng = np.random.default_rng(page_size * 7 + len(policy))
     t = Twin(page_size, policy)
-    assert t.c._cfind is not None and t.p._cfind is None
-    assert (t.c._cwalk is not None) == (policy != "slru")  # slru has an on_hit hook
+    assert t.c._native_find is not None and t.p._native_find is None
+    assert (t.c._native_walk is not None) == (policy != "slru")  # slru has an on_hit hook
     seqs = []
     for _step in range(400):
         op = rng.random()
@@ -436,7 +436,7 @@ def test_compiled_insert_path_form_agrees_with_python(page_size):
     branch, split and repeat, and the same trees after each."""
     rng = np.random.default_rng(page_size)
     t = Twin(page_size)
-    assert t.c._cinsert is native.insert and t.p._cinsert is not native.insert
+    assert t.c._insert_entry is native.insert and t.p._insert_entry is not native.insert
     seqs = []
     for _ in range(300):
         if seqs and rng.random() < 0.7:

@@ -21,18 +21,6 @@ NOT_SHIPPED = re.compile(
     r"\bseed(?:'s)? (?:section|§)|\bissues? #?\d+|\bsession notes?\b|\bstop \d+", re.IGNORECASE
 )
 
-# Modules other engineers were editing while the docstrings were cut down to the budget:
-# they still exceed it, and the next pass brings them within it and removes them here. The
-# set only shrinks: test_pending_modules_still_exceed_the_budget fails once one of them is
-# within budget (or no longer exists), so it must then leave this set.
-PENDING = frozenset({
-    "radixkv.cache.radix_cache",
-    "radixkv.kernels.write_cache_indices",
-    "radixkv.scheduler.flow",
-    "radixkv.service.server.servicer",
-    "radixkv.service.server.unary_rpc",
-})
-
 
 def docstrings(source: str) -> Iterator[tuple[str, str, str]]:
     """``(kind, qualified name, docstring)`` of the module, every class and every function."""
@@ -121,14 +109,5 @@ def test_the_walk_covers_the_package_and_the_service() -> None:
 def test_docstrings_within_budget_and_no_unshipped_references() -> None:
     report = []
     for name, path in package_modules().items():
-        if name in PENDING:
-            continue
         report += [f"{name}: {p}" for p in problems(path.read_text(encoding="utf-8"))]
     assert not report, "docstrings over budget (the story goes to docs/):\n" + "\n".join(report)
-
-
-def test_pending_modules_still_exceed_the_budget() -> None:
-    modules = package_modules()
-    done = sorted(name for name in PENDING
-                  if name not in modules or not problems(modules[name].read_text(encoding="utf-8")))
-    assert not done, f"within budget (or gone): remove from PENDING: {done}"

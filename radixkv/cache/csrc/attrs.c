@@ -17,18 +17,19 @@
  *   or a state they do not expect, goes to its Python methods).
  */
 
-static PyObject *s_cwalk, *s_on_device, *s_pb, *s_heads, *s_disable, *s_clock, *s_qlog, *s_qfold, *s_metrics,
-    *s_kv_events, *s_on_insert, *s_next_id, *s_leaves, *s_evictable, *s_sort_key;
-static PyObject **const cache_names[] = {&s_cwalk, &s_on_device, &s_pb, &s_heads, &s_disable, &s_clock, &s_qlog,
-                                         &s_qfold, &s_metrics, &s_kv_events, &s_on_insert, &s_next_id, &s_leaves,
-                                         &s_evictable, &s_sort_key};
+static PyObject *s_native_walk, *s_on_device, *s_page_bytes, *s_heads, *s_disable, *s_clock, *s_query_log,
+    *s_query_log_limit, *s_metrics, *s_kv_events, *s_on_insert, *s_next_id, *s_leaves, *s_evictable, *s_sort_key;
+static PyObject **const cache_names[] = {&s_native_walk, &s_on_device, &s_page_bytes, &s_heads, &s_disable,
+                                         &s_clock, &s_query_log, &s_query_log_limit, &s_metrics, &s_kv_events,
+                                         &s_on_insert, &s_next_id, &s_leaves, &s_evictable, &s_sort_key};
 #define N_CACHE_NAMES ((int)(sizeof(cache_names) / sizeof(cache_names[0])))
 
 /* Intern the names above (once). 0, or -1 with an error set. */
 static int intern_cache_names(void) {
-    static const char *const text[N_CACHE_NAMES] = {"_cwalk", "_on_device", "_pb", "_heads", "disable", "_clock",
-                                                    "_qlog", "_qfold", "_metrics", "kv_events", "_on_insert",
-                                                    "_next_id", "_leaves", "_evictable", "_sort_key"};
+    static const char *const text[N_CACHE_NAMES] = {"_native_walk", "_on_device", "_page_bytes", "_heads",
+                                                    "disable", "_clock", "_query_log", "_query_log_limit",
+                                                    "_metrics", "kv_events", "_on_insert", "_next_id", "_leaves",
+                                                    "_evictable", "_sort_key"};
     for (int i = 0; i < N_CACHE_NAMES; i++)
         if (*cache_names[i] == NULL && (*cache_names[i] = PyUnicode_InternFromString(text[i])) == NULL)
             return -1;
@@ -58,7 +59,7 @@ static int plain_type_check(PyTypeObject *t) {
     for (int i = 0; i < PLAIN_TYPES; i++)
         if (plain_type[i] == t && plain_tag[i] == t->tp_version_tag && version_valid(t))
             return 1;
-    if (s_cwalk == NULL || t->tp_getattro != PyObject_GenericGetAttr || t->tp_setattro != PyObject_GenericSetAttr)
+    if (s_native_walk == NULL || t->tp_getattro != PyObject_GenericGetAttr || t->tp_setattro != PyObject_GenericSetAttr)
         return 0;  /* (a __getattribute__ / __getattr__ / __setattr__ of its own: the generic protocol) */
     for (int i = 0; i < N_CACHE_NAMES; i++)
         if (_PyType_Lookup(t, *cache_names[i]) != NULL)

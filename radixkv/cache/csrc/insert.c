@@ -84,7 +84,7 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
      * KV events, no on_insert hook, not disabled; the value: a 1-D CPU int64 tensor */
     int r;
     d = cache_dict(self);
-    if ((r = cache_is(s_cwalk, Py_None)) != 0 || (r = cache_is(s_kv_events, Py_None)) != 1 ||
+    if ((r = cache_is(s_native_walk, Py_None)) != 0 || (r = cache_is(s_kv_events, Py_None)) != 1 ||
         (r = cache_is(s_on_insert, Py_None)) != 1 || (r = cache_is(s_disable, Py_False)) != 1 ||
         (r = attr_is(value, s_dtype, t_int64)) != 1 || (r = attr_is(value, s_is_cpu, Py_True)) != 1) {
         if (r < 0)
@@ -97,7 +97,8 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     Py_CLEAR(v);
     if (!r)
         goto python;
-    if (key_parts(key, &buf, &ek) < 0 || (pbo = aget(self, d, s_pb)) == NULL || (heads = aget(self, d, s_heads)) == NULL)
+    if (key_parts(key, &buf, &ek) < 0 || (pbo = aget(self, d, s_page_bytes)) == NULL ||
+        (heads = aget(self, d, s_heads)) == NULL)
         goto done;
     if (!PyBytes_CheckExact(buf) || !PyDict_CheckExact(heads))
         goto python;

@@ -75,7 +75,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     self = args[0];
     key = args[1];
     d = cache_dict(self);
-    if (get(self, d, s_cwalk, &cw) < 0)
+    if (get(self, d, s_native_walk, &cw) < 0)
         goto done;
     int take = cw != Py_None;
     Py_DECREF(cw);
@@ -89,7 +89,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         res = PyObject_Vectorcall(py_match, args, nargs, NULL);
         goto done;
     }
-    if (key_parts(key, &buf, &ek) < 0 || get(self, d, s_pb, &pbo) < 0 || get(self, d, s_heads, &heads) < 0 ||
+    if (key_parts(key, &buf, &ek) < 0 || get(self, d, s_page_bytes, &pbo) < 0 || get(self, d, s_heads, &heads) < 0 ||
         get(self, d, s_disable, &dis) < 0)
         goto done;
     if (!PyBytes_CheckExact(buf) || !PyDict_CheckExact(heads)) {
@@ -158,7 +158,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         if (pos == -1 && PyErr_Occurred())
             goto done;
     }
-    if (aset(self, d, s_clock, tk) < 0 || get(self, d, s_qlog, &log) < 0)
+    if (aset(self, d, s_clock, tk) < 0 || get(self, d, s_query_log, &log) < 0)
         goto done;
     if (log != Py_None) {
         PyObject *qa = PyLong_FromSsize_t(nbytes >> 2), *qb = PyLong_FromSsize_t(pos >> 2), *q = NULL;
@@ -171,7 +171,7 @@ static PyObject *match(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             goto done;
         }
         Py_DECREF(q);
-        PyObject *fold = aget(self, d, s_qfold);
+        PyObject *fold = aget(self, d, s_query_log_limit);
         if (fold == NULL)
             goto done;
         Py_ssize_t f = PyLong_AsSsize_t(fold);

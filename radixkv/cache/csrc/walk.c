@@ -1,7 +1,7 @@
 /* radixkv.cache._native, walk.c: the descent shared by match_prefix's walk and insert's find.
  * (part of one translation unit: module.c includes it; see module.c) */
 
-/* *pb = int(o), the bytes of a page: a positive multiple of 4 (cache._pb = 4 x page_size).
+/* *pb = int(o), the bytes of a page: a positive multiple of 4 (cache._page_bytes = 4 x page_size).
  * 0, or -1 with an error set. */
 static int page_bytes(PyObject *o, Py_ssize_t *pb) {
     *pb = PyLong_AsSsize_t(o);

@@ -18,15 +18,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import numpy as np
 
-from radixkv.cache.leaf_eviction import pop_victim
-from radixkv.cache.tree_node import sync_only
 from radixkv.contracts import StatePool
 from radixkv.errors import InvalidArgumentError
-from radixkv.validation import check_count
 
 if TYPE_CHECKING:
     from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
@@ -44,8 +41,6 @@ __all__ = [
     "make_state_order",
     "ADMISSION_POLICIES",
     "STATE_EVICTION_POLICIES",
-    "MambaEvictResult",
-    "evict",
 ]
 
 
@@ -184,7 +179,7 @@ class StateEvictionOrder:
         """The first ``k`` unpinned states of the order (all of them when fewer): ranks the
         unpinned states (``StateTable.unpinned``, attach order) with :meth:`order`.
         O(S log S)."""
-        nodes = cache._states.unpinned()
+        nodes = cache.state_table.unpinned()
         return [nodes[int(i)] for i in self.order(cache, nodes)[:k]]
 
 
@@ -210,7 +205,7 @@ class LRUStateOrder(StateEvictionOrder):
         overrides :meth:`order` gets the full ranking instead."""
         if type(self).order is not LRUStateOrder.order:
             return StateEvictionOrder.victims(self, cache, k)
-        states = cache._states
+        states = cache.state_table
         return states.lru.pop_victims(k, states.pins)
 
 
@@ -231,7 +226,7 @@ class FlopStateOrder(StateEvictionOrder):
         """Prefill FLOPs each state saves over its nearest state ancestor, per state byte.
         O(len) when the tree keeps the ancestors (built with this order), else
         O(len x tombstones crossed)."""
-        states = cache._states
+        states = cache.state_table
         if states.anc is not None:  # kept up to date by the tree: two gathers
             slot_of = states.slot_of
             slots = np.fromiter(map(slot_of.__getitem__, nodes), dtype=np.intp, count=len(nodes))
@@ -266,7 +261,7 @@ class FlopStateOrder(StateEvictionOrder):
         """:meth:`order` over the tree's unpinned states (attach order), its first ``k``;
         with the tree's ancestors (``StateTable.anc``), straight from the state table's
         arrays: one pass over the states for ``last_access``, the rest vectorized. O(S log S)."""
-        states = cache._states
+        states = cache.state_table
         if states.anc is None or type(self).order is not FlopStateOrder.order:
             return StateEvictionOrder.victims(self, cache, k)
         slot_of, pins = states.slot_of, states.pins
@@ -299,98 +294,3 @@ def make_state_order(policy: str | StateEvictionOrder) -> StateEvictionOrder:
     """A state eviction order by name (``lru``, ``flop``) or the instance itself.
     Raises InvalidArgumentError for an unknown name."""
     return _from_registry(policy, StateEvictionOrder, STATE_EVICTION_POLICIES, "state eviction policy")
-
-
-# ----------------------------------------------------------------------------- eviction
-# The mechanics of both orders, run by ``MambaRadixCache.evict`` (the full order's leaf
-# index is RadixCache's ``_leaves``; the state order comes from ``cache.state_order``).
-class MambaEvictResult(NamedTuple):
-    """What one ``MambaRadixCache.evict`` freed: KV tokens and Mamba state slots."""
-
-    num_tokens: int
-    num_states: int
-
-
-def evict(cache: MambaRadixCache, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
-    """Free at least ``num_tokens`` KV tokens (full order: unlocked leaves, tombstones
-    first, each with its state, childless tombstone ancestors after them) and then at least
-    ``num_states`` states (state order: each node becomes a tombstone, its KV stays; states
-    freed by the first part count), or all that can go. Rows go back in ONE allocator
-    call, slots in ONE pool call.
-
-    Raises InvalidArgumentError (nothing evicted) for a negative / non-int count.
-    O(evicted nodes x log L) + the state order's victims (``lru``: O(log S) amortized per
-    state; ``flop``: O(S log S)).
-    """
-    num_tokens = check_count(num_tokens, "num_tokens")
-    num_states = check_count(num_states, "num_states")
-    if cache.disable:
-        return MambaEvictResult(0, 0)
-    rows: list[bytes] = []
-    slots: list[int] = []
-    tokens = _evict_leaves(cache, num_tokens, rows, slots) if num_tokens else 0
-    if len(slots) < num_states and cache._states.evictable:
-        _evict_states(cache, num_states - len(slots), slots)
-    if slots:
-        cache._states.lru.maybe_compact(cache._states.slot_of)  # dead entries of the states gone
-    cache._free_rows(rows)
-    if slots:
-        cache.mamba_pool.free(slots)
-    if tokens or slots:
-        cache._metrics.record_evict(tokens)
-    return MambaEvictResult(tokens, len(slots))
-
-
-def _evict_leaves(cache: MambaRadixCache, num_tokens: int, rows: list[bytes], slots: list[int]) -> int:
-    evicted = 0
-    leaves, stale_key = cache._leaves, cache._sort_key if cache._lazy else None
-    while evicted < num_tokens:
-        node = pop_victim(leaves, stale_key)
-        if node is None:
-            break
-        evicted += _remove_leaf(cache, node, rows, slots)
-    return evicted
-
-
-def _evict_states(cache: MambaRadixCache, k: int, slots: list[int]) -> None:
-    """Tombstone the first ``k`` unpinned state nodes of the state order (their KV stays: a
-    tombstone leaf is re-filed at the front of the full order)."""
-    for node in cache.state_order.victims(cache, k):
-        slots.append(cache._states.detach(node))
-        if node.skey is not None:  # a filed leaf: its full-order key dropped
-            cache._refile(node)
-
-
-# ``node: Any``: a TreeNode, then its ancestors up to a NamespaceHead (read as such: parent, extra_key)
-def _remove_leaf(cache: MambaRadixCache, node: Any, rows: list[bytes], slots: list[int]) -> int:
-    """Unlink an unlocked, unfiled leaf (and its state), then every tombstone ancestor it
-    leaves childless and unlocked; file a childless parent with a state. Returns tokens."""
-    pb, events, on_evict, states = cache._pb, cache.kv_events, cache._on_evict, cache._states
-    tokens = 0
-    while True:
-        parent = node.parent
-        del parent.children[node.kbuf[:pb]]
-        sync_only(parent)
-        tokens += len(node.kbuf) >> 2
-        rows.append(node.vbuf)
-        if node in states.slot_of:
-            slots.append(states.detach(node))
-        if on_evict is not None:
-            on_evict(node)
-        if events is not None:
-            events.on_removed(node.block_hashes)
-        if parent.children:
-            break
-        if parent.parent is None:
-            if parent.extra_key is not None:  # an empty namespace goes away
-                del cache._heads[parent.extra_key]
-            break
-        if parent.lock_ref:
-            break
-        if parent in states.slot_of:
-            parent.skey = cache._sort_key(parent)
-            cache._leaves.add(parent)
-            break
-        node = parent  # a childless, unlocked tombstone: useless, remove it too
-    cache._evictable -= tokens
-    return tokens

@@ -8,8 +8,8 @@ Positions: a request's own slot holds the state after all tokens whose forward h
 slot; a hit is forked into the request's slot, an unfinished request's state into a new tree
 slot, and a finished request hands its slot over when it ends at a stateless node. Locks pin
 the node's own state. :meth:`evict` takes KV leaves (with their states), then states
-(tombstoning, KV kept). Bodies live in :mod:`~radixkv.cache.hybrid.mamba_req_cache`,
-:mod:`~radixkv.cache.hybrid.mamba_policies`, :mod:`~radixkv.cache.hybrid.mamba_audit`,
+(tombstoning, KV kept). Policies live in :mod:`~radixkv.cache.hybrid.mamba_policies`,
+the audit in :mod:`~radixkv.cache.hybrid.mamba_audit`, the state table in
 :mod:`~radixkv.cache.hybrid.state_table`. The rules in full: ``docs/internals.md``, "The hybrid tree".
 """
 from __future__ import annotations
@@ -22,11 +22,10 @@ import torch
 
 from radixkv.cache.block_hash import Seed
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.hybrid import mamba_audit, mamba_policies, mamba_req_cache
+from radixkv.cache.hybrid import mamba_audit
 from radixkv.cache.hybrid.mamba_audit import HybridRunningRequest, StateConservation
 from radixkv.cache.hybrid.mamba_policies import (
     FlopModel,
-    MambaEvictResult,
     StateAdmission,
     StateEvictionOrder,
     make_admission,
@@ -34,13 +33,15 @@ from radixkv.cache.hybrid.mamba_policies import (
 )
 from radixkv.cache.hybrid.state_events import HybridEventRecorder
 from radixkv.cache.hybrid.state_table import EventStateTable, StateTable
+from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
-from radixkv.cache.tree_node import TreeNode
+from radixkv.cache.tree_node import TreeNode, sync_only
 from radixkv.contracts import CacheRequest, KVAllocator, PoolRequest, ReqToTokenTable, StatePool
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states
 from radixkv.memory.mamba_pool import SlotViews
+from radixkv.validation import check_count
 
 __all__ = ["MambaRadixCache", "MambaMatchResult", "MambaInsertResult", "MambaEvictResult"]
 
@@ -78,6 +79,13 @@ class MambaInsertResult(NamedTuple):
     prefix_len: int
     node: TreeNode
     state_kept: bool
+
+
+class MambaEvictResult(NamedTuple):
+    """What one ``MambaRadixCache.evict`` freed: KV tokens and Mamba state slots."""
+
+    num_tokens: int
+    num_states: int
 
 
 class MambaRadixCache(RadixCache):
@@ -145,13 +153,20 @@ class MambaRadixCache(RadixCache):
         self._key_stated = lambda node: (True, base_key(node))
         self._presort = (self._lazy and self._on_insert is None and self._on_split is None
                          and type(self._states) is StateTable)
-        self._qlog = None  # the hybrid match records its state hit itself
+        self._query_log = None  # the hybrid match records its state hit itself
         # RadixCache's match, which match_prefix extends: the compiled entry of
         # NativeRadixCache when this cache uses the compiled paths (a plain function: called
         # with self)
         self._kv_match = NativeRadixCache.match_prefix if self.native else RadixCache.match_prefix
 
     # ------------------------------------------------------------------ sizes, lookups
+    @property
+    def state_table(self) -> StateTable:
+        """The tree's state table (slot of each node, positions, pins, the orders' indexes):
+        read by the state policies (:mod:`~radixkv.cache.hybrid.mamba_policies`); only the
+        tree changes it."""
+        return self._states
+
     def full_evictable_size(self) -> int:
         """KV tokens in unlocked nodes (= ``evictable_size()``). O(1)."""
         return self._evictable
@@ -281,18 +296,18 @@ class MambaRadixCache(RadixCache):
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
         if state_slot is None:
-            prefix, node, _ = self._cinsert(self, key, value, priority, None, True)  # = self._insert
+            prefix, node, _ = self._insert_entry(self, key, value, priority, None, True)  # = self._insert
             return _tuple_new(MambaInsertResult, (prefix, node, False))
         states = self._states
         slot = states.check_slot(self.mamba_pool, state_slot, "state_slot", self.checks)
         if self._presort:
             self._sort_key = self._key_stated
             try:
-                prefix, node, _ = self._cinsert(self, key, value, priority, None, True)
+                prefix, node, _ = self._insert_entry(self, key, value, priority, None, True)
             finally:
                 self._sort_key = self._key_any
         else:
-            prefix, node, _ = self._cinsert(self, key, value, priority, None, True)
+            prefix, node, _ = self._insert_entry(self, key, value, priority, None, True)
         if node.parent is not None and node not in states.slot_of:
             self._attach(node, slot, len(key._buf) >> 2)
             return _tuple_new(MambaInsertResult, (prefix, node, True))
@@ -300,28 +315,195 @@ class MambaRadixCache(RadixCache):
         return _tuple_new(MambaInsertResult, (prefix, node, False))
 
     # ------------------------------------------------------------------ requests
-    # returns whether the tree kept the state slot (RadixCache's returns None): SGLang's API
+    # returns whether the tree kept the state slot (RadixCache's returns None): SGLang's API.
+    # The rules (slots handed over, forks, tracked states): ``docs/internals.md``, "Request
+    # entry points of the hybrid tree".
     def cache_finished_req(  # type: ignore[override]
             self, req: CacheRequest, state_len: int | None = None) -> bool:
-        """RadixCache's ``cache_finished_req``, and the tree takes the request's state slot
-        when it ends at the inserted key's end; True when it did (contract:
-        :func:`radixkv.cache.hybrid.mamba_req_cache.cache_finished_req`)."""
-        return mamba_req_cache.cache_finished_req(self, req, state_len)
+        """RadixCache's ``cache_finished_req``, and the state: when the request's state
+        position (``state_len``, default ``kv_committed_len``) is the inserted key's end and
+        that node holds no state, the tree takes ``req.mamba_pool_idx`` as it is (no copy).
+
+        Returns True when the tree took the slot: the caller must then free the row with
+        ``free(req, free_mamba_cache=False)`` and drop ``req.mamba_pool_idx`` (as
+        ``release_kv_cache`` does); on False the slot is still the request's to free.
+        Raises (nothing changes) as RadixCache's, plus for a bad slot or ``state_len``.
+        """
+        row, tokens, kv = self._request_rows(req)
+        slot, pos = self._check_request(req, state_len)
+        tracked = self._tracked_state(req)
+        if self.disable:
+            self._free_req_rows(kv)
+            return False
+        aligned, node, _, dup = self._insert_request(req, tokens, kv)
+        self._free_req_rows(np.concatenate([dup, kv[aligned:]]))
+        took = (slot is not None and pos == aligned and node.parent is not None
+                and node not in self._states.slot_of and self.admission.admit(self, node, True))
+        if took and slot is not None:  # (took implies a slot; the test narrows its type)
+            self._attach(node, slot, aligned)
+        elif pos != aligned and tracked is not None and 0 < tracked[1] <= aligned:
+            self._fork_tracked(req, tokens, node, aligned, tracked, True)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        return took
 
     def cache_unfinished_req(self, req: CacheRequest, chunked: bool = False, state_len: int | None = None) -> None:
-        """RadixCache's ``cache_unfinished_req``, and the request's state is forked into a
-        tree slot when admitted (contract: :func:`radixkv.cache.hybrid.mamba_req_cache.cache_unfinished_req`)."""
-        mamba_req_cache.cache_unfinished_req(self, req, chunked, state_len)
+        """RadixCache's ``cache_unfinished_req``, and the state: at the end of the page-aligned
+        inserted key (``state_len``, default ``kv_committed_len``), a node holding no state
+        gets a fork of the request's state when the admission policy agrees (evicting one
+        unpinned state if the pool is out; else it stays a tombstone); otherwise the KV goes
+        in without a state. Raises (nothing changes) as :meth:`cache_finished_req`."""
+        if self.disable:
+            return
+        _, tokens, _ = self._request_rows(req)
+        slot, pos = self._check_request(req, state_len)
+        tracked = self._tracked_state(req)
+        RadixCache.cache_unfinished_req(self, req, chunked)
+        node, aligned = req.last_node, req.cache_protected_len
+        if slot is not None and pos == aligned:
+            self._fork_into(node, slot, aligned, False)
+        elif tracked is not None and 0 < tracked[1] <= aligned:
+            self._fork_tracked(req, tokens, node, aligned, tracked, False)
+
+    def _tracked_state(self, req: CacheRequest) -> tuple[int, int] | None:
+        """(slot, position) of the state the request's last tracked step wrote into its
+        ``mamba_ping_pong_track_buffer`` (the slot before ``mamba_next_track_idx``), or ``None``.
+        Raises InvalidArgumentError for a position that is not a multiple of the page size."""
+        pair = getattr(req, "mamba_ping_pong_track_buffer", None)
+        pos = getattr(req, "mamba_last_track_seqlen", None)
+        if not pair or pos is None:
+            return None
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0 or pos % self.page_size:
+            raise InvalidArgumentError(f"request {req.rid!r}: mamba_last_track_seqlen {pos!r} is not a "
+                                       f"page-aligned position (page size {self.page_size})")
+        slot = pair[int(getattr(req, "mamba_next_track_idx", 0)) ^ 1]
+        return self._states.check_slot(self.mamba_pool, slot, f"request {req.rid!r} track slot",
+                                       self.checks), int(pos)
+
+    def _fork_tracked(self, req: CacheRequest, tokens: np.ndarray, node: TreeNode,
+                      aligned: int, tracked: tuple[int, int], finished: bool) -> None:
+        """Fork the tracked state into the node ending at its position (``node`` when that is
+        ``aligned``, else the ancestor split out there: the path is in the tree and locked)."""
+        src, pos = tracked
+        if pos != aligned:
+            _, node, n = self._kv_match(self, RadixKey(tokens[:pos], req.extra_key))
+            if n != pos:  # pragma: no cover - the path up to aligned was just inserted
+                return
+        self._fork_into(node, src, pos, finished)
+
+    def _fork_into(self, node: TreeNode, slot: int, pos: int, finished: bool) -> None:
+        """Copy the state in ``slot`` (at ``pos``) into a new tree slot at ``node`` when the node
+        holds none and the admission policy agrees -- evicting one unpinned state if the pool is
+        out; if none can be had the node stays a tombstone."""
+        if node.parent is None or node in self._states.slot_of or not self.admission.admit(self, node, finished):
+            return
+        got = self.mamba_pool.alloc(1)
+        if got is None:
+            self.evict(0, 1)  # states only: node's KV stays, and it has no state to lose
+            got = self.mamba_pool.alloc(1)
+            if got is None:
+                return
+        new = int(got[0])
+        self._copy([slot], [new])
+        self._attach(node, new, pos)
+
+    def _check_request(self, req: CacheRequest, state_len: int | None) -> tuple[int | None, int]:
+        """Validate the request's slot, state position and lock; returns (slot, position)."""
+        slot = req.mamba_pool_idx
+        if slot is not None:
+            slot = self._states.check_slot(self.mamba_pool, slot, f"request {req.rid!r} mamba_pool_idx",
+                                           self.checks)
+        pos = req.kv_committed_len if state_len is None else state_len
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0:
+            raise InvalidArgumentError(f"state_len must be an int >= 0, got {pos!r}")
+        node = req.last_node
+        if node is not None and node.parent is not None and self._states.pins.get(node, 0) < 1 \
+                and not self.disable:
+            raise InvalidArgumentError(f"request {req.rid!r}: its last_node {node.id} is not locked on itself")
+        return slot, int(pos)
 
     # ------------------------------------------------------------------ evict
     # returns the KV tokens and the states freed (RadixCache's: the tokens), SGLang's API
     def evict(  # type: ignore[override]
             self, num_tokens: int, num_states: int = 0) -> MambaEvictResult:
-        """Free at least ``num_tokens`` KV tokens (full order) and then at least
-        ``num_states`` states (state order), or all that can go; rows and slots each go back
-        in ONE call. Raises InvalidArgumentError (nothing evicted) for a bad count
-        (contract and costs: :func:`radixkv.cache.hybrid.mamba_policies.evict`)."""
-        return mamba_policies.evict(self, num_tokens, num_states)
+        """Free at least ``num_tokens`` KV tokens (full order: unlocked leaves, tombstones
+        first, each with its state, childless tombstone ancestors after them) and then at
+        least ``num_states`` states (state order: each node becomes a tombstone, its KV
+        stays; states freed by the first part count), or all that can go. Rows go back in
+        ONE allocator call, slots in ONE pool call. Raises InvalidArgumentError (nothing
+        evicted) for a negative / non-int count. O(evicted nodes x log L) + the state
+        order's victims (``lru``: O(log S) amortized per state; ``flop``: O(S log S)).
+        """
+        num_tokens = check_count(num_tokens, "num_tokens")
+        num_states = check_count(num_states, "num_states")
+        if self.disable:
+            return MambaEvictResult(0, 0)
+        rows: list[bytes] = []
+        slots: list[int] = []
+        tokens = self._evict_leaves(num_tokens, rows, slots) if num_tokens else 0
+        states = self._states
+        if len(slots) < num_states and states.evictable:
+            self._evict_states(num_states - len(slots), slots)
+        if slots:
+            states.lru.maybe_compact(states.slot_of)  # dead entries of the states gone
+        self._free_rows(rows)
+        if slots:
+            self.mamba_pool.free(slots)
+        if tokens or slots:
+            self._metrics.record_evict(tokens)
+        return MambaEvictResult(tokens, len(slots))
+
+    def _evict_leaves(self, num_tokens: int, rows: list[bytes], slots: list[int]) -> int:
+        evicted = 0
+        leaves, stale_key = self._leaves, self._sort_key if self._lazy else None
+        while evicted < num_tokens:
+            node = pop_victim(leaves, stale_key)
+            if node is None:
+                break
+            evicted += self._remove_leaf(node, rows, slots)
+        return evicted
+
+    def _evict_states(self, k: int, slots: list[int]) -> None:
+        """Tombstone the first ``k`` unpinned state nodes of the state order (their KV stays: a
+        tombstone leaf is re-filed at the front of the full order)."""
+        for node in self.state_order.victims(self, k):
+            slots.append(self._states.detach(node))
+            if node.skey is not None:  # a filed leaf: its full-order key dropped
+                self._refile(node)
+
+    # ``node: Any``: a TreeNode, then its ancestors up to a NamespaceHead (read as such: parent, extra_key)
+    def _remove_leaf(self, node: Any, rows: list[bytes], slots: list[int]) -> int:
+        """Unlink an unlocked, unfiled leaf (and its state), then every tombstone ancestor it
+        leaves childless and unlocked; file a childless parent with a state. Returns tokens."""
+        pb, events, on_evict, states = self._page_bytes, self.kv_events, self._on_evict, self._states
+        tokens = 0
+        while True:
+            parent = node.parent
+            del parent.children[node.kbuf[:pb]]
+            sync_only(parent)
+            tokens += len(node.kbuf) >> 2
+            rows.append(node.vbuf)
+            if node in states.slot_of:
+                slots.append(states.detach(node))
+            if on_evict is not None:
+                on_evict(node)
+            if events is not None:
+                events.on_removed(node.block_hashes)
+            if parent.children:
+                break
+            if parent.parent is None:
+                if parent.extra_key is not None:  # an empty namespace goes away
+                    del self._heads[parent.extra_key]
+                break
+            if parent.lock_ref:
+                break
+            if parent in states.slot_of:
+                parent.skey = self._sort_key(parent)
+                self._leaves.add(parent)
+                break
+            node = parent  # a childless, unlocked tombstone: useless, remove it too
+        self._evictable -= tokens
+        return tokens
 
     # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode) -> int:
