@@ -9,8 +9,9 @@
 Invariants: the KV conservation law (:mod:`radixkv.cache.kv_conservation`: every slot is
 free, in the tree, or held by one running request); all-or-nothing (a call that raises,
 ``CapacityError`` included, keeps no lock, row or slot and changes no field; eviction runs
-only once the call will succeed; a tiered tree's loads of host pages stay cached). Hybrid models: the request's own Mamba slot holds the
-state at ``kv_committed_len``; extend matches to the deepest cached state and forks it.
+only once the call will succeed; a tiered tree's loads of host pages stay cached). Hybrid
+models: the request's own Mamba slot holds the state at ``kv_committed_len``; extend matches
+to the deepest cached state and forks it.
 Lengths, hybrid states and track buffers in full: ``docs/internals.md``, "The memory flow".
 """
 from __future__ import annotations
