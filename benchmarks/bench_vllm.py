@@ -42,6 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from process_group import end_group
+from vllm_model import MODELS, ModelKind
 from vllm_trace import ROUTINGS, Workload, alternation, build_workload, hit_bound
 
 DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -65,8 +66,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="alternate: turn t of session s to instance (s + t) %% N; round-robin: the p-th "
                          "request of the dispatch order to instance p %% N (default %(default)s)")
     ap.add_argument("--configs", default="local,radixkv",
-                    help="comma list of local, radixkv, lmcache (default %(default)s)")
-    ap.add_argument("--block-size", type=int, default=32, help="vLLM block size = manager page size")
+                    help="comma list of local, radixkv, lmcache (default %(default)s); a name again runs it "
+                         "again, reported as NAME#2 (local,radixkv,radixkv,local: alternated)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM block size = manager page size (default: the model kind's, 32; hybrids 256)")
     ap.add_argument("--cold", type=int, default=4, help="no-hit requests per instance after the trace")
     ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request")
     ap.add_argument("--miss-ab", type=int, default=0,
@@ -86,7 +89,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engine-process", action="store_true",
                     help="run each instance's engine core in its own process (as vllm serve does; "
                          "lmcache always does); default: in the instance's process")
-    ap.add_argument("--model-dir", default=None, help="tiny random Llama written here (default: a temp dir)")
+    ap.add_argument("--model", choices=tuple(MODELS), default="llama",
+                    help="the tiny random model (vllm_model.MODELS; docs/vllm.md, 'Model kinds'): llama, "
+                         "llama-8b-ratio (an 8B model's prefill FLOPs per KV byte), qwen3-next, granite-hybrid "
+                         "(hybrids: the radixkv configuration is refused while the connector refuses them)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (executor mp)")
+    ap.add_argument("--model-dir", default=None, help="the tiny random model written here (default: a temp dir)")
     ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
     ap.add_argument("--lmcache-args", default="", help="extra LMCache server flags (one string)")
     ap.add_argument("--lmcache-path", default=None,
@@ -101,8 +109,9 @@ def _pct(x: np.ndarray, q: float) -> float:
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
-def _start(specs: list[dict[str, Any]]) -> list[Any]:
-    """One spawned instance per spec (not daemonic: an engine core may be its child)."""
+def _start(specs: list[dict[str, Any]], ready: list[Any] | None = None) -> list[Any]:
+    """One spawned instance per spec (not daemonic: an engine core may be its child);
+    ``ready``: gets each instance's ready message (start seconds, the engine's block size)."""
     from vllm_instance import instance_main
 
     ctx = mp.get_context("spawn")
@@ -118,6 +127,8 @@ def _start(specs: list[dict[str, Any]]) -> list[Any]:
         if kind != "ready":
             _stop(insts)
             raise RuntimeError(f"instance {i} failed to start:\n{val}")
+        if ready is not None:
+            ready.append(val)
     return insts
 
 
@@ -173,7 +184,8 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
     with shared_side(name, spec, manager_args=args.manager_args, lmcache_args=args.lmcache_args,
                      log_dir=args.log_dir) as kvt:
         t0 = time.perf_counter()
-        insts = _start([dict(spec, kv_transfer_config=kvt)] * w.n_instances)
+        ready: list[dict[str, Any]] = []
+        insts = _start([dict(spec, kv_transfer_config=kvt)] * w.n_instances, ready)
         start_s = time.perf_counter() - t0
         try:
             warm = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
@@ -201,7 +213,10 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
     ttft = np.asarray([r["ttft"] for r in rows]) * 1e3
     cold_wall = np.asarray([r["wall"] for r in cold]) * 1e3
     cold_cached = int(sum(r["cached"] for r in cold))
+    block = int(ready[0]["block_size"])    # vLLM raises it for hybrid models (their state's page)
     return {"config": name, "engine_start_s": round(start_s, 1), "requests": w.n_requests,
+            "engine_block_size": block, "bound_shared_hit_tokens": int(hit_bound(w.prompts, block).sum()),
+            "bound_per_instance_hit_tokens": int(hit_bound(w.prompts, block, w.instance).sum()),
             "prompt_tokens": int(prompt.sum()), "hit_tokens": int(cached.sum()),
             "prefill_tokens": int((prompt - cached).sum()),
             "prefill_tokens_per_instance": [int((prompt - cached)[w.instance == k].sum())
@@ -297,8 +312,9 @@ def _check(results: dict[str, dict[str, Any]], bound: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     base = results.get("local")
     for name, r in results.items():
-        if name == "local":
+        if r["config"] == "local":
             continue
+        bound = r.get("bound_shared_hit_tokens", bound)   # at the engine's block size
         t: dict[str, Any] = {"bound_fraction": round(r["hit_tokens"] / bound, 4) if bound else None}
         t["bound_fraction_ok"] = bool(bound and r["hit_tokens"] >= TARGET_BOUND_FRACTION * bound)
         if base:
@@ -324,6 +340,11 @@ def _table(doc: dict[str, Any]) -> str:
     for label, hits in (("bound: one shared cache", b["shared_hit_tokens"]),
                         ("bound: one cache/instance", b["per_instance_hit_tokens"])):
         lines.append(f"{label:<26}{wl['prompt_tokens'] - hits:>12}{hits:>9}")
+    engine = {(r["engine_block_size"], r["bound_shared_hit_tokens"], r["bound_per_instance_hit_tokens"])
+              for r in doc["results"].values() if r["engine_block_size"] != wl["block_size"]}
+    for block, shared, local in sorted(engine):          # vLLM raised the block size (hybrid models)
+        for label, hits in ((f"bound: shared, block {block}", shared), (f"bound: /instance, block {block}", local)):
+            lines.append(f"{label:<26}{wl['prompt_tokens'] - hits:>12}{hits:>9}")
     ab = doc.get("miss_ab")
     if ab:
         lines.append(f"no-hit A/B ({ab['rounds']} rounds, {ab['order']}, {ab['prompt_len']} tokens): without "
@@ -337,6 +358,8 @@ def _table(doc: dict[str, Any]) -> str:
                              f"faster in {x['rounds_faster']}; CPU per request (mean, workers left out) "
                              f"{x['cpu_ms_mean']:.1f} ms vs {x['cpu_ms_mean_without']:.1f} ms without, ratio "
                              f"{x['cpu_mean_ratio']:.3f}")
+    for name, why in doc.get("refused", {}).items():
+        lines.append(f"{name:<26}REFUSED: {why}")
     for name, err in doc.get("failed", {}).items():
         lines.append(f"{name:<26}FAILED: {err.strip().splitlines()[-1][:120] if err.strip() else '?'}")
     for name, t in doc.get("targets", {}).items():
@@ -345,22 +368,50 @@ def _table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _kv_bytes_per_token(shape: Any) -> int:
-    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * 4   # K and V, fp32
-
-
-def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, shape: Any, model_dir: str,
-             configs: list[str]) -> None:
-    """Run every configuration (and the no-hit A/B) into ``doc``."""
+def instance_spec(args: argparse.Namespace, kind: ModelKind, model_dir: str, w: Workload) -> dict[str, Any]:
+    """What every instance of a configuration runs (``vllm_instance.engine_kwargs`` reads it):
+    the model kind's dtype and batching limit, ``--tp`` ranks, the manager's pool size."""
     max_len = max(len(p) for p in w.prompts) + args.max_tokens + args.block_size
     max_len = -(-max_len // args.block_size) * args.block_size
     spec = {"model": model_dir, "block_size": args.block_size, "max_model_len": max_len,
-            "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": shape.vocab_size, "max_tokens": args.max_tokens,
-            "manager_kv_tokens": -(-(2 * w.prompt_tokens + 4 * max_len) // args.block_size) * args.block_size}
-    spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * _kv_bytes_per_token(shape)
+            "kv_cache_bytes": args.kv_cache_mb << 20, "vocab": kind.vocab_size, "max_tokens": args.max_tokens,
+            "manager_kv_tokens": -(-(2 * w.prompt_tokens + 4 * max_len) // args.block_size) * args.block_size,
+            "dtype": kind.dtype, "tp": args.tp}
+    if kind.batched_tokens_eq_block:
+        spec["max_num_batched_tokens"] = args.block_size
+    spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * kind.kv_bytes_per_token()
     if args.engine_process:
         spec["env"] = dict(_ENGINE_PROCESS)
-    for name in configs:
+    return spec
+
+
+def refusal(name: str, kind: ModelKind) -> str | None:
+    """Why configuration ``name`` cannot run ``kind`` (None: it can): vLLM gives a hybrid model's
+    KV cache groups only to a connector that implements ``SupportsHMA``, and RadixKVConnector
+    refuses hybrid models while it does not (issue 33, item 2). Asked of the classes, not assumed."""
+    if name != "radixkv" or not kind.hybrid:
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    from radixkv.integrations.vllm import RadixKVConnector
+
+    if issubclass(RadixKVConnector, SupportsHMA):
+        return None
+    return (f"{kind.name} is hybrid: RadixKVConnector does not implement vLLM's SupportsHMA and refuses "
+            "hybrid models at start (it would reuse KV without the recurrent state; issue 33, item 2)")
+
+
+def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, kind: ModelKind, model_dir: str,
+             configs: list[str]) -> None:
+    """Run every configuration (and the no-hit A/B) into ``doc``."""
+    spec = instance_spec(args, kind, model_dir, w)
+    for k, name in enumerate(configs):
+        key = name if name not in configs[:k] else f"{name}#{configs[:k + 1].count(name)}"
+        why = refusal(name, kind)
+        if why is not None:
+            doc.setdefault("refused", {})[name] = why
+            print(f"[bench vllm] {name} refused: {why}", file=sys.stderr, flush=True)
+            continue
         print(f"[bench vllm] {name}: starting {w.n_instances} instances", file=sys.stderr, flush=True)
         cspec = spec
         if name == "lmcache":
@@ -374,9 +425,9 @@ def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, shape: 
                 env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.lmcache_path),
                                                      os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         try:
-            doc["results"][name] = run_config(name, w, cspec, args)
+            doc["results"][key] = run_config(name, w, cspec, args)
         except RuntimeError as exc:                 # a configuration that does not run is reported
-            doc.setdefault("failed", {})[name] = str(exc)[-4000:]
+            doc.setdefault("failed", {})[key] = str(exc)[-4000:]
             print(f"[bench vllm] {name} failed: {str(exc)[-2000:]}", file=sys.stderr, flush=True)
     if args.miss_ab > 0:
         print(f"[bench vllm] no-hit A/B: starting {3 if args.miss_ab_sync else 2} instances", file=sys.stderr,
@@ -392,9 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="radixkv bench vllm", description=__doc__.split("\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
-    from vllm_model import TinyLlama, make_tiny_llama
+    from vllm_model import make_model
 
-    shape = TinyLlama()
+    kind = MODELS[args.model]
+    if args.block_size is None:
+        args.block_size = kind.block_size
+    if args.tp < 1:
+        print(f"radixkv bench vllm: --tp {args.tp}: at least 1", file=sys.stderr)
+        return 2
     from vllm_configs import CONFIGS
 
     from radixkv.errors import RadixKVError
@@ -408,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         w = build_workload(args.trace, sessions=args.sessions, turns=args.turns,
                            tokens_per_block=args.tokens_per_block, max_prompt=args.max_prompt,
-                           vocab=shape.vocab_size, n_instances=args.instances, routing=args.routing)
+                           vocab=kind.vocab_size, n_instances=args.instances, routing=args.routing)
     except RadixKVError as exc:
         print(f"radixkv bench vllm: {exc}", file=sys.stderr)
         return 2
@@ -423,12 +479,14 @@ def main(argv: list[str] | None = None) -> int:
                      "max_tokens": args.max_tokens, "trace_rows": w.trace_index.tolist(),
                      "engine_process": bool(args.engine_process)},
         "bound": {"shared_hit_tokens": int(shared.sum()), "per_instance_hit_tokens": int(local.sum())},
-        "model": dict(vars(shape)), "results": {}}
+        "model": {"name": kind.name, "config_class": kind.config_class, "dtype": kind.dtype, "hybrid": kind.hybrid,
+                  "tp": args.tp, "kv_bytes_per_token": kind.kv_bytes_per_token(), **kind.fields},
+        "results": {}}
     if not args.dry_run:
         with contextlib.ExitStack() as stack:
             model_dir = args.model_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vllm-model-"))
-            make_tiny_llama(model_dir, shape)
-            _run_all(doc, w, args, shape, model_dir, configs)
+            make_model(model_dir, kind)
+            _run_all(doc, w, args, kind, model_dir, configs)
     doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(_table(doc))
     if args.json:

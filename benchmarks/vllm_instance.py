@@ -4,7 +4,8 @@
 Messages (parent -> instance): ``("run", [(request_id, int32 prompt), ...])`` answers a list
 of :data:`Result` dicts in the same order; ``("counters",)`` answers vLLM's own Prometheus
 counters of prefix caching (local and external / connector hits, prompt tokens by source);
-``("stop",)`` ends the process. At start it answers ``("ready", seconds)`` or ``("error", text)``.
+``("stop",)`` ends the process. At start it answers ``("ready", {"seconds", "block_size"})``
+(the engine's block size: vLLM raises it for hybrid models) or ``("error", text)``.
 
 A request is one ``LLM.generate`` call (greedy, ``max_tokens`` tokens, ``ignore_eos``):
 * ``cached``: ``RequestOutput.num_cached_tokens``, the prompt tokens vLLM did not compute
@@ -38,10 +39,13 @@ _COUNTER_PREFIXES = ("vllm:prefix_cache_", "vllm:external_prefix_cache_", "vllm:
 def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments of an instance ``spec`` (see ``bench_vllm.instance_spec``)."""
     kw: dict[str, Any] = {
-        "model": spec["model"], "skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32",
-        "block_size": spec["block_size"], "enable_prefix_caching": True, "max_model_len": spec["max_model_len"],
-        "max_num_seqs": 4, "max_num_batched_tokens": max(spec["max_model_len"], 2048),
+        "model": spec["model"], "skip_tokenizer_init": True, "enforce_eager": True,
+        "dtype": spec.get("dtype", "float32"), "block_size": spec["block_size"], "enable_prefix_caching": True,
+        "max_model_len": spec["max_model_len"], "max_num_seqs": 4,
+        "max_num_batched_tokens": spec.get("max_num_batched_tokens") or max(spec["max_model_len"], 2048),
         "kv_cache_memory_bytes": spec["kv_cache_bytes"], "seed": 0, "disable_log_stats": False}
+    if int(spec.get("tp", 1)) > 1:
+        kw.update(tensor_parallel_size=int(spec["tp"]), distributed_executor_backend="mp")
     if spec.get("kv_transfer_config"):
         from vllm.config import KVTransferConfig
 
@@ -118,7 +122,8 @@ def instance_main(conn: Any, spec: dict[str, Any]) -> None:
 
         t0 = time.perf_counter()
         llm = LLM(**engine_kwargs(spec))
-        conn.send(("ready", time.perf_counter() - t0))
+        conn.send(("ready", {"seconds": time.perf_counter() - t0,
+                             "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size)}))
     except BaseException:  # noqa: BLE001 - reported to the parent, which stops the run
         conn.send(("error", traceback.format_exc()))
         return
