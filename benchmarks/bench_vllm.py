@@ -181,6 +181,7 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
 
     rng = np.random.default_rng(12345)
     cold_len = int(np.median([len(p) for p in w.prompts]))
+    load = [round(os.getloadavg()[0], 2)]       # the 1-minute load at this configuration's start and end
     with shared_side(name, spec, manager_args=args.manager_args, lmcache_args=args.lmcache_args,
                      log_dir=args.log_dir) as kvt:
         t0 = time.perf_counter()
@@ -214,7 +215,8 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
     cold_wall = np.asarray([r["wall"] for r in cold]) * 1e3
     cold_cached = int(sum(r["cached"] for r in cold))
     block = int(ready[0]["block_size"])    # vLLM raises it for hybrid models (their state's page)
-    return {"config": name, "engine_start_s": round(start_s, 1), "requests": w.n_requests,
+    load.append(round(os.getloadavg()[0], 2))
+    return {"config": name, "engine_start_s": round(start_s, 1), "requests": w.n_requests, "loadavg_1min": load,
             "engine_block_size": block, "bound_shared_hit_tokens": int(hit_bound(w.prompts, block).sum()),
             "bound_per_instance_hit_tokens": int(hit_bound(w.prompts, block, w.instance).sum()),
             "prompt_tokens": int(prompt.sum()), "hit_tokens": int(cached.sum()),

@@ -154,7 +154,9 @@ class WorkerSide:
         """At mapping (engine start, or a new manager), not in a request: read one element of
         every page of the manager's mapped pools (a CPU pool's first touch of each page is a
         page fault: the first requests' copies paid them, about a second per instance for the
-        benchmark's pool), and run the copy kernels once on one row of scratch."""
+        benchmark's pool), and run the copy kernels once on one row of scratch; with vLLM's
+        tensors registered, the save path once from vLLM's block 0 into the manager's padding
+        slot 0, and the load's scatter once of vLLM's own row onto itself (no value changes)."""
         one = torch.zeros(1, dtype=torch.int64, device=wb.device)
         for layer in range(self.shape.layers):
             for m in self._manager_parts(wb, layer):
@@ -164,6 +166,13 @@ class WorkerSide:
                 row = m.index_select(0, one)
                 row.index_copy_(0, one, row.clone())
         wb.req_to_token.reshape(-1)[::1024].sum()
+        if self._geometry is not None:
+            zero = torch.zeros(1, dtype=torch.int64, device=self._views[0][0].device)
+            if self.shard.writes:
+                self._copy_rows(wb, zero, zero, zero, to_vllm=False)
+            for flat in self._rows:
+                for at in self._geometry.rows(zero, zero, self.shard.num):
+                    flat.index_copy_(0, at, flat.index_select(0, at))
 
     def _buffers_of(self, epoch: int) -> WorkerBuffers | None:
         wb = self._buffers.get(epoch)
