@@ -7,6 +7,7 @@ after every operation."""
 import numpy as np
 import pytest
 import torch
+from hybrid_util import PrefixModel, tree_pages
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -166,30 +167,18 @@ def test_bad_host_pool_is_refused():
 
 
 # ---------------------------------------------------------------------- state machine
-TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+def state_values(cache, node):
+    """(conv, temporal) first elements of ``node``'s state in either tier, or None."""
+    s = read_state(cache, node)
+    return None if s is None else (float(s[0].flatten()[0]), float(s[1].flatten()[0]))
 
 
 def tree_content(cache):
-    """{prefix: rows of its last page}, {node-end prefix: (conv, temporal) of its state in any tier}."""
-    ps = cache.page_size
-    kv, states = {}, {}
-    stack = [(cache.root_node, ())]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            toks, rows = child.key.tolist(), child.value.tolist()
-            p = prefix
-            for i in range(0, len(toks), ps):
-                p = p + tuple(toks[i:i + ps])
-                kv[p] = tuple(rows[i:i + ps])
-            s = read_state(cache, child)
-            if s is not None:
-                states[p] = (float(s[0].flatten()[0]), float(s[1].flatten()[0]))
-            stack.append((child, p))
-    return kv, states
+    """{prefix: rows of its last page}, {node-end prefix: state values in any tier}."""
+    return tree_pages(cache, lambda node: state_values(cache, node))
 
 
-class HostStateMachine(RuleBasedStateMachine):
+class HostStateMachine(PrefixModel, RuleBasedStateMachine):
     page_size = 1
     state_policy = "lru"
 
@@ -200,26 +189,9 @@ class HostStateMachine(RuleBasedStateMachine):
         self.locks = []
         self.next_value = 1.0
 
-    def aligned(self, tokens):
-        return tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
-
-    def expect(self, tokens):
-        ps, key = self.page_size, self.aligned(tokens)
-        n = 0
-        while n + ps <= len(key) and key[: n + ps] in self.kv:
-            n += ps
-        s = max([len(p) for p in self.states if len(p) <= n and key[: len(p)] == p] or [0])
-        return s, n, [r for i in range(ps, s + 1, ps) for r in self.kv[key[:i]]]
-
-    def draw_tokens(self, data):
-        known = sorted(self.states) + sorted(self.kv)
-        if known and data.draw(st.integers(0, 3)):
-            return list(data.draw(st.sampled_from(known))) + data.draw(st.lists(st.integers(0, 3), max_size=4))
-        return data.draw(TOKENS)
-
     def matched(self, tokens):
         """match + load_back as the scheduler does; checks the hit against the model."""
-        s, n, rows = self.expect(tokens)
+        s, n, rows = self.expect_match(tokens)
         m = self.cache.match_prefix(list(tokens))
         assert (m.prefix_len + m.host_len, m.kv_prefix_len) == (s, n)
         self.kv = tree_content(self.cache)[0]  # a match may split a node: the same pages
