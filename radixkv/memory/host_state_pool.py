@@ -72,7 +72,10 @@ class HostStatePool:
             return
         pool = self.mamba_pool
         for host, dev in ((self.conv, pool.conv_state), (self.temporal, pool.temporal_state)):
-            if to_host:
+            if self.device.type == "cpu":  # one strided copy per state: no gather, no staging
+                for hs, ds in zip(host_slots, device_slots):
+                    (host[:, hs] if to_host else dev[:, ds]).copy_(dev[:, ds] if to_host else host[:, hs])
+            elif to_host:  # one gather and one transfer per batch
                 host.index_copy_(1, h, dev.index_select(1, d).cpu())
             else:
-                dev.index_copy_(1, d, host.index_select(1, h).to(self.device))
+                dev.index_copy_(1, d, host.index_select(1, h).to(self.device, non_blocking=True))

@@ -156,8 +156,8 @@ def test_helpers_and_bad_arguments():
 
 
 # ---------------------------------------------------------------------- the CLI
-RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "track", "state_slots", "admission",
-               "state_policy", "checkpoint", "hit_tokens", "token_hit_rate", "kv_hit_tokens", "kv_hit_rate",
+RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "track", "state_slots",
+               "host_state_slots", "admission", "state_policy", "checkpoint", "hit_tokens", "token_hit_rate", "kv_hit_tokens", "kv_hit_rate",
                "lost_tokens", "lost_rate", "state_hits", "state_hit_rate", "flop_saved", "evicted_tokens",
                "evicted_states", "states_end", "kv_tokens_end"}
 
@@ -265,3 +265,15 @@ def test_cli_hybrid_on_a_prefix_of_the_conversation_trace(tmp_path):
             assert r["hit_tokens"] == 0
         elif r["capacity_frac"] == 1:                       # nothing evicted: the KV-only match
             assert r["kv_hit_tokens"] == kv[1] and r["evicted_tokens"] == 0
+
+
+def test_cli_hybrid_host_state_slots(trace_file, tmp_path, capsys):
+    out = tmp_path / "h.json"
+    rc = main(["--trace", trace_file, "--block-size", "4", "--hybrid", "--capacity-frac", "4", "--state-slots", "1",
+               "--host-state-slots", "0,64", "--admission", "every", "--state-policy", "lru", "--chunk", "4",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    rows = json.loads(out.read_text())["results"]
+    assert [r["host_state_slots"] for r in rows] == [0, 64]
+    assert rows[1]["hit_tokens"] > rows[0]["hit_tokens"], rows
+    assert "1 + 64 host slots" in capsys.readouterr().out
