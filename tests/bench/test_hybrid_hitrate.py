@@ -157,7 +157,8 @@ def test_helpers_and_bad_arguments():
 
 # ---------------------------------------------------------------------- the CLI
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "track", "state_slots",
-               "host_state_slots", "admission", "state_policy", "checkpoint", "hit_tokens", "token_hit_rate", "kv_hit_tokens", "kv_hit_rate",
+               "host_state_slots", "admission", "state_policy", "checkpoint", "hit_tokens", "token_hit_rate",
+               "kv_hit_tokens", "kv_hit_rate",
                "lost_tokens", "lost_rate", "state_hits", "state_hit_rate", "flop_saved", "evicted_tokens",
                "evicted_states", "states_end", "kv_tokens_end"}
 
