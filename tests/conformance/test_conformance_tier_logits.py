@@ -49,10 +49,12 @@ def test_kv_only_logits_over_host_loads(engine_factory, ps):
     assert loaded > 0, "no KV came back from the host tier"
 
 
-@pytest.mark.parametrize("ps", [1, 16, 64])
-def test_hybrid_logits_over_host_state_loads(engine_factory, ps):
+@pytest.mark.parametrize("ps, events", [(1, False), (16, False), (64, False), (16, True)])
+def test_hybrid_logits_over_host_state_loads(engine_factory, ps, events):
     """3 device state slots per running request (its own and two track slots) plus 2 for the
-    tree: the 4 conversations' states cannot all stay on the device."""
+    tree: the 4 conversations' states cannot all stay on the device. With KV events on, the
+    recorder's live states follow the demotions and loads (checked by check_invariants)."""
     turn = 64 if ps == 64 else 16
-    loaded = _prove(engine_factory, "KFK", ps, turn, kv_tokens=4096, state_slots=5, host_state_slots=16)
+    loaded = _prove(engine_factory, "KFK", ps, turn, kv_tokens=4096, state_slots=5, host_state_slots=16,
+                    enable_kv_events=events)
     assert loaded > 0, "no state came back from the host tier"
