@@ -195,15 +195,20 @@ def test_seeded_stress_batches_with_loads_evictions_and_aborts(seed, ps):
     assert p.tiers[1] > 0, f"no host loads in the run: {p.tiers}"
 
 
-def test_hybrid_host_state_tier_is_built_and_counts_host_hits():
-    """``host_state_slots`` gives the hybrid tree a HostStatePool; a state demoted there is
-    a hit for ``match`` (``host_len``) and ``alloc_extend`` loads it back."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_hybrid_host_state_tier_is_built_and_counts_host_hits(device):
+    """``host_state_slots`` gives the hybrid tree a HostStatePool (pinned on CUDA); a state
+    demoted there is a hit for ``match`` (``host_len``) and ``alloc_extend`` loads it back,
+    the logits after it equal the from-scratch ones."""
     from radixkv.demo.workers import engine_config_for
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     model = HybridModel(HybridConfig(vocab=VOCAB, hidden=16, num_heads=2, head_dim=8, layer_pattern="KF",
-                                     dtype=torch.float64, seed=5))
+                                     dtype=torch.float64, seed=5), device)
     eng = CacheEngine(engine_config_for(model.config, state_slots=4, host_state_slots=4, request_rows=2,
-                                        max_context_len=64))
+                                        max_context_len=64, device=device))
+    assert eng.pools.host_state_pool.pinned == (device == "cuda")
     assert eng.pools.host_state_pool is not None and eng.tree.host_state_pool is eng.pools.host_state_pool
     s = eng.attach("h").session
     mc = ModelCache.over(eng.worker_buffers())

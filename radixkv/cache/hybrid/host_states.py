@@ -103,4 +103,4 @@ class HostStateTable:
         try:
             self.alloc.check_invariants(owned)
         except InvariantError as e:
-            raise InvariantError(f"MambaRadixCache host state slots: {e}") from None
+            raise InvariantError(f"MambaRadixCache: {str(e).replace('host pages', 'host state slots')}") from None

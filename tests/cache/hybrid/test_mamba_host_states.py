@@ -150,12 +150,35 @@ def test_audit_names_leaked_and_double_owned_host_slots():
     host = cache._host
     mine = host.slot_of[b]
     host.slot_of[b] = host.slot_of[a]  # two nodes own one slot
-    with pytest.raises(InvariantError, match=rf"host pages \[{host.slot_of[a]}\] owned twice"):
+    with pytest.raises(InvariantError, match=rf"host state slots \[{host.slot_of[a]}\] owned twice"):
         cache.check_invariants()
     host.slot_of[b] = mine
     cache.check_invariants()
     stray = int(host.alloc.alloc(1)[0])  # taken behind the table's back: leaked
-    with pytest.raises(InvariantError, match=rf"host pages \[{stray}\] leaked \(in use, owned by no node\)"):
+    with pytest.raises(InvariantError, match=rf"host state slots \[{stray}\] leaked \(in use, owned by no node\)"):
+        cache.check_invariants()
+
+
+def test_audit_names_host_states_on_dead_or_doubly_held_nodes():
+    cache, alloc, mamba = make()
+    a = insert(cache, alloc, mamba, [1, 2], 1.0).node
+    c = insert(cache, alloc, mamba, [3, 4], 2.0).node
+    cache.evict(0, 1)  # a's state to the host
+    host = cache._host
+    slot = host.slot_of[a]
+    host.slot_of[c] = slot  # c also holds a device state
+    with pytest.raises(InvariantError, match=rf"nodes \[{c.id}\] hold a state on the device and on the host"):
+        cache.check_invariants()
+    del host.slot_of[c]
+    host.end[slot] = 7
+    with pytest.raises(InvariantError, match=rf"position other than their node's end: nodes \[{a.id}\]"):
+        cache.check_invariants()
+    host.end[slot] = 2
+    cache.check_invariants()
+    cache.evict(4)  # both leaves leave the tree; the host state with its node
+    host.slot_of[a] = slot
+    host.alloc.alloc(1)
+    with pytest.raises(InvariantError, match=rf"not in the tree \(leaked\): nodes \[{a.id}\]"):
         cache.check_invariants()
 
 
