@@ -5,41 +5,17 @@ equal the from-scratch logits within 1e-9. KV-only models with the host KV tier
 (``host_kv_tokens``); hybrid models (KDA + attention) with the host state tier
 (``host_state_slots``): a state demoted to host memory and loaded back must be bit-equal, or
 the recurrent layers' logits drift. Page sizes 1, 16 and 64; invariants after every call."""
-import numpy as np
 import pytest
-import torch
 from conformance_util import Checked
-from tier_workload import conversations
-
-from radixkv.engine.protocol import ExtendItem
-from radixkv.reference import HybridConfig, HybridModel, ModelCache
-
-VOCAB, HEADS, DIM, TOL = 50, 2, 8, 1e-9
+from tier_workload import proof_fields, proof_model, prove_logits
 
 
 def _prove(engine_factory, pattern, ps, turn, **cfg):
-    """Run 4 conversations of 3 turns; returns the tokens each extend reported loaded from
-    the host tier."""
-    model = HybridModel(HybridConfig(vocab=VOCAB, hidden=16, num_heads=HEADS, head_dim=DIM, layer_pattern=pattern,
-                                     chunk_size=8, dtype=torch.float64, seed=5))
-    raw = engine_factory(layer_types=pattern, head_num=HEADS, head_dim=DIM, kv_dtype="float64",
-                         kda_num_heads=HEADS, kda_head_dim=DIM, conv_kernel=model.config.conv_kernel,
-                         state_dtype="float64", page_size=ps, request_rows=4, max_context_len=256, **cfg)
+    model = proof_model(pattern)
+    raw = engine_factory(**proof_fields(model, ps), **cfg)
     e = Checked(raw)
     info = e.attach("proof")
-    s, buf = info.session, engine_factory.buffers(raw, info)
-    mc = ModelCache.over(buf)
-    loaded = 0
-    for i, tokens in enumerate(conversations(np.random.default_rng(ps), 4, 3, turn, VOCAB)):
-        (r,) = e.alloc_extend(s, [ExtendItem(f"r{i}", tokens)])
-        row = buf.req_to_token[r.req_pool_idx, :r.seq_len].long()
-        out = model.extend(tokens[r.start:], r.start, row[:r.start], row[r.start:], r.mamba_slot, mc,
-                           track_slot=r.track_slot or None, track_seqlen=r.track_seqlen if r.track_slot else None)
-        diff = (out - model.forward_reference(tokens)[r.start:]).abs().max().item()
-        assert diff <= TOL, f"r{i}: logits differ from scratch by {diff:.3g} (prefix {r.prefix_len}, host {r.host_len})"
-        loaded += r.host_len
-        e.cache_finished(s, [f"r{i}"])
-    return loaded
+    return prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64])
