@@ -47,7 +47,8 @@ class HostStateTable:
             gone = next(iter(self.slot_of))
             self.drop(gone)
             got = self.alloc.alloc(1)
-        assert got is not None  # one was just freed (num_slots >= 1)
+        if got is None:  # unreachable: one was just freed (num_slots >= 1)
+            raise InvariantError("host state slots: none free after dropping the oldest state")
         slot = int(got[0])
         self.slot_of[node] = slot
         self.end[slot] = end
