@@ -75,3 +75,12 @@ def test_needs_a_storage_url(spec):
 
     with pytest.raises(InvalidArgumentError, match="--storage"), shared_side("radixkv-storage", spec):
         pass
+
+
+def test_cli_storage_flag_adds_the_configuration(capsys):
+    import bench_vllm
+
+    assert bench_vllm.main(["--dry-run", "--configs", "local,radixkv-storage"]) == 2
+    assert "needs --storage URL" in capsys.readouterr().err
+    assert bench_vllm.main(["--dry-run", "--json", "-", "--storage", "file:///nowhere"]) == 0
+    assert '"shared_hit_tokens": 8256' in capsys.readouterr().out

@@ -60,26 +60,28 @@ def cluster(tmp_path_factory):
     why = mooncake_missing()
     if why is not None:
         pytest.skip(why)
-    master = MooncakeMaster()
-    master.start()
-    url = master.url(segment_bytes="32MiB", buffer_bytes="16MiB", retry_max_ms="500")
-    model = tiny_llama(tmp_path_factory.mktemp("model"), kv_heads=1)
-    ports = {"a": free_port(), "b": free_port()}
-    managers = {name: make_manager(tmp_path_factory.mktemp(f"mgr-{name}"), [
-        "--model-config", model, "--page-size", str(BLOCK), "--kv-tokens", str(POOL_TOKENS),
-        "--host-kv-tokens", str(POOL_TOKENS), "--max-context-len", "1024", "--lease-ttl-s", "30",
-        "--storage", url, "--storage-timeout-ms", "10000", "--metrics-port", str(ports[name]),
-        "--sweep-interval-s", "0.1"]) for name in ("a", "b")}
-    common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=BLOCK,
-                  max_model_len=1024, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
-                  distributed_executor_backend="uni", disable_log_stats=False, seed=0)
-    # every request asks its manager (no first-block index): the index knows the manager's own
-    # tree, not the store, so it would answer "no hit" for a page only the store holds
-    engines = {"ref": EngineProcess("ref", common)}
-    for e, m in (("e1", "a"), ("e2", "b")):
-        engines[e] = EngineProcess(e, {**common, "kv_transfer_config": connector_config(
-            managers[m], NAMESPACE, defer_miss_saves=False)})
+    master, managers, engines = MooncakeMaster(), {}, {}
     try:
+        master.start()
+        url = master.url(segment_bytes="32MiB", buffer_bytes="16MiB", retry_max_ms="500")
+        model = tiny_llama(tmp_path_factory.mktemp("model"), kv_heads=1)
+        ports = {"a": free_port(), "b": free_port()}
+        for name in ("a", "b"):
+            managers[name] = make_manager(tmp_path_factory.mktemp(f"mgr-{name}"), [
+                "--model-config", model, "--page-size", str(BLOCK), "--kv-tokens", str(POOL_TOKENS),
+                "--host-kv-tokens", str(POOL_TOKENS), "--max-context-len", "1024", "--lease-ttl-s", "30",
+                "--storage", url, "--storage-timeout-ms", "10000", "--metrics-port", str(ports[name]),
+                "--sweep-interval-s", "0.1"])
+        common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                      block_size=BLOCK, max_model_len=1024, kv_cache_memory_bytes=32 << 20,
+                      enable_prefix_caching=False, distributed_executor_backend="uni", disable_log_stats=False,
+                      seed=0)
+        # every request asks its manager (no first-block index): the index knows the manager's
+        # own tree, not the store, so it would answer "no hit" for a page only the store holds
+        engines["ref"] = EngineProcess("ref", common)
+        for e, m in (("e1", "a"), ("e2", "b")):
+            engines[e] = EngineProcess(e, {**common, "kv_transfer_config": connector_config(
+                managers[m], NAMESPACE, defer_miss_saves=False)})
         for m in managers.values():
             m.start()
         for e in engines.values():
