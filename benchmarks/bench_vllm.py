@@ -1,8 +1,9 @@
 """``radixkv bench vllm``: vLLM instances behind a router, with and without a shared cache.
 
 N instances on a multi-turn trace, with vLLM's own prefix caching only, with the radixkv
-connector (one shared manager), and (where it runs) with LMCache's multi-process connector;
-against the single-shared-cache bound.
+connector (one shared manager, or with ``--storage URL`` one manager per instance on a shared
+store such as Mooncake), and (where it runs) with LMCache's multi-process connector; against
+the single-shared-cache bound.
 
 The workload (:mod:`vllm_trace`): the first ``--sessions`` multi-turn sessions of the bundled
 Mooncake conversation trace, ``--turns`` turns each, every 512-token block scaled to
@@ -65,7 +66,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="alternate: turn t of session s to instance (s + t) %% N; round-robin: the p-th "
                          "request of the dispatch order to instance p %% N (default %(default)s)")
     ap.add_argument("--configs", default="local,radixkv",
-                    help="comma list of local, radixkv, lmcache (default %(default)s)")
+                    help="comma list of local, radixkv, lmcache, radixkv-storage (default %(default)s)")
     ap.add_argument("--block-size", type=int, default=32, help="vLLM block size = manager page size")
     ap.add_argument("--cold", type=int, default=4, help="no-hit requests per instance after the trace")
     ap.add_argument("--max-tokens", type=int, default=1, help="tokens generated per request")
@@ -88,6 +89,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "lmcache always does); default: in the instance's process")
     ap.add_argument("--model-dir", default=None, help="tiny random Llama written here (default: a temp dir)")
     ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
+    ap.add_argument("--storage", default=None, metavar="URL",
+                    help="a storage tier shared by one manager per instance (mooncake://HOST:PORT?metadata=URL"
+                         "&..., or file:///DIR): adds the radixkv-storage configuration")
     ap.add_argument("--lmcache-args", default="", help="extra LMCache server flags (one string)")
     ap.add_argument("--lmcache-path", default=None,
                     help="a 'pip install --target' directory holding lmcache (prepended to sys.path of "
@@ -171,9 +175,10 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
     rng = np.random.default_rng(12345)
     cold_len = int(np.median([len(p) for p in w.prompts]))
     with shared_side(name, spec, manager_args=args.manager_args, lmcache_args=args.lmcache_args,
-                     log_dir=args.log_dir) as kvt:
+                     log_dir=args.log_dir, storage=args.storage, instances=w.n_instances) as kvt:
         t0 = time.perf_counter()
-        insts = _start([dict(spec, kv_transfer_config=kvt)] * w.n_instances)
+        kvts = kvt if isinstance(kvt, list) else [kvt] * w.n_instances   # radixkv-storage: one each
+        insts = _start([dict(spec, kv_transfer_config=k) for k in kvts])
         start_s = time.perf_counter() - t0
         try:
             warm = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
@@ -231,7 +236,7 @@ def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int)
 
     rng = np.random.default_rng(777)
     with shared_side("radixkv", spec, manager_args=args.manager_args, log_dir=args.log_dir) as kvt:
-        if kvt is None:
+        if not isinstance(kvt, dict):
             raise RuntimeError("the radixkv configuration gave no kv_transfer_config")
         specs = [dict(spec, kv_transfer_config=None), dict(spec, kv_transfer_config=kvt)]
         if args.miss_ab_sync:
@@ -400,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.errors import RadixKVError
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.storage and "radixkv-storage" not in configs:
+        configs.append("radixkv-storage")
+    if "radixkv-storage" in configs and not args.storage:
+        print("radixkv bench vllm: the radixkv-storage configuration needs --storage URL", file=sys.stderr)
+        return 2
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         print(f"radixkv bench vllm: unknown configurations {unknown}; choose from {', '.join(CONFIGS)}",
