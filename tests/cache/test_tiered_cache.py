@@ -50,6 +50,37 @@ def test_write_back_holds_the_sum_of_the_tiers():
         c.check_invariants()
 
 
+def test_a_loaded_node_keeps_its_host_copy_while_room_allows_and_gives_it_up_first():
+    c = make_cache(device_tokens=8, host_tokens=24)
+    a, b = seq(1, 8), seq(2, 8)
+    serve(c, a)
+    serve(c, b)  # a demoted
+    assert serve(c, a) == (0, 8, 0)  # loaded back; b demoted; the host had room: a keeps its copy
+    c.check_invariants()
+    assert c.host_size() == 16 and c.total_size() == 8
+    node = c.match_prefix(RadixKey(a)).last_node
+    assert node.vbuf and node.hbuf is not None
+    assert serve(c, seq(3, 8))[:2] == (0, 0)  # a leaves the device for its copy: no new host page
+    assert c.tier_stats["demoted_pages"] == 2 * 8
+    for s in (seq(4, 8), seq(5, 8)):  # the host fills: copies of device nodes go before host-only pages
+        serve(c, s)
+        c.check_invariants()
+    assert c.total_size() + c.host_size() == 32
+    for s in (seq(4, 8), seq(3, 8), a, seq(5, 8)):  # 2, the least recent, was the one dropped
+        assert sum(serve(c, s)) == 8
+        c.check_invariants()
+
+
+def test_host_eviction_drops_only_the_tail_pages_it_needs():
+    c = make_cache(device_tokens=8, host_tokens=12)
+    serve(c, seq(1, 8))
+    serve(c, seq(2, 8))  # 1 -> host (8 of 12 pages)
+    serve(c, seq(3, 8))  # 2 -> host: 4 pages short, the last 4 of 1 go
+    c.check_invariants()
+    assert c.tier_stats["host_dropped_pages"] == 4 and c.host_size() == 12
+    assert serve(c, seq(1, 8))[:2] == (0, 4)  # its first 4 tokens are still there
+
+
 def test_host_eviction_drops_the_least_recent_host_only_leaf():
     c = make_cache(device_tokens=8, host_tokens=8)
     for i in range(3):
