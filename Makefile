@@ -17,7 +17,7 @@ all: test
 # Mooncake (the mooncake:// storage backend's tests, docs/cluster.md): its binaries link Debian's
 # libibverbs1 even over TCP, installed only when missing and we are root; when either part cannot
 # be installed the Mooncake tests skip, naming what to install.
-$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c) $(wildcard service/wire/csrc/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c) $(wildcard radixkv/memory/csrc/*.c) $(wildcard service/wire/csrc/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	ldconfig -p | grep -q libibverbs || { [ "$$(id -u)" = 0 ] && apt-get update && apt-get install -y libibverbs1; } \
