@@ -248,6 +248,28 @@ def test_a_stalled_backend_costs_hits_not_time():
     ctl.close(1.0)
 
 
+def test_a_match_that_timed_out_on_storage_is_served_by_its_prefetch_later():
+    store = DictStorage()
+    c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=0.01)
+    for i in range(3):
+        serve(c, seq(i, 8))
+    assert ctl.drain(5.0) and ctl.wait_reads(30)  # (a busy machine may have left a miss's read late)
+    before = ctl.stats.fetch_timeouts
+    store.gate.clear()  # the backend hangs: the match returns without it (what the faster tiers hold)
+    m = c.match_prefix(RadixKey(seq(0, 8)))
+    assert (m.prefix_len, m.host_len, m.storage_len) == (0, 0, 0) and ctl.stats.fetch_timeouts == before + 1
+    c.check_invariants()
+    store.gate.set()
+    assert ctl.wait_reads(30)  # the read went on in the background
+    store.gate.clear()  # hung again: the next match is served from the prefetched pages
+    calls = store.calls
+    assert serve(c, seq(0, 8)) == (0, 0, 8)  # serve checks the KV bit for bit
+    assert store.calls == calls and ctl.stats.prefetch_used == 8
+    c.check_invariants()
+    store.gate.set()
+    ctl.close(1.0)
+
+
 def test_a_raising_backend_is_a_counted_miss():
     class Broken(DictStorage):
         def batch_exists(self, keys):
