@@ -472,22 +472,13 @@ class TieredRadixCache(RadixCache):
         return super().inc_lock_ref(node)
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        """RadixCache's; a node becomes evictable when it has no child on the device."""
-        if self.disable:
-            return 0
-        self._check_node(node)
-        if node.parent is not None and node.lock_ref < 1:
-            raise InvalidArgumentError(f"dec_lock_ref on node {node.id}, which is not locked")
-        delta = 0
+        """RadixCache's (checks, counts, leaves filed); then an unlocked node whose children
+        are all host-only is filed too: it is a device leaf. O(depth)."""
+        delta = super().dec_lock_ref(node)
         x: Any = node
-        while x.parent is not None:
-            x.lock_ref -= 1
-            if x.lock_ref == 0:
-                delta += len(x.kbuf) >> 2
-                self._file_if_leaf(x)
+        while delta and x.parent is not None and x.lock_ref == 0:  # the unlocked nodes: the path's tail
+            self._file_if_leaf(x)
             x = x.parent
-        self._evictable += delta
-        self._protected -= delta
         return delta
 
     # ------------------------------------------------------------------ whole tree
