@@ -7,8 +7,9 @@ A :class:`TierNode` keeps ``vbuf`` (device rows, empty when not on the device) a
 (host page ids, ``None`` when not on the host). Invariants: every node is on a tier; the device
 part of the tree is prefix-closed; sizes count device tokens; only device nodes are locked.
 ``match_prefix`` walks both tiers (then asks storage, bounded by its timeout); ``load_back``
-copies host pages into device rows in one batch; ``evict`` demotes device leaves to the host
-(or just drops their rows when the host has them); host eviction drops LRU host-only leaves.
+copies host pages into device rows in one batch (write-back: they keep their host copy, the
+first host pages given up); ``evict`` demotes device leaves to the host (or just drops their
+rows when the host has them); host eviction drops LRU host-only pages, page-exact.
 No compiled paths: with the host tier off a cache is a plain RadixCache (speed unchanged).
 """
 from __future__ import annotations
