@@ -15,7 +15,8 @@
  *   to_device: 1 copies host page host_ids[i] into device page dev_ids[i]; 0 the reverse.
  *
  * Every id is checked before any byte moves (ValueError, nothing copied). Then, with the GIL
- * released, one memcpy per page and chunk: the bytes are read once and written once. The
+ * released, one copy per page and chunk (streaming stores where aligned, see copy_chunk): the
+ * bytes are read once and written once. The
  * caller keeps the buffers alive and unshared for the call (the Python side checks their
  * types, shapes and devices). O(n x chunks) memcpy calls, O(bytes) traffic.
  */
