@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from radixkv.memory import host_kv_pool
+from radixkv.memory import native
 from radixkv.memory.host_kv_pool import HostKVPool
 from radixkv.memory.kv_pool import MHATokenToKVPool
 
@@ -32,7 +32,8 @@ def _copy_pages(path: str) -> Callable[..., Any]:
         raise SystemExit(f"cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.copy_pages  # type: ignore[no-any-return]
+    fn: Callable[..., Any] = mod.copy_pages
+    return fn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "plain":
                     dst.copy_(src)
                     return
-                host_kv_pool.copy_pages = builds[name]
+                native.copy_pages = builds[name]
                 host.load(pages, rows)
 
             times: dict[str, list[float]] = {"plain": [], **{k: [] for k in builds}}

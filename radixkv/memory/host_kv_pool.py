@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.memory import native
 from radixkv.memory.kv_pool import MHATokenToKVPool
-from radixkv.memory.native import copy_pages
 
 __all__ = ["HostKVPool"]
 
@@ -151,7 +151,7 @@ class HostKVPool:
         """Host ``pages`` <-> device ``rows`` in one pass (one memcpy per page and layer and
         K/V, :mod:`radixkv.memory.native`) when it is built, the pool is on the CPU and the
         rows are whole aligned pages; False (nothing copied) otherwise."""
-        if copy_pages is None or self.device.type != "cpu" or not pages.numel():
+        if native.copy_pages is None or self.device.type != "cpu" or not pages.numel():
             return False
         ids = self._page_ids(rows)
         if ids is None:
@@ -161,7 +161,7 @@ class HostKVPool:
         if not all(b.is_contiguous() for b in bufs):
             return False
         chunk = self.page_bytes // len(bufs)
-        copy_pages(self.buffer.data_ptr(), self.num_pages + 1, self.page_bytes, chunk,
+        native.copy_pages(self.buffer.data_ptr(), self.num_pages + 1, self.page_bytes, chunk,
                    pages.contiguous().numpy(), tuple(b.data_ptr() for b in bufs),
                    min(b.numel() * b.element_size() for b in bufs) // chunk,
                    ids.to(torch.int64).contiguous().numpy(), to_device)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
-from radixkv.memory import host_kv_pool, native
+from radixkv.memory import native
 from radixkv.memory.host_kv_pool import HostKVPool
 from radixkv.memory.kv_pool import MHATokenToKVPool
 
@@ -80,12 +80,12 @@ def test_cuda_loads_run_on_a_side_stream_and_complete_before_the_event():
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_the_compiled_copies_equal_the_torch_path_byte_for_byte(ps, monkeypatch):
-    if host_kv_pool.copy_pages is None:
+    if native.copy_pages is None:
         pytest.skip(f"radixkv.memory._native is not built: {native.unavailable_reason}")
     out = {}
     for path in ("compiled", "torch"):
         if path == "torch":
-            monkeypatch.setattr(host_kv_pool, "copy_pages", None)
+            monkeypatch.setattr(native, "copy_pages", None)
         kv = MHATokenToKVPool(16 * ps, ps, torch.bfloat16, 2, 8, 3)
         for layer in range(3):
             g = torch.Generator().manual_seed(layer)
@@ -108,7 +108,7 @@ def test_the_compiled_copies_equal_the_torch_path_byte_for_byte(ps, monkeypatch)
 
 
 def test_the_compiled_copy_checks_every_id_before_a_byte_moves():
-    if host_kv_pool.copy_pages is None:
+    if native.copy_pages is None:
         pytest.skip(f"radixkv.memory._native is not built: {native.unavailable_reason}")
     kv = _pool(ps=4)
     host = HostKVPool(kv, 4)
