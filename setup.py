@@ -3,7 +3,8 @@ wire schema ``proto/radixkv/v1/*.proto`` as data of ``radixkv.proto`` (for clien
 languages: ``importlib.resources.files("radixkv.proto")``), and the optional C extension
 ``radixkv.cache._native`` (the RadixCache's compiled walks; the install goes on without it when
 no C compiler is present, see radixkv/cache/native.py) and likewise ``radixkv.allocator._native``
-(the KV allocators' checked free, see radixkv/allocator/native.py), and
+(the KV allocators' checked free, see radixkv/allocator/native.py), ``radixkv.memory._native``
+(the host tier's page copies on the CPU, see radixkv/memory/native.py), and
 ``radixkv.service.wire._sigbus`` (repairs a pool file shrunk under a process, see
 service/wire/shm.py).
 
@@ -27,6 +28,8 @@ setup(
                            depends=[str(p) for p in Path("radixkv/cache/csrc").glob("*.[ch]")],
                            extra_compile_args=["-O3"], optional=True),
                  Extension("radixkv.allocator._native", ["radixkv/allocator/csrc/free.c"],
+                           extra_compile_args=["-O3"], optional=True),
+                 Extension("radixkv.memory._native", ["radixkv/memory/csrc/pagecopy.c"],
                            extra_compile_args=["-O3"], optional=True),
                  Extension("radixkv.service.wire._sigbus", ["service/wire/csrc/sigbus.c"], optional=True)],
 )

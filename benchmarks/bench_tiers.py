@@ -2,8 +2,9 @@
 the same bytes in the same run (issue 31's target: >= 0.8 of the plain copy at 64+ pages).
 
 * ``host_to_device``: the host tier's ``HostKVPool.load(pages, rows)`` (host page ids -> device KV
-  rows of an ``MHATokenToKVPool``: one gather of page-first host rows, one transfer, one indexed
-  write per layer and K/V) against ``dst.copy_(src)`` of as many contiguous bytes (pinned on CUDA).
+  rows of an ``MHATokenToKVPool``; on the CPU one compiled pass when built) against
+  ``dst.copy_(src)`` of as many contiguous bytes (pinned on CUDA), and the torch path of the same
+  load (snapshot, then one indexed write per layer and K/V) in the same rounds (``torch path``).
 * ``storage_to_host``: ``FileStorage.batch_get`` into host page rows against reading the same
   bytes from one plain file per page (``readinto``) in the same directory tree. Both read from a
   warm page cache (the pages were just written): this times the software path, not the disk.
@@ -50,6 +51,14 @@ def _load(host: HostKVPool, pages: torch.Tensor, rows: torch.Tensor) -> None:
         event.synchronize()
 
 
+def _load_torch(host: HostKVPool, pages: torch.Tensor, rows: torch.Tensor) -> None:
+    """The torch path of the same load (a snapshot, then one indexed write per layer and K/V):
+    what ``HostKVPool.load`` does without the compiled copy, timed beside it."""
+    event = host.load_from(host.snapshot(pages), rows)
+    if event is not None:
+        event.synchronize()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -66,13 +75,16 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, float]:
 
 
 def _timed_pair(tier: Callable[[], Any], plain: Callable[[], Any], reps: int,
-                device: torch.device) -> dict[str, float]:
-    """Median wall and CPU seconds of ``tier`` and ``plain``: one warm-up each, rounds interleaved."""
-    tier(), plain()
-    runs: dict[str, list[tuple[float, float]]] = {"tier": [], "plain": []}
+                device: torch.device, **others: Callable[[], Any]) -> dict[str, float]:
+    """Median wall and CPU seconds of ``tier``, ``plain`` and each of ``others``: one warm-up
+    each, rounds interleaved."""
+    fns = {"tier": tier, "plain": plain, **others}
+    for fn in fns.values():
+        fn()
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(reps):
-        runs["tier"].append(_timed(tier, device))
-        runs["plain"].append(_timed(plain, device))
+        for name, fn in fns.items():
+            runs[name].append(_timed(fn, device))
     out = {}
     for name, r in runs.items():
         out[f"{name}_s"] = statistics.median(w for w, _ in r)
@@ -83,7 +95,10 @@ def _timed_pair(tier: Callable[[], Any], plain: Callable[[], Any], reps: int,
 def _row(part: str, page_size: int, batch: int, nbytes: int, t: dict[str, float]) -> dict[str, Any]:
     return {"part": part, "page_size": page_size, "batch_pages": batch, "bytes": nbytes, **t,
             "tier_gbps": nbytes / t["tier_s"] / 1e9, "plain_gbps": nbytes / t["plain_s"] / 1e9,
-            "ratio": t["plain_s"] / t["tier_s"], "cpu_ratio": t["plain_cpu_s"] / max(t["tier_cpu_s"], 1e-9)}
+            "ratio": t["plain_s"] / t["tier_s"], "cpu_ratio": t["plain_cpu_s"] / max(t["tier_cpu_s"], 1e-9),
+            **({"torch_path_ratio": t["plain_s"] / t["torch_path_s"],
+                "torch_path_cpu_ratio": t["plain_cpu_s"] / max(t["torch_path_cpu_s"], 1e-9)}
+               if "torch_path_s" in t else {})}
 
 
 def bench_host_to_device(device: torch.device, layers: int, heads: int, head_dim: int, page_size: int,
@@ -106,11 +121,16 @@ def bench_host_to_device(device: torch.device, layers: int, heads: int, head_dim
                 + torch.arange(page_size).repeat(n)).to(device)
         nbytes = n * host.page_bytes
         t = _timed_pair(partial(_load, host, pages, rows),
-                        partial(plain_dst[:nbytes].copy_, plain_src[:nbytes], non_blocking=True), reps, device)
-        got = torch.stack([pool.k_buffer[0][rows].cpu(), pool.v_buffer[0][rows].cpu()], 1)
-        want = typed[pages][:, 0].transpose(1, 2).reshape(n * page_size, 2, heads, head_dim)
-        if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
-            raise RuntimeError(f"host -> device copy wrong at page size {page_size}, batch {n}")
+                        partial(plain_dst[:nbytes].copy_, plain_src[:nbytes], non_blocking=True), reps, device,
+                        torch_path=partial(_load_torch, host, pages, rows))
+        for load in (_load_torch, _load):  # both paths' bytes checked
+            pool.k_buffer[0].zero_()
+            pool.v_buffer[0].zero_()
+            load(host, pages, rows)
+            got = torch.stack([pool.k_buffer[0][rows].cpu(), pool.v_buffer[0][rows].cpu()], 1)
+            want = typed[pages][:, 0].transpose(1, 2).reshape(n * page_size, 2, heads, head_dim)
+            if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                raise RuntimeError(f"host -> device copy wrong at page size {page_size}, batch {n} ({load.__name__})")
         out.append(_row("host_to_device", page_size, n, nbytes, t))
     return out
 
@@ -170,10 +190,13 @@ def run(device: torch.device, layers: int, heads: int, head_dim: int, page_sizes
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"{'part':16} {'page':>4} {'batch':>5} {'MiB':>8} {'tier GB/s':>10} {'plain GB/s':>10} "
-             f"{'ratio':>6} {'cpu ratio':>9}"]
+             f"{'ratio':>6} {'cpu ratio':>9} {'torch path':>10} {'(cpu)':>6}"]
     for r in result["rows"]:
+        torch_path = (f" {r['torch_path_ratio']:10.2f} {r['torch_path_cpu_ratio']:6.2f}"
+                      if "torch_path_ratio" in r else "")
         lines.append(f"{r['part']:16} {r['page_size']:4d} {r['batch_pages']:5d} {r['bytes'] / 2**20:8.2f} "
-                     f"{r['tier_gbps']:10.3f} {r['plain_gbps']:10.3f} {r['ratio']:6.2f} {r['cpu_ratio']:9.2f}")
+                     f"{r['tier_gbps']:10.3f} {r['plain_gbps']:10.3f} {r['ratio']:6.2f} {r['cpu_ratio']:9.2f}"
+                     + torch_path)
     return "\n".join(lines)
 
 

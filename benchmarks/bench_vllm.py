@@ -1,8 +1,9 @@
 """``radixkv bench vllm``: vLLM instances behind a router, with and without a shared cache.
 
 N instances on a multi-turn trace, with vLLM's own prefix caching only, with the radixkv
-connector (one shared manager), and (where it runs) with LMCache's multi-process connector;
-against the single-shared-cache bound.
+connector (one shared manager, or with ``--storage URL`` one manager per instance on a shared
+store such as Mooncake), and (where it runs) with LMCache's multi-process connector; against
+the single-shared-cache bound.
 
 The workload (:mod:`vllm_trace`): the first ``--sessions`` multi-turn sessions of the bundled
 Mooncake conversation trace, ``--turns`` turns each, every 512-token block scaled to
@@ -66,8 +67,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="alternate: turn t of session s to instance (s + t) %% N; round-robin: the p-th "
                          "request of the dispatch order to instance p %% N (default %(default)s)")
     ap.add_argument("--configs", default="local,radixkv",
-                    help="comma list of local, radixkv, lmcache (default %(default)s); a name again runs it "
-                         "again, reported as NAME#2 (local,radixkv,radixkv,local: alternated)")
+                    help="comma list of local, radixkv, lmcache, radixkv-storage (default %(default)s); a name "
+                         "again runs it again, reported as NAME#2 (local,radixkv,radixkv,local: alternated)")
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM block size = manager page size (default: the model kind's, 32; hybrids 256)")
     ap.add_argument("--cold", type=int, default=4, help="no-hit requests per instance after the trace")
@@ -96,6 +97,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (executor mp)")
     ap.add_argument("--model-dir", default=None, help="the tiny random model written here (default: a temp dir)")
     ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
+    ap.add_argument("--storage", default=None, metavar="URL",
+                    help="a storage tier shared by one manager per instance (mooncake://HOST:PORT?metadata=URL"
+                         "&..., or file:///DIR): adds the radixkv-storage configuration")
     ap.add_argument("--lmcache-args", default="", help="extra LMCache server flags (one string)")
     ap.add_argument("--lmcache-path", default=None,
                     help="a 'pip install --target' directory holding lmcache (prepended to sys.path of "
@@ -183,10 +187,11 @@ def run_config(name: str, w: Workload, spec: dict[str, Any], args: argparse.Name
     cold_len = int(np.median([len(p) for p in w.prompts]))
     load = [round(os.getloadavg()[0], 2)]       # the 1-minute load at this configuration's start and end
     with shared_side(name, spec, manager_args=args.manager_args, lmcache_args=args.lmcache_args,
-                     log_dir=args.log_dir) as kvt:
+                     log_dir=args.log_dir, storage=args.storage, instances=w.n_instances) as kvt:
         t0 = time.perf_counter()
+        kvts = kvt if isinstance(kvt, list) else [kvt] * w.n_instances   # radixkv-storage: one each
         ready: list[dict[str, Any]] = []
-        insts = _start([dict(spec, kv_transfer_config=kvt)] * w.n_instances, ready)
+        insts = _start([dict(spec, kv_transfer_config=k) for k in kvts], ready)
         start_s = time.perf_counter() - t0
         try:
             warm = [[(-1, rng.integers(0, spec["vocab"], cold_len).astype(np.int32))] for _ in insts]
@@ -248,7 +253,7 @@ def run_miss_ab(spec: dict[str, Any], args: argparse.Namespace, prompt_len: int)
 
     rng = np.random.default_rng(777)
     with shared_side("radixkv", spec, manager_args=args.manager_args, log_dir=args.log_dir) as kvt:
-        if kvt is None:
+        if not isinstance(kvt, dict):
             raise RuntimeError("the radixkv configuration gave no kv_transfer_config")
         specs = [dict(spec, kv_transfer_config=None), dict(spec, kv_transfer_config=kvt)]
         if args.miss_ab_sync:
@@ -391,7 +396,7 @@ def refusal(name: str, kind: ModelKind) -> str | None:
     """Why configuration ``name`` cannot run ``kind`` (None: it can): vLLM gives a hybrid model's
     KV cache groups only to a connector that implements ``SupportsHMA``, and RadixKVConnector
     refuses hybrid models while it does not (issue 33, item 2). Asked of the classes, not assumed."""
-    if name != "radixkv" or not kind.hybrid:
+    if not name.startswith("radixkv") or not kind.hybrid:
         return None
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
@@ -458,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     from radixkv.errors import RadixKVError
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.storage and "radixkv-storage" not in configs:
+        configs.append("radixkv-storage")
+    if "radixkv-storage" in configs and not args.storage:
+        print("radixkv bench vllm: the radixkv-storage configuration needs --storage URL", file=sys.stderr)
+        return 2
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         print(f"radixkv bench vllm: unknown configurations {unknown}; choose from {', '.join(CONFIGS)}",

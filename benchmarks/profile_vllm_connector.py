@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = -(-(n + bs) // bs) * bs
         spec = {"model": d, "block_size": bs, "max_model_len": max_len, "manager_kv_tokens": 8 * max_len}
         with shared_side("radixkv", spec) as ktc:
-            assert ktc is not None
+            assert isinstance(ktc, dict)
             cfg = ConnectorConfig.from_extra(ktc["kv_connector_extra_config"])
             blocks = -(-n // bs) + 1
             a, b = Engine(cfg, blocks=blocks, shape=shape), Engine(cfg, blocks=blocks, seed=1, shape=shape)

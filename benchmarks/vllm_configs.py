@@ -6,10 +6,16 @@ and which shared process (if any) runs beside the instances.
   block size) on a Unix socket with a token file, every instance attached through
   ``radixkv.integrations.vllm.RadixKVConnector``;
 * ``lmcache``: one LMCache multi-process server, every instance attached through vLLM's
-  ``LMCacheMPConnector`` (only where ``lmcache`` imports and runs).
+  ``LMCacheMPConnector`` (only where ``lmcache`` imports and runs);
+* ``radixkv-storage``: one manager *per instance* (its own device pool and host tier), all on
+  one shared storage tier (``--storage URL``, e.g. a Mooncake Store: an empty place of this
+  run's own, :func:`radixkv.bench.cluster_procs.storage_for_run`); each instance's connector
+  asks its manager on every request (``defer_miss_saves`` off: the first-block index knows the
+  manager's own tree, not the store).
 
-:func:`shared_side` is a context manager: it starts the side process, waits until it listens,
-yields the ``kv_transfer_config`` dict (``None`` for ``local``), and stops it on exit.
+:func:`shared_side` is a context manager: it starts the side processes, waits until they
+listen, yields the ``kv_transfer_config`` dict (``None`` for ``local``; a list of one per
+instance for ``radixkv-storage``), and stops them on exit.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from radixkv.errors import InvalidArgumentError
 
 __all__ = ["CONFIGS", "shared_side"]
 
-CONFIGS = ("local", "radixkv", "lmcache")
+CONFIGS = ("local", "radixkv", "lmcache", "radixkv-storage")
 
 
 def _free_port() -> int:
@@ -83,13 +89,52 @@ def _manager_cmd(d: str, spec: dict[str, Any], extra: list[str]) -> list[str]:
             "--enable-kv-events", *extra]  # the events feed the connector's first-block index
 
 
+def _manager(d: str, spec: dict[str, Any], extra: list[str]) -> tuple[list[str], str, dict[str, Any]]:
+    """A manager in directory ``d`` (its token file written): command, socket, connector config."""
+    tok = os.path.join(d, "token")
+    with open(tok, "w", encoding="utf-8") as f:
+        f.write(secrets.token_hex(16))
+    os.chmod(tok, 0o600)
+    cfg = {"kv_connector": "RadixKVConnector", "kv_connector_module_path": "radixkv.integrations.vllm",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"address": f"unix://{d}/s.sock", "token_file": tok}}
+    return _manager_cmd(d, spec, extra), os.path.join(d, "s.sock"), cfg
+
+
+@contextlib.contextmanager
+def _managers_on_storage(spec: dict[str, Any], storage: str, n: int, manager_args: str,
+                         log_dir: str | None) -> Iterator[list[dict[str, Any]]]:
+    """``n`` managers, each with a host tier as large as its device pool and ``storage``
+    narrowed to a place of this run's own; one connector config each (no first-block index)."""
+    from radixkv.bench.cluster_procs import storage_for_run
+
+    url = storage_for_run(storage, f"bench-vllm-{os.getpid()}-{time.time_ns()}")
+    tier = ["--host-kv-tokens", str(spec["manager_kv_tokens"]), "--storage", url, "--storage-timeout-ms", "1000"]
+    with contextlib.ExitStack() as stack:
+        cfgs, procs = [], []
+        for k in range(n):
+            d = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"bench-vllm-storage{k}-"))
+            cmd, ready, cfg = _manager(d, spec, [*tier, *shlex.split(manager_args)])
+            cfg["kv_connector_extra_config"]["defer_miss_saves"] = False
+            log = os.path.join(log_dir or d, f"radixkv-storage-manager{k}.log")
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=d)
+            stack.callback(_stop, proc)
+            procs.append((proc, ready, log))
+            cfgs.append(cfg)
+        for k, (proc, ready, log) in enumerate(procs):
+            _wait_for(ready, proc, 180.0, f"radixkv-storage manager {k}", log)
+        yield cfgs
+
+
 @contextlib.contextmanager
 def shared_side(name: str, spec: dict[str, Any], *, manager_args: str = "", lmcache_args: str = "",
-                log_dir: str | None = None) -> Iterator[dict[str, Any] | None]:
-    """Start configuration ``name``'s shared process; yield its ``kv_transfer_config``.
+                log_dir: str | None = None, storage: str | None = None,
+                instances: int = 1) -> Iterator[dict[str, Any] | list[dict[str, Any]] | None]:
+    """Start configuration ``name``'s shared process; yield its ``kv_transfer_config``
+    (``radixkv-storage``: ``instances`` managers on ``storage``, one config per instance).
 
     Raises:
-        InvalidArgumentError: an unknown configuration.
+        InvalidArgumentError: an unknown configuration, or ``radixkv-storage`` without ``storage``.
         RuntimeError: the side process exits or does not listen in time (its log is quoted).
     """
     if name not in CONFIGS:
@@ -97,18 +142,16 @@ def shared_side(name: str, spec: dict[str, Any], *, manager_args: str = "", lmca
     if name == "local":
         yield None
         return
+    if name == "radixkv-storage":
+        if not storage:
+            raise InvalidArgumentError("the radixkv-storage configuration needs --storage URL")
+        with _managers_on_storage(spec, storage, instances, manager_args, log_dir) as cfgs:
+            yield cfgs
+        return
     with tempfile.TemporaryDirectory(prefix=f"bench-vllm-{name}-") as d:
         log = os.path.join(log_dir or d, f"{name}-side.log")
         if name == "radixkv":
-            tok = os.path.join(d, "token")
-            with open(tok, "w", encoding="utf-8") as f:
-                f.write(secrets.token_hex(16))
-            os.chmod(tok, 0o600)
-            cmd = _manager_cmd(d, spec, shlex.split(manager_args))
-            ready = os.path.join(d, "s.sock")
-            cfg = {"kv_connector": "RadixKVConnector", "kv_connector_module_path": "radixkv.integrations.vllm",
-                   "kv_role": "kv_both",
-                   "kv_connector_extra_config": {"address": f"unix://{d}/s.sock", "token_file": tok}}
+            cmd, ready, cfg = _manager(d, spec, shlex.split(manager_args))
         else:
             port = _free_port()
             cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost",

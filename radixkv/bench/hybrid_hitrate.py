@@ -28,6 +28,7 @@ from radixkv.cache.hybrid.mamba_radix_cache import MambaMatchResult, MambaRadixC
 from radixkv.cache.radix_cache import MatchResult
 from radixkv.errors import InvalidArgumentError
 from radixkv.memory import HybridReqToTokenPool, KimiLinearStateShape, MambaPool, ReqToTokenPool
+from radixkv.memory.host_state_pool import HostStatePool
 from radixkv.scheduler.batch import Batch
 from radixkv.scheduler.flow import alloc_for_extend, release_kv_cache
 from radixkv.scheduler.req import Req
@@ -191,20 +192,23 @@ def _trim(tree: MambaRadixCache, slots: int) -> None:
 def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chunk: int,
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
                 kv_policy: str = "lru", working_slot: bool = False, progress: ProgressBar | None = None,
-                page_size: int = 1, track: bool = True) -> HybridReplayResult:
+                page_size: int = 1, track: bool = True, host_slots: int = 0) -> HybridReplayResult:
     """The tree's own API with the flow's request semantics (see the module docstring);
     KV rows are virtual ids (no allocator: the tree plus the running request hold at most
     ``kv_tokens``, which must exceed the longest prompt). ``admission None``: KV-only tree.
-    ``page_size`` / ``track``: see the module docstring.
+    ``page_size`` / ``track``: see the module docstring. ``host_slots``: the host state tier
+    (evicted states demoted there, a match reaching one loads it back, as the flow does).
 
     Raises InvalidArgumentError for bad slots / page size / policy names (before any work).
     """
     ps = _check_page(page_size)
     mamba = None if admission is None else mamba_pool(_pool_size(slots, working_slot))
+    host = HostStatePool(mamba, host_slots) if host_slots and mamba is not None else None
     # Any: a RadixCache, or a MambaRadixCache when admission is set (the state calls below run only then)
     tree: Any = (RadixCache(None, None, page_size=ps, eviction_policy=kv_policy) if admission is None else
                  MambaRadixCache(None, None, page_size=ps, eviction_policy=kv_policy, mamba_pool=mamba,
-                                 admission_policy=admission, state_eviction_policy=policy, checks=False))
+                                 admission_policy=admission, state_eviction_policy=policy, checks=False,
+                                 host_state_pool=host))
     tally = _Tally(tree, None if mamba is None else tree.flop_model)
     next_row = 1
     for toks in requests:
@@ -214,6 +218,8 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
         if size < 2:
             continue
         m = tree.match_prefix(toks[:size - 1])
+        if getattr(m, "host_len", 0):
+            m = tree.load_back(m)
         locked, held = m.last_node, m.prefix_len
         tree.inc_lock_ref(locked)
         slot = None
@@ -261,7 +267,7 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
 def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int, slots: int, chunk: int,
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
                 kv_policy: str = "lru", working_slot: bool = False, progress: ProgressBar | None = None,
-                page_size: int = 1, track: bool = True) -> HybridReplayResult:
+                page_size: int = 1, track: bool = True, host_slots: int = 0) -> HybridReplayResult:
     """The same through the real scheduler flow and pools (a ``TokenToKVPoolAllocator`` of
     ``kv_tokens`` -- paged above page size 1 --, request rows ``max_prompt + 1`` wide, the
     track buffer above page size 1 with ``track``). Exact but slow at trace scale (the
@@ -283,7 +289,8 @@ def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int,
         mamba = mamba_pool(_pool_size(slots, working_slot, 2 if tracking else 0))
         pool = HybridReqToTokenPool(2, width, mamba_pool=mamba, enable_mamba_extra_buffer=tracking)
         tree = MambaRadixCache(pool, alloc, page_size=ps, eviction_policy=kv_policy, admission_policy=admission,
-                               state_eviction_policy=policy)
+                               state_eviction_policy=policy,
+                               host_state_pool=HostStatePool(mamba, host_slots) if host_slots else None)
     tally = _Tally(tree, None if mamba is None else tree.flop_model)
     for i, toks in enumerate(requests):
         if progress is not None:
@@ -291,7 +298,9 @@ def replay_flow(requests: Iterable[np.ndarray], max_prompt: int, kv_tokens: int,
         if toks.size < 2:
             continue
         r = Req(str(i), toks)
-        m = tree.match_prefix(toks[:toks.size - 1])  # what alloc_for_extend will find
+        m = tree.match_prefix(toks[:toks.size - 1])  # what alloc_for_extend will find (host states loaded)
+        if getattr(m, "host_len", 0):
+            m = m._replace(prefix_len=m.prefix_len + m.host_len, host_len=0)
         pre = m.prefix_len
         for j, end in enumerate(chunk_ends(m, toks.size, chunk, checkpoint)):
             alloc_for_extend(Batch([r], pool, alloc, tree, fill_lens=[end]))

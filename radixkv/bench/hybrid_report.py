@@ -6,8 +6,9 @@ The JSON keeps ``bench hitrate``'s keys and adds ``mode: "hybrid"``, the replay 
 ``kv_only`` (the KV-only RadixCache under the same budget); each result adds the state
 budget and policies, the KV match, the tokens lost for lack of a state, state hits, FLOPs
 saved and evictions. ``capacity_tokens`` is raised to the longest prompt + 1. ``--pages``
-replays at each page size, ``--track on,off`` with and without state tracking. Every field:
-``docs/hitrate.md``, "The hybrid report" and "Hybrid mode".
+replays at each page size, ``--track on,off`` with and without state tracking,
+``--host-state-slots`` with host state tiers of those sizes (0: off). Every field:
+``docs/hitrate.md``, "The hybrid report" and "Hybrid mode"; the host tier: ``docs/tiers.md``.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class HybridSettings(TypedDict):
     configs: list[tuple[str, StatePolicy, bool]]  # (admission, state policy, checkpoint)
     pages: list[int]
     tracks: list[bool]
+    host_slots: list[int]
 
 
 def _ints(text: str) -> list[int]:
@@ -77,6 +79,8 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pages", type=_ints, default=[1], help="page sizes of the replay, comma-separated (default 1)")
     g.add_argument("--track", default="on",
                    help="state tracking at page ends above page 1: on, off or on,off (default on)")
+    g.add_argument("--host-state-slots", type=_ints, default=[0],
+                   help="states of the host state tier behind the device slots, comma-separated (default 0: off)")
 
 
 def hybrid_settings(args: argparse.Namespace) -> HybridSettings:
@@ -108,15 +112,16 @@ def hybrid_settings(args: argparse.Namespace) -> HybridSettings:
         raise InvalidArgumentError("--pages must be >= 1")
     return {"engine": engine, "slots": list(args.state_slots), "chunk": int(args.chunk),
             "configs": configs_of(adm, states, [ck[c] for c in cks]), "pages": list(args.pages),
-            "tracks": [ck[c] for c in tracks]}
+            "tracks": [ck[c] for c in tracks], "host_slots": list(getattr(args, "host_state_slots", [0]))}
 
 
 def _replay(src: Source, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm: str | None,
             pol: StatePolicy, ckpt: bool, kv_policy: str, bar: ProgressBar, ps: int = 1,
-            track: bool = True) -> HybridReplayResult:
+            track: bool = True, host: int = 0) -> HybridReplayResult:
     if engine == "tree":
-        return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track)
-    return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track)
+        return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track, host)
+    return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track,
+                       host)
 
 
 def measure_hybrid(src: Source, fracs: list[float], kv_policies: list[str], settings: HybridSettings,
@@ -150,22 +155,24 @@ def measure_hybrid(src: Source, fracs: list[float], kv_policies: list[str], sett
                                        "hit_tokens": r.hit_tokens,
                                        "token_hit_rate": r.hit_tokens / src.prompt_tokens,
                                        "evicted_tokens": r.evicted_tokens})
-                for slots in settings["slots"]:
-                    for (adm, spol, ckpt), track in ((c, t) for c in settings["configs"] for t in tracks):
-                        label = f"{pol} @ {f:g}, {slots} slots, {adm}+{state_policy_label(spol)}, page {ps}"
-                        with Progress(src.n_requests, label, enabled=show_progress) as bar:
-                            r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar,
-                                        ps, track)
-                        doc["results"].append(_row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps, track))
+                runs = ((s, h, c, t) for s in settings["slots"] for h in settings.get("host_slots", [0])
+                        for c in settings["configs"] for t in tracks)
+                for slots, host, (adm, spol, ckpt), track in runs:
+                    label = f"{pol} @ {f:g}, {slots}+{host} slots, {adm}+{state_policy_label(spol)}, page {ps}"
+                    with Progress(src.n_requests, label, enabled=show_progress) as bar:
+                        r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar,
+                                    ps, track, host)
+                    doc["results"].append(_row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps, track, host))
     return doc
 
 
 def _row(src: Source, r: HybridReplayResult, pol: str, f: float, cap: int, slots: int, adm: str, spol: StatePolicy,
-         ckpt: bool, ps: int = 1, track: bool = True) -> dict[str, Any]:
+         ckpt: bool, ps: int = 1, track: bool = True, host: int = 0) -> dict[str, Any]:
     prompt, n = src.prompt_tokens, max(src.n_requests, 1)
     return {
         "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": ps, "track": track,
-        "state_slots": slots, "admission": adm, "state_policy": state_policy_label(spol), "checkpoint": ckpt,
+        "state_slots": slots, "host_state_slots": host, "admission": adm, "state_policy": state_policy_label(spol),
+        "checkpoint": ckpt,
         "hit_tokens": r.hit_tokens, "token_hit_rate": r.hit_tokens / prompt,
         "kv_hit_tokens": r.kv_hit_tokens, "kv_hit_rate": r.kv_hit_tokens / prompt,
         "lost_tokens": r.lost_tokens, "lost_rate": r.lost_tokens / prompt,
@@ -177,7 +184,8 @@ def _row(src: Source, r: HybridReplayResult, pol: str, f: float, cap: int, slots
 
 
 def _label(r: dict[str, Any], many_policies: bool) -> str:
-    s = f"{r['state_slots']} slots, {r['admission']}+{r['state_policy']}{'+ckpt' if r['checkpoint'] else ''}"
+    host = f" + {r['host_state_slots']} host" if r.get("host_state_slots") else ""
+    s = f"{r['state_slots']}{host} slots, {r['admission']}+{r['state_policy']}{'+ckpt' if r['checkpoint'] else ''}"
     if r.get("page_size", 1) > 1:
         s = f"page {r['page_size']}{'' if r.get('track', True) else ' untracked'}: {s}"
     return f"{r['policy']}: {s}" if many_policies else s

@@ -46,6 +46,9 @@ class CountingHostPool(HostKVPool):
     def load_from(self, src: torch.Tensor, rows: torch.Tensor) -> None:
         return None
 
+    def load(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        return None
+
     def write_rows(self, pages: torch.Tensor, data: torch.Tensor) -> None:
         return None
 

@@ -7,8 +7,9 @@ A :class:`TierNode` keeps ``vbuf`` (device rows, empty when not on the device) a
 (host page ids, ``None`` when not on the host). Invariants: every node is on a tier; the device
 part of the tree is prefix-closed; sizes count device tokens; only device nodes are locked.
 ``match_prefix`` walks both tiers (then asks storage, bounded by its timeout); ``load_back``
-copies host pages into device rows in one batch; ``evict`` demotes device leaves to the host
-(or just drops their rows when the host has them); host eviction drops LRU host-only leaves.
+copies host pages into device rows in one batch (write-back: they keep their host copy, the
+first host pages given up); ``evict`` demotes device leaves to the host (or just drops their
+rows when the host has them); host eviction drops LRU host-only pages, page-exact.
 No compiled paths: with the host tier off a cache is a plain RadixCache (speed unchanged).
 """
 from __future__ import annotations
@@ -110,6 +111,7 @@ class TieredRadixCache(RadixCache):
         self._host_heap: list[tuple[int, int, TierNode]] = []  # (last_access, id, host-only leaf)
         self._pinned: set[int] = set()  # node ids host eviction must not drop (loads, stores in flight)
         self._inflight: list[Any] = []  # CUDA events of loads the worker must not read past
+        self._dups: dict[int, TierNode] = {}  # write_back: loaded nodes keeping a host copy, oldest first
         self._host_tokens = 0
         #: tokens hit per tier by matches, and tier traffic in pages
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
@@ -239,11 +241,16 @@ class TieredRadixCache(RadixCache):
                 tot += t
             if not take:
                 return m
-            pages = np.frombuffer(b"".join(x.hbuf or b"" for x in take), _I32).astype(np.int64)
-            src = self.host_pool.snapshot(torch.from_numpy(pages))
+            pages = torch.from_numpy(np.frombuffer(b"".join(x.hbuf or b"" for x in take), _I32).astype(np.int64))
+            src = None
             if self.write_policy == "write_back":
-                for x in take:  # their pages can take the demoted ones: the tiers hold their sum
-                    self._drop_host_copy(x)
+                demote = -(-max(tot - alloc.available_size(), 0) // self.page_size)  # host pages it needs
+                short = demote - self.host_alloc.available_size()
+                if short > 0 and self._drop_dup_copies(short) < short:
+                    # a swap (both tiers full): their pages take the demoted ones, so copy them out first
+                    src = self.host_pool.snapshot(pages)
+                    for x in take:
+                        self._drop_host_copy(x)
             while alloc.available_size() < tot and self._evictable:  # rows a node frees may be fewer than
                 if not self.evict(tot - alloc.available_size()):   # its tokens (an allocator's virtual rows)
                     break
@@ -254,7 +261,8 @@ class TieredRadixCache(RadixCache):
                         self._drop(x)
                         break
                 return m
-            ev = self.host_pool.load_from(src, rows)
+            # one pass from the host pages, pinned meanwhile (a snapshot when the swap needed one)
+            ev = self.host_pool.load(pages, rows) if src is None else self.host_pool.load_from(src, rows)
             if ev is not None:
                 self._inflight.append(ev)
             rb = rows.to("cpu", torch.int64).numpy().astype(_I32).tobytes()
@@ -266,6 +274,8 @@ class TieredRadixCache(RadixCache):
                 self._moved(x, MEDIUM_GPU)
                 if self._on_insert is not None:  # back on the device: the policy sees it anew
                     self._on_insert(x)
+                if x.hbuf is not None and self.write_policy == "write_back":  # a clean copy: given up first
+                    self._dups[x.id] = x
             self._evictable += tot
             self._file_if_leaf(take[-1])
             self.tier_stats["loaded_pages"] += tot // self.page_size
@@ -428,7 +438,7 @@ class TieredRadixCache(RadixCache):
         ``num_pages`` host pages are free beyond those free now, or none is left. Returns
         the pages freed. O(dropped x log H)."""
         need = check_count(num_pages, "num_pages")
-        freed = 0
+        freed = self._drop_dup_copies(need)
         kept: list[tuple[int, int, TierNode]] = []
         heap = self._host_heap
         while freed < need and heap:
@@ -442,7 +452,11 @@ class TieredRadixCache(RadixCache):
             if node.last_access != item[0]:
                 heapq.heappush(heap, (node.last_access, node.id, node))
                 continue
-            freed += len(node.kbuf) // self._page_bytes
+            pages = len(node.kbuf) // self._page_bytes
+            if pages > need - freed:  # drop only the tail pages needed: the head stays (a host leaf)
+                self._split(node, (pages - (need - freed)) * self._page_bytes)
+                pages = need - freed
+            freed += pages
             self._drop(node)
         for item in kept:
             heapq.heappush(heap, item)
@@ -459,22 +473,13 @@ class TieredRadixCache(RadixCache):
         return super().inc_lock_ref(node)
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        """RadixCache's; a node becomes evictable when it has no child on the device."""
-        if self.disable:
-            return 0
-        self._check_node(node)
-        if node.parent is not None and node.lock_ref < 1:
-            raise InvalidArgumentError(f"dec_lock_ref on node {node.id}, which is not locked")
-        delta = 0
+        """RadixCache's (checks, counts, leaves filed); then an unlocked node whose children
+        are all host-only is filed too: it is a device leaf. O(depth)."""
+        delta = super().dec_lock_ref(node)
         x: Any = node
-        while x.parent is not None:
-            x.lock_ref -= 1
-            if x.lock_ref == 0:
-                delta += len(x.kbuf) >> 2
-                self._file_if_leaf(x)
+        while delta and x.parent is not None and x.lock_ref == 0:  # the unlocked nodes: the path's tail
+            self._file_if_leaf(x)
             x = x.parent
-        self._evictable += delta
-        self._protected -= delta
         return delta
 
     # ------------------------------------------------------------------ whole tree
@@ -484,6 +489,7 @@ class TieredRadixCache(RadixCache):
         if owned:
             self.host_alloc.free(np.frombuffer(b"".join(owned), _I32))
         self._host_heap.clear()
+        self._dups.clear()
         self._host_tokens = 0
         super().reset()
 
@@ -508,6 +514,8 @@ class TieredRadixCache(RadixCache):
         pages = m // self._page_bytes
         if c.hbuf is not None:
             new.hbuf, c.hbuf = c.hbuf[:pages * 4], c.hbuf[pages * 4:]
+            if c.id in self._dups:
+                self._dups[new.id] = new
         if c.pkeys is not None:
             new.pkeys, c.pkeys = c.pkeys[:pages], c.pkeys[pages:]
         new.backed = c.backed
@@ -526,9 +534,7 @@ class TieredRadixCache(RadixCache):
 
     def _host_leaf(self, node: TierNode) -> bool:
         """``node`` is in the tree, host-only and childless."""
-        p: Any = node.parent
-        return (node.hbuf is not None and not node.vbuf and not node.children and p is not None
-                and p.children.get(node.kbuf[:self._page_bytes]) is node)
+        return node.hbuf is not None and not node.vbuf and not node.children and self._in_tree(node)
 
     def _host_alloc(self, n: int) -> np.ndarray | None:
         pages = self.host_alloc.alloc(n)
@@ -536,6 +542,28 @@ class TieredRadixCache(RadixCache):
             self.evict_host(n - self.host_alloc.available_size())
             pages = self.host_alloc.alloc(n)
         return pages
+
+    def _drop_dup_copies(self, need: int) -> int:
+        """Give up the host copies of loaded nodes still on the device (oldest load first,
+        pinned ones kept) until ``need`` pages are freed; no page leaves the tree. Returns
+        the pages freed. O(dropped)."""
+        freed = 0
+        dups = self._dups
+        for nid in list(dups):
+            if freed >= need:
+                break
+            x = dups[nid]
+            if x.id in self._pinned:
+                continue
+            del dups[nid]
+            if x.vbuf and x.hbuf is not None and self._in_tree(x):
+                freed += len(x.hbuf) >> 2
+                self._drop_host_copy(x)
+        return freed
+
+    def _in_tree(self, node: TreeNode) -> bool:
+        p: Any = node.parent
+        return p is not None and p.children.get(node.kbuf[:self._page_bytes]) is node
 
     def _drop_host_copy(self, node: TierNode) -> None:
         if node.hbuf is not None:

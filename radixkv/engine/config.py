@@ -40,7 +40,7 @@ _INT_MIN = {  # field -> smallest allowed value
     "kda_num_heads": 1, "kda_head_dim": 1, "state_slots": 1, "request_rows": 1,
     "max_context_len": 1, "max_sessions": 1, "max_requests_per_session": 1, "decode_reserve": 0,
     "kv_lora_rank": 0, "qk_rope_head_dim": 0,
-    "host_kv_tokens": 0,
+    "host_kv_tokens": 0, "host_state_slots": 0,
 }
 
 
@@ -52,10 +52,11 @@ Fields: ``device``; the pools' sizes (``kv_tokens``, ``page_size``, ``state_slot
 ``request_rows``, ``max_context_len``); the model shape (``layer_types``, ``head_num``,
 ``head_dim``, MLA's ``kv_lora_rank``/``qk_rope_head_dim``, ``kv_dtype``, the KDA fields);
 the tree's policies; sessions; ``decode_reserve``, ``mamba_track_interval``; the tiers
-(``host_kv_tokens``, ``write_policy``, ``storage*``). Each field: ``docs/internals.md``
+(``host_kv_tokens``, ``write_policy``, ``storage*``; hybrid: ``host_state_slots``). Each field: ``docs/internals.md``
 ("The engine config"). Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
-needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; the host tier is KV-only.
+needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; the
+host KV tier is KV-only; ``host_state_slots`` needs a hybrid model.
 
 Raises ``InvalidArgumentError`` naming the field for any bad value.
 """
@@ -86,6 +87,7 @@ Raises ``InvalidArgumentError`` naming the field for any bad value.
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     host_kv_tokens: int = 0
+    host_state_slots: int = 0
     write_policy: str = "write_back"
     storage: str | None = None
     storage_timeout_ms: float = 50.0
@@ -161,8 +163,11 @@ Raises ``InvalidArgumentError`` naming the field for any bad value.
             raise InvalidArgumentError(f"EngineConfig.host_kv_tokens ({self.host_kv_tokens}) must be a multiple "
                                        f"of page_size ({self.page_size})")
         if self.host_kv_tokens and "K" in str(self.layer_types):
-            raise InvalidArgumentError("EngineConfig.host_kv_tokens: the host tier holds KV-only models "
-                                       "(hybrid states in the host tier are not built yet)")
+            raise InvalidArgumentError("EngineConfig.host_kv_tokens: the host KV tier holds KV-only models "
+                                       "(a hybrid model's states go to the host with host_state_slots)")
+        if self.host_state_slots and "K" not in str(self.layer_types):
+            raise InvalidArgumentError("EngineConfig.host_state_slots needs a hybrid model (a 'K' in "
+                                       "layer_types): a KV-only model has no states")
         if self.host_kv_tokens and self.kv_lora_rank:
             raise InvalidArgumentError("EngineConfig.host_kv_tokens: the host tier holds MHA KV pools "
                                        "(an MLA pool's latent rows in the host tier are not built yet)")

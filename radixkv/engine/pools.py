@@ -37,6 +37,7 @@ from radixkv.engine.layout import (
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.memory import Arena, HybridLinearKVPool, HybridReqToTokenPool, MambaPool, ReqToTokenPool
 from radixkv.memory.host_kv_pool import HostKVPool
+from radixkv.memory.host_state_pool import HostStatePool
 from radixkv.memory.kv_pool import MHATokenToKVPool
 from radixkv.storage.keys import layout_fingerprint
 from radixkv.storage.tier_controller import StorageController
@@ -59,7 +60,8 @@ class EnginePools:
     Attributes: ``config``, ``device``, ``req_to_token_pool``, ``kv_pool``, ``mamba_pool`` and
     ``hybrid_kv_pool`` (``None`` unless hybrid), ``allocator`` (token or paged, ``need_sort=True``),
     ``host_pool`` (the host tier's :class:`HostKVPool`, ``None`` unless ``host_kv_tokens``; the
-    manager's own memory, not in the layout), ``embedded_key`` (how in-process workers find these
+    manager's own memory, not in the layout), ``host_state_pool`` (the host tier's
+    :class:`HostStatePool`, ``None`` unless ``host_state_slots``), ``embedded_key`` (how in-process workers find these
     pools). Raises ``InvalidArgumentError`` (a CUDA device without CUDA, unknown buffer names, a
     buffer too small / misaligned / on another device).
     """
@@ -105,6 +107,9 @@ class EnginePools:
         self.host_pool: HostKVPool | None = None
         if config.host_kv_tokens and isinstance(self.kv_pool, MHATokenToKVPool):  # MLA: refused by the config
             self.host_pool = HostKVPool(self.kv_pool, config.host_kv_tokens // config.page_size)
+        self.host_state_pool: HostStatePool | None = None
+        if config.host_state_slots and self.mamba_pool is not None:  # KV-only: refused by the config
+            self.host_state_pool = HostStatePool(self.mamba_pool, config.host_state_slots)
         for name, arena in self.arenas().items():
             if arena.layout != plans[name]:
                 raise InvariantError(f"pool {name!r} was built with a layout other than plan_arenas() gives")
@@ -171,8 +176,9 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states only at request ends and branch-off points; ``none`` disables the
     cache; KV-only trees treat ``branch`` like ``every``), ``checks`` turns on its free-mask lookups of the slots
-    handed in. With ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a
-    storage controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
+    handed in, ``host_state_pool`` the host state tier (``host_state_slots``). With
+    ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a storage
+    controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
     c = pools.config
     if pools.host_pool is not None:
         return TieredRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
@@ -185,7 +191,8 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
 
         return MambaRadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
                                eviction_policy=c.eviction_policy, admission_policy=c.admission_policy,
-                               enable_kv_events=c.enable_kv_events, checks=c.checks)
+                               enable_kv_events=c.enable_kv_events, checks=c.checks,
+                               host_state_pool=pools.host_state_pool)
     return RadixCache(pools.req_to_token_pool, pools.allocator, page_size=c.page_size,
                       eviction_policy=c.eviction_policy, disable=c.admission_policy == "none",
                       enable_kv_events=c.enable_kv_events)

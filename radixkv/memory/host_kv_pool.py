@@ -9,13 +9,15 @@ Copies go in batches: ``store`` gathers the device rows of every page of a batch
 staging tensor (one indexed read per layer and K/V), moves it to the host once and scatters
 it into the host rows with one indexed write; ``load`` is the reverse. On CUDA both run on a
 side stream and return an event; the caller waits on it before the rows are read (loads) or
-the device rows are reused (stores). Cost: O(bytes of the batch), 2 x layers + 2 kernels.
+the device rows are reused (stores). Cost: O(bytes of the batch), 2 x layers + 2 kernels. On
+the CPU, whole aligned pages go in one pass instead (``radixkv.memory.native``, when built).
 """
 from __future__ import annotations
 
 import torch
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.memory import native
 from radixkv.memory.kv_pool import MHATokenToKVPool
 
 __all__ = ["HostKVPool"]
@@ -91,7 +93,8 @@ class HostKVPool:
         if not p.numel():
             return None
         if self._stream is None:
-            self.pages.index_copy_(0, p, self.gather(r))
+            if not self._copy_compiled(p, r, to_device=False):
+                self.pages.index_copy_(0, p, self.gather(r))
             return None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -140,7 +143,29 @@ class HostKVPool:
     def load(self, pages: torch.Tensor, rows: torch.Tensor) -> torch.cuda.Event | None:
         """Copy host ``pages`` into device ``rows``: :meth:`load_from` of a :meth:`snapshot`."""
         p, r = self._check(pages, rows)
+        if self._stream is None and self._copy_compiled(p, r, to_device=True):
+            return None
         return self.load_from(self.snapshot(p), r)
+
+    def _copy_compiled(self, pages: torch.Tensor, rows: torch.Tensor, *, to_device: bool) -> bool:
+        """Host ``pages`` <-> device ``rows`` in one pass (one memcpy per page and layer and
+        K/V, :mod:`radixkv.memory.native`) when it is built, the pool is on the CPU and the
+        rows are whole aligned pages; False (nothing copied) otherwise."""
+        if native.copy_pages is None or self.device.type != "cpu" or not pages.numel():
+            return False
+        ids = self._page_ids(rows)
+        if ids is None:
+            return False
+        bufs = [b for layer in range(self._shape[0])
+                for b in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer])]
+        if not all(b.is_contiguous() for b in bufs):
+            return False
+        chunk = self.page_bytes // len(bufs)
+        native.copy_pages(self.buffer.data_ptr(), self.num_pages + 1, self.page_bytes, chunk,
+                   pages.contiguous().numpy(), tuple(b.data_ptr() for b in bufs),
+                   min(b.numel() * b.element_size() for b in bufs) // chunk,
+                   ids.to(torch.int64).contiguous().numpy(), to_device)
+        return True
 
     def _scatter(self, src: torch.Tensor, rows: torch.Tensor) -> None:
         n_layers, _, ps, h, d = self._shape

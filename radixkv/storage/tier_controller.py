@@ -1,14 +1,15 @@
 """``StorageController``: the storage tier (L3) behind the host tier, off the caller's path.
 
 One worker thread owns the backend (a :class:`~radixkv.contracts.StorageBackend`) and a
-staging buffer of ``batch_pages`` page rows registered with it; every backend call moves
-whole pages through that buffer. Jobs wait in one priority queue, reads before writes:
+staging buffer of ``batch_pages`` rows registered with it. Jobs wait in one priority queue,
+reads before writes:
 
-* ``backup(keys, rows)``: enqueue pages to write (the rows are the caller's snapshot);
-  never blocks: past ``max_pending_pages`` queued pages the backup is dropped and counted.
-* ``fetch(keys)``: ``batch_exists`` then ``batch_get`` of the leading present pages; the
-  caller waits at most ``timeout_s`` and otherwise gets nothing (the late answer is
-  discarded), so a slow or dead backend costs hits, never a stalled call.
+* ``backup(keys, rows)``: enqueue pages to write; never blocks: past ``max_pending_pages``
+  queued pages the backup is dropped and counted.
+* ``fetch(keys)``: prefetched pages first, then ``batch_exists`` + ``batch_get`` waited for at
+  most ``timeout_s``; a late read goes on in the background and its pages wait (at most
+  ``max_ready_pages``) for a later fetch of the same keys. One read per first key in flight, at
+  most ``max_pending_reads`` in all. A slow or dead backend costs hits, never a stalled call.
 * A backend that raises is a miss or a failed write, counted and logged once.
 
 Cost on the caller's thread: one queue put (backup), one wait bounded by the timeout (fetch).
@@ -20,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +38,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class StorageStats:
     """Counters of the storage tier (pages unless named otherwise): ``queued`` pages were
-    accepted by ``backup``; ``wait_us`` is the time callers spent in ``fetch``."""
+    accepted by ``backup``; ``fetched`` pages were returned by ``fetch``, which spent ``wait_us``
+    waiting; ``prefetched`` pages arrived after their fetch had returned, ``prefetch_used`` of them
+    a later fetch returned."""
 
     written: int = 0
     write_failed: int = 0
@@ -47,6 +51,8 @@ class StorageStats:
     pending: int = 0
     queued: int = 0
     wait_us: int = 0
+    prefetched: int = 0
+    prefetch_used: int = 0
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -56,7 +62,7 @@ class StorageStats:
 class _Read:
     keys: list[str]
     done: threading.Event = field(default_factory=threading.Event)
-    abandoned: bool = False
+    late: bool = False  # its caller returned: the rows go to the ready pages
     rows: torch.Tensor | None = None
 
 
@@ -70,10 +76,14 @@ class StorageController:
         batch_pages: pages per backend call (SGLang uses at most 128).
         max_pending_pages: queued backup pages past which backups are dropped.
         admit: ``all`` (back up every inserted page) or ``reused`` (pages hit once since).
+        max_pending_reads: reads in flight past which a fetch returns nothing.
+        max_ready_pages: prefetched pages kept for a later fetch (oldest dropped first;
+            default ``batch_pages``).
     """
 
     def __init__(self, backend: StorageBackend, page_bytes: int, *, timeout_s: float = 0.05,
-                 batch_pages: int = 128, max_pending_pages: int = 8192, admit: str = "all") -> None:
+                 batch_pages: int = 128, max_pending_pages: int = 8192, admit: str = "all",
+                 max_pending_reads: int = 64, max_ready_pages: int | None = None) -> None:
         if admit not in STORAGE_ADMIT:
             raise InvalidArgumentError(f"storage admit must be 'all' or 'reused', got {admit!r}")
         if not timeout_s >= 0:
@@ -83,7 +93,11 @@ class StorageController:
         self.timeout_s = float(timeout_s)
         self.batch_pages = int(batch_pages)
         self.max_pending_pages = int(max_pending_pages)
+        self.max_pending_reads = int(max_pending_reads)
+        self.max_ready_pages = self.batch_pages if max_ready_pages is None else int(max_ready_pages)
         self.admit = admit
+        self._reads: dict[str, _Read] = {}  # reads in flight by first key
+        self._ready: OrderedDict[str, torch.Tensor] = OrderedDict()  # prefetched page rows by key
         self.stats = StorageStats()
         self._staging = torch.zeros((self.batch_pages, self.page_bytes), dtype=torch.uint8)
         self._jobs: queue.PriorityQueue[tuple[int, int, _Read | tuple[list[str], torch.Tensor] | None]] = \
@@ -115,23 +129,52 @@ class StorageController:
 
     def fetch(self, keys: Sequence[str]) -> torch.Tensor:
         """The leading pages of ``keys`` that storage holds, as rows ``[k, page_bytes]``
-        (k may be 0), waiting at most ``timeout_s``; a timeout is counted and returns none."""
+        (k may be 0): prefetched pages first, then a read waited for at most ``timeout_s``;
+        a timeout is counted, returns what was prefetched and leaves the read running."""
         if not keys or self._closed:
             return self._staging[:0].clone()
-        job = _Read(list(keys))
         t0 = time.perf_counter_ns()
-        self._jobs.put((0, next(self._seq), job))
-        done = job.done.wait(self.timeout_s)
+        with self._lock:
+            rows = self._take_ready(keys)
+            rest = list(keys[len(rows):])
+            job = self._reads.get(rest[0]) if rest else None
+            if rest and job is None and len(self._reads) < self.max_pending_reads:
+                job = self._reads[rest[0]] = _Read(rest)
+                self._jobs.put((0, next(self._seq), job))
+        if job is not None:
+            job.done.wait(self.timeout_s)
         with self._lock:
             self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
-            if not done:
-                job.abandoned = True
-                if not job.done.is_set():
-                    self.stats.fetch_timeouts += 1
-                    self._warn("a storage read took longer than the timeout; serving from the faster tiers")
-                    return self._staging[:0].clone()
-        rows = job.rows
-        return rows if rows is not None else self._staging[:0].clone()
+            if job is not None and job.done.is_set():
+                if job.late:  # given up by an earlier fetch: its pages wait among the ready ones
+                    rows += self._take_ready(rest)
+                elif job.rows is not None:
+                    same = next((i for i, (a, b) in enumerate(zip(job.keys, rest)) if a != b), len(rest))
+                    rows += list(job.rows[:same])
+            elif rest:
+                if job is not None:
+                    job.late = True
+                self.stats.fetch_timeouts += 1
+                self._warn("a storage read took longer than the timeout; serving from the faster tiers")
+            self.stats.fetched += len(rows)
+        return torch.stack(rows) if rows else self._staging[:0].clone()
+
+    def _take_ready(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """Pop the prefetched rows of the leading ``keys`` (the caller holds the lock)."""
+        out = []
+        for k in keys:
+            row = self._ready.pop(k, None)
+            if row is None:
+                break
+            out.append(row)
+        self.stats.prefetch_used += len(out)
+        return out
+
+    def wait_reads(self, timeout_s: float) -> bool:
+        """Wait until no read is in flight (prefetches landed), at most ``timeout_s``. True
+        when none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._reads, timeout=timeout_s)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued backup was written (or failed), at most ``timeout_s``.
@@ -149,15 +192,22 @@ class StorageController:
         self._jobs.put((2, next(self._seq), None))
         self._thread.join(timeout=max(drain_timeout_s, 1.0))
         self._call("close", self.backend.close)
+        with self._lock:
+            self._ready.clear()
 
     def check_invariants(self) -> None:
         """Every page queued is written, failed or still pending (``queued == written +
-        write_failed + pending``, ``pending >= 0``); raises ``InvariantError``. O(1)."""
+        write_failed + pending``, ``pending >= 0``) and the reads keep their bounds; raises
+        ``InvariantError``. O(1)."""
         with self._lock:
             s = self.stats
             if s.pending < 0 or s.queued != s.written + s.write_failed + s.pending:
                 raise InvariantError(f"storage queue not conserved: queued {s.queued} != written {s.written} "
                                      f"+ failed {s.write_failed} + pending {s.pending}")
+            if len(self._ready) > self.max_ready_pages or len(self._reads) > self.max_pending_reads:
+                raise InvariantError(f"storage reads past their bounds: {len(self._ready)} ready pages "
+                                     f"(max {self.max_ready_pages}), {len(self._reads)} reads in flight "
+                                     f"(max {self.max_pending_reads})")
 
     # ------------------------------------------------------------------ worker side
     def _warn(self, msg: str) -> None:
@@ -185,7 +235,7 @@ class StorageController:
 
     def _read(self, job: _Read) -> None:
         got: list[torch.Tensor] = []
-        if not job.abandoned:
+        if not self._closed:
             present = self._call("batch_exists", self.backend.batch_exists, job.keys)
             n = int(present) if isinstance(present, int) else 0
             for start in range(0, n, self.batch_pages):
@@ -199,10 +249,19 @@ class StorageController:
                 if lead < len(keys):
                     break
         with self._lock:
-            job.rows = torch.cat(got) if got else None
-            if not job.abandoned and job.rows is not None:
-                self.stats.fetched += int(job.rows.shape[0])
+            rows = job.rows = torch.cat(got) if got else None
+            if self._reads.get(job.keys[0]) is job:
+                del self._reads[job.keys[0]]
+            if rows is not None:
+                if job.late:  # its caller returned: keep the pages for the next fetch of them
+                    self.stats.prefetched += int(rows.shape[0])
+                    for k, row in zip(job.keys, rows):
+                        self._ready[k] = row
+                        self._ready.move_to_end(k)
+                    while len(self._ready) > self.max_ready_pages:
+                        self._ready.popitem(last=False)
             job.done.set()
+            self._idle.notify_all()
 
     def _write(self, keys: list[str], rows: torch.Tensor) -> None:
         for start in range(0, len(keys), self.batch_pages):

@@ -111,6 +111,29 @@ def test_tree_replay_matches_the_scheduler_flow(adm, pol, ckpt):
     assert (kv_t.hit_tokens, kv_t.evicted_tokens) == (kv_f.hit_tokens, kv_f.evicted_tokens)
 
 
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_host_state_tier_gives_back_the_hits_of_unlimited_device_slots(ckpt):
+    """2 device state slots and a host state tier holding every state: no state is lost, so
+    the hit is the unbounded cache's, as with unlimited device slots; without the host
+    tier the same 2 slots hit less."""
+    chains, reqs = block_chains(150, 4)
+    want = sum(expected_hits(chains))
+    total_blocks = sum(len(c) for c in chains)
+    r = replay_tree(reqs, 10 ** 9, 2, B, "every", "lru", ckpt, working_slot=True, host_slots=total_blocks)
+    assert (r.hit_tokens, r.kv_hit_tokens) == (want, want)
+    assert replay_tree(reqs, 10 ** 9, 2, B, "every", "lru", ckpt, working_slot=True).hit_tokens < want
+
+
+def test_tree_replay_matches_the_scheduler_flow_with_host_states():
+    reqs = make_workload("multi-turn", n_requests=80, seed=2).requests
+    mx = max(len(x) for x in reqs)
+    cap = kv_budget(sum(len(x) for x in reqs), 0.05, mx)
+    t = replay_tree(reqs, cap, 3, 128, "every", "lru", True, working_slot=True, host_slots=8)
+    f = replay_flow(reqs, mx, cap, 3, 128, "every", "lru", True, working_slot=True, host_slots=8)
+    assert (t.hit_tokens, t.kv_hit_tokens, t.state_hits) == (f.hit_tokens, f.kv_hit_tokens, f.state_hits)
+    assert t.hit_tokens > replay_tree(reqs, cap, 3, 128, "every", "lru", True, working_slot=True).hit_tokens
+
+
 def test_helpers_and_bad_arguments():
     assert parse_state_policy("LRU") == "lru"
     fl = parse_state_policy("flop:3")
@@ -133,8 +156,9 @@ def test_helpers_and_bad_arguments():
 
 
 # ---------------------------------------------------------------------- the CLI
-RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "track", "state_slots", "admission",
-               "state_policy", "checkpoint", "hit_tokens", "token_hit_rate", "kv_hit_tokens", "kv_hit_rate",
+RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "track", "state_slots",
+               "host_state_slots", "admission", "state_policy", "checkpoint", "hit_tokens", "token_hit_rate",
+               "kv_hit_tokens", "kv_hit_rate",
                "lost_tokens", "lost_rate", "state_hits", "state_hit_rate", "flop_saved", "evicted_tokens",
                "evicted_states", "states_end", "kv_tokens_end"}
 
@@ -242,3 +266,15 @@ def test_cli_hybrid_on_a_prefix_of_the_conversation_trace(tmp_path):
             assert r["hit_tokens"] == 0
         elif r["capacity_frac"] == 1:                       # nothing evicted: the KV-only match
             assert r["kv_hit_tokens"] == kv[1] and r["evicted_tokens"] == 0
+
+
+def test_cli_hybrid_host_state_slots(trace_file, tmp_path, capsys):
+    out = tmp_path / "h.json"
+    rc = main(["--trace", trace_file, "--block-size", "4", "--hybrid", "--capacity-frac", "4", "--state-slots", "1",
+               "--host-state-slots", "0,64", "--admission", "every", "--state-policy", "lru", "--chunk", "4",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    rows = json.loads(out.read_text())["results"]
+    assert [r["host_state_slots"] for r in rows] == [0, 64]
+    assert rows[1]["hit_tokens"] > rows[0]["hit_tokens"], rows
+    assert "1 + 64 host slots" in capsys.readouterr().out

@@ -50,6 +50,37 @@ def test_write_back_holds_the_sum_of_the_tiers():
         c.check_invariants()
 
 
+def test_a_loaded_node_keeps_its_host_copy_while_room_allows_and_gives_it_up_first():
+    c = make_cache(device_tokens=8, host_tokens=24)
+    a, b = seq(1, 8), seq(2, 8)
+    serve(c, a)
+    serve(c, b)  # a demoted
+    assert serve(c, a) == (0, 8, 0)  # loaded back; b demoted; the host had room: a keeps its copy
+    c.check_invariants()
+    assert c.host_size() == 16 and c.total_size() == 8
+    node = c.match_prefix(RadixKey(a)).last_node
+    assert node.vbuf and node.hbuf is not None
+    assert serve(c, seq(3, 8))[:2] == (0, 0)  # a leaves the device for its copy: no new host page
+    assert c.tier_stats["demoted_pages"] == 2 * 8
+    for s in (seq(4, 8), seq(5, 8)):  # the host fills: copies of device nodes go before host-only pages
+        serve(c, s)
+        c.check_invariants()
+    assert c.total_size() + c.host_size() == 32
+    for s in (seq(4, 8), seq(3, 8), a, seq(5, 8)):  # 2, the least recent, was the one dropped
+        assert sum(serve(c, s)) == 8
+        c.check_invariants()
+
+
+def test_host_eviction_drops_only_the_tail_pages_it_needs():
+    c = make_cache(device_tokens=8, host_tokens=12)
+    serve(c, seq(1, 8))
+    serve(c, seq(2, 8))  # 1 -> host (8 of 12 pages)
+    serve(c, seq(3, 8))  # 2 -> host: 4 pages short, the last 4 of 1 go
+    c.check_invariants()
+    assert c.tier_stats["host_dropped_pages"] == 4 and c.host_size() == 12
+    assert serve(c, seq(1, 8))[:2] == (0, 4)  # its first 4 tokens are still there
+
+
 def test_host_eviction_drops_the_least_recent_host_only_leaf():
     c = make_cache(device_tokens=8, host_tokens=8)
     for i in range(3):
@@ -212,6 +243,28 @@ def test_a_stalled_backend_costs_hits_not_time():
     before = ctl.stats.fetch_timeouts  # a busy machine may have timed out a miss already
     dev, host, sto = serve(c, seq(0, 8))
     assert sto == 0 and ctl.stats.fetch_timeouts == before + 1
+    c.check_invariants()
+    store.gate.set()
+    ctl.close(1.0)
+
+
+def test_a_match_that_timed_out_on_storage_is_served_by_its_prefetch_later():
+    store = DictStorage()
+    c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=0.01)
+    for i in range(3):
+        serve(c, seq(i, 8))
+    assert ctl.drain(5.0) and ctl.wait_reads(30)  # (a busy machine may have left a miss's read late)
+    before = ctl.stats.fetch_timeouts
+    store.gate.clear()  # the backend hangs: the match returns without it (what the faster tiers hold)
+    m = c.match_prefix(RadixKey(seq(0, 8)))
+    assert (m.prefix_len, m.host_len, m.storage_len) == (0, 0, 0) and ctl.stats.fetch_timeouts == before + 1
+    c.check_invariants()
+    store.gate.set()
+    assert ctl.wait_reads(30)  # the read went on in the background
+    store.gate.clear()  # hung again: the next match is served from the prefetched pages
+    calls = store.calls
+    assert serve(c, seq(0, 8)) == (0, 0, 8)  # serve checks the KV bit for bit
+    assert store.calls == calls and ctl.stats.prefetch_used == 8
     c.check_invariants()
     store.gate.set()
     ctl.close(1.0)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from storage_double import DictStorage
+from tier_workload import conversations
 
 from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.engine.config import EngineConfig
@@ -25,7 +26,8 @@ TOL = 1e-9
 @pytest.mark.parametrize("bad", [dict(host_kv_tokens=-1), dict(host_kv_tokens=10, page_size=4, kv_tokens=64),
                                  dict(write_policy="later"), dict(storage="file:///x"),
                                  dict(host_kv_tokens=64, storage="nourl"), dict(storage_admit="some"),
-                                 dict(host_kv_tokens=64, layer_types="FK"),
+                                 dict(host_kv_tokens=64, layer_types="FK"), dict(host_state_slots=4),
+                                 dict(host_state_slots=-1, layer_types="FK"),
                                  dict(storage_timeout_ms=-1.0)])
 def test_bad_tier_settings_are_refused(bad):
     with pytest.raises(InvalidArgumentError):
@@ -71,23 +73,13 @@ class Proof:
         return res
 
 
-def _conversations(rng, n_conv, turns, turn_len):
-    convs = [rng.integers(0, VOCAB, turn_len).astype(np.int32) for _ in range(n_conv)]
-    order = []
-    for _ in range(turns):
-        for c in range(n_conv):
-            convs[c] = np.concatenate([convs[c], rng.integers(0, VOCAB, turn_len).astype(np.int32)])
-            order.append(convs[c].copy())
-    return order
-
-
 @pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_logits_over_host_loads_equal_the_from_scratch_logits(ps, policy):
     rng = np.random.default_rng(ps)
     kv, turn = (256, 32) if ps == 64 else (96, 24)
     p = Proof(ps, kv_tokens=kv, host_kv_tokens=1024, write_policy=policy)
-    for tokens in _conversations(rng, 4, 3, turn):  # 4 conversations do not fit the device at once
+    for tokens in conversations(rng, 4, 3, turn, VOCAB):  # 4 conversations do not fit the device at once
         p.run(tokens)
     assert p.tiers[1] > 0, "no KV came back from the host tier"
     assert p.eng.tree.tier_stats["loaded_pages"] > 0
@@ -97,7 +89,7 @@ def test_logits_over_host_loads_equal_the_from_scratch_logits(ps, policy):
 def test_logits_over_storage_loads_equal_the_from_scratch_logits(ps):
     store = DictStorage()
     rng = np.random.default_rng(7)
-    convs = _conversations(rng, 4, 2, 16)  # 32 then 48 tokens
+    convs = conversations(rng, 4, 2, 16, VOCAB)  # 32 then 48 tokens
     p = Proof(ps, storage=store, kv_tokens=64, host_kv_tokens=64, storage_timeout_ms=5000.0)
     for tokens in convs:
         p.run(tokens)
@@ -116,7 +108,7 @@ def test_warm_restart_over_the_file_backend(ps, tmp_path):
     pytest.importorskip("radixkv.storage.url", reason="the file:// backend is not in this build")
     url = f"file://{tmp_path}"
     rng = np.random.default_rng(7)
-    convs = _conversations(rng, 4, 2, 16)
+    convs = conversations(rng, 4, 2, 16, VOCAB)
     p = Proof(ps, storage_url=url, kv_tokens=64, host_kv_tokens=64, storage_timeout_ms=5000.0)
     for tokens in convs:
         p.run(tokens)
@@ -150,7 +142,7 @@ def test_cuda_host_loads_are_complete_when_the_worker_reads_them(ps):
     rng = np.random.default_rng(ps)
     p = Proof(ps, device="cuda", kv_tokens=96, host_kv_tokens=512)
     assert p.eng.pools.host_pool.pinned
-    for tokens in _conversations(rng, 4, 3, 24):
+    for tokens in conversations(rng, 4, 3, 24, VOCAB):
         p.run(tokens)
     assert p.tiers[1] > 0
 
@@ -201,3 +193,38 @@ def test_seeded_stress_batches_with_loads_evictions_and_aborts(seed, ps):
             p.eng.cache_finished(p.session, done)
         p.eng.check_invariants()
     assert p.tiers[1] > 0, f"no host loads in the run: {p.tiers}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_hybrid_host_state_tier_is_built_and_counts_host_hits(device):
+    """``host_state_slots`` gives the hybrid tree a HostStatePool (pinned on CUDA); a state
+    demoted there is a hit for ``match`` (``host_len``) and ``alloc_extend`` loads it back,
+    the logits after it equal the from-scratch ones."""
+    from radixkv.demo.workers import engine_config_for
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = HybridModel(HybridConfig(vocab=VOCAB, hidden=16, num_heads=2, head_dim=8, layer_pattern="KF",
+                                     dtype=torch.float64, seed=5), device)
+    eng = CacheEngine(engine_config_for(model.config, state_slots=4, host_state_slots=4, request_rows=2,
+                                        max_context_len=64, device=device))
+    assert eng.pools.host_state_pool.pinned == (device == "cuda")
+    assert eng.pools.host_state_pool is not None and eng.tree.host_state_pool is eng.pools.host_state_pool
+    s = eng.attach("h").session
+    mc = ModelCache.over(eng.worker_buffers())
+    a = np.arange(12, dtype=np.int32) % VOCAB
+    (r,) = eng.alloc_extend(s, [ExtendItem("a", a)])
+    model.extend(a, 0, r.out_cache_loc[:0], r.out_cache_loc, r.mamba_slot, mc)
+    eng.cache_finished(s, ["a"])
+    assert eng.tree.evict(0, 1).num_states == 1  # demoted: no device state left
+    info = eng.match(s, [MatchQuery(np.concatenate([a, a[:3]]))])[0]
+    assert (info.prefix_len, info.host_len) == (12, 12)
+    b = np.concatenate([a, a[:3]])
+    (r,) = eng.alloc_extend(s, [ExtendItem("b", b)])
+    assert (r.prefix_len, r.host_len) == (12, 12)
+    row = eng.worker_buffers().req_to_token[r.req_pool_idx, :r.seq_len].long()
+    out = model.extend(b[12:], 12, row[:12], row[12:], r.mamba_slot, mc)
+    assert (out - model.forward_reference(b)[12:]).abs().max().item() <= TOL
+    eng.cache_finished(s, ["b"])
+    eng.check_invariants()
+    assert eng.tree.host_state_counters()["host_states_loaded"] == 1

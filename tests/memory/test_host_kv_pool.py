@@ -1,9 +1,11 @@
 """The host tier's page-first buffer: a page is one contiguous row holding every layer's K
 and V of its tokens; batched stores and loads round-trip bit for bit."""
+import numpy as np
 import pytest
 import torch
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.memory import native
 from radixkv.memory.host_kv_pool import HostKVPool
 from radixkv.memory.kv_pool import MHATokenToKVPool
 
@@ -74,3 +76,53 @@ def test_cuda_loads_run_on_a_side_stream_and_complete_before_the_event():
     for layer in range(4):
         assert torch.equal(kv.k_buffer[layer][dst], kv.k_buffer[layer][src])
         assert torch.equal(kv.v_buffer[layer][dst], kv.v_buffer[layer][src])
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_the_compiled_copies_equal_the_torch_path_byte_for_byte(ps, monkeypatch):
+    if native.copy_pages is None:
+        pytest.skip(f"radixkv.memory._native is not built: {native.unavailable_reason}")
+    out = {}
+    for path in ("compiled", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(native, "copy_pages", None)
+        kv = MHATokenToKVPool(16 * ps, ps, torch.bfloat16, 2, 8, 3)
+        for layer in range(3):
+            g = torch.Generator().manual_seed(layer)
+            kv.k_buffer[layer].copy_(torch.randn(kv.k_buffer[layer].shape, generator=g))
+            kv.v_buffer[layer].copy_(-kv.k_buffer[layer])
+        host = HostKVPool(kv, 12)
+        gen = torch.Generator().manual_seed(7)
+        for _ in range(20):
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            hp = torch.randperm(12, generator=gen)[:n] + 1
+            dp = torch.randperm(16, generator=gen)[:n] + (0 if ps > 1 else 1)
+            rows = (dp[:, None] * ps + torch.arange(ps)).reshape(-1)
+            if torch.rand(1, generator=gen) < 0.5:
+                host.store(hp, rows)
+            else:
+                host.load(hp, rows)
+        out[path] = (host.buffer.clone(), [b.clone() for b in kv.k_buffer + kv.v_buffer])
+    assert torch.equal(out["compiled"][0], out["torch"][0])
+    assert all(torch.equal(a, b) for a, b in zip(out["compiled"][1], out["torch"][1]))
+
+
+def test_the_compiled_copy_checks_every_id_before_a_byte_moves():
+    if native.copy_pages is None:
+        pytest.skip(f"radixkv.memory._native is not built: {native.unavailable_reason}")
+    kv = _pool(ps=4)
+    host = HostKVPool(kv, 4)
+    bufs = tuple(b.data_ptr() for layer in range(3) for b in (kv.k_buffer[layer], kv.v_buffer[layer]))
+    chunk = host.page_bytes // 6
+    before = [b.clone() for b in kv.k_buffer]
+    for hids, dids in (([1, 9], [0, 1]), ([1, 2], [0, 99]), ([1, -1], [0, 1])):
+        with pytest.raises(ValueError, match="out of"):
+            native.copy_pages(host.buffer.data_ptr(), 5, host.page_bytes, chunk, np.array(hids, np.int64), bufs,
+                              8, np.array(dids, np.int64), True)
+    with pytest.raises(ValueError, match="differ in length"):
+        native.copy_pages(host.buffer.data_ptr(), 5, host.page_bytes, chunk, np.array([1], np.int64), bufs,
+                          8, np.array([0, 1], np.int64), True)
+    with pytest.raises(TypeError):
+        native.copy_pages(host.buffer.data_ptr(), 5, host.page_bytes, chunk, np.array([1], np.int32), bufs,
+                          8, np.array([0], np.int64), True)
+    assert all(torch.equal(a, b) for a, b in zip(before, kv.k_buffer))

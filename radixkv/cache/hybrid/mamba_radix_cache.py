@@ -10,7 +10,8 @@ slot, and a finished request hands its slot over when it ends at a stateless nod
 the node's own state. :meth:`evict` takes KV leaves (with their states), then states
 (tombstoning, KV kept). Policies live in :mod:`~radixkv.cache.hybrid.mamba_policies`,
 the audit in :mod:`~radixkv.cache.hybrid.mamba_audit`, the state table in
-:mod:`~radixkv.cache.hybrid.state_table`. The rules in full: ``docs/internals.md``, "The hybrid tree".
+:mod:`~radixkv.cache.hybrid.state_table`, the host state tier's bookkeeping in
+:mod:`~radixkv.cache.hybrid.host_states`. The rules in full: ``docs/internals.md``, "The hybrid tree".
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from radixkv.cache.block_hash import Seed
 from radixkv.cache.eviction import EvictionPolicy
 from radixkv.cache.hybrid import mamba_audit
+from radixkv.cache.hybrid.host_states import HostStateTable
 from radixkv.cache.hybrid.mamba_audit import HybridRunningRequest, StateConservation
 from radixkv.cache.hybrid.mamba_policies import (
     FlopModel,
@@ -32,14 +34,16 @@ from radixkv.cache.hybrid.mamba_policies import (
     make_state_order,
 )
 from radixkv.cache.hybrid.state_events import HybridEventRecorder
-from radixkv.cache.hybrid.state_table import EventStateTable, StateTable
+from radixkv.cache.hybrid.state_table import EventStateTable, StateTable, node_depths
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
+from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tree_node import TreeNode, sync_only
 from radixkv.contracts import CacheRequest, KVAllocator, PoolRequest, ReqToTokenTable, StatePool
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.kernels.state_copy import copy_states
+from radixkv.memory.host_state_pool import HostStatePool
 from radixkv.memory.mamba_pool import SlotViews
 from radixkv.validation import check_count
 
@@ -59,12 +63,16 @@ class MambaMatchResult(NamedTuple):
         kv_prefix_len: tokens of the full (page-aligned) KV match, ``>= prefix_len``. When
             larger, the tree has the KV but no state there: a branch point where a scheduler
             may end a chunk to checkpoint the state (Marconi's speculative insertion).
+        host_len: with the host state tier, tokens past ``prefix_len`` up to ``host_node``,
+            whose state is in the host tier (:meth:`MambaRadixCache.load_back` loads it).
     """
 
     device_indices: torch.Tensor
     last_node: TreeNode
     prefix_len: int
     kv_prefix_len: int
+    host_len: int = 0
+    host_node: TreeNode | None = None
 
     @property
     def last_device_node(self) -> TreeNode:
@@ -95,8 +103,9 @@ class MambaRadixCache(RadixCache):
     ``None`` with ``mamba_pool``); ``admission_policy`` (``every`` / ``branch`` / ``none`` / a
     :class:`StateAdmission`); ``state_eviction_policy`` (``lru`` / ``flop`` / a
     :class:`StateEvictionOrder`); ``flop_model``; ``checks`` (look every slot handed in up in
-    the free mask, ~10 us; ``False`` keeps the O(1) checks). With events on, the recorder also
-    records ``StateStored`` / ``StateRemoved`` in order (each argument: ``docs/internals.md``).
+    the free mask, ~10 us; ``False`` keeps the O(1) checks); ``host_state_pool`` (a
+    :class:`HostStatePool` over ``mamba_pool``: evicted states are demoted there, ``docs/tiers.md``).
+    With events on, the recorder also records ``StateStored`` / ``StateRemoved`` of device states.
 
     Costs on top of RadixCache's: match O(d) more probes; attaching a state O(log S) amortized;
     a fork one vectorized copy per batch; evicting states O(log S) each with ``lru``, O(S log S)
@@ -110,7 +119,8 @@ class MambaRadixCache(RadixCache):
                  enable_kv_events: bool = False, *, mamba_pool: StatePool | None = None,
                  state_eviction_policy: str | StateEvictionOrder = "lru",
                  flop_model: FlopModel | None = None, disable: bool = False,
-                 kv_event_seed: Seed | None = None, metrics_window: int = 1000, checks: bool = True) -> None:
+                 kv_event_seed: Seed | None = None, metrics_window: int = 1000, checks: bool = True,
+                 host_state_pool: HostStatePool | None = None) -> None:
         own = getattr(req_to_token_pool, "mamba_pool", None)
         pool = mamba_pool if mamba_pool is not None else own
         if not isinstance(pool, StatePool):
@@ -126,6 +136,11 @@ class MambaRadixCache(RadixCache):
         self.state_order = make_state_order(state_eviction_policy)
         self.flop_model = flop_model if flop_model is not None else FlopModel.from_pool(pool)
         self.mamba_pool = pool
+        if host_state_pool is not None and (not isinstance(host_state_pool, HostStatePool)
+                                            or host_state_pool.mamba_pool is not pool):
+            raise InvalidArgumentError("host_state_pool must be a HostStatePool over the cache's MambaPool")
+        self.host_state_pool = host_state_pool
+        self._host = None if host_state_pool is None else HostStateTable(host_state_pool.num_slots)
         views = getattr(pool, "slot_views", None)  # a MambaPool's own; else kept here
         if not (isinstance(views, SlotViews) and views.conv is pool.conv_state
                 and views.temporal is pool.temporal_state):
@@ -142,6 +157,9 @@ class MambaRadixCache(RadixCache):
             self.kv_events = rec
             cast(EventStateTable, self._states).events = rec  # the table type chosen above
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key
+        if self._host is not None:  # a state in either tier counts: demotion keeps a leaf's rank
+            dev, hosted = self._states.slot_of, self._host.slot_of
+            has_state = lambda node: node in dev or node in hosted  # noqa: E731
         # tombstone leaves (False) before leaves with a state: they can never yield a hit
         self._sort_key = self._key_any = lambda node: (has_state(node), base_key(node))
         # insert_with_state's leaf key: a new leaf made by that insert is the node that gets
@@ -191,6 +209,10 @@ class MambaRadixCache(RadixCache):
         """The slot of ``node``'s state, ``None`` for a tombstone (or a head). O(1)."""
         return self._states.slot_of.get(node)
 
+    def host_state_slot(self, node: TreeNode) -> int | None:
+        """The host slot of ``node``'s state, ``None`` when the host tier holds none for it. O(1)."""
+        return None if self._host is None else self._host.slot_of.get(node)
+
     def state_positions(self, nodes: Sequence[TreeNode]) -> np.ndarray:
         """int64 token position of each node's state (nodes must hold one). O(len)."""
         slot_of = self._states.slot_of
@@ -219,11 +241,67 @@ class MambaRadixCache(RadixCache):
             key = as_radix_key(key, extra_key)
         idx, node, n = self._kv_match(self, key)
         slot_of, s = self._states.slot_of, n
+        if self._host is not None:
+            return self._match_tiers(key, idx, node, n)
         while node.parent is not None and node not in slot_of:
             s -= len(node.kbuf) >> 2
             node = node.parent
         self._metrics.record_query(len(key._buf) >> 2, s)
-        return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n))
+        return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n, 0, None))
+
+    def _match_tiers(self, key: RadixKey, idx: torch.Tensor, node: TreeNode, n: int) -> MambaMatchResult:
+        """match_prefix's walk up with the host state tier: the deepest node with a state in
+        either tier is the hit; the deepest with a device state is ``last_node``."""
+        slot_of, hosted = self._states.slot_of, cast(HostStateTable, self._host).slot_of
+        s, hs, hnode = n, 0, None
+        while node.parent is not None and node not in slot_of:
+            if hnode is None and node in hosted:
+                hnode, hs = node, s
+            s -= len(node.kbuf) >> 2
+            node = node.parent
+        self._metrics.record_query(len(key._buf) >> 2, s if hnode is None else hs)
+        return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n,
+                                             0 if hnode is None else hs - s, hnode))
+
+    def load_back(self, m: MambaMatchResult) -> MambaMatchResult:
+        """Load the host state of ``m.host_node`` into a device slot (evicting one unpinned
+        device state, i.e. demoting it, when the pool is out); returns the match grown to that
+        node (rows and ``prefix_len``), or ``m`` unchanged when no device slot can be had or
+        the tree changed since the match. The host slot is freed. O(path) + one state copy."""
+        host, node = self._host, m.host_node
+        if host is None or node is None or not m.host_len or node not in host.slot_of:
+            return m
+        vals: list[bytes] = []
+        x: Any = node
+        while x is not m.last_node:
+            if x.parent is None:
+                return m
+            vals.append(x.vbuf)
+            x = x.parent
+        hslot, end = host.take(node)  # out of the table: a demotion below cannot drop it
+        got = self.mamba_pool.alloc(1)
+        if got is None:
+            self.evict(0, 1)
+            got = self.mamba_pool.alloc(1)
+        if got is None:
+            host.put(node, hslot, end)
+            return m
+        slot = int(got[0])
+        cast(HostStatePool, self.host_state_pool).load([hslot], [slot])
+        host.release(hslot)
+        self._attach(node, slot, end)
+        idx = torch.cat([m.device_indices.to(self.device, torch.int64),
+                         rows_tensor(b"".join(reversed(vals)), self.device)])
+        return _tuple_new(MambaMatchResult, (idx, node, m.prefix_len + m.host_len, m.kv_prefix_len, 0, None))
+
+    def host_state_counters(self) -> dict[str, int]:
+        """The host state tier's figures (empty when off): slots, used, and states demoted,
+        loaded back and dropped so far. O(1)."""
+        host = self._host
+        if host is None:
+            return {}
+        return {"host_state_slots": host.num_slots, "host_state_used": len(host), **{
+            f"host_states_{k}": v for k, v in host.stats.items()}}
 
     def fork_states(self, nodes: Sequence[TreeNode], reqs: Sequence[PoolRequest]) -> int:
         """Copy-on-fork: request ``reqs[i]``'s own slot (``mamba_pool_idx``) gets the state of
@@ -429,7 +507,8 @@ class MambaRadixCache(RadixCache):
         """Free at least ``num_tokens`` KV tokens (full order: unlocked leaves, tombstones
         first, each with its state, childless tombstone ancestors after them) and then at
         least ``num_states`` states (state order: each node becomes a tombstone, its KV
-        stays; states freed by the first part count), or all that can go. Rows go back in
+        stays, its state demoted to the host tier when on; states freed by the first part
+        count, and go with their nodes), or all that can go. Rows go back in
         ONE allocator call, slots in ONE pool call. Raises InvalidArgumentError (nothing
         evicted) for a negative / non-int count. O(evicted nodes x log L) + the state
         order's victims (``lru``: O(log S) amortized per state; ``flop``: O(S log S)).
@@ -465,17 +544,31 @@ class MambaRadixCache(RadixCache):
 
     def _evict_states(self, k: int, slots: list[int]) -> None:
         """Tombstone the first ``k`` unpinned state nodes of the state order (their KV stays: a
-        tombstone leaf is re-filed at the front of the full order)."""
+        tombstone leaf is re-filed at the front of the full order); with the host tier each
+        state is demoted there first (one batched copy)."""
+        host, states = self._host, self._states
+        demoted: list[tuple[TreeNode, int, int]] = []
         for node in self.state_order.victims(self, k):
-            slots.append(self._states.detach(node))
+            slot = states.detach(node)
+            slots.append(slot)
+            if host is not None:
+                hslot, gone = host.demote(node, int(states.end[slot]))
+                demoted.append((node, hslot, slot))
+                if gone is not None and gone.skey is not None:  # a filed leaf without a state now
+                    self._refile(gone)
             if node.skey is not None:  # a filed leaf: its full-order key dropped
                 self._refile(node)
+        if demoted:  # a slot the table took back (full) and gave out again goes to its last owner
+            held = cast(HostStateTable, host).slot_of
+            pairs = [(h, d) for node, h, d in demoted if held.get(node) == h]
+            cast(HostStatePool, self.host_state_pool).store([h for h, _ in pairs], [d for _, d in pairs])
 
     # ``node: Any``: a TreeNode, then its ancestors up to a NamespaceHead (read as such: parent, extra_key)
     def _remove_leaf(self, node: Any, rows: list[bytes], slots: list[int]) -> int:
         """Unlink an unlocked, unfiled leaf (and its state), then every tombstone ancestor it
         leaves childless and unlocked; file a childless parent with a state. Returns tokens."""
         pb, events, on_evict, states = self._page_bytes, self.kv_events, self._on_evict, self._states
+        host = self._host
         tokens = 0
         while True:
             parent = node.parent
@@ -485,6 +578,8 @@ class MambaRadixCache(RadixCache):
             rows.append(node.vbuf)
             if node in states.slot_of:
                 slots.append(states.detach(node))
+            elif host is not None and node in host.slot_of:
+                host.drop(node)
             if on_evict is not None:
                 on_evict(node)
             if events is not None:
@@ -497,7 +592,7 @@ class MambaRadixCache(RadixCache):
                 break
             if parent.lock_ref:
                 break
-            if parent in states.slot_of:
+            if parent in states.slot_of or (host is not None and parent in host.slot_of):
                 parent.skey = self._sort_key(parent)
                 self._leaves.add(parent)
                 break
@@ -543,6 +638,8 @@ class MambaRadixCache(RadixCache):
     def _clear_tree(self) -> None:
         RadixCache._clear_tree(self)
         self._states.clear()
+        if self._host is not None:
+            self._host.clear()
 
     # ------------------------------------------------------------------ audit
     def check_invariants(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> None:
@@ -551,6 +648,8 @@ class MambaRadixCache(RadixCache):
         :func:`radixkv.cache.hybrid.mamba_audit.check_slot_laws`)."""
         super().check_invariants()
         self._states.check(self._heads.values())
+        if self._host is not None:
+            self._host.check(node_depths(self._heads.values())[0], self._states.slot_of)
         mamba_audit.check_slot_laws(self, running_reqs)
 
     def check_state_conservation(self, running_reqs: Sequence[HybridRunningRequest] | None = None) -> StateConservation:
@@ -563,6 +662,8 @@ class MambaRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ helpers
     def _attach(self, node: TreeNode, slot: int, end: int) -> None:
+        if self._host is not None and node in self._host.slot_of:  # a fresh device state replaces it
+            self._host.drop(node)
         self._states.attach(node, slot, end)
         if not self._lazy and node.skey is not None:
             self._refile(node)  # its full-eviction key changed (tombstone -> state)

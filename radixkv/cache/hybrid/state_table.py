@@ -28,7 +28,23 @@ if TYPE_CHECKING:
     from radixkv.cache.tree_node import TreeNode
     from radixkv.contracts import StatePool
 
-__all__ = ["StateTable", "EventStateTable"]
+__all__ = ["StateTable", "EventStateTable", "node_depths"]
+
+
+def node_depths(heads: Iterable[TreeNode]) -> tuple[dict[TreeNode, int], list[TreeNode]]:
+    """Every node below ``heads`` -> the position after its last token, and the nodes in an
+    order where each comes after its parent (for the audits). O(tree)."""
+    depth: dict[TreeNode, int] = {}
+    order: list[TreeNode] = []
+    stack = [(h, 0) for h in heads]
+    while stack:
+        node, d = stack.pop()
+        for child in node.children.values():
+            cd = d + (len(child.kbuf) >> 2)
+            depth[child] = cd
+            order.append(child)
+            stack.append((child, cd))
+    return depth, order
 
 
 class StateTable:
@@ -190,16 +206,7 @@ class StateTable:
         every state once, under a key ``<= last_access``, within its size bound
         (:meth:`StateHeap.check`); with ``anc``, every state's nearest state ancestor
         position is current. O(tree)."""
-        depth: dict[TreeNode, int] = {}
-        order: list[TreeNode] = []
-        stack = [(h, 0) for h in heads]
-        while stack:
-            node, d = stack.pop()
-            for child in node.children.values():
-                cd = d + (len(child.kbuf) >> 2)
-                depth[child] = cd
-                order.append(child)
-                stack.append((child, cd))
+        depth, order = node_depths(heads)
         dead = [n.id for n in self.slot_of if n not in depth]
         if dead:
             raise InvariantError(f"MambaRadixCache: states held by nodes not in the tree (leaked): "

@@ -10,6 +10,7 @@ against the tree's incremental heap); after every step:
 pool, the tree's content equals the model, and every cached state slot still holds the
 value written at insert (nobody wrote into a tree slot).
 """
+from hybrid_util import PrefixModel, tree_pages
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -20,30 +21,14 @@ from radixkv.memory import MambaPool
 from radixkv.scheduler.req import Req
 
 POOL, SLOTS = 48, 5
-TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 
 
 def tree_content(cache):
     """{prefix tuple: rows of its last page}, {node-end prefix tuple: slot}."""
-    ps = cache.page_size
-    kv, states = {}, {}
-    stack = [(cache.root_node, ())]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            toks, rows = child.key.tolist(), child.value.tolist()
-            p = prefix
-            for i in range(0, len(toks), ps):
-                p = p + tuple(toks[i:i + ps])
-                kv[p] = tuple(rows[i:i + ps])
-            slot = cache.state_slot(child)
-            if slot is not None:
-                states[p] = slot
-            stack.append((child, p))
-    return kv, states
+    return tree_pages(cache, cache.state_slot)
 
 
-class MambaMachine(RuleBasedStateMachine):
+class MambaMachine(PrefixModel, RuleBasedStateMachine):
     page_size = 1
     state_policy = "lru"
 
@@ -57,25 +42,6 @@ class MambaMachine(RuleBasedStateMachine):
         self.kv, self.states, self.values = {}, {}, {}  # values: slot -> float written into it
         self.locks = []  # (node, prefix it ends at)
         self.next_value = 1.0
-
-    def aligned(self, tokens):
-        return tuple(tokens[: len(tokens) - len(tokens) % self.page_size])
-
-    def expect_match(self, tokens):
-        ps, key = self.page_size, self.aligned(tokens)
-        n = 0
-        while n + ps <= len(key) and key[: n + ps] in self.kv:
-            n += ps
-        s = max([len(p) for p in self.states if len(p) <= n and key[: len(p)] == p] or [0])
-        rows = [r for i in range(ps, s + 1, ps) for r in self.kv[key[:i]]]
-        return s, n, rows
-
-    def draw_tokens(self, data):
-        """Random tokens, or (mostly) a cached prefix / state prefix plus a random tail."""
-        known = sorted(self.states) + sorted(self.kv)
-        if known and data.draw(st.integers(0, 3)):
-            return list(data.draw(st.sampled_from(known))) + data.draw(st.lists(st.integers(0, 3), max_size=4))
-        return data.draw(TOKENS)
 
     # ---------------------------------------------------------------- rules
     @rule(data=st.data(), with_state=st.booleans(), lock=st.booleans())

@@ -1,0 +1,33 @@
+"""The host tiers through a manager process started from the command line (``radixkv serve
+--host-kv-tokens`` / ``--host-state-slots``): the reference model (fp64) in this process
+reads and writes the manager's shared memory; over host loads its logits equal the
+from-scratch logits (1e-9), KV-only and hybrid (issue 31, item 6, remote)."""
+import pytest
+from radixkv.service.client import connect
+from service_util import START_TIMEOUT_S, start_server, stop_server
+from tier_workload import proof_fields, proof_model, prove_logits
+
+
+def _flags(fields):
+    out = []
+    for name, value in fields.items():
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+@pytest.mark.parametrize("pattern, ps, tier", [("FF", 16, {"kv_tokens": 96, "host_kv_tokens": 1024}),
+                                               ("KFK", 16, {"kv_tokens": 4096, "state_slots": 5,
+                                                            "host_state_slots": 16}),
+                                               ("KFK", 1, {"kv_tokens": 4096, "state_slots": 5,
+                                                           "host_state_slots": 16})])
+def test_manager_process_serves_host_loads_with_from_scratch_logits(pattern, ps, tier):
+    model = proof_model(pattern)
+    srv = start_server(["--device", "cpu", "--check-idle"] + _flags({**proof_fields(model, ps), **tier}))
+    try:
+        with connect(srv.address, token=srv.token, wait_s=START_TIMEOUT_S) as c:
+            info = c.attach("proof")
+            loaded = prove_logits(c, info.session, c.worker_buffers(info), model, ps, 16 if ps == 1 else 24)
+            assert loaded > 0, "nothing came back from the host tier"
+            c.detach(info.session)
+    finally:
+        assert stop_server(srv) == 0

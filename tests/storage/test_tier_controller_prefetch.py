@@ -1,0 +1,72 @@
+"""Background prefetch: a fetch that would wait on storage longer than its timeout returns
+without it and leaves the read running; a later fetch of the same keys takes the prefetched
+pages without asking the backend again. The double's gate, not the clock, decides each step."""
+import torch
+from storage_double import DictStorage
+
+from radixkv.storage.tier_controller import StorageController
+
+
+def _stored(n=6, page_bytes=32):
+    store = DictStorage()
+    keys = [f"k{i}" for i in range(n)]
+    rows = torch.arange(n * page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8).view(n, page_bytes)
+    store.batch_set(keys, rows)
+    return store, keys, rows
+
+
+def test_a_stalled_fetch_returns_then_a_later_fetch_takes_what_the_prefetch_brought():
+    store, keys, rows = _stored()
+    ctl = StorageController(store, 32, timeout_s=0.01)
+    try:
+        store.gate.clear()  # the backend hangs: every call blocks until the gate opens
+        got = ctl.fetch(keys)  # returned while the backend still blocks: it did not wait for it
+        assert got.shape == (0, 32) and ctl.stats.fetch_timeouts == 1
+        assert ctl.fetch(keys).shape == (0, 32)  # the same read is in flight: not asked again
+        assert store.calls == 1 and ctl.stats.fetch_timeouts == 2
+        store.gate.set()
+        assert ctl.wait_reads(30)
+        assert ctl.stats.prefetched == 6
+        store.gate.clear()  # hung again: the next fetch must not need it
+        calls = store.calls
+        got = ctl.fetch(keys[:4])
+        assert torch.equal(got, rows[:4]) and store.calls == calls
+        assert ctl.stats.prefetch_used == 4
+        assert torch.equal(ctl.fetch(keys[4:]), rows[4:]) and store.calls == calls
+        assert ctl.stats.prefetch_used == 6 and not ctl._ready
+        ctl.check_invariants()
+    finally:
+        store.gate.set()
+        ctl.close(1.0)
+
+
+def test_ready_pages_are_bounded_oldest_first_and_a_fetch_continues_after_them():
+    store, keys, rows = _stored(n=8)
+    ctl = StorageController(store, 32, timeout_s=0.01, max_ready_pages=3)
+    try:
+        store.gate.clear()
+        assert ctl.fetch(keys[5:]).shape[0] == 0  # k5..k7 prefetched
+        assert ctl.fetch(keys[2:4]).shape[0] == 0  # k2, k3 prefetched: k5 is dropped (bound 3)
+        store.gate.set()
+        assert ctl.wait_reads(30)
+        assert ctl.stats.prefetched == 5 and len(ctl._ready) == 3
+        ctl.timeout_s = 30.0  # from here on reads are waited for (the gate is open)
+        got = ctl.fetch(keys[2:])  # k2, k3 from the ready pages, k4.. read now
+        assert torch.equal(got, rows[2:])
+        assert ctl.stats.prefetch_used == 2
+    finally:
+        store.gate.set()
+        ctl.close(1.0)
+
+
+def test_reads_past_the_bound_return_nothing_at_once():
+    store, keys, _ = _stored()
+    ctl = StorageController(store, 32, timeout_s=0.01, max_pending_reads=1)
+    try:
+        store.gate.clear()
+        assert ctl.fetch(keys[:1]).shape[0] == 0
+        assert ctl.fetch(keys[1:]).shape[0] == 0  # a second read would pass the bound: not queued
+        assert len(ctl._reads) == 1
+    finally:
+        store.gate.set()
+        ctl.close(1.0)
