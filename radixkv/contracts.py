@@ -12,15 +12,17 @@ Conventions every implementation keeps: ids are int64 tensors on the object's ``
 raises (a :mod:`radixkv.errors` type) leaves the object unchanged; ``check_invariants()``
 raises ``InvariantError`` naming the exact leaked or double-freed ids.
 
-This module imports only typing, numpy and torch: any layer may import it.
+This module imports only typing and numpy (torch for annotations only): any layer may import it.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: importing the contracts never loads torch (~1.5 CPU-s)
+    import torch
 
 __all__ = [
     "IndexLike", "LayerLike", "HasLayerId", "Scale", "TableIndex",
@@ -39,7 +41,7 @@ STORAGE_ADMIT: tuple[str, ...] = ("all", "reused")
 
 #: Ids as the pools and allocators accept them: an integer tensor or numpy array (any
 #: shape, flattened), one int, or (pools only) a sequence of ints.
-IndexLike = torch.Tensor | np.ndarray | int | Sequence[int]
+IndexLike: TypeAlias = "torch.Tensor | np.ndarray | int | Sequence[int]"
 
 
 class HasLayerId(Protocol):
@@ -53,12 +55,12 @@ class HasLayerId(Protocol):
 LayerLike = int | HasLayerId
 
 #: A quantisation scale the K / V values are divided by before they are stored.
-Scale = float | torch.Tensor
+Scale: TypeAlias = "float | torch.Tensor"
 
 #: An index into the request table as torch takes it: a row, or ``(rows, columns)`` with
 #: each part an int, a slice or an integer tensor.
-TablePart = int | slice | torch.Tensor
-TableIndex = TablePart | tuple[TablePart, ...]
+TablePart: TypeAlias = "int | slice | torch.Tensor"
+TableIndex: TypeAlias = "TablePart | tuple[TablePart, ...]"
 
 
 # --------------------------------------------------------------------------- allocators

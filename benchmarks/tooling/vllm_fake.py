@@ -36,8 +36,9 @@ class Engine:
         if self.index is not None:
             if feed:
                 self.feed = IndexFeed(self.index, self.sched.link).start()
-            else:
-                self.index.reset(ready=True)
+            else:  # ready for the session's manager epoch (another epoch's asks go to the manager)
+                live = self.sched.link.current()
+                self.index.reset(ready=True, epoch=live[1].session.epoch if live is not None else None)
         g = torch.Generator().manual_seed(seed)
         self.shards = [head_shard(self.shape.kv_heads, tp, r) for r in range(tp)]
         self.workers, self.kvs = [], []

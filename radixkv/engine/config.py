@@ -19,12 +19,13 @@ import math
 import os
 import sys
 from dataclasses import dataclass, fields
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from radixkv.contracts import STORAGE_ADMIT, WRITE_POLICIES
 from radixkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # torch loads on first use: a process that only reads the protocol (a light
+    import torch  # worker, the chaos workers of tests/reliability) never pays its ~1.5 CPU-s import
 
 __all__ = ["EngineConfig", "ADMISSION_POLICIES"]
 
@@ -189,6 +190,8 @@ Raises ``InvalidArgumentError`` naming the field for any bad value.
             object.__setattr__(self, name, float(v))
 
     def _check_device(self) -> None:
+        import torch
+
         d = self.device
         try:
             dev = torch.device(d) if isinstance(d, str) else None
@@ -200,6 +203,8 @@ Raises ``InvalidArgumentError`` naming the field for any bad value.
     # ------------------------------------------------------------------ derived
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
     @property

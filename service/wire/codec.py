@@ -34,7 +34,6 @@ from radixkv.engine.protocol import (
     Session,
 )
 from radixkv.errors import InvalidArgumentError, LengthMismatchError, StaleSessionError
-from radixkv.validation import MAX_RID_LEN
 
 I32, I64, U64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<u8")
 
@@ -214,6 +213,10 @@ def plain_extend_request(ref: pb.SessionRef, items: Any) -> pb.AllocExtendReques
     reduction over the packed tokens (no Python loop per item, no rebuilt items)."""
     if type(items) not in (list, tuple) or not items or set(map(type, items)) != {ExtendItem}:
         return None
+    # here, not at the top: radixkv.validation loads torch (~2 CPU-s), which a process that
+    # only packs messages (the chaos workers of tests/reliability) never needs
+    from radixkv.validation import MAX_RID_LEN
+
     n = len(items)
     rids, toks, keys, pris = zip(*items)
     if set(map(type, rids)) != {str} or len(set(rids)) != n:

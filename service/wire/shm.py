@@ -22,11 +22,12 @@ import os
 import re
 import stat
 import tempfile
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.errors import InvalidArgumentError, InvariantError, PermissionDeniedError, SharedMemorySpaceError
+
+if TYPE_CHECKING:  # torch loads where a buffer is mapped: the codec imports the descriptors only
+    import torch
 
 DEFAULT_SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -129,6 +130,8 @@ def create_shm_buffer(directory: str, name: str, nbytes: int) -> tuple[torch.Ten
 
 
 def _map_new(path: str, nbytes: int) -> torch.Tensor:
+    import torch
+
     try:
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     except Exception:
@@ -236,6 +239,8 @@ def map_shm_buffer(desc: ShmDescriptor, owner_uid: int | None = None) -> torch.T
     ``InvalidArgumentError`` (missing, not a pool file, not of the stated size) or
     ``PermissionDeniedError`` (not the owner's, or its mode is not 0600).
     """
+    import torch
+
     _check_size(int(desc.nbytes))
     path = str(desc.path)
     if not os.path.isabs(path) or os.path.normpath(path) != path or \
@@ -270,6 +275,8 @@ def export_cuda_buffer(buffer: torch.Tensor) -> CudaIpcDescriptor:
     Raises:
         InvalidArgumentError: not a 1-D contiguous CUDA uint8 tensor.
     """
+    import torch
+
     if not (isinstance(buffer, torch.Tensor) and buffer.is_cuda and buffer.dtype == torch.uint8
             and buffer.dim() == 1 and buffer.is_contiguous()):
         raise InvalidArgumentError("a CUDA IPC export needs a 1-D contiguous CUDA uint8 tensor")
@@ -289,6 +296,7 @@ def export_cuda_buffer(buffer: torch.Tensor) -> CudaIpcDescriptor:
 
 def import_cuda_buffer(desc: CudaIpcDescriptor) -> torch.Tensor:
     """Open a manager's CUDA IPC export: a ``uint8`` tensor over the same device memory."""
+    import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]  # unannotated in torch
@@ -320,6 +328,8 @@ class SharedBuffers:
     """
 
     def __init__(self, device: str | torch.device, shm_dir: str | None = None, prefix: str = "radixkv"):
+        import torch
+
         self.device = torch.device(device)
         self.shm_dir = shm_dir or default_shm_dir()
         self.prefix = prefix
@@ -342,6 +352,8 @@ class SharedBuffers:
             raise InvalidArgumentError(f"pool {pool!r} already has a shared buffer")
         _check_size(nbytes)
         if self.device.type == "cuda":
+            import torch
+
             t = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
             desc: Descriptor = export_cuda_buffer(t)
         elif self.device.type == "cpu":

@@ -295,6 +295,32 @@ def test_a_failed_queued_commit_fails_the_link_and_the_manager_reclaims(manager)
     assert idle(manager) == (0, 0)
 
 
+def test_a_stale_session_reattaches_at_once_and_the_match_is_retried_there(manager):
+    """A manager that answers "stale" (it restarted) is re-attached in the caller's thread and
+    the match retried once on the new session: this request is matched, saved and committed
+    there, with no wait for the background reconnect (issue 34, item 8)."""
+    e = Engine(manager.cfg)
+    client, info = e.sched.link.get()
+
+    class Restarted(_HeldClient):
+        def alloc_extend(self, session, items):
+            raise StaleSessionError("the manager restarted")
+
+    e.sched.link._live = (Restarted(client), info)
+    prompt = list(range(1000, 1012))  # 3 whole blocks
+    assert e.sched.num_new_matched_tokens("r", prompt, 0, KEY) == 0
+    new = e.sched.link.current()
+    assert new is not None and new[1].session != info.session
+    assert e.sched.link.counters["reattaches"] == 1 and e.sched.link.counters["call_failures"] == 1
+    blocks = [4, 5, 6]
+    plan, failed = e.step([ScheduledReq("r", 0, 12)], {"r": blocks})
+    assert not failed and [(op.start, op.end, op.epoch) for op in plan.saves] == [(0, 12, new[1].session.epoch)]
+    assert e.sched.counters["committed_requests"] == 1
+    e.sched.finished("r")
+    e.sched.flush()
+    e.close()
+
+
 # ------------------------------------------------------------------ what the worker half trusts (issue 34, item 7)
 def snapshot(engine):
     """(vLLM's KV, every mapped manager pool's KV) as copies."""

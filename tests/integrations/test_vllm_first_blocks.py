@@ -40,6 +40,25 @@ def until(cond, timeout_s=30.0):
         time.sleep(0.005)
 
 
+def test_the_index_is_ready_only_for_its_manager_epoch_and_once_caught_up():
+    ix = FirstBlockIndex(BS)
+    a = np.arange(10, 18, dtype=np.int32)
+    ix.reset(ready=True, epoch=1)
+    assert not ix.may_hold(KEY, a, 1)
+    assert ix.may_hold(KEY, a, 2)                   # an asker of a restarted manager: ask
+    ix.reset(ready=False, epoch=2)                  # a new manager's stream starts
+    ix.apply([ev_stored([1], a.tolist())])
+    assert ix.may_hold(KEY, a[::-1].copy(), 2)      # not caught up yet: ask
+    ix.caught_up(1)                                 # another epoch's mark: nothing
+    assert not ix.ready
+    ix.caught_up(2)
+    assert ix.ready and not ix.may_hold(KEY, a[::-1].copy(), 2) and ix.may_hold(KEY, a, 2)
+    ix.reset(ready=False, epoch=3)
+    ix.apply([{"type": "EventsLost", "first_seq": 0, "count": 5}])
+    ix.caught_up(3)                                 # a gap before the mark: never ready
+    assert not ix.ready and ix.may_hold(KEY, a, 3)
+
+
 def ev_stored(hashes, tokens, parent=None, key=KEY):
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
             "extra_key": key}

@@ -10,6 +10,17 @@ import torch
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 
+#: Bounds of the waits in tests/reliability: how long a test waits for a state before it fails,
+#: never how long the state is expected to take (ms to a few s on an idle machine). Sized for 2
+#: shared cores at load 30, where one interpreter start took over 60 s.
+#: A process started, or a killed one reaped (``Popen.wait``, gone from ``/proc``).
+PROCESS_BOUND_S = 120.0
+#: A state the manager or the pool reaches by itself: a session reclaimed, clients seeing an
+#: outage or a new epoch, standbys replenished, a worker's event.
+STATE_BOUND_S = 120.0
+#: Every victim of a kill-cycle phase reclaimed (dozens of sessions, run out by the test).
+PHASE_BOUND_S = 300.0
+
 #: An engine roomy enough for dozens of victims at once (each holds < 200 tokens).
 CHAOS_CONFIG: dict[str, Any] = dict(kv_tokens=16384, request_rows=512, max_context_len=256, max_sessions=256,
                                     max_requests_per_session=64, lease_ttl_s=1.0)
@@ -149,9 +160,9 @@ class ServerProcess:
     def kill(self) -> None:
         if self.p is not None and self.p.poll() is None:
             self.p.kill()
-            self.p.wait(30)
+            self.p.wait(PROCESS_BOUND_S)
 
-    def terminate(self, timeout_s: float = 30.0) -> int | None:
+    def terminate(self, timeout_s: float = PROCESS_BOUND_S) -> int | None:
         import subprocess
 
         if self.p.poll() is None:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from reliability_util import wait_until
+from reliability_util import PROCESS_BOUND_S, STATE_BOUND_S, wait_until
 from tooling import chaos, chaos_worker
 from tooling.chaos import StandbyPool
 from tooling.testing import ThreadedServer
@@ -63,35 +63,35 @@ def test_workers_are_fresh_interpreters_started_by_the_driver(pool, srv):
     # a child of this process running the worker module: not forked from a zygote
     assert ppid == os.getpid()
     assert argv[0] == sys.executable and argv[1:] == ["-m", "tooling.chaos_worker"]
-    ev = pool.wait_event(lambda e: e.get("wid") == 1 and e["ev"] in ("holding", "error"), 60)
+    ev = pool.wait_event(lambda e: e.get("wid") == 1 and e["ev"] in ("holding", "error"), STATE_BOUND_S)
     assert ev is not None and ev["ev"] == "holding", ev
     if os.geteuid() == 0:  # raising the priority back is allowed: it runs at ours
         assert os.getpriority(os.PRIO_PROCESS, w.pid) == base_nice
     # the pool replenishes: two standbys again, a third interpreter started
-    assert wait_until(lambda: pool.ready() == 2, 60)
+    assert wait_until(lambda: pool.ready() == 2, STATE_BOUND_S)
     st = pool.stats()
     assert st.started >= 3 and st.spawned == 1 and st.died_unused == 0
     pool.check_invariants()
     assert pool.kill(1) is True
-    assert wait_until(lambda: _gone(w.pid), 10), "a killed worker must be reaped, not left a zombie"
+    assert wait_until(lambda: _gone(w.pid), PROCESS_BOUND_S), "a killed worker must be reaped, not left a zombie"
     assert pool.kill(1) is False  # already forgotten
     pool.check_invariants()
 
 
 def test_a_worker_kills_itself_when_its_driver_pipe_closes(pool, srv):
     w = pool.spawn(_spec(srv, 2))
-    ev = pool.wait_event(lambda e: e.get("wid") == 2 and e["ev"] in ("holding", "error"), 60)
+    ev = pool.wait_event(lambda e: e.get("wid") == 2 and e["ev"] in ("holding", "error"), STATE_BOUND_S)
     assert ev is not None and ev["ev"] == "holding", ev
     w.popen.stdin.close()  # what the driver's death does: no signal is sent
-    assert wait_until(lambda: not w.alive(), 10), "the worker outlived its driver's pipe"
-    assert w.popen.wait(10) == -signal.SIGKILL
+    assert wait_until(lambda: not w.alive(), PROCESS_BOUND_S), "the worker outlived its driver's pipe"
+    assert w.popen.wait(PROCESS_BOUND_S) == -signal.SIGKILL
     assert pool.kill(2) is False
     # its session goes with it (keep-alive off: the server finds the process gone at expiry)
-    assert wait_until(lambda: srv.call(lambda s: len(s.engine.sessions)) == 0, 30)
+    assert wait_until(lambda: srv.call(lambda s: len(s.engine.sessions)) == 0, STATE_BOUND_S)
 
 
 def test_bad_input_changes_nothing(pool, srv):
-    assert wait_until(lambda: pool.ready() == 2, 60)
+    assert wait_until(lambda: pool.ready() == 2, STATE_BOUND_S)
     before = pool.stats()
     with pytest.raises(InvalidArgumentError):
         StandbyPool(standby=0)
@@ -111,7 +111,7 @@ def test_bad_input_changes_nothing(pool, srv):
 
 
 def test_check_invariants_names_a_process_filed_twice(pool, srv):
-    assert wait_until(lambda: pool.ready() >= 1, 60)
+    assert wait_until(lambda: pool.ready() >= 1, STATE_BOUND_S)
     w = pool.spawn(_spec(srv, 4))
     with pool._cv:
         pool._ready.append(w)  # corrupt: a running worker also filed as a standby

@@ -36,7 +36,16 @@ import time
 
 import numpy as np
 from radixkv.service.server.manager import ServeOptions
-from reliability_util import CHAOS_CONFIG, Survivor, check_law, live_sessions, percentiles, wait_until
+from reliability_util import (
+    CHAOS_CONFIG,
+    PHASE_BOUND_S,
+    STATE_BOUND_S,
+    Survivor,
+    check_law,
+    live_sessions,
+    percentiles,
+    wait_until,
+)
 from tooling.chaos import KILL_POINTS
 from tooling.testing import ThreadedServer
 
@@ -157,7 +166,8 @@ def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(chaos):
                 for sid in set(killed) - set(gone_at) - live:
                     gone_at[sid] = time.monotonic()
                 return len(live) == 1
-            assert wait_until(all_gone, 300, every_s=0.05), f"phase {phase}: sessions left {live_sessions(srv)}"
+            assert wait_until(all_gone, PHASE_BOUND_S, every_s=0.05), \
+                f"phase {phase}: sessions left {live_sessions(srv)}"
             srv.call(lambda s: s.servicer.check_all())
             st = c.stats()
             check_law(st)
@@ -173,7 +183,7 @@ def test_sigkill_cycles_reclaim_everything_and_leave_survivors_alone(chaos):
         assert set(points) == set(KILL_POINTS), points  # every kill point was exercised
         assert set(killed) <= set(gone_at)
         survivor.finish()
-        idle = wait_until(lambda: (lambda s: s if s.sessions == 0 else None)(c.stats()), 120)
+        idle = wait_until(lambda: (lambda s: s if s.sessions == 0 else None)(c.stats()), STATE_BOUND_S)
         assert idle is not None
         assert idle.kv_held == 0 and idle.kv_protected == 0 and idle.requests == 0
         assert idle.rows_available == idle.rows_capacity

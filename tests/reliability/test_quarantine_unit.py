@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from engine_fixtures import ManualClock
 from radixkv.service.server.quarantine import ProcessHandle, Quarantine
+from reliability_util import PROCESS_BOUND_S
 
 from radixkv.engine import CacheEngine, EngineConfig
 from radixkv.engine.protocol import ExtendItem
@@ -54,7 +55,7 @@ def sleeper():
     yield p
     if p.poll() is None:
         p.kill()
-        p.wait(10)
+        p.wait(PROCESS_BOUND_S)
 
 
 def test_held_while_the_process_runs_released_when_it_is_gone(sleeper):
@@ -71,7 +72,7 @@ def test_held_while_the_process_runs_released_when_it_is_gone(sleeper):
     e.check_invariants()
     q.check_invariants()
     sleeper.kill()
-    sleeper.wait(10)
+    sleeper.wait(PROCESS_BOUND_S)
     assert q.release_ready() == [s.session_id]
     st = e.stats()
     assert st.kv_held == 0 and st.sessions == 0 and st.requests == 0
@@ -103,7 +104,7 @@ def test_who_is_held(who, sleeper):
     q.register(s.session_id, pid)
     if who == "dead":  # it ran at attach and has exited since
         sleeper.kill()
-        sleeper.wait(10)
+        sleeper.wait(PROCESS_BOUND_S)
     clock.t += 6
     fenced = q.fence_due()
     e.sweep()
@@ -128,7 +129,7 @@ def test_a_dropped_stream_of_a_live_process_is_quarantined(sleeper):
     assert e.sessions.fenced() == [s.session_id]
     assert q.end(s.session_id, "again") == 0  # already fenced
     sleeper.kill()
-    sleeper.wait(10)
+    sleeper.wait(PROCESS_BOUND_S)
     assert q.release_ready() == [s.session_id]
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from radixkv.service.client import connect
 from radixkv.service.wire.errors import ServiceUnavailableError
-from reliability_util import ServerProcess, check_law, wait_until
+from reliability_util import PROCESS_BOUND_S, STATE_BOUND_S, ServerProcess, check_law, wait_until
 
 from radixkv.engine.protocol import DecodeItem, ExtendItem
 from radixkv.errors import StaleSessionError
@@ -98,21 +98,22 @@ def test_restart_under_load(how):
         for cl in clients:
             cl.start()
         try:
-            assert wait_until(lambda: all(sum(cl.epochs.values()) >= 5 for cl in clients), 60)
+            assert wait_until(lambda: all(sum(cl.epochs.values()) >= 5 for cl in clients), STATE_BOUND_S)
             old_pid = srv.pid
             assert len([f for f in srv.shm_files(old_pid) if f.endswith(".buf")]) == 2
             if how == "sigkill":
                 srv.p.send_signal(signal.SIGKILL)
-                srv.p.wait(30)
+                srv.p.wait(PROCESS_BOUND_S)
                 assert srv.shm_files(old_pid), "a crashed manager cannot clean up: the next one must"
             else:
                 assert srv.terminate() == 0
                 assert not srv.shm_files(old_pid)
-            assert wait_until(lambda: all(cl.unavailable for cl in clients), 30), "clients must see UNAVAILABLE"
+            assert wait_until(lambda: all(cl.unavailable for cl in clients), STATE_BOUND_S), \
+                "clients must see UNAVAILABLE"
             srv.start()  # a new manager on the same address
             assert not srv.shm_files(old_pid), "the old manager's pool files are left behind"
             epochs = lambda cl: [e for e, n in cl.epochs.items() if n >= 5]  # noqa: E731
-            assert wait_until(lambda: all(len(epochs(cl)) >= 2 for cl in clients), 60), \
+            assert wait_until(lambda: all(len(epochs(cl)) >= 2 for cl in clients), STATE_BOUND_S), \
                 [cl.epochs for cl in clients]
         finally:
             for cl in clients:
@@ -122,7 +123,7 @@ def test_restart_under_load(how):
         gc.collect()
         assert not _mapped(old_pid), "this process still maps the old manager's pools"
         with connect(srv.address, token=srv.token, wait_s=30) as c:
-            st = wait_until(lambda: (lambda s: s if s.sessions == 0 else None)(c.stats()), 30)
+            st = wait_until(lambda: (lambda s: s if s.sessions == 0 else None)(c.stats()), STATE_BOUND_S)
             assert st is not None and st.kv_held == 0 and st.requests == 0
             check_law(st)
             c.check_invariants()

@@ -5,8 +5,9 @@ link that can be *down*. ``get()`` returns ``(client, info)`` of a live session 
 while down, never waiting: a background thread reconnects (bounded tries every
 ``retry_interval_s``); ``get(force=True)`` tries once in the caller's thread. ``fail(error)``
 after a call failed for a reason other than bad input or capacity drops the client (one
-warning per outage). A keep-alive stream holds the session; if this process dies the manager
-reclaims it at once. ``counters``: ``connects``, ``connect_failures``, ``call_failures``.
+warning per outage); a stale session (the manager restarted) re-attaches at once instead.
+A keep-alive stream holds the session; if this process dies the manager reclaims it at once.
+``counters``: ``connects``, ``connect_failures``, ``call_failures``, ``reattaches``.
 ``get`` / ``fail`` run on one thread; the reconnect thread only publishes a finished
 connection (one atomic attribute store). See ``docs/vllm.md``, "The link to the manager".
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixkv.engine.protocol import AttachInfo, CacheResult, ExtendItem, ExtendResult, Session
-from radixkv.errors import RadixKVError
+from radixkv.errors import RadixKVError, StaleSessionError
 from radixkv.integrations.vllm.config import ConnectorConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,7 +84,8 @@ class ManagerLink:
         self._down_logged = False
         #: What the last connection attempt raised (None after a success).
         self.last_error: BaseException | None = None
-        self.counters: dict[str, int] = {"connects": 0, "connect_failures": 0, "call_failures": 0}
+        self.counters: dict[str, int] = {"connects": 0, "connect_failures": 0, "call_failures": 0,
+                                         "reattaches": 0}
 
     @property
     def up(self) -> bool:
@@ -156,18 +158,26 @@ class ManagerLink:
             if self._live is not None or self._try_once():
                 return
 
-    def fail(self, error: BaseException) -> None:
-        """A manager call failed (not bad input / capacity): drop the client; down until the
-        reconnect thread is back."""
+    def fail(self, error: BaseException) -> bool:
+        """A manager call failed (not bad input / capacity): drop the client. A
+        ``StaleSessionError`` means a manager answers (it restarted, or the lease ran out):
+        re-attach at once in this thread (one try, bounded by ``connect_timeout_s`` +
+        ``call_timeout_s``); otherwise down until the reconnect thread is back. True: up again
+        (the caller may retry its call once on the new session)."""
         self.counters["call_failures"] += 1
         live, self._live = self._live, None
         if live is None:
-            return
-        logger.warning("radixkv: manager call failed (%s: %s); serving without the shared cache "
-                       "until it is back", type(error).__name__, error)
+            return False
+        logger.warning("radixkv: manager call failed (%s: %s); %s", type(error).__name__, error,
+                       "re-attaching now" if isinstance(error, StaleSessionError)
+                       else "serving without the shared cache until it is back")
         self._down_logged = True
         _close_quietly(live[0])
+        if isinstance(error, StaleSessionError) and not self._closed.is_set() and self._try_once():
+            self.counters["reattaches"] += 1
+            return True
         self._start_background()
+        return False
 
     def close(self) -> None:
         """Stop reconnecting; detach (best effort) and close."""

@@ -201,23 +201,29 @@ class SchedulerSide:
         # the whole prompt: the manager matches at most n - 1 tokens (so this is vLLM's cap
         # too), and caches only its whole pages; the tail's slot is freed at the commit
         tokens = np.asarray(prompt, dtype=np.int32)
-        if self.index is not None and not self.index.may_hold(extra_key, tokens):
+        live = self.link.current()
+        if self.index is not None and live is not None \
+                and not self.index.may_hold(extra_key, tokens, live[1].session.epoch):
             return self._defer(st, tokens, extra_key, n_full)
         self.flush()  # the client is not shared with the queue's thread; see earlier commits
         got = self.link.get()
         if got is None:
             return 0
-        client, info = got
         self.counters["queries"] += 1
         self.counters["query_tokens"] += n
-        try:
-            res = client.alloc_extend(info.session, [ExtendItem(st.mrid, tokens, extra_key)])[0]
-        except (CapacityError, InvalidArgumentError) as e:  # longer than the pool / context: recompute
-            self.counters["uncacheable_requests"] += 1
-            logger.debug("radixkv: request %s not cached: %s", req_id, e)
-            return 0
-        except Exception as e:
-            self.link.fail(e)
+        for _ in range(2):  # a second try only on the session of a manager that restarted
+            client, info = got
+            try:
+                res = client.alloc_extend(info.session, [ExtendItem(st.mrid, tokens, extra_key)])[0]
+                break
+            except (CapacityError, InvalidArgumentError) as e:  # longer than the pool / context: recompute
+                self.counters["uncacheable_requests"] += 1
+                logger.debug("radixkv: request %s not cached: %s", req_id, e)
+                return 0
+            except Exception as e:
+                if not self.link.fail(e) or (got := self.link.current()) is None:
+                    return 0
+        else:
             return 0
         prefix = int(res.prefix_len) // self.bs * self.bs
         st.session, st.row, st.n_full, st.prefix = info.session, int(res.req_pool_idx), n_full, prefix
