@@ -59,10 +59,9 @@ class EnginePools:
 
     Attributes: ``config``, ``device``, ``req_to_token_pool``, ``kv_pool``, ``mamba_pool`` and
     ``hybrid_kv_pool`` (``None`` unless hybrid), ``allocator`` (token or paged, ``need_sort=True``),
-    ``host_pool`` (the host tier's :class:`HostKVPool`, ``None`` unless ``host_kv_tokens``; the
-    manager's own memory, not in the layout), ``host_state_pool`` (the host tier's
-    :class:`HostStatePool`, ``None`` unless ``host_state_slots``), ``embedded_key`` (how in-process workers find these
-    pools). Raises ``InvalidArgumentError`` (a CUDA device without CUDA, unknown buffer names, a
+    ``host_pool`` / ``host_state_pool`` (the host tiers, ``None`` unless ``host_kv_tokens`` /
+    ``host_state_slots``; the manager's own memory), ``embedded_key`` (how in-process workers
+    find these pools). Raises ``InvalidArgumentError`` (a CUDA device without CUDA, unknown buffer names, a
     buffer too small / misaligned / on another device).
     """
 
@@ -174,9 +173,8 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
     :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` over the hybrid request pool
     (its ``mamba_pool`` holds the states): ``eviction_policy`` orders the full (KV) eviction,
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
-    ``branch``: states only at request ends and branch-off points; ``none`` disables the
-    cache; KV-only trees treat ``branch`` like ``every``), ``checks`` turns on its free-mask lookups of the slots
-    handed in, ``host_state_pool`` the host state tier (``host_state_slots``). With
+    ``branch``: states at request ends and branch points; ``none`` disables the cache),
+    ``checks`` its free-mask lookups, ``host_state_pool`` the host state tier. With
     ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a storage
     controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
     c = pools.config

@@ -102,10 +102,9 @@ class MambaRadixCache(RadixCache):
     Args as :class:`RadixCache`, plus: ``req_to_token_pool`` (a ``HybridReqToTokenPool``, or
     ``None`` with ``mamba_pool``); ``admission_policy`` (``every`` / ``branch`` / ``none`` / a
     :class:`StateAdmission`); ``state_eviction_policy`` (``lru`` / ``flop`` / a
-    :class:`StateEvictionOrder`); ``flop_model``; ``checks`` (look every slot handed in up in
-    the free mask, ~10 us; ``False`` keeps the O(1) checks); ``host_state_pool`` (a
-    :class:`HostStatePool` over ``mamba_pool``: evicted states are demoted there, ``docs/tiers.md``).
-    With events on, the recorder also records ``StateStored`` / ``StateRemoved`` of device states.
+    :class:`StateEvictionOrder`); ``flop_model``; ``checks`` (free-mask lookups, ~10 us);
+    ``host_state_pool`` (a :class:`HostStatePool`: evicted states are demoted there). With events
+    on, the recorder also records ``StateStored`` / ``StateRemoved`` of device states.
 
     Costs on top of RadixCache's: match O(d) more probes; attaching a state O(log S) amortized;
     a fork one vectorized copy per batch; evicting states O(log S) each with ``lru``, O(S log S)
