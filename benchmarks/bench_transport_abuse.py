@@ -11,13 +11,17 @@ the Step socket (the manager runs out of descriptors accepting them).
 ``partial``: 4 connections that say hello, announce a 60 MiB frame and send all of it but one
 byte (``--max-message-bytes 64 MiB``; a frame's deadline is then 5 s + 15 s: run it with
 ``--seconds 25`` to see them closed).
+``grpc-partial``: the same against the gRPC ``Step`` stream (a raw HTTP/2 client, ``h2``):
+4 connections each open the stream with the worker's token, send a gRPC message header
+announcing 60 MiB and then as much of the body as HTTP/2 flow control lets through in 10 s
+(at most all but one byte); reports the bytes each got through and whether it was closed.
 ``metrics``: ``--metrics-port 0``; 200 idle TCP connections to it; then whether a scrape
 still answers.
 ``replay``: the ZMQ outlet with its replay endpoint (``ipc://``); the worker first makes
 ~500 event batches (inserts), then 8 DEALER sockets of the attacker ask for a replay from
 seq 0 over and over (reading the answers), and one sends malformed requests.
 
-Usage: ``python benchmarks/bench_transport_abuse.py {fdflood,partial,metrics} [--seconds 10]``.
+Usage: ``python benchmarks/bench_transport_abuse.py {fdflood,partial,grpc-partial,metrics,replay} [--seconds 10]``.
 Timing is never asserted; on a shared machine the figures are provisional (load printed).
 """
 from __future__ import annotations
@@ -132,6 +136,19 @@ def fdflood(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
     return out
 
 
+def fates(held: list[socket.socket]) -> list[str]:
+    """Whether the manager closed each socket, sent something, or neither (the error); closes them."""
+    out = []
+    for f in held:
+        f.settimeout(0.5)
+        try:
+            out.append("closed" if f.recv(1 << 16) == b"" else "answered")
+        except OSError as e:
+            out.append(type(e).__name__)
+        f.close()
+    return out
+
+
 def partial(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
     from radixkv.service.wire._gen import cache_manager_pb2 as pb
     from radixkv.service.wire.step import FRAME, SOCKET_VERSION
@@ -154,14 +171,17 @@ def partial(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
             answers.append(type(e).__name__)
         held.append(f)
     out = during(srv, c, s, seconds)
-    for f in held:
-        f.settimeout(0.5)
-        try:
-            answers.append("closed" if f.recv(1 << 16) == b"" else "answered")
-        except OSError as e:
-            answers.append(type(e).__name__)
-        f.close()
-    out["connections"] = answers
+    out["connections"] = answers + fates(held)
+    return out
+
+
+def grpc_partial(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
+    from tooling.raw_h2 import PartialStep
+
+    held = [PartialStep(srv.address[len("unix://"):], srv.token, 60 << 20, 10.0) for _ in range(4)]
+    sent = [h.sent for h in held]
+    out = during(srv, c, s, seconds)
+    out.update(body_bytes_sent=sent, connections=fates([h.sock for h in held]))
     return out
 
 
@@ -256,6 +276,7 @@ def replay(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
 
 PARTS = {"fdflood": (fdflood, ["--handshake-timeout-s", "600"], "-n 64"),  # the silent ones stay
          "partial": (partial, ["--max-message-bytes", str(64 << 20)], None),
+         "grpc-partial": (grpc_partial, ["--max-message-bytes", str(64 << 20)], None),
          "metrics": (metrics, ["--metrics-port", "0"], None),
          "replay": (replay, ["--enable-kv-events", "--kv-events-endpoint", "ipc://{dir}/events",
                              "--kv-events-replay-endpoint", "ipc://{dir}/replay"], None)}
