@@ -238,3 +238,55 @@ def test_a_miss_finished_before_the_report_is_committed_or_released(manager, chu
     assert e.sched.counters["committed_requests" if chunk == 16 else "released_requests"] == 1
     assert idle(manager, e) == (0, 0)
     e.close()
+
+
+class _CallCounter:
+    """A client that notes ``(method, in the caller's thread)`` of each manager call."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.calls: list[tuple[str, bool]] = []
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in ("alloc_extend", "cache_finished", "release"):
+            return attr
+
+        def counted(*args):
+            self.calls.append((name, threading.current_thread() is threading.main_thread()))
+            return attr(*args)
+        return counted
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_a_miss_makes_no_call_in_vllms_thread_with_the_index(manager, index):
+    """A fresh prompt's whole life (match, its step, finish, the steps after): without the
+    index one ``alloc_extend`` in vLLM's thread and the save in its own step; with it none, and
+    the save one step after the finish (issue 33 item 0: counts, not timing)."""
+    e = Engine(manager.cfg, seed=3, index=index)
+    until(lambda: not index or e.index.ready)
+    client, info = e.sched.link.get()
+    counter = _CallCounter(client)
+    e.sched.link._live = (counter, info)
+    prompt = list(range(900 + 20 * index, 914 + 20 * index))    # 3 whole blocks + 2 tokens, never seen
+    held = threading.Event() if index else None                 # the deferred alloc queued behind it
+    if held is not None:                                        # (a bounded wait: a call in vLLM's
+        e.sched._calls.submit(None, lambda: held.wait(5))       # thread would fail, not hang)
+    assert e.sched.num_new_matched_tokens("m", prompt, 0, KEY) == 0
+    blocks = [4, 7, 1, 0]
+    plan, _ = e.step([ScheduledReq("m", 0, len(prompt))], {"m": blocks})
+    assert [(op.start, op.end) for op in plan.saves] == ([] if index else [(0, 12)])
+    assert e.sched.finished("m", blocks) is index                 # kept for the deferred save
+    steps_after = 0
+    if held is not None:
+        held.set()
+        e.sched.flush()
+        plan, _ = e.step([], {})
+        steps_after += 1
+        assert [(op.start, op.end) for op in plan.saves] == [(0, 12)] and plan.finish == ["m"]
+    e.sched.flush()
+    assert [c for c in counter.calls if c[1]] == ([] if index else [("alloc_extend", True)])
+    assert ("cache_finished", False) in counter.calls and steps_after == int(index)
+    assert (("alloc_extend", False) in counter.calls) is index     # the deferred alloc: the queue's thread
+    assert e.sched.counters["committed_requests"] == 1 and idle(manager, e) == (0, 0)
+    e.close()
