@@ -20,7 +20,7 @@ from radixkv.service.server.idempotency import ReplyCache
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.request_id import REQUEST_ID_KEY
-from reliability_util import check_law
+from reliability_util import STATE_BOUND_S, check_law
 from tooling.testing import ThreadedServer
 
 from radixkv.engine.protocol import ExtendItem
@@ -91,11 +91,26 @@ def test_a_retry_after_a_client_timeout_allocates_once():
     with ThreadedServer(CONFIG) as srv:
         c = srv.client(timeout_s=0.3, retries=6)
         s = c.attach("slow").session
-        blocker = threading.Thread(target=lambda: srv.call(lambda server: time.sleep(1.0)), daemon=True)
+        blocked, release = threading.Event(), threading.Event()
+
+        def block(server: object) -> None:  # holds the server's loop until the client has retried
+            blocked.set()
+            release.wait(STATE_BOUND_S)
+
+        def release_after_a_retry() -> None:
+            deadline = time.monotonic() + STATE_BOUND_S
+            while c.retried < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            release.set()
+
+        blocker = threading.Thread(target=lambda: srv.call(block), daemon=True)
         blocker.start()
-        time.sleep(0.1)  # the server's loop is blocked now: the first try times out
+        assert blocked.wait(STATE_BOUND_S), "the server's loop never ran the blocker"
+        releaser = threading.Thread(target=release_after_a_retry, daemon=True)
+        releaser.start()
         res = c.alloc_extend(s, [ExtendItem("slow", np.arange(1, 65, dtype=np.int32))])[0]
-        blocker.join(30)
+        releaser.join(STATE_BOUND_S)
+        blocker.join(STATE_BOUND_S)
         assert c.retried >= 1, "the first try should have run into its deadline"
         st = c.stats()
         assert st.requests == 1 and st.kv_held == 64 == len(res.out_cache_loc), st
