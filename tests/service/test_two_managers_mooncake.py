@@ -102,14 +102,24 @@ def _stored(worker: Worker, port: int, rng):
     raise AssertionError(f"no prompt was written to the store within {WAIT_S} s")
 
 
-def _hit_from_store(a: Worker, b: Worker, port_a: int, rng) -> None:
-    """A prompt computed through A is a storage hit for B: bit-equal KV, logits from scratch."""
-    toks, kv_a = _stored(a, port_a, rng)
-    full = np.concatenate([toks, rng.integers(0, VOCAB, 8).astype(np.int32)])
-    res, kv_b = b.run(full)
-    assert res.prefix_len == PROMPT and res.storage_len == PROMPT, res
-    for x, y in zip(kv_a, kv_b, strict=True):
-        assert torch.equal(x[:PROMPT], y[:PROMPT])
+def _hit_from_store(a: Worker, b: Worker, port_a: int, rng, *, settling: bool = False) -> None:
+    """A prompt computed through A is a storage hit for B: bit-equal KV, logits from scratch.
+
+    ``settling``: just after a master restart the clients re-mount their segments on their own
+    schedule, and a read can miss pages meanwhile (seen once in CI: 16 of 64 tokens, with the
+    store logging segments not found): fresh prompts are tried until one is a whole hit, within
+    ``WAIT_S``; every partial hit is bit-equal, never wrong data."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        toks, kv_a = _stored(a, port_a, rng)
+        full = np.concatenate([toks, rng.integers(0, VOCAB, 8).astype(np.int32)])
+        res, kv_b = b.run(full)
+        for x, y in zip(kv_a, kv_b, strict=True):
+            assert torch.equal(x[:res.prefix_len], y[:res.prefix_len])
+        if res.prefix_len == PROMPT and res.storage_len == PROMPT:
+            return
+        if not settling or time.monotonic() > deadline:
+            raise AssertionError(f"not a whole storage hit: {res}")
 
 
 def test_two_managers_share_one_mooncake_store_and_ride_out_a_master_restart():
@@ -143,8 +153,8 @@ def test_two_managers_share_one_mooncake_store_and_ride_out_a_master_restart():
               lambda: all(_storage(p)["write_failed"] > s["write_failed"] for p, s in zip(ports, seen, strict=True)))
 
         master.start()  # same ports, empty store: the managers reconnect by themselves
-        _hit_from_store(a, b, ports[0], rng)
-        _hit_from_store(b, a, ports[1], rng)
+        _hit_from_store(a, b, ports[0], rng, settling=True)
+        _hit_from_store(b, a, ports[1], rng, settling=True)
         for w in workers:
             w.client.check_invariants()
     finally:
