@@ -11,6 +11,7 @@ model, and no KV row leaks (free + cached == pool).
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tree_walk import walk_pages
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache import RadixCache, RadixKey
@@ -22,19 +23,10 @@ POOL = 48
 
 def tree_content(cache):
     """Read-only walk: {(extra, prefix tuple): rows tuple of its last page}."""
-    ps = cache.page_size
     out = {}
-    for extra, head in ((h.extra_key, h) for h in cache._heads.values()):
-        stack = [(head, ())]
-        while stack:
-            node, prefix = stack.pop()
-            for child in node.children.values():
-                toks, rows = child.key.tolist(), child.value.tolist()
-                p = prefix
-                for i in range(0, len(toks), ps):
-                    p = p + tuple(toks[i:i + ps])
-                    out[(extra, p)] = tuple(rows[i:i + ps])
-                stack.append((child, p))
+    for head in cache._heads.values():
+        for _, _, pages in walk_pages(head, cache.page_size):
+            out.update(((head.extra_key, p), rows) for p, rows in pages.items())
     return out
 
 

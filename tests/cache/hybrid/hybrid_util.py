@@ -2,6 +2,7 @@
 model side's prefix arithmetic (``self.kv``: page-aligned prefix -> rows of its last page;
 ``self.states``: prefix ending at a node with a state -> what the test tracks of it)."""
 from hypothesis import strategies as st
+from tree_walk import walk_pages
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 
@@ -9,21 +10,12 @@ TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 def tree_pages(cache, node_state):
     """{prefix tuple: rows of its last page}, {node-end prefix tuple: node_state(node)} for
     the nodes where ``node_state`` is not None. Read-only."""
-    ps = cache.page_size
     kv, states = {}, {}
-    stack = [(cache.root_node, ())]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            toks, rows = child.key.tolist(), child.value.tolist()
-            p = prefix
-            for i in range(0, len(toks), ps):
-                p = p + tuple(toks[i:i + ps])
-                kv[p] = tuple(rows[i:i + ps])
-            s = node_state(child)
-            if s is not None:
-                states[p] = s
-            stack.append((child, p))
+    for child, p, pages in walk_pages(cache.root_node, cache.page_size):
+        kv.update(pages)
+        s = node_state(child)
+        if s is not None:
+            states[p] = s
     return kv, states
 
 
