@@ -428,10 +428,11 @@ class CacheEngine:
         return engine_audit.stats(self.pools, self.tree, self.sessions, self._reqs, self._discount)
 
     def tier_stats(self) -> dict[str, int]:
-        """The host and storage tiers' counters (``TieredRadixCache.tier_counters``); ``{}``
-        with the host tier off. O(1)."""
+        """The host and storage tiers' counters (``TieredRadixCache.tier_counters``) and the
+        host state tier's (``MambaRadixCache.host_state_counters``); ``{}`` with no host tier. O(1)."""
         counters = getattr(self.tree, "tier_counters", None)
-        return dict(counters()) if counters is not None else {}
+        states = getattr(self.tree, "host_state_counters", None)
+        return {**(counters() if counters is not None else {}), **(states() if states is not None else {})}
 
     def check_invariants(self) -> None:
         """Audit pools, tree, conservation laws, sessions and requests (``engine_audit.check_invariants``)."""

@@ -49,13 +49,17 @@ def stats(pools: EnginePools, tree: RadixCache, sessions: SessionTable, reqs: Ma
 
 def tier_fields(tree: RadixCache, discount: Sequence[int]) -> dict[str, int]:
     """The tier fields of :class:`EngineStats` from the tree's ``tier_counters`` (none with
-    the host tier off), the tier hits less ``discount[3:6]`` (calls that raised). O(1)."""
+    the host tier off), the tier hits less ``discount[3:6]`` (calls that raised), and a
+    hybrid tree's ``host_state_counters``. O(1)."""
+    states = getattr(tree, "host_state_counters", None)
+    st: dict[str, int] = states() if states is not None else {}
+    out = {k.replace("host_states_", "host_state_"): v for k, v in st.items()}  # EngineStats' names
     counters = getattr(tree, "tier_counters", None)
     if counters is None:
-        return {}
+        return out
     t, d = counters(), discount
     cap, used, pb = t["host_capacity_tokens"], t["host_used_tokens"], t["page_bytes"]
-    out = dict(host_capacity=cap, host_available=cap - used, host_used=used,
+    out.update(host_capacity=cap, host_available=cap - used, host_used=used,
                tier_hit_device=t["hit_tokens_device"] - d[3], tier_hit_host=t["hit_tokens_host"] - d[4],
                tier_hit_storage=t["hit_tokens_storage"] - d[5], host_loaded_pages=t["loaded_pages"],
                host_loaded_bytes=t["loaded_pages"] * pb, host_load_us=t["load_ns"] // 1000,

@@ -169,7 +169,8 @@ class EngineStats(NamedTuple):
     The tier fields (0 with the tiers off; ``docs/tiers.md``, "Stats and metrics"): ``tier_hit_*``
     split ``hit_tokens`` by tier; ``host_loaded_*`` / ``storage_loaded_*`` count the pages (and
     bytes, and microseconds spent) moved host -> device and storage -> host; ``storage_*`` the
-    storage queue (pages).
+    storage queue (pages); ``host_state_*`` the host state tier of a hybrid model (slots, states,
+    matches whose hit ended at a host state and their tokens past the device state hit).
     """
 
     kv_capacity: int
@@ -211,6 +212,13 @@ class EngineStats(NamedTuple):
     storage_fetch_timeouts: int = 0
     storage_errors: int = 0
     storage_pending: int = 0
+    host_state_slots: int = 0
+    host_state_used: int = 0
+    host_state_hits: int = 0
+    host_state_hit_tokens: int = 0
+    host_state_loaded: int = 0
+    host_state_demoted: int = 0
+    host_state_dropped: int = 0
 
     @property
     def hit_rate(self) -> float:

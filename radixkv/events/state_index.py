@@ -39,12 +39,13 @@ class StateIndex:
     It consumes both kinds of events (``BlockRemoved`` and ``AllBlocksCleared`` drop states,
     the rules of ``docs/events.md``, section 3) and answers, for a request's chain of block hashes
     (:func:`radixkv.cache.block_hash.block_hashes` of its tokens) and a KV overlap found elsewhere,
-    how much of the overlap ends at a state. Unknown removals are ignored (a consumer must not
-    fail on a stream it joined late).
+    how much of the overlap ends at a state. A state counts while it is live on some tier
+    (``medium``; a state moving tier is stored on the new one before it is removed from the
+    old). Unknown removals are ignored (a consumer must not fail on a stream it joined late).
     """
 
     def __init__(self) -> None:
-        self._states: dict[Hashable, dict[int, int]] = {}
+        self._states: dict[Hashable, dict[int, dict[str | None, int]]] = {}  # worker -> hash -> tier -> pos
 
     def apply(self, worker: Hashable, event: CacheEvent | dict[str, object]) -> None:
         """Apply one event (object or ``to_dict()`` dict) of ``worker``. O(len(event))."""
@@ -52,8 +53,15 @@ class StateIndex:
             event = any_event_from_dict(event)
         states = self._states.setdefault(worker, {})
         if isinstance(event, StateStored):
-            states[event.block_hash] = event.position
-        elif isinstance(event, (StateRemoved, BlockRemoved)):
+            states.setdefault(event.block_hash, {})[event.medium] = event.position
+        elif isinstance(event, StateRemoved):
+            for h in event.block_hashes:
+                tiers = states.get(int(h))
+                if tiers is not None:
+                    tiers.pop(event.medium, None)
+                    if not tiers:
+                        del states[int(h)]
+        elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
                 states.pop(int(h), None)
         elif isinstance(event, AllBlocksCleared):
@@ -76,9 +84,10 @@ class StateIndex:
     def num_states(self, worker: Hashable) -> int:
         return len(self._states.get(worker, ()))
 
-    def live(self, worker: Hashable) -> dict[int, int]:
-        """A copy of ``worker``'s live states: block hash -> position."""
-        return dict(self._states.get(worker, {}))
+    def live(self, worker: Hashable, medium: str | None = None) -> dict[int, int]:
+        """``worker``'s live states: block hash -> position, on any tier, or on ``medium`` only."""
+        return {h: p for h, tiers in self._states.get(worker, {}).items() for m, p in tiers.items()
+                if medium is None or m == medium}
 
     def usable(self, worker: Hashable, chain_hashes: Sequence[int], kv_blocks: int) -> UsableOverlap:
         """The deepest ``i <= kv_blocks`` with a state after block ``chain_hashes[i-1]`` on
@@ -96,6 +105,7 @@ class StateIndex:
 
     def check_invariants(self) -> None:
         """Every position is a positive int."""
-        bad: set[int] = {h for s in self._states.values() for h, p in s.items() if p < 1}
+        bad: set[int] = {h for s in self._states.values() for h, t in s.items()
+                         if not t or min(t.values()) < 1}
         if bad:
-            raise InvariantError(f"states with non-positive positions: {describe_ids(bad)}")
+            raise InvariantError(f"states on no tier or with non-positive positions: {describe_ids(bad)}")

@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 2.5)
 
 
+def _labelled(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, label: str,
+              values: dict[str, int]) -> Metric:
+    """One metric family with one sample per ``values`` item, labelled ``label=key``."""
+    family = kind(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
 class _StatsCollector(Collector):
     """The engine snapshot and the reliability figures, as the families the docstring lists."""
 
@@ -42,21 +51,16 @@ class _StatsCollector(Collector):
 
     def _tiers(self) -> Iterator[Metric]:
         t = self.tiers
-        if not t:
+        if "host_state_slots" in t:
+            yield from self._host_states(t)
+        if "host_capacity_tokens" not in t:
             return
-        host = GaugeMetricFamily("radixkv_host_tier_tokens", "host-memory tier (tokens)", labels=["state"])
-        host.add_metric(["capacity"], t["host_capacity_tokens"])
-        host.add_metric(["used"], t["host_used_tokens"])
-        yield host
-        hits = CounterMetricFamily("radixkv_tier_hit_tokens", "matched prompt tokens by the tier that held them",
-                                   labels=["tier"])
-        for tier in ("device", "host", "storage"):
-            hits.add_metric([tier], t[f"hit_tokens_{tier}"])
-        yield hits
-        pages = CounterMetricFamily("radixkv_tier_pages", "pages moved between the tiers", labels=["move"])
-        for move in ("loaded", "demoted", "host_dropped", "written_through"):
-            pages.add_metric([move], t[f"{move}_pages"])
-        yield pages
+        yield _labelled(GaugeMetricFamily, "radixkv_host_tier_tokens", "host-memory tier (tokens)", "state",
+                        {"capacity": t["host_capacity_tokens"], "used": t["host_used_tokens"]})
+        yield _labelled(CounterMetricFamily, "radixkv_tier_hit_tokens", "matched prompt tokens by the tier that "
+                        "held them", "tier", {k: t[f"hit_tokens_{k}"] for k in ("device", "host", "storage")})
+        yield _labelled(CounterMetricFamily, "radixkv_tier_pages", "pages moved between the tiers", "move",
+                        {k: t[f"{k}_pages"] for k in ("loaded", "demoted", "host_dropped", "written_through")})
         yield CounterMetricFamily("radixkv_tier_loaded_bytes", "bytes loaded from the host tier into device rows",
                                   value=t["loaded_pages"] * t["page_bytes"])
         yield CounterMetricFamily("radixkv_tier_load_seconds", "seconds spent loading host pages (copies and waits)",
@@ -114,6 +118,18 @@ class _StatsCollector(Collector):
             ("running_requests", s.requests, "running requests"),
         ):
             yield GaugeMetricFamily(f"radixkv_{name}", doc, value=value)
+
+    @staticmethod
+    def _host_states(t: dict[str, int]) -> Iterator[Metric]:
+        """The host state tier of a hybrid model (``MambaRadixCache.host_state_counters``)."""
+        yield _labelled(GaugeMetricFamily, "radixkv_host_state_slots", "host-memory state tier (Mamba states)",
+                        "state", {"capacity": t["host_state_slots"], "used": t["host_state_used"]})
+        yield _labelled(CounterMetricFamily, "radixkv_host_states", "Mamba states moved to, from or out of the "
+                        "host tier", "move", {k: t[f"host_states_{k}"] for k in ("demoted", "loaded", "dropped")})
+        yield CounterMetricFamily("radixkv_host_state_hits", "matches whose hit ended at a host-tier state",
+                                  value=t["host_states_hits"])
+        yield CounterMetricFamily("radixkv_host_state_hit_tokens", "matched tokens past the device state hit, "
+                                  "up to a host-tier state", value=t["host_states_hit_tokens"])
 
     def _reliability(self) -> Iterator[Metric]:
         if self.reliability is None:

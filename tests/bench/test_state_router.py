@@ -85,10 +85,10 @@ def test_audit_names_the_blocks_where_recorder_and_tree_disagree():
     serve(eng, s, "a", np.arange(8))
     rec = eng.tree.kv_events
     h = next(iter(rec.live_states()))
-    rec._states[h] = 6  # the recorder believes another position
+    rec._states["GPU"][h] = 6  # the recorder believes another position
     with pytest.raises(InvariantError, match=str(h)):
         eng.check_invariants()
-    rec._states[h] = 8
+    rec._states["GPU"][h] = 8
     eng.check_invariants()
 
 

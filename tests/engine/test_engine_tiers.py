@@ -228,3 +228,15 @@ def test_hybrid_host_state_tier_is_built_and_counts_host_hits(device):
     eng.cache_finished(s, ["b"])
     eng.check_invariants()
     assert eng.tree.host_state_counters()["host_states_loaded"] == 1
+    st = eng.stats()  # the host state tier in stats() (what a remote client gets) and the metrics
+    assert (st.host_state_slots, st.host_state_used, st.host_state_demoted, st.host_state_loaded,
+            st.host_state_dropped, st.host_state_hits, st.host_state_hit_tokens) == (4, 0, 1, 1, 0, 2, 24)
+    assert st.host_capacity == 0  # no host KV tier
+    from radixkv.service.server.metrics import ServiceMetrics
+
+    m = ServiceMetrics()
+    m.update_tiers(eng.tier_stats())
+    text = m.exposition().decode()
+    assert 'radixkv_host_state_slots{state="capacity"} 4.0' in text
+    assert 'radixkv_host_states_total{move="loaded"} 1.0' in text
+    assert "radixkv_host_state_hit_tokens_total 24.0" in text and "radixkv_host_tier_tokens" not in text

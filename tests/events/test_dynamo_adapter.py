@@ -294,7 +294,7 @@ def test_hybrid_recorder_orders_and_validates_state_events():
     assert [any_event_from_dict(e.to_dict()) for e in states] == states
     rec.on_stored(None, np.arange(2, dtype=np.int32))
     rec.on_state_stored(rec.block_hashes(np.arange(2, dtype=np.int32))[0], 2)
-    rec._states[777] = 2
+    rec._states["GPU"][777] = 2
     with pytest.raises(InvariantError, match=r"\[777\]"):
         rec.check_invariants()
     rec.on_cleared()

@@ -28,6 +28,13 @@ def test_manager_process_serves_host_loads_with_from_scratch_logits(pattern, ps,
             info = c.attach("proof")
             loaded = prove_logits(c, info.session, c.worker_buffers(info), model, ps, 16 if ps == 1 else 24)
             assert loaded > 0, "nothing came back from the host tier"
+            st = c.stats(info.session)
+            if "host_state_slots" in tier:  # the host state tier's counters reach a remote client
+                assert st.host_state_slots == 16 and st.host_state_loaded > 0
+                assert st.host_state_demoted >= st.host_state_loaded + st.host_state_used
+                assert st.host_state_hits >= st.host_state_loaded and st.host_state_hit_tokens > 0
+            else:
+                assert st.host_state_slots == 0 and st.host_loaded_pages > 0
             c.detach(info.session)
     finally:
         assert stop_server(srv) == 0

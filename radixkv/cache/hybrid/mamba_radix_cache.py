@@ -35,6 +35,7 @@ from radixkv.cache.hybrid.mamba_policies import (
 )
 from radixkv.cache.hybrid.state_events import HybridEventRecorder
 from radixkv.cache.hybrid.state_table import EventStateTable, StateTable, node_depths
+from radixkv.cache.kv_events import MEDIUM_CPU
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import NativeRadixCache, RadixCache
 from radixkv.cache.radix_key import RadixKey, as_radix_key
@@ -155,6 +156,8 @@ class MambaRadixCache(RadixCache):
             rec = HybridEventRecorder(page_size, seed=self.kv_events.seed)
             self.kv_events = rec
             cast(EventStateTable, self._states).events = rec  # the table type chosen above
+            if self._host is not None:
+                self._host.events = rec
         has_state, base_key = self._states.slot_of.__contains__, self._sort_key
         if self._host is not None:  # a state in either tier counts: demotion keeps a leaf's rank
             dev, hosted = self._states.slot_of, self._host.slot_of
@@ -259,6 +262,10 @@ class MambaRadixCache(RadixCache):
             s -= len(node.kbuf) >> 2
             node = node.parent
         self._metrics.record_query(len(key._buf) >> 2, s if hnode is None else hs)
+        if hnode is not None:
+            stats = cast(HostStateTable, self._host).stats
+            stats["hits"] += 1
+            stats["hit_tokens"] += hs - s
         return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n,
                                              0 if hnode is None else hs - s, hnode))
 
@@ -287,15 +294,16 @@ class MambaRadixCache(RadixCache):
             return m
         slot = int(got[0])
         cast(HostStatePool, self.host_state_pool).load([hslot], [slot])
-        host.release(hslot)
         self._attach(node, slot, end)
+        host.release(node, hslot)  # after the attach: an event consumer sees the state on a tier throughout
         idx = torch.cat([m.device_indices.to(self.device, torch.int64),
                          rows_tensor(b"".join(reversed(vals)), self.device)])
         return _tuple_new(MambaMatchResult, (idx, node, m.prefix_len + m.host_len, m.kv_prefix_len, 0, None))
 
     def host_state_counters(self) -> dict[str, int]:
-        """The host state tier's figures (empty when off): slots, used, and states demoted,
-        loaded back and dropped so far. O(1)."""
+        """The host state tier's figures (empty when off): slots, used, states demoted,
+        loaded back and dropped so far, and the matches (and their tokens past the device
+        state hit) whose hit ended at a host state. O(1)."""
         host = self._host
         if host is None:
             return {}
@@ -548,13 +556,14 @@ class MambaRadixCache(RadixCache):
         host, states = self._host, self._states
         demoted: list[tuple[TreeNode, int, int]] = []
         for node in self.state_order.victims(self, k):
+            if host is not None:  # the host slot first: events store it on CPU, then remove it from GPU
+                hslot, gone = host.demote(node, int(states.end[states.slot_of[node]]))
+                if gone is not None and gone.skey is not None:  # a filed leaf without a state now
+                    self._refile(gone)
             slot = states.detach(node)
             slots.append(slot)
             if host is not None:
-                hslot, gone = host.demote(node, int(states.end[slot]))
                 demoted.append((node, hslot, slot))
-                if gone is not None and gone.skey is not None:  # a filed leaf without a state now
-                    self._refile(gone)
             if node.skey is not None:  # a filed leaf: its full-order key dropped
                 self._refile(node)
         if demoted:  # a slot the table took back (full) and gave out again goes to its last owner
@@ -630,6 +639,9 @@ class MambaRadixCache(RadixCache):
         if events is not None and slots:
             slot_of: dict[Any, int] = self._states.slot_of  # TreeNodes whose block_hashes are set (events on)
             events.on_state_removed([n.block_hashes[-1] for n in slot_of])
+        if events is not None and self._host is not None and len(self._host):
+            hosted: dict[Any, int] = self._host.slot_of
+            events.on_state_removed([n.block_hashes[-1] for n in hosted], MEDIUM_CPU)
         if slots:
             self.mamba_pool.free(slots)
         RadixCache.reset(self)
@@ -661,9 +673,9 @@ class MambaRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ helpers
     def _attach(self, node: TreeNode, slot: int, end: int) -> None:
+        self._states.attach(node, slot, end)
         if self._host is not None and node in self._host.slot_of:  # a fresh device state replaces it
             self._host.drop(node)
-        self._states.attach(node, slot, end)
         if not self._lazy and node.skey is not None:
             self._refile(node)  # its full-eviction key changed (tombstone -> state)
 

@@ -4,8 +4,9 @@ A hybrid prefix is reusable only where the tree also holds the state after it, s
 needs to know where the states are. radixkv's own format, in the style of vLLM's KV events:
 :class:`StateStored` ``(block_hash, position, medium)`` (the state after a live page) and
 :class:`StateRemoved` ``(block_hashes, medium)``. Rules: a ``StateStored`` names a live
-block, at most one state per block; ``BlockRemoved`` and ``AllBlocksCleared`` drop the
-states too.
+block, at most one state per block and tier (``medium``: ``GPU`` the device, ``CPU`` the host
+state tier; a state moving tier is stored on the new one, then removed from the old);
+``BlockRemoved`` and ``AllBlocksCleared`` drop the states too.
 
 :class:`HybridEventRecorder` is the producer: a ``KVEventRecorder`` whose one queue also
 takes state events (hooks ``on_state_stored`` / ``on_state_removed``, called by
@@ -133,52 +134,64 @@ def split_state_events(events: Iterable[CacheEvent]) -> tuple[list[CacheEvent], 
 class HybridEventRecorder(KVEventRecorder):
     """A :class:`KVEventRecorder` that also records state events, in the same queue.
 
-    Besides the live block multiset of its base, it keeps the live states (block hash ->
-    position), so a state on a block that is not stored, a second state on one block, or the
-    removal of a state that is not there is refused at once (typed error, nothing recorded).
+    Besides the live block multiset of its base, it keeps the live states per tier (medium ->
+    block hash -> position), so a state on a block that is not stored, a second state on one
+    block and tier, or the removal of a state that is not there is refused at once (typed
+    error, nothing recorded).
 
     Args: as :class:`KVEventRecorder` (``page_size``, ``seed``, ``medium``).
     """
 
     def __init__(self, page_size: int, seed: Seed = DEFAULT_SEED, medium: str = MEDIUM_GPU):
         super().__init__(page_size, seed=seed, medium=medium)
-        self._states: dict[int, int] = {}
+        self._states: dict[str, dict[int, int]] = {}  # medium -> block hash -> position
 
     # -- the hooks of a hybrid cache
 
-    def on_state_stored(self, block_hash: int, position: int) -> None:
-        """Record a :class:`StateStored`: the state after the page ``block_hash`` (which ends
-        at token ``position``, a multiple of the page size). O(1).
+    def on_state_stored(self, block_hash: int, position: int, medium: str | None = None) -> None:
+        """Record a :class:`StateStored` on ``medium`` (default the recorder's): the state after
+        the page ``block_hash`` (which ends at token ``position``, a multiple of the page
+        size). A state moving tier is stored on the new one before it is removed from the old
+        (both briefly live). O(1).
 
-        Raises NotFoundError when the block is not live, InvalidArgumentError for a bad
-        hash / position or a block that already has a state (nothing recorded)."""
+        Raises NotFoundError when the block is not live, InvalidArgumentError for a bad hash /
+        position, a block that already has a state on ``medium``, or one on another tier at
+        another position (nothing recorded)."""
         h = _check_hash(block_hash, "block_hash")
         pos = _check_position(position)
+        m = self.medium if medium is None else medium
         if pos % self.page_size:
             raise InvalidArgumentError(f"state position {pos} is not a multiple of page_size {self.page_size}")
         if not self.is_live(h):
             raise NotFoundError(f"StateStored for block {h}, which is not stored")
-        if h in self._states:
-            raise InvalidArgumentError(f"block {h} already has a state (at {self._states[h]})")
-        self._states[h] = pos
-        self._events.append(StateStored(h, pos, self.medium))
+        tier = self._states.get(m)
+        if tier is not None and h in tier:
+            raise InvalidArgumentError(f"block {h} already has a state on {m} (at {tier[h]})")
+        other = [(x, t[h]) for x, t in self._states.items() if h in t and t[h] != pos]
+        if other:
+            raise InvalidArgumentError(f"block {h} has a state at {other[0][1]} on {other[0][0]}, not {pos}")
+        self._states.setdefault(m, {})[h] = pos
+        self._events.append(StateStored(h, pos, m))
 
-    def on_state_removed(self, block_hashes: Sequence[int]) -> None:
-        """Record a :class:`StateRemoved` for blocks that have a state. O(len).
+    def on_state_removed(self, block_hashes: Sequence[int], medium: str | None = None) -> None:
+        """Record a :class:`StateRemoved` on ``medium`` (default the recorder's) for blocks
+        that have a state there. O(len).
 
         Raises NotFoundError naming the blocks without one (nothing recorded)."""
         hs = [_check_hash(h, "block hash") for h in block_hashes]
         if not hs:
             return
+        m = self.medium if medium is None else medium
         dup = [h for h, n in Counter(hs).items() if n > 1]
         if dup:
             raise InvalidArgumentError(f"StateRemoved names blocks twice: {describe_ids(dup)}")
-        missing = [h for h in hs if h not in self._states]
+        tier = self._states.get(m, {})
+        missing = [h for h in hs if h not in tier]
         if missing:
-            raise NotFoundError(f"StateRemoved for blocks without a state: {describe_ids(missing)}")
+            raise NotFoundError(f"StateRemoved for blocks without a state on {m}: {describe_ids(missing)}")
         for h in hs:
-            del self._states[h]
-        self._events.append(StateRemoved(tuple(hs), self.medium))
+            del tier[h]
+        self._events.append(StateRemoved(tuple(hs), m))
 
     # -- the KV hooks keep the states consistent (rules 2 and 3)
 
@@ -187,8 +200,9 @@ class HybridEventRecorder(KVEventRecorder):
         super().on_removed(block_hashes, medium)  # validates; raises before any change
         for h in block_hashes:
             h = int(h)
-            if h in self._states and not self.is_live(h):
-                del self._states[h]
+            if not self.is_live(h):
+                for tier in self._states.values():
+                    tier.pop(h, None)
 
     def on_cleared(self) -> None:
         """The base's ``AllBlocksCleared``; every state goes too (rule 3)."""
@@ -197,9 +211,12 @@ class HybridEventRecorder(KVEventRecorder):
 
     # -- queries
 
-    def live_states(self) -> dict[int, int]:
-        """A copy of block hash -> position of every live state."""
-        return dict(self._states)
+    def live_states(self, medium: str | None = None) -> dict[int, int]:
+        """Block hash -> position of every live state on ``medium`` (a copy), or on any tier
+        when ``None``."""
+        if medium is not None:
+            return dict(self._states.get(medium, {}))
+        return {h: p for tier in self._states.values() for h, p in tier.items()}
 
     def check_invariants(self) -> None:
         """The base's checks (state events accepted in the queue), and every live state sits
@@ -210,9 +227,10 @@ class HybridEventRecorder(KVEventRecorder):
             super().check_invariants()
         finally:
             self._events = pending
-        orphans = [h for h in self._states if not self.is_live(h)]
+        states = [(h, p) for tier in self._states.values() for h, p in tier.items()]
+        orphans = [h for h, _ in states if not self.is_live(h)]
         if orphans:
             raise InvariantError(f"states on blocks that are not stored: {describe_ids(orphans)}")
-        bad = [h for h, p in self._states.items() if p < 1 or p % self.page_size]
+        bad = [h for h, p in states if p < 1 or p % self.page_size]
         if bad:
             raise InvariantError(f"states at positions that are not page ends: {describe_ids(bad)}")

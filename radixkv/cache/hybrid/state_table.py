@@ -251,7 +251,7 @@ class StateTable:
         rec = self.events
         if rec is None:
             return
-        theirs = rec.live_states()
+        theirs = rec.live_states(rec.medium)
         bad = sorted(h for h in mine.keys() | theirs.keys() if mine.get(h) != theirs.get(h))
         if bad:
             nodes = [n.id for n in slot_of if n.block_hashes[-1] in set(bad)]

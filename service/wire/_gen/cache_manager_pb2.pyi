@@ -282,7 +282,7 @@ class StatsRequest(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("kv_capacity", "kv_available", "kv_evictable", "kv_protected", "kv_held", "state_capacity", "state_available", "state_evictable", "state_protected", "state_held", "rows_capacity", "rows_available", "sessions", "requests", "queries", "queried_tokens", "hit_tokens", "inserted_tokens", "evicted_tokens", "host_capacity", "host_available", "host_used", "tier_hit_device", "tier_hit_host", "tier_hit_storage", "host_loaded_pages", "host_loaded_bytes", "host_load_us", "host_demoted_pages", "host_dropped_pages", "storage_loaded_pages", "storage_loaded_bytes", "storage_load_us", "storage_written_pages", "storage_write_failed", "storage_backup_dropped", "storage_fetch_timeouts", "storage_errors", "storage_pending")
+    __slots__ = ("kv_capacity", "kv_available", "kv_evictable", "kv_protected", "kv_held", "state_capacity", "state_available", "state_evictable", "state_protected", "state_held", "rows_capacity", "rows_available", "sessions", "requests", "queries", "queried_tokens", "hit_tokens", "inserted_tokens", "evicted_tokens", "host_capacity", "host_available", "host_used", "tier_hit_device", "tier_hit_host", "tier_hit_storage", "host_loaded_pages", "host_loaded_bytes", "host_load_us", "host_demoted_pages", "host_dropped_pages", "storage_loaded_pages", "storage_loaded_bytes", "storage_load_us", "storage_written_pages", "storage_write_failed", "storage_backup_dropped", "storage_fetch_timeouts", "storage_errors", "storage_pending", "host_state_slots", "host_state_used", "host_state_hits", "host_state_hit_tokens", "host_state_loaded", "host_state_demoted", "host_state_dropped")
     KV_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     KV_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     KV_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,13 @@ class StatsResponse(_message.Message):
     STORAGE_FETCH_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    HOST_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_STATE_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_STATE_HITS_FIELD_NUMBER: _ClassVar[int]
+    HOST_STATE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_STATE_LOADED_FIELD_NUMBER: _ClassVar[int]
+    HOST_STATE_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    HOST_STATE_DROPPED_FIELD_NUMBER: _ClassVar[int]
     kv_capacity: int
     kv_available: int
     kv_evictable: int
@@ -361,7 +368,14 @@ class StatsResponse(_message.Message):
     storage_fetch_timeouts: int
     storage_errors: int
     storage_pending: int
-    def __init__(self, kv_capacity: _Optional[int] = ..., kv_available: _Optional[int] = ..., kv_evictable: _Optional[int] = ..., kv_protected: _Optional[int] = ..., kv_held: _Optional[int] = ..., state_capacity: _Optional[int] = ..., state_available: _Optional[int] = ..., state_evictable: _Optional[int] = ..., state_protected: _Optional[int] = ..., state_held: _Optional[int] = ..., rows_capacity: _Optional[int] = ..., rows_available: _Optional[int] = ..., sessions: _Optional[int] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., inserted_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., host_capacity: _Optional[int] = ..., host_available: _Optional[int] = ..., host_used: _Optional[int] = ..., tier_hit_device: _Optional[int] = ..., tier_hit_host: _Optional[int] = ..., tier_hit_storage: _Optional[int] = ..., host_loaded_pages: _Optional[int] = ..., host_loaded_bytes: _Optional[int] = ..., host_load_us: _Optional[int] = ..., host_demoted_pages: _Optional[int] = ..., host_dropped_pages: _Optional[int] = ..., storage_loaded_pages: _Optional[int] = ..., storage_loaded_bytes: _Optional[int] = ..., storage_load_us: _Optional[int] = ..., storage_written_pages: _Optional[int] = ..., storage_write_failed: _Optional[int] = ..., storage_backup_dropped: _Optional[int] = ..., storage_fetch_timeouts: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_pending: _Optional[int] = ...) -> None: ...
+    host_state_slots: int
+    host_state_used: int
+    host_state_hits: int
+    host_state_hit_tokens: int
+    host_state_loaded: int
+    host_state_demoted: int
+    host_state_dropped: int
+    def __init__(self, kv_capacity: _Optional[int] = ..., kv_available: _Optional[int] = ..., kv_evictable: _Optional[int] = ..., kv_protected: _Optional[int] = ..., kv_held: _Optional[int] = ..., state_capacity: _Optional[int] = ..., state_available: _Optional[int] = ..., state_evictable: _Optional[int] = ..., state_protected: _Optional[int] = ..., state_held: _Optional[int] = ..., rows_capacity: _Optional[int] = ..., rows_available: _Optional[int] = ..., sessions: _Optional[int] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., inserted_tokens: _Optional[int] = ..., evicted_tokens: _Optional[int] = ..., host_capacity: _Optional[int] = ..., host_available: _Optional[int] = ..., host_used: _Optional[int] = ..., tier_hit_device: _Optional[int] = ..., tier_hit_host: _Optional[int] = ..., tier_hit_storage: _Optional[int] = ..., host_loaded_pages: _Optional[int] = ..., host_loaded_bytes: _Optional[int] = ..., host_load_us: _Optional[int] = ..., host_demoted_pages: _Optional[int] = ..., host_dropped_pages: _Optional[int] = ..., storage_loaded_pages: _Optional[int] = ..., storage_loaded_bytes: _Optional[int] = ..., storage_load_us: _Optional[int] = ..., storage_written_pages: _Optional[int] = ..., storage_write_failed: _Optional[int] = ..., storage_backup_dropped: _Optional[int] = ..., storage_fetch_timeouts: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_pending: _Optional[int] = ..., host_state_slots: _Optional[int] = ..., host_state_used: _Optional[int] = ..., host_state_hits: _Optional[int] = ..., host_state_hit_tokens: _Optional[int] = ..., host_state_loaded: _Optional[int] = ..., host_state_demoted: _Optional[int] = ..., host_state_dropped: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("session",)

@@ -14,7 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
+from radixkv.cache.hybrid.state_events import StateRemoved, StateStored
 from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.events.state_index import StateIndex
 from radixkv.memory import MambaPool
 from radixkv.memory.host_state_pool import HostStatePool
 from radixkv.scheduler.req import Req
@@ -22,11 +24,11 @@ from radixkv.scheduler.req import Req
 POOL, SLOTS, HOST = 48, 4, 3
 
 
-def make(ps=1, slots=SLOTS, host=HOST, policy="lru", pool=POOL):
+def make(ps=1, slots=SLOTS, host=HOST, policy="lru", pool=POOL, events=False):
     alloc = TokenToKVPoolAllocator(pool) if ps == 1 else PagedTokenToKVPoolAllocator(pool, ps)
     mamba = MambaPool(slots, (3, 4), (1, 2, 2), 2, dtype=torch.float64)
     cache = MambaRadixCache(None, alloc, page_size=ps, mamba_pool=mamba, state_eviction_policy=policy,
-                            host_state_pool=HostStatePool(mamba, host))
+                            host_state_pool=HostStatePool(mamba, host), enable_kv_events=events)
     return cache, alloc, mamba
 
 
@@ -81,6 +83,43 @@ def test_demote_then_load_back_is_bit_equal():
     assert cache.host_state_slot(a) is not None
     counters = cache.host_state_counters()
     assert (counters["host_states_demoted"], counters["host_states_loaded"], counters["host_state_used"]) == (2, 1, 1)
+
+
+def test_state_events_carry_the_tier_and_counters_count_host_hits():
+    """Demote: ``StateStored`` on CPU, then ``StateRemoved`` from GPU; load back: the reverse;
+    a host drop and a reset: ``StateRemoved`` on CPU. Counters: hits and their tokens."""
+    cache, alloc, mamba = make(host=1, events=True)
+    a = insert(cache, alloc, mamba, [1, 2, 3], 1.1).node
+    b = insert(cache, alloc, mamba, [1, 2, 3, 4, 5], 2.2).node
+    ha, hb = a.block_hashes[-1], b.block_hashes[-1]
+    cache.kv_events.take_events()
+    cache.evict(0, 1)  # lru: a's state goes first
+    assert cache.kv_events.take_events() == [StateStored(ha, 3, "CPU"), StateRemoved((ha,), "GPU")]
+    cache.evict(0, 1)  # b's: the full host tier (1 slot) drops a's
+    assert cache.kv_events.take_events() == [StateStored(hb, 5, "CPU"), StateRemoved((ha,), "CPU"),
+                                             StateRemoved((hb,), "GPU")]
+    cache.check_invariants()
+    m = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert (m.prefix_len, m.host_len) == (0, 5)
+    assert cache.load_back(m).prefix_len == 5
+    assert cache.kv_events.take_events() == [StateStored(hb, 5, "GPU"), StateRemoved((hb,), "CPU")]
+    counters = cache.host_state_counters()
+    assert (counters["host_states_hits"], counters["host_states_hit_tokens"]) == (1, 5)
+    assert [counters[f"host_states_{k}"] for k in ("demoted", "loaded", "dropped")] == [2, 1, 1]
+    cache.evict(0, 1)
+    cache.kv_events.take_events()
+    cache.reset()
+    assert cache.kv_events.take_events()[0] == StateRemoved((hb,), "CPU")
+    cache.check_invariants()
+
+
+def test_audit_names_a_host_state_the_recorder_does_not_hold():
+    cache, alloc, mamba = make(events=True)
+    b = insert(cache, alloc, mamba, [1, 2, 3], 1.1).node
+    cache.evict(0, 1)
+    cache.kv_events._states["CPU"].clear()  # the recorder lost it
+    with pytest.raises(InvariantError, match=str(b.block_hashes[-1])):
+        cache.check_invariants()
 
 
 def test_full_host_tier_drops_the_oldest_and_hits_stop_at_a_held_state():
@@ -204,10 +243,12 @@ def tree_content(cache):
 class HostStateMachine(PrefixModel, RuleBasedStateMachine):
     page_size = 1
     state_policy = "lru"
+    events = False
 
     def __init__(self):
         super().__init__()
-        self.cache, self.alloc, self.mamba = make(self.page_size, policy=self.state_policy)
+        self.cache, self.alloc, self.mamba = make(self.page_size, policy=self.state_policy, events=self.events)
+        self.index = StateIndex()  # a router fed the tree's events (events on)
         self.kv, self.states = {}, {}  # states: prefix -> (conv, temporal) written at insert
         self.locks = []
         self.next_value = 1.0
@@ -278,9 +319,13 @@ class HostStateMachine(PrefixModel, RuleBasedStateMachine):
 
     def moved(self, op):
         """Run ``op`` (an eviction, or a load that may evict): no KV or state is changed or
-        added, and a state lost while its KV stays is one the full host tier dropped."""
+        added, and a state lost while its KV stays is one the full host tier dropped. With
+        events, a router fed them one at a time never misses a state that was in the tree
+        before and after ``op`` (a tier move stores it on the new tier first)."""
         dropped = self.cache.host_state_counters()["host_states_dropped"]
+        before = self.hashed_states()
         out = op()
+        self.feed(before & self.hashed_states())
         kv, states = tree_content(self.cache)
         assert all(self.kv.get(p) == r for p, r in kv.items()), "KV changed or added"
         assert all(self.states.get(p) == v for p, v in states.items()), "a state changed in a tier move"
@@ -293,8 +338,30 @@ class HostStateMachine(PrefixModel, RuleBasedStateMachine):
     def evict(self, num_tokens, num_states):
         self.moved(lambda: self.cache.evict(num_tokens, num_states))
 
+    def hashed_states(self):
+        """Block hash of the last page of every node holding a state in some tier (events on)."""
+        if not self.events:
+            return set()
+        cache = self.cache
+        return {n.block_hashes[-1] for n in cache.iter_nodes()
+                if n.parent is not None and (cache.state_slot(n) is not None or cache.host_state_slot(n) is not None)}
+
+    def feed(self, kept):
+        """Apply the pending events to the router one at a time: ``kept`` live throughout."""
+        if not self.events:
+            return
+        for e in self.cache.kv_events.take_events():
+            self.index.apply("w", e)
+            assert kept <= set(self.index.live("w")), f"{type(e).__name__}: a router lost a kept state"
+
     @invariant()
     def consistent(self):
+        self.feed(set())
+        if self.events:  # the router's view per tier is the tree's
+            cache = self.cache
+            for medium, where in (("GPU", cache.state_slot), ("CPU", cache.host_state_slot)):
+                want = {n.block_hashes[-1] for n in cache.iter_nodes() if n.parent is not None and where(n) is not None}
+                assert set(self.index.live("w", medium)) == want, medium
         self.cache.check_invariants()
         self.alloc.check_invariants()
         self.mamba.check_invariants()
@@ -314,6 +381,18 @@ class HostStatesPage2Flop(HostStateMachine):
 
 HostStatesPage2Flop.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 TestHostStatesPage2Flop = HostStatesPage2Flop.TestCase
+
+
+class HostStatesPage2Events(HostStateMachine):
+    """With events: the recorder's states per tier are the tables' (``check_invariants``), and
+    a router fed the events agrees, never losing a state during a tier move."""
+
+    page_size = 2
+    events = True
+
+
+HostStatesPage2Events.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+TestHostStatesPage2Events = HostStatesPage2Events.TestCase
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
