@@ -56,3 +56,53 @@ def prove_logits(engine, session, buffers, model, ps, turn, tol=1e-9):
         engine.cache_finished(session, [f"r{i}"])
         engine.check_invariants()
     return loaded
+
+
+MLA_RANK, MLA_ROPE = 6, 2
+
+
+def mla_fields(ps, layers=2):
+    """EngineConfig fields of a KV-only MLA model (fp64 latents of ``MLA_RANK + MLA_ROPE``)."""
+    return dict(layer_types="F" * layers, head_num=1, head_dim=MLA_RANK + MLA_ROPE, kv_lora_rank=MLA_RANK,
+                qk_rope_head_dim=MLA_ROPE, kv_dtype="float64", page_size=ps, request_rows=4, max_context_len=256)
+
+
+def mla_latents(tokens, layers):
+    """The latents a causal MLA model writes for ``tokens``: per layer and position a function
+    of the whole prefix up to it (a rolling hash), fp64 ``[layers, n, 1, MLA_RANK + MLA_ROPE]``.
+    A row loaded from the wrong page, or a stale or torn one, differs."""
+    import torch
+
+    acc, h = 0, np.zeros(len(tokens), np.float64)
+    for i, t in enumerate(tokens):
+        acc = (acc * 1000003 + int(t) + 1) % (2**31 - 1)
+        h[i] = acc
+    grid = h[None, :, None] * 1e-6 * np.arange(1, layers + 1)[:, None, None] + np.arange(MLA_RANK + MLA_ROPE) * 0.37
+    return torch.from_numpy(np.sin(grid))[:, :, None, :]
+
+
+def prove_mla_latents(engine, session, buffers, ps, turn, layers=2):
+    """``prove_logits`` for an MLA model, which the reference model does not implement: 4
+    conversations of 3 turns; every extend finds its cached prefix's latents (device rows,
+    host loads) bit-equal to what the model wrote, then writes its own. Returns the tokens
+    the extends reported loaded from the host tier."""
+    import torch
+
+    from radixkv.engine.protocol import ExtendItem
+
+    pool = buffers.kv_pool
+    loaded = 0
+    for i, tokens in enumerate(conversations(np.random.default_rng(ps), 4, 3, turn, 50)):
+        (r,) = engine.alloc_extend(session, [ExtendItem(f"r{i}", tokens)])
+        engine.check_invariants()
+        row = buffers.req_to_token[r.req_pool_idx, :r.seq_len].long()
+        want = mla_latents(tokens, layers)
+        for layer in range(layers):
+            got = pool.kv_buffer[layer][row[:r.start]]
+            assert torch.equal(got, want[layer, :r.start]), f"r{i} layer {layer}: cached latents differ " \
+                f"(prefix {r.prefix_len}, host {r.host_len})"
+            pool.kv_buffer[layer][row[r.start:]] = want[layer, r.start:]
+        loaded += r.host_len
+        engine.cache_finished(session, [f"r{i}"])
+        engine.check_invariants()
+    return loaded

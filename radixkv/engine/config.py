@@ -57,7 +57,7 @@ the tree's policies; sessions; ``decode_reserve``, ``mamba_track_interval``; the
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
 needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; the
-host KV tier is KV-only; ``host_state_slots`` needs a hybrid model. Raises
+host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model. Raises
 ``InvalidArgumentError`` naming the field for any bad value.
 """
 
@@ -168,9 +168,6 @@ host KV tier is KV-only; ``host_state_slots`` needs a hybrid model. Raises
         if self.host_state_slots and "K" not in str(self.layer_types):
             raise InvalidArgumentError("EngineConfig.host_state_slots needs a hybrid model (a 'K' in "
                                        "layer_types): a KV-only model has no states")
-        if self.host_kv_tokens and self.kv_lora_rank:
-            raise InvalidArgumentError("EngineConfig.host_kv_tokens: the host tier holds MHA KV pools "
-                                       "(an MLA pool's latent rows in the host tier are not built yet)")
         if self.write_policy not in WRITE_POLICIES:
             raise InvalidArgumentError(f"EngineConfig.write_policy must be one of {list(WRITE_POLICIES)}, "
                                        f"got {self.write_policy!r}")

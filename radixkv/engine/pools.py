@@ -38,7 +38,6 @@ from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.memory import Arena, HybridLinearKVPool, HybridReqToTokenPool, MambaPool, ReqToTokenPool
 from radixkv.memory.host_kv_pool import HostKVPool
 from radixkv.memory.host_state_pool import HostStatePool
-from radixkv.memory.kv_pool import MHATokenToKVPool
 from radixkv.storage.keys import layout_fingerprint
 from radixkv.storage.tier_controller import StorageController
 
@@ -104,7 +103,7 @@ class EnginePools:
                                                          need_sort=True, kvcache=self.kv_pool,
                                                          checks=config.checks)
         self.host_pool: HostKVPool | None = None
-        if config.host_kv_tokens and isinstance(self.kv_pool, MHATokenToKVPool):  # MLA: refused by the config
+        if config.host_kv_tokens:  # a KV-only model (hybrid: refused by the config), MHA or MLA
             self.host_pool = HostKVPool(self.kv_pool, config.host_kv_tokens // config.page_size)
         self.host_state_pool: HostStatePool | None = None
         if config.host_state_slots and self.mamba_pool is not None:  # KV-only: refused by the config
@@ -198,7 +197,11 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
 
 def kv_fingerprint(c: EngineConfig) -> str:
     """The KV layout's fingerprint that seeds the storage keys (layers, heads, head dim,
-    dtype, page size): a manager with another layout never loads these pages."""
+    dtype, page size; MLA: the latent's split too): a manager with another layout never
+    loads these pages."""
+    if c.is_mla:
+        return layout_fingerprint(kind="mla", layers=len(c.full_layer_ids), kv_lora_rank=c.kv_lora_rank,
+                                  qk_rope_head_dim=c.qk_rope_head_dim, dtype=c.kv_dtype, page_size=c.page_size)
     return layout_fingerprint(kind="mha", layers=len(c.full_layer_ids), heads=c.head_num,
                               head_dim=c.head_dim, dtype=c.kv_dtype, page_size=c.page_size)
 

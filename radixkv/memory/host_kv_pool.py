@@ -1,12 +1,13 @@
 """``HostKVPool``: the host tier's (L2) KV buffer, laid out page-first.
 
 One uint8 buffer of ``[num_pages + 1, page_bytes]`` (row 0 is padding, never handed out):
-a row holds one page whole, every layer's K then V of the page's tokens, i.e. the row viewed
-as the store dtype is ``[layers, 2, page_size, heads, head_dim]``. So a page travels to the
-storage tier as ONE contiguous row. Pinned memory when the device is CUDA, plain on CPU.
+a row holds one page whole, every layer's K then V of the page's tokens (an MLA pool: every
+layer's latent), i.e. the row viewed as the store dtype is ``[layers, 2, page_size, heads,
+head_dim]`` (MLA: ``[layers, 1, page_size, 1, kv_lora_rank + qk_rope_head_dim]``). So a page
+travels to the storage tier as ONE contiguous row. Pinned memory when the device is CUDA.
 
 Copies go in batches: ``store`` gathers the device rows of every page of a batch into one
-staging tensor (one indexed read per layer and K/V), moves it to the host once and scatters
+staging tensor (one indexed read per layer and buffer), moves it to the host once and scatters
 it into the host rows with one indexed write; ``load`` is the reverse. On CUDA both run on a
 side stream and return an event; the caller waits on it before the rows are read (loads) or
 the device rows are reused (stores). Cost: O(bytes of the batch), 2 x layers + 2 kernels. On
@@ -18,43 +19,52 @@ import torch
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.memory import native
-from radixkv.memory.kv_pool import MHATokenToKVPool
+from radixkv.memory.kv_pool import MHATokenToKVPool, MLATokenToKVPool
 
 __all__ = ["HostKVPool"]
 
 
 class HostKVPool:
-    """The host copy of KV pages of one :class:`MHATokenToKVPool` (same dtype and shape).
+    """The host copy of KV pages of one :class:`MHATokenToKVPool` or :class:`MLATokenToKVPool`
+    (same dtype and row shape).
 
     Args:
-        kv_pool: the device pool whose pages this tier holds.
+        kv_pool: the device pool whose pages this tier holds (its per-layer buffers, K and V
+            or the one latent, are the page's chunks, in that order).
         num_pages: host pages (ids ``1..num_pages``; the ids come from a
             :class:`~radixkv.allocator.host_pages.HostPageAllocator`).
     Attributes: ``buffer`` (flat uint8), ``pages`` (``[num_pages + 1, page_bytes]``),
     ``page_bytes``, ``device`` (the device pool's), ``pinned``.
     """
 
-    def __init__(self, kv_pool: MHATokenToKVPool, num_pages: int) -> None:
-        if not isinstance(kv_pool, MHATokenToKVPool):
-            raise InvalidArgumentError(f"the host tier holds MHA KV pools, got {type(kv_pool).__name__}")
+    def __init__(self, kv_pool: MHATokenToKVPool | MLATokenToKVPool, num_pages: int) -> None:
+        self._bufs: list[tuple[torch.Tensor, ...]]  # per layer: the buffers of a page's chunks, in order
+        if isinstance(kv_pool, MHATokenToKVPool):
+            self._bufs = [(k, v) for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer)]
+            heads, dim = kv_pool.head_num, kv_pool.head_dim
+        elif isinstance(kv_pool, MLATokenToKVPool):
+            self._bufs = [(kv,) for kv in kv_pool.kv_buffer]
+            heads, dim = 1, kv_pool.kv_cache_dim
+        else:
+            raise InvalidArgumentError(f"the host tier holds MHA or MLA KV pools, got {type(kv_pool).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise InvalidArgumentError(f"num_pages must be an int >= 1, got {num_pages!r}")
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self.num_pages = num_pages
-        ps, n_layers = kv_pool.page_size, kv_pool.layer_num
-        self._shape = (n_layers, 2, ps, kv_pool.head_num, kv_pool.head_dim)
+        ps, n_layers, kinds = kv_pool.page_size, kv_pool.layer_num, len(self._bufs[0])
+        self._shape = (n_layers, kinds, ps, heads, dim)
         dt = kv_pool.store_dtype
-        self.page_bytes = 2 * n_layers * ps * kv_pool.head_num * kv_pool.head_dim * dt.itemsize
+        self.page_bytes = kinds * n_layers * ps * heads * dim * dt.itemsize
         self.pinned = self.device.type == "cuda"
         self.buffer = torch.zeros((num_pages + 1) * self.page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         self.pages = self.buffer.view(num_pages + 1, self.page_bytes)
         self._typed = self.buffer.view(dt).view(num_pages + 1, *self._shape)
         # Copies move whole per-layer chunks of a page as the widest integer words that divide
         # them (page-granular, word-wise: several times faster on the CPU than fp16 elements).
-        chunk = ps * kv_pool.head_num * kv_pool.head_dim * dt.itemsize
+        chunk = ps * heads * dim * dt.itemsize
         self._word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if chunk % w.itemsize == 0)
-        self._wide = self.buffer.view(self._word).view(num_pages + 1, n_layers, 2, -1)
+        self._wide = self.buffer.view(self._word).view(num_pages + 1, n_layers, kinds, -1)
         self._staging: torch.Tensor | None = None  # CPU snapshots (reused: no fresh pages to fault in)
         self._stream = None
         if self.device.type == "cuda":
@@ -75,14 +85,14 @@ class HostKVPool:
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """The device rows (whole pages) as host page rows ``[pages, page_bytes]`` (uint8,
-        CPU, a fresh tensor): one indexed read per layer and K/V, one transfer."""
+        CPU, a fresh tensor): one indexed read per layer and buffer, one transfer."""
         r = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
-        n_layers, _, ps, h, d = self._shape
+        _, _, ps, h, d = self._shape
         n = r.numel() // ps
         stage = torch.empty((n, *self._shape), dtype=self.kv_pool.store_dtype, device=self.device)
-        for layer in range(n_layers):
-            stage[:, layer, 0] = self.kv_pool.k_buffer[layer][r].view(n, ps, h, d)
-            stage[:, layer, 1] = self.kv_pool.v_buffer[layer][r].view(n, ps, h, d)
+        for layer, bufs in enumerate(self._bufs):
+            for kind, buf in enumerate(bufs):
+                stage[:, layer, kind] = buf[r].view(n, ps, h, d)
         return stage.cpu().view(torch.uint8).view(n, self.page_bytes)
 
     def store(self, pages: torch.Tensor, rows: torch.Tensor) -> torch.cuda.Event | None:
@@ -122,7 +132,7 @@ class HostKVPool:
 
     def load_from(self, src: torch.Tensor, rows: torch.Tensor) -> torch.cuda.Event | None:
         """Copy a :meth:`snapshot` into device ``rows`` (``page_size`` per page): one
-        transfer, one indexed write per layer and K/V. On CUDA on the side stream: a reader
+        transfer, one indexed write per layer and buffer. On CUDA on the side stream: a reader
         of the rows waits on the returned event first."""
         r = torch.as_tensor(rows).to(self.device, torch.int64).reshape(-1)
         if r.numel() != src.shape[0] * self._shape[2]:
@@ -149,15 +159,14 @@ class HostKVPool:
 
     def _copy_compiled(self, pages: torch.Tensor, rows: torch.Tensor, *, to_device: bool) -> bool:
         """Host ``pages`` <-> device ``rows`` in one pass (one memcpy per page and layer and
-        K/V, :mod:`radixkv.memory.native`) when it is built, the pool is on the CPU and the
+        buffer, :mod:`radixkv.memory.native`) when it is built, the pool is on the CPU and the
         rows are whole aligned pages; False (nothing copied) otherwise."""
         if native.copy_pages is None or self.device.type != "cpu" or not pages.numel():
             return False
         ids = self._page_ids(rows)
         if ids is None:
             return False
-        bufs = [b for layer in range(self._shape[0])
-                for b in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer])]
+        bufs = [b for layer in self._bufs for b in layer]
         if not all(b.is_contiguous() for b in bufs):
             return False
         chunk = self.page_bytes // len(bufs)
@@ -172,14 +181,14 @@ class HostKVPool:
         n = src.shape[0]
         ids = self._page_ids(rows)
         if ids is not None:  # whole pages: page-granular word copies, no row gather
-            words = src.reshape(n, n_layers, 2, -1).view(self._word)
-            for layer in range(n_layers):
-                for kv, buf in enumerate((self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer])):
-                    buf.view(-1, ps * h * d).view(self._word).index_copy_(0, ids, words[:, layer, kv])
+            words = src.reshape(n, n_layers, len(self._bufs[0]), -1).view(self._word)
+            for layer, bufs in enumerate(self._bufs):
+                for kind, buf in enumerate(bufs):
+                    buf.view(-1, ps * h * d).view(self._word).index_copy_(0, ids, words[:, layer, kind])
             return None
-        for layer in range(n_layers):
-            self.kv_pool.k_buffer[layer][rows] = src[:, layer, 0].reshape(n * ps, h, d)
-            self.kv_pool.v_buffer[layer][rows] = src[:, layer, 1].reshape(n * ps, h, d)
+        for layer, bufs in enumerate(self._bufs):
+            for kind, buf in enumerate(bufs):
+                buf[rows] = src[:, layer, kind].reshape(n * ps, h, d)
         return None
 
     def _page_ids(self, rows: torch.Tensor) -> torch.Tensor | None:

@@ -4,10 +4,12 @@ small for them, so cached prefixes go to the host tier and come back; every exte
 equal the from-scratch logits within 1e-9. KV-only models with the host KV tier
 (``host_kv_tokens``); hybrid models (KDA + attention) with the host state tier
 (``host_state_slots``): a state demoted to host memory and loaded back must be bit-equal, or
-the recurrent layers' logits drift. Page sizes 1, 16 and 64; invariants after every call."""
+the recurrent layers' logits drift. MLA models (latent rows in the host tier): the reference
+model has no MLA, so every cached prefix's latents must read back bit-equal to what was
+written. Page sizes 1, 16 and 64; invariants after every call."""
 import pytest
 from conformance_util import Checked
-from tier_workload import proof_fields, proof_model, prove_logits
+from tier_workload import mla_fields, proof_fields, proof_model, prove_logits, prove_mla_latents
 
 
 def _prove(engine_factory, pattern, ps, turn, **cfg):
@@ -34,3 +36,13 @@ def test_hybrid_logits_over_host_state_loads(engine_factory, ps, events):
     loaded = _prove(engine_factory, "KFK", ps, turn, kv_tokens=4096, state_slots=5, host_state_slots=16,
                     enable_kv_events=events)
     assert loaded > 0, "no state came back from the host tier"
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_mla_latents_over_host_loads(engine_factory, ps):
+    kv, turn = (256, 64) if ps == 64 else (96, 24)
+    raw = engine_factory(**mla_fields(ps), kv_tokens=kv, host_kv_tokens=1024)
+    e = Checked(raw)
+    info = e.attach("proof")
+    loaded = prove_mla_latents(e, info.session, engine_factory.buffers(raw, info), ps, turn)
+    assert loaded > 0, "no latent came back from the host tier"

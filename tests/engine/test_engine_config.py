@@ -99,7 +99,7 @@ def test_frozen():
         EngineConfig().kv_tokens = 5
 
 
-def test_host_tier_with_an_mla_pool_is_refused():
-    with pytest.raises(InvalidArgumentError, match="MLA"):
-        EngineConfig(kv_tokens=64, head_num=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64,
+def test_host_tier_with_an_mla_pool_is_accepted():
+    c = EngineConfig(kv_tokens=64, head_num=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64,
                      host_kv_tokens=64)
+    assert c.is_mla and c.host_kv_tokens == 64

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from storage_double import DictStorage
-from tier_workload import conversations
+from tier_workload import conversations, mla_fields, prove_mla_latents
 
 from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.engine.config import EngineConfig
@@ -193,6 +193,53 @@ def test_seeded_stress_batches_with_loads_evictions_and_aborts(seed, ps):
             p.eng.cache_finished(p.session, done)
         p.eng.check_invariants()
     assert p.tiers[1] > 0, f"no host loads in the run: {p.tiers}"
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_mla_latents_over_host_loads_equal_what_the_model_wrote(ps, policy):
+    """An MLA pool's latent rows demote to and load from the host tier (a page row: every
+    layer's latent): every cached prefix reads back bit-equal (the reference model has no
+    MLA, so the oracle is the latents themselves)."""
+    kv, turn = (256, 32) if ps == 64 else (96, 24)
+    eng = CacheEngine(EngineConfig(kv_tokens=kv, host_kv_tokens=1024, write_policy=policy, **mla_fields(ps)))
+    assert eng.pools.host_pool is not None and eng.pools.host_pool.page_bytes == 2 * ps * 8 * 8
+    s = eng.attach("mla").session
+    assert prove_mla_latents(eng, s, eng.worker_buffers(), ps, turn) > 0, "nothing came back from the host tier"
+    assert eng.stats().host_loaded_pages > 0
+
+
+def test_mla_pages_in_storage_round_trip_and_are_keyed_apart_from_mha():
+    """An MLA manager's pages go to storage and come back (a second engine on the same store),
+    under a fingerprint of its own: an MHA layout of the same row width never loads them."""
+    from radixkv.engine.pools import kv_fingerprint
+
+    store = DictStorage()
+    fields = mla_fields(16)
+    mha = {**fields, "kv_lora_rank": 0, "qk_rope_head_dim": 0}
+    assert kv_fingerprint(EngineConfig(**fields)) != kv_fingerprint(EngineConfig(**mha))
+    tokens = (np.arange(64, dtype=np.int32) * 7) % 50
+    a = CacheEngine(EngineConfig(kv_tokens=96, host_kv_tokens=256, **fields), storage=store)
+    s = a.attach().session
+    (r,) = a.alloc_extend(s, [ExtendItem("w", tokens)])
+    pool = a.worker_buffers().kv_pool
+    rows = a.worker_buffers().req_to_token[r.req_pool_idx, :r.seq_len].long()
+    for layer in range(2):
+        pool.kv_buffer[layer][rows] = torch.arange(64 * 8, dtype=torch.float64).view(64, 1, 8) + 1000 * layer
+    a.cache_finished(s, ["w"])
+    a.close()  # drains the backups
+    b = CacheEngine(EngineConfig(kv_tokens=96, host_kv_tokens=256, **fields), storage=store)
+    s = b.attach().session
+    (r,) = b.alloc_extend(s, [ExtendItem("r", np.concatenate([tokens, tokens[:5]]))])
+    assert (r.prefix_len, r.storage_len) == (64, 64)
+    rows = b.worker_buffers().req_to_token[r.req_pool_idx, :64].long()
+    for layer in range(2):
+        want = torch.arange(64 * 8, dtype=torch.float64).view(64, 1, 8) + 1000 * layer
+        assert torch.equal(b.worker_buffers().kv_pool.kv_buffer[layer][rows], want)
+    b.close()
+    c = CacheEngine(EngineConfig(kv_tokens=96, host_kv_tokens=256, **mha), storage=store)
+    assert c.match(c.attach().session, [MatchQuery(tokens)])[0].prefix_len == 0
+    c.close()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

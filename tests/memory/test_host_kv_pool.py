@@ -1,5 +1,6 @@
 """The host tier's page-first buffer: a page is one contiguous row holding every layer's K
-and V of its tokens; batched stores and loads round-trip bit for bit."""
+and V of its tokens (an MLA pool: every layer's latent); batched stores and loads round-trip
+bit for bit, through the compiled copy and the torch path alike."""
 import numpy as np
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.memory import native
 from radixkv.memory.host_kv_pool import HostKVPool
-from radixkv.memory.kv_pool import MHATokenToKVPool
+from radixkv.memory.kv_pool import MHATokenToKVPool, MLATokenToKVPool
 
 
 def _pool(ps=4, dtype=torch.float16, layers=3):
@@ -126,3 +127,54 @@ def test_the_compiled_copy_checks_every_id_before_a_byte_moves():
         native.copy_pages(host.buffer.data_ptr(), 5, host.page_bytes, chunk, np.array([1], np.int32), bufs,
                           8, np.array([0], np.int64), True)
     assert all(torch.equal(a, b) for a, b in zip(before, kv.k_buffer))
+
+
+def _mla(ps=4, dtype=torch.bfloat16, layers=3, size=64):
+    kv = MLATokenToKVPool(size, ps, dtype, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=layers)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(layers):
+        kv.kv_buffer[layer].copy_(torch.randn(kv.kv_buffer[layer].shape, generator=g).to(dtype))
+    return kv
+
+
+def test_an_mla_page_is_one_row_of_every_layers_latent():
+    kv = _mla(ps=2, dtype=torch.float32, layers=2)
+    host = HostKVPool(kv, 3)
+    assert host.page_bytes == 2 * 2 * 8 * 4  # layers x tokens x (rank + rope) x fp32: no V half
+    host.store(torch.tensor([2]), torch.tensor([6, 7]))
+    row = host.pages[2].view(torch.float32).view(2, 1, 2, 1, 8)  # layer, latent, token, head, dim
+    assert torch.equal(row[1, 0], kv.kv_buffer[1][[6, 7]]) and torch.equal(row[0, 0], kv.kv_buffer[0][[6, 7]])
+    assert torch.equal(host.gather(torch.tensor([6, 7]))[0], host.pages[2])
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_mla_stores_and_loads_round_trip_bit_for_bit(ps, path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setattr(native, "copy_pages", None)
+    elif native.copy_pages is None:
+        pytest.skip(f"radixkv.memory._native is not built: {native.unavailable_reason}")
+    kv = _mla(ps, size=16 * ps)
+    host = HostKVPool(kv, 12)
+    gen = torch.Generator().manual_seed(ps)
+    model = {}  # host page -> the latent bytes it must hold
+    for _ in range(30):
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        hp = torch.randperm(12, generator=gen)[:n] + 1
+        dp = torch.randperm(15, generator=gen)[:n] + 1
+        rows = (dp[:, None] * ps + torch.arange(ps)).reshape(-1)
+        if torch.rand(1, generator=gen) < 0.5 or not model:
+            host.store(hp, rows)
+            for i, p in enumerate(hp.tolist()):
+                model[p] = [b[rows[i * ps:(i + 1) * ps]].clone() for b in kv.kv_buffer]
+        else:
+            known = torch.tensor(sorted(model))[torch.randperm(len(model), generator=gen)[:n]]
+            rows = rows[:known.numel() * ps]
+            host.load(known, rows)
+            for i, p in enumerate(known.tolist()):
+                assert all(torch.equal(b[rows[i * ps:(i + 1) * ps]], want) for b, want in zip(kv.kv_buffer, model[p]))
+
+
+def test_a_pool_of_another_kind_is_refused():
+    with pytest.raises(InvalidArgumentError, match="MHA or MLA"):
+        HostKVPool(object(), 4)  # type: ignore[arg-type]

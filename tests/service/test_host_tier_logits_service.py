@@ -1,11 +1,12 @@
 """The host tiers through a manager process started from the command line (``radixkv serve
 --host-kv-tokens`` / ``--host-state-slots``): the reference model (fp64) in this process
 reads and writes the manager's shared memory; over host loads its logits equal the
-from-scratch logits (1e-9), KV-only and hybrid (issue 31, item 6, remote)."""
+from-scratch logits (1e-9), KV-only and hybrid (issue 31, item 6, remote); an MLA model's
+latents read back bit-equal."""
 import pytest
 from radixkv.service.client import connect
 from service_util import START_TIMEOUT_S, start_server, stop_server
-from tier_workload import proof_fields, proof_model, prove_logits
+from tier_workload import mla_fields, proof_fields, proof_model, prove_logits, prove_mla_latents
 
 
 def _flags(fields):
@@ -35,6 +36,19 @@ def test_manager_process_serves_host_loads_with_from_scratch_logits(pattern, ps,
                 assert st.host_state_hits >= st.host_state_loaded and st.host_state_hit_tokens > 0
             else:
                 assert st.host_state_slots == 0 and st.host_loaded_pages > 0
+            c.detach(info.session)
+    finally:
+        assert stop_server(srv) == 0
+
+
+def test_manager_process_serves_mla_latents_from_the_host_tier():
+    srv = start_server(["--device", "cpu", "--check-idle"]
+                       + _flags({**mla_fields(16), "kv_tokens": 96, "host_kv_tokens": 1024}))
+    try:
+        with connect(srv.address, token=srv.token, wait_s=START_TIMEOUT_S) as c:
+            info = c.attach("proof")
+            assert prove_mla_latents(c, info.session, c.worker_buffers(info), 16, 24) > 0
+            assert c.stats(info.session).host_loaded_pages > 0
             c.detach(info.session)
     finally:
         assert stop_server(srv) == 0
