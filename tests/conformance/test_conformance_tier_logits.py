@@ -12,12 +12,16 @@ from conformance_util import Checked
 from tier_workload import mla_fields, proof_fields, proof_model, prove_logits, prove_mla_latents
 
 
-def _prove(engine_factory, pattern, ps, turn, **cfg):
+def _prove(engine_factory, pattern, ps, turn, events=None, **cfg):
+    """``prove_logits`` through a fresh engine; ``events`` (a list) receives its events."""
     model = proof_model(pattern)
     raw = engine_factory(**proof_fields(model, ps), **cfg)
     e = Checked(raw)
     info = e.attach("proof")
-    return prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)
+    loaded = prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)
+    if events is not None:
+        events += e.take_events(info.session)
+    return loaded
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64])
@@ -33,9 +37,14 @@ def test_hybrid_logits_over_host_state_loads(engine_factory, ps, events):
     tree: the 4 conversations' states cannot all stay on the device. With KV events on, the
     recorder's live states follow the demotions and loads (checked by check_invariants)."""
     turn = 64 if ps == 64 else 16
-    loaded = _prove(engine_factory, "KFK", ps, turn, kv_tokens=4096, state_slots=5, host_state_slots=16,
-                    enable_kv_events=events)
+    got: list = []
+    loaded = _prove(engine_factory, "KFK", ps, turn, got if events else None, kv_tokens=4096, state_slots=5,
+                    host_state_slots=16, enable_kv_events=events)
     assert loaded > 0, "no state came back from the host tier"
+    if events:  # the stream names the tier of each state move: demotions to CPU, loads back to GPU
+        moves = {(e["type"], e["medium"]) for e in got if e["type"].startswith("State")}
+        assert moves == {("StateStored", "GPU"), ("StateRemoved", "GPU"), ("StateStored", "CPU"),
+                         ("StateRemoved", "CPU")}, moves
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64])
