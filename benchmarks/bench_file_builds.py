@@ -1,0 +1,142 @@
+"""Two versions of ``radixkv/storage/file.py`` side by side: ``FileStorage.batch_get`` of each,
+a plain read of the same bytes, and each layout's payload copy alone (one ``preadv`` of the
+payload at its file offset, no checks), rounds interleaved in one process (docs/tiers.md, "Where
+the file tier's time went"). For a change to the file tier: save the old source, then time both::
+
+    git show REV:radixkv/storage/file.py > build/file_old.py
+    python benchmarks/bench_file_builds.py build/file_old.py radixkv/storage/file.py
+
+Pages as ``bench_tiers.py`` (4 layers x 8 heads x 128 dims, fp16: 256 KiB at 16 tokens, 1 MiB at
+64), one storage thread, warm page cache, rows of one ``torch.zeros`` buffer per reader (as the
+host tier's). The median of ``--reps`` rounds after a warm-up, wall and CPU time, minor page
+faults per call; every reader's bytes checked.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
+
+
+def _module(path: str, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _payload_offset(path: str, row: np.ndarray) -> int:
+    """Where ``row``'s bytes start in the file at ``path`` (the layout, found, not assumed)."""
+    at = Path(path).read_bytes().find(row.tobytes())
+    if at < 0:
+        raise RuntimeError(f"{path} does not hold its page's bytes")
+    return at
+
+
+def _copy_only(paths: list[str], offset: int, rows: np.ndarray) -> None:
+    for p, row in zip(paths, rows):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.preadv(fd, [memoryview(row)], offset)
+        finally:
+            os.close(fd)
+
+
+def _plain(paths: list[str], rows: np.ndarray) -> None:
+    for p, row in zip(paths, rows):
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(memoryview(row))
+
+
+def _time(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, tuple[float, float, float]]:
+    """Median wall, CPU seconds and minor faults of each of ``fns``, rounds interleaved."""
+    for fn in fns.values():
+        fn()
+    runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            t, c = time.perf_counter() - t0, time.process_time() - c0
+            runs[name].append((t, c, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0))
+    return {k: tuple(statistics.median(x[i] for x in r) for i in range(3)) for k, r in runs.items()}  # type: ignore[misc]
+
+
+def _page_size(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
+    """Write the pages in each layout and as plain files, then time every reader per batch."""
+    pb = 2 * 4 * ps * 8 * 128 * 2
+    most = max(batches)
+    keys = page_keys(np.arange(most * ps, dtype=np.int32), ps,
+                     storage_seed(b"", layout_fingerprint(bench="files", page_bytes=pb)))
+    src = torch.randint(0, 256, (most, pb), dtype=torch.uint8, generator=torch.Generator().manual_seed(ps))
+    stores, files = {}, {}
+    for name, mod in mods.items():
+        stores[name] = mod.FileStorage(Path(d) / f"{name}-{pb}", page_bytes=pb, threads=1)
+        if not all(stores[name].batch_set(keys, src)):
+            raise RuntimeError("could not write the pages")
+        files[name] = [str(stores[name].path_of(k)) for k in keys]
+    plain = [f"{d}/plain-{pb}-{i}" for i in range(most)]
+    for p, row in zip(plain, src.numpy()):
+        Path(p).write_bytes(row.tobytes())
+    offsets = {name: _payload_offset(files[name][0], src[0].numpy()) for name in mods}
+    dst = {name: torch.zeros(most, pb, dtype=torch.uint8) for name in ("plain", *mods, *(f"{m} copy" for m in mods))}
+    for n in batches:
+        fns: dict[str, Callable[[], Any]] = {"plain": partial(_plain, plain[:n], dst["plain"].numpy()[:n])}
+        for name in mods:
+            fns[name] = partial(stores[name].batch_get, keys[:n], dst[name][:n])
+            fns[f"{name} copy"] = partial(_copy_only, files[name][:n], offsets[name], dst[f"{name} copy"].numpy()[:n])
+        t = _time(fns, reps)
+        for name, got in dst.items():
+            if not torch.equal(got[:n], src[:n]):
+                raise RuntimeError(f"{name} read wrong bytes at page size {ps}, batch {n}")
+        base, base_cpu = t["plain"][0], t["plain"][1]
+        cells = "; ".join(f"{k} {n * pb / v[0] / 1e9:.2f} GB/s {base / v[0]:.2f}x "
+                          f"(cpu {base_cpu / max(v[1], 1e-9):.2f}x, {v[2]:.0f} flt)" for k, v in t.items())
+        print(f"page {ps} ({pb >> 10} KiB, payload at {offsets['old']} / {offsets['new']}) batch {n}: {cells}",
+              flush=True)
+
+
+def run(old_src: str, new_src: str, page_sizes: list[int], batches: list[int], reps: int,
+        work_dir: str | None) -> None:
+    mods = {"old": _module(old_src, "radixkv_file_old"), "new": _module(new_src, "radixkv_file_new")}
+    print(f"load average before: {os.getloadavg()}")
+    with tempfile.TemporaryDirectory(prefix="radixkv-bench-file-", dir=work_dir) as d:
+        for ps in page_sizes:
+            _page_size(mods, d, ps, batches, reps)
+    print(f"load average after: {os.getloadavg()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("old", help="the old radixkv/storage/file.py")
+    ap.add_argument("new", help="the new radixkv/storage/file.py")
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
