@@ -6,6 +6,10 @@ the file tier's time went"). For a change to the file tier: save the old source,
     git show REV:radixkv/storage/file.py > build/file_old.py
     python benchmarks/bench_file_builds.py build/file_old.py radixkv/storage/file.py
 
+With ``--controllers OLD NEW`` (two ``radixkv/storage/tier_controller.py``), it times instead the
+tier's whole storage -> host load through each: ``StorageController.fetch`` of the pages (the
+new ``FileStorage`` beneath both), then their copy into preallocated host rows.
+
 Pages as ``bench_tiers.py`` (4 layers x 8 heads x 128 dims, fp16: 256 KiB at 16 tokens, 1 MiB at
 64), one storage thread, warm page cache, rows of one ``torch.zeros`` buffer per reader (as the
 host tier's). The median of ``--reps`` rounds after a warm-up, wall and CPU time, minor page
@@ -38,6 +42,7 @@ def _module(path: str, name: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -80,61 +85,98 @@ def _time(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, tuple[float
     return {k: tuple(statistics.median(x[i] for x in r) for i in range(3)) for k, r in runs.items()}  # type: ignore[misc]
 
 
-def _page_size(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
-    """Write the pages in each layout and as plain files, then time every reader per batch."""
+def _pages(d: str, ps: int, most: int) -> tuple[int, list[str], torch.Tensor, list[str]]:
+    """Page bytes, keys and random pages of ``ps`` tokens, the pages also written as plain files."""
     pb = 2 * 4 * ps * 8 * 128 * 2
-    most = max(batches)
     keys = page_keys(np.arange(most * ps, dtype=np.int32), ps,
                      storage_seed(b"", layout_fingerprint(bench="files", page_bytes=pb)))
     src = torch.randint(0, 256, (most, pb), dtype=torch.uint8, generator=torch.Generator().manual_seed(ps))
+    plain = [f"{d}/plain-{pb}-{i}" for i in range(most)]
+    for p, row in zip(plain, src.numpy()):
+        Path(p).write_bytes(row.tobytes())
+    return pb, keys, src, plain
+
+
+def _measured(fns: dict[str, Callable[[], Any]], dst: dict[str, torch.Tensor], src: torch.Tensor, n: int,
+              reps: int) -> str:
+    """Time ``fns`` (the first is the plain read), check every ``dst``'s bytes, one line of ratios."""
+    t = _time(fns, reps)
+    for name, got in dst.items():
+        if not torch.equal(got[:n], src[:n]):
+            raise RuntimeError(f"{name} read wrong bytes at batch {n}")
+    base, base_cpu = t["plain"][0], t["plain"][1]
+    return "; ".join(f"{k} {src[:n].numel() / v[0] / 1e9:.2f} GB/s {base / v[0]:.2f}x "
+                     f"(cpu {base_cpu / max(v[1], 1e-9):.2f}x, {v[2]:.0f} flt)" for k, v in t.items())
+
+
+def _page_size(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
+    """Write the pages in each layout and as plain files, then time every reader per batch."""
+    pb, keys, src, plain = _pages(d, ps, max(batches))
     stores, files = {}, {}
     for name, mod in mods.items():
         stores[name] = mod.FileStorage(Path(d) / f"{name}-{pb}", page_bytes=pb, threads=1)
         if not all(stores[name].batch_set(keys, src)):
             raise RuntimeError("could not write the pages")
         files[name] = [str(stores[name].path_of(k)) for k in keys]
-    plain = [f"{d}/plain-{pb}-{i}" for i in range(most)]
-    for p, row in zip(plain, src.numpy()):
-        Path(p).write_bytes(row.tobytes())
     offsets = {name: _payload_offset(files[name][0], src[0].numpy()) for name in mods}
-    dst = {name: torch.zeros(most, pb, dtype=torch.uint8) for name in ("plain", *mods, *(f"{m} copy" for m in mods))}
+    dst = {name: torch.zeros_like(src) for name in ("plain", *mods, *(f"{m} copy" for m in mods))}
     for n in batches:
         fns: dict[str, Callable[[], Any]] = {"plain": partial(_plain, plain[:n], dst["plain"].numpy()[:n])}
         for name in mods:
             fns[name] = partial(stores[name].batch_get, keys[:n], dst[name][:n])
             fns[f"{name} copy"] = partial(_copy_only, files[name][:n], offsets[name], dst[f"{name} copy"].numpy()[:n])
-        t = _time(fns, reps)
-        for name, got in dst.items():
-            if not torch.equal(got[:n], src[:n]):
-                raise RuntimeError(f"{name} read wrong bytes at page size {ps}, batch {n}")
-        base, base_cpu = t["plain"][0], t["plain"][1]
-        cells = "; ".join(f"{k} {n * pb / v[0] / 1e9:.2f} GB/s {base / v[0]:.2f}x "
-                          f"(cpu {base_cpu / max(v[1], 1e-9):.2f}x, {v[2]:.0f} flt)" for k, v in t.items())
-        print(f"page {ps} ({pb >> 10} KiB, payload at {offsets['old']} / {offsets['new']}) batch {n}: {cells}",
-              flush=True)
+        print(f"page {ps} ({pb >> 10} KiB, payload at {offsets['old']} / {offsets['new']}) batch {n}: "
+              f"{_measured(fns, dst, src, n, reps)}", flush=True)
+
+
+def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
+    """Each controller's ``fetch`` + copy into host rows, beside ``batch_get`` alone and a plain read."""
+    from radixkv.storage.file import FileStorage
+
+    pb, keys, src, plain = _pages(d, ps, max(batches))
+    store = FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb, threads=1)
+    if not all(store.batch_set(keys, src)):
+        raise RuntimeError("could not write the pages")
+    ctls = {name: mod.StorageController(store, pb, timeout_s=60.0, batch_pages=128) for name, mod in mods.items()}
+    dst = {name: torch.zeros_like(src) for name in ("plain", "batch_get", *mods)}
+
+    def load(ctl: Any, n: int, host: torch.Tensor) -> None:
+        rows = ctl.fetch(keys[:n])
+        host[:rows.shape[0]].copy_(rows)
+
+    for n in batches:
+        fns: dict[str, Callable[[], Any]] = {"plain": partial(_plain, plain[:n], dst["plain"].numpy()[:n]),
+                                             "batch_get": partial(store.batch_get, keys[:n], dst["batch_get"][:n])}
+        for name in mods:
+            fns[name] = partial(load, ctls[name], n, dst[name][:n])
+        print(f"page {ps} ({pb >> 10} KiB) batch {n}, fetch + copy into host rows: "
+              f"{_measured(fns, dst, src, n, reps)}", flush=True)
+    for ctl in ctls.values():
+        ctl.close()
 
 
 def run(old_src: str, new_src: str, page_sizes: list[int], batches: list[int], reps: int,
-        work_dir: str | None) -> None:
+        work_dir: str | None, controllers: bool = False) -> None:
     mods = {"old": _module(old_src, "radixkv_file_old"), "new": _module(new_src, "radixkv_file_new")}
     print(f"load average before: {os.getloadavg()}")
     with tempfile.TemporaryDirectory(prefix="radixkv-bench-file-", dir=work_dir) as d:
         for ps in page_sizes:
-            _page_size(mods, d, ps, batches, reps)
+            (_controllers if controllers else _page_size)(mods, d, ps, batches, reps)
     print(f"load average after: {os.getloadavg()}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("old", help="the old radixkv/storage/file.py")
-    ap.add_argument("new", help="the new radixkv/storage/file.py")
+    ap.add_argument("old", help="the old radixkv/storage/file.py (tier_controller.py with --controllers)")
+    ap.add_argument("new", help="the new radixkv/storage/file.py (tier_controller.py with --controllers)")
+    ap.add_argument("--controllers", action="store_true", help="time two tier_controller.py instead")
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir)
+    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir, a.controllers)
     return 0
 
 

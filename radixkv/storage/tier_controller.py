@@ -129,8 +129,9 @@ class StorageController:
 
     def fetch(self, keys: Sequence[str]) -> torch.Tensor:
         """The leading pages of ``keys`` that storage holds, as rows ``[k, page_bytes]``
-        (k may be 0): prefetched pages first, then a read waited for at most ``timeout_s``;
-        a timeout is counted, returns what was prefetched and leaves the read running."""
+        (k may be 0; read-only: a read's own rows are returned uncopied, maybe to two callers):
+        prefetched pages first, then a read waited for at most ``timeout_s``; a timeout is
+        counted, returns what was prefetched and leaves the read running."""
         if not keys or self._closed:
             return self._staging[:0].clone()
         t0 = time.perf_counter_ns()
@@ -143,6 +144,7 @@ class StorageController:
                 self._jobs.put((0, next(self._seq), job))
         if job is not None:
             job.done.wait(self.timeout_s)
+        block: torch.Tensor | None = None  # the read's leading rows when no prefetched row came first
         with self._lock:
             self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
             if job is not None and job.done.is_set():
@@ -150,13 +152,18 @@ class StorageController:
                     rows += self._take_ready(rest)
                 elif job.rows is not None:
                     same = next((i for i, (a, b) in enumerate(zip(job.keys, rest)) if a != b), len(rest))
-                    rows += list(job.rows[:same])
+                    if rows:
+                        rows += list(job.rows[:same])
+                    else:  # no copy: a fresh tensor of 128 MiB costs a page fault per 4 KiB
+                        block = job.rows[:same]
             elif rest:
                 if job is not None:
                     job.late = True
                 self.stats.fetch_timeouts += 1
                 self._warn("a storage read took longer than the timeout; serving from the faster tiers")
-            self.stats.fetched += len(rows)
+            self.stats.fetched += len(rows) if block is None else int(block.shape[0])
+        if block is not None:
+            return block
         return torch.stack(rows) if rows else self._staging[:0].clone()
 
     def _take_ready(self, keys: Sequence[str]) -> list[torch.Tensor]:
@@ -249,7 +256,7 @@ class StorageController:
                 if lead < len(keys):
                     break
         with self._lock:
-            rows = job.rows = torch.cat(got) if got else None
+            rows = job.rows = (got[0] if len(got) == 1 else torch.cat(got)) if got else None
             if self._reads.get(job.keys[0]) is job:
                 del self._reads[job.keys[0]]
             if rows is not None:

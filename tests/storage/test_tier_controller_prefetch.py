@@ -70,3 +70,19 @@ def test_reads_past_the_bound_return_nothing_at_once():
     finally:
         store.gate.set()
         ctl.close(1.0)
+
+
+def test_fetched_rows_keep_their_bytes_across_later_reads_and_batches_keep_order():
+    """A fetch returns a read's rows uncopied: they must be the read's own (not the staging
+    rows the next read overwrites), in key order across several backend batches."""
+    store, keys, rows = _stored(n=7)
+    ctl = StorageController(store, 32, timeout_s=30.0, batch_pages=3)
+    try:
+        one = ctl.fetch(keys[:2])  # one backend batch
+        three = ctl.fetch(keys)  # three backend batches (3 + 3 + 1)
+        other = ctl.fetch(keys[4:6])  # a later read through the same staging rows
+        assert torch.equal(one, rows[:2]) and torch.equal(three, rows) and torch.equal(other, rows[4:6])
+        assert ctl.stats.fetched == 11 and ctl.stats.prefetched == 0
+        ctl.check_invariants()
+    finally:
+        ctl.close(1.0)
