@@ -8,7 +8,10 @@ the file tier's time went"). For a change to the file tier: save the old source,
 
 With ``--controllers OLD NEW`` (two ``radixkv/storage/tier_controller.py``), it times instead the
 tier's whole storage -> host load through each: ``StorageController.fetch`` of the pages (the
-new ``FileStorage`` beneath both), then their copy into preallocated host rows.
+new ``FileStorage`` beneath both), then their copy into preallocated host rows. ``--splits``
+times the steps of the new layout's read per page instead (``time.perf_counter_ns`` around
+each), with xxh3 of the same rows after the whole batch beside it; ``--alignment`` reads one
+file's pages into rows at byte offsets 0..4088 within a 4 KiB page (the kernel copy's speed).
 
 Pages as ``bench_tiers.py`` (4 layers x 8 heads x 128 dims, fp16: 256 KiB at 16 tokens, 1 MiB at
 64), one storage thread, warm page cache, rows of one ``torch.zeros`` buffer per reader (as the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import mmap
 import os
 import resource
 import statistics
@@ -155,13 +159,78 @@ def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int
         ctl.close()
 
 
+def _splits(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
+    """Microseconds per page of each step of the new module's read (``FileStorage._read_one``'s
+    steps, unrolled), medians over ``reps`` rounds; xxh3 ``later``: the same rows after the batch."""
+    new = mods["new"]
+    pb, keys, src, _plain_files = _pages(d, ps, max(batches))
+    store = new.FileStorage(Path(d) / f"split-{pb}", page_bytes=pb, threads=1)
+    store.batch_set(keys, src)
+    names = [k.encode() for k in keys]
+    view = torch.zeros_like(src).numpy()
+    clock = time.perf_counter_ns
+    for n in batches:
+        steps = ("path+view", "open", "readv", "close+checks", "xxh3 now", "xxh3 later", "batch_get")
+        rounds = []
+        for _ in range(reps + 1):
+            acc = np.zeros(len(steps))
+            for i in range(n):
+                t0 = clock()
+                path, row, key = store._path(names[i]), memoryview(view[i]), names[i]
+                t1 = clock()
+                fd = os.open(path, os.O_RDONLY)
+                tail = bytearray(len(key) + new._TRAILER.size + 1)
+                t2 = clock()
+                os.readv(fd, [row, tail])
+                t3 = clock()
+                os.close(fd)
+                fields = new._TRAILER.unpack_from(tail, len(key))
+                ok = fields[0] == new._MAGIC and tail[:len(key)] == key
+                t4 = clock()
+                h = new.xxhash.xxh3_64(row)
+                h.update(memoryview(tail)[:len(key)])
+                h.update(memoryview(tail)[len(key) + new._SUMMED:-1])
+                if not ok or h.intdigest() != fields[1]:
+                    raise RuntimeError("a page failed its checks")
+                acc[:5] += (t1 - t0, t2 - t1, t3 - t2, t4 - t3, clock() - t4)
+            t5 = clock()
+            for i in range(n):
+                new.xxhash.xxh3_64(memoryview(view[i])).intdigest()
+            t6 = clock()
+            store.batch_get(keys[:n], torch.from_numpy(view[:n]))
+            acc[5:] = (t6 - t5, clock() - t6)
+            rounds.append(acc / n / 1e3)
+        med = np.median(np.array(rounds[1:]), axis=0)
+        print(f"page {ps} ({pb >> 10} KiB) batch {n}, us per page: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in zip(steps, med)), flush=True)
+
+
+def _alignment(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
+    """GB/s of reading plain files (payload at offset 0) into rows at each byte offset of a page."""
+    pb, _keys, src, plain = _pages(d, ps, max(batches))
+    n = max(batches)
+    buf = mmap.mmap(-1, n * pb + 4096)  # page-aligned
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:] = 1
+    for off in (0, 8, 16, 32, 64, 104, 1024, 2048, 3072, 3992, 4032, 4056, 4088):
+        rows = arr[off:off + n * pb].reshape(n, pb)
+        t = _time({"read": partial(_copy_only, plain, 0, rows)}, reps)["read"]
+        if not np.array_equal(rows, src.numpy()):
+            raise RuntimeError("wrong bytes")
+        print(f"page {ps} ({pb >> 10} KiB) x {n}, rows at offset {off} of a 4 KiB page: "
+              f"{n * pb / t[0] / 1e9:.2f} GB/s", flush=True)
+    del rows, arr
+    buf.close()
+
+
 def run(old_src: str, new_src: str, page_sizes: list[int], batches: list[int], reps: int,
-        work_dir: str | None, controllers: bool = False) -> None:
+        work_dir: str | None, mode: str = "files") -> None:
     mods = {"old": _module(old_src, "radixkv_file_old"), "new": _module(new_src, "radixkv_file_new")}
     print(f"load average before: {os.getloadavg()}")
     with tempfile.TemporaryDirectory(prefix="radixkv-bench-file-", dir=work_dir) as d:
         for ps in page_sizes:
-            (_controllers if controllers else _page_size)(mods, d, ps, batches, reps)
+            {"files": _page_size, "controllers": _controllers, "splits": _splits,
+             "alignment": _alignment}[mode](mods, d, ps, batches, reps)
     print(f"load average after: {os.getloadavg()}")
 
 
@@ -169,14 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("old", help="the old radixkv/storage/file.py (tier_controller.py with --controllers)")
     ap.add_argument("new", help="the new radixkv/storage/file.py (tier_controller.py with --controllers)")
-    ap.add_argument("--controllers", action="store_true", help="time two tier_controller.py instead")
+    ap.add_argument("--controllers", dest="mode", action="store_const", const="controllers", default="files",
+                    help="time two tier_controller.py instead")
+    ap.add_argument("--splits", dest="mode", action="store_const", const="splits",
+                    help="time the steps of the new file.py's read per page")
+    ap.add_argument("--alignment", dest="mode", action="store_const", const="alignment",
+                    help="time plain reads into rows at byte offsets within a page")
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir, a.controllers)
+    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir, a.mode)
     return 0
 
 
