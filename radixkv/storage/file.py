@@ -1,16 +1,16 @@
 """``file:///DIR``: the storage tier as one checksummed file per page (docs/tiers.md).
 
-A page lives at ``DIR/v1/ab/cd/<h>.page`` (``v1``: the format version; ``h = sha256(key)`` in hex,
+A page lives at ``DIR/v2/ab/cd/<h>.page`` (``v2``: the format version; ``h = sha256(key)`` in hex,
 ``ab``/``cd`` its first digits: 65,536 leaf directories, ~15 pages each at a million). A file is
-a 40-byte header (:data:`_HEADER`: magic, xxh3-64 checksum of everything after it, version, key
-length, payload length), the key's UTF-8 bytes, then the payload. It is written to a unique temp
-name in the same directory and renamed over the final name, so a reader sees a whole file or
-none. fsync is off by default: a killed process leaves no visible partial page either way, and
-after a power loss a torn page fails its checksum and is a miss; ``fsync=True`` syncs the file
-before the rename and the directory after, for durability. Any unusable file is a counted miss,
-never an error nor wrong bytes; write failures are counted and logged once per kind. Pages are
-never evicted here (capacity is the disk's); :meth:`FileStorage.sweep_temp_files` removes a
-killed writer's temp files.
+the payload at offset 0 (so the kernel copies it into a host row as fast as a plain read), the
+key's UTF-8 bytes, then a 40-byte trailer (:data:`_TRAILER`: magic, xxh3-64 of every other byte
+in file order, version, key length, payload length). It is written to a unique temp name and
+renamed over the final name, so a reader sees a whole file or none. fsync is off by default: a
+killed process leaves no visible partial page either way, and after a power loss a torn page
+fails its checksum and is a miss; ``fsync=True`` syncs the file before the rename and the
+directory after. Any unusable file is a counted miss, never an error nor wrong bytes; write
+failures are counted and logged once per kind. Pages are never evicted here (capacity is the
+disk's); :meth:`FileStorage.sweep_temp_files` removes a killed writer's temp files.
 """
 from __future__ import annotations
 
@@ -37,13 +37,16 @@ __all__ = ["FileStorage", "FILE_FORMAT_VERSION", "MAX_KEY_BYTES"]
 
 log = logging.getLogger(__name__)
 
-#: Bumped when the on-disk layout changes: files of another version are misses.
-FILE_FORMAT_VERSION = 1
+#: Bumped when the on-disk layout changes: files of another version are misses (v1: the header
+#: before the payload, whose 104-byte offset slowed the kernel's copy; docs/tiers.md).
+FILE_FORMAT_VERSION = 2
 #: Longest key accepted (UTF-8 bytes); the chained SHA-256 keys are 64.
 MAX_KEY_BYTES = 1024
 _MAGIC = b"RKVPAGE\x00"
-# magic, checksum (xxh3-64 of the rest of the file), version, flags, key length, payload length
-_HEADER = struct.Struct("<8sQHHIQ8x")
+# magic, checksum (xxh3-64 of payload, key, then this trailer from its version on), version,
+# flags, key length, payload length
+_TRAILER = struct.Struct("<8sQHHIQ8x")
+_SUMMED = 16  # the trailer's bytes before this offset (magic, checksum) are not summed
 _T = TypeVar("_T")
 _SUFFIX = ".page"
 # A batch is split over the threads only when each gets at least this many pages.
@@ -119,8 +122,8 @@ class FileStorage:
         return f"{self._pages_str}/{h[:2]}/{h[2:4]}/{h}{_SUFFIX}"
 
     def file_bytes(self, key: str) -> int:
-        """The size of ``key``'s page file: header, key and payload."""
-        return _HEADER.size + len(self._key_bytes(key)) + self.page_bytes
+        """The size of ``key``'s page file: payload, key and trailer."""
+        return _TRAILER.size + len(self._key_bytes(key)) + self.page_bytes
 
     @staticmethod
     def _key_bytes(key: str) -> bytes:
@@ -131,11 +134,12 @@ class FileStorage:
             raise InvalidArgumentError(f"a storage key must be <= {MAX_KEY_BYTES} bytes, got {len(b)}")
         return b
 
-    def _header(self, key: bytes, payload: memoryview) -> bytes:
-        rest = _HEADER.pack(_MAGIC, 0, FILE_FORMAT_VERSION, 0, len(key), len(payload))[16:]
-        h = xxhash.xxh3_64(rest)
+    @staticmethod
+    def _trailer(key: bytes, payload: memoryview) -> bytes:
+        rest = _TRAILER.pack(_MAGIC, 0, FILE_FORMAT_VERSION, 0, len(key), len(payload))[_SUMMED:]
+        h = xxhash.xxh3_64(payload)
         h.update(key)
-        h.update(payload)
+        h.update(rest)
         return _MAGIC + struct.pack("<Q", h.intdigest()) + rest
 
     # ------------------------------------------------------------------ the contract
@@ -148,7 +152,7 @@ class FileStorage:
     def batch_exists(self, keys: Sequence[str]) -> int:
         """Leading ``keys`` whose file is present with the right size (content is checked on read)."""
         names = [self._key_bytes(k) for k in keys]
-        paths = [(self._path(kb), _HEADER.size + len(kb) + self.page_bytes) for kb in names]
+        paths = [(self._path(kb), _TRAILER.size + len(kb) + self.page_bytes) for kb in names]
         if self._closed:
             return 0
         n = 0
@@ -249,29 +253,30 @@ class FileStorage:
 
     def _read_one(self, path: str, key: bytes, row: memoryview) -> str:
         """``hit``, ``absent``, ``corrupt`` or ``error``; on a hit ``row`` holds the payload.
-        One vectored read: header and key, the payload straight into ``row``, one byte more."""
+        One vectored read: the payload straight into ``row``, then key, trailer and one byte
+        more; the payload is summed first, while the read left it in cache."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return "absent"
         except OSError:
             return "error"
-        head = bytearray(_HEADER.size + len(key))
-        extra = bytearray(1)  # catches a file longer than its header says
+        tail = bytearray(len(key) + _TRAILER.size + 1)  # the extra byte catches a longer file
         try:
-            got = os.readv(fd, [head, row, extra])
+            got = os.readv(fd, [row, tail])
         except OSError:
             return "error"
         finally:
             os.close(fd)
-        if got != len(head) + len(row):
+        if got != len(row) + len(tail) - 1:
             return self._corrupt(path)
-        magic, checksum, version, _flags, klen, plen = _HEADER.unpack_from(head)
+        magic, checksum, version, _flags, klen, plen = _TRAILER.unpack_from(tail, len(key))
         if (magic != _MAGIC or version != FILE_FORMAT_VERSION or klen != len(key) or plen != len(row)
-                or head[_HEADER.size:] != key):
+                or tail[:len(key)] != key):
             return self._corrupt(path)
-        h = xxhash.xxh3_64(memoryview(head)[16:])
-        h.update(row)
+        h = xxhash.xxh3_64(row)
+        h.update(memoryview(tail)[:len(key)])
+        h.update(memoryview(tail)[len(key) + _SUMMED:-1])
         if h.intdigest() != checksum:
             return self._corrupt(path)
         return "hit"
@@ -293,11 +298,11 @@ class FileStorage:
         fd = self._open_tmp(tmp)
         if fd is None:
             return False
-        head = self._header(key, payload)
+        trailer = self._trailer(key, payload)
         try:
             try:
-                total = len(head) + len(key) + len(payload)
-                if os.writev(fd, [head, key, payload]) != total:  # short write: the disk filled
+                total = len(payload) + len(key) + len(trailer)
+                if os.writev(fd, [payload, key, trailer]) != total:  # short write: the disk filled
                     raise OSError(errno.ENOSPC, "short write")
                 if self.fsync:
                     os.fsync(fd)

@@ -1,8 +1,8 @@
 """``StorageController``: the storage tier (L3) behind the host tier, off the caller's path.
 
 One worker thread owns the backend (a :class:`~radixkv.contracts.StorageBackend`) and a
-staging buffer of ``batch_pages`` rows registered with it. Jobs wait in one priority queue,
-reads before writes:
+staging buffer of ``batch_pages`` rows registered with it (writes go through it; reads land in
+fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, reads first:
 
 * ``backup(keys, rows)``: enqueue pages to write; never blocks: past ``max_pending_pages``
   queued pages the backup is dropped and counted.
@@ -29,6 +29,7 @@ import torch
 
 from radixkv.contracts import STORAGE_ADMIT, StorageBackend
 from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.storage.host_rows import fresh_rows
 
 __all__ = ["StorageController", "StorageStats"]
 
@@ -129,8 +130,9 @@ class StorageController:
 
     def fetch(self, keys: Sequence[str]) -> torch.Tensor:
         """The leading pages of ``keys`` that storage holds, as rows ``[k, page_bytes]``
-        (k may be 0): prefetched pages first, then a read waited for at most ``timeout_s``;
-        a timeout is counted, returns what was prefetched and leaves the read running."""
+        (k may be 0; read-only: a read's own rows are returned uncopied, maybe to two callers):
+        prefetched pages first, then a read waited for at most ``timeout_s``; a timeout is
+        counted, returns what was prefetched and leaves the read running."""
         if not keys or self._closed:
             return self._staging[:0].clone()
         t0 = time.perf_counter_ns()
@@ -143,6 +145,7 @@ class StorageController:
                 self._jobs.put((0, next(self._seq), job))
         if job is not None:
             job.done.wait(self.timeout_s)
+        block: torch.Tensor | None = None  # the read's leading rows when no prefetched row came first
         with self._lock:
             self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
             if job is not None and job.done.is_set():
@@ -150,13 +153,18 @@ class StorageController:
                     rows += self._take_ready(rest)
                 elif job.rows is not None:
                     same = next((i for i, (a, b) in enumerate(zip(job.keys, rest)) if a != b), len(rest))
-                    rows += list(job.rows[:same])
+                    if rows:
+                        rows += list(job.rows[:same])
+                    else:  # no copy: fresh memory costs a page fault per 4 KiB (storage/host_rows.py)
+                        block = job.rows[:same]
             elif rest:
                 if job is not None:
                     job.late = True
                 self.stats.fetch_timeouts += 1
                 self._warn("a storage read took longer than the timeout; serving from the faster tiers")
-            self.stats.fetched += len(rows)
+            self.stats.fetched += len(rows) if block is None else int(block.shape[0])
+        if block is not None:
+            return block
         return torch.stack(rows) if rows else self._staging[:0].clone()
 
     def _take_ready(self, keys: Sequence[str]) -> list[torch.Tensor]:
@@ -234,22 +242,14 @@ class StorageController:
                 self._write(*job)
 
     def _read(self, job: _Read) -> None:
-        got: list[torch.Tensor] = []
+        rows: torch.Tensor | None = None
         if not self._closed:
             present = self._call("batch_exists", self.backend.batch_exists, job.keys)
             n = int(present) if isinstance(present, int) else 0
-            for start in range(0, n, self.batch_pages):
-                keys = job.keys[start:min(n, start + self.batch_pages)]
-                dst = self._staging[:len(keys)]
-                ok = self._call("batch_get", self.backend.batch_get, keys, dst)
-                flags = list(ok) if isinstance(ok, list) else [False] * len(keys)
-                lead = next((i for i, f in enumerate(flags) if not f), len(keys))
-                if lead:
-                    got.append(dst[:lead].clone())
-                if lead < len(keys):
-                    break
+            if n > 0:
+                rows = self._read_rows(job.keys[:n])
         with self._lock:
-            rows = job.rows = torch.cat(got) if got else None
+            job.rows = rows
             if self._reads.get(job.keys[0]) is job:
                 del self._reads[job.keys[0]]
             if rows is not None:
@@ -262,6 +262,22 @@ class StorageController:
                         self._ready.popitem(last=False)
             job.done.set()
             self._idle.notify_all()
+
+    def _read_rows(self, keys: list[str]) -> torch.Tensor | None:
+        """The leading pages of ``keys`` read straight into one buffer of fresh (huge-page
+        advised) rows, the rows ``fetch`` returns: no staging copy, no concatenation. ``None``
+        when the first page misses. Rows never read are never touched (no memory)."""
+        out = fresh_rows(len(keys), self.page_bytes)
+        got = 0
+        for start in range(0, len(keys), self.batch_pages):
+            part = keys[start:start + self.batch_pages]
+            ok = self._call("batch_get", self.backend.batch_get, part, out[start:start + len(part)])
+            flags = list(ok) if isinstance(ok, list) else [False] * len(part)
+            lead = next((i for i, f in enumerate(flags) if not f), len(part))
+            got += lead
+            if lead < len(part):
+                break
+        return out[:got] if got else None
 
     def _write(self, keys: list[str], rows: torch.Tensor) -> None:
         for start in range(0, len(keys), self.batch_pages):

@@ -82,19 +82,19 @@ def test_a_missing_page_is_a_miss(store):
 
 def _flip_payload(p, _):
     b = bytearray(p.read_bytes())
-    b[-100] ^= 0x10
+    b[100] ^= 0x10
     p.write_bytes(bytes(b))
 
 
 def _flip_header(p, _):
     b = bytearray(p.read_bytes())
-    b[30] ^= 0x01  # the payload length field
+    b[-16] ^= 0x01  # the trailer's payload length field
     p.write_bytes(bytes(b))
 
 
 def _flip_key(p, _):
     b = bytearray(p.read_bytes())
-    b[45] ^= 0x01
+    b[-41] ^= 0x01  # the key's last byte, just before the trailer
     p.write_bytes(bytes(b))
 
 
@@ -121,9 +121,9 @@ def _foreign(p, other):
 
 def _other_version(p, _):
     b = bytearray(p.read_bytes())
-    b[16] += 1  # the format version (checksummed: fix the checksum so only the version is wrong)
+    b[-24] += 1  # the format version (checksummed: fix the checksum so only the version is wrong)
     import xxhash
-    b[8:16] = xxhash.xxh3_64(bytes(b[16:])).intdigest().to_bytes(8, "little")
+    b[-32:-24] = xxhash.xxh3_64(bytes(b[:-40] + b[-24:])).intdigest().to_bytes(8, "little")
     p.write_bytes(bytes(b))
 
 
@@ -242,7 +242,7 @@ def test_disk_full_skips_and_counts_and_logs_once(store, monkeypatch, caplog):
 
 def test_short_write_is_disk_full(store, monkeypatch):
     real = os.writev
-    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, bufs[:2]))  # the payload never lands
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, bufs[:2]))  # the trailer never lands
     keys = _keys(1)
     assert store.batch_set(keys, pages_of(keys, PB)) == [False]
     assert store.stats().write_errors == 1 and _files(store.root) == []
@@ -352,7 +352,7 @@ def test_stats_add_up():
     assert a.plus(a) == StorageStats(hits=2, misses=4, bytes_read=6, read_seconds=1.0)
 
 
-BIG = 3 * (256 << 10) + 100  # a large page, damaged far from its header
+BIG = 3 * (256 << 10) + 100  # a large page, damaged far from its trailer
 
 
 @pytest.mark.parametrize("damage", ["flip_last", "flip_second_piece", "truncate_1", "truncate_mid", "append_1"])

@@ -69,7 +69,7 @@ class FileStorageMachine(RuleBasedStateMachine):
             n += 1
         assert self.store.batch_exists(keys) == n
 
-    @rule(key=st.sampled_from(KEYS), mode=st.sampled_from(["flip", "truncate", "append", "zero_header"]),
+    @rule(key=st.sampled_from(KEYS), mode=st.sampled_from(["flip", "truncate", "append", "zero_trailer"]),
           at=st.integers(0, 10**6))
     def corrupt(self, key, mode, at):
         if key not in self.model:
@@ -83,10 +83,10 @@ class FileStorageMachine(RuleBasedStateMachine):
         elif mode == "append":
             b += b"x"
         else:
-            b[:40] = bytes(40)
+            b[-40:] = bytes(40)  # the trailer
         p.write_bytes(bytes(b))
         del self.model[key]
-        (self.bad_same_size if mode in ("flip", "zero_header") else self.bad_other_size).add(key)
+        (self.bad_same_size if mode in ("flip", "zero_trailer") else self.bad_other_size).add(key)
 
     @rule()
     def delete_everything(self):
