@@ -143,6 +143,6 @@ def engine_state_dtypes(spec: dict[str, Any]) -> tuple[str, str]:
     kw = {k: v for k, v in engine_kwargs(spec).items() if k in ("model", "skip_tokenizer_init", "dtype", "block_size",
                                                                  "enable_prefix_caching", "max_model_len")}
     vc = EngineArgs(**kw).create_engine_config()
-    dtypes = get_model_cls(vc.model_config).get_mamba_state_dtype_from_config(vc)  # type: ignore[attr-defined]
+    dtypes = get_model_cls(vc.model_config).get_mamba_state_dtype_from_config(vc)
     conv, temporal = (str(d).removeprefix("torch.") for d in dtypes)
     return conv, temporal
