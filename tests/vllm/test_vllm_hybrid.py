@@ -1,9 +1,9 @@
-"""A hybrid model (GraniteMoeHybrid: Mamba2 + attention) shared between two vLLM engines through
-``RadixKVConnector`` (``SupportsHMA``): attention KV and the recurrent state at whole blocks.
-
-Two engines on one manager (``radixkv serve --model-config`` of the model, page 256 = vLLM's
-block size in ``mamba_cache_mode="align"``), both with vLLM's own prefix caching on (align mode
-needs it) and ``max_num_batched_tokens`` = the block size (GraniteMoeHybrid's CPU Mamba2 kernel).
+"""Hybrid models (GraniteMoeHybrid: Mamba2 + attention, fp32; Qwen3-Next: gated delta net +
+attention, bf16) shared between two vLLM engines through ``RadixKVConnector`` (``SupportsHMA``):
+attention KV and the recurrent state at whole blocks. Per model, two engines on one manager
+(``radixkv serve --model-config``, page 256 = vLLM's block size in ``mamba_cache_mode="align"``,
+the temporal state dtype vLLM allocates), vLLM's own prefix caching on (align mode needs it;
+GraniteMoeHybrid: ``max_num_batched_tokens`` = the block size, its CPU Mamba2 kernel).
 Engine ``a`` computes a prompt, then repeats it: that second run is vLLM's own prefix caching
 inside one process (the reference). Engine ``b`` repeats it through the manager: its reused
 tokens equal ``a``'s own reuse and its greedy tokens equal ``a``'s token for token. A tiny model
@@ -25,24 +25,41 @@ MAX_TOKENS = 8
 #: what vLLM's own prefix caching reuses of a prompt sharing 300 tokens with one it computed in
 #: 256-token chunks (measured; the manager keeps a state at each request's last whole block only)
 OWN_PARTIAL_REUSE = 0
-KIND = dataclasses.replace(MODELS["granite-hybrid"], fields={**MODELS["granite-hybrid"].fields, "vocab_size": 512,
-                                                             "initializer_range": 0.2})
+KINDS = {name: dataclasses.replace(MODELS[name], fields={**MODELS[name].fields, "vocab_size": 512,
+                                                        "initializer_range": 0.2})
+         for name in ("granite-hybrid", "qwen3-next")}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def vllm_states(model, kind):
+    """(conv shape, temporal shape, dtype names) vLLM's config and model class allocate."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    vc = EngineArgs(model=model, skip_tokenizer_init=True, dtype=kind.dtype, block_size=BLOCK,
+                    enable_prefix_caching=True, max_model_len=2048).create_engine_config()
+    cls = get_model_cls(vc.model_config)
+    conv, temporal = cls.get_mamba_state_shape_from_config(vc)
+    return tuple(conv), tuple(temporal), [str(d).removeprefix("torch.") for d in cls.get_mamba_state_dtype_from_config(vc)]
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def cluster(request, tmp_path_factory):
+    kind = KINDS[request.param]
     root = tmp_path_factory.mktemp("vllm-radixkv-hybrid")
-    model = make_model(str(root / "model"), KIND)
+    model = make_model(str(root / "model"), kind)
+    states = vllm_states(model, kind)
     manager = make_manager(root, ["--model-config", model, "--page-size", str(BLOCK), "--kv-tokens",
                                   str(16 * BLOCK), "--max-context-len", "2048", "--state-slots", "32",
-                                  "--lease-ttl-s", "30"])
-    common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=KIND.dtype, block_size=BLOCK,
+                                  "--temporal-state-dtype", states[2][1], "--lease-ttl-s", "30"])
+    common = dict(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype=kind.dtype, block_size=BLOCK,
                   max_model_len=2048, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True,
-                  max_num_batched_tokens=BLOCK, distributed_executor_backend="uni", disable_log_stats=False,
+                  distributed_executor_backend="uni", disable_log_stats=False,
                   seed=0, kv_transfer_config=connector_config(manager, NAMESPACE))
+    if kind.batched_tokens_eq_block:
+        common["max_num_batched_tokens"] = BLOCK
     engines = {"a": EngineProcess("a", common), "b": EngineProcess("b", common)}
     with running(engines, manager, start_manager=True):
-        yield {**engines, "manager": manager, "model": model}
+        yield {**engines, "manager": manager, "model": model, "kind": kind, "states": states}
 
 
 def run(engine, prompt):
@@ -55,19 +72,14 @@ def ext_hits(engine):
 
 
 def test_manager_state_pool_has_the_shapes_vllm_allocates(cluster):
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
-
     from radixkv.engine.model_config import engine_fields_from_model_dir
 
-    vc = EngineArgs(model=cluster["model"], skip_tokenizer_init=True, dtype=KIND.dtype, block_size=BLOCK,
-                    enable_prefix_caching=True, max_model_len=2048).create_engine_config()
-    conv, temporal = GraniteMoeHybridForCausalLM.get_mamba_state_shape_from_config(vc)
-    dtypes = GraniteMoeHybridForCausalLM.get_mamba_state_dtype_from_config(vc)
+    conv, temporal, dtypes = cluster["states"]
     f = engine_fields_from_model_dir(cluster["model"])
-    assert (f["conv_state_dims"], f["temporal_state_dims"]) == (tuple(conv), tuple(temporal))
-    assert [f["state_dtype"]] * 2 == [str(d).removeprefix("torch.") for d in dtypes]
-    assert f["layer_types"] == "KKKF"
+    assert (f["conv_state_dims"], f["temporal_state_dims"], f["layer_types"]) == (conv, temporal, "KKKF")
+    assert f["state_dtype"] == dtypes[0] == cluster["kind"].dtype  # the temporal one: --temporal-state-dtype
+    # and the engines attached: the connector refuses a manager whose state pool differs
+    assert cluster["manager"].client().stats().sessions == 2
 
 
 def test_state_and_kv_from_another_engine_equal_vllms_own_prefix_caching(cluster):
