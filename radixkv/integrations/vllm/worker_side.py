@@ -173,7 +173,7 @@ class WorkerSide:
         """At mapping (engine start, or a new manager), not in a request: read one element of
         every page of the manager's mapped pools (a CPU pool's first touch of each page is a
         page fault: the first requests' copies paid them, about a second per instance for the
-        benchmark's pool), and run the copy kernels once on one row of scratch; with vLLM's
+        benchmark's pool; a hybrid's state pool too), and run the copy kernels once on one row of scratch; with vLLM's
         tensors registered, the save path once from vLLM's block 0 into the manager's padding
         slot 0, and the load's scatter once of vLLM's own row onto itself (no value changes)."""
         one = torch.zeros(1, dtype=torch.int64, device=wb.device)
@@ -185,6 +185,10 @@ class WorkerSide:
                 row = m.index_select(0, one)
                 row.index_copy_(0, one, row.clone())
         wb.req_to_token.reshape(-1)[::1024].sum()
+        if wb.mamba_pool is not None and self._states:  # a hybrid's state pool: its pages too
+            for t in (wb.mamba_pool.conv_state, wb.mamba_pool.temporal_state):
+                if t.device.type == "cpu":
+                    t.reshape(-1)[::max(1, 4096 // t.element_size())].sum()
         if self._geometry is not None:
             zero = torch.zeros(1, dtype=torch.int64, device=self._views[0][0].device)
             if self.shard.writes:
