@@ -39,7 +39,8 @@ def vllm_states(model, kind):
                     enable_prefix_caching=True, max_model_len=2048).create_engine_config()
     cls = get_model_cls(vc.model_config)
     conv, temporal = cls.get_mamba_state_shape_from_config(vc)
-    return tuple(conv), tuple(temporal), [str(d).removeprefix("torch.") for d in cls.get_mamba_state_dtype_from_config(vc)]
+    dtypes = [str(d).removeprefix("torch.") for d in cls.get_mamba_state_dtype_from_config(vc)]
+    return tuple(conv), tuple(temporal), dtypes
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
