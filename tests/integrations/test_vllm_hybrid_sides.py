@@ -124,3 +124,22 @@ def test_a_state_layout_vllm_does_not_hand_is_refused(manager):
     with pytest.raises(LayoutMismatchError, match="temporal_state"):
         other.register([("model.layers.1.attn", kv)], [("model.layers.0.mixer", 0, torch.zeros(BLOCKS, 1, 1, PAGE,
                                                                                                 dtype=torch.int8))])
+
+
+def test_a_prompt_ending_on_a_block_saves_its_state_into_its_own_slot_too(manager):
+    a, b = HybridEngine(manager.cfg, 5), HybridEngine(manager.cfg, 6)
+    prompt = list(range(500, 512))  # exactly 3 blocks: the tree takes the request's own slot's state
+    assert a.sched.num_new_matched_tokens("r", prompt, 0, KEY) == 0
+    plan = a.step(ScheduledReq("r", 0, 12), [1, 2, 3], [0, 0, 7])
+    [op] = plan.state_saves
+    assert len(op.slots) == 2 and op.blocks == (7,)  # the track slot and the own slot
+    a.sched.finished("r")
+    a.sched.flush()
+    q = prompt + [1, 2, 3]
+    assert b.sched.num_new_matched_tokens("q", q, 0, KEY) == 12
+    b.sched.after_alloc("q", 12)
+    plan = b.step(ScheduledReq("q", 12, 3), [4, 5, 6, 8], [0, 0, 9, 10])
+    assert [op.blocks for op in plan.state_loads] == [(9,), (10,)]
+    assert torch.equal(b.state(9), a.state(7)) and torch.equal(b.state(10), a.state(7))
+    b.sched.finished("q")
+    assert idle(manager, a, b) == (0, 0)
