@@ -93,7 +93,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", choices=tuple(MODELS), default="llama",
                     help="the tiny random model (vllm_model.MODELS; docs/vllm.md, 'Model kinds'): llama, "
                          "llama-8b-ratio (an 8B model's prefill FLOPs per KV byte), qwen3-next, granite-hybrid "
-                         "(hybrids: the radixkv configuration is refused while the connector refuses them)")
+                         "(hybrids: attention KV and recurrent states shared through SupportsHMA)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance (executor mp)")
     ap.add_argument("--model-dir", default=None, help="the tiny random model written here (default: a temp dir)")
     ap.add_argument("--manager-args", default="", help="extra 'radixkv serve' flags (one string)")
@@ -387,6 +387,8 @@ def instance_spec(args: argparse.Namespace, kind: ModelKind, model_dir: str, w: 
     if kind.batched_tokens_eq_block:
         spec["max_num_batched_tokens"] = args.block_size
     spec["manager_kv_bytes"] = spec["manager_kv_tokens"] * kind.kv_bytes_per_token()
+    if kind.hybrid:
+        spec["hybrid"] = True  # the manager's state slots and temporal dtype: vllm_configs._manager_cmd
     if args.engine_process:
         spec["env"] = dict(_ENGINE_PROCESS)
     return spec
@@ -394,8 +396,8 @@ def instance_spec(args: argparse.Namespace, kind: ModelKind, model_dir: str, w: 
 
 def refusal(name: str, kind: ModelKind) -> str | None:
     """Why configuration ``name`` cannot run ``kind`` (None: it can): vLLM gives a hybrid model's
-    KV cache groups only to a connector that implements ``SupportsHMA``, and RadixKVConnector
-    refuses hybrid models while it does not (issue 33, item 2). Asked of the classes, not assumed."""
+    KV cache groups only to a connector that implements ``SupportsHMA``. Asked of the classes,
+    not assumed."""
     if not name.startswith("radixkv") or not kind.hybrid:
         return None
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -405,7 +407,7 @@ def refusal(name: str, kind: ModelKind) -> str | None:
     if issubclass(RadixKVConnector, SupportsHMA):
         return None
     return (f"{kind.name} is hybrid: RadixKVConnector does not implement vLLM's SupportsHMA and refuses "
-            "hybrid models at start (it would reuse KV without the recurrent state; issue 33, item 2)")
+            "hybrid models at start (it would reuse KV without the recurrent state)")
 
 
 def _run_all(doc: dict[str, Any], w: Workload, args: argparse.Namespace, kind: ModelKind, model_dir: str,

@@ -82,11 +82,16 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 
 
 def _manager_cmd(d: str, spec: dict[str, Any], extra: list[str]) -> list[str]:
+    state: list[str] = []
+    if spec.get("hybrid"):  # 3 state slots per request in flight (own + 2 track), the rest the tree's
+        from vllm_instance import engine_state_dtypes
+
+        state = ["--state-slots", "256", "--temporal-state-dtype", engine_state_dtypes(spec)[1]]
     return [sys.executable, "-m", "radixkv", "serve", "--address", f"unix://{d}/s.sock",
             "--token-file", os.path.join(d, "token"), "--model-config", spec["model"],
             "--page-size", str(spec["block_size"]), "--kv-tokens", str(spec["manager_kv_tokens"]),
             "--max-context-len", str(spec["max_model_len"]),
-            "--enable-kv-events", *extra]  # the events feed the connector's first-block index
+            "--enable-kv-events", *state, *extra]  # the events feed the connector's first-block index
 
 
 def _manager(d: str, spec: dict[str, Any], extra: list[str]) -> tuple[list[str], str, dict[str, Any]]:

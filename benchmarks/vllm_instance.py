@@ -131,3 +131,18 @@ def instance_main(conn: Any, spec: dict[str, Any]) -> None:
         _serve(conn, llm, int(spec.get("max_tokens", 1)))
     finally:
         conn.close()
+
+
+def engine_state_dtypes(spec: dict[str, Any]) -> tuple[str, str]:
+    """The (conv, temporal) state dtypes vLLM allocates for a hybrid instance ``spec``: asked of
+    vLLM's config and model class (its CPU build keeps GDN's temporal state in float32 on CPUs
+    with AVX512-BF16, which a model's config.json cannot tell the manager)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    kw = {k: v for k, v in engine_kwargs(spec).items() if k in ("model", "skip_tokenizer_init", "dtype", "block_size",
+                                                                 "enable_prefix_caching", "max_model_len")}
+    vc = EngineArgs(**kw).create_engine_config()
+    dtypes = get_model_cls(vc.model_config).get_mamba_state_dtype_from_config(vc)
+    conv, temporal = (str(d).removeprefix("torch.") for d in dtypes)
+    return conv, temporal

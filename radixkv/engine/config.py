@@ -8,7 +8,9 @@ server can take a config file and override single fields from flags
 Model shape: ``layer_types`` has one character per layer, ``F`` (full attention: per-token
 KV in the KV pool) or ``K`` (a KDA linear-attention layer: a fixed-size recurrent state per
 request in the Mamba pool). Layers are numbered globally in that order, as the reference
-model and ``HybridLinearKVPool`` number them. ``kv_lora_rank > 0``: multi-latent attention,
+model and ``HybridLinearKVPool`` number them. ``conv_state_dims`` / ``temporal_state_dims``
+(and ``temporal_state_dtype``) give a state layer's shapes directly (a GDN / Mamba2 model read
+by ``--model-config``) instead of the KDA fields. ``kv_lora_rank > 0``: multi-latent attention,
 the full-attention layers keep one latent row per token (``MLATokenToKVPool``).
 """
 from __future__ import annotations
@@ -51,8 +53,9 @@ class EngineConfig:
 
 Fields: ``device``; the pools' sizes (``kv_tokens``, ``page_size``, ``state_slots``,
 ``request_rows``, ``max_context_len``); the model shape (``layer_types``, ``head_num``,
-``head_dim``, MLA's ``kv_lora_rank``/``qk_rope_head_dim``, ``kv_dtype``, the KDA fields);
-the tree's policies; sessions; ``decode_reserve``, ``mamba_track_interval``; the tiers
+``head_dim``, MLA's ``kv_lora_rank``/``qk_rope_head_dim``, ``kv_dtype``, the state fields: KDA's
+or ``*_state_dims`` given together); the tree's policies; sessions; ``decode_reserve``,
+``mamba_track_interval``; the tiers
 (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slots``). Each field:
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
@@ -72,6 +75,9 @@ host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model.
     kda_num_heads: int = 2
     kda_head_dim: int = 16
     state_dtype: str = "float32"
+    conv_state_dims: tuple[int, ...] | None = None
+    temporal_state_dims: tuple[int, ...] | None = None
+    temporal_state_dtype: str | None = None
     state_slots: int = 64
     request_rows: int = 64
     max_context_len: int = 2048
@@ -125,6 +131,7 @@ host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model.
                 f"EngineConfig.kv_tokens ({self.kv_tokens}) must be a multiple of page_size "
                 f"({self.page_size})")
         self._check_tiers()
+        self._check_state_dims()
         lt = self.layer_types
         if not isinstance(lt, str) or not lt or set(lt) - {"F", "K"} or "F" not in lt:
             raise InvalidArgumentError(
@@ -133,8 +140,10 @@ host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model.
         # module that only reads configs (a remote client) does not need.
         from radixkv.memory.arena import parse_dtype
 
-        for name in ("kv_dtype", "state_dtype"):
+        for name in ("kv_dtype", "state_dtype", "temporal_state_dtype"):
             v = getattr(self, name)
+            if v is None and name == "temporal_state_dtype":
+                continue
             try:
                 dt = parse_dtype(v) if isinstance(v, str) else None
             except InvalidArgumentError:
@@ -157,6 +166,21 @@ host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model.
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0:
             raise InvalidArgumentError(f"EngineConfig.lease_ttl_s must be a finite number > 0, got {ttl!r}")
         object.__setattr__(self, "lease_ttl_s", float(ttl))
+
+    def _check_state_dims(self) -> None:
+        """``conv_state_dims`` / ``temporal_state_dims``: both or neither, each a non-empty
+        sequence of ints >= 1 (JSON lists become tuples)."""
+        given = [n for n in ("conv_state_dims", "temporal_state_dims") if getattr(self, n) is not None]
+        if len(given) == 1:
+            raise InvalidArgumentError(f"EngineConfig.{given[0]} needs the other of conv_state_dims / "
+                                       "temporal_state_dims")
+        for name in given:
+            v = getattr(self, name)
+            if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not v or any(
+                    isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+                raise InvalidArgumentError(f"EngineConfig.{name} must be a non-empty sequence of ints >= 1, "
+                                           f"got {v!r}")
+            object.__setattr__(self, name, tuple(v))
 
     def _check_tiers(self) -> None:
         if self.host_kv_tokens % self.page_size:
@@ -236,20 +260,31 @@ host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model.
         return tuple(i for i, c in enumerate(self.layer_types) if c == "K")
 
     @property
-    def conv_state_shape(self) -> tuple[int, int]:
-        """Per-slot conv state of one KDA layer: ``(conv_kernel - 1, 3 * heads * head_dim)``
-        (q|k|v channels concatenated: ``KimiLinearStateShape.pool_conv``, the reference model)."""
+    def conv_state_shape(self) -> tuple[int, ...]:
+        """Per-slot conv state of one state layer: ``conv_state_dims`` when given, else the KDA
+        ``(conv_kernel - 1, 3 * heads * head_dim)`` (q|k|v channels concatenated:
+        ``KimiLinearStateShape.pool_conv``, the reference model)."""
+        if self.conv_state_dims is not None:
+            return tuple(self.conv_state_dims)
         return (self.conv_kernel - 1, 3 * self.kda_num_heads * self.kda_head_dim)
 
     @property
-    def temporal_state_shape(self) -> tuple[int, int, int]:
-        """Per-slot recurrent state of one KDA layer: ``(heads, head_dim, head_dim)``."""
+    def temporal_state_shape(self) -> tuple[int, ...]:
+        """Per-slot recurrent state of one state layer: ``temporal_state_dims`` when given,
+        else the KDA ``(heads, head_dim, head_dim)``."""
+        if self.temporal_state_dims is not None:
+            return tuple(self.temporal_state_dims)
         return (self.kda_num_heads, self.kda_head_dim, self.kda_head_dim)
+
+    @property
+    def temporal_dtype(self) -> str:
+        """The recurrent state's dtype: ``temporal_state_dtype``, else ``state_dtype``."""
+        return self.temporal_state_dtype or self.state_dtype
 
     # ------------------------------------------------------------------ plain data
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain JSON-able data."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:

@@ -63,7 +63,7 @@ def plan_arenas(config: EngineConfig) -> dict[str, ArenaLayout]:
         n_kda = len(c.kda_layer_ids)
         plans["mamba"] = plan_layout([
             ("conv", (n_kda, c.state_slots + 1) + c.conv_state_shape, c.state_dtype),
-            ("temporal", (n_kda, c.state_slots + 1) + c.temporal_state_shape, c.state_dtype),
+            ("temporal", (n_kda, c.state_slots + 1) + c.temporal_state_shape, c.temporal_dtype),
         ], DEFAULT_ALIGNMENT)
     return plans
 
@@ -87,7 +87,7 @@ def build_mamba_pool(config: EngineConfig, buffer: torch.Tensor | None = None,
     c = config
     return MambaPool(c.state_slots, c.conv_state_shape, c.temporal_state_shape, len(c.kda_layer_ids),
                      c.state_dtype, device if device is not None else c.torch_device,
-                     checks=c.checks, buffer=buffer)
+                     temporal_dtype=c.temporal_dtype, checks=c.checks, buffer=buffer)
 
 
 _EMBEDDED: weakref.WeakValueDictionary[str, EnginePools] = weakref.WeakValueDictionary()

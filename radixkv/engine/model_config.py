@@ -8,9 +8,14 @@ the engine's KV cache (``radixkv.integrations.vllm`` refuses a mismatch at attac
 Multi-latent attention (DeepSeek-V2/V3: ``kv_lora_rank``) gives an MLA pool instead:
 ``kv_lora_rank``, ``qk_rope_head_dim``, ``head_num`` 1 and ``head_dim`` their sum.
 
-A multimodal config's ``text_config`` is read when present. Hybrid models (Mamba / linear
-attention / sliding-window layers named in ``layer_types``, ``layers_block_type`` or
-``hybrid_override_pattern``) are refused with ``InvalidArgumentError``.
+A multimodal config's ``text_config`` is read when present. Hybrid models with ``layer_types``
+of full attention and recurrent layers: Qwen3-Next (gated delta net, ``linear_*`` keys) and
+GraniteMoeHybrid (Mamba2, ``mamba_*`` keys) give ``layer_types`` ``F``/``K`` and the state
+shapes vLLM allocates per layer (conv ``(kernel - 1, channels)``, its default ``SD`` layout;
+temporal GDN ``(v_heads, v_dim, k_dim)``, Mamba2 ``(heads, head_dim, d_state)``), both in the
+model dtype (vLLM's CPU build may keep GDN's temporal state in float32: ``--temporal-state-dtype``).
+Other hybrids (sliding-window layers, ``layers_block_type``, ``hybrid_override_pattern``, ...)
+are refused with ``InvalidArgumentError``.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ __all__ = ["kv_shape_from_hf_config", "load_hf_config", "engine_fields_from_mode
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16",
            "half": "float16", "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _FULL_LAYER_NAMES = {"full_attention", "attention", "global", "full"}
+_STATE_LAYER_NAMES = {"linear_attention", "mamba"}
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -51,22 +57,47 @@ def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
     return v
 
 
-def _check_not_hybrid(cfg: dict[str, Any], where: str) -> None:
-    kinds = cfg.get("layer_types")
-    if isinstance(kinds, list) and set(map(str, kinds)) - _FULL_LAYER_NAMES:
-        raise InvalidArgumentError(
-            f"{where}: layer_types {sorted(set(map(str, kinds)))} are not all full attention; hybrid "
-            "models are not supported from --model-config (give --layer-types and the state shape)")
+def _layer_types(cfg: dict[str, Any], layers: int, where: str) -> str:
+    """``F`` / ``K`` per layer; raises for a hybrid layout this module does not read."""
     for key in ("layers_block_type", "hybrid_override_pattern", "attn_layer_indices", "linear_attn_config"):
         if cfg.get(key):
             raise InvalidArgumentError(
-                f"{where}: {key} marks a hybrid (Mamba / linear-attention) model; --model-config "
-                "reads full-attention models only")
+                f"{where}: {key} marks a hybrid model --model-config does not read (Qwen3-Next and "
+                "GraniteMoeHybrid layer_types are read; give --layer-types and the state shape)")
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        return "F" * layers
+    names = [str(k) for k in kinds]
+    unknown = sorted(set(names) - _FULL_LAYER_NAMES - _STATE_LAYER_NAMES)
+    if unknown or len(names) != layers:
+        raise InvalidArgumentError(
+            f"{where}: layer_types {sorted(set(names))} ({len(names)} for {layers} layers) are not full "
+            f"attention / {sorted(_STATE_LAYER_NAMES)} per layer; give --layer-types and the state shape")
+    return "".join("F" if n in _FULL_LAYER_NAMES else "K" for n in names)
+
+
+def _state_fields(cfg: dict[str, Any], dtype: str, where: str) -> dict[str, Any]:
+    """The state-pool fields of a hybrid config (GDN or Mamba2: see the module doc)."""
+    if cfg.get("linear_num_value_heads") is not None:  # Qwen3-Next: gated delta net
+        nk, nv = _positive_int(cfg, "linear_num_key_heads", where), _positive_int(cfg, "linear_num_value_heads", where)
+        dk, dv = _positive_int(cfg, "linear_key_head_dim", where), _positive_int(cfg, "linear_value_head_dim", where)
+        kernel = _positive_int(cfg, "linear_conv_kernel_dim", where)
+        conv, temporal = (kernel - 1, 2 * nk * dk + nv * dv), (nv, dv, dk)
+    elif cfg.get("mamba_d_state") is not None:  # GraniteMoeHybrid: Mamba2
+        inner = _positive_int(cfg, "mamba_expand", where) * _positive_int(cfg, "hidden_size", where)
+        groups, state = _positive_int(cfg, "mamba_n_groups", where), _positive_int(cfg, "mamba_d_state", where)
+        kernel = _positive_int(cfg, "mamba_d_conv", where)
+        conv = (kernel - 1, inner + 2 * groups * state)
+        temporal = (_positive_int(cfg, "mamba_n_heads", where), _positive_int(cfg, "mamba_d_head", where), state)
+    else:
+        raise InvalidArgumentError(f"{where}: recurrent layers without gated-delta-net (linear_*) or Mamba2 "
+                                   "(mamba_*) keys; give --layer-types and the state shape")
+    return {"conv_state_dims": conv, "temporal_state_dims": temporal, "state_dtype": dtype}
 
 
 def kv_shape_from_hf_config(cfg: dict[str, Any], where: str = "model config") -> dict[str, Any]:
     """``EngineConfig`` fields (``layer_types``, ``head_num``, ``head_dim``, ``kv_dtype``; MLA:
-    also ``kv_lora_rank``, ``qk_rope_head_dim``) of a parsed Hugging Face config.
+    also ``kv_lora_rank``, ``qk_rope_head_dim``; hybrid: the state fields) of a parsed HF config.
     Raises ``InvalidArgumentError`` naming the bad key."""
     if not isinstance(cfg, dict):
         raise InvalidArgumentError(f"{where}: not a dict")
@@ -76,9 +107,11 @@ def kv_shape_from_hf_config(cfg: dict[str, Any], where: str = "model config") ->
         cfg = dict(text)
         if dtype_outer is not None and cfg.get("dtype", cfg.get("torch_dtype")) is None:
             cfg["dtype"] = dtype_outer
-    _check_not_hybrid(cfg, where)
     layers = _positive_int(cfg, "num_hidden_layers", where)
+    types = _layer_types(cfg, layers, where)
     dtype = _dtype(cfg, where)
+    if cfg.get("kv_lora_rank") and "K" in types:
+        raise InvalidArgumentError(f"{where}: a hybrid model with MLA layers is not read (kv_lora_rank)")
     if cfg.get("kv_lora_rank"):  # MLA: one latent row per token
         rank = _positive_int(cfg, "kv_lora_rank", where)
         rope = _positive_int(cfg, "qk_rope_head_dim", where)
@@ -95,7 +128,8 @@ def kv_shape_from_hf_config(cfg: dict[str, Any], where: str = "model config") ->
             raise InvalidArgumentError(f"{where}: hidden_size {hidden} is not a multiple of "
                                        f"num_attention_heads {heads} (and no head_dim is given)")
         head_dim = hidden // heads
-    return {"layer_types": "F" * layers, "head_num": kv_heads, "head_dim": head_dim, "kv_dtype": dtype}
+    out = {"layer_types": types, "head_num": kv_heads, "head_dim": head_dim, "kv_dtype": dtype}
+    return {**out, **_state_fields(cfg, dtype, where)} if "K" in types else out
 
 
 def _dtype(cfg: dict[str, Any], where: str) -> str:

@@ -177,10 +177,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
             eng.add_argument(flag, dest=f"cfg_{f.name}", action=argparse.BooleanOptionalAction, default=None,
                              help=f"EngineConfig.{f.name} (default {f.default})")
         else:
-            kind = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            ftype = f.type if isinstance(f.type, str) else f.type.__name__
+            kind = _int_dims if ftype.startswith("tuple[int") else {"int": int, "float": float}.get(ftype, str)
             eng.add_argument(flag, dest=f"cfg_{f.name}", type=kind, default=None, metavar=f.name.upper(),
                              help=f"EngineConfig.{f.name}{extra} (default {f.default!r})")
     return parser
+
+
+def _int_dims(text: str) -> tuple[int, ...]:
+    """``"3,512"`` -> ``(3, 512)`` (a state shape flag)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

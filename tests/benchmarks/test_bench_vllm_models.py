@@ -1,7 +1,7 @@
 """``radixkv bench vllm --model / --tp`` without starting vLLM: the flags, what each model kind
 asks of vLLM (dtype, batching limit, ranks), the KV bytes and FLOPs that choose the 8B-ratio
 model (counted here from the shapes independently), the written models (where ``transformers``
-is installed) and the radixkv configuration's refusal for hybrid models (where vLLM is)."""
+is installed) and that the radixkv configuration runs every kind (where vLLM is)."""
 import argparse
 import json
 
@@ -55,6 +55,7 @@ def test_instance_spec_carries_the_kinds_needs_into_vllms_arguments(name, tmp_pa
     assert (kw["max_num_batched_tokens"] == 64) == (name == "granite-hybrid")
     assert kw["max_model_len"] % 64 == 0 and kw["max_model_len"] >= 100 + 1
     assert spec["manager_kv_bytes"] == spec["manager_kv_tokens"] * kind.kv_bytes_per_token()
+    assert spec.get("hybrid", False) == kind.hybrid  # the manager gets the state pool's flags
 
 
 def test_tp_1_asks_for_no_parallel_executor(tmp_path):
@@ -122,10 +123,8 @@ def test_the_written_model_has_the_kinds_shape(name, tmp_path):
     assert (tmp_path / "config.json").stat().st_mtime_ns == mtime
 
 
-def test_the_radixkv_configuration_is_refused_for_hybrids_only():
+def test_the_radixkv_configuration_runs_every_kind():
     pytest.importorskip("vllm.config")  # a bare "vllm" may be tests/vllm, a namespace package
-    for name, kind in vllm_model.MODELS.items():
-        why = bench_vllm.refusal("radixkv", kind)
-        assert (why is not None) == kind.hybrid, name
+    for name, kind in vllm_model.MODELS.items():  # hybrids too: RadixKVConnector is a SupportsHMA
+        assert bench_vllm.refusal("radixkv", kind) is None, name
         assert bench_vllm.refusal("local", kind) is None
-    assert "SupportsHMA" in bench_vllm.refusal("radixkv", vllm_model.MODELS["qwen3-next"])

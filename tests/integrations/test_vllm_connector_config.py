@@ -1,9 +1,17 @@
 """``kv_connector_extra_config`` -> ``ConnectorConfig``: the keys a user writes, checked."""
 import pytest
+import torch
 
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.config import ConnectorConfig
-from radixkv.integrations.vllm.layout import KVShape, LayoutMismatchError, check_same_shape, manager_kv_shape
+from radixkv.integrations.vllm.layout import (
+    KVShape,
+    LayoutMismatchError,
+    StateShape,
+    check_same_shape,
+    manager_kv_shape,
+    state_page_views,
+)
 
 
 def test_the_documented_keys():
@@ -40,5 +48,21 @@ def test_manager_shape_and_refusals():
     check_same_shape(shape, shape)
     with pytest.raises(LayoutMismatchError, match="page_size=32.*page_size=16"):
         check_same_shape(shape._replace(page_size=32), shape)
-    with pytest.raises(LayoutMismatchError, match="hybrid"):
-        manager_kv_shape({**cfg, "layer_types": "FKFK"})
+    hybrid = manager_kv_shape({**cfg, "layer_types": "FKFK", "conv_state_dims": [3, 512],
+                               "temporal_state_dims": [4, 64, 64], "state_dtype": "bfloat16",
+                               "temporal_state_dtype": "float32"})
+    assert hybrid == KVShape(2, 8, 128, "bfloat16", 16, state=StateShape("FKFK", (3, 512), (4, 64, 64), "bfloat16",
+                                                                          "float32"))
+    with pytest.raises(LayoutMismatchError, match="layer_types=FKFK"):  # a KV-only engine, a hybrid manager
+        check_same_shape(shape._replace(layers=2), hybrid)
+
+
+def test_state_page_views_alias_vllms_raw_pages():
+    st = StateShape("KF", (3, 4), (2, 2, 2), "bfloat16", "float32")
+    raw = torch.zeros(5, 1, 1, 64, dtype=torch.int8)  # 24 + 32 bytes of state in a 64-byte page
+    conv, temporal = state_page_views(raw, st)
+    assert conv.shape == (5, 24) and temporal.shape == (5, 32)
+    temporal[2] = 7
+    assert raw[2, 0, 0, 24:56].eq(7).all() and raw[2, 0, 0, :24].eq(0).all() and raw[2, 0, 0, 56:].eq(0).all()
+    with pytest.raises(LayoutMismatchError, match="raw pages"):
+        state_page_views(torch.zeros(5, 1, 1, 40, dtype=torch.int8), st)

@@ -76,7 +76,7 @@ def test_prompt_longer_than_the_pool_is_computed_not_cached(manager):
     assert e.sched.num_new_matched_tokens("big", prompt, 0, KEY) == 0
     assert e.sched.counters["uncacheable_requests"] == 1
     plan, _ = e.step([ScheduledReq("big", 0, len(prompt))], {"big": list(range(16))})
-    assert plan == ([], [], [])
+    assert plan[:3] == ([], [], [])
     e.sched.finished("big")
     assert idle(manager, e) == (0, 0)
     e.close()
@@ -101,7 +101,7 @@ def test_a_dead_manager_means_no_hit_and_no_copies(tmp_path):
     e = Engine(cfg)  # register does not need the manager
     assert e.sched.num_new_matched_tokens("r", list(range(16)), 0, KEY) == 0
     plan, failed = e.step([ScheduledReq("r", 0, 16)], {"r": [0, 1, 2, 3]})
-    assert plan == ([], [], []) and not failed
+    assert plan[:3] == ([], [], []) and not failed
     assert e.sched.link.counters["connect_failures"] >= 1
     e.sched.finished("r")
     e.close()

@@ -8,15 +8,17 @@ before the step returns (a deferred save: in a later step). Every hook catches i
 failures: a manager fault makes the engine serve without the shared cache, never crash it.
 Tensor parallel: each rank copies its own KV heads of the manager rows (which hold all heads);
 a save counts once every rank reported it. MLA: the latent rows (refused on vLLM's CPU build
-unless ``mla_on_cpu``: ``MLA_ON_CPU`` says why). Hybrid models, quantized KV caches, pipeline
-and context parallel engines are refused at start-up.
+unless ``mla_on_cpu``: ``MLA_ON_CPU`` says why). Hybrid models (``SupportsHMA``: full attention
++ Mamba / GDN groups, vLLM's ``mamba_cache_mode="align"``, one rank): the attention KV and the
+recurrent state at whole-block positions. Quantized KV caches, pipeline and context parallel
+engines, and other hybrids are refused at start-up.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -32,9 +35,16 @@ from radixkv.engine.protocol import AttachInfo
 from radixkv.errors import InvalidArgumentError
 from radixkv.integrations.vllm.config import ConnectorConfig
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
-from radixkv.integrations.vllm.layout import HeadShard, KVShape, LayoutMismatchError, dtype_name, head_shard
+from radixkv.integrations.vllm.layout import (
+    HeadShard,
+    KVShape,
+    LayoutMismatchError,
+    StateShape,
+    dtype_name,
+    head_shard,
+)
 from radixkv.integrations.vllm.link import ManagerClient, ManagerLink
-from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide
+from radixkv.integrations.vllm.scheduler_side import CopyOp, ScheduledReq, SchedulerSide, StateOp
 from radixkv.integrations.vllm.worker_side import SaveReport, WorkerSide
 
 if TYPE_CHECKING:
@@ -56,11 +66,13 @@ _MAX_KEY = 1024  # radixkv's extra_key limit
 @dataclass
 class RadixKVConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: the copies to do; ``finish``: requests to report
-    finished sending after the saves (their kept blocks are freed)."""
+    finished sending after the saves (their kept blocks are freed); hybrid: the state copies."""
 
     loads: list[CopyOp] = field(default_factory=list)
     saves: list[CopyOp] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
+    state_loads: list[StateOp] = field(default_factory=list)
+    state_saves: list[StateOp] = field(default_factory=list)
 
 
 @dataclass
@@ -124,21 +136,54 @@ MLA_ON_CPU = (
     "CPU), so a shared prefix would change outputs; kv_connector_extra_config mla_on_cpu=true shares it anyway")
 
 
+class _Groups(NamedTuple):
+    """vLLM's KV cache groups: the attention group's index and the state groups' (hybrid)."""
+
+    attn: int
+    states: tuple[int, ...]
+
+
+def _groups(kv_cache_config: KVCacheConfig | None) -> _Groups:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    attn = [i for i, k in enumerate(kinds) if k != "MambaSpec"]
+    return _Groups(attn[0] if attn else 0, tuple(i for i, k in enumerate(kinds) if k == "MambaSpec"))
+
+
+def _refuse_hybrid(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """A hybrid model is shared when its groups are one full-attention group and Mamba / GDN
+    groups in vLLM's ``align`` mode (states at whole blocks: prefix caching on), at one rank."""
+    mc = vllm_config.model_config
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if kinds.count("FullAttentionSpec") != 1 or set(kinds) != {"FullAttentionSpec", "MambaSpec"}:
+        raise InvalidArgumentError(f"RadixKVConnector: hybrid model {mc.model!r} has KV cache groups {sorted(kinds)}; "
+                                   "only one FullAttentionSpec group with MambaSpec groups is supported")
+    modes = {str(getattr(g.kv_cache_spec, "mamba_cache_mode", "none")) for g, k in zip(groups, kinds, strict=True)
+             if k == "MambaSpec"}
+    if modes != {"align"}:
+        raise InvalidArgumentError(f"RadixKVConnector: hybrid model {mc.model!r} runs mamba_cache_mode "
+                                   f"{sorted(modes)}; only 'align' keeps states at whole blocks (prefix caching on)")
+    if int(vllm_config.parallel_config.tensor_parallel_size) > 1:
+        raise InvalidArgumentError(f"RadixKVConnector: hybrid model {mc.model!r} at tensor_parallel_size > 1 is not "
+                                   "supported (each rank holds a share of the recurrent states)")
+
+
 def _refuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                         mla_on_cpu: bool = False) -> None:
     mc = vllm_config.model_config
-    if getattr(mc, "is_hybrid", False):
-        raise InvalidArgumentError(
-            f"RadixKVConnector: model {mc.model!r} is hybrid (Mamba / linear-attention layers); the "
-            "connector shares full-attention KV only and would reuse KV without its recurrent state")
     mla = bool(getattr(mc, "use_mla", False))
-    if mla and not mla_on_cpu:
+    if getattr(mc, "is_hybrid", False):
+        if mla:
+            raise InvalidArgumentError(f"RadixKVConnector: hybrid model {mc.model!r} with MLA is not supported")
+        _refuse_hybrid(vllm_config, kv_cache_config)
+    elif mla and not mla_on_cpu:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
             raise InvalidArgumentError(f"RadixKVConnector: model {mc.model!r} uses MLA on CPU: {MLA_ON_CPU}")
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups} - {"MambaSpec"})
     want = "MLAAttentionSpec" if mla else "FullAttentionSpec"
     if kinds and kinds != [want]:
         raise InvalidArgumentError(f"RadixKVConnector: KV cache groups {kinds}; only {want} "
@@ -165,11 +210,36 @@ def _defer_misses(cfg: ConnectorConfig) -> bool:
     return bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
 
 
-def _kv_shape(vllm_config: VllmConfig) -> KVShape:
+def _state_shape(kv_cache_config: KVCacheConfig | None, groups: _Groups) -> tuple[int, StateShape] | None:
+    """A hybrid model's attention layer count and :class:`StateShape` (from vLLM's groups)."""
+    if not groups.states or kv_cache_config is None:
+        return None
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    gs = kv_cache_config.kv_cache_groups
+    kind = {extract_layer_index(n): "F" for n in gs[groups.attn].layer_names}
+    specs = {(tuple(map(tuple, gs[i].kv_cache_spec.shapes)), tuple(map(dtype_name, gs[i].kv_cache_spec.dtypes)))
+             for i in groups.states}
+    if len(specs) != 1 or len(next(iter(specs))[0]) != 2:
+        raise InvalidArgumentError(f"RadixKVConnector: state layers of shapes/dtypes {sorted(specs)}; one (conv, "
+                                   "temporal) shape for every state layer is supported")
+    (conv, temporal), (conv_dt, temporal_dt) = specs.pop()
+    for i in groups.states:
+        kind.update({extract_layer_index(n): "K" for n in gs[i].layer_names})
+    pattern = "".join(kind[i] for i in sorted(kind))
+    return len(gs[groups.attn].layer_names), StateShape(pattern, conv, temporal, conv_dt, temporal_dt)
+
+
+def _kv_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> KVShape:
     """The model's KV shape with all its KV heads (what the manager's rows hold at any TP);
-    MLA: one latent head of ``kv_lora_rank + qk_rope_head_dim``."""
+    MLA: one latent head of ``kv_lora_rank + qk_rope_head_dim``; hybrid: its attention layers
+    and state shapes."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     layers, dtype, block = int(mc.get_num_layers(pc)), dtype_name(mc.dtype), int(vllm_config.cache_config.block_size)
+    hybrid = _state_shape(kv_cache_config, _groups(kv_cache_config))
+    if hybrid is not None:
+        return KVShape(hybrid[0], int(mc.get_total_num_kv_heads()), int(mc.get_head_size()), dtype, block,
+                       state=hybrid[1])
     if getattr(mc, "use_mla", False):
         hf = mc.hf_text_config
         return KVShape(layers, 1, int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim), dtype, block, latent=True)
@@ -184,7 +254,7 @@ def _own_heads(vllm_config: VllmConfig, shape: KVShape) -> HeadShard:
     return head_shard(shape.kv_heads, tp, int(get_tensor_model_parallel_rank()) if tp > 1 else 0)
 
 
-class RadixKVConnector(KVConnectorBase_V1):
+class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM engines share one radixkv cache manager (see the module doc and ``docs/vllm.md``)."""
 
     _cache_hit_source = CacheHitSource.HOST  # the manager's pool is host (or device) memory
@@ -197,7 +267,8 @@ class RadixKVConnector(KVConnectorBase_V1):
         _refuse_unsupported(vllm_config, kv_cache_config, self._cfg.mla_on_cpu)
         if self._cfg.recompute_load_failures and tc.kv_load_failure_policy != "recompute":
             tc.kv_load_failure_policy = "recompute"  # a cache: a lost entry is recomputed, not an error
-        self._shape = _kv_shape(vllm_config)
+        self._groups = _groups(kv_cache_config)
+        self._shape = _kv_shape(vllm_config, kv_cache_config)
         self._world_size = int(vllm_config.parallel_config.world_size)  # workers reporting each step
         self._namespace = self._cfg.namespace or str(vllm_config.model_config.model)
         self._deltas = _Deltas()
@@ -209,8 +280,9 @@ class RadixKVConnector(KVConnectorBase_V1):
         self._sent: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             link = ManagerLink(self._cfg, "vllm-scheduler", validate=self._check_manager)
-            index = FirstBlockIndex(self._shape.page_size) if _defer_misses(self._cfg) else None
-            self._sched = SchedulerSide(link, self._shape.page_size, index)
+            hybrid = self._shape.state is not None
+            index = FirstBlockIndex(self._shape.page_size) if _defer_misses(self._cfg) and not hybrid else None
+            self._sched = SchedulerSide(link, self._shape.page_size, index, hybrid)
             link.get(force=True)  # connect now (a shape mismatch raises here)
             if isinstance(link.last_error, LayoutMismatchError):
                 raise link.last_error
@@ -237,7 +309,12 @@ class RadixKVConnector(KVConnectorBase_V1):
 
         assert self._worker is not None
         layers: list[tuple[str, torch.Tensor]] = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
-        self._worker.register(layers)
+        group_of: dict[str, int] = {}
+        if self._groups.states and self._kv_cache_config is not None:
+            gs = self._kv_cache_config.kv_cache_groups
+            group_of = {n: k for k, i in enumerate(self._groups.states) for n in gs[i].layer_names}
+        self._worker.register([(n, t) for n, t in layers if n not in group_of],
+                              [(n, group_of[n], t) for n, t in layers if n in group_of])
 
     # The Any below are vLLM's KVConnectorBase_V1 signatures (vLLM is an optional import mypy cannot see).
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -245,6 +322,11 @@ class RadixKVConnector(KVConnectorBase_V1):
         if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.loads:
             return
         self._load_errors |= self._worker.load(meta.loads)
+        if meta.state_loads:  # a state not loaded: its request's loaded blocks are recomputed
+            bad = self._worker.copy_states(meta.state_loads, to_vllm=True)
+            for op in meta.loads:
+                if op.req_id in bad:
+                    self._load_errors |= {int(s) // self._shape.page_size for s in op.slots}
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are done in start_load_kv, before the forward
@@ -258,6 +340,8 @@ class RadixKVConnector(KVConnectorBase_V1):
             return
         if meta.saves:
             self._report.add(*self._worker.save(meta.saves))
+        if meta.state_saves:  # a state not saved: its request is released, never committed
+            self._report.add({}, self._worker.copy_states(meta.state_saves, to_vllm=False))
         self._sent.update(meta.finish)  # saved or failed: vLLM may free their blocks now
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -319,9 +403,12 @@ class RadixKVConnector(KVConnectorBase_V1):
         assert self._sched is not None
         so = scheduler_output
         blocks: dict[str, list[int]] = {}
+        all_blocks: dict[str, tuple[list[int], ...]] = {}
         scheduled: list[ScheduledReq] = []
+        g = self._groups
         for r in so.scheduled_new_reqs:
-            blocks[r.req_id] = list(r.block_ids[0])
+            blocks[r.req_id] = list(r.block_ids[g.attn])
+            all_blocks[r.req_id] = tuple(r.block_ids)
             scheduled.append(ScheduledReq(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens[r.req_id]))
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
@@ -330,15 +417,22 @@ class RadixKVConnector(KVConnectorBase_V1):
         def block_ids_of(rid: str) -> list[int]:
             if rid not in blocks:
                 assert self._kv_cache_manager is not None
-                blocks[rid] = list(self._kv_cache_manager.get_block_ids(rid)[0])
+                blocks[rid] = list(self._kv_cache_manager.get_block_ids(rid)[g.attn])
             return blocks[rid]
 
+        def state_blocks_of(rid: str) -> list[list[int]]:
+            if rid not in all_blocks:
+                assert self._kv_cache_manager is not None
+                all_blocks[rid] = tuple(self._kv_cache_manager.get_block_ids(rid))
+            return [list(all_blocks[rid][i]) for i in g.states]
+
         try:
-            plan = self._sched.build_plan(scheduled, block_ids_of)
+            plan = self._sched.build_plan(scheduled, block_ids_of, state_blocks_of if g.states else None)
         except Exception:
             logger.exception("radixkv: planning the step's copies failed; no copies this step")
             return RadixKVConnectorMetadata(finish=self._sched.take_finish())  # kept blocks never leak
-        return RadixKVConnectorMetadata(plan.loads, plan.saves, plan.finish)
+        return RadixKVConnectorMetadata(plan.loads, plan.saves, plan.finish, list(plan.state_loads),
+                                        list(plan.state_saves))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._sched is not None
@@ -358,6 +452,12 @@ class RadixKVConnector(KVConnectorBase_V1):
             except Exception:
                 logger.exception("radixkv: release of %s failed", request.request_id)
         return False, None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: as ``request_finished`` with the attention group's blocks (a hybrid
+        request's state is saved in the step that computed it, never from the finished blocks)."""
+        return self.request_finished(request, list(block_ids[self._groups.attn]) if block_ids else [])
 
     def shutdown(self) -> None:
         side = self._sched or self._worker

@@ -8,17 +8,21 @@ model's one part is the latent (``MLATokenToKVPool``'s row). Layouts read (vLLM 
 ``[2, num_blocks, block_size, kv_heads, head_size]``, FlashInfer ``[num_blocks, 2, block_size,
 kv_heads, head_size]``, MLA ``[num_blocks, 1, block_size, width]`` (CPU) or ``[num_blocks,
 block_size, width]``. Anything else (another kernel block size, quantized KV) is refused with
-:class:`LayoutMismatchError` naming the shape. Details: ``docs/vllm.md``, "vLLM KV layouts".
+:class:`LayoutMismatchError` naming the shape. Hybrid models: :class:`StateShape` (the state
+layers' shapes, checked against the manager's state pool) and :func:`state_page_views` (a
+recurrent layer's raw page per block -> conv and temporal byte rows). Details: ``docs/vllm.md``.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 
 from radixkv.errors import InvalidArgumentError
 
-__all__ = ["KVShape", "HeadShard", "LayoutMismatchError", "RowGeometry", "paged_kv_views", "row_geometry",
+__all__ = ["KVShape", "StateShape", "state_page_views",
+           "HeadShard", "LayoutMismatchError", "RowGeometry", "paged_kv_views", "row_geometry",
            "manager_kv_shape", "check_same_shape", "head_shard"]
 
 
@@ -26,8 +30,30 @@ class LayoutMismatchError(InvalidArgumentError):
     """vLLM's KV cache and the manager's KV pool do not have the same shape."""
 
 
+class StateShape(NamedTuple):
+    """A hybrid model's recurrent state per layer: ``pattern`` (``F`` attention / ``K`` state,
+    one per layer, in layer order), each state layer's conv and temporal shapes and dtypes."""
+
+    pattern: str
+    conv: tuple[int, ...]
+    temporal: tuple[int, ...]
+    conv_dtype: str
+    temporal_dtype: str
+
+    @property
+    def layers(self) -> int:
+        return self.pattern.count("K")
+
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes of one conv state and one temporal state."""
+        def size(dims: tuple[int, ...], dtype: str) -> int:
+            return math.prod(dims) * int(getattr(torch, dtype).itemsize)
+        return size(self.conv, self.conv_dtype), size(self.temporal, self.temporal_dtype)
+
+
 class KVShape(NamedTuple):
-    """The KV shape two sides must agree on to share rows."""
+    """The KV shape two sides must agree on to share rows (``layers``: the attention layers;
+    ``state``: a hybrid model's state layers)."""
 
     layers: int
     kv_heads: int
@@ -35,10 +61,14 @@ class KVShape(NamedTuple):
     dtype: str  # torch dtype name without "torch."
     page_size: int  # vLLM: block_size
     latent: bool = False  # MLA: one latent row (kv_heads 1, head_dim its width), no V
+    state: StateShape | None = None
 
     def describe(self) -> str:
+        st = self.state
         return (f"layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, page_size={self.page_size}" + (", MLA latent" if self.latent else ""))
+                f"dtype={self.dtype}, page_size={self.page_size}" + (", MLA latent" if self.latent else "")
+                + (f", layer_types={st.pattern}, conv_state={st.conv} {st.conv_dtype}, temporal_state="
+                   f"{st.temporal} {st.temporal_dtype}" if st is not None else ""))
 
 
 class HeadShard(NamedTuple):
@@ -73,17 +103,35 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def manager_kv_shape(engine_config: dict[str, Any]) -> KVShape:
-    """The KV shape of a manager's ``EngineConfig`` (``AttachInfo.layout["config"]``).
-
-    Raises ``LayoutMismatchError`` for a hybrid manager (state layers): the connector shares
-    full-attention KV only."""
+    """The KV shape of a manager's ``EngineConfig`` (``AttachInfo.layout["config"]``), with its
+    state pool's shapes for a hybrid manager."""
     lt = str(engine_config.get("layer_types", ""))
+    state = None
     if "K" in lt:
-        raise LayoutMismatchError(f"the radixkv manager is configured for a hybrid model (layer_types "
-                                  f"{lt!r}); RadixKVConnector shares full-attention KV only")
+        from radixkv.engine.config import EngineConfig
+
+        ec = EngineConfig.from_dict(dict(engine_config))
+        state = StateShape(lt, ec.conv_state_shape, ec.temporal_state_shape, ec.state_dtype, ec.temporal_dtype)
     return KVShape(lt.count("F"), int(engine_config["head_num"]), int(engine_config["head_dim"]),
                    str(engine_config["kv_dtype"]), int(engine_config["page_size"]),
-                   bool(engine_config.get("kv_lora_rank", 0)))
+                   bool(engine_config.get("kv_lora_rank", 0)), state)
+
+
+def state_page_views(raw: torch.Tensor, state: StateShape, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv and temporal states of a recurrent layer's paged cache as byte rows
+    ``[num_blocks, nbytes]`` (views, no copy). ``raw``: what vLLM 0.32.0 hands
+    ``register_kv_caches`` for such a layer, ``int8 [num_blocks, ..., page_bytes]`` with a
+    block stride of the (padded) page; the page holds the conv state then the temporal state.
+    Raises ``LayoutMismatchError`` for anything else."""
+    conv_b, temp_b = state.nbytes()
+    if raw.dtype not in (torch.int8, torch.uint8) or raw.dim() < 2 or raw.stride(-1) != 1 \
+            or any(d != 1 for d in raw.shape[1:-1]) or raw.shape[-1] < conv_b + temp_b:
+        raise LayoutMismatchError(
+            f"vLLM state cache of {name} has shape {tuple(raw.shape)} {raw.dtype} (strides {raw.stride()}), not "
+            f"raw pages of >= {conv_b + temp_b} bytes (conv {state.conv} {state.conv_dtype} + temporal "
+            f"{state.temporal} {state.temporal_dtype})")
+    pages = raw.as_strided((raw.shape[0], raw.shape[-1]), (raw.stride(0), 1))
+    return pages[:, :conv_b], pages[:, conv_b:conv_b + temp_b]
 
 
 def check_same_shape(engine: KVShape, manager: KVShape) -> None:

@@ -11,8 +11,11 @@ lock holds from the ask to the commit or release, so no eviction can hand its ro
 Commits and releases go to a :class:`CallQueue` sent in order off vLLM's step, each exactly
 once; every call in the caller's thread waits for it first. With a :class:`FirstBlockIndex`,
 a miss is answered 0 with no call and saved off the step (vLLM keeps the blocks until then);
-no shared row is ever written. The steps in full: ``docs/vllm.md``, "The scheduler side,
-step by step".
+no shared row is ever written. Hybrid models (``hybrid=True``): a hit is offered only with the
+manager's state at its end (loaded into vLLM's state block there), and a request is committed
+only with its state at its last whole block saved (into the manager's track / own slot) in the
+step that ends there; no index deferral. The steps in full: ``docs/vllm.md``, "The scheduler
+side, step by step".
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from radixkv.integrations.vllm.call_queue import CallQueue
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex
 from radixkv.integrations.vllm.link import ManagerClient, ManagerLink
 
-__all__ = ["CopyOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
+__all__ = ["CopyOp", "StateOp", "StepPlan", "ScheduledReq", "SchedulerSide"]
 
 logger = logging.getLogger("radixkv.integrations.vllm")
 
@@ -54,13 +57,27 @@ class CopyOp(NamedTuple):
     slots: np.ndarray
 
 
+class StateOp(NamedTuple):
+    """Copy a hybrid request's recurrent state (every state layer) between manager state slots
+    ``slots`` (of epoch ``epoch``; a load reads ``slots[0]``, a save writes each) and vLLM's state
+    blocks ``blocks`` (one per state KV cache group, in group order)."""
+
+    req_id: str
+    epoch: int
+    slots: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
 class StepPlan(NamedTuple):
     """The step's copies; ``finish``: finished requests whose blocks vLLM kept for a deferred
-    save, to be reported finished sending after this step's saves (frees the blocks)."""
+    save, to be reported finished sending after this step's saves (frees the blocks);
+    ``state_loads`` / ``state_saves``: a hybrid model's state copies (before / after the forward)."""
 
     loads: list[CopyOp]
     saves: list[CopyOp]
     finish: list[str]
+    state_loads: Sequence[StateOp] = ()
+    state_saves: Sequence[StateOp] = ()
 
 
 class ScheduledReq(NamedTuple):
@@ -90,6 +107,9 @@ class _Req:
     pending: Future[AllocReply] | None = None  # the queued alloc_extend, until its reply is taken
     computed: int = 0  # tokens with KV in vLLM after the request's last scheduled step
     kept: list[int] | None = None  # finished; vLLM keeps these blocks until the plan's ``finish``
+    state_slot: int = -1  # hybrid: the manager's state slot (the state at ``prefix`` on a hit)
+    track: tuple[int, int] = (0, -1)  # hybrid: (track slot, its position) of the alloc
+    state_planned: bool = False  # hybrid: the state at n_full is saved in a planned step
 
     def complete(self) -> bool:
         return not self.broken and self.saved >= self.n_full
@@ -103,6 +123,18 @@ def vllm_slots(block_ids: Sequence[int], start: int, end: int, block_size: int) 
         raise InvalidArgumentError(f"tokens up to {end} need {-(-end // block_size)} blocks, "
                                    f"the request has {blocks.size}")
     return blocks[t // block_size] * block_size + t % block_size
+
+
+def _state_blocks(state_blocks_of: Callable[[str], Sequence[Sequence[int]]] | None, req_id: str,
+                  index: int) -> tuple[int, ...]:
+    """vLLM's state block ``index`` of ``req_id`` in each state group (the state after
+    ``(index + 1) * block_size`` tokens in vLLM's ``mamba_cache_mode="align"``)."""
+    if state_blocks_of is None:
+        raise InvalidArgumentError("a hybrid plan needs the requests' state blocks")
+    groups = state_blocks_of(req_id)
+    if index < 0 or any(index >= len(g) for g in groups):
+        raise InvalidArgumentError(f"request {req_id!r}: no state block {index} in {[len(g) for g in groups]}")
+    return tuple(int(g[index]) for g in groups)
 
 
 def _alloc_one(client: ManagerClient, session: Session,
@@ -126,11 +158,15 @@ def _release(client: ManagerClient, session: Session, reqs: list[tuple[str, Futu
 class SchedulerSide:
     """See the module doc. ``link``: the scheduler's :class:`ManagerLink`; ``block_size``:
     vLLM's (== the manager's page size, checked at attach); ``index``: answer index misses
-    with no call and save them off the step (see the module doc)."""
+    with no call and save them off the step (see the module doc); ``hybrid``: copy states too."""
 
-    def __init__(self, link: ManagerLink, block_size: int, index: FirstBlockIndex | None = None):
+    def __init__(self, link: ManagerLink, block_size: int, index: FirstBlockIndex | None = None,
+                 hybrid: bool = False):
         if block_size < 1:
             raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
+        if hybrid and index is not None:
+            raise InvalidArgumentError("a hybrid model's saves cannot be deferred (its state blocks move on)")
+        self.hybrid = hybrid
         if index is not None and index.page_size != block_size:
             raise InvalidArgumentError(f"index page size {index.page_size} != block size {block_size}")
         self.link = link
@@ -144,7 +180,7 @@ class SchedulerSide:
             "queries": 0, "query_tokens": 0, "matched_tokens": 0, "offered_tokens": 0,
             "loaded_tokens": 0, "saved_tokens": 0, "committed_requests": 0, "released_requests": 0,
             "uncacheable_requests": 0, "dropped_requests": 0, "index_misses": 0, "index_lost_hits": 0,
-            "deferred_saves": 0,
+            "deferred_saves": 0, "loaded_states": 0, "saved_states": 0, "state_missing_requests": 0,
         }
 
     # ------------------------------------------------------------------ helpers
@@ -227,8 +263,11 @@ class SchedulerSide:
             return 0
         prefix = int(res.prefix_len) // self.bs * self.bs
         st.session, st.row, st.n_full, st.prefix = info.session, int(res.req_pool_idx), n_full, prefix
+        st.state_slot, st.track = int(res.mamba_slot), (int(res.track_slot), int(res.track_seqlen))
         st.hit = min(prefix, (n - 1) // self.bs * self.bs)
         st.issued = st.saved = prefix
+        if self.hybrid and st.state_slot < 1:  # no state slot: never KV without its state
+            st.hit, st.broken = 0, True  # nothing offered, nothing saved; released at its end
         self.counters["matched_tokens"] += prefix
         offered = max(0, st.hit - num_computed)
         self.counters["offered_tokens"] += offered
@@ -280,12 +319,15 @@ class SchedulerSide:
         st.load = (st.hit - num_external, st.hit)
 
     # ------------------------------------------------------------------ 3. plan
-    def build_plan(self, scheduled: Iterable[ScheduledReq],
-                   block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
-        """The copies of this step (``block_ids_of(req_id)``: the request's vLLM blocks)."""
+    def build_plan(self, scheduled: Iterable[ScheduledReq], block_ids_of: Callable[[str], Sequence[int]],
+                   state_blocks_of: Callable[[str], Sequence[Sequence[int]]] | None = None) -> StepPlan:
+        """The copies of this step (``block_ids_of(req_id)``: the request's vLLM blocks;
+        hybrid: ``state_blocks_of(req_id)``: its state blocks, one list per state group)."""
         self._flush_finished()
         loads: list[CopyOp] = []
         saves: list[CopyOp] = []
+        state_loads: list[StateOp] = []
+        state_saves: list[StateOp] = []
         current = self._session()
         self._plan_kept(current, saves)
         for sr in scheduled:
@@ -302,15 +344,48 @@ class SchedulerSide:
                 loads.append(CopyOp(sr.req_id, st.session.epoch, st.row, s, e, vllm_slots(blocks, s, e, self.bs)))
                 st.load_planned = True
                 self.counters["loaded_tokens"] += e - s
+                if self.hybrid:  # the state after the loaded tokens: its block, and the step's running
+                    # block (vLLM copies the one into the other before the forward, before the load)
+                    run_at = -(-(sr.num_computed + sr.num_scheduled) // self.bs) - 1
+                    for at in sorted({e // self.bs - 1, max(run_at, e // self.bs - 1)}):
+                        state_loads.append(StateOp(sr.req_id, st.session.epoch, (st.state_slot,),
+                                                   _state_blocks(state_blocks_of, sr.req_id, at)))
+                    self.counters["loaded_states"] += 1
             if st.broken or st.session != current:
                 continue  # nothing more goes to an old session
+            if self.hybrid and not self._plan_state_save(st, sr, state_blocks_of, state_saves):
+                continue
             upto = min(st.n_full, (sr.num_computed + sr.num_scheduled) // self.bs * self.bs)
             if upto > st.issued:
                 blocks = blocks if blocks is not None else block_ids_of(sr.req_id)
                 saves.append(CopyOp(sr.req_id, st.session.epoch, st.row, st.issued, upto,
                                     vllm_slots(blocks, st.issued, upto, self.bs)))
                 st.issued = upto
-        return StepPlan(loads, saves, self.take_finish())
+        return StepPlan(loads, saves, self.take_finish(), state_loads, state_saves)
+
+    def _plan_state_save(self, st: _Req, sr: ScheduledReq,
+                         state_blocks_of: Callable[[str], Sequence[Sequence[int]]] | None,
+                         out: list[StateOp]) -> bool:
+        """Plan the save of the state at ``n_full`` when this step ends there (into the track
+        slot the manager named for it, and the own slot when the prompt ends there too).
+        A step passing ``n_full`` without ending there leaves no state to save: the request
+        is released, never committed (returns False)."""
+        end = sr.num_computed + sr.num_scheduled
+        if st.state_planned or st.n_full <= st.prefix or not sr.num_computed < st.n_full <= end:
+            return True
+        assert st.session is not None
+        slot, at = st.track
+        targets = tuple(x for x, ok in ((slot, at == st.n_full and slot > 0),
+                                        (st.state_slot, st.n_prompt == st.n_full and st.state_slot > 0)) if ok)
+        if end != st.n_full or not targets:
+            st.broken = True
+            self.counters["state_missing_requests"] += 1
+            return False
+        out.append(StateOp(sr.req_id, st.session.epoch, targets,
+                           _state_blocks(state_blocks_of, sr.req_id, st.n_full // self.bs - 1)))
+        st.state_planned = True
+        self.counters["saved_states"] += 1
+        return True
 
     def take_finish(self) -> list[str]:
         """The kept requests planned to finish since the last take (``build_plan`` returns

@@ -6,7 +6,9 @@ its saves after it, each one gather and one scatter per layer and part over all 
 tokens. Tensor parallel: a rank copies only its ``HeadShard`` of the rows (which hold every
 head). An op of an epoch this worker cannot map is reported failed (vLLM recomputes the load,
 the scheduler releases the save); a load from a mapped epoch is done even if that manager died
-(the memory stays mapped and the rows were locked). See ``docs/vllm.md``, "The worker side".
+(the memory stays mapped and the rows were locked). Hybrid models: :meth:`WorkerSide.copy_states`
+copies whole recurrent states between the manager's state slots and vLLM's state blocks (byte
+rows of each layer's raw pages). See ``docs/vllm.md``, "The worker side".
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ from radixkv.integrations.vllm.layout import (
     manager_kv_shape,
     paged_kv_views,
     row_geometry,
+    state_page_views,
 )
 from radixkv.integrations.vllm.link import ManagerLink
-from radixkv.integrations.vllm.scheduler_side import CopyOp
+from radixkv.integrations.vllm.scheduler_side import CopyOp, StateOp
 
 if TYPE_CHECKING:  # pragma: no cover
     from radixkv.engine.buffers import WorkerBuffers
@@ -74,6 +77,13 @@ class SaveReport:
         return {k: v for k, v in self.saved.items() if k not in short}, self.failed | short
 
 
+def _kv_buffer(wb: WorkerBuffers, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of the manager's ``layer``-th attention layer (a hybrid pool numbers layers globally)."""
+    pool = getattr(wb.kv_pool, "full_kv_pool", wb.kv_pool)
+    k, v = pool.get_kv_buffer(layer)
+    return k, v
+
+
 class WorkerSide:
     """See the module doc. ``link``: the worker's :class:`ManagerLink` (no keep-alive, no background reconnect);
     ``shape``: the model's KV shape, all heads (checked against every manager mapped); ``shard``:
@@ -94,14 +104,23 @@ class WorkerSide:
         self._rows: list[torch.Tensor] = []  # each layer as rows of head_dim (with _geometry)
         self._geometry: RowGeometry | None = None  # the same in every layer, or None: index the views
         self._buffers: dict[int, WorkerBuffers] = {}  # epoch -> the manager's pools, mapped
+        self._states: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # per state layer: (group, conv, temporal)
         self.counters: dict[str, int] = {"loaded_tokens": 0, "saved_tokens": 0, "failed_load_tokens": 0,
                                          "failed_save_tokens": 0, "mapped_epochs": 0}
 
     # ------------------------------------------------------------------ set-up
-    def register(self, layers: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's per-layer KV tensors in layer order. Raises ``LayoutMismatchError`` when
-        the tensors are not a layout this connector reads, or when the manager is up and its
-        pool has another shape (names both)."""
+    def register(self, layers: Sequence[tuple[str, torch.Tensor]],
+                 states: Sequence[tuple[str, int, torch.Tensor]] = ()) -> None:
+        """vLLM's per-layer KV tensors in layer order; a hybrid model's recurrent layers in
+        ``states`` (name, its state group's ordinal, raw pages). Raises ``LayoutMismatchError``
+        when the tensors are not a layout this connector reads, or when the manager is up and
+        its pools have another shape (names both)."""
+        st = self.shape.state
+        if len(states) != (st.layers if st is not None else 0):
+            raise LayoutMismatchError(f"vLLM registered {len(states)} recurrent state layers, the model config "
+                                      f"has {st.layers if st is not None else 0}")
+        if st is not None:
+            self._states = [(g, *state_page_views(t, st, name)) for name, g, t in states]
         if len(layers) != self.shape.layers:
             raise LayoutMismatchError(f"vLLM registered {len(layers)} KV cache layers, its model config "
                                       f"has {self.shape.layers}")
@@ -154,7 +173,7 @@ class WorkerSide:
         """At mapping (engine start, or a new manager), not in a request: read one element of
         every page of the manager's mapped pools (a CPU pool's first touch of each page is a
         page fault: the first requests' copies paid them, about a second per instance for the
-        benchmark's pool), and run the copy kernels once on one row of scratch; with vLLM's
+        benchmark's pool; a hybrid's state pool too), and run the copy kernels once on one row of scratch; with vLLM's
         tensors registered, the save path once from vLLM's block 0 into the manager's padding
         slot 0, and the load's scatter once of vLLM's own row onto itself (no value changes)."""
         one = torch.zeros(1, dtype=torch.int64, device=wb.device)
@@ -166,6 +185,10 @@ class WorkerSide:
                 row = m.index_select(0, one)
                 row.index_copy_(0, one, row.clone())
         wb.req_to_token.reshape(-1)[::1024].sum()
+        if wb.mamba_pool is not None and self._states:  # a hybrid's state pool: its pages too
+            for t in (wb.mamba_pool.conv_state, wb.mamba_pool.temporal_state):
+                if t.device.type == "cpu":
+                    t.reshape(-1)[::max(1, 4096 // t.element_size())].sum()
         if self._geometry is not None:
             zero = torch.zeros(1, dtype=torch.int64, device=self._views[0][0].device)
             if self.shard.writes:
@@ -209,7 +232,7 @@ class WorkerSide:
 
     @staticmethod
     def _views_capacity(wb: WorkerBuffers) -> int:
-        return int(wb.get_kv_buffer(0)[0].shape[0])
+        return int(_kv_buffer(wb, 0)[0].shape[0])
 
     def _copy(self, ops: Sequence[CopyOp], to_vllm: bool) -> tuple[list[CopyOp], list[CopyOp]]:
         """``_copy_ops`` with ``copy_threads`` intra-op threads on CPU: a step's copies are small,
@@ -225,6 +248,46 @@ class WorkerSide:
         finally:
             if narrow:
                 torch.set_num_threads(threads)
+
+    def copy_states(self, ops: Sequence[StateOp], to_vllm: bool) -> set[str]:
+        """Whole recurrent states of every state layer: manager slot ``op.slots[0]`` -> vLLM
+        state blocks ``op.blocks`` (``to_vllm``), or those blocks -> every slot of ``op.slots``.
+        Every index is checked before any copy. Returns the req ids whose copy failed."""
+        failed: set[str] = set()
+        by: dict[int, list[StateOp]] = {}
+        for op in ops:
+            by.setdefault(op.epoch, []).append(op)
+        for epoch, group in by.items():
+            try:
+                self._copy_state_group(self._buffers_of(epoch), group, to_vllm)
+            except Exception as e:  # never fail the engine's step: report, recompute / not cache
+                logger.warning("radixkv: state %s of %d requests failed (%s: %s)", "load" if to_vllm else "save",
+                               len(group), type(e).__name__, e)
+                failed.update(op.req_id for op in group)
+        return failed
+
+    def _copy_state_group(self, wb: WorkerBuffers | None, ops: Sequence[StateOp], to_vllm: bool) -> None:
+        if wb is None or wb.mamba_pool is None or not self._states:
+            raise InvalidArgumentError("no mapped manager state pool or no registered vLLM state layers")
+        pool, n_blocks = wb.mamba_pool, int(self._states[0][1].shape[0])
+        n_groups = 1 + max(g for g, _, _ in self._states)
+        for op in ops:
+            if not op.slots or any(not 1 <= s <= pool.size for s in op.slots) or len(op.blocks) != n_groups \
+                    or any(not 0 <= b < n_blocks for b in op.blocks):
+                raise InvalidArgumentError(f"request {op.req_id!r}: state slots {op.slots} / blocks {op.blocks} "
+                                           f"outside the manager's {pool.size} slots or vLLM's {n_blocks} blocks")
+        dev = self._states[0][1].device
+        pairs = [(op.slots[0], op.blocks) for op in ops] if to_vllm else \
+            [(s, op.blocks) for op in ops for s in op.slots]
+        slots = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=dev)
+        blocks = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dev)  # [n, groups]
+        for j, (g, conv, temporal) in enumerate(self._states):
+            for mine, theirs in ((conv, pool.conv_state[j]), (temporal, pool.temporal_state[j])):
+                rows = theirs.view(-1).view(torch.int8).view(pool.size + 1, -1)
+                if to_vllm:
+                    mine.index_copy_(0, blocks[:, g], rows.index_select(0, slots))
+                else:
+                    rows.index_copy_(0, slots, mine.index_select(0, blocks[:, g]))
 
     def _copy_ops(self, ops: Sequence[CopyOp], to_vllm: bool) -> tuple[list[CopyOp], list[CopyOp]]:
         """Run ``ops`` (one batch per manager epoch): manager -> vLLM (``to_vllm``) or back,
@@ -262,7 +325,7 @@ class WorkerSide:
     def _manager_parts(self, wb: WorkerBuffers, layer: int) -> tuple[torch.Tensor, ...]:
         """The manager's buffers of ``layer`` matching vLLM's parts: ``(K, V)``, or the MLA
         latent alone (the pool's "V" is a view of the latent's first columns)."""
-        k, v = wb.get_kv_buffer(layer)
+        k, v = _kv_buffer(wb, layer)
         return (k,) if self.shape.latent else (k, v)
 
     def _copy_rows(self, wb: WorkerBuffers, rows: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
