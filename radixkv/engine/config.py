@@ -53,10 +53,9 @@ class EngineConfig:
 
 Fields: ``device``; the pools' sizes (``kv_tokens``, ``page_size``, ``state_slots``,
 ``request_rows``, ``max_context_len``); the model shape (``layer_types``, ``head_num``,
-``head_dim``, MLA's ``kv_lora_rank``/``qk_rope_head_dim``, ``kv_dtype``, the state fields: KDA's
-or ``*_state_dims`` given together); the tree's policies; sessions; ``decode_reserve``,
-``mamba_track_interval``; the tiers
-(``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slots``). Each field:
+``head_dim``, MLA's ``kv_lora_rank``/``qk_rope_head_dim``, ``kv_dtype``, state fields: KDA's or
+``*_state_dims``); the tree's policies; sessions; ``decode_reserve``, ``mamba_track_interval``;
+the tiers (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slots``). Each field:
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
 needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; the

@@ -8,14 +8,11 @@ the engine's KV cache (``radixkv.integrations.vllm`` refuses a mismatch at attac
 Multi-latent attention (DeepSeek-V2/V3: ``kv_lora_rank``) gives an MLA pool instead:
 ``kv_lora_rank``, ``qk_rope_head_dim``, ``head_num`` 1 and ``head_dim`` their sum.
 
-A multimodal config's ``text_config`` is read when present. Hybrid models with ``layer_types``
-of full attention and recurrent layers: Qwen3-Next (gated delta net, ``linear_*`` keys) and
-GraniteMoeHybrid (Mamba2, ``mamba_*`` keys) give ``layer_types`` ``F``/``K`` and the state
-shapes vLLM allocates per layer (conv ``(kernel - 1, channels)``, its default ``SD`` layout;
-temporal GDN ``(v_heads, v_dim, k_dim)``, Mamba2 ``(heads, head_dim, d_state)``), both in the
-model dtype (vLLM's CPU build may keep GDN's temporal state in float32: ``--temporal-state-dtype``).
-Other hybrids (sliding-window layers, ``layers_block_type``, ``hybrid_override_pattern``, ...)
-are refused with ``InvalidArgumentError``.
+A multimodal config's ``text_config`` is read when present. Qwen3-Next (gated delta net) and
+GraniteMoeHybrid (Mamba2) give ``layer_types`` ``F``/``K`` and the per-layer state shapes vLLM
+allocates, in the model dtype (vLLM's CPU build may keep GDN's temporal state in float32:
+``--temporal-state-dtype``); the shapes: ``docs/vllm.md``, "Hybrid models". Other hybrids are
+refused with ``InvalidArgumentError``.
 """
 from __future__ import annotations
 

@@ -11,11 +11,8 @@ lock holds from the ask to the commit or release, so no eviction can hand its ro
 Commits and releases go to a :class:`CallQueue` sent in order off vLLM's step, each exactly
 once; every call in the caller's thread waits for it first. With a :class:`FirstBlockIndex`,
 a miss is answered 0 with no call and saved off the step (vLLM keeps the blocks until then);
-no shared row is ever written. Hybrid models (``hybrid=True``): a hit is offered only with the
-manager's state at its end (loaded into vLLM's state block there), and a request is committed
-only with its state at its last whole block saved (into the manager's track / own slot) in the
-step that ends there; no index deferral. The steps in full: ``docs/vllm.md``, "The scheduler
-side, step by step".
+no shared row is ever written. Hybrids: a hit only with the manager's state at its end, a
+commit only with the state saved; no deferral. Steps: ``docs/vllm.md`` (scheduler side).
 """
 from __future__ import annotations
 
