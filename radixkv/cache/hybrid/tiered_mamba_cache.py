@@ -14,6 +14,7 @@ stateless host-only ancestors they leave childless. write_back only; no storage;
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any, cast
 
@@ -83,7 +84,7 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
         self._host_heap: list[tuple[int, int, TierNode]] = []  # (last_access, id, host-only leaf)
         #: tokens hit per tier (device: up to the device state; host: past it) and traffic in pages
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
-        self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0}
+        self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0, "load_ns": 0}
 
     def tier_counters(self) -> dict[str, int]:
         """The host KV tier's figures (usage and hits in tokens, traffic in pages). O(1)."""
@@ -159,6 +160,7 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
             self.inc_lock_ref(anchor)  # the device part of the path stays while rows are found
         ids = [y.id for y in cold]
         self._pinned.update(ids)
+        t0 = time.perf_counter_ns()
         hslot, end = self._hstates.take(node)  # out of the table: no drop can take it
         try:
             if not self._load_kv(cold):
@@ -179,6 +181,7 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
             self._pinned.difference_update(ids)
             if locked:
                 self.dec_lock_ref(anchor)
+            self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
         idx = torch.cat([m.device_indices.to(self.device, torch.int64),
                          rows_tensor(b"".join(y.vbuf for y in path), self.device)])
         return _tuple_new(MambaMatchResult, (idx, node, m.prefix_len + m.host_len, m.kv_prefix_len, 0, None))
