@@ -180,7 +180,8 @@ def measure_hybrid(src: Source, fracs: list[float], kv_policies: list[str], sett
                         r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar,
                                     ps, track, host, host_kv)
                     row = _row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps, track, host)
-                    row.update(host_capacity_frac=hf, host_kv_tokens=host_kv)
+                    if hf is not None:  # the host KV tier (--host-capacity-frac)
+                        row.update(host_capacity_frac=hf, host_kv_tokens=host_kv)
                     doc["results"].append(row)
     return doc
 
