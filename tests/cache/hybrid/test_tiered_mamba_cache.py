@@ -3,13 +3,17 @@ demotes a device leaf's KV and state together, drops a stateless leaf, walks hos
 a match up to the deepest state in any tier, loads the path's KV then its state back, adopts an
 insert's rows into host-only nodes, and host drops remove the tombstones they leave. KV values
 and states name their own prefix, so a page or state put back in the wrong place shows; a
-seeded stress runs ``check_invariants`` after every demote, load and drop."""
+seeded stress and a Hypothesis state machine run ``check_invariants`` after every demote, load
+and drop."""
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from radixkv.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
@@ -192,3 +196,63 @@ def test_seeded_stress(ps, seed):
             cache.evict_host(int(rng.integers(1, 6)))
         cache.check_invariants()
     assert loaded > 0 and cache.tier_counters()["loaded_pages"] > 0 and cache.tier_counters()["demoted_pages"] > 0
+
+
+class TieredHybridMachine(RuleBasedStateMachine):
+    """Conversations served through the tree (``serve`` checks every reused row and state
+    against its prefix) with KV, state and host drops in between, against a model of the
+    prefixes given a state: a match (either tier) ends only at one of them, and the audit
+    holds after every step."""
+
+    PS = 1
+
+    def __init__(self):
+        super().__init__()
+        ps = self.PS
+        self.cache, self.alloc, self.mamba = make(ps, device_tokens=16 * ps, host_tokens=24 * ps, slots=4,
+                                                  host_slots=5)
+        self.convs = [[1 + c] * ps for c in range(3)]
+        self.stated: set[tuple[int, ...]] = set()
+
+    @rule(c=st.integers(0, 2), grow=st.lists(st.integers(1, 9), min_size=1, max_size=3))
+    def serve_turn(self, c, grow):
+        toks = self.convs[c] + [t for t in grow for _ in range(self.PS)]
+        if len(toks) > 10 * self.PS:
+            toks = self.convs[c][:self.PS] + toks[-self.PS:]
+        if serve(self.cache, self.alloc, self.mamba, toks) is not None:
+            self.convs[c] = toks
+            self.stated.add(tuple(toks))
+
+    @rule(c=st.integers(0, 2), cut=st.integers(1, 12))
+    def match_only(self, c, cut):
+        toks = np.asarray(self.convs[c][:cut * self.PS], dtype=np.int32)
+        m = self.cache.match_prefix(toks)
+        for end in (m.prefix_len, m.prefix_len + m.host_len):
+            assert end == 0 or tuple(toks[:end].tolist()) in self.stated, (end, toks)
+
+    @rule(k=st.integers(1, 12))
+    def evict_kv(self, k):
+        self.cache.evict(k * self.PS)
+
+    @rule(k=st.integers(1, 3))
+    def evict_states(self, k):
+        self.cache.evict(0, k)
+
+    @rule(k=st.integers(1, 8))
+    def evict_host(self, k):
+        self.cache.evict_host(k)
+
+    @invariant()
+    def audit(self):
+        self.cache.check_invariants()
+
+
+class TieredHybridMachinePaged(TieredHybridMachine):
+    PS = 2
+
+
+_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestTieredHybridMachine = TieredHybridMachine.TestCase
+TestTieredHybridMachine.settings = _SETTINGS
+TestTieredHybridMachinePaged = TieredHybridMachinePaged.TestCase
+TestTieredHybridMachinePaged.settings = _SETTINGS
