@@ -85,10 +85,14 @@ class HostPageAllocator:
         ou, oc = np.unique(o, return_counts=True)
         if (oc > 1).any():
             raise InvariantError(f"host pages {describe_ids(ou[oc > 1].tolist())} owned twice")
-        used = np.flatnonzero(self._in_use)
-        leaked = np.setdiff1d(used, ou)
+        odd = ou[(ou < 1) | (ou > self.num_pages)]
+        if odd.size:
+            raise InvariantError(f"host pages {describe_ids(odd.tolist())} owned by a node but out of range")
+        held = np.zeros_like(self._in_use)  # masks, not np.setdiff1d (16 s on 3M ids with numpy 2.4)
+        held[ou] = True
+        leaked = np.flatnonzero(self._in_use & ~held)
         if leaked.size:
             raise InvariantError(f"host pages {describe_ids(leaked.tolist())} leaked (in use, owned by no node)")
-        stray = np.setdiff1d(ou, used)
+        stray = np.flatnonzero(held & ~self._in_use)
         if stray.size:
             raise InvariantError(f"host pages {describe_ids(stray.tolist())} owned by a node but free")

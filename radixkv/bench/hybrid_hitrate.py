@@ -189,15 +189,63 @@ def _trim(tree: MambaRadixCache, slots: int) -> None:
         tree.evict(0, excess)
 
 
+class _BudgetRows:
+    """The replay's allocator for loads back from the host KV tier: fresh virtual row ids
+    (above any the replay hands out itself) while the tree's device tokens stay within
+    ``kv_tokens``; frees are no-ops (the ids are never reused). O(1) a call."""
+
+    page_size = 1
+
+    def __init__(self, kv_tokens: int) -> None:
+        self.kv_tokens = kv_tokens
+        self.tree: Any = None
+        self.next = 1 << 30
+
+    def available_size(self) -> int:
+        return max(self.kv_tokens - int(self.tree.total_size()), 0)
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        if need > self.available_size():
+            return None
+        self.next += need
+        return torch.arange(self.next - need, self.next, dtype=torch.int64)
+
+    def free(self, rows: object) -> None:
+        return None
+
+
+def _tiered_tree(mamba: MambaPool, ps: int, kv_tokens: int, host_kv_tokens: int, host_slots: int,
+                 kv_policy: str, admission: str, policy: StatePolicy) -> Any:
+    """A TieredMambaRadixCache for the replay: host KV of ``host_kv_tokens`` (bookkeeping
+    only: :class:`~radixkv.bench.tier_engine.CountingHostPool` moves no bytes) beside a host
+    state tier of ``host_slots`` states, loads taking virtual rows (:class:`_BudgetRows`)."""
+    from radixkv.bench.tier_engine import CountingHostPool
+    from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
+    from radixkv.memory.kv_pool import MHATokenToKVPool
+
+    if not host_slots:
+        raise InvalidArgumentError("a hybrid host KV tier needs --host-state-slots > 0 (KV is kept with a state)")
+    rows = _BudgetRows(kv_tokens)
+    kv = MHATokenToKVPool(ps, ps, torch.float16, 1, 1, 1)
+    tree = TieredMambaRadixCache(None, cast(Any, rows), host_pool=CountingHostPool(kv, max(host_kv_tokens // ps, 1)),
+                                 host_state_pool=HostStatePool(mamba, host_slots), page_size=ps,
+                                 eviction_policy=kv_policy, admission_policy=admission, mamba_pool=mamba,
+                                 state_eviction_policy=policy, checks=False)
+    rows.tree = tree
+    return tree
+
+
 def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chunk: int,
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
                 kv_policy: str = "lru", working_slot: bool = False, progress: ProgressBar | None = None,
-                page_size: int = 1, track: bool = True, host_slots: int = 0) -> HybridReplayResult:
+                page_size: int = 1, track: bool = True, host_slots: int = 0,
+                host_kv_tokens: int = 0) -> HybridReplayResult:
     """The tree's own API with the flow's request semantics (see the module docstring);
     KV rows are virtual ids (no allocator: the tree plus the running request hold at most
     ``kv_tokens``, which must exceed the longest prompt). ``admission None``: KV-only tree.
     ``page_size`` / ``track``: see the module docstring. ``host_slots``: the host state tier
     (evicted states demoted there, a match reaching one loads it back, as the flow does).
+    ``host_kv_tokens`` (with ``host_slots``): the host KV tier too (a ``TieredMambaRadixCache``).
 
     Raises InvalidArgumentError for bad slots / page size / policy names (before any work).
     """
@@ -209,6 +257,8 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
                  MambaRadixCache(None, None, page_size=ps, eviction_policy=kv_policy, mamba_pool=mamba,
                                  admission_policy=admission, state_eviction_policy=policy, checks=False,
                                  host_state_pool=host))
+    if host_kv_tokens and admission is not None and mamba is not None:
+        tree = _tiered_tree(mamba, ps, kv_tokens, host_kv_tokens, host_slots, kv_policy, admission, policy)
     tally = _Tally(tree, None if mamba is None else tree.flop_model)
     next_row = 1
     for toks in requests:

@@ -49,6 +49,7 @@ class HybridSettings(TypedDict):
     pages: list[int]
     tracks: list[bool]
     host_slots: list[int]
+    host_kv_frac: float | None
 
 
 def _ints(text: str) -> list[int]:
@@ -112,14 +113,28 @@ def hybrid_settings(args: argparse.Namespace) -> HybridSettings:
         raise InvalidArgumentError("--pages must be >= 1")
     return {"engine": engine, "slots": list(args.state_slots), "chunk": int(args.chunk),
             "configs": configs_of(adm, states, [ck[c] for c in cks]), "pages": list(args.pages),
-            "tracks": [ck[c] for c in tracks], "host_slots": list(getattr(args, "host_state_slots", [0]))}
+            "tracks": [ck[c] for c in tracks], "host_slots": list(getattr(args, "host_state_slots", [0])),
+            "host_kv_frac": _host_kv_frac(args, engine)}
+
+
+def _host_kv_frac(args: argparse.Namespace, engine: str) -> float | None:
+    """``--host-capacity-frac`` in the hybrid mode: the host KV tier (engine tree only, with
+    a host state tier). Raises InvalidArgumentError."""
+    frac = getattr(args, "host_capacity_frac", None)
+    if frac is None:
+        return None
+    if engine != "tree" or 0 in args.host_state_slots:
+        raise InvalidArgumentError("--hybrid --host-capacity-frac runs --engine tree with --host-state-slots > 0 "
+                                   "(a hybrid model keeps host KV only with a state)")
+    return float(frac)
 
 
 def _replay(src: Source, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm: str | None,
             pol: StatePolicy, ckpt: bool, kv_policy: str, bar: ProgressBar, ps: int = 1,
-            track: bool = True, host: int = 0) -> HybridReplayResult:
+            track: bool = True, host: int = 0, host_kv: int = 0) -> HybridReplayResult:
     if engine == "tree":
-        return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track, host)
+        return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track, host,
+                           host_kv)
     return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track,
                        host)
 
@@ -157,12 +172,17 @@ def measure_hybrid(src: Source, fracs: list[float], kv_policies: list[str], sett
                                        "evicted_tokens": r.evicted_tokens})
                 runs = ((s, h, c, t) for s in settings["slots"] for h in settings.get("host_slots", [0])
                         for c in settings["configs"] for t in tracks)
+                hf = settings.get("host_kv_frac")
+                host_kv = 0 if hf is None else max(int(hf * src.unique_tokens) // ps * ps, ps)
                 for slots, host, (adm, spol, ckpt), track in runs:
                     label = f"{pol} @ {f:g}, {slots}+{host} slots, {adm}+{state_policy_label(spol)}, page {ps}"
                     with Progress(src.n_requests, label, enabled=show_progress) as bar:
                         r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar,
-                                    ps, track, host)
-                    doc["results"].append(_row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps, track, host))
+                                    ps, track, host, host_kv)
+                    row = _row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps, track, host)
+                    if hf is not None:  # the host KV tier (--host-capacity-frac)
+                        row.update(host_capacity_frac=hf, host_kv_tokens=host_kv)
+                    doc["results"].append(row)
     return doc
 
 
@@ -185,6 +205,8 @@ def _row(src: Source, r: HybridReplayResult, pol: str, f: float, cap: int, slots
 
 def _label(r: dict[str, Any], many_policies: bool) -> str:
     host = f" + {r['host_state_slots']} host" if r.get("host_state_slots") else ""
+    if r.get("host_capacity_frac") is not None:
+        host += f" (+ host KV {100 * r['host_capacity_frac']:g}%)"
     s = f"{r['state_slots']}{host} slots, {r['admission']}+{r['state_policy']}{'+ckpt' if r['checkpoint'] else ''}"
     if r.get("page_size", 1) > 1:
         s = f"page {r['page_size']}{'' if r.get('track', True) else ' untracked'}: {s}"

@@ -1,4 +1,5 @@
-"""Audit of a :class:`~radixkv.cache.tiered_cache.TieredRadixCache` (its ``check_invariants``):
+"""Audit of a tree with a host KV tier (:class:`~radixkv.cache.host_tier.HostTierMixin`: the
+KV-only ``TieredRadixCache`` and the hybrid ``TieredMambaRadixCache``, their ``check_invariants``):
 the RadixCache's structural checks read per tier, then the host tier's bookkeeping.
 
 O(nodes + tokens + host pages); for tests and debugging, never on a hot path.
@@ -16,8 +17,8 @@ from radixkv.cache.tree_node import NamespaceHead, TreeNode
 from radixkv.errors import InvariantError, describe_ids
 
 if TYPE_CHECKING:
+    from radixkv.cache.host_tier import HostTierMixin
     from radixkv.cache.leaf_index import LeafIndex
-    from radixkv.cache.tiered_cache import TieredRadixCache
 
 __all__ = ["check"]
 
@@ -26,7 +27,7 @@ def _fail(msg: str, ids: list[int]) -> None:
     raise InvariantError(f"TieredRadixCache: {msg}: nodes {describe_ids(ids)}")
 
 
-def check(cache: TieredRadixCache, heads: Mapping[Hashable, NamespaceHead], leaves: LeafIndex[TreeNode],
+def check(cache: HostTierMixin, heads: Mapping[Hashable, NamespaceHead], leaves: LeafIndex[TreeNode],
           pinned: Collection[int]) -> None:
     """Raise :class:`InvariantError` naming nodes / rows / host pages unless: heads, parents,
     ``only``, keys and lock counts are right; every node is on a tier (``vbuf`` one row per
@@ -102,7 +103,7 @@ def _check_media(rec: KVEventRecorder, nodes: list[Any]) -> None:
         _fail("KV events announced blocks on another tier than the one they are on", wrong)
 
 
-def _check_host(cache: TieredRadixCache, nodes: list[Any], pinned: Collection[int]) -> None:
+def _check_host(cache: HostTierMixin, nodes: list[Any], pinned: Collection[int]) -> None:
     held = [x for x in nodes if x.hbuf]
     pages = np.frombuffer(b"".join(x.hbuf for x in held), dtype=np.int32)
     owner = np.repeat(np.arange(len(held)), [len(x.hbuf) >> 2 for x in held])

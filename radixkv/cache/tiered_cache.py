@@ -26,12 +26,13 @@ from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
 from radixkv.cache.block_hash import encode_extra_key
 from radixkv.cache.eviction import EvictionPolicy
+from radixkv.cache.host_tier import HostTierMixin
 from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import RadixCache
 from radixkv.cache.radix_insert import InsertMixin
-from radixkv.cache.radix_key import RadixKey, as_radix_key, common_prefix_tokens
-from radixkv.cache.rows import check_value, rows_bytes, rows_tensor
+from radixkv.cache.radix_key import RadixKey, as_radix_key
+from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
 from radixkv.contracts import WRITE_POLICIES, KVAllocator, ReqToTokenTable
 from radixkv.errors import InvalidArgumentError
@@ -80,7 +81,7 @@ class TierMatch(NamedTuple):
         return self.last_node
 
 
-class TieredRadixCache(RadixCache):
+class TieredRadixCache(HostTierMixin, RadixCache):
     """A RadixCache over a device pool, a host tier and optionally storage.
 
     Args (beyond RadixCache's): ``host_pool`` (the host buffer; its page count is the tier's
@@ -119,14 +120,6 @@ class TieredRadixCache(RadixCache):
                            "written_through_pages": 0, "load_ns": 0}
 
     # ------------------------------------------------------------------ sizes
-    def host_size(self) -> int:
-        """Tokens with a host copy. O(1)."""
-        return self._host_tokens
-
-    def host_capacity(self) -> int:
-        """Tokens the host tier holds at most. O(1)."""
-        return self.host_pool.num_pages * self.page_size
-
     def tier_counters(self) -> dict[str, int]:
         """Every tier's figures (usage in tokens, hits in tokens, traffic in pages and bytes,
         load time in ns; storage counters when on), for metrics. O(1)."""
@@ -154,41 +147,20 @@ class TieredRadixCache(RadixCache):
         if n == 0 or self.disable or (head is None and self.storage is None):
             self._metrics.record_query(len(buf) >> 2, 0)
             return TierMatch(empty, head if head is not None else self._heads[None], 0)
-        node: TreeNode | None = head
+        path, pos = self._walk(head, buf, n) if head is not None else ([], 0)
+        node: TreeNode | None = path[-1] if path else head
         dev_node: TreeNode | None = head
-        pos = dev_pos = 0
+        dev_pos = 0
         vals: list[bytes] = []
         hosts: list[TierNode] = []
-        tick = self._clock
-        while node is not None and pos < n:
-            child: Any = node.children.get(buf[pos:pos + pb])
-            if child is None:
-                break
-            kb = child.kbuf
-            split = not buf.startswith(kb, pos, n)
-            if split:  # the key ends or diverges inside child: keep its whole matching pages
-                m = common_prefix_tokens(kb, buf, pos, n)
-                child = self._split(child, (m - m % self.page_size) * 4)
-                kb = child.kbuf
-            tick += 1
-            child.last_access = tick
-            child.hits += 1
-            if self._on_hit is not None and child.vbuf:  # the policy orders device nodes only
-                self._on_hit(child)
-            if not self._lazy and child.skey is not None:
-                self._refile(child)
+        for child in path:
             if self.storage is not None and self.storage.admit == "reused" and child.hits >= 2:
                 self._backup(child)
-            pos += len(kb)
             if child.vbuf and not hosts:
                 vals.append(child.vbuf)
-                dev_node, dev_pos = child, pos
+                dev_node, dev_pos = child, dev_pos + len(child.kbuf)
             else:
                 hosts.append(child)
-            node = child
-            if split:
-                break
-        self._clock = tick
         stored = 0
         if self.storage is not None and pos < n:
             got = self._fetch(key, node, pos, n)
@@ -317,49 +289,6 @@ class TieredRadixCache(RadixCache):
             self._on_new_leaf(node)
         return res if _path else prefix
 
-    def _revive(self, key: RadixKey, value: Any) -> None:
-        """Give the host-only nodes on ``key``'s path the caller's rows (validated first)."""
-        buf, pb = key._buf, self._page_bytes
-        if len(buf) % pb:
-            return  # InsertMixin.insert raises
-        node: Any = self._heads.get(key.extra_key)
-        pos = 0
-        spans: list[tuple[TierNode, int, int]] = []
-        while node is not None and pos < len(buf):
-            child = node.children.get(buf[pos:pos + pb])
-            if child is None:
-                break
-            m = min(len(child.kbuf), (common_prefix_tokens(child.kbuf, buf, pos, len(buf)) * 4) // pb * pb)
-            if not child.vbuf:
-                spans.append((child, pos, m))
-            if m < len(child.kbuf):
-                break
-            pos += m
-            node = child
-        if not spans:
-            return
-        value = check_value(value, len(buf) >> 2)
-        tail = rows_bytes(value, spans[0][1] >> 2)  # validates every row the tree would take
-        base = spans[0][1]
-        last: TreeNode | None = None
-        for child, start, m in spans:
-            if m < len(child.kbuf):
-                child = self._split(child, m)
-            last = child
-            child.vbuf = tail[start - base:start - base + m]
-            self._moved(child, MEDIUM_GPU)
-            if self._on_insert is not None:
-                self._on_insert(child)
-            self._evictable += m >> 2
-            if self.write_policy == "write_back":
-                self._drop_host_copy(child)
-            parent: Any = child.parent
-            if parent.skey is not None:  # it has a device child now
-                self._leaves.remove(parent)
-                parent.skey = None
-        if last is not None:
-            self._file_if_leaf(last)
-
     def _on_new_leaf(self, leaf: TierNode) -> None:
         if self.storage is not None:
             parent: Any = leaf.parent
@@ -438,50 +367,19 @@ class TieredRadixCache(RadixCache):
         ``num_pages`` host pages are free beyond those free now, or none is left. Returns
         the pages freed. O(dropped x log H)."""
         need = check_count(num_pages, "num_pages")
-        freed = self._drop_dup_copies(need)
-        kept: list[tuple[int, int, TierNode]] = []
-        heap = self._host_heap
-        while freed < need and heap:
-            item = heapq.heappop(heap)
-            node = item[2]
-            if not self._host_leaf(node):
-                continue
-            if node.id in self._pinned:
-                kept.append(item)
-                continue
-            if node.last_access != item[0]:
-                heapq.heappush(heap, (node.last_access, node.id, node))
-                continue
-            pages = len(node.kbuf) // self._page_bytes
-            if pages > need - freed:  # drop only the tail pages needed: the head stays (a host leaf)
-                self._split(node, (pages - (need - freed)) * self._page_bytes)
-                pages = need - freed
-            freed += pages
-            self._drop(node)
-        for item in kept:
-            heapq.heappush(heap, item)
-        return freed
+        return self._drop_lru_host_leaves(need, self._drop_dup_copies(need), self._drop_tail)
+
+    def _drop_tail(self, node: TierNode, want: int) -> int:
+        """Drop the host-only leaf ``node``, or only its last ``want`` pages when it has more
+        (the head stays, a host leaf). Returns the pages dropped."""
+        pages = len(node.kbuf) // self._page_bytes
+        if pages > want:
+            self._split(node, (pages - want) * self._page_bytes)
+            pages = want
+        self._drop(node)
+        return pages
 
     # ------------------------------------------------------------------ locks
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        """RadixCache's; a host-only node cannot be locked (load it first)."""
-        if self.disable:
-            return 0
-        self._check_node(node)
-        if node.parent is not None and not node.vbuf:
-            raise InvalidArgumentError(f"node {node.id} is not on the device (load_back it first)")
-        return super().inc_lock_ref(node)
-
-    def dec_lock_ref(self, node: TreeNode) -> int:
-        """RadixCache's (checks, counts, leaves filed); then an unlocked node whose children
-        are all host-only is filed too: it is a device leaf. O(depth)."""
-        delta = super().dec_lock_ref(node)
-        x: Any = node
-        while delta and x.parent is not None and x.lock_ref == 0:  # the unlocked nodes: the path's tail
-            self._file_if_leaf(x)
-            x = x.parent
-        return delta
-
     # ------------------------------------------------------------------ whole tree
     def reset(self) -> None:
         """RadixCache's reset; every host page goes back too."""
@@ -502,47 +400,6 @@ class TieredRadixCache(RadixCache):
             self.storage.check_invariants()
 
     # ------------------------------------------------------------------ helpers
-    def _split(self, child: TreeNode, m: int) -> TreeNode:
-        hook = self._on_split
-        if not child.vbuf:  # the policy keeps no state for host-only nodes
-            self._on_split = None
-        try:
-            new: Any = super()._split(child, m)
-        finally:
-            self._on_split = hook
-        c: Any = child
-        pages = m // self._page_bytes
-        if c.hbuf is not None:
-            new.hbuf, c.hbuf = c.hbuf[:pages * 4], c.hbuf[pages * 4:]
-            if c.id in self._dups:
-                self._dups[new.id] = new
-        if c.pkeys is not None:
-            new.pkeys, c.pkeys = c.pkeys[:pages], c.pkeys[pages:]
-        new.backed = c.backed
-        return new  # type: ignore[no-any-return]
-
-    def _has_device_child(self, node: TreeNode) -> bool:
-        return any(c.vbuf for c in node.children.values())
-
-    def _file_if_leaf(self, node: TreeNode) -> None:
-        """File ``node`` as an evictable device leaf if it now is one."""
-        if node.parent is None or not node.vbuf or node.lock_ref or node.skey is not None:
-            return
-        if not self._has_device_child(node):
-            node.skey = self._sort_key(node)
-            self._leaves.add(node)
-
-    def _host_leaf(self, node: TierNode) -> bool:
-        """``node`` is in the tree, host-only and childless."""
-        return node.hbuf is not None and not node.vbuf and not node.children and self._in_tree(node)
-
-    def _host_alloc(self, n: int) -> np.ndarray | None:
-        pages = self.host_alloc.alloc(n)
-        if pages is None and n <= self.host_alloc.num_pages:
-            self.evict_host(n - self.host_alloc.available_size())
-            pages = self.host_alloc.alloc(n)
-        return pages
-
     def _drop_dup_copies(self, need: int) -> int:
         """Give up the host copies of loaded nodes still on the device (oldest load first,
         pinned ones kept) until ``need`` pages are freed; no page leaves the tree. Returns
@@ -560,16 +417,6 @@ class TieredRadixCache(RadixCache):
                 freed += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
         return freed
-
-    def _in_tree(self, node: TreeNode) -> bool:
-        p: Any = node.parent
-        return p is not None and p.children.get(node.kbuf[:self._page_bytes]) is node
-
-    def _drop_host_copy(self, node: TierNode) -> None:
-        if node.hbuf is not None:
-            self.host_alloc.free(np.frombuffer(node.hbuf, _I32))
-            self._host_tokens -= len(node.kbuf) >> 2
-            node.hbuf = None
 
     def _drop(self, node: TierNode, medium: str = MEDIUM_CPU) -> None:
         """Remove ``node`` (no device rows left) and its host-only subtree from the tree,
@@ -596,23 +443,6 @@ class TieredRadixCache(RadixCache):
                 del self._heads[parent.extra_key]
         elif not parent.children and not parent.vbuf and parent.hbuf is not None:
             heapq.heappush(self._host_heap, (parent.last_access, parent.id, parent))
-
-    @staticmethod
-    def _namespace(node: TreeNode) -> Hashable:
-        x: Any = node
-        while x.parent is not None:
-            x = x.parent
-        return x.extra_key  # type: ignore[no-any-return]
-
-    def _moved(self, node: TreeNode, dst: str) -> None:
-        """KV events of ``node``'s pages moving to tier ``dst``: ``BlockStored`` in ``dst``, then
-        ``BlockRemoved`` from the tier they left (same hashes), so no consumer sees them absent
-        (docs/events.md, section 6)."""
-        if self.kv_events is None or not node.block_hashes:
-            return
-        parent: Any = node.parent
-        ph = parent.block_hashes[-1] if parent.parent is not None and parent.block_hashes else None
-        self.kv_events.on_moved(node.block_hashes, dst, ph, np.frombuffer(node.kbuf, _I32), self._namespace(node))
 
     def _seed(self, node: TreeNode) -> bytes:
         ns = self._namespace(node)

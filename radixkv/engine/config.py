@@ -58,8 +58,9 @@ Fields: ``device``; the pools' sizes (``kv_tokens``, ``page_size``, ``state_slot
 the tiers (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slots``). Each field:
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
-needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; the
-host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model. Raises
+needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; a
+hybrid model's host KV tier needs ``host_state_slots``, ``write_back``, no storage and no KV
+events; ``host_state_slots`` needs a hybrid model. Raises
 ``InvalidArgumentError`` naming the field for any bad value.
 """
 
@@ -185,9 +186,13 @@ host KV tier is KV-only (MHA or MLA); ``host_state_slots`` needs a hybrid model.
         if self.host_kv_tokens % self.page_size:
             raise InvalidArgumentError(f"EngineConfig.host_kv_tokens ({self.host_kv_tokens}) must be a multiple "
                                        f"of page_size ({self.page_size})")
-        if self.host_kv_tokens and "K" in str(self.layer_types):
-            raise InvalidArgumentError("EngineConfig.host_kv_tokens: the host KV tier holds KV-only models "
-                                       "(a hybrid model's states go to the host with host_state_slots)")
+        if self.host_kv_tokens and "K" in str(self.layer_types):  # a hybrid model's KV: beside its states
+            if not self.host_state_slots:
+                raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier needs "
+                                           "host_state_slots > 0 (host KV is kept only with a state)")
+            if self.write_policy != "write_back" or self.storage is not None or self.enable_kv_events:
+                raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier is "
+                                           "write_back only, without storage and without KV events (not built yet)")
         if self.host_state_slots and "K" not in str(self.layer_types):
             raise InvalidArgumentError("EngineConfig.host_state_slots needs a hybrid model (a 'K' in "
                                        "layer_types): a KV-only model has no states")

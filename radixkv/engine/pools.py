@@ -103,7 +103,7 @@ class EnginePools:
                                                          need_sort=True, kvcache=self.kv_pool,
                                                          checks=config.checks)
         self.host_pool: HostKVPool | None = None
-        if config.host_kv_tokens:  # a KV-only model (hybrid: refused by the config), MHA or MLA
+        if config.host_kv_tokens:  # MHA or MLA; a hybrid model's full-attention KV
             self.host_pool = HostKVPool(self.kv_pool, config.host_kv_tokens // config.page_size)
         self.host_state_pool: HostStatePool | None = None
         if config.host_state_slots and self.mamba_pool is not None:  # KV-only: refused by the config
@@ -173,10 +173,18 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
     (its ``mamba_pool`` holds the states): ``eviction_policy`` orders the full (KV) eviction,
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states at request ends and branch points; ``none`` disables the cache),
-    ``checks`` its free-mask lookups, ``host_state_pool`` the host state tier. With
-    ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a storage
+    ``checks`` its free-mask lookups, ``host_state_pool`` the host state tier (with
+    ``host_kv_tokens`` too: a ``TieredMambaRadixCache``, their KV in the host tier). KV-only
+    models with ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a storage
     controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
     c = pools.config
+    if pools.host_pool is not None and pools.host_state_pool is not None:  # a hybrid model (config-checked)
+        from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
+
+        return TieredMambaRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
+                                     host_state_pool=pools.host_state_pool, page_size=c.page_size,
+                                     eviction_policy=c.eviction_policy, admission_policy=c.admission_policy,
+                                     checks=c.checks)
     if pools.host_pool is not None:
         return TieredRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
                                 page_size=c.page_size, eviction_policy=c.eviction_policy,

@@ -40,3 +40,5 @@ def test_audit_names_leaked_and_double_owned_pages():
         a.check_invariants(np.array([1, 2, 2, 3]))
     with pytest.raises(InvariantError, match=r"\[4\] owned by a node but free"):
         a.check_invariants(np.array([1, 2, 3, 4]))
+    with pytest.raises(InvariantError, match=r"\[0, 5\] owned by a node but out of range"):
+        a.check_invariants(np.array([0, 1, 2, 3, 5]))

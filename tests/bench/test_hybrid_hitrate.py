@@ -124,6 +124,22 @@ def test_host_state_tier_gives_back_the_hits_of_unlimited_device_slots(ckpt):
     assert replay_tree(reqs, 10 ** 9, 2, B, "every", "lru", ckpt, working_slot=True).hit_tokens < want
 
 
+def test_host_kv_tier_gives_back_the_hits_of_an_unbounded_cache():
+    """A device KV budget of a few prompts and 2 state slots, with host KV and host state
+    tiers holding everything (TieredMambaRadixCache): the hit is the unbounded cache's;
+    with the host state tier alone the same budget hits less."""
+    chains, reqs = block_chains(150, 4)
+    want = sum(expected_hits(chains))
+    total = sum(len(c) for c in chains) * B
+    cap = 3 * max(len(x) for x in reqs)
+    r = replay_tree(reqs, cap, 2, B, "every", "lru", False, working_slot=True, host_slots=total,
+                    host_kv_tokens=total)
+    assert (r.hit_tokens, r.kv_hit_tokens) == (want, want)
+    assert replay_tree(reqs, cap, 2, B, "every", "lru", False, working_slot=True, host_slots=total).hit_tokens < want
+    with pytest.raises(InvalidArgumentError, match="host-state-slots"):
+        replay_tree(reqs, cap, 2, B, "every", "lru", False, working_slot=True, host_kv_tokens=total)
+
+
 def test_tree_replay_matches_the_scheduler_flow_with_host_states():
     reqs = make_workload("multi-turn", n_requests=80, seed=2).requests
     mx = max(len(x) for x in reqs)
@@ -278,3 +294,10 @@ def test_cli_hybrid_host_state_slots(trace_file, tmp_path, capsys):
     assert [r["host_state_slots"] for r in rows] == [0, 64]
     assert rows[1]["hit_tokens"] > rows[0]["hit_tokens"], rows
     assert "1 + 64 host slots" in capsys.readouterr().out
+    rc = main(["--trace", trace_file, "--block-size", "4", "--hybrid", "--capacity-frac", "0.05", "--state-slots", "1",
+               "--host-state-slots", "64", "--host-capacity-frac", "0.5", "--admission", "every",
+               "--state-policy", "lru", "--chunk", "4", "--json", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["host_capacity_frac"] == 0.5 and row["host_kv_tokens"] > 0
+    assert "host KV 50%" in capsys.readouterr().out

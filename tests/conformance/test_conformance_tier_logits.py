@@ -4,7 +4,8 @@ small for them, so cached prefixes go to the host tier and come back; every exte
 equal the from-scratch logits within 1e-9. KV-only models with the host KV tier
 (``host_kv_tokens``); hybrid models (KDA + attention) with the host state tier
 (``host_state_slots``): a state demoted to host memory and loaded back must be bit-equal, or
-the recurrent layers' logits drift. MLA models (latent rows in the host tier): the reference
+the recurrent layers' logits drift; and with their full-attention KV in the host tier too
+(``host_kv_tokens`` beside ``host_state_slots``). MLA models (latent rows in the host tier): the reference
 model has no MLA, so every cached prefix's latents must read back bit-equal to what was
 written. Page sizes 1, 16 and 64; invariants after every call."""
 import pytest
@@ -45,6 +46,22 @@ def test_hybrid_logits_over_host_state_loads(engine_factory, ps, events):
         moves = {(e["type"], e["medium"]) for e in got if e["type"].startswith("State")}
         assert moves == {("StateStored", "GPU"), ("StateRemoved", "GPU"), ("StateStored", "CPU"),
                          ("StateRemoved", "CPU")}, moves
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_hybrid_logits_over_host_kv_and_state_loads(engine_factory, ps):
+    """A hybrid model's full-attention KV in the host tier too (``host_kv_tokens`` beside
+    ``host_state_slots``): the device pool holds about one conversation, so a turn's prefix
+    comes back from the host, KV pages and state together."""
+    kv, turn = (256, 64) if ps == 64 else (96, 24)
+    model = proof_model("KFK")
+    raw = engine_factory(**proof_fields(model, ps), kv_tokens=kv, state_slots=5, host_state_slots=16,
+                         host_kv_tokens=1024)
+    e = Checked(raw)
+    info = e.attach("proof")
+    loaded = prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)
+    stats = e.stats(info.session)
+    assert loaded > 0 and stats.host_loaded_pages > 0 and stats.host_demoted_pages > 0, (loaded, stats)
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64])

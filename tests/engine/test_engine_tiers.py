@@ -12,6 +12,7 @@ import torch
 from storage_double import DictStorage
 from tier_workload import conversations, mla_fields, prove_mla_latents
 
+from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
 from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.embedded import CacheEngine
@@ -27,6 +28,12 @@ TOL = 1e-9
                                  dict(write_policy="later"), dict(storage="file:///x"),
                                  dict(host_kv_tokens=64, storage="nourl"), dict(storage_admit="some"),
                                  dict(host_kv_tokens=64, layer_types="FK"), dict(host_state_slots=4),
+                                 dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
+                                      write_policy="write_through"),
+                                 dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
+                                      storage="file:///x"),
+                                 dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
+                                      enable_kv_events=True),
                                  dict(host_state_slots=-1, layer_types="FK"),
                                  dict(storage_timeout_ms=-1.0)])
 def test_bad_tier_settings_are_refused(bad):
@@ -39,6 +46,8 @@ def test_host_tier_off_by_default_keeps_the_plain_tree():
     assert type(eng.tree) is not TieredRadixCache and eng.pools.host_pool is None
     eng2 = CacheEngine(EngineConfig(host_kv_tokens=256))
     assert isinstance(eng2.tree, TieredRadixCache) and eng2.pools.host_pool.num_pages == 256
+    eng3 = CacheEngine(EngineConfig(layer_types="FK", host_kv_tokens=256, host_state_slots=8))
+    assert isinstance(eng3.tree, TieredMambaRadixCache) and eng3.pools.host_pool.num_pages == 256
 
 
 class Proof:

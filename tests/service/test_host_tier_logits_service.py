@@ -2,7 +2,8 @@
 --host-kv-tokens`` / ``--host-state-slots``): the reference model (fp64) in this process
 reads and writes the manager's shared memory; over host loads its logits equal the
 from-scratch logits (1e-9), KV-only and hybrid (issue 31, item 6, remote); an MLA model's
-latents read back bit-equal."""
+latents read back bit-equal; a hybrid model with its KV in the host tier too
+(``--host-kv-tokens`` beside ``--host-state-slots``)."""
 import pytest
 from radixkv.service.client import connect
 from service_util import START_TIMEOUT_S, start_server, stop_server
@@ -20,7 +21,9 @@ def _flags(fields):
                                                ("KFK", 16, {"kv_tokens": 4096, "state_slots": 5,
                                                             "host_state_slots": 16}),
                                                ("KFK", 1, {"kv_tokens": 4096, "state_slots": 5,
-                                                           "host_state_slots": 16})])
+                                                           "host_state_slots": 16}),
+                                               ("KFK", 16, {"kv_tokens": 96, "state_slots": 5,
+                                                            "host_state_slots": 16, "host_kv_tokens": 1024})])
 def test_manager_process_serves_host_loads_with_from_scratch_logits(pattern, ps, tier):
     model = proof_model(pattern)
     srv = start_server(["--device", "cpu", "--check-idle"] + _flags({**proof_fields(model, ps), **tier}))
@@ -30,6 +33,8 @@ def test_manager_process_serves_host_loads_with_from_scratch_logits(pattern, ps,
             loaded = prove_logits(c, info.session, c.worker_buffers(info), model, ps, 16 if ps == 1 else 24)
             assert loaded > 0, "nothing came back from the host tier"
             st = c.stats(info.session)
+            if "host_kv_tokens" in tier:  # a hybrid model's KV in the host tier too
+                assert st.host_loaded_pages > 0 and st.host_demoted_pages > 0
             if "host_state_slots" in tier:  # the host state tier's counters reach a remote client
                 assert st.host_state_slots == 16 and st.host_state_loaded > 0
                 assert st.host_state_demoted >= st.host_state_loaded + st.host_state_used

@@ -120,7 +120,7 @@ class MambaRadixCache(RadixCache):
                  state_eviction_policy: str | StateEvictionOrder = "lru",
                  flop_model: FlopModel | None = None, disable: bool = False,
                  kv_event_seed: Seed | None = None, metrics_window: int = 1000, checks: bool = True,
-                 host_state_pool: HostStatePool | None = None) -> None:
+                 host_state_pool: HostStatePool | None = None, native: bool | None = None) -> None:
         own = getattr(req_to_token_pool, "mamba_pool", None)
         pool = mamba_pool if mamba_pool is not None else own
         if not isinstance(pool, StatePool):
@@ -151,7 +151,7 @@ class MambaRadixCache(RadixCache):
         self._states = table(pool.size, bool(getattr(self.state_order, "needs_ancestors", False)))
         self._states.bind_pool(pool)
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
-                         disable, enable_kv_events, kv_event_seed, metrics_window)
+                         disable, enable_kv_events, kv_event_seed, metrics_window, native)
         if self.kv_events is not None:  # one queue for KV and state events, in their order
             rec = HybridEventRecorder(page_size, seed=self.kv_events.seed)
             self.kv_events = rec
@@ -558,8 +558,8 @@ class MambaRadixCache(RadixCache):
         for node in self.state_order.victims(self, k):
             if host is not None:  # the host slot first: events store it on CPU, then remove it from GPU
                 hslot, gone = host.demote(node, int(states.end[states.slot_of[node]]))
-                if gone is not None and gone.skey is not None:  # a filed leaf without a state now
-                    self._refile(gone)
+                if gone is not None:
+                    self._host_state_dropped(gone)
             slot = states.detach(node)
             slots.append(slot)
             if host is not None:
@@ -570,6 +570,12 @@ class MambaRadixCache(RadixCache):
             held = cast(HostStateTable, host).slot_of
             pairs = [(h, d) for node, h, d in demoted if held.get(node) == h]
             cast(HostStatePool, self.host_state_pool).store([h for h, _ in pairs], [d for _, d in pairs])
+
+    def _host_state_dropped(self, node: TreeNode) -> None:
+        """``node`` lost its host state to make room for another: a filed leaf is re-filed
+        (its full-order key changed)."""
+        if node.skey is not None:
+            self._refile(node)
 
     # ``node: Any``: a TreeNode, then its ancestors up to a NamespaceHead (read as such: parent, extra_key)
     def _remove_leaf(self, node: Any, rows: list[bytes], slots: list[int]) -> int:
