@@ -60,8 +60,7 @@ the tiers (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slot
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
 needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; a
 hybrid model's host KV tier needs ``host_state_slots``, ``write_back``, no storage and no KV
-events; ``host_state_slots`` needs a hybrid model. Raises
-``InvalidArgumentError`` naming the field for any bad value.
+events; ``host_state_slots`` needs a hybrid. Raises ``InvalidArgumentError`` naming the field.
 """
 
     device: str = "cpu"

@@ -168,9 +168,8 @@ class EnginePools:
 def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> RadixCache:
     """The prefix tree over ``pools`` as the config asks (policy, admission, events).
 
-    KV-only models get a :class:`RadixCache`. Hybrid models get a
-    :class:`~radixkv.cache.hybrid.mamba_radix_cache.MambaRadixCache` over the hybrid request pool
-    (its ``mamba_pool`` holds the states): ``eviction_policy`` orders the full (KV) eviction,
+    KV-only models get a :class:`RadixCache`. Hybrid models get a ``MambaRadixCache`` over the
+    hybrid request pool (its ``mamba_pool`` holds the states): ``eviction_policy`` orders the full (KV) eviction,
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states at request ends and branch points; ``none`` disables the cache),
     ``checks`` its free-mask lookups, ``host_state_pool`` the host state tier (with
