@@ -15,6 +15,8 @@ the CPU, whole aligned pages go in one pass instead (``radixkv.memory.native``, 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
@@ -203,6 +205,11 @@ class HostKVPool:
                            and torch.equal(pages - first[:, None], torch.arange(ps).expand_as(pages))):
             return None
         return first // ps
+
+    def page_buffers(self, pages: Sequence[int]) -> list[list[torch.Tensor]]:
+        """Each page's destination for a storage read: its row, one contiguous range (the
+        layout is page-first), as :data:`radixkv.contracts.PageBuffers`. O(pages)."""
+        return [[self.pages[int(p)]] for p in pages]
 
     def write_rows(self, pages: torch.Tensor, data: torch.Tensor) -> None:
         """Put page rows read from storage (``[len(pages), page_bytes]`` uint8) into ``pages``."""
