@@ -62,9 +62,10 @@ Scale: TypeAlias = "float | torch.Tensor"
 TablePart: TypeAlias = "int | slice | torch.Tensor"
 TableIndex: TypeAlias = "TablePart | tuple[TablePart, ...]"
 
-#: Where a storage read puts pages: per page, a list of contiguous uint8 CPU tensors whose sizes
-#: sum to ``page_bytes`` (e.g. the page's host-pool row), filled in order.
-PageBuffers: TypeAlias = "Sequence[Sequence[torch.Tensor]]"
+#: Where a storage read puts pages: per page, a list of contiguous uint8 CPU tensors or writable
+#: byte memoryviews (cheaper to check) whose sizes sum to ``page_bytes`` (e.g. the page's
+#: host-pool row), filled in order.
+PageBuffers: TypeAlias = "Sequence[Sequence[torch.Tensor | memoryview]]"
 
 
 # --------------------------------------------------------------------------- allocators

@@ -76,8 +76,9 @@ class ScatterDictStorage(DictStorage):
                 out.append(False)
                 continue
             at = 0
-            for buf in bufs:
-                buf.view(-1).copy_(torch.frombuffer(bytearray(b[at:at + buf.numel()]), dtype=torch.uint8))
-                at += buf.numel()
+            for buf in bufs:  # a tensor or a writable byte memoryview (HostKVPool.page_buffers)
+                flat = torch.frombuffer(buf, dtype=torch.uint8) if isinstance(buf, memoryview) else buf.view(-1)
+                flat.copy_(torch.frombuffer(bytearray(b[at:at + flat.numel()]), dtype=torch.uint8))
+                at += flat.numel()
             out.append(True)
         return out

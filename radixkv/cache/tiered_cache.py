@@ -561,7 +561,7 @@ class TieredRadixCache(RadixCache):
         assert self.storage is not None
         got: list[np.ndarray] = []
 
-        def reserve(n: int) -> list[list[torch.Tensor]]:
+        def reserve(n: int) -> list[list[memoryview]]:
             pages = self._host_alloc_upto(n)
             if pages is None:
                 return []

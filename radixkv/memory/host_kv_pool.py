@@ -206,10 +206,14 @@ class HostKVPool:
             return None
         return first // ps
 
-    def page_buffers(self, pages: Sequence[int]) -> list[list[torch.Tensor]]:
+    def page_buffers(self, pages: Sequence[int]) -> list[list[memoryview]]:
         """Each page's destination for a storage read: its row, one contiguous range (the
-        layout is page-first), as :data:`radixkv.contracts.PageBuffers`. O(pages)."""
-        return [[self.pages[int(p)]] for p in pages]
+        layout is page-first), as :data:`radixkv.contracts.PageBuffers` of byte memoryviews
+        (~0.3 us a page). O(pages). Raises for ids outside ``1..num_pages``."""
+        if pages and (min(pages) < 1 or max(pages) > self.num_pages):
+            raise InvalidArgumentError(f"host pages must lie in [1, {self.num_pages}]")
+        flat, pb = self.buffer.numpy().data, self.page_bytes
+        return [[flat[int(p) * pb:(int(p) + 1) * pb]] for p in pages]
 
     def write_rows(self, pages: torch.Tensor, data: torch.Tensor) -> None:
         """Put page rows read from storage (``[len(pages), page_bytes]`` uint8) into ``pages``."""

@@ -67,23 +67,28 @@ def _write_failure_kind(err: OSError) -> str:
 
 
 def _as_parts(dst: PageBuffers, n: int, page_bytes: int) -> list[list[memoryview]]:
-    """``dst`` checked as ``n`` lists of contiguous uint8 CPU buffers of ``page_bytes`` in all,
-    as writable byte views. O(buffers)."""
+    """``dst`` checked as ``n`` lists of contiguous uint8 CPU tensors or writable byte
+    memoryviews, ``page_bytes`` in all per page, as byte views. ~0.3 us a memoryview, ~3 a tensor."""
     if len(dst) != n:
         raise LengthMismatchError(f"dst has {len(dst)} pages for {n} keys")
     out = []
     for bufs in dst:
-        views = []
-        for b in bufs:
-            if (not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.device.type != "cpu"
-                    or not b.is_contiguous()):
-                raise InvalidArgumentError("a page's buffers must be contiguous uint8 CPU tensors")
-            views.append(b.numpy().data.cast("B"))
-        if sum(len(v) for v in views) != page_bytes:
+        views = [b if isinstance(b, memoryview) else _tensor_view(b) for b in bufs]
+        for v in views:
+            if v.readonly or v.format != "B" or not v.c_contiguous:
+                raise InvalidArgumentError("a page's memoryviews must be writable, contiguous, of bytes")
+        if sum(map(len, views)) != page_bytes:
             raise InvalidArgumentError(f"a page's buffers must hold {page_bytes} bytes in all, got "
-                                       f"{sum(len(v) for v in views)}")
+                                       f"{sum(map(len, views))}")
         out.append(views)
     return out
+
+
+def _tensor_view(b: object) -> memoryview:
+    if (not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.device.type != "cpu"
+            or not b.is_contiguous()):
+        raise InvalidArgumentError("a page's buffers must be contiguous uint8 CPU tensors or memoryviews")
+    return b.numpy().data.cast("B")
 
 
 def _as_rows(t: torch.Tensor, n: int, page_bytes: int, what: str) -> torch.Tensor:

@@ -75,7 +75,7 @@ class _Read:
     present: int = 0
     asked: threading.Event = field(default_factory=threading.Event)
     given: threading.Event = field(default_factory=threading.Event)
-    dst: list[list[torch.Tensor]] | None = None
+    dst: list[list[torch.Tensor | memoryview]] | None = None
     hits: int = 0
 
 
@@ -210,7 +210,7 @@ class StorageController:
                 self._jobs.put((0, next(self._seq), job))
         if job is not None:
             job.asked.wait(max(deadline - time.monotonic(), 0.0))
-        bufs: list[list[torch.Tensor]] = []
+        bufs: list[list[torch.Tensor | memoryview]] = []
         try:
             want = len(ready) + (job.present if job is not None and job.asked.is_set() else 0)
             bufs = [list(b) for b in reserve(want)][:want] if want else []
@@ -355,7 +355,7 @@ class StorageController:
             if self._reads.get(job.keys[0]) is job:
                 del self._reads[job.keys[0]]
             if job.late and job.dst and job.hits:
-                rows = torch.stack([torch.cat([b.reshape(-1) for b in bufs]) for bufs in job.dst[:job.hits]])
+                rows = torch.stack([torch.cat([_flat(b) for b in bufs]) for bufs in job.dst[:job.hits]])
             if rows is not None and job.late:  # its caller returned: keep the pages for the next fetch
                 self.stats.prefetched += int(rows.shape[0])
                 for k, row in zip(job.keys, rows):
@@ -396,10 +396,15 @@ class StorageController:
                 self._idle.notify_all()
 
 
-def _fill(bufs: Sequence[torch.Tensor], row: torch.Tensor) -> None:
+def _flat(b: torch.Tensor | memoryview) -> torch.Tensor:
+    """A page buffer as a flat uint8 tensor over the same bytes."""
+    return torch.frombuffer(b, dtype=torch.uint8) if isinstance(b, memoryview) else b.reshape(-1)
+
+
+def _fill(bufs: Sequence[torch.Tensor | memoryview], row: torch.Tensor) -> None:
     """Copy a page row into its buffers, in order."""
     at = 0
     for b in bufs:
-        n = b.numel()
-        b.view(-1).copy_(row[at:at + n])
-        at += n
+        flat = _flat(b)
+        flat.copy_(row[at:at + flat.numel()])
+        at += flat.numel()

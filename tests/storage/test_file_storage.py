@@ -157,8 +157,9 @@ def _scattered(pool, pages, cuts):
     return [[pool[p][a:b] for a, b in zip([0, *cuts], [*cuts, PB])] for p in pages]
 
 
+@pytest.mark.parametrize("views", [False, True])
 @pytest.mark.parametrize("cuts", [[], [PB // 2], [1, 100, PB // 4, PB - 3]])
-def test_a_page_scattered_into_buffers_is_bit_equal(store, cuts):
+def test_a_page_scattered_into_buffers_is_bit_equal(store, cuts, views):
     """One preadv per page into a list of buffers: the same bytes as into a row, the same
     on-disk format (the streaming checksum equals the one-shot one)."""
     assert isinstance(store, ScatterStorageBackend) and store.scatter_reads
@@ -167,7 +168,10 @@ def test_a_page_scattered_into_buffers_is_bit_equal(store, cuts):
     store.batch_set(keys, src)
     pool = torch.zeros(20, PB, dtype=torch.uint8)
     pages = [17, 2, 5, 11, 3, 19, 1, 8, 13]  # out of order, not adjacent: a host pool's pages
-    assert store.batch_get(keys, _scattered(pool, pages, cuts)) == [True] * 9
+    dst = _scattered(pool, pages, cuts)
+    if views:  # byte memoryviews, as HostKVPool.page_buffers gives
+        dst = [[b.numpy().data.cast("B") for b in bufs] for bufs in dst]
+    assert store.batch_get(keys, dst) == [True] * 9
     assert torch.equal(pool[pages], src)
     rest = sorted(set(range(20)) - set(pages))
     assert int(pool[rest].abs().sum()) == 0  # nothing written outside the destinations
@@ -197,6 +201,9 @@ def test_bad_page_buffers_raise_and_read_nothing(store):
         [[pool[0]], [pool[1], pool[2][:1]]],  # long
         [[pool[0]], [pool[1:3].t()[0]]],  # not contiguous
         [[pool[0]], [pool[1].view(torch.int32)]],  # not uint8
+        [[pool[0]], [memoryview(bytes(PB))]],  # read-only
+        [[pool[0]], [pool[1].numpy().data.cast("B")[:PB - 1]]],  # short memoryview
+        [[pool[0]], [pool[1:3].numpy().data.cast("B")[::2]]],  # strided memoryview
     ]
     for dst in bad:
         with pytest.raises((InvalidArgumentError, LengthMismatchError)):
