@@ -34,7 +34,9 @@ class TierMachine(RuleBasedStateMachine):
         self.ctl = None
 
     @rule(ps=st.sampled_from([1, 2, 4]), host=st.sampled_from([8, 16, 48]),
-          policy=st.sampled_from(["write_back", "write_through"]), storage=st.sampled_from([None, DictStorage, ScatterDictStorage]), events=st.booleans())
+          policy=st.sampled_from(["write_back", "write_through"]),
+          storage=st.sampled_from([None, DictStorage, ScatterDictStorage]),
+          events=st.booleans())
     @precondition(lambda self: self.cache is None)
     def build(self, ps, host, policy, storage, events):
         self.cache = make_cache(ps=ps, device_tokens=POOL, host_tokens=host, write_policy=policy, events=events)
