@@ -8,7 +8,8 @@ the file tier's time went"). For a change to the file tier: save the old source,
 
 With ``--controllers OLD NEW`` (two ``radixkv/storage/tier_controller.py``), it times instead the
 tier's whole storage -> host load through each: ``StorageController.fetch`` of the pages (the
-new ``FileStorage`` beneath both), then their copy into preallocated host rows. ``--splits``
+new ``FileStorage`` beneath both), then their copy into preallocated host rows, and, for a
+controller that has it, ``fetch_into`` those host rows (the read lands in them, no copy). ``--splits``
 times the steps of the new layout's read per page instead (``time.perf_counter_ns`` around
 each), with xxh3 of the same rows after the whole batch beside it; ``--alignment`` reads one
 file's pages into rows at byte offsets 0..4088 within a 4 KiB page (the kernel copy's speed).
@@ -134,7 +135,8 @@ def _page_size(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int],
 
 
 def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
-    """Each controller's ``fetch`` + copy into host rows, beside ``batch_get`` alone and a plain read."""
+    """Each controller's ``fetch`` + copy into host rows (and ``fetch_into`` them where it has
+    it), beside ``batch_get`` alone and a plain read."""
     from radixkv.storage.file import FileStorage
 
     pb, keys, src, plain = _pages(d, ps, max(batches))
@@ -142,17 +144,26 @@ def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int
     if not all(store.batch_set(keys, src)):
         raise RuntimeError("could not write the pages")
     ctls = {name: mod.StorageController(store, pb, timeout_s=60.0, batch_pages=128) for name, mod in mods.items()}
-    dst = {name: torch.zeros_like(src) for name in ("plain", "batch_get", *mods)}
+    direct = [name for name, mod in mods.items() if hasattr(mod.StorageController, "fetch_into")]
+    dst = {name: torch.zeros_like(src) for name in ("plain", "batch_get", *mods, *(f"{m} into" for m in direct))}
 
     def load(ctl: Any, n: int, host: torch.Tensor) -> None:
         rows = ctl.fetch(keys[:n])
         host[:rows.shape[0]].copy_(rows)
+
+    def load_into(ctl: Any, n: int, host: torch.Tensor) -> None:
+        flat = host.numpy().data.cast("B")  # byte views of the rows, as HostKVPool.page_buffers gives
+        k, _ = ctl.fetch_into(keys[:n], lambda m: [[flat[i * pb:(i + 1) * pb]] for i in range(m)])
+        if k != n:
+            raise RuntimeError(f"fetch_into read {k} of {n} pages")
 
     for n in batches:
         fns: dict[str, Callable[[], Any]] = {"plain": partial(_plain, plain[:n], dst["plain"].numpy()[:n]),
                                              "batch_get": partial(store.batch_get, keys[:n], dst["batch_get"][:n])}
         for name in mods:
             fns[name] = partial(load, ctls[name], n, dst[name][:n])
+        for name in direct:
+            fns[f"{name} into"] = partial(load_into, ctls[name], n, dst[f"{name} into"][:n])
         print(f"page {ps} ({pb >> 10} KiB) batch {n}, fetch + copy into host rows: "
               f"{_measured(fns, dst, src, n, reps)}", flush=True)
     for ctl in ctls.values():

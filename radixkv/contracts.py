@@ -29,7 +29,7 @@ __all__ = [
     "KVAllocator", "PagedKVAllocator",
     "PoolRequest", "CacheRequest", "ReqToTokenTable", "HybridReqTable",
     "KVPool", "StatePool", "SlotFreeList", "Event", "PrefixMatch", "PrefixCache", "HybridPrefixCache",
-    "StorageBackend", "WRITE_POLICIES", "STORAGE_ADMIT",
+    "StorageBackend", "ScatterStorageBackend", "PageBuffers", "WRITE_POLICIES", "STORAGE_ADMIT",
 ]
 
 #: The host tier's write policies (SGLang HiCache's names): ``write_back`` copies a page to
@@ -61,6 +61,11 @@ Scale: TypeAlias = "float | torch.Tensor"
 #: each part an int, a slice or an integer tensor.
 TablePart: TypeAlias = "int | slice | torch.Tensor"
 TableIndex: TypeAlias = "TablePart | tuple[TablePart, ...]"
+
+#: Where a storage read puts pages: per page, a list of contiguous uint8 CPU tensors or writable
+#: byte memoryviews (cheaper to check) whose sizes sum to ``page_bytes`` (e.g. the page's
+#: host-pool row), filled in order.
+PageBuffers: TypeAlias = "Sequence[Sequence[torch.Tensor | memoryview]]"
 
 
 # --------------------------------------------------------------------------- allocators
@@ -351,3 +356,15 @@ class StorageBackend(Protocol):
         """Write each row of ``src`` under its key; ``True`` where it is stored."""
     def close(self) -> None:
         """Flush and release the backend; later calls miss."""
+
+
+@runtime_checkable
+class ScatterStorageBackend(StorageBackend, Protocol):
+    """A :class:`StorageBackend` whose ``batch_get`` also reads each page straight into its
+    own buffers (:data:`PageBuffers`, e.g. host-pool rows): no staging rows, no second copy.
+    A ``False`` page's buffers hold no page (the caller gives them back)."""
+
+    scatter_reads: bool
+
+    def batch_get(self, keys: Sequence[str], dst: torch.Tensor | PageBuffers) -> list[bool]:
+        """Read each page into its row of ``dst`` or its list of buffers."""

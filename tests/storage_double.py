@@ -51,3 +51,34 @@ class DictStorage:
 
     def close(self) -> None:
         self.gate.set()
+
+
+class ScatterDictStorage(DictStorage):
+    """:class:`DictStorage` that also reads a page into its own list of buffers (a
+    ``ScatterStorageBackend``, as the file tier is), so the tier takes its direct path."""
+
+    scatter_reads = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.get_gate = threading.Event()  # cleared: reads into buffers block (after batch_exists)
+        self.get_gate.set()
+
+    def batch_get(self, keys, dst) -> list[bool]:
+        if isinstance(dst, torch.Tensor):
+            return super().batch_get(keys, dst)
+        self.gate.wait()
+        self.get_gate.wait()
+        out = []
+        for k, bufs in zip(keys, dst):
+            b = self.pages.get(k)
+            if b is None:
+                out.append(False)
+                continue
+            at = 0
+            for buf in bufs:  # a tensor or a writable byte memoryview (HostKVPool.page_buffers)
+                flat = torch.frombuffer(buf, dtype=torch.uint8) if isinstance(buf, memoryview) else buf.view(-1)
+                flat.copy_(torch.frombuffer(bytearray(b[at:at + flat.numel()]), dtype=torch.uint8))
+                at += flat.numel()
+            out.append(True)
+        return out

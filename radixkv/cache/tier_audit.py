@@ -28,14 +28,15 @@ def _fail(msg: str, ids: list[int]) -> None:
 
 
 def check(cache: HostTierMixin, heads: Mapping[Hashable, NamespaceHead], leaves: LeafIndex[TreeNode],
-          pinned: Collection[int]) -> None:
+          pinned: Collection[int], parked: np.ndarray | None = None) -> None:
     """Raise :class:`InvariantError` naming nodes / rows / host pages unless: heads, parents,
     ``only``, keys and lock counts are right; every node is on a tier (``vbuf`` one row per
     token or empty, ``hbuf`` one page per page or ``None``), the device part is prefix-closed
     and only device nodes are locked; sizes (evictable, protected, host) match the tree; the
     evictable leaves (``leaves``) are exactly the unlocked device nodes without a device child;
     no KV row or host page is held twice, every host page in use is held (else leaked) and
-    every held page in use; ``pinned`` is empty. Sizes are read through the public methods."""
+    every held page in use (``parked``: host pages a late storage read still fills, held too);
+    ``pinned`` is empty. Sizes are read through the public methods."""
     pb = 4 * cache.page_size
     nodes: list[Any] = []
     evictable = protected = host = 0
@@ -87,7 +88,7 @@ def check(cache: HostTierMixin, heads: Mapping[Hashable, NamespaceHead], leaves:
         wrong = [x.id for x in nodes if (id(x) in expected) != (id(x) in filed)]
         _fail("evictable-leaf index wrong", wrong)
     tree_audit._check_rows(cache, nodes)
-    _check_host(cache, nodes, pinned)
+    _check_host(cache, nodes, pinned, parked)
     cache.policy.check_invariants([x for x in nodes if x.vbuf])  # it orders device nodes only
     if cache.kv_events is not None:
         tree_audit._check_events(cache, nodes)
@@ -103,7 +104,8 @@ def _check_media(rec: KVEventRecorder, nodes: list[Any]) -> None:
         _fail("KV events announced blocks on another tier than the one they are on", wrong)
 
 
-def _check_host(cache: HostTierMixin, nodes: list[Any], pinned: Collection[int]) -> None:
+def _check_host(cache: HostTierMixin, nodes: list[Any], pinned: Collection[int],
+                parked: np.ndarray | None) -> None:
     held = [x for x in nodes if x.hbuf]
     pages = np.frombuffer(b"".join(x.hbuf for x in held), dtype=np.int32)
     owner = np.repeat(np.arange(len(held)), [len(x.hbuf) >> 2 for x in held])
@@ -113,6 +115,12 @@ def _check_host(cache: HostTierMixin, nodes: list[Any], pinned: Collection[int])
         holders = [held[i].id for i in owner[np.isin(pages, twice)]]
         raise InvariantError(f"TieredRadixCache: host pages {describe_ids(twice.tolist())} held by two "
                              f"nodes (double-owned): nodes {describe_ids(holders)}")
+    if parked is not None and parked.size:
+        twice = np.intersect1d(pages, parked)
+        if twice.size or np.unique(parked).size != parked.size:
+            raise InvariantError(f"TieredRadixCache: host pages parked for a late storage read held twice: "
+                                 f"{describe_ids(twice.tolist() or parked.tolist())}")
+        pages = np.concatenate([pages, parked.astype(np.int32)])
     cache.host_alloc.check_invariants(pages)
     if pinned:
         raise InvariantError(f"TieredRadixCache: nodes {describe_ids(pinned)} left pinned")

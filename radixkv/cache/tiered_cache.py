@@ -113,6 +113,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
         self._pinned: set[int] = set()  # node ids host eviction must not drop (loads, stores in flight)
         self._inflight: list[Any] = []  # CUDA events of loads the worker must not read past
         self._dups: dict[int, TierNode] = {}  # write_back: loaded nodes keeping a host copy, oldest first
+        self._parked: list[tuple[np.ndarray, Any]] = []  # (host pages, event): late storage reads' destinations
         self._host_tokens = 0
         #: tokens hit per tier by matches, and tier traffic in pages
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
@@ -395,11 +396,58 @@ class TieredRadixCache(HostTierMixin, RadixCache):
         """RadixCache's checks adapted to tiers, plus the host tier's: every node on a tier,
         device part prefix-closed, host pages owned once and exactly the allocator's in-use
         ones (naming leaked / double-owned pages) (:func:`radixkv.cache.tier_audit.check`)."""
-        tier_audit.check(self, self._heads, self._leaves, self._pinned)
+        parked = np.concatenate([p for p, _ in self._parked]) if self._parked else None
+        tier_audit.check(self, self._heads, self._leaves, self._pinned, parked)
         if self.storage is not None:
             self.storage.check_invariants()
 
     # ------------------------------------------------------------------ helpers
+    def _host_alloc(self, n: int) -> np.ndarray | None:
+        self._reap_parked()
+        return super()._host_alloc(n)
+
+    def _host_alloc_upto(self, n: int) -> np.ndarray | None:
+        """Up to ``n`` host pages (``n``, else halving while the host has no room)."""
+        pages = self._host_alloc(n)
+        while pages is None and n > 1:
+            n //= 2
+            pages = self._host_alloc(n)
+        return pages
+
+    def _fetch_into_host(self, keys: list[str]) -> tuple[int, np.ndarray | None]:
+        """The leading pages of ``keys`` storage holds, read straight into host pages reserved
+        once their count is known: ``(k, pages)``, the first ``k`` pages holding them (only
+        these stay allocated). Pages a late read still fills are parked until it is done."""
+        assert self.storage is not None
+        got: list[np.ndarray] = []
+
+        def reserve(n: int) -> list[list[memoryview]]:
+            pages = self._host_alloc_upto(n)
+            if pages is None:
+                return []
+            got.append(pages)
+            return self.host_pool.page_buffers(pages.tolist())
+
+        k, pending = self.storage.fetch_into(keys, reserve)
+        if not got:
+            return 0, None
+        pages = got[0]
+        if pending is not None:
+            self._parked.append((pages[k:], pending))
+        elif k < len(pages):
+            self.host_alloc.free(pages[k:])
+        return k, pages[:k]
+
+    def _reap_parked(self) -> None:
+        """Give back the host pages of late storage reads that are done. O(parked reads)."""
+        if not self._parked:
+            return
+        flags = [ev.is_set() for _, ev in self._parked]  # read once: an event may be set meanwhile
+        if any(flags):
+            done = [p for (p, _), f in zip(self._parked, flags) if f]
+            self._parked = [x for x, f in zip(self._parked, flags) if not f]
+            self.host_alloc.free(np.concatenate(done))
+
     def _drop_dup_copies(self, need: int) -> int:
         """Give up the host copies of loaded nodes still on the device (oldest load first,
         pinned ones kept) until ``need`` pages are freed; no page leaves the tree. Returns
@@ -477,17 +525,17 @@ class TieredRadixCache(HostTierMixin, RadixCache):
         else:
             seed = self._seed(node)
         keys = page_keys(tokens, self.page_size, seed, prior)
-        rows = self.storage.fetch(keys)
-        k = int(rows.shape[0])
-        if not k:
+        if self.storage.scatters:
+            k, pages = self._fetch_into_host(keys)
+        else:
+            rows = self.storage.fetch(keys)
+            k = int(rows.shape[0])
+            pages = self._host_alloc_upto(k) if k else None
+            if pages is not None:
+                k = len(pages)
+                self.host_pool.write_rows(torch.from_numpy(pages.astype(np.int64)), rows[:k])
+        if pages is None or not k:
             return None
-        pages = self._host_alloc(k)
-        while pages is None and k > 1:
-            k //= 2
-            pages = self._host_alloc(k)
-        if pages is None:
-            return None
-        self.host_pool.write_rows(torch.from_numpy(pages.astype(np.int64)), rows[:k])
         if node is None:
             node = self._heads[key.extra_key] = NamespaceHead(self._new_id(), key.extra_key)
         size = k * self._page_bytes

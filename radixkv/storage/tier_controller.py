@@ -6,13 +6,13 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 
 * ``backup(keys, rows)``: enqueue pages to write; never blocks: past ``max_pending_pages``
   queued pages the backup is dropped and counted.
-* ``fetch(keys)``: prefetched pages first, then ``batch_exists`` + ``batch_get`` waited for at
-  most ``timeout_s``; a late read goes on in the background and its pages wait (at most
-  ``max_ready_pages``) for a later fetch of the same keys. One read per first key in flight, at
-  most ``max_pending_reads`` in all. A slow or dead backend costs hits, never a stalled call.
-* A backend that raises is a miss or a failed write, counted and logged once.
-
-Cost on the caller's thread: one queue put (backup), one wait bounded by the timeout (fetch).
+* ``fetch(keys)``: prefetched pages, then ``batch_exists`` + ``batch_get`` waited for at most
+  ``timeout_s``; a late read goes on and its pages wait (``max_ready_pages``) for a later fetch.
+  One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
+* ``fetch_into(keys, reserve)``: the same for a scattering backend: once the count is known the
+  caller reserves host-pool rows and pages are read straight into them (no second copy).
+* A backend that raises: a miss or a failed write, counted, logged once. Caller's cost: one
+  queue put (backup), one wait bounded by the timeout (fetch).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixkv.contracts import STORAGE_ADMIT, StorageBackend
+from radixkv.contracts import STORAGE_ADMIT, PageBuffers, ScatterStorageBackend, StorageBackend
 from radixkv.errors import InvalidArgumentError, InvariantError
 from radixkv.storage.host_rows import fresh_rows
 
@@ -65,6 +65,14 @@ class _Read:
     done: threading.Event = field(default_factory=threading.Event)
     late: bool = False  # its caller returned: the rows go to the ready pages
     rows: torch.Tensor | None = None
+    # fetch_into only: the worker sets ``present`` then ``asked``; the caller sets ``dst``
+    # (the pages' destinations, maybe fewer) or ``late``, then ``given``; ``hits`` read into dst.
+    direct: bool = False
+    present: int = 0
+    asked: threading.Event = field(default_factory=threading.Event)
+    given: threading.Event = field(default_factory=threading.Event)
+    dst: list[list[torch.Tensor | memoryview]] | None = None
+    hits: int = 0
 
 
 class StorageController:
@@ -108,6 +116,8 @@ class StorageController:
         self._idle = threading.Condition(self._lock)
         self._warned = False
         self._closed = False
+        #: The backend reads pages straight into caller buffers (``fetch_into`` may be used).
+        self.scatters = isinstance(backend, ScatterStorageBackend) and backend.scatter_reads is True
         self._call("register_buffer", backend.register_buffer, self._staging)
         self._thread = threading.Thread(target=self._run, name=f"radixkv-storage-{backend.name}", daemon=True)
         self._thread.start()
@@ -166,6 +176,65 @@ class StorageController:
         if block is not None:
             return block
         return torch.stack(rows) if rows else self._staging[:0].clone()
+
+    def fetch_into(self, keys: Sequence[str],
+                   reserve: Callable[[int], PageBuffers]) -> tuple[int, threading.Event | None]:
+        """``fetch`` straight into the caller's buffers (a scattering backend only). Once the
+        worker has counted the leading pages storage holds (prefetched ones first), ``reserve(n)``
+        runs here, once, and returns up to ``n`` pages' buffers. Returns ``(k, pending)``: the
+        first ``k`` reserved pages hold pages; when ``pending`` is an event (the read outlived
+        ``timeout_s``), the reserved pages after them stay the read's until it is set, else
+        the caller may reuse them at once. Waits at most ``timeout_s`` in all."""
+        if not self.scatters:
+            raise InvalidArgumentError(f"the {self.backend.name} storage backend cannot read into buffers")
+        if not keys or self._closed:
+            return 0, None
+        t0 = time.perf_counter_ns()
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            ready = self._take_ready(keys)
+            rest = list(keys[len(ready):])
+            other = self._reads.get(rest[0]) if rest else None
+        if other is not None and other.done.wait(self.timeout_s):  # a late read of these: its pages
+            with self._lock:
+                ready += self._take_ready(rest)
+                rest = list(keys[len(ready):])
+        with self._lock:
+            job = None
+            if rest and rest[0] not in self._reads and len(self._reads) < self.max_pending_reads:
+                job = self._reads[rest[0]] = _Read(rest, direct=True)
+                self._jobs.put((0, next(self._seq), job))
+        if job is not None:
+            job.asked.wait(max(deadline - time.monotonic(), 0.0))
+        bufs: list[list[torch.Tensor | memoryview]] = []
+        try:
+            want = len(ready) + (job.present if job is not None and job.asked.is_set() else 0)
+            bufs = [list(b) for b in reserve(want)][:want] if want else []
+        finally:
+            if job is not None:
+                with self._lock:
+                    if job.asked.is_set():
+                        job.dst = bufs[len(ready):]
+                    else:
+                        job.late = True
+                    job.given.set()
+        k = min(len(ready), len(bufs))
+        for row, b in zip(ready, bufs):
+            _fill(b, row)
+        if job is not None:
+            job.done.wait(max(deadline - time.monotonic(), 0.0))
+        pending = None
+        with self._lock:
+            self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
+            if job is not None and job.done.is_set():
+                k += job.hits if k == len(ready) else 0
+            elif job is not None:
+                job.late = True
+                pending = job.done if job.dst else None
+                self.stats.fetch_timeouts += 1
+                self._warn("a storage read took longer than the timeout; serving from the faster tiers")
+            self.stats.fetched += k
+        return k, pending
 
     def _take_ready(self, keys: Sequence[str]) -> list[torch.Tensor]:
         """Pop the prefetched rows of the leading ``keys`` (the caller holds the lock)."""
@@ -243,23 +312,53 @@ class StorageController:
 
     def _read(self, job: _Read) -> None:
         rows: torch.Tensor | None = None
-        if not self._closed:
-            present = self._call("batch_exists", self.backend.batch_exists, job.keys)
-            n = int(present) if isinstance(present, int) else 0
-            if n > 0:
-                rows = self._read_rows(job.keys[:n])
+        try:
+            if not self._closed:
+                present = self._call("batch_exists", self.backend.batch_exists, job.keys)
+                n = int(present) if isinstance(present, int) else 0
+                if job.direct:
+                    rows = self._read_direct(job, n)
+                elif n > 0:
+                    rows = self._read_rows(job.keys[:n])
+        finally:
+            job.asked.set()  # (a caller still waiting on it would wait out its timeout otherwise)
+            self._finish(job, rows)
+
+    def _read_direct(self, job: _Read, n: int) -> torch.Tensor | None:
+        """Hand ``n`` to ``fetch_into``'s caller, wait for its buffers (it gives them or gives
+        up within its timeout) and read into them; a caller that gave up gets fresh rows."""
+        with self._lock:
+            job.present = n
+            if not job.late:
+                job.asked.set()
+        if n and not job.late:
+            job.given.wait()
+        with self._lock:
+            dst = job.dst
+        if dst is None:
+            return self._read_rows(job.keys[:n]) if n else None
+        if dst:
+            ok = self._call("batch_get", self.backend.batch_get, job.keys[:len(dst)], dst)
+            flags = list(ok) if isinstance(ok, list) else []
+            job.hits = next((i for i, f in enumerate(flags) if not f), len(flags))
+        return None
+
+    def _finish(self, job: _Read, rows: torch.Tensor | None) -> None:
+        """Publish a read: a late one's pages go to the ready ones (a late direct read's
+        copied out of its buffers, which its caller reuses once ``done`` is set)."""
         with self._lock:
             job.rows = rows
             if self._reads.get(job.keys[0]) is job:
                 del self._reads[job.keys[0]]
-            if rows is not None:
-                if job.late:  # its caller returned: keep the pages for the next fetch of them
-                    self.stats.prefetched += int(rows.shape[0])
-                    for k, row in zip(job.keys, rows):
-                        self._ready[k] = row
-                        self._ready.move_to_end(k)
-                    while len(self._ready) > self.max_ready_pages:
-                        self._ready.popitem(last=False)
+            if job.late and job.dst and job.hits:
+                rows = torch.stack([torch.cat([_flat(b) for b in bufs]) for bufs in job.dst[:job.hits]])
+            if rows is not None and job.late:  # its caller returned: keep the pages for the next fetch
+                self.stats.prefetched += int(rows.shape[0])
+                for k, row in zip(job.keys, rows):
+                    self._ready[k] = row
+                    self._ready.move_to_end(k)
+                while len(self._ready) > self.max_ready_pages:
+                    self._ready.popitem(last=False)
             job.done.set()
             self._idle.notify_all()
 
@@ -291,3 +390,17 @@ class StorageController:
                 self.stats.write_failed += sum(not f for f in flags)
                 self.stats.pending -= len(part)
                 self._idle.notify_all()
+
+
+def _flat(b: torch.Tensor | memoryview) -> torch.Tensor:
+    """A page buffer as a flat uint8 tensor over the same bytes."""
+    return torch.frombuffer(b, dtype=torch.uint8) if isinstance(b, memoryview) else b.reshape(-1)
+
+
+def _fill(bufs: Sequence[torch.Tensor | memoryview], row: torch.Tensor) -> None:
+    """Copy a page row into its buffers, in order."""
+    at = 0
+    for b in bufs:
+        flat = _flat(b)
+        flat.copy_(row[at:at + flat.numel()])
+        at += flat.numel()

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from storage_double import DictStorage
+from storage_double import DictStorage, ScatterDictStorage
 from tier_util import make_cache, serve
 
 from radixkv.cache.radix_key import RadixKey
@@ -34,12 +34,14 @@ class TierMachine(RuleBasedStateMachine):
         self.ctl = None
 
     @rule(ps=st.sampled_from([1, 2, 4]), host=st.sampled_from([8, 16, 48]),
-          policy=st.sampled_from(["write_back", "write_through"]), storage=st.booleans(), events=st.booleans())
+          policy=st.sampled_from(["write_back", "write_through"]),
+          storage=st.sampled_from([None, DictStorage, ScatterDictStorage]),
+          events=st.booleans())
     @precondition(lambda self: self.cache is None)
     def build(self, ps, host, policy, storage, events):
         self.cache = make_cache(ps=ps, device_tokens=POOL, host_tokens=host, write_policy=policy, events=events)
-        if storage:
-            self.store = DictStorage()
+        if storage is not None:  # ScatterDictStorage: reads land straight in host rows
+            self.store = storage()
             self._attach()
 
     def _attach(self):

@@ -3,13 +3,16 @@ write policies, locks, invariants, and bit-equal KV through every move."""
 import numpy as np
 import pytest
 import torch
-from storage_double import DictStorage
+from storage_double import DictStorage, ScatterDictStorage
 from tier_util import kv_of, make_cache, read_kv, serve
 
+from radixkv.cache.block_hash import encode_extra_key
 from radixkv.cache.eviction import available_policies
 from radixkv.cache.radix_key import RadixKey
 from radixkv.cache.tiered_cache import TieredRadixCache
 from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.storage.file import FileStorage
+from radixkv.storage.keys import page_keys, storage_seed
 from radixkv.storage.tier_controller import StorageController
 
 
@@ -215,8 +218,9 @@ def _controller(store, c_kwargs=None, **kw):
     return c, ctl
 
 
-def test_storage_serves_pages_the_host_dropped_and_a_new_cache_warm():
-    store = DictStorage()
+@pytest.mark.parametrize("Store", [DictStorage, ScatterDictStorage])
+def test_storage_serves_pages_the_host_dropped_and_a_new_cache_warm(Store):
+    store = Store()
     c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=5.0)
     for i in range(4):
         serve(c, seq(i, 8))
@@ -233,8 +237,9 @@ def test_storage_serves_pages_the_host_dropped_and_a_new_cache_warm():
     ctl2.close(1.0)
 
 
-def test_a_stalled_backend_costs_hits_not_time():
-    store = DictStorage()
+@pytest.mark.parametrize("Store", [DictStorage, ScatterDictStorage])
+def test_a_stalled_backend_costs_hits_not_time(Store):
+    store = Store()
     c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=0.05)
     for i in range(3):
         serve(c, seq(i, 8))
@@ -248,8 +253,9 @@ def test_a_stalled_backend_costs_hits_not_time():
     ctl.close(1.0)
 
 
-def test_a_match_that_timed_out_on_storage_is_served_by_its_prefetch_later():
-    store = DictStorage()
+@pytest.mark.parametrize("Store", [DictStorage, ScatterDictStorage])
+def test_a_match_that_timed_out_on_storage_is_served_by_its_prefetch_later(Store):
+    store = Store()
     c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=0.01)
     for i in range(3):
         serve(c, seq(i, 8))
@@ -283,8 +289,9 @@ def test_a_raising_backend_is_a_counted_miss():
     ctl.close(1.0)
 
 
-def test_storage_admit_reused_backs_up_only_pages_hit_before():
-    store = DictStorage()
+@pytest.mark.parametrize("Store", [DictStorage, ScatterDictStorage])
+def test_storage_admit_reused_backs_up_only_pages_hit_before(Store):
+    store = Store()
     c, ctl = _controller(store, {"device_tokens": 32, "host_tokens": 32}, timeout_s=5.0, admit="reused")
     serve(c, seq(1, 8))
     serve(c, seq(2, 8))
@@ -295,8 +302,9 @@ def test_storage_admit_reused_backs_up_only_pages_hit_before():
     ctl.close(1.0)
 
 
-def test_backups_past_the_queue_bound_are_dropped_and_counted():
-    store = DictStorage()
+@pytest.mark.parametrize("Store", [DictStorage, ScatterDictStorage])
+def test_backups_past_the_queue_bound_are_dropped_and_counted(Store):
+    store = Store()
     store.gate.clear()
     c, ctl = _controller(store, {"device_tokens": 32, "host_tokens": 32}, timeout_s=0.01,
                          max_pending_pages=8)
@@ -308,8 +316,9 @@ def test_backups_past_the_queue_bound_are_dropped_and_counted():
     ctl.close(1.0)
 
 
-def test_a_page_whose_backup_was_dropped_is_backed_up_when_the_host_drops_it():
-    store = DictStorage()
+@pytest.mark.parametrize("Store", [DictStorage, ScatterDictStorage])
+def test_a_page_whose_backup_was_dropped_is_backed_up_when_the_host_drops_it(Store):
+    store = Store()
     store.gate.clear()  # writes hang: the queue fills
     c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=0.01, max_pending_pages=8)
     serve(c, seq(1, 8))  # queued (8 pages: the queue is full)
@@ -332,3 +341,68 @@ def test_kv_of_depends_on_the_prefix():
     b[3] = 99
     assert torch.equal(kv_of(a)[:3], kv_of(b)[:3]) and not torch.equal(kv_of(a)[3:], kv_of(b)[3:])
     assert read_kv is not None
+
+
+def _file_cache(tmp_path, **kw):
+    c = make_cache(device_tokens=8, host_tokens=8)
+    store = FileStorage(tmp_path / "pages", page_bytes=c.host_pool.page_bytes)
+    ctl = StorageController(store, c.host_pool.page_bytes, **kw)
+    c.storage = ctl
+    return c, ctl, store
+
+
+def _page_path(store, tokens, i):
+    keys = page_keys(tokens.astype(np.int32), 1, storage_seed(encode_extra_key(None), "test"))
+    return store.path_of(keys[i])
+
+
+@pytest.mark.parametrize("damage", ["flip", "torn", "short", "delete"])
+def test_a_bad_page_read_into_host_rows_is_a_miss_and_its_host_pages_go_back(tmp_path, damage):
+    """The file tier reads straight into the host rows; from a bad page on, the rows are given
+    back (never a node over them), the allocator stays conserved, the good lead is served."""
+    c, ctl, store = _file_cache(tmp_path, timeout_s=30.0)
+    assert ctl.scatters
+    for i in range(4):
+        serve(c, seq(i, 8))
+    assert ctl.drain(30.0) and ctl.stats.written == 32
+    p = _page_path(store, seq(0, 8), 3)
+    if damage == "flip":
+        b = bytearray(p.read_bytes())
+        b[5] ^= 1
+        p.write_bytes(bytes(b))
+    elif damage == "torn":  # the right size, the second half never written (a power loss)
+        b = p.read_bytes()
+        p.write_bytes(b[:len(b) // 2] + bytes(len(b) - len(b) // 2))
+    elif damage == "short":  # the size is wrong: not even counted as present
+        p.write_bytes(p.read_bytes()[:-9])
+    else:
+        p.unlink()
+    m = c.match_prefix(RadixKey(seq(0, 8)))
+    assert (m.prefix_len, m.storage_len) == (0, 3) and not c._parked
+    assert store.stats().corrupt == (damage in ("flip", "torn"))
+    c.check_invariants()  # the rows from the bad page on went back: nothing leaked or held twice
+    assert c.host_alloc.num_pages - c.host_alloc.available_size() == c.host_size()
+    assert serve(c, seq(0, 8))[2] == 0  # (matched above) served bit for bit from the host copy
+    c.check_invariants()
+    ctl.close(1.0)
+
+
+def test_host_pages_of_a_late_read_into_them_are_held_until_it_ends_then_given_back():
+    store = ScatterDictStorage()
+    c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=0.05)
+    for i in range(3):
+        serve(c, seq(i, 8))
+    assert ctl.drain(5.0) and ctl.wait_reads(30)
+    store.get_gate.clear()  # counted, host rows reserved, then the read into them hangs
+    m = c.match_prefix(RadixKey(seq(0, 8)))
+    assert m.storage_len == 0
+    c.check_invariants()  # the parked pages count as held: in use, owned by no node
+    parked = sum(len(p) for p, _ in c._parked)
+    assert parked in (0, 8)  # 0: a busy machine counted after the timeout (fresh rows instead)
+    assert c.host_alloc.available_size() + c.host_size() + parked == c.host_alloc.num_pages
+    store.get_gate.set()
+    assert ctl.wait_reads(30)
+    assert serve(c, seq(0, 8)) == (0, 0, 8)  # the prefetched pages; the parked ones went back
+    assert not c._parked
+    c.check_invariants()
+    ctl.close(1.0)

@@ -178,3 +178,16 @@ def test_mla_stores_and_loads_round_trip_bit_for_bit(ps, path, monkeypatch):
 def test_a_pool_of_another_kind_is_refused():
     with pytest.raises(InvalidArgumentError, match="MHA or MLA"):
         HostKVPool(object(), 4)  # type: ignore[arg-type]
+
+
+def test_page_buffers_are_the_pages_rows_and_refuse_bad_ids():
+    """A storage read's destinations: writing through a page's buffer fills exactly its row."""
+    host = HostKVPool(_pool(), 4)
+    bufs = host.page_buffers([3, 1])
+    assert [len(b) for b in bufs] == [1, 1] and all(len(b[0]) == host.page_bytes for b in bufs)
+    np.frombuffer(bufs[0][0], np.uint8)[:] = 7
+    assert int(host.pages[3].min()) == 7 == int(host.pages[3].max())
+    assert int(host.pages[1].abs().sum()) == int(host.pages[2].abs().sum()) == 0
+    for bad in ([0], [host.num_pages + 1]):
+        with pytest.raises(InvalidArgumentError):
+            host.page_buffers(bad)

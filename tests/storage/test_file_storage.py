@@ -10,7 +10,7 @@ import pytest
 import torch
 from storage_util import pages_of, remount_read_only, tmpfs
 
-from radixkv.contracts import StorageBackend
+from radixkv.contracts import ScatterStorageBackend, StorageBackend
 from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
 from radixkv.storage.file import FileStorage
 from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
@@ -150,6 +150,65 @@ def test_an_unusable_file_is_a_counted_miss(tmp_path, corrupt, delete):
     # a rewrite repairs it
     assert store.batch_set(keys[1:2], src[1:2]) == [True]
     assert store.batch_get(keys[1:2], dst[1:2]) == [True] and torch.equal(dst[1], src[1])
+
+
+def _scattered(pool, pages, cuts):
+    """Per page, its row of ``pool`` cut at ``cuts`` (the page's host-pool destinations)."""
+    return [[pool[p][a:b] for a, b in zip([0, *cuts], [*cuts, PB])] for p in pages]
+
+
+@pytest.mark.parametrize("views", [False, True])
+@pytest.mark.parametrize("cuts", [[], [PB // 2], [1, 100, PB // 4, PB - 3]])
+def test_a_page_scattered_into_buffers_is_bit_equal(store, cuts, views):
+    """One preadv per page into a list of buffers: the same bytes as into a row, the same
+    on-disk format (the streaming checksum equals the one-shot one)."""
+    assert isinstance(store, ScatterStorageBackend) and store.scatter_reads
+    keys = _keys(9)
+    src = pages_of(keys, PB)
+    store.batch_set(keys, src)
+    pool = torch.zeros(20, PB, dtype=torch.uint8)
+    pages = [17, 2, 5, 11, 3, 19, 1, 8, 13]  # out of order, not adjacent: a host pool's pages
+    dst = _scattered(pool, pages, cuts)
+    if views:  # byte memoryviews, as HostKVPool.page_buffers gives
+        dst = [[b.numpy().data.cast("B") for b in bufs] for bufs in dst]
+    assert store.batch_get(keys, dst) == [True] * 9
+    assert torch.equal(pool[pages], src)
+    rest = sorted(set(range(20)) - set(pages))
+    assert int(pool[rest].abs().sum()) == 0  # nothing written outside the destinations
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+def test_an_unusable_file_scattered_is_a_miss_with_zeroed_buffers(tmp_path, corrupt):
+    store = FileStorage(tmp_path, page_bytes=PB)
+    keys = _keys(3)
+    src = pages_of(keys, PB)
+    store.batch_set(keys, src)
+    corrupt(store.path_of(keys[1]), store.path_of(keys[2]))
+    pool = torch.full((4, PB), 7, dtype=torch.uint8)
+    assert store.batch_get(keys, _scattered(pool, [3, 1, 2], [PB // 3])) == [True, False, True]
+    assert torch.equal(pool[3], src[0]) and torch.equal(pool[2], src[2])
+    assert int(pool[1].max()) in (0, 7) and torch.equal(pool[0], torch.full((PB,), 7, dtype=torch.uint8))
+    assert store.stats().corrupt == 1
+
+
+def test_bad_page_buffers_raise_and_read_nothing(store):
+    keys = _keys(2)
+    store.batch_set(keys, pages_of(keys, PB))
+    pool = torch.zeros(3, PB, dtype=torch.uint8)
+    bad = [
+        [[pool[0]]],  # one page for two keys
+        [[pool[0]], [pool[1][:PB - 1]]],  # short
+        [[pool[0]], [pool[1], pool[2][:1]]],  # long
+        [[pool[0]], [pool[1:3].t()[0]]],  # not contiguous
+        [[pool[0]], [pool[1].view(torch.int32)]],  # not uint8
+        [[pool[0]], [memoryview(bytes(PB))]],  # read-only
+        [[pool[0]], [pool[1].numpy().data.cast("B")[:PB - 1]]],  # short memoryview
+        [[pool[0]], [pool[1:3].numpy().data.cast("B")[::2]]],  # strided memoryview
+    ]
+    for dst in bad:
+        with pytest.raises((InvalidArgumentError, LengthMismatchError)):
+            store.batch_get(keys, dst)
+    assert int(pool.abs().sum()) == 0 and store.stats().hits == 0
 
 
 def test_a_page_of_another_size_is_a_miss(tmp_path):

@@ -1,0 +1,119 @@
+"""``fetch_into``: pages read straight into buffers the caller reserves once storage has
+counted them; a late read keeps its buffers until done, then its pages wait as prefetched
+ones. The double's gates, not the clock, decide each step."""
+import contextlib
+import threading
+
+import pytest
+import torch
+from storage_double import DictStorage, ScatterDictStorage
+
+from radixkv.errors import InvalidArgumentError
+from radixkv.storage.tier_controller import StorageController
+
+PB = 32
+
+
+def _stored(n=6):
+    store = ScatterDictStorage()
+    keys = [f"k{i}" for i in range(n)]
+    rows = torch.arange(n * PB, dtype=torch.int64).remainder(251).to(torch.uint8).view(n, PB)
+    store.batch_set(keys, rows)
+    return store, keys, rows
+
+
+@contextlib.contextmanager
+def _controller(store, timeout_s):
+    ctl = StorageController(store, PB, timeout_s=timeout_s)
+    try:
+        yield ctl
+        ctl.check_invariants()
+    finally:
+        store.gate.set()
+        if isinstance(store, ScatterDictStorage):
+            store.get_gate.set()
+        ctl.close(1.0)
+
+
+class Pool:
+    """A host pool stand-in: rows handed out in an odd order, each page cut in two buffers."""
+
+    def __init__(self, limit=None):
+        self.rows = torch.zeros(16, PB, dtype=torch.uint8)
+        self.asked: list[int] = []
+        self.pages: list[int] = []
+        self.limit = limit
+
+    def reserve(self, n):
+        self.asked.append(n)
+        self.pages = [15 - 2 * i for i in range(n if self.limit is None else min(n, self.limit))]
+        return [[self.rows[p][:PB // 4], self.rows[p][PB // 4:]] for p in self.pages]
+
+
+def test_pages_land_in_the_reserved_buffers_and_reserve_is_told_the_count():
+    store, keys, rows = _stored(4)
+    with _controller(store, 30.0) as ctl:
+        assert ctl.scatters
+        pool = Pool()
+        k, pending = ctl.fetch_into(keys + ["absent", "k1"], pool.reserve)
+        assert (k, pending, pool.asked) == (4, None, [4])
+        assert torch.equal(pool.rows[pool.pages], rows)
+        pool = Pool(limit=2)  # the host had room for two: two read, nothing else touched
+        assert ctl.fetch_into(keys, pool.reserve) == (2, None)
+        assert torch.equal(pool.rows[pool.pages], rows[:2]) and int(pool.rows.sum()) == int(rows[:2].sum())
+        pool = Pool()
+        assert ctl.fetch_into(["absent"] + keys, pool.reserve) == (0, None) and pool.asked == []
+        assert ctl.stats.fetched == 6 and ctl.stats.fetch_timeouts == 0
+
+
+def test_a_missing_page_after_the_count_is_a_short_read():
+    store, keys, rows = _stored(4)
+    with _controller(store, 30.0) as ctl:
+        store.get_gate.clear()
+        pool = Pool()
+        out = []
+        t = threading.Thread(target=lambda: out.append(ctl.fetch_into(keys, pool.reserve)))
+        t.start()
+        while not pool.asked:  # counted 4, buffers reserved; the read blocks: drop page 2 now
+            t.join(0.01)
+        del store.pages["k2"]
+        store.get_gate.set()
+        t.join(30)
+        assert out == [(2, None)] and torch.equal(pool.rows[pool.pages[:2]], rows[:2])
+
+
+def test_a_late_read_keeps_its_buffers_until_done_then_its_pages_are_prefetched():
+    store, keys, rows = _stored(6)
+    with _controller(store, 0.05) as ctl:
+        store.get_gate.clear()  # counted, buffers given, then the read hangs
+        pool = Pool()
+        k, pending = ctl.fetch_into(keys, pool.reserve)
+        if not pool.asked:  # a busy machine counted late: the read fell back to fresh rows
+            assert (k, pending) == (0, None)
+        else:
+            assert k == 0 and pending is not None and not pending.is_set()
+        assert ctl.stats.fetch_timeouts == 1
+        store.get_gate.set()
+        assert ctl.wait_reads(30) and (pending is None or pending.is_set())
+        assert ctl.stats.prefetched == 6
+        store.gate.clear()  # hung again: the prefetched pages serve the next fetch
+        calls = store.calls
+        pool2 = Pool()
+        assert ctl.fetch_into(keys[:4], pool2.reserve) == (4, None) and store.calls == calls
+        assert torch.equal(pool2.rows[pool2.pages], rows[:4]) and ctl.stats.prefetch_used == 4
+
+
+def test_a_stalled_count_reserves_nothing():
+    store, keys, _ = _stored(3)
+    with _controller(store, 0.01) as ctl:
+        store.gate.clear()
+        pool = Pool()
+        assert ctl.fetch_into(keys, pool.reserve) == (0, None) and pool.asked == []
+        assert ctl.stats.fetch_timeouts == 1
+
+
+def test_a_backend_that_cannot_scatter_refuses_fetch_into():
+    with _controller(DictStorage(), 0.05) as ctl:
+        assert not ctl.scatters
+        with pytest.raises(InvalidArgumentError):
+            ctl.fetch_into(["k"], Pool().reserve)
