@@ -14,7 +14,8 @@ byte (``--max-message-bytes 64 MiB``; a frame's deadline is then 5 s + 15 s: run
 ``grpc-partial``: the same against the gRPC ``Step`` stream (a raw HTTP/2 client, ``h2``):
 4 connections each open the stream with the worker's token, send a gRPC message header
 announcing 60 MiB and then as much of the body as HTTP/2 flow control lets through in 10 s
-(at most all but one byte); reports the bytes each got through and whether it was closed.
+(at most all but one byte); reports the bytes each got through, the stream's grpc-status once
+ended (4: DEADLINE_EXCEEDED) and whether the connection was closed.
 ``metrics``: ``--metrics-port 0``; 200 idle TCP connections to it; then whether a scrape
 still answers.
 ``replay``: the ZMQ outlet with its replay endpoint (``ipc://``); the worker first makes
@@ -181,7 +182,8 @@ def grpc_partial(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
     held = [PartialStep(srv.address[len("unix://"):], srv.token, 60 << 20, 10.0) for _ in range(4)]
     sent = [h.sent for h in held]
     out = during(srv, c, s, seconds)
-    out.update(body_bytes_sent=sent, connections=fates([h.sock for h in held]))
+    status = [h.status() if h.wait_end(0.5) else None for h in held]  # the Step stream's grpc-status, if ended
+    out.update(body_bytes_sent=sent, stream_status=status, connections=fates([h.sock for h in held]))
     return out
 
 

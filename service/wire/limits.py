@@ -101,6 +101,16 @@ def _fields(buf: memoryview, i: int, end: int) -> Iterator[tuple[int, int, int]]
         raise InvalidArgumentError("the request is not a valid message (broken framing)")
 
 
+def _sub_tokens(buf: memoryview, a: int, b: int, field: int) -> int:
+    """Tokens in field ``field`` of the entry ``buf[a:b]``; an entry that is that one field
+    alone (the usual query) is read without walking it (a third of the cost)."""
+    if b - a >= 2 and buf[a] == (field << 3) | 2:
+        n, i = (buf[a + 1], a + 2) if buf[a + 1] < 0x80 else _varint(buf, a + 1, b)
+        if i + n == b:
+            return n // 4
+    return sum((d - c) // 4 for f, c, d in _fields(buf, a, b) if f == field)
+
+
 def _refuse(method: str, what: str, limit_name: str, limit: int) -> RequestLimitError:
     return RequestLimitError(f"{method}: more than {limit} {what} in one call (limit {limit_name}={limit})",
                              requested=limit + 1, available=limit)
@@ -123,9 +133,7 @@ def check_raw(method: str, raw: bytes | bytearray | memoryview, limits: CallLimi
             if items > limits.max_items:
                 raise _refuse(method, "entries", "max_items", limits.max_items)
             if spec.sub_tokens:
-                for f, c, d in _fields(buf, a, b):
-                    if f == spec.sub_tokens:
-                        tokens += (d - c) // 4
+                tokens += _sub_tokens(buf, a, b, spec.sub_tokens)
         elif field in packed:  # every occurrence counts (the parser keeps the last one)
             counted[field] = n = counted.get(field, 0) + (b - a) // 4
             name, what = packed[field]
