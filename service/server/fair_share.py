@@ -19,11 +19,17 @@ from contextlib import asynccontextmanager
 
 from radixkv.errors import InvariantError
 
-__all__ = ["FairShare", "YIELD_ITERATIONS", "turn_key"]
+__all__ = ["FairShare", "YIELD_ITERATIONS", "turn_key", "yield_to_loop"]
 
 #: Loop iterations a call passing its turn waits when nobody waits: a Step-socket frame needs
 #: two after the poll that sees it (the read, then its task) to ask for a turn.
 YIELD_ITERATIONS = 3
+
+
+async def yield_to_loop() -> None:
+    """Let the loop run :data:`YIELD_ITERATIONS` times (a frame that arrived gets to its turn)."""
+    for _ in range(YIELD_ITERATIONS):
+        await asyncio.sleep(0)
 
 
 def turn_key(request: object) -> str:
@@ -57,8 +63,7 @@ class FairShare:
         go first, then hold a turn again."""
         self._release()
         if not self._waiting:
-            for _ in range(YIELD_ITERATIONS):
-                await asyncio.sleep(0)
+            await yield_to_loop()
         await self._acquire(key)
 
     async def _acquire(self, key: str) -> None:

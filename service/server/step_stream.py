@@ -58,7 +58,7 @@ async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool
             raise PermissionDeniedError(f"/radixkv.v1.CacheManager/{name} needs the operator token")
         rpc = servicer.RPCS[name]
         raw_request = step.request  # each read of a bytes field is a copy: read it once
-        request = servicer.parse_request(rpc.request_cls, raw_request, name)
+        request = await servicer.parse_request_async(rpc.request_cls, raw_request, name)
         servicer.quarantine.fence_due()
         rid = check_request_id(step.request_id) if step.request_id else None
         async with servicer.share.turn(turn_key(request)):  # the replay and the call: one turn

@@ -90,7 +90,7 @@ def unary_handler(servicer: CacheManagerServicer, name: str, rpc: UnaryRpc) -> C
         t0 = time.perf_counter()
         code = "OK"
         try:
-            request = servicer.parse_request(request_cls, raw, name)
+            request = await servicer.parse_request_async(request_cls, raw, name)
             servicer.quarantine.fence_due()
             rid = request_id_of(context) if idempotent else None
             async with servicer.share.turn(turn_key(request)):

@@ -19,7 +19,7 @@ from radixkv.service.wire.errors import RequestLimitError
 
 from radixkv.errors import InvalidArgumentError
 
-__all__ = ["CallLimits", "check_raw", "limits_for", "SPECS"]
+__all__ = ["CallLimits", "check_raw", "check_raw_steps", "CHECK_STEP", "limits_for", "SPECS"]
 
 
 class CallLimits(NamedTuple):
@@ -120,6 +120,18 @@ def check_raw(method: str, raw: bytes | bytearray | memoryview, limits: CallLimi
     """Raise ``RequestLimitError`` when the ``method`` request in ``raw`` has more entries
     or tokens than ``limits`` allow (other methods: nothing to check). O(min(entries, limit));
     framing the parser would refuse may raise ``InvalidArgumentError`` here first."""
+    for _ in check_raw_steps(method, raw, limits):
+        pass
+
+
+#: Top-level fields :func:`check_raw_steps` counts between two yields.
+CHECK_STEP = 128
+
+
+def check_raw_steps(method: str, raw: bytes | bytearray | memoryview, limits: CallLimits,
+                    every: int = CHECK_STEP) -> Iterator[int]:
+    """:func:`check_raw` in steps: yields the fields counted so far after every ``every``
+    top-level fields (a caller may let other work run in between) and raises as it does."""
     spec = SPECS.get(method)
     if spec is None:
         return
@@ -127,7 +139,9 @@ def check_raw(method: str, raw: bytes | bytearray | memoryview, limits: CallLimi
     items = tokens = 0
     packed = {f: (name, what) for f, name, what in spec.packed}
     counted: dict[int, int] = {}
-    for field, a, b in _fields(buf, 0, len(buf)):
+    for k, (field, a, b) in enumerate(_fields(buf, 0, len(buf)), 1):
+        if k % every == 0:
+            yield k
         if field == spec.items:
             items += 1
             if items > limits.max_items:

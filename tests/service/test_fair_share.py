@@ -147,3 +147,38 @@ def test_a_call_arriving_during_a_large_match_runs_before_the_matchs_next_slice(
     if os.path.isdir(sock_dir) and not os.listdir(sock_dir):
         os.rmdir(sock_dir)
     assert order == ["A", "B", "A", "A", "A", "A"], order
+
+
+def test_a_large_requests_count_against_the_limits_lets_other_calls_in():
+    """A Match over 64 KiB is counted against the limits in steps of 128 queries with turns of
+    the loop between them: a call ready meanwhile runs before the count ends, and a request
+    over a limit is still refused naming it."""
+    import types
+
+    from radixkv.service.server.servicer import STEPPED_CHECK_BYTES, CacheManagerServicer
+    from radixkv.service.wire.errors import RequestLimitError
+    from radixkv.service.wire.limits import CallLimits
+
+    raw = pb.MatchRequest(queries=[pb.MatchQuery(token_ids_i32=wire.pack(np.arange(16), wire.I32))
+                                   for _ in range(1024)]).SerializeToString()
+    assert len(raw) > STEPPED_CHECK_BYTES
+    order: list[str] = []
+
+    async def main(limits: CallLimits) -> pb.MatchRequest:
+        servicer = types.SimpleNamespace(limits=limits)
+
+        async def other_call() -> None:
+            order.append("other")
+
+        ready = asyncio.ensure_future(other_call())
+        try:
+            req = await CacheManagerServicer.parse_request_async(servicer, pb.MatchRequest, raw, "Match")  # type: ignore[arg-type]
+            order.append("parsed")
+            return req
+        finally:
+            await ready
+
+    assert len(asyncio.run(main(CallLimits(1024, 1 << 20, 1024))).queries) == 1024
+    assert order == ["other", "parsed"], order
+    with pytest.raises(RequestLimitError, match="max_items=1000"):
+        asyncio.run(main(CallLimits(1000, 1 << 20, 1000)))
