@@ -77,8 +77,10 @@ def test_a_workers_step_stream_ended_while_idle_falls_back_and_reopens():
 
 
 def test_streams_holding_unfinished_messages_are_capped_by_max_concurrent_rpcs():
-    # the cap across connections: each held stream takes a call slot; one past them is
-    # refused after at most the initial HTTP/2 window (64 KiB), not its announced size
+    # the cap across connections: each held stream takes a call slot; one past them is refused
+    # and reset. How much of its body got in first is a race (it failed 4 runs of 16 on the code
+    # before issue 34's follow-up): the server's SETTINGS may raise the stream's window before
+    # the refusal's reset arrives, so it is not asserted; the reset frees it either way
     opts = ServeOptions(max_message_bytes=2 * MIB, max_concurrent_rpcs=3, handshake_timeout_s=BUDGET_S)
     with ThreadedServer(CONFIG, options=opts) as srv:
         held = [step(srv, MIB) for _ in range(3)]
@@ -86,7 +88,7 @@ def test_streams_holding_unfinished_messages_are_capped_by_max_concurrent_rpcs()
         try:
             assert [p.sent for p in held] == [MIB - 1] * 3 and not any(p.ended() for p in held)
             assert extra.wait_end(BUDGET_S) and extra.status() == RESOURCE_EXHAUSTED
-            assert extra.sent < 64 * 1024
+            assert srv.call(lambda s: s.step_socket._budget.in_flight if s.step_socket else None) == 3
         finally:
             for p in held + [extra]:
                 p.close()
