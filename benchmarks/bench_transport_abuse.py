@@ -14,14 +14,17 @@ byte (``--max-message-bytes 64 MiB``; a frame's deadline is then 5 s + 15 s: run
 ``grpc-partial``: the same against the gRPC ``Step`` stream (a raw HTTP/2 client, ``h2``):
 4 connections each open the stream with the worker's token, send a gRPC message header
 announcing 60 MiB and then as much of the body as HTTP/2 flow control lets through in 10 s
-(at most all but one byte); reports the bytes each got through and whether it was closed.
+(at most all but one byte); reports the bytes each got through, the stream's grpc-status once
+ended (4: DEADLINE_EXCEEDED) and whether the connection was closed. ``grpc-partial-unary``: the
+same aimed at the unary ``Match``; ``grpc-partial-waves``: three such waves one after the other
+(``--handshake-timeout-s 1``), RSS while held and after each wave's streams ended.
 ``metrics``: ``--metrics-port 0``; 200 idle TCP connections to it; then whether a scrape
 still answers.
 ``replay``: the ZMQ outlet with its replay endpoint (``ipc://``); the worker first makes
 ~500 event batches (inserts), then 8 DEALER sockets of the attacker ask for a replay from
 seq 0 over and over (reading the answers), and one sends malformed requests.
 
-Usage: ``python benchmarks/bench_transport_abuse.py {fdflood,partial,grpc-partial,metrics,replay} [--seconds 10]``.
+Usage: ``python benchmarks/bench_transport_abuse.py PART [--seconds 10]`` (PART: one of the above).
 Timing is never asserted; on a shared machine the figures are provisional (load printed).
 """
 from __future__ import annotations
@@ -175,13 +178,37 @@ def partial(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
     return out
 
 
-def grpc_partial(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
+def grpc_partial(srv: Serve, c: Any, s: Any, seconds: float,
+                 method: str = "/radixkv.v1.CacheManager/Step") -> dict[str, Any]:
     from tooling.raw_h2 import PartialStep
 
-    held = [PartialStep(srv.address[len("unix://"):], srv.token, 60 << 20, 10.0) for _ in range(4)]
+    held = [PartialStep(srv.address[len("unix://"):], srv.token, 60 << 20, 10.0, method) for _ in range(4)]
     sent = [h.sent for h in held]
     out = during(srv, c, s, seconds)
-    out.update(body_bytes_sent=sent, connections=fates([h.sock for h in held]))
+    status = [h.status() if h.wait_end(0.5) else None for h in held]  # the stream's grpc-status, if ended
+    out.update(body_bytes_sent=sent, stream_status=status, connections=fates([h.sock for h in held]))
+    return out
+
+
+def grpc_partial_unary(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
+    return grpc_partial(srv, c, s, seconds, "/radixkv.v1.CacheManager/Match")
+
+
+def grpc_partial_waves(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
+    """Three waves of ``grpc-partial``, each after the last one's streams ended (deadline
+    1 s + 16 s): whether the memory they held is taken again or added."""
+    from tooling.raw_h2 import PartialStep
+
+    pid, out = srv.proc.pid, {}
+    for wave in range(3):
+        held = [PartialStep(srv.address[len("unix://"):], srv.token, 60 << 20, 10.0) for _ in range(4)]
+        peak = rss_mb(pid)
+        ended = [h.status() if h.wait_end(60.0) else None for h in held]
+        c.heartbeat(s)
+        out[f"wave_{wave}"] = {"rss_mb_held": peak, "stream_status": ended, "rss_mb_ended": rss_mb(pid)}
+        for h in held:
+            h.close()
+    out.update(during(srv, c, s, seconds))
     return out
 
 
@@ -277,6 +304,9 @@ def replay(srv: Serve, c: Any, s: Any, seconds: float) -> dict[str, Any]:
 PARTS = {"fdflood": (fdflood, ["--handshake-timeout-s", "600"], "-n 64"),  # the silent ones stay
          "partial": (partial, ["--max-message-bytes", str(64 << 20)], None),
          "grpc-partial": (grpc_partial, ["--max-message-bytes", str(64 << 20)], None),
+         "grpc-partial-unary": (grpc_partial_unary, ["--max-message-bytes", str(64 << 20)], None),
+         "grpc-partial-waves": (grpc_partial_waves,
+                                ["--max-message-bytes", str(64 << 20), "--handshake-timeout-s", "1"], None),
          "metrics": (metrics, ["--metrics-port", "0"], None),
          "replay": (replay, ["--enable-kv-events", "--kv-events-endpoint", "ipc://{dir}/events",
                              "--kv-events-replay-endpoint", "ipc://{dir}/replay"], None)}

@@ -19,17 +19,18 @@ STEP_PATH = "/radixkv.v1.CacheManager/Step"
 class PartialStep:
     """One Unix-socket connection whose ``Step`` stream announces an ``announce``-byte gRPC
     message (token ``token`` in the metadata) and then sends its body, at most all but one
-    byte, while the server's flow-control window lets it, for up to ``budget_s``.
+    byte, while the server's flow-control window lets it, for up to ``budget_s`` (``method``:
+    another method's path, e.g. a unary one).
     ``sent``: the body bytes the kernel took. Cost: one 1 MiB buffer, a socket."""
 
-    def __init__(self, path: str, token: str, announce: int, budget_s: float):
+    def __init__(self, path: str, token: str, announce: int, budget_s: float, method: str = STEP_PATH):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.conn.initiate_connection()
         self.sid = sid = self.conn.get_next_available_stream_id()
         self.conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "localhost"),
-                                     (":path", STEP_PATH), ("content-type", "application/grpc"),
+                                     (":path", method), ("content-type", "application/grpc"),
                                      ("te", "trailers"), ("authorization", "Bearer " + token)])
         self.conn.send_data(sid, b"\x00" + announce.to_bytes(4, "big"))
         self.sock.sendall(self.conn.data_to_send())

@@ -222,6 +222,7 @@ class CacheEngine:
         Cost: the flow's, O(batch + tokens) vectorized."""
         sid = self._enter(session)
         its = as_items(items, ExtendItem, "items")
+        self.sessions.check_batch(len(its))
         rids = check_rids([it.rid for it in its])
         toks = [check_tokens(it.token_ids, f"items[{i}] ({it.rid!r})") for i, it in enumerate(its)]
         for i, it in enumerate(its):

@@ -226,6 +226,14 @@ class SessionTable:
             raise NotFoundError(f"unknown request {rids[out.index(False)]!r}")
         return out
 
+    def check_batch(self, n: int) -> None:
+        """Raise ``CapacityError`` when one call names ``n`` rids, more than any session may own:
+        refused before its items are decoded or checked (a hostile batch costs O(1)). O(1)."""
+        if n > self.max_requests_per_session:
+            raise CapacityError(f"a call naming {n} requests exceeds max_requests_per_session "
+                                f"{self.max_requests_per_session}",
+                                requested=n, available=self.max_requests_per_session)
+
     def check_room(self, session_id: str, new: int) -> None:
         """Raise ``CapacityError`` unless ``session_id`` may own ``new`` more rids."""
         rec = self._live(session_id)

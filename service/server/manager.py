@@ -33,7 +33,7 @@ from radixkv.service.server.loop_clock import LoopClock
 from radixkv.service.server.metrics import ServiceMetrics
 from radixkv.service.server.periodic_count import PeriodicCount
 from radixkv.service.server.servicer import SERVICE_NAME, CacheManagerServicer, add_to_server, encode_record
-from radixkv.service.server.step_socket import StepSocketServer
+from radixkv.service.server.step_socket import MIN_FRAME_RATE, StepSocketServer
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire.auth import Token
 from radixkv.service.wire.limits import CallLimits
@@ -173,6 +173,8 @@ class CacheManagerServer:
                                              quarantine_s=float(o.quarantine_s), events=self.events,
                                              limits=o.call_limits, operator_token=o.operator_token)
         n = int(o.max_message_bytes)
+        # a gRPC Step message gets the deadline of the largest Step-socket frame (step_stream.py)
+        self.servicer.step_streams.read_deadline_s = float(o.handshake_timeout_s) + n / MIN_FRAME_RATE
         auth = TokenAuthInterceptor(self._token, on_reject=self._rejected, operator_token=o.operator_token,
                                     health_budget=o.health_rpcs, call_budget=int(o.max_concurrent_rpcs))
         self._server = grpc.aio.server(

@@ -1,20 +1,21 @@
-"""A large ``Match`` in slices that yield to the event loop between them.
+"""A large ``Match`` in slices that yield to other sessions' calls between them.
 
 The manager runs every call on its one event loop, so one call that takes long holds every
 other worker's calls back. ``Match`` changes nothing (no lock, no allocation), so a large one
 (more than :data:`SLICE_QUERIES` queries or :data:`SLICE_TOKENS` tokens) is matched slice by
-slice with a turn of the loop in between: other calls run meanwhile, each waiting at most one
-slice. The answer is what matching the slices one after the other gives (a query sees the
-tree as it is when its slice runs). An error in a slice names the query by its index in the
-whole call, as an unsliced call would. O(queries + tokens), like the unsliced call.
+slice, each in a turn of its session (:mod:`~radixkv.service.server.fair_share`): between two
+slices every other waiting session's call runs first. The answer is what matching the slices
+one after the other gives (a query sees the tree as it is when its slice runs). An error in a
+slice names the query by its index in the whole call, as an unsliced call would.
+O(queries + tokens), like the unsliced call.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import re
 from typing import TYPE_CHECKING
 
+from radixkv.service.server.fair_share import turn_key
 from radixkv.service.wire import codec as wire
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 
@@ -59,10 +60,11 @@ def needs_slices(request: pb.MatchRequest) -> bool:
 async def match_in_slices(servicer: CacheManagerServicer, request: pb.MatchRequest) -> pb.MatchResponse:
     """The MatchResponse of ``request``, matched slice by slice (module doc)."""
     session = servicer.live_session(request.session)
+    key = turn_key(request)
     infos = []
     for k, (a, b) in enumerate(_bounds(request)):
         if k:
-            await asyncio.sleep(0)  # a turn of the loop: other calls run
+            await servicer.share.pass_turn(key)  # other sessions' calls run first
         try:
             infos += servicer.engine.match(session, wire.match_queries_from_msg(request.queries[a:b]))
         except RadixKVError as e:

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from radixkv.service.server.fair_share import turn_key
+from radixkv.service.server.periodic_count import PeriodicCount
 from radixkv.service.server.unary_rpc import STREAM_END, parse
 from radixkv.service.wire._gen import cache_manager_pb2 as pb
 from radixkv.service.wire.auth import presented_token
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from radixkv.service.server.servicer import CacheManagerServicer
     from radixkv.service.server.unary_rpc import RawContext, UnaryRpc
 
-__all__ = ["serve_step_stream", "answer_step"]
+__all__ = ["serve_step_stream", "answer_step", "StepStreams"]
 
 log = logging.getLogger("radixkv.service")
 
@@ -42,7 +44,7 @@ OPERATOR_STEP_METHODS = frozenset({"Evict"})
 
 async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool = True) -> bytes:
     """Run one StepRequest (the replay riding on it first, then the call, each as its unary
-    call would run, with no await between them) and return the StepResponse bytes.
+    call would run, in one turn of its session with no await between them) and return the StepResponse bytes.
     ``operator``: whether the stream may make operator calls. (The Step socket,
     :mod:`~radixkv.service.server.step_socket`, runs its frames through this too.)"""
     t0 = time.perf_counter()
@@ -56,16 +58,17 @@ async def answer_step(servicer: CacheManagerServicer, raw: bytes, operator: bool
             raise PermissionDeniedError(f"/radixkv.v1.CacheManager/{name} needs the operator token")
         rpc = servicer.RPCS[name]
         raw_request = step.request  # each read of a bytes field is a copy: read it once
-        request = servicer.parse_request(rpc.request_cls, raw_request, name)
+        request = await servicer.parse_request_async(rpc.request_cls, raw_request, name)
         servicer.quarantine.fence_due()
         rid = check_request_id(step.request_id) if step.request_id else None
-        if step.replay:
-            failed = _replay(servicer, servicer.RPCS["ApplyDecodes"], step)
-            if failed is not None:  # the call does not run: it ends with the replay's error
-                code, out = failed
-                return out
-            replayed = True
-        reply, delay = await servicer.answer_async(name, rpc.body, request, raw_request, rid)
+        async with servicer.share.turn(turn_key(request)):  # the replay and the call: one turn
+            if step.replay:
+                failed = _replay(servicer, servicer.RPCS["ApplyDecodes"], step)
+                if failed is not None:  # the call does not run: it ends with the replay's error
+                    code, out = failed
+                    return out
+                replayed = True
+            reply, delay = await servicer.answer_async(name, rpc.body, request, raw_request, rid)
         if delay:  # fault injection, as on the unary path
             await asyncio.sleep(delay)
         return pb.StepResponse(reply=reply, rides_replay=True, replayed=replayed).SerializeToString()
@@ -114,45 +117,100 @@ def _error_bytes(st: RpcStatus, replayed: bool) -> bytes:
 
 async def serve_step_stream(servicer: CacheManagerServicer, request_iterator: AsyncIterator[bytes],
                             context: RawContext) -> None:
-    """The ``Step`` handler: answer each message in order until the worker closes the stream
-    or the manager starts closing (``servicer.closing``: the stream then ends with OK, and the
-    worker falls back to unary calls).
+    """The ``Step`` handler: answer each message in order until the worker closes the stream,
+    the manager starts closing (``servicer.closing``: the stream then ends with OK, and the
+    worker falls back to unary calls) or no whole message arrived within the read deadline
+    (:class:`StepStreams`: DEADLINE_EXCEEDED; the worker's lane falls back and reopens).
 
-    Shutdown does not race every read against ``closing`` (that costs ~0.1 ms a message):
-    one task per servicer waits for ``closing`` and cancels the open streams' tasks."""
+    Neither is a race against every read (that costs ~0.1 ms a message): one watchdog task
+    per servicer cancels the streams' tasks. A message costs a clock read and two dict writes."""
     if servicer.closing.is_set():
         return
     token = getattr(servicer, "operator_token", None)
     operator = token is None or token.matches(presented_token(context.invocation_metadata()))
-    tasks = _stream_tasks(servicer)
+    streams = servicer.step_streams
+    streams.start(servicer.closing)
     task = asyncio.current_task()
     if task is None:
         raise RuntimeError("the Step handler runs outside a task")
-    tasks.add(task)
+    reading = streams.reading
     try:
         while True:
+            reading[task] = time.monotonic()
             raw = await context.read()
+            reading[task] = 0.0
             if raw is STREAM_END:
                 return
             await context.write(await answer_step(servicer, raw, operator))
     except asyncio.CancelledError:
         if servicer.closing.is_set():
             return  # ended by the shutdown: the stream ends OK
+        if task in streams.expired:  # grpc core drops the partial message with the stream
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details(f"Step: no whole message within {streams.read_deadline_s:.1f} s; open a new stream")
+            return
         raise
     finally:
-        tasks.discard(task)
+        reading.pop(task, None)
+        streams.expired.discard(task)
 
 
-def _stream_tasks(servicer: CacheManagerServicer) -> set[asyncio.Task[Any]]:
-    """The servicer's open Step streams (and, once, the task that ends them at shutdown)."""
-    tasks = servicer.step_tasks
-    if servicer.step_closer is None:
+#: How often the Step streams' watchdog looks for reads past their deadline.
+_WATCH_S = 0.1
 
-        async def end_at_shutdown() -> None:
-            await servicer.closing.wait()
-            for t in list(tasks):
-                t.cancel()
 
-        servicer.step_closer = asyncio.ensure_future(end_at_shutdown())
-    return tasks
+class StepStreams:
+    """The open Step streams of one servicer (task -> when its pending read began, 0: none).
+
+    grpc core takes a message announced within ``grpc.max_receive_message_length`` whole and
+    holds its bytes, which Python never sees, until it is complete: a stream whose read waits
+    longer than ``read_deadline_s`` (None: no deadline; ``CacheManagerServer`` sets
+    ``--handshake-timeout-s`` + ``--max-message-bytes`` at ``MIN_FRAME_RATE``, as for a
+    Step-socket frame) is ended, which frees them. An idle worker's stream ends too; its lane
+    sends that call as a unary call and reopens. ``read_timeouts`` counts the ends (logged once a
+    period). :meth:`start` (once per loop) starts the watchdog, which also ends every stream at
+    shutdown. O(streams) per 100 ms."""
+
+    def __init__(self, read_deadline_s: float | None = None):
+        self.reading: dict[asyncio.Task[Any], float] = {}
+        self.expired: set[asyncio.Task[Any]] = set()
+        self.read_deadline_s = read_deadline_s
+        self.read_timeouts = 0
+        self._log = PeriodicCount(self._log_ended)
+        self._watchdog: asyncio.Future[None] | None = None
+
+    def start(self, closing: asyncio.Event) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch(closing))
+
+    async def _watch(self, closing: asyncio.Event) -> None:
+        while not closing.is_set():
+            if self.read_deadline_s is None:
+                await closing.wait()
+                break
+            try:
+                await asyncio.wait_for(closing.wait(), _WATCH_S)
+            except asyncio.TimeoutError:
+                self.expire(time.monotonic())
+        for t in list(self.reading):
+            t.cancel()
+        self._log.flush()
+
+    def expire(self, now: float) -> int:
+        """End (cancel) the streams whose read began more than ``read_deadline_s`` before
+        ``now``; returns how many."""
+        d = self.read_deadline_s
+        if d is None:
+            return 0
+        late = [t for t, since in self.reading.items() if since and now - since > d and t not in self.expired]
+        for t in late:
+            self.expired.add(t)
+            self.read_timeouts += 1
+            self._log.add("read_deadline")
+            t.cancel()
+        return len(late)
+
+    def _log_ended(self, n: int, last: str) -> None:
+        log.info("Step stream: ended %d stream(s) with no whole message within %.1f s (their workers reopen)",
+                 n, self.read_deadline_s or 0.0)
 

@@ -4,7 +4,8 @@ The servicer's dispatch table (``CacheManagerServicer.RPCS``: method -> :class:`
 names each call's body; every unary call goes through :func:`unary_handler`: count and parse
 the raw request (:func:`parse`: bytes that are not a valid message are
 ``InvalidArgumentError``, answered INVALID_ARGUMENT, never INTERNAL), fence the sessions
-whose lease ran out, run the body through ``servicer.answer_async`` (reply cache of a call
+whose lease ran out, run the body in its session's turn (``servicer.share``,
+:mod:`~radixkv.service.server.fair_share`) through ``servicer.answer_async`` (reply cache of a call
 with ``radixkv-request-id``, :func:`request_id_of`; the event pump after it), map any
 exception to its status (:func:`radixkv.service.wire.errors.status_of`; a non-radixkv one
 is logged and answered INTERNAL) and time the call into ``servicer.metrics``.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf.message import Message
+from radixkv.service.server.fair_share import turn_key
 from radixkv.service.wire.errors import status_of
 from radixkv.service.wire.request_id import REQUEST_ID_KEY, check_request_id
 
@@ -88,10 +90,11 @@ def unary_handler(servicer: CacheManagerServicer, name: str, rpc: UnaryRpc) -> C
         t0 = time.perf_counter()
         code = "OK"
         try:
-            request = servicer.parse_request(request_cls, raw, name)
+            request = await servicer.parse_request_async(request_cls, raw, name)
             servicer.quarantine.fence_due()
             rid = request_id_of(context) if idempotent else None
-            reply, delay = await servicer.answer_async(name, body, request, raw, rid)
+            async with servicer.share.turn(turn_key(request)):
+                reply, delay = await servicer.answer_async(name, body, request, raw, rid)
             if delay:  # fault injection: the reply is late (the client may time out)
                 await asyncio.sleep(delay)
             return reply

@@ -194,6 +194,7 @@ def test_a_large_match_runs_in_slices_that_let_other_calls_in():
     import asyncio
     import types
 
+    from radixkv.service.server.fair_share import FairShare
     from radixkv.service.server.sliced_match import match_in_slices, needs_slices
 
     from radixkv.engine import CacheEngine
@@ -203,7 +204,7 @@ def test_a_large_match_runs_in_slices_that_let_other_calls_in():
     order = []
     real = eng.match
     eng.match = lambda sess, qs: order.append(len(qs)) or real(sess, qs)
-    servicer = types.SimpleNamespace(engine=eng, live_session=lambda msg: session)
+    servicer = types.SimpleNamespace(engine=eng, live_session=lambda msg: session, share=FairShare())
     request = pb.MatchRequest(queries=[pb.MatchQuery(token_ids_i32=wire.pack(np.arange(i % 50), wire.I32))
                                        for i in range(300)])
     assert needs_slices(request) and not needs_slices(pb.MatchRequest(queries=[pb.MatchQuery()] * 64))
@@ -251,3 +252,20 @@ def test_serve_flags_set_the_limits():
     cfg = EngineConfig(kv_tokens=4096, request_rows=64, decode_reserve=4)
     assert call_limits_from_args(p.parse_args([]), cfg) is None
     assert call_limits_from_args(p.parse_args(["--max-call-items", "10"]), cfg) == CallLimits(10, 1 << 16, 40)
+
+
+def test_an_alloc_extend_naming_more_rids_than_a_session_may_own_is_refused_before_decoding(monkeypatch):
+    """1,024 one-token items against max_requests_per_session 8: CapacityError naming the
+    limit, before the items are decoded or checked (issue 34: the refusal held the loop for
+    milliseconds), and nothing changed."""
+    from radixkv.errors import CapacityError
+
+    with ThreadedServer({"kv_tokens": 256, "max_requests_per_session": 8}) as srv:
+        c = srv.client(step_socket=False, step_stream=False)
+        s = c.attach("w").session
+        monkeypatch.setattr(wire, "extend_items_from_msg", lambda msg: pytest.fail("decoded"))
+        items = [ExtendItem(f"r{i}", np.array([i], np.int32)) for i in range(1024)]
+        with pytest.raises(CapacityError, match="1024 requests exceeds max_requests_per_session 8"):
+            c.alloc_extend(s, items)
+        assert c.stats().requests == 0
+        c.check_invariants()
