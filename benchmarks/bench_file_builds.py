@@ -9,7 +9,9 @@ the file tier's time went"). For a change to the file tier: save the old source,
 With ``--controllers OLD NEW`` (two ``radixkv/storage/tier_controller.py``), it times instead the
 tier's whole storage -> host load through each: ``StorageController.fetch`` of the pages (the
 new ``FileStorage`` beneath both), then their copy into preallocated host rows, and, for a
-controller that has it, ``fetch_into`` those host rows (the read lands in them, no copy). ``--splits``
+controller that has it, ``fetch_into`` those host rows (the read lands in them, no copy), reserved
+once storage counted its pages (``into``) or, where the controller takes them, given for every
+key up front (``up front``: one pass, no count). ``--splits``
 times the steps of the new layout's read per page instead (``time.perf_counter_ns`` around
 each), with xxh3 of the same rows after the whole batch beside it; ``--alignment`` reads one
 file's pages into rows at byte offsets 0..4088 within a 4 KiB page (the kernel copy's speed).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import mmap
 import os
 import resource
@@ -145,7 +148,11 @@ def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int
         raise RuntimeError("could not write the pages")
     ctls = {name: mod.StorageController(store, pb, timeout_s=60.0, batch_pages=128) for name, mod in mods.items()}
     direct = [name for name, mod in mods.items() if hasattr(mod.StorageController, "fetch_into")]
-    dst = {name: torch.zeros_like(src) for name in ("plain", "batch_get", *mods, *(f"{m} into" for m in direct))}
+    upfront = [name for name in direct  # a controller whose fetch_into also takes every key's buffers
+               if str(inspect.signature(mods[name].StorageController.fetch_into).parameters["reserve"]
+                      .annotation).endswith("| PageBuffers")]
+    dst = {name: torch.zeros_like(src) for name in ("plain", "batch_get", *mods, *(f"{m} into" for m in direct),
+                                                     *(f"{m} up front" for m in upfront))}
 
     def load(ctl: Any, n: int, host: torch.Tensor) -> None:
         rows = ctl.fetch(keys[:n])
@@ -157,6 +164,12 @@ def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int
         if k != n:
             raise RuntimeError(f"fetch_into read {k} of {n} pages")
 
+    def load_up_front(ctl: Any, n: int, host: torch.Tensor) -> None:
+        flat = host.numpy().data.cast("B")
+        k, _ = ctl.fetch_into(keys[:n], [[flat[i * pb:(i + 1) * pb]] for i in range(n)])
+        if k != n:
+            raise RuntimeError(f"fetch_into read {k} of {n} pages")
+
     for n in batches:
         fns: dict[str, Callable[[], Any]] = {"plain": partial(_plain, plain[:n], dst["plain"].numpy()[:n]),
                                              "batch_get": partial(store.batch_get, keys[:n], dst["batch_get"][:n])}
@@ -164,6 +177,8 @@ def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int
             fns[name] = partial(load, ctls[name], n, dst[name][:n])
         for name in direct:
             fns[f"{name} into"] = partial(load_into, ctls[name], n, dst[f"{name} into"][:n])
+        for name in upfront:
+            fns[f"{name} up front"] = partial(load_up_front, ctls[name], n, dst[f"{name} up front"][:n])
         print(f"page {ps} ({pb >> 10} KiB) batch {n}, fetch + copy into host rows: "
               f"{_measured(fns, dst, src, n, reps)}", flush=True)
     for ctl in ctls.values():

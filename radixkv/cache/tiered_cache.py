@@ -415,9 +415,11 @@ class TieredRadixCache(HostTierMixin, RadixCache):
         return pages
 
     def _fetch_into_host(self, keys: list[str]) -> tuple[int, np.ndarray | None]:
-        """The leading pages of ``keys`` storage holds, read straight into host pages reserved
-        once their count is known: ``(k, pages)``, the first ``k`` pages holding them (only
-        these stay allocated). Pages a late read still fills are parked until it is done."""
+        """The leading pages of ``keys`` storage holds, read straight into host pages:
+        ``(k, pages)``, the first ``k`` pages holding them (only these stay allocated). With
+        free pages for every key they are reserved up front and read in one pass; else once
+        storage counted its pages (so a miss never evicts a host page). Pages a late read still
+        fills are parked until it is done."""
         assert self.storage is not None
         got: list[np.ndarray] = []
 
@@ -428,7 +430,13 @@ class TieredRadixCache(HostTierMixin, RadixCache):
             got.append(pages)
             return self.host_pool.page_buffers(pages.tolist())
 
-        k, pending = self.storage.fetch_into(keys, reserve)
+        self._reap_parked()
+        free = self.host_alloc.alloc(len(keys))  # None (nothing taken) unless all are free
+        if free is not None:
+            got.append(free)
+            k, pending = self.storage.fetch_into(keys, self.host_pool.page_buffers(free.tolist()))
+        else:
+            k, pending = self.storage.fetch_into(keys, reserve)
         if not got:
             return 0, None
         pages = got[0]

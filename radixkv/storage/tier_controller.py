@@ -9,8 +9,9 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch(keys)``: prefetched pages, then ``batch_exists`` + ``batch_get`` waited for at most
   ``timeout_s``; a late read goes on and its pages wait (``max_ready_pages``) for a later fetch.
   One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
-* ``fetch_into(keys, reserve)``: the same for a scattering backend: once the count is known the
-  caller reserves host-pool rows and pages are read straight into them (no second copy).
+* ``fetch_into(keys, reserve)``: the same for a scattering backend, read straight into host-pool
+  rows (no second copy): reserved for every key up front (one pass, no count) or once the count
+  is known.
 * A backend that raises: a miss or a failed write, counted, logged once. Caller's cost: one
   queue put (backup), one wait bounded by the timeout (fetch).
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixkv.contracts import STORAGE_ADMIT, PageBuffers, ScatterStorageBackend, StorageBackend
-from radixkv.errors import InvalidArgumentError, InvariantError
+from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
 from radixkv.storage.host_rows import fresh_rows
 
 __all__ = ["StorageController", "StorageStats"]
@@ -73,6 +74,7 @@ class _Read:
     given: threading.Event = field(default_factory=threading.Event)
     dst: list[list[torch.Tensor | memoryview]] | None = None
     hits: int = 0
+    upfront: bool = False  # ``dst`` given with the job: no count, no hand-off
 
 
 class StorageController:
@@ -177,16 +179,20 @@ class StorageController:
             return block
         return torch.stack(rows) if rows else self._staging[:0].clone()
 
-    def fetch_into(self, keys: Sequence[str],
-                   reserve: Callable[[int], PageBuffers]) -> tuple[int, threading.Event | None]:
-        """``fetch`` straight into the caller's buffers (a scattering backend only). Once the
-        worker has counted the leading pages storage holds (prefetched ones first), ``reserve(n)``
-        runs here, once, and returns up to ``n`` pages' buffers. Returns ``(k, pending)``: the
-        first ``k`` reserved pages hold pages; when ``pending`` is an event (the read outlived
-        ``timeout_s``), the reserved pages after them stay the read's until it is set, else
-        the caller may reuse them at once. Waits at most ``timeout_s`` in all."""
+    def fetch_into(self, keys: Sequence[str], reserve: Callable[[int], PageBuffers] | PageBuffers
+                   ) -> tuple[int, threading.Event | None]:
+        """``fetch`` straight into the caller's buffers (a scattering backend only). ``reserve``
+        is either every key's page buffers (one pass: the worker reads the leading pages at
+        once, no count first) or a callable: once the worker has counted the leading pages
+        storage holds (prefetched ones first), ``reserve(n)`` runs here, once, and returns up to
+        ``n`` pages' buffers. Returns ``(k, pending)``: the first ``k`` pages hold pages; when
+        ``pending`` is an event (the read outlived ``timeout_s``), the pages after them stay the
+        read's until it is set, else the caller may reuse them at once. Waits <= ``timeout_s``."""
         if not self.scatters:
             raise InvalidArgumentError(f"the {self.backend.name} storage backend cannot read into buffers")
+        given = None if callable(reserve) else [list(b) for b in reserve]
+        if given is not None and len(given) != len(keys):
+            raise LengthMismatchError(f"{len(given)} pages' buffers for {len(keys)} keys")
         if not keys or self._closed:
             return 0, None
         t0 = time.perf_counter_ns()
@@ -203,21 +209,10 @@ class StorageController:
             job = None
             if rest and rest[0] not in self._reads and len(self._reads) < self.max_pending_reads:
                 job = self._reads[rest[0]] = _Read(rest, direct=True)
+                if given is not None:  # the read's destinations from the start: no hand-off back
+                    job.dst, job.upfront = given[len(ready):], True
                 self._jobs.put((0, next(self._seq), job))
-        if job is not None:
-            job.asked.wait(max(deadline - time.monotonic(), 0.0))
-        bufs: list[list[torch.Tensor | memoryview]] = []
-        try:
-            want = len(ready) + (job.present if job is not None and job.asked.is_set() else 0)
-            bufs = [list(b) for b in reserve(want)][:want] if want else []
-        finally:
-            if job is not None:
-                with self._lock:
-                    if job.asked.is_set():
-                        job.dst = bufs[len(ready):]
-                    else:
-                        job.late = True
-                    job.given.set()
+        bufs = given if given is not None else self._reserve_counted(job, len(ready), reserve, deadline)  # type: ignore[arg-type]
         k = min(len(ready), len(bufs))
         for row, b in zip(ready, bufs):
             _fill(b, row)
@@ -235,6 +230,26 @@ class StorageController:
                 self._warn("a storage read took longer than the timeout; serving from the faster tiers")
             self.stats.fetched += k
         return k, pending
+
+    def _reserve_counted(self, job: _Read | None, n_ready: int, reserve: Callable[[int], PageBuffers],
+                         deadline: float) -> list[list[torch.Tensor | memoryview]]:
+        """``fetch_into``'s counting hand-off: wait (within the timeout) for the worker's count,
+        call ``reserve`` once, give the read its buffers (or give it up)."""
+        if job is not None:
+            job.asked.wait(max(deadline - time.monotonic(), 0.0))
+        bufs: list[list[torch.Tensor | memoryview]] = []
+        try:
+            want = n_ready + (job.present if job is not None and job.asked.is_set() else 0)
+            bufs = [list(b) for b in reserve(want)][:want] if want else []
+        finally:
+            if job is not None:
+                with self._lock:
+                    if job.asked.is_set():
+                        job.dst = bufs[n_ready:]
+                    else:
+                        job.late = True
+                    job.given.set()
+        return bufs
 
     def _take_ready(self, keys: Sequence[str]) -> list[torch.Tensor]:
         """Pop the prefetched rows of the leading ``keys`` (the caller holds the lock)."""
@@ -313,7 +328,10 @@ class StorageController:
     def _read(self, job: _Read) -> None:
         rows: torch.Tensor | None = None
         try:
-            if not self._closed:
+            if job.upfront:
+                if not self._closed:
+                    self._read_into(job)
+            elif not self._closed:
                 present = self._call("batch_exists", self.backend.batch_exists, job.keys)
                 n = int(present) if isinstance(present, int) else 0
                 if job.direct:
@@ -337,11 +355,17 @@ class StorageController:
             dst = job.dst
         if dst is None:
             return self._read_rows(job.keys[:n]) if n else None
+        self._read_into(job)
+        return None
+
+    def _read_into(self, job: _Read) -> None:
+        """One ``batch_get`` of the leading keys into ``job.dst``; ``hits``: the leading pages
+        read whole (a missing or corrupt page ends them)."""
+        dst = job.dst
         if dst:
             ok = self._call("batch_get", self.backend.batch_get, job.keys[:len(dst)], dst)
             flags = list(ok) if isinstance(ok, list) else []
             job.hits = next((i for i, f in enumerate(flags) if not f), len(flags))
-        return None
 
     def _finish(self, job: _Read, rows: torch.Tensor | None) -> None:
         """Publish a read: a late one's pages go to the ready ones (a late direct read's

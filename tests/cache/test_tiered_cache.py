@@ -406,3 +406,29 @@ def test_host_pages_of_a_late_read_into_them_are_held_until_it_ends_then_given_b
     assert not c._parked
     c.check_invariants()
     ctl.close(1.0)
+
+
+def test_with_free_host_pages_storage_reads_straight_into_them_in_one_pass():
+    """Host pages for every key reserved up front: no count call, only the pages read stay
+    allocated (the rest go back), bit-equal; with the host full a storage miss evicts nothing."""
+    store = ScatterDictStorage()
+    c, ctl = _controller(store, {"device_tokens": 8, "host_tokens": 8}, timeout_s=30.0)
+    for i in range(4):
+        serve(c, seq(i, 8))
+    assert ctl.drain(30.0) and ctl.wait_reads(30)
+    c2, ctl2 = _controller(store, {"device_tokens": 8, "host_tokens": 32}, timeout_s=30.0)
+    calls = store.calls  # batch_exists calls
+    longer = np.concatenate([seq(2, 8), seq(9, 4)])  # 8 tokens in storage, then 4 it lacks
+    m = c2.match_prefix(RadixKey(longer))
+    assert (m.prefix_len, m.host_len, m.storage_len) == (0, 8, 8) and store.calls == calls
+    c2.check_invariants()
+    assert c2.host_alloc.num_pages - c2.host_alloc.available_size() == c2.host_size() == 8
+    assert serve(c2, seq(2, 8)) == (0, 8, 0)  # the pages read into the host rows, bit for bit
+    c2.check_invariants()
+    held = c.host_size()  # c's host is full: a miss counts first and evicts no host page
+    assert held == c.host_capacity()
+    m = c.match_prefix(RadixKey(seq(7, 8)))
+    assert m.storage_len == 0 and c.host_size() == held and store.calls > calls
+    c.check_invariants()
+    ctl.close(1.0)
+    ctl2.close(1.0)

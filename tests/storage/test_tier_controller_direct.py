@@ -8,7 +8,8 @@ import pytest
 import torch
 from storage_double import DictStorage, ScatterDictStorage
 
-from radixkv.errors import InvalidArgumentError
+from radixkv.errors import InvalidArgumentError, LengthMismatchError
+from radixkv.storage.file import FileStorage
 from radixkv.storage.tier_controller import StorageController
 
 PB = 32
@@ -117,3 +118,77 @@ def test_a_backend_that_cannot_scatter_refuses_fetch_into():
         assert not ctl.scatters
         with pytest.raises(InvalidArgumentError):
             ctl.fetch_into(["k"], Pool().reserve)
+
+
+# ---------------------------------------------------------------------- buffers given up front
+def test_buffers_given_up_front_are_read_in_one_pass_without_a_count():
+    store, keys, rows = _stored(4)
+    with _controller(store, 30.0) as ctl:
+        pool = Pool()
+        calls = store.calls  # batch_exists calls: the one-pass read makes none
+        asked = keys + ["absent", "k1"]
+        k, pending = ctl.fetch_into(asked, pool.reserve(len(asked)))
+        assert (k, pending) == (4, None) and store.calls == calls
+        assert torch.equal(pool.rows[pool.pages[:4]], rows)  # the lead; what follows the miss is the caller's
+        assert ctl.fetch_into(["absent"] + keys, pool.reserve(5)) == (0, None)
+        assert ctl.stats.fetched == 4 and ctl.stats.fetch_timeouts == 0
+
+
+def test_a_corrupt_page_ends_the_lead_of_a_one_pass_read(tmp_path):
+    store = FileStorage(tmp_path, page_bytes=PB, threads=1)
+    keys = [f"k{i}" for i in range(4)]
+    rows = torch.arange(4 * PB, dtype=torch.int64).remainder(251).to(torch.uint8).view(4, PB)
+    assert all(store.batch_set(keys, rows))
+    b = bytearray(store.path_of("k2").read_bytes())
+    b[3] ^= 1
+    store.path_of("k2").write_bytes(bytes(b))
+    ctl = StorageController(store, PB, timeout_s=30.0)
+    try:
+        pool = Pool()
+        assert ctl.fetch_into(keys, pool.reserve(4)) == (2, None)
+        assert torch.equal(pool.rows[pool.pages[:2]], rows[:2])
+        assert not pool.rows[pool.pages[2]].any()  # the bad page's buffers hold no page
+        assert store.stats().corrupt == 1
+        ctl.check_invariants()
+    finally:
+        ctl.close(1.0)
+
+
+def test_prefetched_pages_fill_the_first_given_buffers_and_the_read_the_rest():
+    store, keys, rows = _stored(6)
+    with _controller(store, 0.05) as ctl:
+        store.get_gate.clear()
+        k, pending = ctl.fetch_into(keys[:2], Pool().reserve(2))  # times out: read goes on late
+        assert k == 0 and pending is not None
+        store.get_gate.set()
+        assert ctl.wait_reads(30) and pending.is_set() and ctl.stats.prefetched == 2
+        ctl.timeout_s = 30.0
+        pool = Pool()
+        assert ctl.fetch_into(keys, pool.reserve(6)) == (6, None)
+        assert torch.equal(pool.rows[pool.pages], rows) and ctl.stats.prefetch_used == 2
+
+
+def test_a_late_one_pass_read_keeps_its_buffers_until_done_then_its_pages_are_prefetched():
+    store, keys, rows = _stored(6)
+    with _controller(store, 0.05) as ctl:
+        store.get_gate.clear()  # the read into the given buffers hangs
+        pool = Pool()
+        k, pending = ctl.fetch_into(keys, pool.reserve(6))
+        assert k == 0 and pending is not None and not pending.is_set()
+        assert ctl.stats.fetch_timeouts == 1
+        store.get_gate.set()
+        assert ctl.wait_reads(30) and pending.is_set() and ctl.stats.prefetched == 6
+        assert torch.equal(pool.rows[pool.pages], rows)  # (written while they were the read's)
+        store.gate.clear()  # hung again: the prefetched pages serve the next fetch
+        calls = store.calls
+        pool2 = Pool()
+        assert ctl.fetch_into(keys[:4], pool2.reserve(4)) == (4, None) and store.calls == calls
+        assert torch.equal(pool2.rows[pool2.pages], rows[:4])
+
+
+def test_given_buffers_of_the_wrong_count_raise_and_change_nothing():
+    store, keys, _ = _stored(3)
+    with _controller(store, 30.0) as ctl:
+        with pytest.raises(LengthMismatchError):
+            ctl.fetch_into(keys, Pool().reserve(2))
+        assert ctl.stats.fetched == 0 and ctl.wait_reads(0.0)
