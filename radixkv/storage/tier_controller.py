@@ -4,8 +4,7 @@ One worker thread owns the backend (a :class:`~radixkv.contracts.StorageBackend`
 staging buffer of ``batch_pages`` rows registered with it (writes go through it; reads land in
 fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, reads first:
 
-* ``backup(keys, rows)``: enqueue pages to write; never blocks: past ``max_pending_pages``
-  queued pages the backup is dropped and counted.
+* ``backup(keys, rows)``: enqueue pages to write; never blocks (past ``max_pending_pages``: dropped).
 * ``fetch(keys)``: prefetched pages, then ``batch_exists`` + ``batch_get`` waited for at most
   ``timeout_s``; a late read goes on and its pages wait (``max_ready_pages``) for a later fetch.
   One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
