@@ -9,6 +9,7 @@ spawned process instead (``tests/service/``).
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import shutil
 import tempfile
@@ -125,6 +126,17 @@ class ThreadedServer:
                 pass
             self._thread.join(self._timeout)
         self._cleanup_dir()
+
+    def restarted(self) -> ThreadedServer:
+        """Stop this server and start another at the same address with the same config and
+        token (fresh pools, a new epoch), as a manager restarted by its supervisor."""
+        self.stop()
+        new = ThreadedServer(self.config, clock=self._clock, options=self.options, timeout_s=self._timeout)
+        shutil.rmtree(new._dir, ignore_errors=True)
+        os.makedirs(self._dir, mode=0o700)
+        new._dir, new.token, new.options = self._dir, self.token, self.options
+        new.start()
+        return new
 
     def _cleanup_dir(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)

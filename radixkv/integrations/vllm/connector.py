@@ -321,12 +321,7 @@ class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.loads:
             return
-        self._load_errors |= self._worker.load(meta.loads)
-        if meta.state_loads:  # a state not loaded: its request's loaded blocks are recomputed
-            bad = self._worker.copy_states(meta.state_loads, to_vllm=True)
-            for op in meta.loads:
-                if op.req_id in bad:
-                    self._load_errors |= {int(s) // self._shape.page_size for s in op.slots}
+        self._load_errors |= self._worker.load_with_states(meta.loads, meta.state_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are done in start_load_kv, before the forward
