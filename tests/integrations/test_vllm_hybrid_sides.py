@@ -196,7 +196,17 @@ def test_a_state_load_that_fails_makes_vllm_recompute_the_loaded_blocks(manager)
     plan = b.sched.build_plan([ScheduledReq("q2", 12, 3)], lambda rid: [4, 5, 6, 8], lambda rid: [[0, 0, 9, 10]])
     gone = [op._replace(slots=(10_000,)) for op in plan.state_loads]
     assert b.worker.load_with_states(plan.loads, gone) == {4, 5, 6}
+    # the same as an asynchronous load (the connector's, on a hybrid model): the request fails whole
+    assert b.worker.load_requests(plan.loads, gone) == {"q2"}
+    assert b.worker.load_requests(plan.loads, plan.state_loads) == set()
     b.sched.finished("q2")
+    # an asynchronous load is planned unscheduled (0 tokens): the state at its end, once
+    assert b.sched.num_new_matched_tokens("q3", q, 0, KEY) == 12
+    b.sched.after_alloc("q3", 12)
+    plan = b.sched.build_plan([ScheduledReq("q3", 12, 0)], lambda rid: [4, 5, 6, 8], lambda rid: [[0, 0, 9, 10]])
+    assert [op.end for op in plan.loads] == [12] and [op.blocks for op in plan.state_loads] == [(9,)]
+    assert b.worker.load_requests(plan.loads, plan.state_loads) == set()
+    b.sched.finished("q3")
     assert idle(manager, a, b) == (0, 0)
     manager.client().check_invariants()
 

@@ -3,9 +3,9 @@
 The only module of the package that imports vLLM (checked with vLLM 0.32.0). It maps vLLM's
 hooks onto :class:`~radixkv.integrations.vllm.scheduler_side.SchedulerSide` (scheduler role)
 and :class:`~radixkv.integrations.vllm.worker_side.WorkerSide` (worker role); what each hook
-does: ``docs/vllm.md``, "The hooks". Loads are done before the forward that reads them, saves
-before the step returns (a deferred save: in a later step). Every hook catches its own
-failures: a manager fault makes the engine serve without the shared cache, never crash it.
+does: ``docs/vllm.md``, "The hooks". Loads are done before the forward that reads them (hybrid:
+asynchronous to vLLM, a failure is a failed receive), saves before the step returns (a deferred
+save: in a later step). Every hook catches its own failures: a manager fault never crashes it.
 Tensor parallel: each rank copies its own KV heads of the manager rows (which hold all heads);
 a save counts once every rank reported it. MLA: the latent rows (refused on vLLM's CPU build
 unless ``mla_on_cpu``: ``MLA_ON_CPU`` says why). Hybrid models (``SupportsHMA``: full attention
@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -66,13 +67,15 @@ _MAX_KEY = 1024  # radixkv's extra_key limit
 @dataclass
 class RadixKVConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: the copies to do; ``finish``: requests to report
-    finished sending after the saves (their kept blocks are freed); hybrid: the state copies."""
+    finished sending after the saves (their kept blocks are freed); hybrid: the state copies,
+    and ``unloaded``: asynchronous loads not planned, reported failed (vLLM recomputes them)."""
 
     loads: list[CopyOp] = field(default_factory=list)
     saves: list[CopyOp] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
     state_loads: list[StateOp] = field(default_factory=list)
     state_saves: list[StateOp] = field(default_factory=list)
+    unloaded: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -278,6 +281,9 @@ class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors: set[int] = set()
         self._report = RadixKVWorkerMetadata()
         self._sent: set[str] = set()
+        self._recved: set[str] = set()  # hybrid: requests whose asynchronous load was done ...
+        self._failed_recv: set[str] = set()  # ... or failed (vLLM recomputes them)
+        self._async_loads: dict[str, Request] = {}  # hybrid: loads accepted, planned at the next meta
         if role == KVConnectorRole.SCHEDULER:
             link = ManagerLink(self._cfg, "vllm-scheduler", validate=self._check_manager)
             hybrid = self._shape.state is not None
@@ -319,9 +325,16 @@ class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
     # The Any below are vLLM's KVConnectorBase_V1 signatures (vLLM is an optional import mypy cannot see).
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata) or not meta.loads:
+        if self._worker is None or not isinstance(meta, RadixKVConnectorMetadata):
             return
-        self._load_errors |= self._worker.load_with_states(meta.loads, meta.state_loads)
+        self._failed_recv.update(meta.unloaded)
+        if not meta.loads:
+            return
+        if self._groups.states:  # asynchronous to vLLM (done here): reported by request, not block
+            self._failed_recv |= self._worker.load_requests(meta.loads, meta.state_loads)
+            self._recved.update(op.req_id for op in meta.loads)
+            return
+        self._load_errors |= self._worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are done in start_load_kv, before the forward
@@ -341,7 +354,15 @@ class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         out, self._sent = self._sent, set()
-        return out or None, None
+        recved, self._recved = self._recved, set()
+        return out or None, recved or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` and the failed asynchronous loads (also among the finished ones, as
+        vLLM wants): vLLM recomputes those requests whole."""
+        sent, recved = self.get_finished(finished_req_ids)
+        failed, self._failed_recv = self._failed_recv, set()
+        return KVConnectorTransferResults(set(sent or ()), set(recved or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -388,10 +409,13 @@ class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:
             logger.exception("radixkv: match failed for %s; computing it", request.request_id)
             n = 0
-        return n, False
+        # a hybrid model's load is asynchronous: vLLM takes a failed one by request only (several groups)
+        return n, bool(self._groups.states) and n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
+        if self._groups.states and num_external_tokens > 0:  # waits (unscheduled) for its load's report
+            self._async_loads[request.request_id] = request
         self._sched.after_alloc(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -408,6 +432,8 @@ class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             scheduled.append(ScheduledReq(rid, c.num_computed_tokens[i], so.num_scheduled_tokens[rid]))
+        loading, self._async_loads = self._async_loads, {}
+        scheduled += [ScheduledReq(rid, int(r.num_computed_tokens), 0) for rid, r in loading.items()]
 
         def block_ids_of(rid: str) -> list[int]:
             if rid not in blocks:
@@ -425,9 +451,11 @@ class RadixKVConnector(KVConnectorBase_V1, SupportsHMA):
             plan = self._sched.build_plan(scheduled, block_ids_of, state_blocks_of if g.states else None)
         except Exception:
             logger.exception("radixkv: planning the step's copies failed; no copies this step")
-            return RadixKVConnectorMetadata(finish=self._sched.take_finish())  # kept blocks never leak
+            # kept blocks never leak, waiting loads never hang
+            return RadixKVConnectorMetadata(finish=self._sched.take_finish(), unloaded=list(loading))
+        planned = {op.req_id for op in plan.loads}
         return RadixKVConnectorMetadata(plan.loads, plan.saves, plan.finish, list(plan.state_loads),
-                                        list(plan.state_saves))
+                                        list(plan.state_saves), [r for r in loading if r not in planned])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._sched is not None

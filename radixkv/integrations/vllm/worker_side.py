@@ -353,13 +353,24 @@ class WorkerSide:
     def load(self, ops: Sequence[CopyOp]) -> set[int]:
         """Copy the ops' manager rows into vLLM's blocks. Returns the vLLM block ids that
         could not be loaded (vLLM recomputes them)."""
-        done, failed = self._copy(ops, to_vllm=True)
-        self.counters["loaded_tokens"] += sum(op.end - op.start for op in done)
-        self.counters["failed_load_tokens"] += sum(op.end - op.start for op in failed)
+        failed = self._load_ops(ops)
         if not failed:
             return set()
         slots = np.concatenate([op.slots for op in failed])
         return set(np.unique(slots // self.shape.page_size).tolist())
+
+    def _load_ops(self, ops: Sequence[CopyOp]) -> list[CopyOp]:
+        """Copy the ops' manager rows into vLLM's blocks, counted. Returns the failed ops."""
+        done, failed = self._copy(ops, to_vllm=True)
+        self.counters["loaded_tokens"] += sum(op.end - op.start for op in done)
+        self.counters["failed_load_tokens"] += sum(op.end - op.start for op in failed)
+        return failed
+
+    def load_requests(self, ops: Sequence[CopyOp], state_ops: Sequence[StateOp]) -> set[str]:
+        """The loads and state loads of whole requests (a hybrid model's asynchronous loads).
+        Returns the req ids whose KV or state did not load: vLLM recomputes them whole."""
+        failed = {op.req_id for op in self._load_ops(ops)}
+        return failed | (self.copy_states(state_ops, to_vllm=True) if state_ops else set())
 
     def load_with_states(self, ops: Sequence[CopyOp], state_ops: Sequence[StateOp]) -> set[int]:
         """``load`` then the states' loads (hybrid models). A request whose state did not load
