@@ -68,9 +68,9 @@ class HybridEngine:
         return torch.cat([conv[block], temporal[block]])
 
     def step(self, sr, blocks, state_blocks, recompute=()):
-        """One step of ``sr``; ``recompute``: the vLLM blocks its loads must report failed."""
+        """One step of ``sr``; ``recompute``: the req ids whose loads must report failed."""
         plan = self.sched.build_plan([sr], lambda rid: blocks, lambda rid: [state_blocks])
-        assert self.worker.load_with_states(plan.loads, plan.state_loads) == set(recompute)
+        assert self.worker.load_requests(plan.loads, plan.state_loads) == set(recompute)
         report = SaveReport()
         report.add(*self.worker.save(plan.saves))
         report.add({}, self.worker.copy_states(plan.state_saves, to_vllm=False))
@@ -182,7 +182,7 @@ def test_a_state_load_that_fails_makes_vllm_recompute_the_loaded_blocks(manager)
 
     b.worker._copy_state_group = broken
     # the KV load went through, but without its state every loaded block is recomputed
-    b.step(ScheduledReq("q", 12, 3), [4, 5, 6, 8], [0, 0, 9, 10], recompute={4, 5, 6})
+    b.step(ScheduledReq("q", 12, 3), [4, 5, 6, 8], [0, 0, 9, 10], recompute={"q"})
     assert b.worker.counters["loaded_tokens"] == 12
     del b.worker._copy_state_group
     # vLLM recomputes from token 0: nothing is loaded again, nothing leaks
@@ -195,8 +195,7 @@ def test_a_state_load_that_fails_makes_vllm_recompute_the_loaded_blocks(manager)
     b.sched.after_alloc("q2", 12)
     plan = b.sched.build_plan([ScheduledReq("q2", 12, 3)], lambda rid: [4, 5, 6, 8], lambda rid: [[0, 0, 9, 10]])
     gone = [op._replace(slots=(10_000,)) for op in plan.state_loads]
-    assert b.worker.load_with_states(plan.loads, gone) == {4, 5, 6}
-    # the same as an asynchronous load (the connector's, on a hybrid model): the request fails whole
+    # an asynchronous load (the connector's, on a hybrid model): the request fails whole
     assert b.worker.load_requests(plan.loads, gone) == {"q2"}
     assert b.worker.load_requests(plan.loads, plan.state_loads) == set()
     b.sched.finished("q2")
@@ -253,7 +252,7 @@ def test_a_manager_stopped_mid_batch_then_restarted_leaves_nothing_behind(tmp_pa
         assert plan_b.loads and plan_b.state_loads and plan_a.saves and plan_a.state_saves
         srv.stop()
         # b's load from the stopped manager's still-mapped pools is whole: KV and state, bit for bit
-        assert b.worker.load_with_states(plan_b.loads, plan_b.state_loads) == set()
+        assert b.worker.load_requests(plan_b.loads, plan_b.state_loads) == set()
         assert torch.equal(b.state(9), a.state(7)) and torch.equal(b.state(10), a.state(7))
         # a's save lands in the old mapping; its commit fails on the dead link: committed nowhere
         report = SaveReport()

@@ -372,19 +372,6 @@ class WorkerSide:
         failed = {op.req_id for op in self._load_ops(ops)}
         return failed | (self.copy_states(state_ops, to_vllm=True) if state_ops else set())
 
-    def load_with_states(self, ops: Sequence[CopyOp], state_ops: Sequence[StateOp]) -> set[int]:
-        """``load`` then the states' loads (hybrid models). A request whose state did not load
-        has every block of its KV load reported too: vLLM recomputes them, and never runs on
-        KV without the state at its end. Returns the vLLM block ids to recompute."""
-        bad_blocks = self.load(ops)
-        if not state_ops:
-            return bad_blocks
-        bad = self.copy_states(state_ops, to_vllm=True)
-        slots = [op.slots for op in ops if op.req_id in bad]
-        if slots:
-            bad_blocks |= set(np.unique(np.concatenate(slots) // self.shape.page_size).tolist())
-        return bad_blocks
-
     def save(self, ops: Sequence[CopyOp]) -> tuple[dict[str, int], set[str]]:
         """Copy vLLM's blocks of the ops into the manager rows. Returns (saved: req id ->
         end token, failed req ids)."""
