@@ -39,12 +39,28 @@ def prove_logits(engine, session, buffers, model, ps, turn, tol=1e-9):
     checked after every call), the model reading and writing ``buffers``: every extend's
     logits equal the from-scratch logits within ``tol``. Returns the tokens the extends
     reported loaded from the host tier."""
+    return replay_logits(engine, session, buffers, model,
+                         conversations(np.random.default_rng(ps), 4, 3, turn, model.config.vocab), tol)
+
+
+def storage_restart_prompts(ps, turn, vocab=50, extra=8):
+    """The prompts a restarted engine replays after ``prove_logits`` (same ``ps`` and ``turn``):
+    each conversation's second turn plus ``extra`` new tokens, so its whole earlier prompt is a
+    prefix the previous engine cached (and the whole prompt fits its device pool)."""
+    rng = np.random.default_rng(1000 + ps)
+    return [np.concatenate([t, rng.integers(0, vocab, extra).astype(np.int32)])
+            for t in conversations(np.random.default_rng(ps), 4, 3, turn, vocab)[4:8]]
+
+
+def replay_logits(engine, session, buffers, model, prompts, tol=1e-9):
+    """``prove_logits`` over the given ``prompts`` (one request each, finished at once).
+    Returns the tokens the extends reported loaded from the host tier."""
     from radixkv.engine.protocol import ExtendItem
     from radixkv.reference import ModelCache
 
     mc = ModelCache.over(buffers)
     loaded = 0
-    for i, tokens in enumerate(conversations(np.random.default_rng(ps), 4, 3, turn, model.config.vocab)):
+    for i, tokens in enumerate(prompts):
         (r,) = engine.alloc_extend(session, [ExtendItem(f"r{i}", tokens)])
         engine.check_invariants()
         row = buffers.req_to_token[r.req_pool_idx, :r.seq_len].long()

@@ -44,7 +44,7 @@ from radixkv.storage.tier_controller import StorageController
 if TYPE_CHECKING:
     from radixkv.engine.buffers import WorkerBuffers
 
-__all__ = ["EnginePools", "build_tree", "kv_fingerprint", "open_tier_storage"]
+__all__ = ["EnginePools", "build_tree", "hybrid_fingerprint", "kv_fingerprint", "open_tier_storage"]
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,8 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states at request ends and branch points; ``none`` disables the cache),
     ``checks`` its free-mask lookups, ``host_state_pool`` the host state tier (with
-    ``host_kv_tokens`` too: a ``TieredMambaRadixCache``, their KV in the host tier). KV-only
+    ``host_kv_tokens`` too: a ``TieredMambaRadixCache``, their KV in the host tier, and storage
+    as for KV-only models, its keys seeded by :func:`hybrid_fingerprint`). KV-only
     models with ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a storage
     controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
     c = pools.config
@@ -183,7 +184,8 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
         return TieredMambaRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
                                      host_state_pool=pools.host_state_pool, page_size=c.page_size,
                                      eviction_policy=c.eviction_policy, admission_policy=c.admission_policy,
-                                     checks=c.checks)
+                                     checks=c.checks, storage=open_tier_storage(pools, storage),
+                                     layout_fingerprint=hybrid_fingerprint(c))
     if pools.host_pool is not None:
         return TieredRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
                                 page_size=c.page_size, eviction_policy=c.eviction_policy,
@@ -211,6 +213,12 @@ def kv_fingerprint(c: EngineConfig) -> str:
                                   qk_rope_head_dim=c.qk_rope_head_dim, dtype=c.kv_dtype, page_size=c.page_size)
     return layout_fingerprint(kind="mha", layers=len(c.full_layer_ids), heads=c.head_num,
                               head_dim=c.head_dim, dtype=c.kv_dtype, page_size=c.page_size)
+
+
+def hybrid_fingerprint(c: EngineConfig) -> str:
+    """The fingerprint seeding a hybrid model's storage page keys: the KV layout's and the
+    layer pattern, so a KV-only model or another hybrid never shares its pages."""
+    return layout_fingerprint(kind="hybrid", kv=kv_fingerprint(c), layers=c.layer_types)
 
 
 def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None) -> StorageController | None:

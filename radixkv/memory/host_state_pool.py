@@ -45,6 +45,32 @@ class HostStatePool:
         """Bytes of one state (every layer's conv and temporal state)."""
         return self.nbytes // (self.num_slots + 1)
 
+    def device_state_bytes(self, device_slot: int) -> torch.Tensor:
+        """The state in ``device_slot`` as ``slot_bytes`` bytes (uint8, CPU, a fresh tensor):
+        every layer's conv state, then every layer's temporal state (the storage tier's
+        format). One copy per tensor."""
+        pool = self.mamba_pool
+        parts = [t[:, device_slot].cpu().contiguous().reshape(-1).view(torch.uint8)
+                 for t in (pool.conv_state, pool.temporal_state)]
+        return torch.cat(parts)
+
+    def write_state_bytes(self, host_slot: int, data: torch.Tensor) -> None:
+        """Put a state read from storage (``device_state_bytes``' format: at least
+        ``slot_bytes`` uint8, the rest ignored) into ``host_slot``. Raises (nothing written)
+        for a slot out of range or too few bytes."""
+        if not 1 <= host_slot <= self.num_slots:
+            raise InvalidArgumentError(f"host state slots must lie in [1, {self.num_slots}]")
+        flat = data.reshape(-1)
+        if flat.dtype != torch.uint8 or flat.numel() < self.slot_bytes:
+            raise LengthMismatchError(f"a state is {self.slot_bytes} bytes (uint8), got {flat.numel()} "
+                                      f"of {flat.dtype}")
+        at = 0
+        for host in (self.conv, self.temporal):
+            dst = host[:, host_slot]
+            n = dst.numel() * dst.element_size()
+            dst.copy_(flat[at:at + n].clone().view(host.dtype).view(dst.shape))
+            at += n
+
     def _ids(self, host_slots: list[int], device_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if len(host_slots) != len(device_slots):
             raise LengthMismatchError(f"{len(host_slots)} host slots for {len(device_slots)} device slots")

@@ -11,6 +11,8 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch_into(keys, reserve)``: the same for a scattering backend, read straight into host-pool
   rows (no second copy): reserved for every key up front (one pass, no count) or once the count
   is known.
+* ``last_present(keys)``: the last of ``keys`` storage holds (``batch_exists`` of one key at a
+  time, from the end), waited for at most ``timeout_s`` (a hybrid tree's deepest stored state).
 * A backend that raises: a miss or a failed write, counted, logged once. Caller's cost: one
   queue put (backup), one wait bounded by the timeout (fetch).
 """
@@ -76,6 +78,14 @@ class _Read:
     upfront: bool = False  # ``dst`` given with the job: no count, no hand-off
 
 
+@dataclass
+class _Probe:
+    keys: list[str]
+    done: threading.Event = field(default_factory=threading.Event)
+    found: int = -1
+    late: bool = False  # its caller returned: the worker stops probing
+
+
 class StorageController:
     """Runs a storage backend's calls on one worker thread (see the module docstring).
 
@@ -110,7 +120,7 @@ class StorageController:
         self._ready: OrderedDict[str, torch.Tensor] = OrderedDict()  # prefetched page rows by key
         self.stats = StorageStats()
         self._staging = torch.zeros((self.batch_pages, self.page_bytes), dtype=torch.uint8)
-        self._jobs: queue.PriorityQueue[tuple[int, int, _Read | tuple[list[str], torch.Tensor] | None]] = \
+        self._jobs: queue.PriorityQueue[tuple[int, int, _Read | _Probe | tuple[list[str], torch.Tensor] | None]] = \
             queue.PriorityQueue()
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -230,6 +240,25 @@ class StorageController:
             self.stats.fetched += k
         return k, pending
 
+    def last_present(self, keys: Sequence[str]) -> int:
+        """The index of the last of ``keys`` that storage holds (-1: none, or the probe
+        outlived ``timeout_s``, counted as a fetch timeout; the worker then stops it). One
+        ``batch_exists`` of one key at a time on the worker, from the last key back."""
+        if not keys or self._closed:
+            return -1
+        job = _Probe(list(keys))
+        t0 = time.perf_counter_ns()
+        self._jobs.put((0, next(self._seq), job))
+        done = job.done.wait(self.timeout_s)
+        with self._lock:
+            self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
+            if not done:
+                job.late = True
+                self.stats.fetch_timeouts += 1
+                self._warn("a storage probe took longer than the timeout; serving from the faster tiers")
+                return -1
+        return job.found
+
     def _reserve_counted(self, job: _Read | None, n_ready: int, reserve: Callable[[int], PageBuffers],
                          deadline: float) -> list[list[torch.Tensor | memoryview]]:
         """``fetch_into``'s counting hand-off: wait (within the timeout) for the worker's count,
@@ -321,6 +350,8 @@ class StorageController:
                 return
             if isinstance(job, _Read):
                 self._read(job)
+            elif isinstance(job, _Probe):
+                self._probe(job)
             else:
                 self._write(*job)
 
@@ -340,6 +371,17 @@ class StorageController:
         finally:
             job.asked.set()  # (a caller still waiting on it would wait out its timeout otherwise)
             self._finish(job, rows)
+
+    def _probe(self, job: _Probe) -> None:
+        try:
+            for i in range(len(job.keys) - 1, -1, -1):
+                if job.late or self._closed:
+                    break
+                if self._call("batch_exists", self.backend.batch_exists, job.keys[i:i + 1]) == 1:
+                    job.found = i
+                    break
+        finally:
+            job.done.set()
 
     def _read_direct(self, job: _Read, n: int) -> torch.Tensor | None:
         """Hand ``n`` to ``fetch_into``'s caller, wait for its buffers (it gives them or gives

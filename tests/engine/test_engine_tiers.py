@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 import torch
 from storage_double import DictStorage
-from tier_workload import conversations, mla_fields, prove_mla_latents
+from tier_workload import (
+    conversations,
+    mla_fields,
+    proof_fields,
+    proof_model,
+    prove_logits,
+    prove_mla_latents,
+    replay_logits,
+    storage_restart_prompts,
+)
 
 from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
 from radixkv.cache.tiered_cache import TieredRadixCache
@@ -31,7 +40,7 @@ TOL = 1e-9
                                  dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
                                       write_policy="write_through"),
                                  dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
-                                      storage="file:///x"),
+                                      storage="file:///x", enable_kv_events=True),
                                  dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
                                       enable_kv_events=True),
                                  dict(host_state_slots=-1, layer_types="FK"),
@@ -296,3 +305,33 @@ def test_hybrid_host_state_tier_is_built_and_counts_host_hits(device):
     assert 'radixkv_host_state_slots{state="capacity"} 4.0' in text
     assert 'radixkv_host_states_total{move="loaded"} 1.0' in text
     assert "radixkv_host_state_hit_tokens_total 24.0" in text and "radixkv_host_tier_tokens" not in text
+
+
+def _hybrid_engine(ps, storage_url=None, storage=None, **tier):
+    """An embedded engine for the KFK proof model with both host tiers and storage."""
+    model = proof_model("KFK")
+    kv = 256 if ps == 64 else 96
+    cfg = dict(proof_fields(model, ps), kv_tokens=kv, state_slots=5, host_state_slots=16, host_kv_tokens=1024,
+               storage=storage_url, storage_timeout_ms=5000.0)
+    cfg.update(tier)
+    eng = CacheEngine(EngineConfig(**cfg), storage=storage)
+    info = eng.attach("proof")
+    return model, eng, info.session, eng.worker_buffers()
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_hybrid_warm_restart_over_the_file_backend(ps, tmp_path):
+    """A hybrid engine on ``file:///DIR``, stopped and started again on the same directory:
+    the restarted one serves the earlier prompts (KV and state) from storage, and every
+    extend's logits equal the from-scratch ones (fp64, 1e-9), before and after."""
+    turn = 64 if ps == 64 else 24
+    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}")
+    assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.storage is not None
+    prove_logits(eng, s, wb, model, ps, turn)
+    eng.close()  # drains the write queue
+    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}")
+    loaded = replay_logits(eng, s, wb, model, storage_restart_prompts(ps, turn))
+    st = eng.stats()
+    assert st.tier_hit_storage > 0 and loaded >= st.tier_hit_storage, (loaded, st)
+    assert eng.tree.storage_stats["states_fetched"] > 0
+    eng.close()

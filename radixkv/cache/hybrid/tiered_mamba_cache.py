@@ -9,14 +9,16 @@ kept in the host); every host-only leaf holds a host state and no host-only node
 state. A match walks host-only nodes and ends at the deepest state in any tier; ``load_back``
 loads the path's host KV (all or nothing), then the state. Inserts adopt the request's rows
 into the host-only nodes they reach. Host drops take whole LRU leaves with their state and the
-stateless host-only ancestors they leave childless. write_back only; no storage; no KV events.
+stateless host-only ancestors they leave childless. Storage (L3): :mod:`.state_storage`
+(pages and states backed up, read past the tree into a host-only leaf). write_back only; no
+KV events.
 """
 from __future__ import annotations
 
 import heapq
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ from radixkv.cache.hybrid.host_states import HostStateTable
 from radixkv.cache.hybrid.mamba_audit import HybridRunningRequest
 from radixkv.cache.hybrid.mamba_policies import FlopModel, StateAdmission, StateEvictionOrder
 from radixkv.cache.hybrid.mamba_radix_cache import MambaMatchResult, MambaRadixCache
+from radixkv.cache.hybrid.state_storage import StateStorageMixin
 from radixkv.cache.hybrid.state_table import node_depths
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_insert import InsertMixin
@@ -42,16 +45,21 @@ from radixkv.memory.host_kv_pool import HostKVPool
 from radixkv.memory.host_state_pool import HostStatePool
 from radixkv.validation import check_count
 
+if TYPE_CHECKING:
+    from radixkv.storage.tier_controller import StorageController
+
 __all__ = ["TieredMambaRadixCache"]
 _I32 = np.dtype(np.int32)
 _tuple_new = tuple.__new__
 
 
-class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
+class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
     """A MambaRadixCache with a host KV tier (``host_pool``) beside its host state tier
     (``host_state_pool``, required: a host-only node needs somewhere to keep its state).
 
-    Args as :class:`MambaRadixCache` (no KV events, no compiled paths). Costs on top: a match
+    Args as :class:`MambaRadixCache` (no KV events, no compiled paths), plus ``storage`` (a
+    started StorageController or ``None``) and ``layout_fingerprint`` (seeds its page keys,
+    :mod:`.state_storage`). Costs on top: a match
     O(path); a demotion one batched KV copy per ``evict`` call plus one state copy per state;
     a load back one batched KV copy and one state copy; a host drop O(log H) per leaf.
     """
@@ -62,7 +70,8 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
                  eviction_policy: str | EvictionPolicy = "lru", admission_policy: str | StateAdmission = "every",
                  mamba_pool: StatePool | None = None, state_eviction_policy: str | StateEvictionOrder = "lru",
                  flop_model: FlopModel | None = None, disable: bool = False, metrics_window: int = 1000,
-                 checks: bool = True) -> None:
+                 checks: bool = True, storage: StorageController | None = None,
+                 layout_fingerprint: str = "") -> None:
         if not isinstance(host_pool, HostKVPool) or host_pool.kv_pool.page_size != page_size:
             raise InvalidArgumentError("host_pool must be a HostKVPool of the cache's page size")
         if not isinstance(host_state_pool, HostStatePool):
@@ -85,6 +94,7 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
         #: tokens hit per tier (device: up to the device state; host: past it) and traffic in pages
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
         self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0, "load_ns": 0}
+        self._init_storage(storage, layout_fingerprint)
 
     def tier_counters(self) -> dict[str, int]:
         """The host KV tier's figures (usage and hits in tokens, traffic in pages). O(1)."""
@@ -92,6 +102,9 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
                "page_bytes": self.host_pool.page_bytes}
         out.update({f"hit_tokens_{k}": v for k, v in self.tier_hits.items()})
         out.update(self.tier_stats)
+        if self.storage is not None:
+            out.update({f"storage_{k}": v for k, v in self.storage.stats.snapshot().items()})
+            out.update(self.storage_stats)
         return out
 
     # ------------------------------------------------------------------ match, load back
@@ -100,17 +113,27 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
         """MambaRadixCache's match over both tiers: ``last_node`` / ``prefix_len`` / rows up
         to the deepest device state; ``host_node`` / ``host_len`` to the deepest state in any
         tier when deeper (its KV may be on the host); ``kv_prefix_len`` the KV match over
-        both tiers. Touches and splits as RadixCache's. O(path + tokens)."""
+        both tiers. Touches and splits as RadixCache's; with storage, what it holds past the
+        tree (:meth:`_storage_fetch`) continues the path. O(path + tokens)."""
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
         buf = key._buf
         n = len(buf) - len(buf) % self._page_bytes
         head = self._heads.get(key.extra_key)
-        if n == 0 or self.disable or head is None:
+        if n == 0 or self.disable or (head is None and self.storage is None):
             self._metrics.record_query(len(buf) >> 2, 0)
             return _tuple_new(MambaMatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
                                                  head if head is not None else self._heads[None], 0, 0, 0, None))
-        path, pos = self._walk(head, buf, n)
+        path, pos = self._walk(head, buf, n) if head is not None else ([], 0)
+        got = None
+        if self.storage is not None and pos < n:
+            got = self._storage_fetch(key, path[-1] if path else head, pos, n)
+            if got is not None:
+                path.append(got)
+                pos += len(got.kbuf)
+            head = self._heads.get(key.extra_key)
+        if head is None:
+            head = self._heads[None]
         dev, hosted = self._states.slot_of, self._hstates.slot_of
         last: TreeNode = head
         s = depth = best = 0
@@ -128,9 +151,13 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
         rows = rows_tensor(b"".join(vals)[:s * 4], self.device) if s else torch.empty(
             0, dtype=torch.int64, device=self.device)
         hit = best if hnode is not None else s
+        stored = len(got.kbuf) >> 2 if got is not None and hnode is got else 0
+        if self.storage is not None and self.storage.admit == "reused" and last.hits >= 2:
+            self._storage_backup(last)
         self._metrics.record_query(len(buf) >> 2, hit)
         self.tier_hits["device"] += s
-        self.tier_hits["host"] += hit - s
+        self.tier_hits["host"] += hit - s - stored
+        self.tier_hits["storage"] += stored
         if hnode is not None:
             self._hstates.stats["hits"] += 1
             self._hstates.stats["hit_tokens"] += hit - s
@@ -223,6 +250,13 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
         self._file_if_leaf(cold[-1])
         self.tier_stats["loaded_pages"] += int(pages.size)
         return True
+
+    def _attach(self, node: TreeNode, slot: int, end: int) -> None:
+        """MambaRadixCache's; with storage (admit ``all``) the state and its path's pages are
+        backed up."""
+        super()._attach(node, slot, end)
+        if self.storage is not None and self.storage.admit == "all":
+            self._storage_backup(node)
 
     # ------------------------------------------------------------------ evict
     def _evict_leaves(self, num_tokens: int, rows: list[bytes], slots: list[int]) -> int:
@@ -387,6 +421,8 @@ class TieredMambaRadixCache(HostTierMixin, MambaRadixCache):
             raise InvariantError(f"TieredMambaRadixCache: host-only leaves without a state kept (tombstones "
                                  f"not removed): nodes {describe_ids(bare)}")
         mamba_audit.check_slot_laws(self, running_reqs)
+        if self.storage is not None:
+            self.storage.check_invariants()
 
 
 def _insert_tiered(cache: TieredMambaRadixCache, key: RadixKey | object, value: Any, priority: int = 0,

@@ -1,0 +1,231 @@
+"""``StateStorageMixin``: the storage tier (L3) of a hybrid tree
+(:class:`~radixkv.cache.hybrid.tiered_mamba_cache.TieredMambaRadixCache`). KV pages go under
+the KV tier's chained page keys (``radixkv.storage.keys``); a Mamba state under a key derived
+from the page key at its position and the state layout's fingerprint, as ``chunks`` page-sized
+rows (one controller and one backend hold both; a foreign layout's state is never found).
+
+Backup: a node that gets a device state (admit ``all``; ``reused``: once a match hits it again)
+queues the path's pages not yet queued and the state in one ``backup``. Fetch: a match ending
+before its key asks for the pages after it, then the deepest of those with a stored state
+(``last_present``), then that state (all its chunks, or a counted miss): the KV up to it goes
+into host pages and the state into a host state slot, a new host-only leaf that ``load_back``
+takes to the device. No state: no hit (KV without a state is never used). Three waits of at
+most the controller's timeout. The story: docs/tiers.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.radix_key import RadixKey
+from radixkv.cache.rows import rows_tensor
+from radixkv.cache.tiered_cache import TierNode
+from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
+from radixkv.errors import InvalidArgumentError
+from radixkv.memory.host_state_pool import HostStatePool
+from radixkv.storage.keys import layout_fingerprint, page_keys, storage_seed
+
+if TYPE_CHECKING:
+    from radixkv.allocator.host_pages import HostPageAllocator
+    from radixkv.cache.hybrid.host_states import HostStateTable
+    from radixkv.cache.hybrid.mamba_radix_cache import MambaRadixCache
+    from radixkv.memory.host_kv_pool import HostKVPool
+    from radixkv.storage.tier_controller import StorageController
+
+    _Base = MambaRadixCache
+else:
+    _Base = object
+
+__all__ = ["StateStorageMixin", "state_fingerprint", "STATE_KEY_VERSION"]
+_I32 = np.dtype(np.int32)
+#: Bumped whenever the state format or its key derivation changes: old states become misses.
+STATE_KEY_VERSION = b"radixkv/state/v1"
+_RECENT = 4096  # state keys remembered as queued (a state loaded back is not queued again)
+
+
+def state_fingerprint(pool: HostStatePool) -> str:
+    """A digest of the state layout (layers, shapes and dtypes of the conv and temporal
+    states): a state stored by another layout is never loaded."""
+    c, t = pool.conv, pool.temporal
+    return layout_fingerprint(kind="state", conv=(c.shape[0], *c.shape[2:]), conv_dtype=c.dtype,
+                              temporal=(t.shape[0], *t.shape[2:]), temporal_dtype=t.dtype)
+
+
+class StateStorageMixin(_Base):
+    """Storage for a hybrid tree with host tiers (mixed in first). ``storage_stats``:
+    ``states_queued`` / ``states_fetched``, ``state_misses`` (stored KV without a whole
+    stored state: absent, short or corrupt chunks). Costs: a backup O(path) + the new
+    pages' hashes + one state copy; a fetch one hash per page asked and three storage waits."""
+
+    if TYPE_CHECKING:  # the tree's (TieredMambaRadixCache, HostTierMixin)
+        host_pool: HostKVPool
+        host_alloc: HostPageAllocator
+        _hstates: HostStateTable
+        _pinned: set[int]
+        _host_tokens: int
+        _host_heap: list[tuple[int, int, TierNode]]
+
+        def _host_alloc(self, n: int) -> np.ndarray | None: ...
+
+    def _init_storage(self, storage: StorageController | None, fingerprint: str) -> None:
+        if storage is not None and self.kv_events is not None:
+            raise InvalidArgumentError("a hybrid tree's storage tier sends no KV events (not built yet)")
+        self.storage = storage
+        self._fingerprint = fingerprint
+        self._seeds: dict[Hashable, bytes] = {}
+        hsp: HostStatePool = self._hstates_pool()
+        self._state_fp = state_fingerprint(hsp).encode("ascii")
+        pb = self.host_pool.page_bytes
+        self._chunks = -(-hsp.slot_bytes // pb)
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.storage_stats = {"states_queued": 0, "states_fetched": 0, "state_misses": 0}
+
+    def _hstates_pool(self) -> HostStatePool:
+        pool = self.host_state_pool
+        if not isinstance(pool, HostStatePool):
+            raise InvalidArgumentError("a hybrid storage tier needs a host state tier")
+        return pool
+
+    # ------------------------------------------------------------------ keys
+    def _storage_seed(self, ns: Hashable) -> bytes:
+        seed = self._seeds.get(ns)
+        if seed is None:
+            seed = self._seeds[ns] = storage_seed(encode_extra_key(ns), self._fingerprint)
+        return seed
+
+    def _keyed_path(self, node: Any) -> list[Any]:
+        """The nodes from the namespace head (excluded) down to ``node``, each given its
+        page keys if it had none. O(depth) + one hash per page newly keyed."""
+        path: list[Any] = []
+        x = node
+        while x.parent is not None:
+            path.append(x)
+            x = x.parent
+        path.reverse()
+        prior: str | None = None
+        seed = self._storage_seed(x.extra_key)
+        for y in path:
+            if y.pkeys is None:
+                y.pkeys = page_keys(np.frombuffer(y.kbuf, _I32).copy(), self.page_size, seed, prior)
+            prior = y.pkeys[-1]
+        return path
+
+    def _state_key(self, kv_key: str) -> str:
+        return hashlib.sha256(STATE_KEY_VERSION + bytes.fromhex(kv_key) + self._state_fp).hexdigest()
+
+    def _chunk_keys(self, state_key: str) -> list[str]:
+        base = bytes.fromhex(state_key)
+        return [hashlib.sha256(base + struct.pack("<I", j)).hexdigest() for j in range(self._chunks)]
+
+    # ------------------------------------------------------------------ backup
+    def _storage_backup(self, node: Any) -> None:
+        """Queue the pages of ``node``'s path not yet queued and its device state (one
+        ``backup``); nothing when it holds no device state or its state was queued lately."""
+        st = self.storage
+        slot = self._states.slot_of.get(node)
+        if st is None or slot is None or node.parent is None:
+            return
+        path = self._keyed_path(node)
+        skey = self._state_key(node.pkeys[-1])
+        if skey in self._recent:
+            return
+        keys: list[str] = []
+        rows: list[torch.Tensor] = []
+        fresh: list[TierNode] = []
+        for x in path:
+            if x.backed:
+                continue
+            if x.vbuf:
+                r = self.host_pool.gather(rows_tensor(x.vbuf, self.device))
+            elif x.hbuf is not None:
+                r = self.host_pool.pages[torch.from_numpy(np.frombuffer(x.hbuf, _I32).astype(np.int64))]
+            else:
+                return
+            keys += x.pkeys
+            rows.append(r)
+            fresh.append(x)
+        pb = self.host_pool.page_bytes
+        state = torch.zeros(self._chunks * pb, dtype=torch.uint8)
+        raw = self._hstates_pool().device_state_bytes(slot)
+        state[:raw.numel()] = raw
+        rows.append(state.view(self._chunks, pb))
+        keys += self._chunk_keys(skey)
+        if st.backup(keys, torch.cat(rows)):
+            for x in fresh:
+                x.backed = True
+            self._recent[skey] = None
+            if len(self._recent) > _RECENT:
+                self._recent.popitem(last=False)
+            self.storage_stats["states_queued"] += 1
+
+    # ------------------------------------------------------------------ fetch
+    def _storage_fetch(self, key: RadixKey, node: TreeNode | None, pos: int, n: int) -> TierNode | None:
+        """A new host-only leaf under ``node`` (the match's last node, ``None``: no namespace
+        yet) for ``key[pos:n]`` (bytes) as far as storage holds its KV and a state at its
+        end, KV in host pages and the state in a host state slot; ``None`` without one."""
+        st = self.storage
+        if st is None:
+            return None
+        prior = None
+        if node is not None and node.parent is not None:
+            prior = self._keyed_path(node)[-1].pkeys[-1]
+        tokens = np.frombuffer(key._buf, _I32, count=(n - pos) >> 2, offset=pos).copy()
+        keys = page_keys(tokens, self.page_size, self._storage_seed(key.extra_key), prior)
+        rows = st.fetch(keys)
+        k = int(rows.shape[0])
+        if not k:
+            return None
+        skeys = [self._state_key(x) for x in keys[:k]]
+        j = st.last_present([self._chunk_keys(s)[-1] for s in skeys])
+        state = st.fetch(self._chunk_keys(skeys[j])) if j >= 0 else None
+        if state is None or int(state.shape[0]) < self._chunks:
+            self.storage_stats["state_misses"] += 1
+            return None
+        return self._adopt_stored(key, node, pos, keys[:j + 1], rows[:j + 1], state)
+
+    def _adopt_stored(self, key: RadixKey, node: TreeNode | None, pos: int, keys: list[str],
+                      rows: torch.Tensor, state: torch.Tensor) -> TierNode | None:
+        """Link a host-only leaf holding ``rows`` (host pages) and ``state`` (a host state
+        slot) under ``node``, its ancestors pinned meanwhile; ``None`` without host room."""
+        pinned: list[int] = []
+        x: Any = node
+        while x is not None and x.parent is not None:
+            pinned.append(x.id)
+            x = x.parent
+        self._pinned.update(pinned)
+        try:
+            pages = self._host_alloc(len(keys))  # may drop other host leaves (and an emptied head)
+            if pages is None:
+                return None
+            self.host_pool.write_rows(torch.from_numpy(pages.astype(np.int64)), rows)
+            if node is None or node.parent is None:
+                node = self._heads.get(key.extra_key)
+                if node is None:
+                    node = self._heads[key.extra_key] = NamespaceHead(self._new_id(), key.extra_key)
+            size = len(keys) * self._page_bytes
+            kb = key._buf[pos:pos + size]
+            self._clock += 1
+            leaf = TierNode(self._new_id(), node, kb, b"", self._clock)
+            leaf.hbuf, leaf.pkeys, leaf.backed, leaf.hits = pages.tobytes(), list(keys), True, 1
+            node.children[kb[:self._page_bytes]] = leaf
+            sync_only(node)
+            self._host_tokens += size >> 2
+            pinned.append(leaf.id)
+            self._pinned.add(leaf.id)
+            hslot, gone = self._hstates.demote(leaf, (pos + size) >> 2)
+            self._hstates_pool().write_state_bytes(hslot, state)
+            if gone is not None:
+                self._host_state_dropped(gone)
+            heapq.heappush(self._host_heap, (leaf.last_access, leaf.id, leaf))
+            self.storage_stats["states_fetched"] += 1
+            return leaf
+        finally:
+            self._pinned.difference_update(pinned)
