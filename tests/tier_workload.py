@@ -52,24 +52,26 @@ def storage_restart_prompts(ps, turn, vocab=50, extra=8):
             for t in conversations(np.random.default_rng(ps), 4, 3, turn, vocab)[4:8]]
 
 
-def replay_logits(engine, session, buffers, model, prompts, tol=1e-9):
-    """``prove_logits`` over the given ``prompts`` (one request each, finished at once).
-    Returns the tokens the extends reported loaded from the host tier."""
+def replay_logits(engine, session, buffers, model, prompts, tol=1e-9, prefix="r"):
+    """``prove_logits`` over the given ``prompts`` (one request each, finished at once; rids
+    ``prefix`` + its index). Returns the tokens the extends reported loaded from the host tier."""
     from radixkv.engine.protocol import ExtendItem
     from radixkv.reference import ModelCache
 
     mc = ModelCache.over(buffers)
     loaded = 0
     for i, tokens in enumerate(prompts):
-        (r,) = engine.alloc_extend(session, [ExtendItem(f"r{i}", tokens)])
+        rid = f"{prefix}{i}"
+        (r,) = engine.alloc_extend(session, [ExtendItem(rid, tokens)])
         engine.check_invariants()
         row = buffers.req_to_token[r.req_pool_idx, :r.seq_len].long()
         out = model.extend(tokens[r.start:], r.start, row[:r.start], row[r.start:], r.mamba_slot, mc,
                            track_slot=r.track_slot or None, track_seqlen=r.track_seqlen if r.track_slot else None)
         diff = (out - model.forward_reference(tokens)[r.start:]).abs().max().item()
-        assert diff <= tol, f"r{i}: logits differ from scratch by {diff:.3g} (prefix {r.prefix_len}, host {r.host_len})"
+        assert diff <= tol, f"{rid}: logits differ from scratch by {diff:.3g} (prefix {r.prefix_len}, " \
+            f"host {r.host_len})"
         loaded += r.host_len
-        engine.cache_finished(session, [f"r{i}"])
+        engine.cache_finished(session, [rid])
         engine.check_invariants()
     return loaded
 

@@ -15,10 +15,11 @@ from collections.abc import Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from radixkv.cache.kv_events import MEDIUM_GPU
 from radixkv.cache.radix_key import RadixKey, common_prefix_tokens
-from radixkv.cache.rows import check_value, rows_bytes
+from radixkv.cache.rows import check_value, rows_bytes, rows_tensor
 from radixkv.cache.tree_node import TreeNode
 from radixkv.errors import InvalidArgumentError
 
@@ -165,6 +166,16 @@ class HostTierMixin(_Base):
     def _in_tree(self, node: TreeNode) -> bool:
         p: Any = node.parent
         return p is not None and p.children.get(node.kbuf[:self._page_bytes]) is node
+
+    def _page_rows(self, node: TierNode) -> torch.Tensor | None:
+        """``node``'s pages as host page rows ``[pages, page_bytes]`` (uint8, CPU, a copy a
+        storage backup may keep): from its device rows, else its host pages; ``None`` when it
+        is on neither tier."""
+        if node.vbuf:
+            return self.host_pool.gather(rows_tensor(node.vbuf, self.device))
+        if node.hbuf is not None:
+            return self.host_pool.pages[torch.from_numpy(np.frombuffer(node.hbuf, _I32).astype(np.int64))]
+        return None
 
     def _drop_host_copy(self, node: TierNode) -> None:
         if node.hbuf is not None:

@@ -511,13 +511,9 @@ class TieredRadixCache(HostTierMixin, RadixCache):
         """Queue ``node``'s pages to storage from its device rows or host pages (a snapshot)."""
         if self.storage is None or node.backed or node.pkeys is None:
             return
-        if node.vbuf:
-            rows = self.host_pool.gather(rows_tensor(node.vbuf, self.device))
-        elif node.hbuf is not None:
-            rows = self.host_pool.pages[torch.from_numpy(np.frombuffer(node.hbuf, _I32).astype(np.int64))]
-        else:
-            return
-        node.backed = self.storage.backup(node.pkeys, rows)
+        rows = self._page_rows(node)
+        if rows is not None:
+            node.backed = self.storage.backup(node.pkeys, rows)
 
     def _fetch(self, key: RadixKey, node: TreeNode | None, pos: int, n: int) -> TierNode | None:
         """Read the pages of ``key[pos:n]`` storage holds (from the first) into a new

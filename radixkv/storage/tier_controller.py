@@ -11,8 +11,8 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch_into(keys, reserve)``: the same for a scattering backend, read straight into host-pool
   rows (no second copy): reserved for every key up front (one pass, no count) or once the count
   is known.
-* ``last_present(keys)``: the last of ``keys`` storage holds (``batch_exists`` of one key at a
-  time, from the end), waited for at most ``timeout_s`` (a hybrid tree's deepest stored state).
+* ``last_present(groups)``: the last group of keys storage holds whole (one ``batch_exists``
+  a group, from the end), waited for at most ``timeout_s`` (a hybrid tree's deepest stored state).
 * A backend that raises: a miss or a failed write, counted, logged once. Caller's cost: one
   queue put (backup), one wait bounded by the timeout (fetch).
 """
@@ -80,7 +80,7 @@ class _Read:
 
 @dataclass
 class _Probe:
-    keys: list[str]
+    groups: list[list[str]]
     done: threading.Event = field(default_factory=threading.Event)
     found: int = -1
     late: bool = False  # its caller returned: the worker stops probing
@@ -240,13 +240,13 @@ class StorageController:
             self.stats.fetched += k
         return k, pending
 
-    def last_present(self, keys: Sequence[str]) -> int:
-        """The index of the last of ``keys`` that storage holds (-1: none, or the probe
-        outlived ``timeout_s``, counted as a fetch timeout; the worker then stops it). One
-        ``batch_exists`` of one key at a time on the worker, from the last key back."""
-        if not keys or self._closed:
+    def last_present(self, groups: Sequence[Sequence[str]]) -> int:
+        """The index of the last of ``groups`` (lists of keys) whose every key storage holds
+        (-1: none, or the probe outlived ``timeout_s``, counted as a fetch timeout; the worker
+        then stops it). One ``batch_exists`` a group on the worker, from the last group back."""
+        if not groups or self._closed:
             return -1
-        job = _Probe(list(keys))
+        job = _Probe([list(g) for g in groups])
         t0 = time.perf_counter_ns()
         self._jobs.put((0, next(self._seq), job))
         done = job.done.wait(self.timeout_s)
@@ -374,10 +374,11 @@ class StorageController:
 
     def _probe(self, job: _Probe) -> None:
         try:
-            for i in range(len(job.keys) - 1, -1, -1):
+            for i in range(len(job.groups) - 1, -1, -1):
                 if job.late or self._closed:
                     break
-                if self._call("batch_exists", self.backend.batch_exists, job.keys[i:i + 1]) == 1:
+                group = job.groups[i]
+                if self._call("batch_exists", self.backend.batch_exists, group) == len(group):
                     job.found = i
                     break
         finally:

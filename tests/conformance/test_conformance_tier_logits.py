@@ -10,7 +10,15 @@ model has no MLA, so every cached prefix's latents must read back bit-equal to w
 written. Page sizes 1, 16 and 64; invariants after every call."""
 import pytest
 from conformance_util import Checked
-from tier_workload import mla_fields, proof_fields, proof_model, prove_logits, prove_mla_latents
+from tier_workload import (
+    mla_fields,
+    proof_fields,
+    proof_model,
+    prove_logits,
+    prove_mla_latents,
+    replay_logits,
+    storage_restart_prompts,
+)
 
 
 def _prove(engine_factory, pattern, ps, turn, events=None, **cfg):
@@ -72,3 +80,27 @@ def test_mla_latents_over_host_loads(engine_factory, ps):
     info = e.attach("proof")
     loaded = prove_mla_latents(e, info.session, engine_factory.buffers(raw, info), ps, turn)
     assert loaded > 0, "no latent came back from the host tier"
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_hybrid_logits_over_storage_loads_after_a_restart(engine_factory, ps, tmp_path):
+    """A hybrid model's storage tier (``file:///DIR``): the proof's conversations through one
+    engine, which is stopped (its write queue drained); an engine started again on the same
+    directory serves their prefixes (KV pages and the state at their end) from storage, and
+    every extend's logits, before and after, equal the from-scratch logits within 1e-9."""
+    kv, turn = (256, 64) if ps == 64 else (96, 24)
+    model = proof_model("KFK")
+    cfg = dict(proof_fields(model, ps), kv_tokens=kv, state_slots=5, host_state_slots=16, host_kv_tokens=1024,
+               storage=f"file://{tmp_path}", storage_timeout_ms=5000.0)
+    raw = engine_factory(**cfg)
+    e = Checked(raw)
+    info = e.attach("proof")
+    prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)
+    engine_factory.close()  # the engine stops: its storage write queue is drained
+    raw = engine_factory(**cfg)
+    e = Checked(raw)
+    info = e.attach("proof")
+    loaded = replay_logits(e, info.session, engine_factory.buffers(raw, info), model,
+                           storage_restart_prompts(ps, turn))
+    st = e.stats(info.session)
+    assert st.tier_hit_storage > 0 and loaded >= st.tier_hit_storage, (loaded, st)

@@ -335,3 +335,34 @@ def test_hybrid_warm_restart_over_the_file_backend(ps, tmp_path):
     assert st.tier_hit_storage > 0 and loaded >= st.tier_hit_storage, (loaded, st)
     assert eng.tree.storage_stats["states_fetched"] > 0
     eng.close()
+
+
+def test_hybrid_storage_down_at_start_runs_on_device_and_host(monkeypatch, caplog):
+    """A hybrid engine whose storage cannot be reached at start runs on its device and host
+    tiers (warned once), and still proves its logits over host loads."""
+    def refuse(url, *, page_bytes):
+        raise ConnectionRefusedError(f"{url}: nobody listens")
+
+    monkeypatch.setitem(sys.modules, "radixkv.storage.url", types.SimpleNamespace(open_storage=refuse))
+    with caplog.at_level(logging.WARNING):
+        model, eng, s, wb = _hybrid_engine(16, "mooncake://127.0.0.1:1")
+    assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.storage is None
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+    assert prove_logits(eng, s, wb, model, 16, 24) > 0
+    eng.close()
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_hybrid_logits_over_storage_loads_within_a_run(ps):
+    """A hybrid engine whose host tier holds about one conversation: host drops send its
+    prefixes away, and storage (the write queue drained after each request) brings them back
+    within the same run, KV and state, logits equal to the from-scratch ones."""
+    store = DictStorage()
+    model, eng, s, wb = _hybrid_engine(ps, storage=store, host_kv_tokens=96, host_state_slots=4)
+    convs = conversations(np.random.default_rng(ps), 4, 3, 24, model.config.vocab)
+    for i, tokens in enumerate(convs):
+        replay_logits(eng, s, wb, model, [tokens], prefix=f"t{i}-")
+        assert eng.tree.storage.drain(10.0)
+    st = eng.stats()
+    assert st.tier_hit_storage > 0 and st.host_dropped_pages > 0, st
+    eng.close()

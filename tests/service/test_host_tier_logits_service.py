@@ -7,7 +7,15 @@ latents read back bit-equal; a hybrid model with its KV in the host tier too
 import pytest
 from radixkv.service.client import connect
 from service_util import START_TIMEOUT_S, start_server, stop_server
-from tier_workload import mla_fields, proof_fields, proof_model, prove_logits, prove_mla_latents
+from tier_workload import (
+    mla_fields,
+    proof_fields,
+    proof_model,
+    prove_logits,
+    prove_mla_latents,
+    replay_logits,
+    storage_restart_prompts,
+)
 
 
 def _flags(fields):
@@ -57,3 +65,29 @@ def test_manager_process_serves_mla_latents_from_the_host_tier():
             c.detach(info.session)
     finally:
         assert stop_server(srv) == 0
+
+
+@pytest.mark.parametrize("ps", [16])
+def test_hybrid_manager_restarted_on_its_file_storage_serves_kv_and_states(ps, tmp_path):
+    """``radixkv serve --storage file:///DIR`` for a hybrid model: a manager stopped (SIGTERM:
+    its write queue drained) and started again on the same directory serves the earlier
+    prompts' KV and states from storage, logits equal to the from-scratch ones."""
+    model = proof_model("KFK")
+    flags = ["--device", "cpu", "--check-idle"] + _flags({
+        **proof_fields(model, ps), "kv_tokens": 96, "state_slots": 5, "host_state_slots": 16,
+        "host_kv_tokens": 1024, "storage": f"file://{tmp_path}", "storage_timeout_ms": 5000})
+    for restarted in (False, True):
+        srv = start_server(flags)
+        try:
+            with connect(srv.address, token=srv.token, wait_s=START_TIMEOUT_S) as c:
+                info = c.attach("proof")
+                wb = c.worker_buffers(info)
+                if restarted:
+                    loaded = replay_logits(c, info.session, wb, model, storage_restart_prompts(ps, 24))
+                    st = c.stats(info.session)
+                    assert st.tier_hit_storage > 0 and loaded >= st.tier_hit_storage, (loaded, st)
+                else:
+                    prove_logits(c, info.session, wb, model, ps, 24)
+                c.detach(info.session)
+        finally:
+            assert stop_server(srv) == 0

@@ -1,16 +1,16 @@
 """``StateStorageMixin``: the storage tier (L3) of a hybrid tree
 (:class:`~radixkv.cache.hybrid.tiered_mamba_cache.TieredMambaRadixCache`). KV pages go under
-the KV tier's chained page keys (``radixkv.storage.keys``); a Mamba state under a key derived
-from the page key at its position and the state layout's fingerprint, as ``chunks`` page-sized
-rows (one controller and one backend hold both; a foreign layout's state is never found).
+the KV tier's chained page keys; a Mamba state under a key derived from the page key at its
+position and the state layout's fingerprint, as ``chunks`` page-sized rows (one controller and
+one backend hold both; a foreign layout's state is never found).
 
 Backup: a node that gets a device state (admit ``all``; ``reused``: once a match hits it again)
-queues the path's pages not yet queued and the state in one ``backup``. Fetch: a match ending
-before its key asks for the pages after it, then the deepest of those with a stored state
-(``last_present``), then that state (all its chunks, or a counted miss): the KV up to it goes
-into host pages and the state into a host state slot, a new host-only leaf that ``load_back``
-takes to the device. No state: no hit (KV without a state is never used). Three waits of at
-most the controller's timeout. The story: docs/tiers.md.
+queues its path's pages not yet queued and the state in one ``backup``. Fetch: a match ending
+before its key asks for the pages after it, then for the deepest of them with every chunk of a
+state stored (``last_present``), then that state (read whole, else a counted miss); the KV up
+to it goes into host pages and the state into a host state slot: a new host-only leaf that
+``load_back`` takes to the device. No state: no hit (KV without a state is never used). Three
+waits of at most the controller's timeout. The story: docs/tiers.md.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import torch
 
 from radixkv.cache.block_hash import encode_extra_key
 from radixkv.cache.radix_key import RadixKey
-from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tiered_cache import TierNode
 from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
 from radixkv.errors import InvalidArgumentError
@@ -74,6 +73,8 @@ class StateStorageMixin(_Base):
         _host_heap: list[tuple[int, int, TierNode]]
 
         def _host_alloc(self, n: int) -> np.ndarray | None: ...
+
+        def _page_rows(self, node: TierNode) -> torch.Tensor | None: ...
 
     def _init_storage(self, storage: StorageController | None, fingerprint: str) -> None:
         if storage is not None and self.kv_events is not None:
@@ -143,11 +144,8 @@ class StateStorageMixin(_Base):
         for x in path:
             if x.backed:
                 continue
-            if x.vbuf:
-                r = self.host_pool.gather(rows_tensor(x.vbuf, self.device))
-            elif x.hbuf is not None:
-                r = self.host_pool.pages[torch.from_numpy(np.frombuffer(x.hbuf, _I32).astype(np.int64))]
-            else:
+            r = self._page_rows(x)
+            if r is None:
                 return
             keys += x.pkeys
             rows.append(r)
@@ -184,8 +182,9 @@ class StateStorageMixin(_Base):
         if not k:
             return None
         skeys = [self._state_key(x) for x in keys[:k]]
-        j = st.last_present([self._chunk_keys(s)[-1] for s in skeys])
-        state = st.fetch(self._chunk_keys(skeys[j])) if j >= 0 else None
+        groups = [self._chunk_keys(s) for s in skeys]
+        j = st.last_present(groups)
+        state = st.fetch(groups[j]) if j >= 0 else None
         if state is None or int(state.shape[0]) < self._chunks:
             self.storage_stats["state_misses"] += 1
             return None

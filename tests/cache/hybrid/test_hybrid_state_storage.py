@@ -1,0 +1,249 @@
+"""The storage tier (L3) of a hybrid tree (``TieredMambaRadixCache`` with ``storage``,
+``radixkv/cache/hybrid/state_storage.py``): a node that gets a state backs up its path's pages
+and the state; a tree started again on the same store finds them past its (empty) tree and
+loads KV and state back, bit-equal; KV without a whole stored state is never a hit; a corrupt,
+missing or foreign state is a counted miss; a deleted directory or a stalled backend costs hits,
+never errors. KV values and states name their own prefix (``serve`` checks every reused row and
+state), and a seeded stress with restarts runs the audit after every step."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import rule
+from storage_double import DictStorage
+from test_tiered_mamba_cache import TieredHybridMachine, kv, make, serve, state_of
+from tier_util import read_kv
+
+from radixkv.errors import InvalidArgumentError
+from radixkv.storage.file import FileStorage
+
+
+def _drained(cache):
+    assert cache.storage.drain(10.0)
+    return cache
+
+
+def _state_keys(cache, tokens):
+    """The storage keys of the chunks of the state stored at the end of ``tokens``."""
+    toks = np.asarray(tokens, dtype=np.int32)
+    from radixkv.storage.keys import page_keys
+
+    keys = page_keys(toks, cache.page_size, cache._storage_seed(None))
+    return cache._chunk_keys(cache._state_key(keys[-1]))
+
+
+def _loaded(cache, mamba, tokens, query_extra=1):
+    """Match ``tokens`` plus a page, load it back; returns the grown match, with the reused
+    KV and the whole state checked against ``tokens``' prefix."""
+    ps = cache.page_size
+    q = np.asarray(list(tokens) + [99] * (query_extra * ps), dtype=np.int32)
+    m = cache.load_back(cache.match_prefix(q))
+    cache.check_invariants()
+    if m.prefix_len:
+        assert torch.equal(read_kv(cache, m.device_indices), kv(q[:m.prefix_len]))
+        slot = cache.state_slot(m.last_node)
+        assert torch.all(mamba.temporal_state[:, slot] == state_of(q[:m.prefix_len]))
+        assert torch.all(mamba.conv_state[:, slot] == 0)
+    return m
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_a_restarted_tree_loads_kv_and_state_from_storage(ps):
+    store = DictStorage()
+    cache, alloc, mamba = make(ps, backend=store)
+    a = list(range(1, 1 + 2 * ps))
+    b = a + list(range(50, 50 + 3 * ps))
+    serve(cache, alloc, mamba, a)
+    serve(cache, alloc, mamba, b)
+    assert _drained(cache).storage_stats["states_queued"] == 2
+    assert cache.storage.stats.written == 5 + 2 * cache._chunks  # b's pages once, two states
+    cache2, alloc2, mamba2 = make(ps, backend=store)  # a restart: fresh pools, the same store
+    m = cache2.match_prefix(np.array(b + [99] * ps, dtype=np.int32))
+    assert (m.prefix_len, m.host_len, m.kv_prefix_len) == (0, 5 * ps, 5 * ps)
+    cache2.check_invariants()
+    assert cache2.host_size() == 5 * ps and cache2.tier_counters()["hit_tokens_storage"] == 5 * ps
+    got = _loaded(cache2, mamba2, b, query_extra=1)  # matched again: now a host hit, then loaded
+    assert got.prefix_len == 5 * ps and cache2.storage_stats["states_fetched"] == 1
+    assert serve(cache2, alloc2, mamba2, b + [7] * ps) == (5 * ps, 0)  # on the device now
+    cache2.check_invariants()
+
+
+def test_the_deepest_stored_state_is_the_hit_and_kv_past_it_is_not_kept():
+    store = DictStorage()
+    cache, alloc, mamba = make(1, backend=store)
+    serve(cache, alloc, mamba, [1, 2, 3])
+    serve(cache, alloc, mamba, [1, 2, 3, 4, 5, 6])
+    _drained(cache)
+    for k in _state_keys(cache, [1, 2, 3, 4, 5, 6]):
+        del store.pages[k]  # KV of 1..6 stored, states at 3 only
+    cache2, _, mamba2 = make(1, backend=store)
+    m = cache2.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert (m.host_len, m.kv_prefix_len, cache2.host_size()) == (3, 3, 3)  # no stateless KV kept
+    cache2.check_invariants()
+    assert _loaded(cache2, mamba2, [1, 2, 3, 4, 5, 6]).prefix_len == 3
+
+
+def test_kv_without_its_state_is_no_hit():
+    store = DictStorage()
+    cache, alloc, mamba = make(1, backend=store)
+    serve(cache, alloc, mamba, [1, 2, 3, 4])
+    _drained(cache)
+    for k in _state_keys(cache, [1, 2, 3, 4]):
+        del store.pages[k]
+    cache2, _, _ = make(1, backend=store)
+    m = cache2.match_prefix([1, 2, 3, 4, 5])
+    assert (m.prefix_len, m.host_len, m.kv_prefix_len) == (0, 0, 0)
+    assert cache2.storage_stats["state_misses"] == 1 and cache2.host_size() == 0
+    cache2.check_invariants()
+
+
+def test_a_state_of_another_layout_is_never_loaded():
+    store = DictStorage()
+    cache, alloc, mamba = make(1, backend=store)
+    serve(cache, alloc, mamba, [1, 2, 3, 4])
+    _drained(cache)
+    other, _, _ = make(1, backend=store, state_shape=(1, 2, 3))  # same KV layout, another state layout
+    m = other.match_prefix([1, 2, 3, 4, 5])
+    assert m.host_len == 0 and other.storage_stats["state_misses"] == 1
+    other.check_invariants()
+
+
+def test_corrupt_and_missing_state_files_are_counted_misses(tmp_path):
+    """The file backend: a flipped byte in the deepest state's chunk makes it a miss (counted
+    by the backend and the tree, the file deleted); the next match falls back to the state
+    above it; a deleted state file is a miss as well."""
+    cache, alloc, mamba = make(1, backend=FileStorage(tmp_path, page_bytes=64))
+    a, b = [1, 2, 3], [1, 2, 3, 4, 5]
+    serve(cache, alloc, mamba, a)
+    serve(cache, alloc, mamba, b)
+    _drained(cache)
+    fs = cache.storage.backend
+    path = fs.path_of(_state_keys(cache, b)[0])
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    cache2, _, mamba2 = make(1, backend=FileStorage(tmp_path, page_bytes=64))
+    m = cache2.match_prefix(b + [9])
+    assert m.host_len == 0 and cache2.storage_stats["state_misses"] == 1
+    assert cache2.storage.backend.stats().corrupt == 1
+    cache2.check_invariants()
+    got = _loaded(cache2, mamba2, b)  # the corrupt file is gone: a's state is the deepest now
+    assert got.prefix_len == 3
+    for k in _state_keys(cache, a):
+        fs.path_of(k).unlink()
+    cache3, _, _ = make(1, backend=FileStorage(tmp_path, page_bytes=64))
+    assert cache3.match_prefix(b + [9]).host_len == 0 and cache3.storage_stats["state_misses"] == 1
+    cache3.check_invariants()
+
+
+def test_a_storage_directory_deleted_mid_run_costs_hits_not_errors(tmp_path):
+    cache, alloc, mamba = make(1, backend=FileStorage(tmp_path / "s", page_bytes=64))
+    serve(cache, alloc, mamba, [1, 2, 3, 4])
+    _drained(cache)
+    shutil.rmtree(tmp_path / "s")
+    cache2, alloc2, mamba2 = make(1, backend=FileStorage(tmp_path / "s", page_bytes=64))
+    assert cache2.match_prefix([1, 2, 3, 4, 5]).host_len == 0
+    serve(cache2, alloc2, mamba2, [1, 2, 3, 4])  # written again: the directory is recreated
+    _drained(cache2)
+    cache3, _, mamba3 = make(1, backend=FileStorage(tmp_path / "s", page_bytes=64))
+    assert _loaded(cache3, mamba3, [1, 2, 3, 4]).prefix_len == 4
+
+
+def test_a_stalled_backend_costs_the_hit_not_the_call():
+    store = DictStorage()
+    cache, alloc, mamba = make(1, backend=store)
+    serve(cache, alloc, mamba, [1, 2, 3, 4])
+    _drained(cache)
+    cache2, _, _ = make(1, backend=store, timeout_s=0.01)
+    store.gate.clear()  # every backend call blocks
+    try:
+        m = cache2.match_prefix([1, 2, 3, 4, 5])
+        assert m.host_len == 0 and cache2.storage.stats.fetch_timeouts == 1
+        cache2.check_invariants()
+    finally:
+        store.gate.set()
+
+
+def test_storage_with_kv_events_is_refused():
+    from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
+
+    cache, _, _ = make(1, backend=DictStorage())
+    cache.kv_events = object()
+    with pytest.raises(InvalidArgumentError, match="KV events"):
+        TieredMambaRadixCache._init_storage(cache, cache.storage, "x")
+
+
+@pytest.mark.parametrize("ps,seed", [(1, 0), (2, 1), (4, 2)])
+def test_seeded_stress_with_storage_and_restarts(ps, seed):
+    """Conversations served through the tree with KV, state and host drops and restarts (the
+    tree started again over fresh pools on the same store, after a drain): every reused row
+    and state (device, host or storage) is checked against its prefix; the audit after
+    every step."""
+    rng = np.random.default_rng(seed)
+    store = DictStorage()
+
+    def fresh():
+        return make(ps, device_tokens=24 * ps, host_tokens=24 * ps, slots=4, host_slots=4, backend=store)
+
+    cache, alloc, mamba = fresh()
+    convs = [list(rng.integers(1, 30, size=int(rng.integers(1, 3)) * ps)) for _ in range(5)]
+    stored = restarts = 0
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.65:
+            i = int(rng.integers(len(convs)))
+            grow = list(rng.integers(1, 30, size=int(rng.integers(1, 4)) * ps))
+            if len(convs[i]) + len(grow) > 16 * ps:
+                convs[i] = convs[i][:ps]
+            if serve(cache, alloc, mamba, convs[i] + grow) is not None:
+                convs[i] = convs[i] + grow
+        elif op < 0.75:
+            cache.evict(int(rng.integers(1, 8 * ps)))
+        elif op < 0.82:
+            cache.evict(0, int(rng.integers(1, 3)))
+        elif op < 0.92:
+            cache.evict_host(int(rng.integers(1, 6)))
+        else:
+            stored += _drained(cache).tier_counters()["hit_tokens_storage"]
+            cache, alloc, mamba = fresh()
+            restarts += 1
+        cache.check_invariants()
+    stored += cache.tier_counters()["hit_tokens_storage"]
+    assert restarts > 0 and stored > 0, (restarts, stored)
+
+
+class StoredHybridMachine(TieredHybridMachine):
+    """``TieredHybridMachine`` (serve, match, KV / state / host drops against the model of the
+    prefixes given a state) with a storage tier, and restarts: the tree started again over
+    fresh pools on the same store (drained first). A match, from any tier, ends only where a
+    state was given; the audit holds after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.store = DictStorage()
+        self.cache, self.alloc, self.mamba = self._fresh()
+
+    def _fresh(self):
+        ps = self.PS
+        return make(ps, device_tokens=16 * ps, host_tokens=12 * ps, slots=4, host_slots=3, backend=self.store)
+
+    @rule()
+    def restart(self):
+        _drained(self.cache)
+        self.cache, self.alloc, self.mamba = self._fresh()
+
+    def teardown(self):
+        self.cache.storage.close()
+
+
+class StoredHybridMachinePaged(StoredHybridMachine):
+    PS = 2
+
+
+_SETTINGS = settings(max_examples=20, stateful_step_count=30, deadline=None)
+TestStoredHybridMachine = StoredHybridMachine.TestCase
+TestStoredHybridMachine.settings = _SETTINGS
+TestStoredHybridMachinePaged = StoredHybridMachinePaged.TestCase
+TestStoredHybridMachinePaged.settings = _SETTINGS
