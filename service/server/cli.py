@@ -59,7 +59,8 @@ def _choices() -> dict[str, str]:
             "host_kv_tokens": ": tokens of the host-memory tier behind the device pool (0: off)",
             "host_state_slots": ": Mamba states of the host-memory tier (hybrid models; 0: off)",
             "write_policy": f": one of {', '.join(WRITE_POLICIES)}",
-            "storage": ": the storage tier's URL (file:///DIR, ...; needs --host-kv-tokens)",
+            "storage": ": the storage tier's URL (file:///DIR, ...; needs --host-kv-tokens, and for a hybrid "
+                       "model --host-state-slots)",
             "storage_admit": f": one of {', '.join(STORAGE_ADMIT)}"}
 
 

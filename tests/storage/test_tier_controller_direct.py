@@ -192,3 +192,16 @@ def test_given_buffers_of_the_wrong_count_raise_and_change_nothing():
         with pytest.raises(LengthMismatchError):
             ctl.fetch_into(keys, Pool().reserve(2))
         assert ctl.stats.fetched == 0 and ctl.wait_reads(0.0)
+
+
+def test_last_present_finds_the_last_whole_group_and_never_waits_past_the_timeout():
+    """``last_present``: the last group of keys storage holds whole (a group with a missing
+    key is passed over); with the backend stalled it returns -1, counted as a timeout."""
+    store, keys, _ = _stored(6)
+    with _controller(store, 5.0) as ctl:
+        assert ctl.last_present([["k0", "k1"], ["k2", "nope"], ["k3"], ["x"]]) == 2
+        assert ctl.last_present([["x"], ["k5", "y"]]) == -1
+        assert ctl.last_present([]) == -1
+    with _controller(store, 0.01) as ctl:
+        store.gate.clear()  # every backend call blocks until released
+        assert ctl.last_present([["k0"]]) == -1 and ctl.stats.fetch_timeouts == 1

@@ -159,10 +159,15 @@ class StateStorageMixin(_Base):
         if st.backup(keys, torch.cat(rows)):
             for x in fresh:
                 x.backed = True
-            self._recent[skey] = None
-            if len(self._recent) > _RECENT:
-                self._recent.popitem(last=False)
+            self._remember(skey)
             self.storage_stats["states_queued"] += 1
+
+    def _remember(self, state_key: str) -> None:
+        """Note a state storage holds (queued or read): not queued again while remembered."""
+        self._recent[state_key] = None
+        self._recent.move_to_end(state_key)
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
 
     # ------------------------------------------------------------------ fetch
     def _storage_fetch(self, key: RadixKey, node: TreeNode | None, pos: int, n: int) -> TierNode | None:
@@ -224,6 +229,7 @@ class StateStorageMixin(_Base):
             if gone is not None:
                 self._host_state_dropped(gone)
             heapq.heappush(self._host_heap, (leaf.last_access, leaf.id, leaf))
+            self._remember(self._state_key(keys[-1]))  # loaded back, it is not written again
             self.storage_stats["states_fetched"] += 1
             return leaf
         finally:

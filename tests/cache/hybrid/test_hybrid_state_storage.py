@@ -66,6 +66,7 @@ def test_a_restarted_tree_loads_kv_and_state_from_storage(ps):
     assert cache2.host_size() == 5 * ps and cache2.tier_counters()["hit_tokens_storage"] == 5 * ps
     got = _loaded(cache2, mamba2, b, query_extra=1)  # matched again: now a host hit, then loaded
     assert got.prefix_len == 5 * ps and cache2.storage_stats["states_fetched"] == 1
+    assert cache2.storage_stats["states_queued"] == 0  # a state read from storage is not written again
     assert serve(cache2, alloc2, mamba2, b + [7] * ps) == (5 * ps, 0)  # on the device now
     cache2.check_invariants()
 
@@ -164,6 +165,19 @@ def test_a_stalled_backend_costs_the_hit_not_the_call():
         cache2.check_invariants()
     finally:
         store.gate.set()
+
+
+def test_admit_reused_backs_up_a_state_once_it_is_hit_again():
+    store = DictStorage()
+    cache, alloc, mamba = make(1, backend=store, admit="reused")
+    serve(cache, alloc, mamba, [1, 2, 3, 4])
+    assert cache.storage_stats["states_queued"] == 0
+    for _ in range(2):  # matches count hits (serve matched once): the node is backed up at its second
+        assert cache.match_prefix([1, 2, 3, 4, 5]).prefix_len == 4
+    assert cache.storage_stats["states_queued"] == 1
+    _drained(cache)
+    cache2, _, mamba2 = make(1, backend=store, admit="reused")
+    assert _loaded(cache2, mamba2, [1, 2, 3, 4]).prefix_len == 4
 
 
 def test_storage_with_kv_events_is_refused():

@@ -28,7 +28,7 @@ from tier_util import kv_of, read_kv, write_kv  # noqa: E402
 
 
 def make(ps=1, device_tokens=32, host_tokens=64, slots=4, host_slots=6, backend=None, timeout_s=5.0,
-         state_shape=(1, 2, 2)):
+         state_shape=(1, 2, 2), admit="all"):
     """A tree over fresh pools; with ``backend`` a storage tier over it (tests/cache/hybrid/
     test_hybrid_state_storage.py)."""
     from radixkv.storage.tier_controller import StorageController
@@ -38,7 +38,8 @@ def make(ps=1, device_tokens=32, host_tokens=64, slots=4, host_slots=6, backend=
              else PagedTokenToKVPoolAllocator(device_tokens, ps, "cpu", kvcache=kv))
     mamba = MambaPool(slots, (3, 4), state_shape, 2, dtype=torch.float64)
     host = HostKVPool(kv, host_tokens // ps)
-    storage = None if backend is None else StorageController(backend, host.page_bytes, timeout_s=timeout_s)
+    storage = None if backend is None else StorageController(backend, host.page_bytes, timeout_s=timeout_s,
+                                                                 admit=admit)
     cache = TieredMambaRadixCache(None, alloc, host_pool=host, host_state_pool=HostStatePool(mamba, host_slots),
                                   page_size=ps, mamba_pool=mamba, storage=storage, layout_fingerprint="test")
     return cache, alloc, mamba
