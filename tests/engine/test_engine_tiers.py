@@ -366,3 +366,40 @@ def test_hybrid_logits_over_storage_loads_within_a_run(ps):
     st = eng.stats()
     assert st.tier_hit_storage > 0 and st.host_dropped_pages > 0, st
     eng.close()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete_dir"])
+def test_hybrid_storage_faults_cost_hits_never_logits(damage, tmp_path):
+    """A hybrid engine's file tier damaged between a stop and a restart (every page and state
+    file flipped or truncated, or the directory deleted): the restarted engine serves no
+    storage hit, counts the damaged files, and its logits equal the from-scratch ones; what it
+    writes then is served to the next restart (a deleted directory is recreated)."""
+    import shutil
+
+    ps, turn, url = 16, 24, f"file://{tmp_path}/s"
+    model, eng, s, wb = _hybrid_engine(ps, url)
+    prove_logits(eng, s, wb, model, ps, turn)
+    eng.close()
+    files = [p for p in (tmp_path / "s").rglob("*.page")]
+    assert files
+    for p in files:
+        if damage == "corrupt":
+            raw = bytearray(p.read_bytes())
+            raw[5] ^= 0x5A
+            p.write_bytes(bytes(raw))
+        elif damage == "truncate":
+            p.write_bytes(p.read_bytes()[:-9])
+    if damage == "delete_dir":
+        shutil.rmtree(tmp_path / "s")
+    prompts = storage_restart_prompts(ps, turn)
+    model, eng, s, wb = _hybrid_engine(ps, url)
+    replay_logits(eng, s, wb, model, prompts)
+    st = eng.stats()
+    assert st.tier_hit_storage == 0, st
+    if damage == "corrupt":  # read and found corrupt (a truncated file fails the size check first)
+        assert eng.tree.storage.backend.stats().corrupt > 0
+    eng.close()
+    model, eng, s, wb = _hybrid_engine(ps, url)
+    loaded = replay_logits(eng, s, wb, model, [np.concatenate([p, p[:4]]) for p in prompts])
+    assert eng.stats().tier_hit_storage > 0 and loaded > 0
+    eng.close()
