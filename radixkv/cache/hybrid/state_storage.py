@@ -47,7 +47,7 @@ __all__ = ["StateStorageMixin", "state_fingerprint", "STATE_KEY_VERSION"]
 _I32 = np.dtype(np.int32)
 #: Bumped whenever the state format or its key derivation changes: old states become misses.
 STATE_KEY_VERSION = b"radixkv/state/v1"
-_RECENT = 4096  # state keys remembered as queued (a state loaded back is not queued again)
+_RECENT = 4096  # nodes remembered as holding a stored state (a state loaded back is not queued again)
 
 
 def state_fingerprint(pool: HostStatePool) -> str:
@@ -86,7 +86,7 @@ class StateStorageMixin(_Base):
         self._state_fp = state_fingerprint(hsp).encode("ascii")
         pb = self.host_pool.page_bytes
         self._chunks = -(-hsp.slot_bytes // pb)
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._recent: OrderedDict[int, None] = OrderedDict()  # node ids
         self.storage_stats = {"states_queued": 0, "states_fetched": 0, "state_misses": 0}
 
     def _hstates_pool(self) -> HostStatePool:
@@ -134,10 +134,10 @@ class StateStorageMixin(_Base):
         slot = self._states.slot_of.get(node)
         if st is None or slot is None or node.parent is None:
             return
+        if node.id in self._recent:
+            return
         path = self._keyed_path(node)
         skey = self._state_key(node.pkeys[-1])
-        if skey in self._recent:
-            return
         keys: list[str] = []
         rows: list[torch.Tensor] = []
         fresh: list[TierNode] = []
@@ -159,13 +159,14 @@ class StateStorageMixin(_Base):
         if st.backup(keys, torch.cat(rows)):
             for x in fresh:
                 x.backed = True
-            self._remember(skey)
+            self._remember(node)
             self.storage_stats["states_queued"] += 1
 
-    def _remember(self, state_key: str) -> None:
-        """Note a state storage holds (queued or read): not queued again while remembered."""
-        self._recent[state_key] = None
-        self._recent.move_to_end(state_key)
+    def _remember(self, node: TreeNode) -> None:
+        """Note that storage holds ``node``'s state (queued or read): not queued again while
+        remembered (a node made anew, e.g. after a drop, is queued again: ids are never reused)."""
+        self._recent[node.id] = None
+        self._recent.move_to_end(node.id)
         if len(self._recent) > _RECENT:
             self._recent.popitem(last=False)
 
@@ -229,7 +230,7 @@ class StateStorageMixin(_Base):
             if gone is not None:
                 self._host_state_dropped(gone)
             heapq.heappush(self._host_heap, (leaf.last_access, leaf.id, leaf))
-            self._remember(self._state_key(keys[-1]))  # loaded back, it is not written again
+            self._remember(leaf)  # loaded back, its state is not written again
             self.storage_stats["states_fetched"] += 1
             return leaf
         finally:

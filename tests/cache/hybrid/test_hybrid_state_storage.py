@@ -140,16 +140,26 @@ def test_corrupt_and_missing_state_files_are_counted_misses(tmp_path):
 
 
 def test_a_storage_directory_deleted_mid_run_costs_hits_not_errors(tmp_path):
+    """One tree and one file backend throughout: the directory deleted under them makes
+    storage miss (no error); the next writes recreate it and are served again."""
     cache, alloc, mamba = make(1, backend=FileStorage(tmp_path / "s", page_bytes=64))
+
+    def forget():  # empty both tiers: only storage can serve the prompt now
+        cache.evict(cache.evictable_size())
+        cache.evict_host(cache.host_capacity())
+        cache.check_invariants()
+        assert cache.total_size() == 0 and cache.host_size() == 0
+
     serve(cache, alloc, mamba, [1, 2, 3, 4])
     _drained(cache)
     shutil.rmtree(tmp_path / "s")
-    cache2, alloc2, mamba2 = make(1, backend=FileStorage(tmp_path / "s", page_bytes=64))
-    assert cache2.match_prefix([1, 2, 3, 4, 5]).host_len == 0
-    serve(cache2, alloc2, mamba2, [1, 2, 3, 4])  # written again: the directory is recreated
-    _drained(cache2)
-    cache3, _, mamba3 = make(1, backend=FileStorage(tmp_path / "s", page_bytes=64))
-    assert _loaded(cache3, mamba3, [1, 2, 3, 4]).prefix_len == 4
+    forget()
+    assert cache.match_prefix([1, 2, 3, 4, 5]).host_len == 0
+    serve(cache, alloc, mamba, [1, 2, 3, 4])  # written again: the directory is recreated
+    _drained(cache)
+    forget()
+    assert _loaded(cache, mamba, [1, 2, 3, 4]).prefix_len == 4
+    assert cache.storage.stats.write_failed == 0 and cache.storage_stats["states_fetched"] == 1
 
 
 def test_a_stalled_backend_costs_the_hit_not_the_call():
