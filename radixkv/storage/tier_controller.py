@@ -8,13 +8,11 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch(keys)``: prefetched pages, then ``batch_exists`` + ``batch_get`` waited for at most
   ``timeout_s``; a late read goes on and its pages wait (``max_ready_pages``) for a later fetch.
   One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
-* ``fetch_into(keys, reserve)``: the same for a scattering backend, read straight into host-pool
-  rows (no second copy): reserved for every key up front (one pass, no count) or once the count
-  is known.
-* ``last_present(groups)``: the last group of keys storage holds whole (one ``batch_exists``
-  a group, from the end), waited for at most ``timeout_s`` (a hybrid tree's deepest stored state).
-* A backend that raises: a miss or a failed write, counted, logged once. Caller's cost: one
-  queue put (backup), one wait bounded by the timeout (fetch).
+* ``fetch_into(keys, reserve)``: the same for a scattering backend, straight into host-pool rows
+  (no second copy) reserved for every key up front (one pass) or once the count is known.
+* ``last_present(groups)``: the last group of keys held whole (``batch_exists`` a group, from
+  the end; a hybrid tree's deepest stored state), waited for at most ``timeout_s``.
+* A backend that raises: a miss or a failed write, counted, logged once.
 """
 from __future__ import annotations
 
