@@ -330,7 +330,10 @@ def test_hybrid_warm_restart_over_the_file_backend(ps, tmp_path):
     prove_logits(eng, s, wb, model, ps, turn)
     eng.close()  # drains the write queue
     model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}")
-    loaded = replay_logits(eng, s, wb, model, storage_restart_prompts(ps, turn))
+    prompts = storage_restart_prompts(ps, turn)
+    info = eng.match(s, [MatchQuery(prompts[0])])[0]  # read from storage into the host tier
+    assert info.storage_len == info.host_len == (len(prompts[0]) - 8) // ps * ps, info
+    loaded = replay_logits(eng, s, wb, model, prompts)
     st = eng.stats()
     assert st.tier_hit_storage > 0 and loaded >= st.tier_hit_storage, (loaded, st)
     assert eng.tree.storage_stats["states_fetched"] > 0

@@ -66,6 +66,8 @@ class MambaMatchResult(NamedTuple):
             may end a chunk to checkpoint the state (Marconi's speculative insertion).
         host_len: with the host state tier, tokens past ``prefix_len`` up to ``host_node``,
             whose state is in the host tier (:meth:`MambaRadixCache.load_back` loads it).
+        storage_len: of ``host_len``, the tokens this match read from storage (a hybrid
+            storage tier, :mod:`~radixkv.cache.hybrid.state_storage`).
     """
 
     device_indices: torch.Tensor
@@ -74,6 +76,7 @@ class MambaMatchResult(NamedTuple):
     kv_prefix_len: int
     host_len: int = 0
     host_node: TreeNode | None = None
+    storage_len: int = 0
 
     @property
     def last_device_node(self) -> TreeNode:
@@ -249,7 +252,7 @@ class MambaRadixCache(RadixCache):
             s -= len(node.kbuf) >> 2
             node = node.parent
         self._metrics.record_query(len(key._buf) >> 2, s)
-        return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n, 0, None))
+        return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n, 0, None, 0))
 
     def _match_tiers(self, key: RadixKey, idx: torch.Tensor, node: TreeNode, n: int) -> MambaMatchResult:
         """match_prefix's walk up with the host state tier: the deepest node with a state in
@@ -267,7 +270,7 @@ class MambaRadixCache(RadixCache):
             stats["hits"] += 1
             stats["hit_tokens"] += hs - s
         return _tuple_new(MambaMatchResult, (idx if s == n else idx[:s], node, s, n,
-                                             0 if hnode is None else hs - s, hnode))
+                                             0 if hnode is None else hs - s, hnode, 0))
 
     def load_back(self, m: MambaMatchResult) -> MambaMatchResult:
         """Load the host state of ``m.host_node`` into a device slot (evicting one unpinned
@@ -298,7 +301,7 @@ class MambaRadixCache(RadixCache):
         host.release(node, hslot)  # after the attach: an event consumer sees the state on a tier throughout
         idx = torch.cat([m.device_indices.to(self.device, torch.int64),
                          rows_tensor(b"".join(reversed(vals)), self.device)])
-        return _tuple_new(MambaMatchResult, (idx, node, m.prefix_len + m.host_len, m.kv_prefix_len, 0, None))
+        return _tuple_new(MambaMatchResult, (idx, node, m.prefix_len + m.host_len, m.kv_prefix_len, 0, None, 0))
 
     def host_state_counters(self) -> dict[str, int]:
         """The host state tier's figures (empty when off): slots, used, states demoted,

@@ -123,7 +123,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         if n == 0 or self.disable or (head is None and self.storage is None):
             self._metrics.record_query(len(buf) >> 2, 0)
             return _tuple_new(MambaMatchResult, (torch.empty(0, dtype=torch.int64, device=self.device),
-                                                 head if head is not None else self._heads[None], 0, 0, 0, None))
+                                                 head if head is not None else self._heads[None], 0, 0, 0, None,
+                                                 0))
         path, pos = self._walk(head, buf, n) if head is not None else ([], 0)
         got = None
         if self.storage is not None and pos < n:
@@ -161,7 +162,7 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         if hnode is not None:
             self._hstates.stats["hits"] += 1
             self._hstates.stats["hit_tokens"] += hit - s
-        return _tuple_new(MambaMatchResult, (rows, last, s, pos >> 2, hit - s, hnode))
+        return _tuple_new(MambaMatchResult, (rows, last, s, pos >> 2, hit - s, hnode, stored))
 
     def load_back(self, m: MambaMatchResult) -> MambaMatchResult:
         """Load ``m.host_node``'s path: its host-only nodes' KV into fresh device rows (all or
@@ -211,7 +212,7 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
             self.tier_stats["load_ns"] += time.perf_counter_ns() - t0
         idx = torch.cat([m.device_indices.to(self.device, torch.int64),
                          rows_tensor(b"".join(y.vbuf for y in path), self.device)])
-        return _tuple_new(MambaMatchResult, (idx, node, m.prefix_len + m.host_len, m.kv_prefix_len, 0, None))
+        return _tuple_new(MambaMatchResult, (idx, node, m.prefix_len + m.host_len, m.kv_prefix_len, 0, None, 0))
 
     def _load_kv(self, cold: list[Any]) -> bool:
         """Give the host-only nodes ``cold`` (a chain, pinned) device rows with one batched

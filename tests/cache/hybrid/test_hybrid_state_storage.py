@@ -61,7 +61,7 @@ def test_a_restarted_tree_loads_kv_and_state_from_storage(ps):
     assert cache.storage.stats.written == 5 + 2 * cache._chunks  # b's pages once, two states
     cache2, alloc2, mamba2 = make(ps, backend=store)  # a restart: fresh pools, the same store
     m = cache2.match_prefix(np.array(b + [99] * ps, dtype=np.int32))
-    assert (m.prefix_len, m.host_len, m.kv_prefix_len) == (0, 5 * ps, 5 * ps)
+    assert (m.prefix_len, m.host_len, m.kv_prefix_len, m.storage_len) == (0, 5 * ps, 5 * ps, 5 * ps)
     cache2.check_invariants()
     assert cache2.host_size() == 5 * ps and cache2.tier_counters()["hit_tokens_storage"] == 5 * ps
     got = _loaded(cache2, mamba2, b, query_extra=1)  # matched again: now a host hit, then loaded
