@@ -31,7 +31,7 @@ def check(cache: HostTierMixin, heads: Mapping[Hashable, NamespaceHead], leaves:
           pinned: Collection[int], parked: np.ndarray | None = None) -> None:
     """Raise :class:`InvariantError` naming nodes / rows / host pages unless: heads, parents,
     ``only``, keys and lock counts are right; every node is on a tier (``vbuf`` one row per
-    token or empty, ``hbuf`` one page per page or ``None``), the device part is prefix-closed
+    token or empty, ``hbuf`` and ``pkeys`` one per page or ``None``), the device part is prefix-closed
     and only device nodes are locked; sizes (evictable, protected, host) match the tree; the
     evictable leaves (``leaves``) are exactly the unlocked device nodes without a device child;
     no KV row or host page is held twice, every host page in use is held (else leaked) and
@@ -64,6 +64,8 @@ def check(cache: HostTierMixin, heads: Mapping[Hashable, NamespaceHead], leaves:
                 _fail(f"node of {n // pb} pages with {len(x.hbuf) >> 2} host pages", [x.id])
             if not x.vbuf and x.hbuf is None:
                 _fail("node on no tier", [x.id])
+            if x.pkeys is not None and len(x.pkeys) != n // pb:
+                _fail(f"node of {n // pb} pages with {len(x.pkeys)} storage keys", [x.id])
             if x.vbuf and node.parent is not None and not node.vbuf:
                 _fail("device node below a node not on the device", [x.id, node.id])
             if x.lock_ref < 0 or (node.parent is not None and node.lock_ref < x.lock_ref):

@@ -271,3 +271,15 @@ TestStoredHybridMachine = StoredHybridMachine.TestCase
 TestStoredHybridMachine.settings = _SETTINGS
 TestStoredHybridMachinePaged = StoredHybridMachinePaged.TestCase
 TestStoredHybridMachinePaged.settings = _SETTINGS
+
+
+def test_audit_names_a_node_whose_storage_keys_do_not_match_its_pages():
+    from radixkv.errors import InvariantError
+
+    cache, alloc, mamba = make(2, backend=DictStorage())
+    serve(cache, alloc, mamba, [1, 1, 2, 2])
+    cache.check_invariants()
+    node = next(iter(cache.root_node.children.values()))
+    node.pkeys = node.pkeys[:1]
+    with pytest.raises(InvariantError, match=rf"2 pages with 1 storage keys: nodes \[{node.id}\]"):
+        cache.check_invariants()
