@@ -7,7 +7,8 @@ a new leaf and the tier-move and removal events.
 
 Nodes are :class:`~radixkv.cache.tiered_cache.TierNode` (``vbuf``: device rows, ``hbuf``: host
 pages or ``None``). The class using it sets ``host_pool``, ``host_alloc``, ``write_policy``,
-``_host_tokens``, ``_dups`` and ``_pinned`` and defines ``evict_host``. The story: docs/tiers.md.
+``_host_tokens``, ``_dups``, ``_pinned`` and ``tier_stats`` (with ``written_through_pages``) and
+defines ``evict_host``. The story: docs/tiers.md.
 """
 from __future__ import annotations
 
