@@ -66,6 +66,12 @@ def test_hybrid_host_kv_tier_logits_under_both_policies_with_events(ps, policy):
     media = {(e["type"], e["medium"]) for e in eng.take_events(s) if e["type"].startswith("Block")}
     assert media == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"),
                      ("BlockRemoved", "CPU")}, media
+    from radixkv.service.server.metrics import ServiceMetrics
+
+    m = ServiceMetrics()  # what serve --metrics-port exports (it needs every tier counter)
+    m.update_tiers(t)
+    text = m.exposition().decode()
+    assert f'radixkv_tier_pages_total{{move="written_through"}} {float(t["written_through_pages"])}' in text
 
 
 class Proof:
