@@ -59,8 +59,8 @@ the tiers (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slot
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
 needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; a
-hybrid model's host KV tier needs ``host_state_slots``, ``write_back``, no storage and no KV
-events; ``host_state_slots`` needs a hybrid. Raises ``InvalidArgumentError`` naming the field.
+hybrid model's host KV tier needs ``host_state_slots`` and takes either ``write_policy`` and KV
+events, but no storage yet; ``host_state_slots`` needs a hybrid. Raises ``InvalidArgumentError`` naming the field.
 """
 
     device: str = "cpu"
@@ -189,9 +189,9 @@ events; ``host_state_slots`` needs a hybrid. Raises ``InvalidArgumentError`` nam
             if not self.host_state_slots:
                 raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier needs "
                                            "host_state_slots > 0 (host KV is kept only with a state)")
-            if self.write_policy != "write_back" or self.storage is not None or self.enable_kv_events:
-                raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier is "
-                                           "write_back only, without storage and without KV events (not built yet)")
+            if self.storage is not None:
+                raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier has no "
+                                           "storage tier (not built yet)")
         if self.host_state_slots and "K" not in str(self.layer_types):
             raise InvalidArgumentError("EngineConfig.host_state_slots needs a hybrid model (a 'K' in "
                                        "layer_types): a KV-only model has no states")
