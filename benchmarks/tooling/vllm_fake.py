@@ -2,6 +2,8 @@
 (``SchedulerSide`` + one ``WorkerSide`` per tensor-parallel rank) and a paged KV cache per rank
 in vLLM's CPU layout ``[blocks, rank's kv_heads, block_size, 2 * head_dim]``, stepped in the
 connector's order (the ranks' save reports merged as vLLM aggregates them)."""
+from typing import Any
+
 import torch
 
 from radixkv.engine.config import EngineConfig
@@ -20,14 +22,15 @@ MLA_SHAPE = KVShape(LAYERS, 1, LATENT, "float32", BS, latent=True)
 KEY = "vllm|test-model"
 
 
-def connector_manager(cfg: EngineConfig, tmp_path_factory) -> ThreadedServer:
-    """A started manager thread for ``cfg`` on a Unix socket, with ``.cfg``: the connector's
-    ``ConnectorConfig`` for it (its token in a temporary file). The caller stops it."""
-    srv = ThreadedServer(cfg)
-    srv.start()
+def connector_manager(cfg: EngineConfig, tmp_path_factory: Any) -> Any:
+    """A started manager thread (a ``ThreadedServer``) for ``cfg`` on a Unix socket, with
+    ``.cfg``: the connector's ``ConnectorConfig`` for it (its token in a temporary file). The
+    caller stops it."""
+    srv: Any = ThreadedServer(cfg)
+    address = srv.start()
     tok = tmp_path_factory.mktemp("tok") / "token"
     tok.write_text(srv.token)
-    srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
+    srv.cfg = ConnectorConfig(address=address, token_file=str(tok), retry_interval_s=0.05)
     return srv
 
 
