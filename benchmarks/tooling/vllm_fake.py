@@ -2,19 +2,36 @@
 (``SchedulerSide`` + one ``WorkerSide`` per tensor-parallel rank) and a paged KV cache per rank
 in vLLM's CPU layout ``[blocks, rank's kv_heads, block_size, 2 * head_dim]``, stepped in the
 connector's order (the ranks' save reports merged as vLLM aggregates them)."""
+from typing import Any
+
 import torch
 
+from radixkv.engine.config import EngineConfig
+from radixkv.integrations.vllm.config import ConnectorConfig
 from radixkv.integrations.vllm.first_blocks import FirstBlockIndex, IndexFeed
 from radixkv.integrations.vllm.layout import KVShape, head_shard, paged_kv_views
 from radixkv.integrations.vllm.link import ManagerLink
 from radixkv.integrations.vllm.scheduler_side import SchedulerSide, vllm_slots
 from radixkv.integrations.vllm.worker_side import SaveReport, WorkerSide
+from tooling.testing import ThreadedServer
 
 BS, HEADS, HD, LAYERS = 4, 2, 8, 2
 SHAPE = KVShape(LAYERS, HEADS, HD, "float32", BS)
 LATENT = 12  # an MLA latent row's width (kv_lora_rank 8 + qk_rope_head_dim 4)
 MLA_SHAPE = KVShape(LAYERS, 1, LATENT, "float32", BS, latent=True)
 KEY = "vllm|test-model"
+
+
+def connector_manager(cfg: EngineConfig, tmp_path_factory: Any) -> Any:
+    """A started manager thread (a ``ThreadedServer``) for ``cfg`` on a Unix socket, with
+    ``.cfg``: the connector's ``ConnectorConfig`` for it (its token in a temporary file). The
+    caller stops it."""
+    srv: Any = ThreadedServer(cfg)
+    address = srv.start()
+    tok = tmp_path_factory.mktemp("tok") / "token"
+    tok.write_text(srv.token)
+    srv.cfg = ConnectorConfig(address=address, token_file=str(tok), retry_interval_s=0.05)
+    return srv
 
 
 class Engine:

@@ -212,13 +212,16 @@ def _frac_key(f: float) -> str:
 
 def measure(src: Source, fracs: list[float], policies: list[str], engine: str = "blocksim",
             show_progress: bool | None = None, make_block_policy: BlockPolicyFactory = make_policy,
-            host_frac: float | None = None, storage_frac: float | None = None) -> dict[str, Any]:
+            host_frac: float | None = None, storage_frac: float | None = None,
+            write_policy: str = "write_back") -> dict[str, Any]:
     """Bounds and every (policy, capacity) result as the CLI's JSON document.
     ``make_block_policy(name)``: the ``blocksim`` engine's policy for a name (default: the
     RadixCache's policy of that name, :func:`radixkv.bench.blocksim.make_policy`).
     ``host_frac`` (engine ``radix``): a host tier of that fraction of the unique tokens
     behind the device (:mod:`radixkv.bench.tier_engine`); ``storage_frac`` a storage tier
-    behind it (``math.inf``: unbounded). Each row gives ``tier_hit_rates``."""
+    behind it (``math.inf``: unbounded); ``write_policy`` the host tier's. Each row gives
+    ``tier_hit_rates``."""
+    check_tier_write_policy(write_policy, host_frac)
     if host_frac is None and storage_frac is not None:
         raise InvalidArgumentError("--storage-capacity-frac needs --host-capacity-frac (storage sits behind the host)")
     if host_frac is not None and engine != "radix":
@@ -252,7 +255,8 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
 
                     sto = None if storage_frac is None else (
                         -1 if math.isinf(storage_frac) else int(storage_frac * src.unique_tokens))
-                    te = TieredReplayEngine(cap, int(host_frac * src.unique_tokens), sto, pol, src.page_size)
+                    te = TieredReplayEngine(cap, int(host_frac * src.unique_tokens), sto, pol, src.page_size,
+                                            write_policy)
                     try:
                         rr = replay(src.tokens(), te, progress=bar)
                     finally:
@@ -267,6 +271,7 @@ def measure(src: Source, fracs: list[float], policies: list[str], engine: str = 
                 "policy": pol, "capacity_frac": f, "capacity_tokens": cap, "page_size": src.page_size,
                 "hit_tokens": int(hit), "token_hit_rate": hit / src.prompt_tokens, "evicted_tokens": int(ev),
                 "host_capacity_frac": host_frac,
+                "write_policy": None if host_frac is None else write_policy,
                 "storage_capacity_frac": None if storage_frac is None else (
                     "inf" if math.isinf(storage_frac) else storage_frac),
                 "tier_hit_rates": {k: v / src.prompt_tokens for k, v in tiers.items()},
@@ -398,8 +403,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blocksim (default) or radix (the real RadixCache); with --hybrid: tree (default) "
                              "or flow")
     parser.add_argument("--host-capacity-frac", type=_frac, default=None,
-                        help="engine radix: a host-memory tier of this fraction of the unique prompt tokens "
-                             "behind the device capacity (write-back; default: off)")
+                        help="engine radix (or --hybrid): a host-memory tier of this fraction of the unique "
+                             "prompt tokens behind the device capacity (default: off)")
+    parser.add_argument("--write-policy", default="write_back",
+                        help="with --host-capacity-frac: the host tier's write policy, write_back (copy at "
+                             "eviction) or write_through (copy at insert) (default %(default)s)")
     parser.add_argument("--storage-capacity-frac", type=_storage_frac, default=None,
                         help="engine radix, with --host-capacity-frac: a storage tier behind the host tier, a "
                              "fraction of the unique prompt tokens or 'inf' (default: off)")
@@ -413,6 +421,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from radixkv.bench.hybrid_report import add_hybrid_arguments
 
     add_hybrid_arguments(parser)
+
+
+def check_tier_write_policy(write_policy: str, host_frac: float | None) -> None:
+    """``--write-policy``: one of the host tier's, and only with ``--host-capacity-frac``.
+    Raises InvalidArgumentError."""
+    from radixkv.cache.host_tier import check_write_policy
+
+    check_write_policy(write_policy)
+    if write_policy != "write_back" and host_frac is None:
+        raise InvalidArgumentError("--write-policy is the host tier's: it needs --host-capacity-frac")
 
 
 def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_policy) -> int:
@@ -439,7 +457,8 @@ def run(args: argparse.Namespace, make_block_policy: BlockPolicyFactory = make_p
                     make_block_policy(p)                     # fail before any work
             doc = measure(src, args.capacity_frac, policies, engine, show_progress=show,
                           make_block_policy=make_block_policy, host_frac=getattr(args, "host_capacity_frac", None),
-                          storage_frac=getattr(args, "storage_capacity_frac", None))
+                          storage_frac=getattr(args, "storage_capacity_frac", None),
+                          write_policy=getattr(args, "write_policy", "write_back"))
     except RadixKVError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -215,10 +215,11 @@ class _BudgetRows:
 
 
 def _tiered_tree(mamba: MambaPool, ps: int, kv_tokens: int, host_kv_tokens: int, host_slots: int,
-                 kv_policy: str, admission: str, policy: StatePolicy) -> Any:
+                 kv_policy: str, admission: str, policy: StatePolicy, write_policy: str = "write_back") -> Any:
     """A TieredMambaRadixCache for the replay: host KV of ``host_kv_tokens`` (bookkeeping
     only: :class:`~radixkv.bench.tier_engine.CountingHostPool` moves no bytes) beside a host
-    state tier of ``host_slots`` states, loads taking virtual rows (:class:`_BudgetRows`)."""
+    state tier of ``host_slots`` states, loads taking virtual rows (:class:`_BudgetRows`), the
+    host KV tier under ``write_policy``."""
     from radixkv.bench.tier_engine import CountingHostPool
     from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
     from radixkv.memory.kv_pool import MHATokenToKVPool
@@ -230,7 +231,7 @@ def _tiered_tree(mamba: MambaPool, ps: int, kv_tokens: int, host_kv_tokens: int,
     tree = TieredMambaRadixCache(None, cast(Any, rows), host_pool=CountingHostPool(kv, max(host_kv_tokens // ps, 1)),
                                  host_state_pool=HostStatePool(mamba, host_slots), page_size=ps,
                                  eviction_policy=kv_policy, admission_policy=admission, mamba_pool=mamba,
-                                 state_eviction_policy=policy, checks=False)
+                                 state_eviction_policy=policy, checks=False, write_policy=write_policy)
     rows.tree = tree
     return tree
 
@@ -239,13 +240,14 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
                 admission: str | None = None, policy: StatePolicy = "lru", checkpoint: bool = False,
                 kv_policy: str = "lru", working_slot: bool = False, progress: ProgressBar | None = None,
                 page_size: int = 1, track: bool = True, host_slots: int = 0,
-                host_kv_tokens: int = 0) -> HybridReplayResult:
+                host_kv_tokens: int = 0, write_policy: str = "write_back") -> HybridReplayResult:
     """The tree's own API with the flow's request semantics (see the module docstring);
     KV rows are virtual ids (no allocator: the tree plus the running request hold at most
     ``kv_tokens``, which must exceed the longest prompt). ``admission None``: KV-only tree.
     ``page_size`` / ``track``: see the module docstring. ``host_slots``: the host state tier
     (evicted states demoted there, a match reaching one loads it back, as the flow does).
-    ``host_kv_tokens`` (with ``host_slots``): the host KV tier too (a ``TieredMambaRadixCache``).
+    ``host_kv_tokens`` (with ``host_slots``): the host KV tier too (a ``TieredMambaRadixCache``,
+    under ``write_policy``).
 
     Raises InvalidArgumentError for bad slots / page size / policy names (before any work).
     """
@@ -258,7 +260,8 @@ def replay_tree(requests: Iterable[np.ndarray], kv_tokens: int, slots: int, chun
                                  admission_policy=admission, state_eviction_policy=policy, checks=False,
                                  host_state_pool=host))
     if host_kv_tokens and admission is not None and mamba is not None:
-        tree = _tiered_tree(mamba, ps, kv_tokens, host_kv_tokens, host_slots, kv_policy, admission, policy)
+        tree = _tiered_tree(mamba, ps, kv_tokens, host_kv_tokens, host_slots, kv_policy, admission, policy,
+                            write_policy)
     tally = _Tally(tree, None if mamba is None else tree.flop_model)
     next_row = 1
     for toks in requests:

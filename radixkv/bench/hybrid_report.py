@@ -50,6 +50,7 @@ class HybridSettings(TypedDict):
     tracks: list[bool]
     host_slots: list[int]
     host_kv_frac: float | None
+    write_policy: str
 
 
 def _ints(text: str) -> list[int]:
@@ -114,7 +115,7 @@ def hybrid_settings(args: argparse.Namespace) -> HybridSettings:
     return {"engine": engine, "slots": list(args.state_slots), "chunk": int(args.chunk),
             "configs": configs_of(adm, states, [ck[c] for c in cks]), "pages": list(args.pages),
             "tracks": [ck[c] for c in tracks], "host_slots": list(getattr(args, "host_state_slots", [0])),
-            "host_kv_frac": _host_kv_frac(args, engine)}
+            "host_kv_frac": _host_kv_frac(args, engine), "write_policy": _write_policy(args)}
 
 
 def _host_kv_frac(args: argparse.Namespace, engine: str) -> float | None:
@@ -129,12 +130,22 @@ def _host_kv_frac(args: argparse.Namespace, engine: str) -> float | None:
     return float(frac)
 
 
+def _write_policy(args: argparse.Namespace) -> str:
+    """``--write-policy`` (the host KV tier's; only with ``--host-capacity-frac``)."""
+    from radixkv.bench.hitrate import check_tier_write_policy
+
+    policy = str(getattr(args, "write_policy", "write_back"))
+    check_tier_write_policy(policy, getattr(args, "host_capacity_frac", None))
+    return policy
+
+
 def _replay(src: Source, engine: str, max_prompt: int, cap: int, slots: int, chunk: int, adm: str | None,
             pol: StatePolicy, ckpt: bool, kv_policy: str, bar: ProgressBar, ps: int = 1,
-            track: bool = True, host: int = 0, host_kv: int = 0) -> HybridReplayResult:
+            track: bool = True, host: int = 0, host_kv: int = 0,
+            write_policy: str = "write_back") -> HybridReplayResult:
     if engine == "tree":
         return replay_tree(src.tokens(), cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track, host,
-                           host_kv)
+                           host_kv, write_policy)
     return replay_flow(src.tokens(), max_prompt, cap, slots, chunk, adm, pol, ckpt, kv_policy, True, bar, ps, track,
                        host)
 
@@ -178,10 +189,11 @@ def measure_hybrid(src: Source, fracs: list[float], kv_policies: list[str], sett
                     label = f"{pol} @ {f:g}, {slots}+{host} slots, {adm}+{state_policy_label(spol)}, page {ps}"
                     with Progress(src.n_requests, label, enabled=show_progress) as bar:
                         r = _replay(src, engine, max_prompt, cap, slots, chunk, adm, spol, ckpt, pol, bar,
-                                    ps, track, host, host_kv)
+                                    ps, track, host, host_kv, settings.get("write_policy", "write_back"))
                     row = _row(src, r, pol, f, cap, slots, adm, spol, ckpt, ps, track, host)
                     if hf is not None:  # the host KV tier (--host-capacity-frac)
-                        row.update(host_capacity_frac=hf, host_kv_tokens=host_kv)
+                        row.update(host_capacity_frac=hf, host_kv_tokens=host_kv,
+                                   write_policy=settings.get("write_policy", "write_back"))
                     doc["results"].append(row)
     return doc
 
@@ -206,7 +218,8 @@ def _row(src: Source, r: HybridReplayResult, pol: str, f: float, cap: int, slots
 def _label(r: dict[str, Any], many_policies: bool) -> str:
     host = f" + {r['host_state_slots']} host" if r.get("host_state_slots") else ""
     if r.get("host_capacity_frac") is not None:
-        host += f" (+ host KV {100 * r['host_capacity_frac']:g}%)"
+        wt = ", write_through" if r.get("write_policy") == "write_through" else ""
+        host += f" (+ host KV {100 * r['host_capacity_frac']:g}%{wt})"
     s = f"{r['state_slots']}{host} slots, {r['admission']}+{r['state_policy']}{'+ckpt' if r['checkpoint'] else ''}"
     if r.get("page_size", 1) > 1:
         s = f"page {r['page_size']}{'' if r.get('track', True) else ' untracked'}: {s}"

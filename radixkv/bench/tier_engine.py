@@ -98,10 +98,11 @@ class CountingStorage:
 class TieredReplayEngine(RadixReplayEngine):
     """:class:`RadixReplayEngine` over a TieredRadixCache: ``capacity_tokens`` on the device,
     ``host_tokens`` on the host, and a storage tier of ``storage_tokens`` (``None``: off,
-    ``-1``: unbounded). ``tier_hits`` counts the prompt tokens each tier served."""
+    ``-1``: unbounded), the host tier under ``write_policy``. ``tier_hits`` counts the prompt
+    tokens each tier served."""
 
     def __init__(self, capacity_tokens: int, host_tokens: int, storage_tokens: int | None = None,
-                 policy: str = "default", page_size: int = 16) -> None:
+                 policy: str = "default", page_size: int = 16, write_policy: str = "write_back") -> None:
         super().__init__(capacity_tokens, policy, page_size)
         if host_tokens < page_size:
             raise InvalidArgumentError(f"the host tier needs at least one page ({page_size} tokens), "
@@ -113,7 +114,8 @@ class TieredReplayEngine(RadixReplayEngine):
             cap = None if storage_tokens < 0 else max(storage_tokens // page_size, 1)
             self.storage = StorageController(CountingStorage(cap), host.page_bytes, timeout_s=60.0)
         self.cache = TieredRadixCache(None, self.alloc, host_pool=host, page_size=self.page_size,
-                                      eviction_policy=self.cache.policy, storage=self.storage)
+                                      eviction_policy=self.cache.policy, storage=self.storage,
+                                      write_policy=write_policy)
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
 
     def match_prefix(self, tokens: np.ndarray) -> int:

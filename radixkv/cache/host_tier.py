@@ -2,11 +2,13 @@
 its nodes hold (:class:`~radixkv.cache.tiered_cache.TieredRadixCache`, KV only;
 :class:`~radixkv.cache.hybrid.tiered_mamba_cache.TieredMambaRadixCache`, hybrid models):
 sizes, locks (only device nodes), splits that carry host pages, reviving host-only nodes
-with an insert's rows, filing device leaves, host page allocation and the tier-move events.
+with an insert's rows, filing device leaves, host page allocation, the write-through copy of
+a new leaf and the tier-move and removal events.
 
 Nodes are :class:`~radixkv.cache.tiered_cache.TierNode` (``vbuf``: device rows, ``hbuf``: host
 pages or ``None``). The class using it sets ``host_pool``, ``host_alloc``, ``write_policy``,
-``_host_tokens``, ``_dups`` and ``_pinned`` and defines ``evict_host``. The story: docs/tiers.md.
+``_host_tokens``, ``_dups``, ``_pinned`` and ``tier_stats`` (with ``written_through_pages``) and
+defines ``evict_host``. The story: docs/tiers.md.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from radixkv.cache.kv_events import MEDIUM_GPU
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.radix_key import RadixKey, common_prefix_tokens
 from radixkv.cache.rows import check_value, rows_bytes, rows_tensor
 from radixkv.cache.tree_node import TreeNode
+from radixkv.contracts import WRITE_POLICIES
 from radixkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -33,8 +36,16 @@ if TYPE_CHECKING:
 else:
     _Base = object
 
-__all__ = ["HostTierMixin"]
+__all__ = ["HostTierMixin", "check_write_policy"]
 _I32 = np.dtype(np.int32)
+
+
+def check_write_policy(write_policy: object) -> str:
+    """``write_policy`` if it is one of :data:`~radixkv.contracts.WRITE_POLICIES`, else
+    ``InvalidArgumentError``."""
+    if write_policy not in WRITE_POLICIES:
+        raise InvalidArgumentError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
+    return str(write_policy)
 
 
 class HostTierMixin(_Base):
@@ -49,6 +60,7 @@ class HostTierMixin(_Base):
         _dups: dict[int, TierNode]
         _pinned: set[int]
         _host_heap: list[tuple[int, int, TierNode]]
+        tier_stats: dict[str, int]
 
         def evict_host(self, num_pages: int) -> int: ...
 
@@ -200,6 +212,32 @@ class HostTierMixin(_Base):
         ph = parent.block_hashes[-1] if parent.parent is not None and parent.block_hashes else None
         self.kv_events.on_moved(node.block_hashes, dst, ph, np.frombuffer(node.kbuf, _I32), self._namespace(node))
 
+
+    def _write_through(self, leaf: TierNode) -> None:
+        """``write_through``: copy the new device leaf ``leaf``'s pages to fresh host pages
+        (one batched copy, done before return); skipped when the host has no room even after
+        dropping host-only leaves. O(pages)."""
+        if self.write_policy != "write_through" or leaf.hbuf is not None or not leaf.vbuf:
+            return
+        pages = self._host_alloc(len(leaf.kbuf) // self._page_bytes)
+        if pages is None:
+            return
+        ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)), rows_tensor(leaf.vbuf, self.device))
+        if ev is not None:
+            ev.synchronize()
+        leaf.hbuf = pages.tobytes()
+        self._host_tokens += len(leaf.kbuf) >> 2
+        self.tier_stats["written_through_pages"] += int(pages.size)
+
+    def _record_removed(self, order: list[TierNode], top_medium: str = MEDIUM_CPU) -> None:
+        """KV events of the subtree ``order`` (its top first, parents before children) leaving
+        the tree: ``BlockRemoved`` children first (no removal leaves an orphan: a router
+        refuses one), the top's on ``top_medium``, the rest (host-only) on ``CPU``."""
+        if self.kv_events is None:
+            return
+        top = order[0] if order else None
+        for x in reversed(order):
+            self.kv_events.on_removed(x.block_hashes or (), top_medium if x is top else MEDIUM_CPU)
 
     def _drop_lru_host_leaves(self, need: int, freed: int, drop: Callable[[TierNode, int], int]) -> int:
         """Call ``drop(leaf, pages still needed)`` (it returns the host pages it freed) on

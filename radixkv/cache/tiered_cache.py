@@ -26,7 +26,7 @@ from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
 from radixkv.cache.block_hash import encode_extra_key
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.host_tier import HostTierMixin
+from radixkv.cache.host_tier import HostTierMixin, check_write_policy
 from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_cache import RadixCache
@@ -34,7 +34,7 @@ from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key
 from radixkv.cache.rows import rows_tensor
 from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
-from radixkv.contracts import WRITE_POLICIES, KVAllocator, ReqToTokenTable
+from radixkv.contracts import KVAllocator, ReqToTokenTable
 from radixkv.errors import InvalidArgumentError
 from radixkv.memory.host_kv_pool import HostKVPool
 from radixkv.storage.keys import page_keys, storage_seed
@@ -85,7 +85,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
     """A RadixCache over a device pool, a host tier and optionally storage.
 
     Args (beyond RadixCache's): ``host_pool`` (the host buffer; its page count is the tier's
-    size), ``write_policy`` (one of :data:`WRITE_POLICIES`), ``storage`` (a started
+    size), ``write_policy`` (one of :data:`~radixkv.contracts.WRITE_POLICIES`), ``storage`` (a started
     StorageController or ``None``), ``layout_fingerprint`` (seeds the storage keys).
     """
 
@@ -95,8 +95,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
                  write_policy: str = "write_back", storage: StorageController | None = None,
                  layout_fingerprint: str = "", disable: bool = False, enable_kv_events: bool = False,
                  kv_event_seed: Seed | None = None, metrics_window: int = 1000) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise InvalidArgumentError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
+        write_policy = check_write_policy(write_policy)
         if not isinstance(host_pool, HostKVPool) or host_pool.kv_pool.page_size != page_size:
             raise InvalidArgumentError("host_pool must be a HostKVPool of the cache's page size")
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
@@ -297,16 +296,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
             leaf.pkeys = page_keys(leaf.key.copy(), self.page_size, self._seed(leaf), prior)
             if self.storage.admit == "all":
                 self._backup(leaf)
-        if self.write_policy == "write_through" and leaf.hbuf is None:
-            pages = self._host_alloc(len(leaf.kbuf) // self._page_bytes)
-            if pages is not None:
-                ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
-                                          rows_tensor(leaf.vbuf, self.device))
-                if ev is not None:
-                    ev.synchronize()
-                leaf.hbuf = pages.tobytes()
-                self._host_tokens += len(leaf.kbuf) >> 2
-                self.tier_stats["written_through_pages"] += pages.size
+        self._write_through(leaf)
 
     # ------------------------------------------------------------------ evict
     def evict(self, num_tokens: int) -> int:
@@ -488,9 +478,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
                     self._backup(x)  # its backup at insert found the queue full: the last chance
                 self.tier_stats["host_dropped_pages"] += len(x.hbuf) >> 2
                 self._drop_host_copy(x)
-        if self.kv_events is not None:
-            for x in reversed(order):  # children first: no removal leaves an orphan (a router refuses one)
-                self.kv_events.on_removed(x.block_hashes, medium if x is node else MEDIUM_CPU)  # type: ignore[arg-type]
+        self._record_removed(order, medium)
         parent: Any = node.parent
         del parent.children[node.kbuf[:self._page_bytes]]
         sync_only(parent)

@@ -59,9 +59,9 @@ the tiers (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slot
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
 needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; a
-hybrid model's host KV tier needs ``host_state_slots``, ``write_back`` and no KV events (storage
-is built for it; storage with KV events is not); ``host_state_slots`` needs a hybrid. Raises
-``InvalidArgumentError`` naming the field.
+hybrid model's host KV tier needs ``host_state_slots`` and takes either ``write_policy`` and KV
+events, and storage (but not storage with KV events); ``host_state_slots`` needs a hybrid.
+Raises ``InvalidArgumentError`` naming the field.
 """
 
     device: str = "cpu"
@@ -190,9 +190,6 @@ is built for it; storage with KV events is not); ``host_state_slots`` needs a hy
             if not self.host_state_slots:
                 raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier needs "
                                            "host_state_slots > 0 (host KV is kept only with a state)")
-            if self.write_policy != "write_back" or self.enable_kv_events:
-                raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier is "
-                                           "write_back only and without KV events (not built yet)")
             if self.storage is not None and self.enable_kv_events:
                 raise InvalidArgumentError("EngineConfig.storage: a hybrid model's storage tier sends no KV "
                                            "events (not built yet)")

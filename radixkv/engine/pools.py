@@ -184,7 +184,8 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
         return TieredMambaRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,
                                      host_state_pool=pools.host_state_pool, page_size=c.page_size,
                                      eviction_policy=c.eviction_policy, admission_policy=c.admission_policy,
-                                     checks=c.checks, storage=open_tier_storage(pools, storage),
+                                     checks=c.checks, write_policy=c.write_policy,
+                                     enable_kv_events=c.enable_kv_events, storage=open_tier_storage(pools, storage),
                                      layout_fingerprint=hybrid_fingerprint(c))
     if pools.host_pool is not None:
         return TieredRadixCache(pools.req_to_token_pool, pools.allocator, host_pool=pools.host_pool,

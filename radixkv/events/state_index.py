@@ -41,18 +41,25 @@ class StateIndex:
     (:func:`radixkv.cache.block_hash.block_hashes` of its tokens) and a KV overlap found elsewhere,
     how much of the overlap ends at a state. A state counts while it is live on some tier
     (``medium``; a state moving tier is stored on the new one before it is removed from the
-    old). Unknown removals are ignored (a consumer must not fail on a stream it joined late).
+    old), and a ``BlockRemoved`` drops it only when its block is on no tier left (a block
+    moving tier is stored on the new one first, docs/events.md, section 6). Unknown removals
+    drop the states named, nothing else (a consumer must not fail on a stream it joined late).
     """
 
     def __init__(self) -> None:
         self._states: dict[Hashable, dict[int, dict[str | None, int]]] = {}  # worker -> hash -> tier -> pos
+        self._blocks: dict[Hashable, dict[int, set[str | None]]] = {}  # worker -> hash -> its tiers
 
     def apply(self, worker: Hashable, event: CacheEvent | dict[str, object]) -> None:
         """Apply one event (object or ``to_dict()`` dict) of ``worker``. O(len(event))."""
         if isinstance(event, dict):
             event = any_event_from_dict(event)
         states = self._states.setdefault(worker, {})
-        if isinstance(event, StateStored):
+        blocks = self._blocks.setdefault(worker, {})
+        if isinstance(event, BlockStored):
+            for h in event.block_hashes:
+                blocks.setdefault(int(h), set()).add(event.medium)
+        elif isinstance(event, StateStored):
             states.setdefault(event.block_hash, {})[event.medium] = event.position
         elif isinstance(event, StateRemoved):
             for h in event.block_hashes:
@@ -63,10 +70,17 @@ class StateIndex:
                         del states[int(h)]
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
+                media = blocks.get(int(h))
+                if media is not None:
+                    media.discard(event.medium)
+                    if media:  # a tier move: the block is still on another tier
+                        continue
+                    del blocks[int(h)]
                 states.pop(int(h), None)
         elif isinstance(event, AllBlocksCleared):
             states.clear()
-        elif not isinstance(event, BlockStored):
+            blocks.clear()
+        else:
             raise InvalidArgumentError(f"unknown event type {type(event).__name__}")
 
     def apply_all(self, worker: Hashable, events: Iterable[CacheEvent | dict[str, object]]) -> None:
@@ -77,6 +91,7 @@ class StateIndex:
     def remove_worker(self, worker: Hashable) -> None:
         """Forget ``worker`` (it died)."""
         self._states.pop(worker, None)
+        self._blocks.pop(worker, None)
 
     def workers(self) -> list[Hashable]:
         return list(self._states)

@@ -18,7 +18,7 @@ TOP_KEYS = {"trace", "engine", "page_size", "requests", "prompt_tokens", "unique
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "hit_tokens",
                "token_hit_rate", "evicted_tokens"}
 #: every row adds the tiers (null capacities and device-only shares when the tiers are off)
-TIER_KEYS = {"host_capacity_frac", "storage_capacity_frac", "tier_hit_rates"}
+TIER_KEYS = {"host_capacity_frac", "storage_capacity_frac", "tier_hit_rates", "write_policy"}
 HAVE_TRACE = os.path.isfile(str(mooncake_trace("conversation")))
 
 

@@ -13,7 +13,8 @@ from radixkv.bench.progress import Progress
 
 TOP_KEYS = {"trace", "engine", "page_size", "requests", "prompt_tokens", "unique_tokens", "bounds", "results"}
 RESULT_KEYS = {"policy", "capacity_frac", "capacity_tokens", "page_size", "hit_tokens",
-               "token_hit_rate", "evicted_tokens", "host_capacity_frac", "storage_capacity_frac", "tier_hit_rates"}
+               "token_hit_rate", "evicted_tokens", "host_capacity_frac", "storage_capacity_frac", "tier_hit_rates",
+               "write_policy"}
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def _check_schema(doc, policies, fracs, page):
         assert r["token_hit_rate"] == pytest.approx(r["hit_tokens"] / doc["prompt_tokens"])
         assert 0 <= r["token_hit_rate"] <= doc["bounds"]["infinite_capacity"] + 1e-12
         assert isinstance(r["hit_tokens"], int) and isinstance(r["evicted_tokens"], int)
-        assert r["host_capacity_frac"] is None and r["storage_capacity_frac"] is None
+        assert r["host_capacity_frac"] is None and r["storage_capacity_frac"] is None and r["write_policy"] is None
         assert r["tier_hit_rates"] == {"device": pytest.approx(r["token_hit_rate"]), "host": 0, "storage": 0}
 
 

@@ -299,5 +299,14 @@ def test_cli_hybrid_host_state_slots(trace_file, tmp_path, capsys):
                "--state-policy", "lru", "--chunk", "4", "--json", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr()
     (row,) = json.loads(out.read_text())["results"]
-    assert row["host_capacity_frac"] == 0.5 and row["host_kv_tokens"] > 0
-    assert "host KV 50%" in capsys.readouterr().out
+    assert row["host_capacity_frac"] == 0.5 and row["host_kv_tokens"] > 0 and row["write_policy"] == "write_back"
+    assert "host KV 50%)" in capsys.readouterr().out
+    rc = main(["--trace", trace_file, "--block-size", "4", "--hybrid", "--capacity-frac", "0.05", "--state-slots", "1",
+               "--host-state-slots", "64", "--host-capacity-frac", "0.5", "--write-policy", "write_through",
+               "--admission", "every", "--state-policy", "lru", "--chunk", "4", "--json", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["write_policy"] == "write_through" and row["hit_tokens"] > 0
+    assert "host KV 50%, write_through" in capsys.readouterr().out
+    assert main(["--trace", trace_file, "--block-size", "4", "--hybrid", "--capacity-frac", "0.05", "--state-slots",
+                 "1", "--write-policy", "write_through", "--no-progress"]) == 2

@@ -44,6 +44,28 @@ def test_the_replay_keeps_the_tiers_consistent():
     assert sum(te.tier_hits.values()) > 0
 
 
+def test_write_through_replays_and_is_refused_without_a_host_tier(capsys):
+    """``--write-policy write_through`` reaches the tiered cache (pages copied at insert); the
+    row names the policy; without ``--host-capacity-frac`` or with an unknown name it is refused."""
+    src = _src()
+    wb, wt = (measure(src, [0.02], ["lru"], "radix", show_progress=False, host_frac=0.08, write_policy=p)["results"][0]
+              for p in ("write_back", "write_through"))
+    assert (wb["write_policy"], wt["write_policy"]) == ("write_back", "write_through")
+    assert sum(wt["tier_hit_rates"].values()) == pytest.approx(wt["token_hit_rate"])
+    assert wt["tier_hit_rates"]["host"] > 0
+    te = TieredReplayEngine(int(0.02 * src.unique_tokens), int(0.08 * src.unique_tokens), None, "lru", 8,
+                            "write_through")
+    replay(src.tokens(), te)
+    te.check_invariants()
+    assert te.cache.tier_stats["written_through_pages"] > 0
+    te.close()
+    assert main(["--workload", "multi-turn", "--limit", "20", "--engine", "radix", "--write-policy", "write_through",
+                 "--no-progress"]) == 2
+    assert main(["--workload", "multi-turn", "--limit", "20", "--engine", "radix", "--host-capacity-frac", "0.1",
+                 "--write-policy", "later", "--no-progress"]) == 2
+    assert "write_policy must be one of" in capsys.readouterr().err
+
+
 def test_cli_json_and_refusals(tmp_path, capsys):
     out = tmp_path / "t.json"
     assert main(["--workload", "multi-turn", "--limit", "60", "--page-size", "8", "--engine", "radix",

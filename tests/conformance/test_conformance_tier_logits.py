@@ -56,20 +56,41 @@ def test_hybrid_logits_over_host_state_loads(engine_factory, ps, events):
                          ("StateRemoved", "CPU")}, moves
 
 
-@pytest.mark.parametrize("ps", [1, 16, 64])
-def test_hybrid_logits_over_host_kv_and_state_loads(engine_factory, ps):
+@pytest.mark.parametrize("ps, policy, events", [(1, "write_back", False), (16, "write_back", False),
+                                               (64, "write_back", False), (16, "write_back", True),
+                                               (1, "write_through", False), (16, "write_through", True),
+                                               (64, "write_through", False)])
+def test_hybrid_logits_over_host_kv_and_state_loads(engine_factory, ps, policy, events):
     """A hybrid model's full-attention KV in the host tier too (``host_kv_tokens`` beside
     ``host_state_slots``): the device pool holds about one conversation, so a turn's prefix
-    comes back from the host, KV pages and state together."""
+    comes back from the host, KV pages and state together; under both write policies
+    (``write_through``: the pages were copied at insert, an eviction copies none). With KV
+    events on, the pages' tier moves are in the stream (the recorder's tiers are audited)."""
     kv, turn = (256, 64) if ps == 64 else (96, 24)
-    model = proof_model("KFK")
-    raw = engine_factory(**proof_fields(model, ps), kv_tokens=kv, state_slots=5, host_state_slots=16,
-                         host_kv_tokens=1024)
-    e = Checked(raw)
-    info = e.attach("proof")
-    loaded = prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)
-    stats = e.stats(info.session)
-    assert loaded > 0 and stats.host_loaded_pages > 0 and stats.host_demoted_pages > 0, (loaded, stats)
+    got: list = []
+    loaded = _prove(engine_factory, "KFK", ps, turn, got if events else None, kv_tokens=kv, state_slots=5,
+                    host_state_slots=16, host_kv_tokens=1024, write_policy=policy, enable_kv_events=events)
+    assert loaded > 0, "nothing came back from the host tier"
+    if events:  # demotions store on CPU then remove from GPU, loads the reverse
+        moves = {(e["type"], e["medium"]) for e in got if e["type"].startswith("Block")}
+        assert moves == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"),
+                         ("BlockRemoved", "CPU")}, moves
+
+
+def test_hybrid_host_kv_write_policies_move_pages_differently(engine_factory):
+    """The same conversations: ``write_back`` copies pages at eviction (demoted), never at
+    insert; ``write_through`` copies at insert and demotes none (a victim had its copy)."""
+    out = {}
+    for policy in ("write_back", "write_through"):
+        model = proof_model("KFK")
+        raw = engine_factory(**proof_fields(model, 16), kv_tokens=96, state_slots=5, host_state_slots=16,
+                             host_kv_tokens=1024, write_policy=policy)
+        e = Checked(raw)
+        info = e.attach("proof")
+        loaded = prove_logits(e, info.session, engine_factory.buffers(raw, info), model, 16, 24)
+        st = e.stats(info.session)
+        out[policy] = (loaded > 0, st.host_loaded_pages > 0, st.host_demoted_pages > 0)
+    assert out == {"write_back": (True, True, True), "write_through": (True, True, False)}, out
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64])

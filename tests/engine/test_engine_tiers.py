@@ -38,11 +38,7 @@ TOL = 1e-9
                                  dict(host_kv_tokens=64, storage="nourl"), dict(storage_admit="some"),
                                  dict(host_kv_tokens=64, layer_types="FK"), dict(host_state_slots=4),
                                  dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
-                                      write_policy="write_through"),
-                                 dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
                                       storage="file:///x", enable_kv_events=True),
-                                 dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
-                                      enable_kv_events=True),
                                  dict(host_state_slots=-1, layer_types="FK"),
                                  dict(storage_timeout_ms=-1.0)])
 def test_bad_tier_settings_are_refused(bad):
@@ -57,6 +53,34 @@ def test_host_tier_off_by_default_keeps_the_plain_tree():
     assert isinstance(eng2.tree, TieredRadixCache) and eng2.pools.host_pool.num_pages == 256
     eng3 = CacheEngine(EngineConfig(layer_types="FK", host_kv_tokens=256, host_state_slots=8))
     assert isinstance(eng3.tree, TieredMambaRadixCache) and eng3.pools.host_pool.num_pages == 256
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_hybrid_host_kv_tier_logits_under_both_policies_with_events(ps, policy):
+    """A hybrid model's KV in the host tier with ``write_policy`` and KV events (no longer
+    refused): the reference model's logits over host KV + state loads equal the from-scratch
+    ones; ``write_through`` copies at insert and demotes nothing, ``write_back`` the reverse;
+    the events name both tiers (the recorder's tiers audited after every call)."""
+    model = proof_model("KFK")
+    eng = CacheEngine(EngineConfig(**proof_fields(model, ps), kv_tokens=96, state_slots=5, host_state_slots=16,
+                                   host_kv_tokens=1024, write_policy=policy, enable_kv_events=True))
+    assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.write_policy == policy
+    s = eng.attach("proof").session
+    assert prove_logits(eng, s, eng.worker_buffers(), model, ps, 24) > 0
+    t = eng.tier_stats()
+    assert t["loaded_pages"] > 0
+    assert (t["written_through_pages"] > 0, t["demoted_pages"] > 0) == (policy == "write_through",
+                                                                        policy == "write_back"), t
+    media = {(e["type"], e["medium"]) for e in eng.take_events(s) if e["type"].startswith("Block")}
+    assert media == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"),
+                     ("BlockRemoved", "CPU")}, media
+    from radixkv.service.server.metrics import ServiceMetrics
+
+    m = ServiceMetrics()  # what serve --metrics-port exports (it needs every tier counter)
+    m.update_tiers(t)
+    text = m.exposition().decode()
+    assert f'radixkv_tier_pages_total{{move="written_through"}} {float(t["written_through_pages"])}' in text
 
 
 class Proof:
@@ -319,17 +343,18 @@ def _hybrid_engine(ps, storage_url=None, storage=None, **tier):
     return model, eng, info.session, eng.worker_buffers()
 
 
-@pytest.mark.parametrize("ps", [1, 16, 64])
-def test_hybrid_warm_restart_over_the_file_backend(ps, tmp_path):
+@pytest.mark.parametrize("ps, policy", [(1, "write_back"), (16, "write_back"), (64, "write_back"),
+                                        (16, "write_through")])
+def test_hybrid_warm_restart_over_the_file_backend(ps, policy, tmp_path):
     """A hybrid engine on ``file:///DIR``, stopped and started again on the same directory:
     the restarted one serves the earlier prompts (KV and state) from storage, and every
     extend's logits equal the from-scratch ones (fp64, 1e-9), before and after."""
     turn = 64 if ps == 64 else 24
-    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}")
+    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}", write_policy=policy)
     assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.storage is not None
     prove_logits(eng, s, wb, model, ps, turn)
     eng.close()  # drains the write queue
-    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}")
+    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}", write_policy=policy)
     prompts = storage_restart_prompts(ps, turn)
     info = eng.match(s, [MatchQuery(prompts[0])])[0]  # read from storage into the host tier
     assert info.storage_len == info.host_len == (len(prompts[0]) - 8) // ps * ps, info

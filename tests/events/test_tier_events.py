@@ -121,3 +121,27 @@ def test_events_mirror_every_tier(seed, ps, policy):
     for stem in stems:  # the router scores what the tree holds on any tier
         n = cache.match_prefix(stem)
         assert index.scores(tokens_hashes(stem, ps)).get(0, 0) == (n.prefix_len + n.host_len) // ps
+
+
+def test_state_index_keeps_a_state_while_its_block_moves_tier():
+    """A hybrid tree's KV tier move (``BlockStored`` on the new tier, then ``BlockRemoved`` on
+    the old) keeps the block's states in ``StateIndex``; its removal from the last tier, or an
+    unknown block's removal, drops them."""
+    from radixkv.cache.hybrid.state_events import HybridEventRecorder, StateStored
+    from radixkv.events.state_index import StateIndex
+
+    rec, index = HybridEventRecorder(1), StateIndex()
+    h = rec.on_stored(None, np.array([1, 2], dtype=np.int32))
+    rec.on_state_stored(h[-1], 2, MEDIUM_CPU)
+    rec.on_moved(h, MEDIUM_CPU, None, np.array([1, 2], dtype=np.int32))
+    index.apply_all("w", rec.take_events())
+    assert index.live("w") == {h[-1]: 2}
+    rec.on_moved(h, MEDIUM_GPU, None, np.array([1, 2], dtype=np.int32))
+    index.apply_all("w", rec.take_events())
+    assert index.live("w", MEDIUM_CPU) == {h[-1]: 2}
+    rec.on_removed(h)
+    index.apply_all("w", rec.take_events())
+    assert index.live("w") == {}
+    index.apply("w", StateStored(99, 1, MEDIUM_GPU))
+    index.apply("w", BlockRemoved((99,), MEDIUM_GPU))  # a stream joined late: unknown block
+    assert index.live("w") == {}

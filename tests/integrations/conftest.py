@@ -2,21 +2,19 @@
 the KV shapes of ``benchmarks/tooling/vllm_fake.py`` (``manager``: MHA; ``mla_manager``: an MLA latent pool),
 each with ``.cfg``, its ``ConnectorConfig``."""
 import pytest
-from tooling.testing import ThreadedServer
-from tooling.vllm_fake import BS, HD, HEADS, LATENT, LAYERS
+from tooling.vllm_fake import BS, HD, HEADS, LATENT, LAYERS, connector_manager
 
 from radixkv.engine.config import EngineConfig
-from radixkv.integrations.vllm.config import ConnectorConfig
 
 
 def _serve(tmp_path_factory, **shape):
     cfg = EngineConfig(kv_tokens=64, page_size=BS, layer_types="F" * LAYERS, kv_dtype="float32", request_rows=8,
                        max_context_len=128, **shape)
-    with ThreadedServer(cfg) as srv:
-        tok = tmp_path_factory.mktemp("tok") / "token"
-        tok.write_text(srv.token)
-        srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
+    srv = connector_manager(cfg, tmp_path_factory)
+    try:
         yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from tooling.testing import ThreadedServer
-from tooling.vllm_fake import BS, HD, HEADS, KEY, LAYERS, Engine, idle
+from tooling.vllm_fake import BS, HD, HEADS, KEY, LAYERS, Engine, connector_manager, idle
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError, InvariantError
@@ -25,11 +24,11 @@ from radixkv.integrations.vllm.scheduler_side import ScheduledReq, SchedulerSide
 def manager(tmp_path_factory):
     cfg = EngineConfig(kv_tokens=64, page_size=BS, layer_types="F" * LAYERS, head_num=HEADS, head_dim=HD,
                        kv_dtype="float32", request_rows=8, max_context_len=128, enable_kv_events=True)
-    with ThreadedServer(cfg) as srv:
-        tok = tmp_path_factory.mktemp("tok") / "token"
-        tok.write_text(srv.token)
-        srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
+    srv = connector_manager(cfg, tmp_path_factory)
+    try:
         yield srv
+    finally:
+        srv.stop()
 
 
 def until(cond, timeout_s=30.0):

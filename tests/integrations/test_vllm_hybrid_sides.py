@@ -13,8 +13,7 @@ import time
 
 import pytest
 import torch
-from tooling.testing import ThreadedServer
-from tooling.vllm_fake import BS, HD, HEADS, KEY, idle
+from tooling.vllm_fake import BS, HD, HEADS, KEY, connector_manager, idle
 
 from radixkv.engine.config import EngineConfig
 from radixkv.errors import InvalidArgumentError
@@ -35,18 +34,9 @@ CONFIG = EngineConfig(kv_tokens=64, page_size=BS, layer_types="KF", head_num=HEA
                       temporal_state_dims=STATE.temporal)
 
 
-def _serve(tmp_path_factory):
-    srv = ThreadedServer(CONFIG)
-    srv.start()
-    tok = tmp_path_factory.mktemp("tok") / "token"
-    tok.write_text(srv.token)
-    srv.cfg = ConnectorConfig(address=srv.address, token_file=str(tok), retry_interval_s=0.05)
-    return srv
-
-
 @pytest.fixture(scope="module")
 def manager(tmp_path_factory):
-    srv = _serve(tmp_path_factory)
+    srv = connector_manager(CONFIG, tmp_path_factory)
     yield srv
     srv.stop()
 
@@ -233,7 +223,7 @@ def wait_for_epoch(engine, old_epoch):
 
 
 def test_a_manager_stopped_mid_batch_then_restarted_leaves_nothing_behind(tmp_path_factory):
-    srv = _serve(tmp_path_factory)
+    srv = connector_manager(CONFIG, tmp_path_factory)
     cfg = srv.cfg
     try:
         a, b = HybridEngine(cfg, 10), HybridEngine(cfg, 11)

@@ -3,7 +3,8 @@
 reads and writes the manager's shared memory; over host loads its logits equal the
 from-scratch logits (1e-9), KV-only and hybrid (issue 31, item 6, remote); an MLA model's
 latents read back bit-equal; a hybrid model with its KV in the host tier too
-(``--host-kv-tokens`` beside ``--host-state-slots``)."""
+(``--host-kv-tokens`` beside ``--host-state-slots``), under ``--write-policy write_back`` and
+``write_through`` (with ``--enable-kv-events``: the stream names both tiers)."""
 import pytest
 from radixkv.service.client import connect
 from service_util import START_TIMEOUT_S, start_server, stop_server
@@ -31,10 +32,15 @@ def _flags(fields):
                                                ("KFK", 1, {"kv_tokens": 4096, "state_slots": 5,
                                                            "host_state_slots": 16}),
                                                ("KFK", 16, {"kv_tokens": 96, "state_slots": 5,
-                                                            "host_state_slots": 16, "host_kv_tokens": 1024})])
+                                                            "host_state_slots": 16, "host_kv_tokens": 1024}),
+                                               ("KFK", 16, {"kv_tokens": 96, "state_slots": 5,
+                                                            "host_state_slots": 16, "host_kv_tokens": 1024,
+                                                            "write_policy": "write_through"})])
 def test_manager_process_serves_host_loads_with_from_scratch_logits(pattern, ps, tier):
     model = proof_model(pattern)
-    srv = start_server(["--device", "cpu", "--check-idle"] + _flags({**proof_fields(model, ps), **tier}))
+    through = tier.get("write_policy") == "write_through"
+    srv = start_server(["--device", "cpu", "--check-idle"] + _flags({**proof_fields(model, ps), **tier})
+                       + (["--enable-kv-events"] if through else []))
     try:
         with connect(srv.address, token=srv.token, wait_s=START_TIMEOUT_S) as c:
             info = c.attach("proof")
@@ -42,7 +48,12 @@ def test_manager_process_serves_host_loads_with_from_scratch_logits(pattern, ps,
             assert loaded > 0, "nothing came back from the host tier"
             st = c.stats(info.session)
             if "host_kv_tokens" in tier:  # a hybrid model's KV in the host tier too
-                assert st.host_loaded_pages > 0 and st.host_demoted_pages > 0
+                assert st.host_loaded_pages > 0 and (st.host_demoted_pages > 0) != through  # copied at insert
+            if through:
+                media = {(e["type"], e["medium"]) for e in c.take_events(info.session)
+                         if e["type"].startswith("Block")}
+                assert media == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"),
+                                 ("BlockRemoved", "CPU")}, media
             if "host_state_slots" in tier:  # the host state tier's counters reach a remote client
                 assert st.host_state_slots == 16 and st.host_state_loaded > 0
                 assert st.host_state_demoted >= st.host_state_loaded + st.host_state_used

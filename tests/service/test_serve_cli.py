@@ -118,3 +118,30 @@ def test_serve_lowercase_log_level_json_logs_and_the_startup_line(tmp_path):
     assert any("attached" in r["message"] for r in engine), messages
     assert any("tokens reused" in r["message"] for r in engine), messages
     assert any("was detached" in r["message"] for r in engine), messages   # close() detached the session
+
+
+def test_serve_flags_give_a_hybrid_host_kv_tier_write_through_and_kv_events(tmp_path):
+    """``--write-policy`` and ``--enable-kv-events`` reach a hybrid model's host KV tier
+    (``TieredMambaRadixCache``), and ``--storage`` its storage tier; ``--storage`` with
+    ``--enable-kv-events`` is still refused for it (not built)."""
+    import argparse
+
+    from radixkv.service.server.cli import add_serve_arguments, engine_config_from_args
+
+    from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
+    from radixkv.engine.embedded import CacheEngine
+    from radixkv.errors import InvalidArgumentError
+
+    p = add_serve_arguments(argparse.ArgumentParser())
+    flags = ["--layer-types", "FK", "--kv-tokens", "256", "--host-kv-tokens", "512", "--host-state-slots", "4"]
+    for policy in ("write_back", "write_through"):
+        c = engine_config_from_args(p.parse_args(flags + ["--write-policy", policy, "--enable-kv-events"]))
+        assert (c.write_policy, c.enable_kv_events, c.host_kv_tokens, c.host_state_slots) == (policy, True, 512, 4)
+        tree = CacheEngine(c).tree
+        assert isinstance(tree, TieredMambaRadixCache) and tree.write_policy == policy
+        assert tree.kv_events is not None
+    with pytest.raises(InvalidArgumentError, match="storage"):
+        engine_config_from_args(p.parse_args(flags + ["--storage", "file:///nowhere", "--enable-kv-events"]))
+    eng = CacheEngine(engine_config_from_args(p.parse_args(flags + ["--storage", f"file://{tmp_path}"])))
+    assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.storage is not None
+    eng.close()

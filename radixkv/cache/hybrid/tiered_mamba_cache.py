@@ -9,9 +9,10 @@ kept in the host); every host-only leaf holds a host state and no host-only node
 state. A match walks host-only nodes and ends at the deepest state in any tier; ``load_back``
 loads the path's host KV (all or nothing), then the state. Inserts adopt the request's rows
 into the host-only nodes they reach. Host drops take whole LRU leaves with their state and the
-stateless host-only ancestors they leave childless. Storage (L3): :mod:`.state_storage`
-(pages and states backed up, read past the tree into a host-only leaf). write_back only; no
-KV events.
+stateless host-only ancestors they leave childless. ``write_through`` copies every new leaf to
+the host at insert (a victim with a copy just frees its rows). KV events carry the tier, as
+the KV-only tier's (docs/events.md, section 6). Storage (L3): :mod:`.state_storage` (pages and
+states backed up, read past the tree into a host-only leaf; not with KV events).
 """
 from __future__ import annotations
 
@@ -25,14 +26,16 @@ import torch
 
 from radixkv.allocator.host_pages import HostPageAllocator
 from radixkv.cache import tier_audit
+from radixkv.cache.block_hash import Seed
 from radixkv.cache.eviction import EvictionPolicy
-from radixkv.cache.host_tier import HostTierMixin
+from radixkv.cache.host_tier import HostTierMixin, check_write_policy
 from radixkv.cache.hybrid.host_states import HostStateTable
 from radixkv.cache.hybrid.mamba_audit import HybridRunningRequest
 from radixkv.cache.hybrid.mamba_policies import FlopModel, StateAdmission, StateEvictionOrder
 from radixkv.cache.hybrid.mamba_radix_cache import MambaMatchResult, MambaRadixCache
 from radixkv.cache.hybrid.state_storage import StateStorageMixin
 from radixkv.cache.hybrid.state_table import node_depths
+from radixkv.cache.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixkv.cache.leaf_eviction import pop_victim
 from radixkv.cache.radix_insert import InsertMixin
 from radixkv.cache.radix_key import RadixKey, as_radix_key
@@ -57,11 +60,13 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
     """A MambaRadixCache with a host KV tier (``host_pool``) beside its host state tier
     (``host_state_pool``, required: a host-only node needs somewhere to keep its state).
 
-    Args as :class:`MambaRadixCache` (no KV events, no compiled paths), plus ``storage`` (a
-    started StorageController or ``None``) and ``layout_fingerprint`` (seeds its page keys,
-    :mod:`.state_storage`). Costs on top: a match
-    O(path); a demotion one batched KV copy per ``evict`` call plus one state copy per state;
-    a load back one batched KV copy and one state copy; a host drop O(log H) per leaf.
+    Args as :class:`MambaRadixCache` (no compiled paths), plus ``write_policy`` (one of
+    :data:`~radixkv.contracts.WRITE_POLICIES`), ``storage`` (a started StorageController or
+    ``None``; not with KV events) and ``layout_fingerprint`` (seeds its page keys,
+    :mod:`.state_storage`). Costs on top: a match O(path); a demotion one batched KV copy per
+    ``evict`` call (none for nodes with a host copy) plus one state copy per state; a load back
+    one batched KV copy and one state copy; ``write_through`` one KV copy per insert that makes
+    a leaf; a host drop O(log H) per leaf.
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenTable | None,
@@ -70,22 +75,24 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
                  eviction_policy: str | EvictionPolicy = "lru", admission_policy: str | StateAdmission = "every",
                  mamba_pool: StatePool | None = None, state_eviction_policy: str | StateEvictionOrder = "lru",
                  flop_model: FlopModel | None = None, disable: bool = False, metrics_window: int = 1000,
-                 checks: bool = True, storage: StorageController | None = None,
+                 checks: bool = True, write_policy: str = "write_back", enable_kv_events: bool = False,
+                 kv_event_seed: Seed | None = None, storage: StorageController | None = None,
                  layout_fingerprint: str = "") -> None:
+        write_policy = check_write_policy(write_policy)
         if not isinstance(host_pool, HostKVPool) or host_pool.kv_pool.page_size != page_size:
             raise InvalidArgumentError("host_pool must be a HostKVPool of the cache's page size")
         if not isinstance(host_state_pool, HostStatePool):
             raise InvalidArgumentError("a hybrid host KV tier needs a host state tier (host_state_pool)")
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy,
-                         admission_policy, False, mamba_pool=mamba_pool,
+                         admission_policy, enable_kv_events, mamba_pool=mamba_pool,
                          state_eviction_policy=state_eviction_policy, flop_model=flop_model, disable=disable,
                          metrics_window=metrics_window, checks=checks, host_state_pool=host_state_pool,
-                         native=False)
+                         native=False, kv_event_seed=kv_event_seed)
         self._new_node = TierNode
         self._insert_entry = _insert_tiered
         self.host_pool = host_pool
         self.host_alloc = HostPageAllocator(host_pool.num_pages)
-        self.write_policy = "write_back"
+        self.write_policy = write_policy
         self._hstates = cast(HostStateTable, self._host)
         self._host_tokens = 0
         self._dups: dict[int, TierNode] = {}  # (write_back gives a loaded node's host copy up at once)
@@ -93,7 +100,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         self._host_heap: list[tuple[int, int, TierNode]] = []  # (last_access, id, host-only leaf)
         #: tokens hit per tier (device: up to the device state; host: past it) and traffic in pages
         self.tier_hits = {"device": 0, "host": 0, "storage": 0}
-        self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0, "load_ns": 0}
+        self.tier_stats = {"loaded_pages": 0, "demoted_pages": 0, "host_dropped_pages": 0,
+                           "written_through_pages": 0, "load_ns": 0}
         self._init_storage(storage, layout_fingerprint)
 
     def tier_counters(self) -> dict[str, int]:
@@ -216,8 +224,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
 
     def _load_kv(self, cold: list[Any]) -> bool:
         """Give the host-only nodes ``cold`` (a chain, pinned) device rows with one batched
-        copy from their host pages, which are then freed; False (nothing loaded) when the
-        rows cannot be had."""
+        copy from their host pages, which are then freed (``write_back``) or kept as a clean
+        copy (``write_through``); False (nothing loaded) when the rows cannot be had."""
         if not cold:
             return True
         alloc = self.token_to_kv_pool_allocator
@@ -240,7 +248,9 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
             t = len(y.kbuf)
             y.vbuf = rb[off:off + t]
             off += t
-            self._drop_host_copy(y)
+            self._moved(y, MEDIUM_GPU)
+            if self.write_policy == "write_back":
+                self._drop_host_copy(y)
             self._evictable += t >> 2
             if self._on_insert is not None:
                 self._on_insert(y)
@@ -263,7 +273,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
     def _evict_leaves(self, num_tokens: int, rows: list[bytes], slots: list[int]) -> int:
         """MambaRadixCache's KV eviction with demotion: a victim with a state (either tier)
         or host-only children goes to the host, KV and state (one batched KV copy for the
-        call); else, or with no host room, it is dropped with its host-only subtree."""
+        call; none for a victim with a host copy); else, or with no host room, it is dropped
+        with its host-only subtree (and its host copy)."""
         evicted = 0
         leaves, stale_key = self._leaves, self._sort_key if self._lazy else None
         d_pages: list[np.ndarray] = []
@@ -297,17 +308,19 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
             return False
         t = len(node.kbuf) >> 2
         self._pinned.add(node.id)
-        pages = self._host_alloc(t // self.page_size)  # may drop node's own host-only children
-        if pages is not None and node not in dev and node not in hosted and not node.children:
-            self.host_alloc.free(pages)
-            pages = None
-        if pages is None:
-            self._pinned.discard(node.id)
-            return False
-        node.hbuf = pages.tobytes()
-        self._host_tokens += t
-        d_pages.append(pages)
-        d_rows.append(node.vbuf)
+        if node.hbuf is None:  # else a clean copy (write_through): its rows are just freed
+            pages = self._host_alloc(t // self.page_size)  # may drop node's own host-only children
+            if pages is not None and node not in dev and node not in hosted and not node.children:
+                self.host_alloc.free(pages)
+                pages = None
+            if pages is None:
+                self._pinned.discard(node.id)
+                return False
+            node.hbuf = pages.tobytes()
+            self._host_tokens += t
+            d_pages.append(pages)
+            d_rows.append(node.vbuf)
+        self._moved(node, MEDIUM_CPU)
         if node in dev:  # the state goes with the KV (host slot first, then the device slot freed)
             hslot, gone = self._hstates.demote(node, int(self._states.end[dev[node]]))
             slot = self._states.detach(node)
@@ -326,29 +339,34 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         return True
 
     def _drop_device(self, node: Any, rows: list[bytes], slots: list[int]) -> int:
-        """Drop a device leaf, its host-only subtree first; file the ancestor left standing
-        if it is a device leaf now. Returns the device tokens freed."""
+        """Drop a device leaf, its host-only subtree first, and the host copies of the nodes
+        that leave with it; file the ancestor left standing if it is a device leaf now.
+        Returns the device tokens freed."""
         for c in list(node.children.values()):
             self._drop_subtree(c)
         tokens = self._remove_leaf(node, rows, slots)
+        self._drop_host_copy(node)
         x = node.parent
         while x.parent is not None and not self._in_tree(x):
+            self._drop_host_copy(x)
             x = x.parent
         self._file_if_leaf(x)
         return tokens
 
     def _drop_subtree(self, top: Any) -> int:
         """Unlink the host-only node ``top`` and its subtree, freeing their host pages and
-        host states. Returns the host pages freed."""
-        stack, freed = [top], 0
+        host states (KV events: their states, then their pages). Returns the host pages freed."""
+        stack, freed, order = [top], 0, []
         while stack:
             y = stack.pop()
             stack.extend(y.children.values())
+            order.append(y)
             if y.hbuf is not None:
                 freed += len(y.hbuf) >> 2
                 self._drop_host_copy(y)
             if y in self._hstates.slot_of:
                 self._hstates.drop(y)
+        self._record_removed(order)
         parent = top.parent
         del parent.children[top.kbuf[:self._page_bytes]]
         sync_only(parent)
@@ -429,9 +447,14 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
 def _insert_tiered(cache: TieredMambaRadixCache, key: RadixKey | object, value: Any, priority: int = 0,
                    extra_key: Hashable = None, _path: bool = False) -> Any:
     """The tree's insert entry (its ``_insert_entry``): the host-only nodes on the key's path
-    take the caller's rows first (``_revive``), then InsertMixin's insert."""
+    take the caller's rows first (``_revive``), then InsertMixin's insert; a new leaf is
+    copied to the host (``write_through``)."""
     if type(key) is not RadixKey or extra_key is not None:
         key = as_radix_key(key, extra_key)
     if not cache.disable:
         cache._revive(key, value)
-    return InsertMixin.insert(cache, key, value, priority, None, _path)
+    res = InsertMixin.insert(cache, key, value, priority, None, True)
+    prefix, node, _ = res
+    if prefix < (len(key._buf) >> 2) and isinstance(node, TierNode):
+        cache._write_through(node)
+    return res if _path else prefix

@@ -191,25 +191,23 @@ def test_admit_reused_backs_up_a_state_once_it_is_hit_again():
 
 
 def test_storage_with_kv_events_is_refused():
-    from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
-
-    cache, _, _ = make(1, backend=DictStorage())
-    cache.kv_events = object()
     with pytest.raises(InvalidArgumentError, match="KV events"):
-        TieredMambaRadixCache._init_storage(cache, cache.storage, "x")
+        make(1, backend=DictStorage(), events=True)
 
 
-@pytest.mark.parametrize("ps,seed", [(1, 0), (2, 1), (4, 2)])
-def test_seeded_stress_with_storage_and_restarts(ps, seed):
-    """Conversations served through the tree with KV, state and host drops and restarts (the
-    tree started again over fresh pools on the same store, after a drain): every reused row
-    and state (device, host or storage) is checked against its prefix; the audit after
-    every step."""
+@pytest.mark.parametrize("ps,seed,policy", [(1, 0, "write_back"), (2, 1, "write_back"), (4, 2, "write_back"),
+                                           (1, 3, "write_through"), (2, 4, "write_through")])
+def test_seeded_stress_with_storage_and_restarts(ps, seed, policy):
+    """Conversations served through the tree (either write policy) with KV, state and host
+    drops and restarts (the tree started again over fresh pools on the same store, after a
+    drain): every reused row and state (device, host or storage) is checked against its
+    prefix; the audit after every step."""
     rng = np.random.default_rng(seed)
     store = DictStorage()
 
     def fresh():
-        return make(ps, device_tokens=24 * ps, host_tokens=24 * ps, slots=4, host_slots=4, backend=store)
+        return make(ps, device_tokens=24 * ps, host_tokens=24 * ps, slots=4, host_slots=4, backend=store,
+                    write_policy=policy)
 
     cache, alloc, mamba = fresh()
     convs = [list(rng.integers(1, 30, size=int(rng.integers(1, 3)) * ps)) for _ in range(5)]

@@ -4,7 +4,8 @@ a match up to the deepest state in any tier, loads the path's KV then its state 
 insert's rows into host-only nodes, and host drops remove the tombstones they leave. KV values
 and states name their own prefix, so a page or state put back in the wrong place shows; a
 seeded stress and a Hypothesis state machine run ``check_invariants`` after every demote, load
-and drop."""
+and drop, under both write policies (``write_through``: every insert copied to the host, a
+victim with a copy freed without one)."""
 import sys
 from pathlib import Path
 
@@ -27,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/cache: the
 from tier_util import kv_of, read_kv, write_kv  # noqa: E402
 
 
-def make(ps=1, device_tokens=32, host_tokens=64, slots=4, host_slots=6, backend=None, timeout_s=5.0,
-         state_shape=(1, 2, 2), admit="all"):
+def make(ps=1, device_tokens=32, host_tokens=64, slots=4, host_slots=6, write_policy="write_back", events=False,
+         backend=None, timeout_s=5.0, state_shape=(1, 2, 2), admit="all"):
     """A tree over fresh pools; with ``backend`` a storage tier over it (tests/cache/hybrid/
     test_hybrid_state_storage.py)."""
     from radixkv.storage.tier_controller import StorageController
@@ -39,9 +40,10 @@ def make(ps=1, device_tokens=32, host_tokens=64, slots=4, host_slots=6, backend=
     mamba = MambaPool(slots, (3, 4), state_shape, 2, dtype=torch.float64)
     host = HostKVPool(kv, host_tokens // ps)
     storage = None if backend is None else StorageController(backend, host.page_bytes, timeout_s=timeout_s,
-                                                                 admit=admit)
+                                                             admit=admit)
     cache = TieredMambaRadixCache(None, alloc, host_pool=host, host_state_pool=HostStatePool(mamba, host_slots),
-                                  page_size=ps, mamba_pool=mamba, storage=storage, layout_fingerprint="test")
+                                  page_size=ps, mamba_pool=mamba, write_policy=write_policy,
+                                  enable_kv_events=events, storage=storage, layout_fingerprint="test")
     return cache, alloc, mamba
 
 
@@ -175,13 +177,15 @@ def test_audit_names_a_leaked_host_page_and_a_bad_config():
                               host_state_pool=None, mamba_pool=mamba)
 
 
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
 @pytest.mark.parametrize("ps,seed", [(1, 0), (1, 1), (2, 2), (4, 3)])
-def test_seeded_stress(ps, seed):
+def test_seeded_stress(ps, seed, policy):
     """Random conversations (shared prefixes, growing turns) with random evictions of KV,
     states and host pages; ``serve`` checks every reused row's KV and every reused state,
     and the audit runs after every demote, load and drop."""
     rng = np.random.default_rng(seed)
-    cache, alloc, mamba = make(ps, device_tokens=24 * ps, host_tokens=48 * ps, slots=4, host_slots=6)
+    cache, alloc, mamba = make(ps, device_tokens=24 * ps, host_tokens=48 * ps, slots=4, host_slots=6,
+                               write_policy=policy)
     convs = [list(rng.integers(1, 30, size=int(rng.integers(1, 3)) * ps)) for _ in range(5)]
     loaded = 0
     for _ in range(250):
@@ -202,7 +206,12 @@ def test_seeded_stress(ps, seed):
         else:
             cache.evict_host(int(rng.integers(1, 6)))
         cache.check_invariants()
-    assert loaded > 0 and cache.tier_counters()["loaded_pages"] > 0 and cache.tier_counters()["demoted_pages"] > 0
+    tc = cache.tier_counters()
+    assert loaded > 0 and tc["loaded_pages"] > 0
+    if policy == "write_back":  # write_through: the host pages came from the inserts' copies
+        assert tc["demoted_pages"] > 0 and tc["written_through_pages"] == 0
+    else:
+        assert tc["written_through_pages"] > 0
 
 
 class TieredHybridMachine(RuleBasedStateMachine):
@@ -212,12 +221,14 @@ class TieredHybridMachine(RuleBasedStateMachine):
     holds after every step."""
 
     PS = 1
+    POLICY = "write_back"
+    EVENTS = False
 
     def __init__(self):
         super().__init__()
         ps = self.PS
         self.cache, self.alloc, self.mamba = make(ps, device_tokens=16 * ps, host_tokens=24 * ps, slots=4,
-                                                  host_slots=5)
+                                                  host_slots=5, write_policy=self.POLICY, events=self.EVENTS)
         self.convs = [[1 + c] * ps for c in range(3)]
         self.stated: set[tuple[int, ...]] = set()
 
@@ -254,12 +265,72 @@ class TieredHybridMachine(RuleBasedStateMachine):
         self.cache.check_invariants()
 
 
-class TieredHybridMachinePaged(TieredHybridMachine):
-    PS = 2
+def machine_tests(machine, name):
+    """The TestCases of ``machine`` at page sizes 1 and 2 under both write policies, named
+    ``name`` + ``Paged`` / ``WriteThrough`` (for the module's globals)."""
+    out = {}
+    for ps, policy in ((1, "write_back"), (2, "write_back"), (1, "write_through"), (2, "write_through")):
+        suffix = ("WriteThrough" if policy == "write_through" else "") + ("Paged" if ps == 2 else "")
+        variant = type(f"{machine.__name__}{suffix}", (machine,), {"PS": ps, "POLICY": policy})
+        test = variant.TestCase
+        test.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+        out[name + suffix] = test
+    return out
 
 
-_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
-TestTieredHybridMachine = TieredHybridMachine.TestCase
-TestTieredHybridMachine.settings = _SETTINGS
-TestTieredHybridMachinePaged = TieredHybridMachinePaged.TestCase
-TestTieredHybridMachinePaged.settings = _SETTINGS
+globals().update(machine_tests(TieredHybridMachine, "TestTieredHybridMachine"))
+
+
+# ---------------------------------------------------------------------- write_through
+@pytest.mark.parametrize("ps", [1, 4])
+def test_write_through_copies_each_insert_and_evicts_without_a_copy(ps):
+    cache, alloc, mamba = make(ps, write_policy="write_through")
+    a = list(range(1, 1 + 2 * ps))
+    b = a + list(range(50, 50 + 2 * ps))
+    serve(cache, alloc, mamba, a)
+    assert cache.host_size() == 2 * ps and cache.tier_counters()["written_through_pages"] == 2
+    serve(cache, alloc, mamba, b)
+    assert cache.host_size() == 4 * ps and cache.tier_counters()["written_through_pages"] == 4
+    assert cache.evict(cache.evictable_size()).num_tokens == 4 * ps  # both to the host, no copy
+    cache.check_invariants()
+    tc = cache.tier_counters()
+    assert tc["demoted_pages"] == 0 and cache.host_size() == 4 * ps and cache.total_size() == 0
+    assert serve(cache, alloc, mamba, b + list(range(70, 70 + ps))) == (0, 4 * ps)  # KV and states checked
+    assert cache.host_size() == 5 * ps  # the loaded nodes keep their clean copies; the new leaf copied
+    cache.evict(cache.evictable_size())
+    cache.check_invariants()
+    assert cache.tier_counters()["demoted_pages"] == 0  # the new leaf had its copy at insert
+    assert serve(cache, alloc, mamba, b + list(range(70, 70 + ps))) == (0, 5 * ps)
+
+
+def test_write_through_stateless_leaf_dropped_with_its_copy():
+    cache, alloc, mamba = make(write_policy="write_through")
+    rows = alloc.alloc(3)
+    cache.insert([1, 2, 3], rows)  # KV without a state: copied, never kept as a host-only leaf
+    assert cache.host_size() == 3
+    assert cache.evict(3).num_tokens == 3
+    cache.check_invariants()
+    assert cache.host_size() == 0 and cache.total_size() == 0 and cache.host_alloc.available_size() == 64
+
+
+def test_write_through_full_host_skips_the_copy():
+    cache, alloc, mamba = make(write_policy="write_through", host_tokens=4)
+    serve(cache, alloc, mamba, [1, 2, 3, 4])
+    serve(cache, alloc, mamba, [5, 6, 7])  # no host room (the copy above is a device node's): not copied
+    cache.check_invariants()
+    assert cache.host_size() == 4 and cache.tier_counters()["written_through_pages"] == 4
+    cache.evict(cache.evictable_size())  # [1..4] freed without a copy; [5,6,7] has no host room: dropped
+    cache.check_invariants()
+    assert cache.host_size() == 4 and cache.tier_counters()["demoted_pages"] == 0
+    assert cache.match_prefix([1, 2, 3, 4, 9]).host_len == 4
+
+
+def test_audit_names_a_copy_held_twice():
+    cache, alloc, mamba = make(write_policy="write_through")
+    serve(cache, alloc, mamba, [1, 2, 3])
+    serve(cache, alloc, mamba, [7, 8])
+    cache.check_invariants()
+    x, y = (n for n in cache.iter_nodes() if n.parent is not None)
+    y.hbuf = x.hbuf[:len(y.hbuf)]  # two device nodes' copies on one host page
+    with pytest.raises(InvariantError, match="double-owned"):
+        cache.check_invariants()
