@@ -173,10 +173,9 @@ def build_tree(pools: EnginePools, storage: StorageBackend | None = None) -> Rad
     ``admission_policy`` is passed through (``every``: every cached node end gets a state;
     ``branch``: states at request ends and branch points; ``none`` disables the cache),
     ``checks`` its free-mask lookups, ``host_state_pool`` the host state tier (with
-    ``host_kv_tokens`` too: a ``TieredMambaRadixCache``, their KV in the host tier, and storage
-    as for KV-only models, its keys seeded by :func:`hybrid_fingerprint`). KV-only
-    models with ``host_kv_tokens``: a :class:`TieredRadixCache` over the host pool (and a storage
-    controller over ``storage`` or ``config.storage``). O(1) (empty trees)."""
+    ``host_kv_tokens``: a ``TieredMambaRadixCache``, storage keys seeded by
+    :func:`hybrid_fingerprint`). KV-only models with ``host_kv_tokens``: a
+    :class:`TieredRadixCache` (storage: ``storage`` or ``config.storage``). O(1)."""
     c = pools.config
     if pools.host_pool is not None and pools.host_state_pool is not None:  # a hybrid model (config-checked)
         from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache

@@ -61,13 +61,11 @@ class MambaMatchResult(NamedTuple):
             holding a state (length ``prefix_len``).
         last_node: that node (the one to lock and fork from); a namespace head when none.
         prefix_len: tokens of that prefix -- what a request may skip.
-        kv_prefix_len: tokens of the full (page-aligned) KV match, ``>= prefix_len``. When
-            larger, the tree has the KV but no state there: a branch point where a scheduler
-            may end a chunk to checkpoint the state (Marconi's speculative insertion).
-        host_len: with the host state tier, tokens past ``prefix_len`` up to ``host_node``,
-            whose state is in the host tier (:meth:`MambaRadixCache.load_back` loads it).
-        storage_len: of ``host_len``, the tokens this match read from storage (a hybrid
-            storage tier, :mod:`~radixkv.cache.hybrid.state_storage`).
+        kv_prefix_len: tokens of the full (page-aligned) KV match, ``>= prefix_len``; more is
+            a branch point where a scheduler may end a chunk to checkpoint the state.
+        host_len: tokens past ``prefix_len`` up to ``host_node``, whose state is in the host
+            tier (:meth:`MambaRadixCache.load_back` loads it).
+        storage_len: of ``host_len``, the tokens this match read from storage.
     """
 
     device_indices: torch.Tensor
