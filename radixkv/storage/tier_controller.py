@@ -11,6 +11,8 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch_into(keys, reserve)``: the same for a scattering backend, read straight into host-pool
   rows (no second copy): reserved for every key up front (one pass, no count) or once the count
   is known.
+* A read of 16+ pages is split into contiguous slices read at once by the worker and
+  ``read_threads - 1`` reader threads; its pages are the leading ones that passed, in key order.
 * A backend that raises: a miss or a failed write, counted, logged once. Caller's cost: one
   queue put (backup), one wait bounded by the timeout (fetch).
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +38,9 @@ from radixkv.storage.host_rows import fresh_rows
 __all__ = ["StorageController", "StorageStats"]
 
 log = logging.getLogger(__name__)
+
+#: A read is split only when every slice gets at least this many pages.
+MIN_SLICE_PAGES = 8
 
 
 @dataclass
@@ -76,6 +83,26 @@ class _Read:
     upfront: bool = False  # ``dst`` given with the job: no count, no hand-off
 
 
+@dataclass
+class _Slice:
+    """Contiguous keys of one read and their destinations (rows or page buffers); ``flags``
+    one per key once ``done``."""
+
+    keys: list[str]
+    dst: Any
+    flags: list[bool] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def default_read_threads() -> int:
+    """Threads reading one storage batch by default: min(4, CPUs this process may use)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
 class StorageController:
     """Runs a storage backend's calls on one worker thread (see the module docstring).
 
@@ -89,11 +116,18 @@ class StorageController:
         max_pending_reads: reads in flight past which a fetch returns nothing.
         max_ready_pages: prefetched pages kept for a later fetch (oldest dropped first;
             default ``batch_pages``).
+        read_threads: threads reading one batch's slices at once, the worker included
+            (default :func:`default_read_threads`; 1: the worker alone).
     """
 
     def __init__(self, backend: StorageBackend, page_bytes: int, *, timeout_s: float = 0.05,
                  batch_pages: int = 128, max_pending_pages: int = 8192, admit: str = "all",
-                 max_pending_reads: int = 64, max_ready_pages: int | None = None) -> None:
+                 max_pending_reads: int = 64, max_ready_pages: int | None = None,
+                 read_threads: int | None = None) -> None:
+        if read_threads is None:
+            read_threads = default_read_threads()
+        if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
+            raise InvalidArgumentError(f"storage read threads must be an int >= 1, got {read_threads!r}")
         if admit not in STORAGE_ADMIT:
             raise InvalidArgumentError(f"storage admit must be 'all' or 'reused', got {admit!r}")
         if not timeout_s >= 0:
@@ -106,6 +140,7 @@ class StorageController:
         self.max_pending_reads = int(max_pending_reads)
         self.max_ready_pages = self.batch_pages if max_ready_pages is None else int(max_ready_pages)
         self.admit = admit
+        self.read_threads = read_threads
         self._reads: dict[str, _Read] = {}  # reads in flight by first key
         self._ready: OrderedDict[str, torch.Tensor] = OrderedDict()  # prefetched page rows by key
         self.stats = StorageStats()
@@ -122,6 +157,11 @@ class StorageController:
         self._call("register_buffer", backend.register_buffer, self._staging)
         self._thread = threading.Thread(target=self._run, name=f"radixkv-storage-{backend.name}", daemon=True)
         self._thread.start()
+        self._slices: queue.SimpleQueue[_Slice | None] = queue.SimpleQueue()
+        self._readers = [threading.Thread(target=self._run_reader, name=f"radixkv-storage-{backend.name}-read{i}",
+                                          daemon=True) for i in range(1, read_threads)]
+        for t in self._readers:
+            t.start()
 
     # ------------------------------------------------------------------ caller side
     def backup(self, keys: Sequence[str], rows: torch.Tensor) -> bool:
@@ -282,6 +322,8 @@ class StorageController:
             self._closed = True
         self._jobs.put((2, next(self._seq), None))
         self._thread.join(timeout=max(drain_timeout_s, 1.0))
+        for _ in self._readers:  # behind any slice still queued: a stuck reader stalls no one (daemon)
+            self._slices.put(None)
         self._call("close", self.backend.close)
         with self._lock:
             self._ready.clear()
@@ -310,8 +352,9 @@ class StorageController:
         try:
             return fn(*args)
         except Exception as e:  # a backend never fails the manager: counted, logged once
-            self.stats.errors += 1
-            self._warn(f"{what} raised {type(e).__name__}: {e}")
+            with self._lock:  # (reader threads call it too)
+                self.stats.errors += 1
+                self._warn(f"{what} raised {type(e).__name__}: {e}")
             return None
 
     def _run(self) -> None:
@@ -323,6 +366,51 @@ class StorageController:
                 self._read(job)
             else:
                 self._write(*job)
+
+    def _run_reader(self) -> None:
+        while (part := self._slices.get()) is not None:
+            self._get_slice(part)
+
+    def _get(self, keys: list[str], dst: Any) -> list[bool]:
+        """``batch_get`` of ``keys`` into ``dst`` (rows or page buffers) in contiguous slices of
+        at most ``batch_pages``, split over the reader threads when each gets ``MIN_SLICE_PAGES``;
+        one flag per key (a slice that raised: all False). Alone, stops after a slice with a
+        miss; split, reads every slice. Returns once no slice writes to ``dst`` any more."""
+        n = len(keys)
+        runs = max(-(-n // self.batch_pages), min(self.read_threads, n // MIN_SLICE_PAGES), 1)
+        bounds = [n * r // runs for r in range(runs + 1)]
+        parts = [_Slice(keys[a:b], dst[a:b]) for a, b in zip(bounds, bounds[1:])]
+        if not self._readers or runs < 2:
+            flags: list[bool] = []
+            for part in parts:
+                self._get_slice(part)
+                flags += part.flags
+                if not all(part.flags):
+                    break
+            return flags + [False] * (n - len(flags))
+        for part in parts[1:]:
+            self._slices.put(part)
+        self._get_slice(parts[0])
+        while True:  # help with the slices no reader took yet
+            try:
+                other = self._slices.get_nowait()
+            except queue.Empty:
+                break
+            if other is None:  # closing: leave it for a reader
+                self._slices.put(None)
+                break
+            self._get_slice(other)
+        for part in parts:
+            part.done.wait()
+        return [f for part in parts for f in part.flags]
+
+    def _get_slice(self, part: _Slice) -> None:
+        m = len(part.keys)
+        try:
+            ok = self._call("batch_get", self.backend.batch_get, part.keys, part.dst)
+            part.flags = ([bool(f) for f in ok] + [False] * m)[:m] if isinstance(ok, list) else [False] * m
+        finally:
+            part.done.set()
 
     def _read(self, job: _Read) -> None:
         rows: torch.Tensor | None = None
@@ -362,9 +450,7 @@ class StorageController:
         read whole (a missing or corrupt page ends them)."""
         dst = job.dst
         if dst:
-            ok = self._call("batch_get", self.backend.batch_get, job.keys[:len(dst)], dst)
-            flags = list(ok) if isinstance(ok, list) else []
-            job.hits = next((i for i, f in enumerate(flags) if not f), len(flags))
+            job.hits = _lead(self._get(job.keys[:len(dst)], dst))
 
     def _finish(self, job: _Read, rows: torch.Tensor | None) -> None:
         """Publish a read: a late one's pages go to the ready ones (a late direct read's
@@ -390,15 +476,7 @@ class StorageController:
         advised) rows, the rows ``fetch`` returns: no staging copy, no concatenation. ``None``
         when the first page misses. Rows never read are never touched (no memory)."""
         out = fresh_rows(len(keys), self.page_bytes)
-        got = 0
-        for start in range(0, len(keys), self.batch_pages):
-            part = keys[start:start + self.batch_pages]
-            ok = self._call("batch_get", self.backend.batch_get, part, out[start:start + len(part)])
-            flags = list(ok) if isinstance(ok, list) else [False] * len(part)
-            lead = next((i for i, f in enumerate(flags) if not f), len(part))
-            got += lead
-            if lead < len(part):
-                break
+        got = _lead(self._get(keys, out))
         return out[:got] if got else None
 
     def _write(self, keys: list[str], rows: torch.Tensor) -> None:
@@ -413,6 +491,11 @@ class StorageController:
                 self.stats.write_failed += sum(not f for f in flags)
                 self.stats.pending -= len(part)
                 self._idle.notify_all()
+
+
+def _lead(flags: list[bool]) -> int:
+    """How many leading ``flags`` are true."""
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
 def _flat(b: torch.Tensor | memoryview) -> torch.Tensor:
