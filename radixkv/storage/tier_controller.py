@@ -8,13 +8,10 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch(keys)``: prefetched pages, then ``batch_exists`` + ``batch_get`` waited for at most
   ``timeout_s``; a late read goes on and its pages wait (``max_ready_pages``) for a later fetch.
   One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
-* ``fetch_into(keys, reserve)``: the same for a scattering backend, read straight into host-pool
-  rows (no second copy): reserved for every key up front (one pass, no count) or once the count
-  is known.
-* A read of 16+ pages is split into contiguous slices read at once by the worker and
-  ``read_threads - 1`` reader threads; its pages are the leading ones that passed, in key order.
-* A backend that raises: a miss or a failed write, counted, logged once. Caller's cost: one
-  queue put (backup), one wait bounded by the timeout (fetch).
+* ``fetch_into(keys, reserve)``: the same straight into host-pool rows (a scattering backend),
+  reserved for every key up front (one pass) or once the count is known.
+* A read of 16+ pages: contiguous slices read at once by the worker and ``read_threads - 1``
+  reader threads. A backend that raises: a miss or a failed write, counted, logged once.
 """
 from __future__ import annotations
 
@@ -114,10 +111,8 @@ class StorageController:
         max_pending_pages: queued backup pages past which backups are dropped.
         admit: ``all`` (back up every inserted page) or ``reused`` (pages hit once since).
         max_pending_reads: reads in flight past which a fetch returns nothing.
-        max_ready_pages: prefetched pages kept for a later fetch (oldest dropped first;
-            default ``batch_pages``).
-        read_threads: threads reading one batch's slices at once, the worker included
-            (default :func:`default_read_threads`; 1: the worker alone).
+        max_ready_pages: prefetched pages kept for a later fetch (default ``batch_pages``).
+        read_threads: threads reading a batch's slices, the worker's included (default_read_threads()).
     """
 
     def __init__(self, backend: StorageBackend, page_bytes: int, *, timeout_s: float = 0.05,
