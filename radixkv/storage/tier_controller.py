@@ -11,7 +11,7 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch_into(keys, reserve)``: the same straight into host-pool rows (a scattering backend),
   reserved for every key up front (one pass) or once the count is known.
 * A read of 16+ pages: contiguous slices read at once by the worker and ``read_threads - 1``
-  reader threads. A backend that raises: a miss or a failed write, counted, logged once.
+  reader threads, whichever is free. A backend that raises: a miss or a failed write, counted, logged once.
 """
 from __future__ import annotations
 
@@ -87,6 +87,8 @@ class _Slice:
 
     keys: list[str]
     dst: Any
+    start: int  # the first key's index in the read
+    cut: list[int]  # [the first miss of the read seen so far], shared by its slices
     flags: list[bool] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -367,26 +369,23 @@ class StorageController:
             self._get_slice(part)
 
     def _get(self, keys: list[str], dst: Any) -> list[bool]:
-        """``batch_get`` of ``keys`` into ``dst`` (rows or page buffers) in contiguous slices of
-        at most ``batch_pages``, split over the reader threads when each gets ``MIN_SLICE_PAGES``;
-        one flag per key (a slice that raised: all False). Alone, stops after a slice with a
-        miss; split, reads every slice. Returns once no slice writes to ``dst`` any more."""
+        """``batch_get`` of ``keys`` into ``dst`` (rows or page buffers) in contiguous slices;
+        with reader threads and 16+ pages, small slices (>= ``MIN_SLICE_PAGES``, ~4 per thread)
+        taken by whichever thread is free, the worker included. One flag per key (a slice that
+        raised: all False); a slice past a miss already seen is not read. Returns once no slice
+        writes to ``dst`` any more."""
         n = len(keys)
-        runs = max(-(-n // self.batch_pages), min(self.read_threads, n // MIN_SLICE_PAGES), 1)
-        bounds = [n * r // runs for r in range(runs + 1)]
-        parts = [_Slice(keys[a:b], dst[a:b]) for a, b in zip(bounds, bounds[1:])]
-        if not self._readers or runs < 2:
-            flags: list[bool] = []
-            for part in parts:
-                self._get_slice(part)
-                flags += part.flags
-                if not all(part.flags):
-                    break
-            return flags + [False] * (n - len(flags))
-        for part in parts[1:]:
+        split = bool(self._readers) and n >= 2 * MIN_SLICE_PAGES
+        size = self.batch_pages
+        if split:
+            size = min(size, max(MIN_SLICE_PAGES, -(-n // (4 * self.read_threads))))
+        cut = [n]  # the first miss seen so far
+        parts = [_Slice(keys[a:a + size], dst[a:a + size], a, cut) for a in range(0, n, size)]
+        for part in parts[1:] if split else ():
             self._slices.put(part)
-        self._get_slice(parts[0])
-        while True:  # help with the slices no reader took yet
+        for part in parts[:1] if split else parts:
+            self._get_slice(part)
+        while split:  # take the slices no reader took yet
             try:
                 other = self._slices.get_nowait()
             except queue.Empty:
@@ -402,8 +401,15 @@ class StorageController:
     def _get_slice(self, part: _Slice) -> None:
         m = len(part.keys)
         try:
+            part.flags = [False] * m
+            if part.start >= part.cut[0]:  # after a miss: not in the lead whatever it holds
+                return
             ok = self._call("batch_get", self.backend.batch_get, part.keys, part.dst)
-            part.flags = ([bool(f) for f in ok] + [False] * m)[:m] if isinstance(ok, list) else [False] * m
+            if isinstance(ok, list):
+                part.flags = ([bool(f) for f in ok] + part.flags)[:m]
+            lead = _lead(part.flags)
+            if lead < m:  # (a race may keep a later miss: the cut is never before the first)
+                part.cut[0] = min(part.cut[0], part.start + lead)
         finally:
             part.done.set()
 
