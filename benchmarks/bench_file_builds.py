@@ -144,16 +144,17 @@ def _controller(mod: ModuleType, store: Any, pb: int, read_threads: int) -> Any:
 
 
 def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int,
-                 storage_threads: int = 1, read_threads: int = 1) -> None:
+                 storage_threads: tuple[int, ...] = (1,), read_threads: int = 1) -> None:
     """Each controller's ``fetch`` + copy into host rows (and ``fetch_into`` them where it has
     it), beside ``batch_get`` alone and a plain read."""
     from radixkv.storage.file import FileStorage
 
     pb, keys, src, plain = _pages(d, ps, max(batches))
-    store = FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb, threads=storage_threads)
+    store = FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb, threads=storage_threads[0])
     if not all(store.batch_set(keys, src)):
         raise RuntimeError("could not write the pages")
-    ctls = {name: _controller(mod, store, pb, read_threads) for name, mod in mods.items()}
+    stores = {"old": store, "new": FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb, threads=storage_threads[-1])}
+    ctls = {name: _controller(mod, stores[name], pb, read_threads) for name, mod in mods.items()}
     direct = [name for name, mod in mods.items() if hasattr(mod.StorageController, "fetch_into")]
     upfront = [name for name in direct  # a controller whose fetch_into also takes every key's buffers
                if str(inspect.signature(mods[name].StorageController.fetch_into).parameters["reserve"]
@@ -257,7 +258,8 @@ def _alignment(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int],
 
 
 def run(old_src: str, new_src: str, page_sizes: list[int], batches: list[int], reps: int,
-        work_dir: str | None, mode: str = "files", storage_threads: int = 1, read_threads: int = 1) -> None:
+        work_dir: str | None, mode: str = "files", storage_threads: tuple[int, ...] = (1,),
+        read_threads: int = 1) -> None:
     mods = {"old": _module(old_src, "radixkv_file_old"), "new": _module(new_src, "radixkv_file_new")}
     print(f"load average before: {os.getloadavg()}; storage threads {storage_threads}, read threads {read_threads}")
     modes: dict[str, Callable[..., None]] = {
@@ -284,13 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
-    ap.add_argument("--storage-threads", type=int, default=1,
-                    help="FileStorage(threads=N) under the controllers (--controllers)")
+    ap.add_argument("--storage-threads", type=int, nargs="+", default=[1], metavar="N",
+                    help="FileStorage(threads=N) under the controllers and batch_get (--controllers); a second "
+                         "N: the new controller's")
     ap.add_argument("--read-threads", type=int, default=1,
                     help="StorageController(read_threads=N) where a controller takes it (--controllers)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir, a.mode, a.storage_threads, a.read_threads)
+    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir, a.mode, tuple(a.storage_threads), a.read_threads)
     return 0
 
 

@@ -193,6 +193,8 @@ class FileStorage:
 
     #: ``batch_get`` scatters a page into a list of buffers (:data:`PageBuffers`) in one read.
     scatter_reads = True
+    #: Calls share nothing but the counters: a controller may split a batch over threads.
+    concurrent_calls = True
 
     def batch_get(self, keys: Sequence[str], dst: torch.Tensor | PageBuffers) -> list[bool]:
         """Read each page into its row of ``dst`` (or its list of buffers, one ``preadv``).

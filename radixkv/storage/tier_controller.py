@@ -10,8 +10,8 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
   One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
 * ``fetch_into(keys, reserve)``: the same straight into host-pool rows (a scattering backend),
   reserved for every key up front (one pass) or once the count is known.
-* A read of 16+ pages: contiguous slices read at once by the worker and ``read_threads - 1``
-  reader threads, whichever is free. A backend that raises: a miss or a failed write, counted, logged once.
+* A batch of 16+ pages (a backend taking concurrent calls): slices read or written at once
+  by the worker and ``read_threads - 1`` readers. A backend that raises: a miss or a failed write.
 """
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from radixkv.contracts import STORAGE_ADMIT, PageBuffers, ScatterStorageBackend, StorageBackend
+from radixkv.contracts import (
+    STORAGE_ADMIT,
+    ConcurrentStorageBackend,
+    PageBuffers,
+    ScatterStorageBackend,
+    StorageBackend,
+)
 from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
 from radixkv.storage.host_rows import fresh_rows
 
@@ -82,13 +88,14 @@ class _Read:
 
 @dataclass
 class _Slice:
-    """Contiguous keys of one read and their destinations (rows or page buffers); ``flags``
-    one per key once ``done``."""
+    """Contiguous keys of one backend call split over threads and their rows or page
+    buffers; ``flags`` one per key once ``done``."""
 
+    what: str  # the backend call: batch_get or batch_set
     keys: list[str]
-    dst: Any
-    start: int  # the first key's index in the read
-    cut: list[int]  # [the first miss of the read seen so far], shared by its slices
+    buf: Any
+    start: int  # the first key's index in the batch
+    cut: list[int] | None  # a read's [first miss seen so far], shared by its slices
     flags: list[bool] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -114,7 +121,7 @@ class StorageController:
         admit: ``all`` (back up every inserted page) or ``reused`` (pages hit once since).
         max_pending_reads: reads in flight past which a fetch returns nothing.
         max_ready_pages: prefetched pages kept for a later fetch (default ``batch_pages``).
-        read_threads: threads reading a batch's slices, the worker's included (default_read_threads()).
+        read_threads: threads calling a backend that takes concurrent calls on a batch's slices.
     """
 
     def __init__(self, backend: StorageBackend, page_bytes: int, *, timeout_s: float = 0.05,
@@ -155,8 +162,10 @@ class StorageController:
         self._thread = threading.Thread(target=self._run, name=f"radixkv-storage-{backend.name}", daemon=True)
         self._thread.start()
         self._slices: queue.SimpleQueue[_Slice | None] = queue.SimpleQueue()
+        # (a backend that serializes its calls would only pay more calls for them)
+        concurrent = isinstance(backend, ConcurrentStorageBackend) and backend.concurrent_calls is True
         self._readers = [threading.Thread(target=self._run_reader, name=f"radixkv-storage-{backend.name}-read{i}",
-                                          daemon=True) for i in range(1, read_threads)]
+                                          daemon=True) for i in range(1, read_threads if concurrent else 1)]
         for t in self._readers:
             t.start()
 
@@ -366,25 +375,28 @@ class StorageController:
 
     def _run_reader(self) -> None:
         while (part := self._slices.get()) is not None:
-            self._get_slice(part)
+            self._run_slice(part)
 
     def _get(self, keys: list[str], dst: Any) -> list[bool]:
-        """``batch_get`` of ``keys`` into ``dst`` (rows or page buffers) in contiguous slices;
-        with reader threads and 16+ pages, small slices (>= ``MIN_SLICE_PAGES``, ~4 per thread)
-        taken by whichever thread is free, the worker included. One flag per key (a slice that
-        raised: all False); a slice past a miss already seen is not read. Returns once no slice
-        writes to ``dst`` any more."""
+        """``batch_get`` of ``keys`` into ``dst`` (rows or page buffers) by :meth:`_split`; a
+        slice past a miss already seen is not read (its pages are not in the lead)."""
+        return self._split("batch_get", keys, dst, [len(keys)])
+
+    def _split(self, what: str, keys: list[str], buf: Any, cut: list[int] | None) -> list[bool]:
+        """Backend call ``what`` over ``keys`` and ``buf`` in contiguous slices; with reader
+        threads and 16+ pages, small slices (>= ``MIN_SLICE_PAGES``, ~4 per thread) taken by
+        whichever thread is free, the worker included. One flag per key (a slice that raised:
+        all False). Returns once no slice touches ``buf`` any more."""
         n = len(keys)
         split = bool(self._readers) and n >= 2 * MIN_SLICE_PAGES
         size = self.batch_pages
         if split:
             size = min(size, max(MIN_SLICE_PAGES, -(-n // (4 * self.read_threads))))
-        cut = [n]  # the first miss seen so far
-        parts = [_Slice(keys[a:a + size], dst[a:a + size], a, cut) for a in range(0, n, size)]
+        parts = [_Slice(what, keys[a:a + size], buf[a:a + size], a, cut) for a in range(0, n, size)]
         for part in parts[1:] if split else ():
             self._slices.put(part)
         for part in parts[:1] if split else parts:
-            self._get_slice(part)
+            self._run_slice(part)
         while split:  # take the slices no reader took yet
             try:
                 other = self._slices.get_nowait()
@@ -393,23 +405,24 @@ class StorageController:
             if other is None:  # closing: leave it for a reader
                 self._slices.put(None)
                 break
-            self._get_slice(other)
+            self._run_slice(other)
         for part in parts:
             part.done.wait()
         return [f for part in parts for f in part.flags]
 
-    def _get_slice(self, part: _Slice) -> None:
-        m = len(part.keys)
+    def _run_slice(self, part: _Slice) -> None:
+        m, cut = len(part.keys), part.cut
         try:
             part.flags = [False] * m
-            if part.start >= part.cut[0]:  # after a miss: not in the lead whatever it holds
+            if cut is not None and part.start >= cut[0]:  # after a miss: not in the lead whatever it holds
                 return
-            ok = self._call("batch_get", self.backend.batch_get, part.keys, part.dst)
+            fn = self.backend.batch_get if part.what == "batch_get" else self.backend.batch_set
+            ok = self._call(part.what, fn, part.keys, part.buf)
             if isinstance(ok, list):
                 part.flags = ([bool(f) for f in ok] + part.flags)[:m]
             lead = _lead(part.flags)
-            if lead < m:  # (a race may keep a later miss: the cut is never before the first)
-                part.cut[0] = min(part.cut[0], part.start + lead)
+            if cut is not None and lead < m:  # (a race may keep a later miss: never one before the first)
+                cut[0] = min(cut[0], part.start + lead)
         finally:
             part.done.set()
 
@@ -485,8 +498,7 @@ class StorageController:
             part = keys[start:start + self.batch_pages]
             src = self._staging[:len(part)]
             src.copy_(rows[start:start + len(part)])
-            ok = self._call("batch_set", self.backend.batch_set, part, src)
-            flags = (list(ok) + [False] * len(part))[:len(part)] if isinstance(ok, list) else [False] * len(part)
+            flags = self._split("batch_set", part, src, None)
             with self._idle:  # one lock section: check_invariants sees the queue conserved
                 self.stats.written += sum(bool(f) for f in flags)
                 self.stats.write_failed += sum(not f for f in flags)

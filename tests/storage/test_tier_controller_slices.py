@@ -22,9 +22,12 @@ class SliceStorage(ScatterDictStorage):
     one in ``hold`` makes its call wait for ``release``; ``barrier`` (when set) is met by
     every call before it reads (proof that the slices run at once)."""
 
+    concurrent_calls = True
+
     def __init__(self) -> None:
         super().__init__()
         self.got: list[tuple[str, list[str]]] = []
+        self.set_calls: list[list[str]] = []
         self.raise_on: set[str] = set()
         self.hold: set[str] = set()
         self.release = threading.Event()
@@ -41,6 +44,13 @@ class SliceStorage(ScatterDictStorage):
         if self.raise_on & set(keys):
             raise OSError("the backend failed this slice")
         return super().batch_get(keys, dst)
+
+    def batch_set(self, keys, src):
+        with self._mu:
+            self.set_calls.append(list(keys))
+        if self.raise_on & set(keys):
+            raise OSError("the backend failed this slice")
+        return super().batch_set(keys, src)
 
 
 def _stored(n=N):
@@ -183,6 +193,35 @@ def test_small_reads_are_not_split_and_close_ends_the_readers():
     for t in readers:
         t.join(30)
         assert not t.is_alive()
+
+
+def test_a_backend_without_concurrent_calls_gets_one_call_per_batch():
+    store, keys, rows = stored(ScatterDictStorage(), N, PB)
+    calls = []
+    get = store.batch_get
+    store.batch_get = lambda k, d: calls.append(list(k)) or get(k, d)
+    ctl = StorageController(store, PB, timeout_s=30.0, read_threads=4)
+    try:
+        host, bufs = _host()
+        assert ctl.fetch_into(keys, bufs) == (N, None) and torch.equal(host, rows)
+        assert calls == [keys] and not ctl._readers
+    finally:
+        ctl.close(1.0)
+
+
+def test_a_backup_is_written_in_slices_and_a_raising_slice_fails_only_its_pages():
+    store = SliceStorage()
+    keys = [f"w{i}" for i in range(N)]
+    rows = torch.randint(0, 256, (N, PB), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    store.raise_on = {keys[MIN_SLICE_PAGES + 2]}
+    with _controller(store, read_threads=4) as ctl:
+        assert ctl.backup(keys, rows) and ctl.drain(30)
+        s = MIN_SLICE_PAGES
+        assert sorted(store.set_calls) == sorted(keys[i:i + s] for i in range(0, N, s))
+        assert (ctl.stats.written, ctl.stats.write_failed, ctl.stats.errors) == (N - s, s, 1)
+        failed = set(keys[s:2 * s])
+        assert all((k in store.pages) != (k in failed) for k in keys)
+        assert all(store.pages[k] == rows[i].numpy().tobytes() for i, k in enumerate(keys) if k not in failed)
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2"])
