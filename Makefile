@@ -19,7 +19,7 @@ all: test
 # be installed the Mooncake tests skip, naming what to install.
 MOONCAKE_LIB := ldconfig -p | grep -q libibverbs || { [ "$$(id -u)" = 0 ] && apt-get update && \
 	apt-get install -y libibverbs1; } || echo "libibverbs1 is missing and we are not root: the Mooncake tests will skip"
-$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c) $(wildcard radixkv/memory/csrc/*.c) $(wildcard service/wire/csrc/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard radixkv/cache/csrc/*.[ch]) $(wildcard radixkv/allocator/csrc/*.c) $(wildcard radixkv/memory/csrc/*.c) $(wildcard radixkv/storage/csrc/*.[ch]) $(wildcard service/wire/csrc/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
 	$(MOONCAKE_LIB)

@@ -16,8 +16,11 @@ times the steps of the new layout's read per page instead (``time.perf_counter_n
 each), with xxh3 of the same rows after the whole batch beside it; ``--alignment`` reads one
 file's pages into rows at byte offsets 0..4088 within a 4 KiB page (the kernel copy's speed).
 
+``--storage-threads OLD [NEW]`` / ``--read-threads N`` / ``--old-file PATH``: the file tier's and
+the new controller's threads, the old controller's ``file.py``.
+
 Pages as ``bench_tiers.py`` (4 layers x 8 heads x 128 dims, fp16: 256 KiB at 16 tokens, 1 MiB at
-64), one storage thread, warm page cache, rows of one ``torch.zeros`` buffer per reader (as the
+64), one storage thread unless told, warm page cache, rows of one ``torch.zeros`` buffer per reader (as the
 host tier's). The median of ``--reps`` rounds after a warm-up, wall and CPU time, minor page
 faults per call; every reader's bytes checked.
 """
@@ -137,16 +140,27 @@ def _page_size(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int],
               f"{_measured(fns, dst, src, n, reps)}", flush=True)
 
 
-def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int) -> None:
+def _controller(mod: ModuleType, store: Any, pb: int, read_threads: int) -> Any:
+    """``mod``'s controller over ``store``, with ``read_threads`` where it takes them."""
+    kw = {"read_threads": read_threads} if "read_threads" in inspect.signature(mod.StorageController).parameters else {}
+    return mod.StorageController(store, pb, timeout_s=60.0, batch_pages=128, **kw)
+
+
+def _controllers(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int], reps: int,
+                 storage_threads: tuple[int, ...] = (1,), read_threads: int = 1, old_file: str | None = None) -> None:
     """Each controller's ``fetch`` + copy into host rows (and ``fetch_into`` them where it has
     it), beside ``batch_get`` alone and a plain read."""
     from radixkv.storage.file import FileStorage
 
     pb, keys, src, plain = _pages(d, ps, max(batches))
-    store = FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb, threads=1)
+    store = FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb, threads=storage_threads[0])
     if not all(store.batch_set(keys, src)):
         raise RuntimeError("could not write the pages")
-    ctls = {name: mod.StorageController(store, pb, timeout_s=60.0, batch_pages=128) for name, mod in mods.items()}
+    old_store = store if old_file is None else \
+        _module(old_file, "radixkv_file_for_old").FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb,
+                                                               threads=storage_threads[0])
+    stores = {"old": old_store, "new": FileStorage(Path(d) / f"ctl-{pb}", page_bytes=pb, threads=storage_threads[-1])}
+    ctls = {name: _controller(mod, stores[name], pb, read_threads) for name, mod in mods.items()}
     direct = [name for name, mod in mods.items() if hasattr(mod.StorageController, "fetch_into")]
     upfront = [name for name in direct  # a controller whose fetch_into also takes every key's buffers
                if str(inspect.signature(mods[name].StorageController.fetch_into).parameters["reserve"]
@@ -250,13 +264,17 @@ def _alignment(mods: dict[str, ModuleType], d: str, ps: int, batches: list[int],
 
 
 def run(old_src: str, new_src: str, page_sizes: list[int], batches: list[int], reps: int,
-        work_dir: str | None, mode: str = "files") -> None:
+        work_dir: str | None, mode: str = "files", storage_threads: tuple[int, ...] = (1,),
+        read_threads: int = 1, old_file: str | None = None) -> None:
     mods = {"old": _module(old_src, "radixkv_file_old"), "new": _module(new_src, "radixkv_file_new")}
-    print(f"load average before: {os.getloadavg()}")
+    print(f"load average before: {os.getloadavg()}; storage threads {storage_threads}, read threads {read_threads}")
+    modes: dict[str, Callable[..., None]] = {
+        "files": _page_size, "controllers": partial(_controllers, storage_threads=storage_threads,
+                                                    read_threads=read_threads, old_file=old_file),
+        "splits": _splits, "alignment": _alignment}
     with tempfile.TemporaryDirectory(prefix="radixkv-bench-file-", dir=work_dir) as d:
         for ps in page_sizes:
-            {"files": _page_size, "controllers": _controllers, "splits": _splits,
-             "alignment": _alignment}[mode](mods, d, ps, batches, reps)
+            modes[mode](mods, d, ps, batches, reps)
     print(f"load average after: {os.getloadavg()}")
 
 
@@ -274,9 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
+    ap.add_argument("--storage-threads", type=int, nargs="+", default=[1], metavar="N",
+                    help="FileStorage(threads=N) under the controllers and batch_get (--controllers); a second "
+                         "N: the new controller's")
+    ap.add_argument("--read-threads", type=int, default=1,
+                    help="StorageController(read_threads=N) where a controller takes it (--controllers)")
+    ap.add_argument("--old-file", default=None, metavar="PATH",
+                    help="the old controller's radixkv/storage/file.py (--controllers; default: the new one)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir, a.mode)
+    run(a.old, a.new, a.page_sizes, a.batches, a.reps, a.dir, a.mode, tuple(a.storage_threads), a.read_threads,
+        a.old_file)
     return 0
 
 

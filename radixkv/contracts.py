@@ -359,6 +359,15 @@ class StorageBackend(Protocol):
 
 
 @runtime_checkable
+class ConcurrentStorageBackend(StorageBackend, Protocol):
+    """A :class:`StorageBackend` whose batch calls may run at once from several threads, each
+    about as fast as alone (no lock around them): a controller splits large batches over
+    threads (``StorageController(read_threads=N)``)."""
+
+    concurrent_calls: bool
+
+
+@runtime_checkable
 class ScatterStorageBackend(StorageBackend, Protocol):
     """A :class:`StorageBackend` whose ``batch_get`` also reads each page straight into its
     own buffers (:data:`PageBuffers`, e.g. host-pool rows): no staging rows, no second copy.

@@ -2,8 +2,19 @@
 from __future__ import annotations
 
 import threading
+from typing import TypeVar
 
 import torch
+
+_S = TypeVar("_S")
+
+
+def stored(store: _S, n: int, page_bytes: int) -> tuple[_S, list[str], torch.Tensor]:
+    """``store`` holding pages ``k0``..``k{n-1}`` of known bytes: (store, keys, rows)."""
+    keys = [f"k{i}" for i in range(n)]
+    rows = torch.arange(n * page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8).view(n, page_bytes)
+    store.batch_set(keys, rows)  # type: ignore[attr-defined]
+    return store, keys, rows
 
 
 class DictStorage:

@@ -43,7 +43,7 @@ _INT_MIN = {  # field -> smallest allowed value
     "kda_num_heads": 1, "kda_head_dim": 1, "state_slots": 1, "request_rows": 1,
     "max_context_len": 1, "max_sessions": 1, "max_requests_per_session": 1, "decode_reserve": 0,
     "kv_lora_rank": 0, "qk_rope_head_dim": 0,
-    "host_kv_tokens": 0, "host_state_slots": 0,
+    "host_kv_tokens": 0, "host_state_slots": 0, "storage_read_threads": 0,
 }
 
 
@@ -98,6 +98,7 @@ hybrid's host KV tier needs ``host_state_slots``, and not storage with KV events
     storage_timeout_ms: float = 50.0
     storage_admit: str = "all"
     storage_drain_timeout_s: float = 5.0
+    storage_read_threads: int = 0
 
     def __post_init__(self) -> None:
         for name, lo in _INT_MIN.items():

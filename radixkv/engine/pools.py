@@ -245,4 +245,4 @@ def open_tier_storage(pools: EnginePools, backend: StorageBackend | None = None)
     if backend is None:
         return None
     return StorageController(backend, pools.host_pool.page_bytes, timeout_s=c.storage_timeout_ms / 1000.0,
-                             admit=c.storage_admit)
+                             admit=c.storage_admit, read_threads=c.storage_read_threads or None)

@@ -8,32 +8,44 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
 * ``fetch(keys)``: prefetched pages, then ``batch_exists`` + ``batch_get`` waited for at most
   ``timeout_s``; a late read goes on and its pages wait (``max_ready_pages``) for a later fetch.
   One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
-* ``fetch_into(keys, reserve)``: the same for a scattering backend, straight into host-pool rows
-  (no second copy) reserved for every key up front (one pass) or once the count is known.
+* ``fetch_into(keys, reserve)``: the same straight into host-pool rows (a scattering backend),
+  reserved for every key up front (one pass) or once the count is known.
 * ``last_present(groups)``: the last group of keys held whole (``batch_exists`` a group, from
   the end; a hybrid tree's deepest stored state), waited for at most ``timeout_s``.
-* A backend that raises: a miss or a failed write, counted, logged once.
+* A batch of 16+ pages (a backend taking concurrent calls): slices read or written at once
+  by the worker and ``read_threads - 1`` readers. A backend that raises: a miss or a failed write.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from radixkv.contracts import STORAGE_ADMIT, PageBuffers, ScatterStorageBackend, StorageBackend
+from radixkv.contracts import (
+    STORAGE_ADMIT,
+    ConcurrentStorageBackend,
+    PageBuffers,
+    ScatterStorageBackend,
+    StorageBackend,
+)
 from radixkv.errors import InvalidArgumentError, InvariantError, LengthMismatchError
 from radixkv.storage.host_rows import fresh_rows
 
 __all__ = ["StorageController", "StorageStats"]
 
 log = logging.getLogger(__name__)
+
+#: A read is split only when every slice gets at least this many pages.
+MIN_SLICE_PAGES = 8
 
 
 @dataclass
@@ -84,6 +96,29 @@ class _Probe:
     late: bool = False  # its caller returned: the worker stops probing
 
 
+@dataclass
+class _Slice:
+    """Contiguous keys of one backend call split over threads and their rows or page
+    buffers; ``flags`` one per key once ``done``."""
+
+    what: str  # the backend call: batch_get or batch_set
+    keys: list[str]
+    buf: Any
+    start: int  # the first key's index in the batch
+    cut: list[int] | None  # a read's [first miss seen so far], shared by its slices
+    flags: list[bool] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def default_read_threads() -> int:
+    """Threads reading one storage batch by default: min(4, CPUs this process may use)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
 class StorageController:
     """Runs a storage backend's calls on one worker thread (see the module docstring).
 
@@ -95,13 +130,18 @@ class StorageController:
         max_pending_pages: queued backup pages past which backups are dropped.
         admit: ``all`` (back up every inserted page) or ``reused`` (pages hit once since).
         max_pending_reads: reads in flight past which a fetch returns nothing.
-        max_ready_pages: prefetched pages kept for a later fetch (oldest dropped first;
-            default ``batch_pages``).
+        max_ready_pages: prefetched pages kept for a later fetch (default ``batch_pages``).
+        read_threads: threads calling a backend that takes concurrent calls on a batch's slices.
     """
 
     def __init__(self, backend: StorageBackend, page_bytes: int, *, timeout_s: float = 0.05,
                  batch_pages: int = 128, max_pending_pages: int = 8192, admit: str = "all",
-                 max_pending_reads: int = 64, max_ready_pages: int | None = None) -> None:
+                 max_pending_reads: int = 64, max_ready_pages: int | None = None,
+                 read_threads: int | None = None) -> None:
+        if read_threads is None:
+            read_threads = default_read_threads()
+        if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
+            raise InvalidArgumentError(f"storage read threads must be an int >= 1, got {read_threads!r}")
         if admit not in STORAGE_ADMIT:
             raise InvalidArgumentError(f"storage admit must be 'all' or 'reused', got {admit!r}")
         if not timeout_s >= 0:
@@ -114,6 +154,7 @@ class StorageController:
         self.max_pending_reads = int(max_pending_reads)
         self.max_ready_pages = self.batch_pages if max_ready_pages is None else int(max_ready_pages)
         self.admit = admit
+        self.read_threads = read_threads
         self._reads: dict[str, _Read] = {}  # reads in flight by first key
         self._ready: OrderedDict[str, torch.Tensor] = OrderedDict()  # prefetched page rows by key
         self.stats = StorageStats()
@@ -130,6 +171,13 @@ class StorageController:
         self._call("register_buffer", backend.register_buffer, self._staging)
         self._thread = threading.Thread(target=self._run, name=f"radixkv-storage-{backend.name}", daemon=True)
         self._thread.start()
+        self._slices: queue.SimpleQueue[_Slice | None] = queue.SimpleQueue()
+        # (a backend that serializes its calls would only pay more calls for them)
+        concurrent = isinstance(backend, ConcurrentStorageBackend) and backend.concurrent_calls is True
+        self._readers = [threading.Thread(target=self._run_reader, name=f"radixkv-storage-{backend.name}-read{i}",
+                                          daemon=True) for i in range(1, read_threads if concurrent else 1)]
+        for t in self._readers:
+            t.start()
 
     # ------------------------------------------------------------------ caller side
     def backup(self, keys: Sequence[str], rows: torch.Tensor) -> bool:
@@ -309,6 +357,8 @@ class StorageController:
             self._closed = True
         self._jobs.put((2, next(self._seq), None))
         self._thread.join(timeout=max(drain_timeout_s, 1.0))
+        for _ in self._readers:  # behind any slice still queued: a stuck reader stalls no one (daemon)
+            self._slices.put(None)
         self._call("close", self.backend.close)
         with self._lock:
             self._ready.clear()
@@ -337,8 +387,9 @@ class StorageController:
         try:
             return fn(*args)
         except Exception as e:  # a backend never fails the manager: counted, logged once
-            self.stats.errors += 1
-            self._warn(f"{what} raised {type(e).__name__}: {e}")
+            with self._lock:  # (reader threads call it too)
+                self.stats.errors += 1
+                self._warn(f"{what} raised {type(e).__name__}: {e}")
             return None
 
     def _run(self) -> None:
@@ -352,6 +403,59 @@ class StorageController:
                 self._probe(job)
             else:
                 self._write(*job)
+
+    def _run_reader(self) -> None:
+        while (part := self._slices.get()) is not None:
+            self._run_slice(part)
+
+    def _get(self, keys: list[str], dst: Any) -> list[bool]:
+        """``batch_get`` of ``keys`` into ``dst`` (rows or page buffers) by :meth:`_split`; a
+        slice past a miss already seen is not read (its pages are not in the lead)."""
+        return self._split("batch_get", keys, dst, [len(keys)])
+
+    def _split(self, what: str, keys: list[str], buf: Any, cut: list[int] | None) -> list[bool]:
+        """Backend call ``what`` over ``keys`` and ``buf`` in contiguous slices; with reader
+        threads and 16+ pages, small slices (>= ``MIN_SLICE_PAGES``, ~4 per thread) taken by
+        whichever thread is free, the worker included. One flag per key (a slice that raised:
+        all False). Returns once no slice touches ``buf`` any more."""
+        n = len(keys)
+        split = bool(self._readers) and n >= 2 * MIN_SLICE_PAGES
+        size = self.batch_pages
+        if split:
+            size = min(size, max(MIN_SLICE_PAGES, -(-n // (4 * self.read_threads))))
+        parts = [_Slice(what, keys[a:a + size], buf[a:a + size], a, cut) for a in range(0, n, size)]
+        for part in parts[1:] if split else ():
+            self._slices.put(part)
+        for part in parts[:1] if split else parts:
+            self._run_slice(part)
+        while split:  # take the slices no reader took yet
+            try:
+                other = self._slices.get_nowait()
+            except queue.Empty:
+                break
+            if other is None:  # closing: leave it for a reader
+                self._slices.put(None)
+                break
+            self._run_slice(other)
+        for part in parts:
+            part.done.wait()
+        return [f for part in parts for f in part.flags]
+
+    def _run_slice(self, part: _Slice) -> None:
+        m, cut = len(part.keys), part.cut
+        try:
+            part.flags = [False] * m
+            if cut is not None and part.start >= cut[0]:  # after a miss: not in the lead whatever it holds
+                return
+            fn = self.backend.batch_get if part.what == "batch_get" else self.backend.batch_set
+            ok = self._call(part.what, fn, part.keys, part.buf)
+            if isinstance(ok, list):
+                part.flags = ([bool(f) for f in ok] + part.flags)[:m]
+            lead = _lead(part.flags)
+            if cut is not None and lead < m:  # (a race may keep a later miss: never one before the first)
+                cut[0] = min(cut[0], part.start + lead)
+        finally:
+            part.done.set()
 
     def _read(self, job: _Read) -> None:
         rows: torch.Tensor | None = None
@@ -403,9 +507,7 @@ class StorageController:
         read whole (a missing or corrupt page ends them)."""
         dst = job.dst
         if dst:
-            ok = self._call("batch_get", self.backend.batch_get, job.keys[:len(dst)], dst)
-            flags = list(ok) if isinstance(ok, list) else []
-            job.hits = next((i for i, f in enumerate(flags) if not f), len(flags))
+            job.hits = _lead(self._get(job.keys[:len(dst)], dst))
 
     def _finish(self, job: _Read, rows: torch.Tensor | None) -> None:
         """Publish a read: a late one's pages go to the ready ones (a late direct read's
@@ -431,15 +533,7 @@ class StorageController:
         advised) rows, the rows ``fetch`` returns: no staging copy, no concatenation. ``None``
         when the first page misses. Rows never read are never touched (no memory)."""
         out = fresh_rows(len(keys), self.page_bytes)
-        got = 0
-        for start in range(0, len(keys), self.batch_pages):
-            part = keys[start:start + self.batch_pages]
-            ok = self._call("batch_get", self.backend.batch_get, part, out[start:start + len(part)])
-            flags = list(ok) if isinstance(ok, list) else [False] * len(part)
-            lead = next((i for i, f in enumerate(flags) if not f), len(part))
-            got += lead
-            if lead < len(part):
-                break
+        got = _lead(self._get(keys, out))
         return out[:got] if got else None
 
     def _write(self, keys: list[str], rows: torch.Tensor) -> None:
@@ -447,13 +541,17 @@ class StorageController:
             part = keys[start:start + self.batch_pages]
             src = self._staging[:len(part)]
             src.copy_(rows[start:start + len(part)])
-            ok = self._call("batch_set", self.backend.batch_set, part, src)
-            flags = (list(ok) + [False] * len(part))[:len(part)] if isinstance(ok, list) else [False] * len(part)
+            flags = self._split("batch_set", part, src, None)
             with self._idle:  # one lock section: check_invariants sees the queue conserved
                 self.stats.written += sum(bool(f) for f in flags)
                 self.stats.write_failed += sum(not f for f in flags)
                 self.stats.pending -= len(part)
                 self._idle.notify_all()
+
+
+def _lead(flags: list[bool]) -> int:
+    """How many leading ``flags`` are true."""
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
 def _flat(b: torch.Tensor | memoryview) -> torch.Tensor:

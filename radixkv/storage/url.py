@@ -85,7 +85,7 @@ def _open_file(url: str, netloc: str, path: str, options: dict[str, str], page_b
     if unknown:
         raise InvalidArgumentError(f"storage URL {url!r}: unknown option(s) {unknown} "
                                    f"(file:// takes {', '.join(_FILE_OPTIONS)})")
-    threads = options.pop("threads", "4")
+    threads = options.pop("threads", "1")  # the tier's controller splits a batch over its own threads
     if not threads.isdigit() or int(threads) < 1:
         raise InvalidArgumentError(f"storage URL {url!r}: option threads={threads!r} is not an int >= 1")
     flags = {k: _flag(url, k, v) for k, v in options.items()}

@@ -61,7 +61,8 @@ def _choices() -> dict[str, str]:
             "write_policy": f": one of {', '.join(WRITE_POLICIES)}",
             "storage": ": the storage tier's URL (file:///DIR, ...; needs --host-kv-tokens, and for a hybrid "
                        "model --host-state-slots)",
-            "storage_admit": f": one of {', '.join(STORAGE_ADMIT)}"}
+            "storage_admit": f": one of {', '.join(STORAGE_ADMIT)}",
+            "storage_read_threads": ": threads reading one storage batch's slices at once (0: min(4, CPUs))"}
 
 
 _FIELD_CHOICES = _choices()

@@ -28,6 +28,7 @@ from radixkv.engine.embedded import CacheEngine
 from radixkv.engine.protocol import ExtendItem, MatchQuery
 from radixkv.errors import InvalidArgumentError
 from radixkv.reference import HybridConfig, HybridModel, ModelCache
+from radixkv.storage.tier_controller import default_read_threads
 
 VOCAB = 50
 TOL = 1e-9
@@ -40,10 +41,19 @@ TOL = 1e-9
                                  dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
                                       storage="file:///x", enable_kv_events=True),
                                  dict(host_state_slots=-1, layer_types="FK"),
-                                 dict(storage_timeout_ms=-1.0)])
+                                 dict(storage_timeout_ms=-1.0), dict(storage_read_threads=-1)])
 def test_bad_tier_settings_are_refused(bad):
     with pytest.raises(InvalidArgumentError):
         EngineConfig(**bad)
+
+
+def test_the_storage_read_threads_reach_the_controller(tmp_path):
+    for n, want in ((3, 3), (0, default_read_threads())):
+        eng = CacheEngine(EngineConfig(host_kv_tokens=64, storage=f"file://{tmp_path}/s{n}", storage_read_threads=n))
+        try:
+            assert eng.tree.storage.read_threads == want
+        finally:
+            eng.close()
 
 
 def test_host_tier_off_by_default_keeps_the_plain_tree():

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from storage_double import DictStorage, ScatterDictStorage
+from storage_double import DictStorage, ScatterDictStorage, stored
 
 from radixkv.errors import InvalidArgumentError, LengthMismatchError
 from radixkv.storage.file import FileStorage
@@ -16,11 +16,7 @@ PB = 32
 
 
 def _stored(n=6):
-    store = ScatterDictStorage()
-    keys = [f"k{i}" for i in range(n)]
-    rows = torch.arange(n * PB, dtype=torch.int64).remainder(251).to(torch.uint8).view(n, PB)
-    store.batch_set(keys, rows)
-    return store, keys, rows
+    return stored(ScatterDictStorage(), n, PB)
 
 
 @contextlib.contextmanager

@@ -2,17 +2,13 @@
 without it and leaves the read running; a later fetch of the same keys takes the prefetched
 pages without asking the backend again. The double's gate, not the clock, decides each step."""
 import torch
-from storage_double import DictStorage
+from storage_double import DictStorage, stored
 
 from radixkv.storage.tier_controller import StorageController
 
 
 def _stored(n=6, page_bytes=32):
-    store = DictStorage()
-    keys = [f"k{i}" for i in range(n)]
-    rows = torch.arange(n * page_bytes, dtype=torch.int64).remainder(251).to(torch.uint8).view(n, page_bytes)
-    store.batch_set(keys, rows)
-    return store, keys, rows
+    return stored(DictStorage(), n, page_bytes)
 
 
 def test_a_stalled_fetch_returns_then_a_later_fetch_takes_what_the_prefetch_brought():
