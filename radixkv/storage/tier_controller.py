@@ -10,8 +10,7 @@ fresh rows, :mod:`radixkv.storage.host_rows`). Jobs wait in one priority queue, 
   One read per first key, ``max_pending_reads`` in all: a slow backend costs hits, not calls.
 * ``fetch_into(keys, reserve)``: the same straight into host-pool rows (a scattering backend),
   reserved for every key up front (one pass) or once the count is known.
-* ``last_present(groups)``: the last group of keys held whole (``batch_exists`` a group, from
-  the end; a hybrid tree's deepest stored state), waited for at most ``timeout_s``.
+* ``last_present(groups)``: the last group of keys held whole (a hybrid's deepest stored state).
 * A batch of 16+ pages (a backend taking concurrent calls): slices read or written at once
   by the worker and ``read_threads - 1`` readers. A backend that raises: a miss or a failed write.
 """
