@@ -189,9 +189,6 @@ hybrid's host KV tier needs ``host_state_slots``, and not storage with KV events
             if not self.host_state_slots:
                 raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier needs "
                                            "host_state_slots > 0 (host KV is kept only with a state)")
-            if self.storage is not None and self.enable_kv_events:
-                raise InvalidArgumentError("EngineConfig.storage: a hybrid model's storage tier sends no KV "
-                                           "events (not built yet)")
         if self.host_state_slots and "K" not in str(self.layer_types):
             raise InvalidArgumentError("EngineConfig.host_state_slots needs a hybrid model (a 'K' in "
                                        "layer_types): a KV-only model has no states")
