@@ -59,7 +59,7 @@ the tiers (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slot
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
 needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; a
-hybrid's host KV tier needs ``host_state_slots``, and not storage with KV events;
+hybrid's host KV tier needs ``host_state_slots`` (storage and KV events allowed with it);
 ``host_state_slots`` needs a hybrid. Raises ``InvalidArgumentError`` naming the field.
 """
 
