@@ -195,7 +195,8 @@ class StateStorageMixin(_Base):
         j = st.last_present(groups, deadline - time.monotonic())
         state = st.fetch(groups[j], deadline - time.monotonic()) if j >= 0 else None
         if state is None or int(state.shape[0]) < self._chunks:
-            self.storage_stats["state_misses"] += 1
+            if time.monotonic() < deadline:  # else a timeout (the controller counted it), not a miss
+                self.storage_stats["state_misses"] += 1
             return None
         return self._adopt_stored(key, node, pos, keys[:j + 1], rows[:j + 1], state)
 

@@ -209,6 +209,7 @@ def test_a_slow_backend_costs_one_timeout_per_match_not_three(timeout_s, hit):
     assert (m.host_len == 4, m.storage_len == 4) == (hit, hit), m
     assert cache2.storage.stats.fetch_timeouts == (0 if hit else 1)
     assert cache2.storage_stats["states_fetched"] == int(hit)
+    assert cache2.storage_stats["state_misses"] == 0  # a timeout is no miss
     if not hit:
         assert took < 2.5 * timeout_s, took  # one shared deadline (3 waits: up to 3x)
     cache2.check_invariants()
