@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import TypeVar
 
 import torch
@@ -19,7 +20,8 @@ def stored(store: _S, n: int, page_bytes: int) -> tuple[_S, list[str], torch.Ten
 
 class DictStorage:
     """An in-memory StorageBackend (the test double): a dict of page bytes, with a switch
-    that makes every call block until released (a slow or dead backend)."""
+    that makes every call block until released (a dead backend) and a ``delay`` in seconds
+    every read call sleeps first (a slow one)."""
 
     name = "memory"
 
@@ -28,6 +30,7 @@ class DictStorage:
         self.gate = threading.Event()
         self.gate.set()
         self.calls = 0
+        self.delay = 0.0
 
     def register_buffer(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
@@ -35,6 +38,8 @@ class DictStorage:
     def batch_exists(self, keys) -> int:
         self.calls += 1
         self.gate.wait()
+        if self.delay:
+            time.sleep(self.delay)
         n = 0
         for k in keys:
             if k not in self.pages:
@@ -44,6 +49,8 @@ class DictStorage:
 
     def batch_get(self, keys, dst: torch.Tensor) -> list[bool]:
         self.gate.wait()
+        if self.delay:
+            time.sleep(self.delay)
         out = []
         for i, k in enumerate(keys):
             b = self.pages.get(k)

@@ -59,7 +59,7 @@ the tiers (``host_kv_tokens``, ``write_policy``, ``storage*``, ``host_state_slot
 ``docs/internals.md``. Rules kept: ``kv_tokens`` and ``host_kv_tokens`` are multiples of
 ``page_size``; MLA needs ``head_num == 1`` and ``head_dim`` its latent width; ``decode_reserve``
 needs page size 1 and no state tracking; a tracking interval is a multiple of ``page_size``; a
-hybrid's host KV tier needs ``host_state_slots``, and not storage with KV events;
+hybrid's host KV tier needs ``host_state_slots`` (storage and KV events allowed with it);
 ``host_state_slots`` needs a hybrid. Raises ``InvalidArgumentError`` naming the field.
 """
 
@@ -190,9 +190,6 @@ hybrid's host KV tier needs ``host_state_slots``, and not storage with KV events
             if not self.host_state_slots:
                 raise InvalidArgumentError("EngineConfig.host_kv_tokens: a hybrid model's host KV tier needs "
                                            "host_state_slots > 0 (host KV is kept only with a state)")
-            if self.storage is not None and self.enable_kv_events:
-                raise InvalidArgumentError("EngineConfig.storage: a hybrid model's storage tier sends no KV "
-                                           "events (not built yet)")
         if self.host_state_slots and "K" not in str(self.layer_types):
             raise InvalidArgumentError("EngineConfig.host_state_slots needs a hybrid model (a 'K' in "
                                        "layer_types): a KV-only model has no states")

@@ -194,11 +194,12 @@ class StorageController:
         self._jobs.put((1, next(self._seq), (list(keys), rows)))
         return True
 
-    def fetch(self, keys: Sequence[str]) -> torch.Tensor:
+    def fetch(self, keys: Sequence[str], timeout_s: float | None = None) -> torch.Tensor:
         """The leading pages of ``keys`` that storage holds, as rows ``[k, page_bytes]``
         (k may be 0; read-only: a read's own rows are returned uncopied, maybe to two callers):
         prefetched pages first, then a read waited for at most ``timeout_s``; a timeout is
-        counted, returns what was prefetched and leaves the read running."""
+        counted, returns what was prefetched and leaves the read running. ``timeout_s``: by
+        default the controller's."""
         if not keys or self._closed:
             return self._staging[:0].clone()
         t0 = time.perf_counter_ns()
@@ -210,7 +211,7 @@ class StorageController:
                 job = self._reads[rest[0]] = _Read(rest)
                 self._jobs.put((0, next(self._seq), job))
         if job is not None:
-            job.done.wait(self.timeout_s)
+            job.done.wait(self.timeout_s if timeout_s is None else max(timeout_s, 0.0))
         block: torch.Tensor | None = None  # the read's leading rows when no prefetched row came first
         with self._lock:
             self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
@@ -285,16 +286,17 @@ class StorageController:
             self.stats.fetched += k
         return k, pending
 
-    def last_present(self, groups: Sequence[Sequence[str]]) -> int:
+    def last_present(self, groups: Sequence[Sequence[str]], timeout_s: float | None = None) -> int:
         """The index of the last of ``groups`` (lists of keys) whose every key storage holds
         (-1: none, or the probe outlived ``timeout_s``, counted as a fetch timeout; the worker
-        then stops it). One ``batch_exists`` a group on the worker, from the last group back."""
+        then stops it). One ``batch_exists`` a group on the worker, from the last group back.
+        ``timeout_s``: by default the controller's."""
         if not groups or self._closed:
             return -1
         job = _Probe([list(g) for g in groups])
         t0 = time.perf_counter_ns()
         self._jobs.put((0, next(self._seq), job))
-        done = job.done.wait(self.timeout_s)
+        done = job.done.wait(self.timeout_s if timeout_s is None else max(timeout_s, 0.0))
         with self._lock:
             self.stats.wait_us += (time.perf_counter_ns() - t0) // 1000
             if not done:

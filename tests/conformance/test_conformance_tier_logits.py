@@ -108,11 +108,12 @@ def test_hybrid_logits_over_storage_loads_after_a_restart(engine_factory, ps, tm
     """A hybrid model's storage tier (``file:///DIR``): the proof's conversations through one
     engine, which is stopped (its write queue drained); an engine started again on the same
     directory serves their prefixes (KV pages and the state at their end) from storage, and
-    every extend's logits, before and after, equal the from-scratch logits within 1e-9."""
+    every extend's logits, before and after, equal the from-scratch logits within 1e-9. With KV
+    events (page size 16) the restarted engine's first events are its storage read's, on ``CPU``."""
     kv, turn = (256, 64) if ps == 64 else (96, 24)
     model = proof_model("KFK")
     cfg = dict(proof_fields(model, ps), kv_tokens=kv, state_slots=5, host_state_slots=16, host_kv_tokens=1024,
-               storage=f"file://{tmp_path}", storage_timeout_ms=5000.0)
+               storage=f"file://{tmp_path}", storage_timeout_ms=5000.0, enable_kv_events=ps == 16)
     raw = engine_factory(**cfg)
     e = Checked(raw)
     info = e.attach("proof")
@@ -125,3 +126,6 @@ def test_hybrid_logits_over_storage_loads_after_a_restart(engine_factory, ps, tm
                            storage_restart_prompts(ps, turn))
     st = e.stats(info.session)
     assert st.tier_hit_storage > 0 and loaded >= st.tier_hit_storage, (loaded, st)
+    if ps == 16:
+        first = [(x["type"], x["medium"]) for x in e.take_events(info.session)[:2]]
+        assert first == [("BlockStored", "CPU"), ("StateStored", "CPU")], first

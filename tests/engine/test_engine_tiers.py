@@ -38,8 +38,6 @@ TOL = 1e-9
                                  dict(write_policy="later"), dict(storage="file:///x"),
                                  dict(host_kv_tokens=64, storage="nourl"), dict(storage_admit="some"),
                                  dict(host_kv_tokens=64, layer_types="FK"), dict(host_state_slots=4),
-                                 dict(host_kv_tokens=64, layer_types="FK", host_state_slots=4,
-                                      storage="file:///x", enable_kv_events=True),
                                  dict(host_state_slots=-1, layer_types="FK"),
                                  dict(storage_timeout_ms=-1.0), dict(storage_read_threads=-1)])
 def test_bad_tier_settings_are_refused(bad):
@@ -353,21 +351,27 @@ def _hybrid_engine(ps, storage_url=None, storage=None, **tier):
     return model, eng, info.session, eng.worker_buffers()
 
 
-@pytest.mark.parametrize("ps, policy", [(1, "write_back"), (16, "write_back"), (64, "write_back"),
-                                        (16, "write_through")])
-def test_hybrid_warm_restart_over_the_file_backend(ps, policy, tmp_path):
+@pytest.mark.parametrize("ps, policy, events", [(1, "write_back", False), (16, "write_back", True),
+                                                (64, "write_back", False), (16, "write_through", True)])
+def test_hybrid_warm_restart_over_the_file_backend(ps, policy, events, tmp_path):
     """A hybrid engine on ``file:///DIR``, stopped and started again on the same directory:
     the restarted one serves the earlier prompts (KV and state) from storage, and every
-    extend's logits equal the from-scratch ones (fp64, 1e-9), before and after."""
+    extend's logits equal the from-scratch ones (fp64, 1e-9), before and after. With KV
+    events the restarted engine's first events are the storage read's, on ``CPU``."""
     turn = 64 if ps == 64 else 24
-    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}", write_policy=policy)
+    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}", write_policy=policy, enable_kv_events=events)
     assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.storage is not None
     prove_logits(eng, s, wb, model, ps, turn)
     eng.close()  # drains the write queue
-    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}", write_policy=policy)
+    model, eng, s, wb = _hybrid_engine(ps, f"file://{tmp_path}", write_policy=policy, enable_kv_events=events)
     prompts = storage_restart_prompts(ps, turn)
     info = eng.match(s, [MatchQuery(prompts[0])])[0]  # read from storage into the host tier
     assert info.storage_len == info.host_len == (len(prompts[0]) - 8) // ps * ps, info
+    if events:
+        first = eng.take_events(s)[:2]
+        assert [(e["type"], e["medium"]) for e in first] == [("BlockStored", "CPU"), ("StateStored", "CPU")], first
+        assert len(first[0]["block_hashes"]) == info.storage_len // ps
+        assert first[1]["block_hash"] == first[0]["block_hashes"][-1]
     loaded = replay_logits(eng, s, wb, model, prompts)
     st = eng.stats()
     assert st.tier_hit_storage > 0 and loaded >= st.tier_hit_storage, (loaded, st)

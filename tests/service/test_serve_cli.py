@@ -122,15 +122,14 @@ def test_serve_lowercase_log_level_json_logs_and_the_startup_line(tmp_path):
 
 def test_serve_flags_give_a_hybrid_host_kv_tier_write_through_and_kv_events(tmp_path):
     """``--write-policy`` and ``--enable-kv-events`` reach a hybrid model's host KV tier
-    (``TieredMambaRadixCache``), and ``--storage`` its storage tier; ``--storage`` with
-    ``--enable-kv-events`` is still refused for it (not built)."""
+    (``TieredMambaRadixCache``), and ``--storage`` its storage tier, with
+    ``--enable-kv-events`` too (storage reads are announced on ``CPU``)."""
     import argparse
 
     from radixkv.service.server.cli import add_serve_arguments, engine_config_from_args
 
     from radixkv.cache.hybrid.tiered_mamba_cache import TieredMambaRadixCache
     from radixkv.engine.embedded import CacheEngine
-    from radixkv.errors import InvalidArgumentError
 
     p = add_serve_arguments(argparse.ArgumentParser())
     flags = ["--layer-types", "FK", "--kv-tokens", "256", "--host-kv-tokens", "512", "--host-state-slots", "4"]
@@ -140,8 +139,8 @@ def test_serve_flags_give_a_hybrid_host_kv_tier_write_through_and_kv_events(tmp_
         tree = CacheEngine(c).tree
         assert isinstance(tree, TieredMambaRadixCache) and tree.write_policy == policy
         assert tree.kv_events is not None
-    with pytest.raises(InvalidArgumentError, match="storage"):
-        engine_config_from_args(p.parse_args(flags + ["--storage", "file:///nowhere", "--enable-kv-events"]))
-    eng = CacheEngine(engine_config_from_args(p.parse_args(flags + ["--storage", f"file://{tmp_path}"])))
-    assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.storage is not None
-    eng.close()
+    for events in ([], ["--enable-kv-events"]):
+        eng = CacheEngine(engine_config_from_args(p.parse_args(flags + ["--storage", f"file://{tmp_path}"] + events)))
+        assert isinstance(eng.tree, TieredMambaRadixCache) and eng.tree.storage is not None
+        assert (eng.tree.kv_events is not None) == bool(events)
+        eng.close()

@@ -9,14 +9,16 @@ queues its path's pages not yet queued and the state in one ``backup``. Fetch: a
 before its key asks for the pages after it, then for the deepest of them with every chunk of a
 state stored (``last_present``), then that state (read whole, else a counted miss); the KV up
 to it goes into host pages and the state into a host state slot: a new host-only leaf that
-``load_back`` takes to the device. No state: no hit (KV without a state is never used). Three
-waits of at most the controller's timeout. The story: docs/tiers.md.
+``load_back`` takes to the device. No state: no hit (KV without a state is never used). Its
+three waits share one deadline (the controller's timeout); with KV events the leaf's pages are
+announced ``BlockStored(CPU)``, then its state ``StateStored(CPU)``. The story: docs/tiers.md.
 """
 from __future__ import annotations
 
 import hashlib
 import heapq
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from radixkv.cache.block_hash import encode_extra_key
+from radixkv.cache.kv_events import MEDIUM_CPU
 from radixkv.cache.radix_key import RadixKey
 from radixkv.cache.tiered_cache import TierNode
 from radixkv.cache.tree_node import NamespaceHead, TreeNode, sync_only
@@ -62,7 +65,7 @@ class StateStorageMixin(_Base):
     """Storage for a hybrid tree with host tiers (mixed in first). ``storage_stats``:
     ``states_queued`` / ``states_fetched``, ``state_misses`` (stored KV without a whole
     stored state: absent, short or corrupt chunks). Costs: a backup O(path) + the new
-    pages' hashes + one state copy; a fetch one hash per page asked and three storage waits."""
+    pages' hashes + one state copy; a fetch one hash per page asked and <= one storage timeout."""
 
     if TYPE_CHECKING:  # the tree's (TieredMambaRadixCache, HostTierMixin)
         host_pool: HostKVPool
@@ -77,8 +80,6 @@ class StateStorageMixin(_Base):
         def _page_rows(self, node: TierNode) -> torch.Tensor | None: ...
 
     def _init_storage(self, storage: StorageController | None, fingerprint: str) -> None:
-        if storage is not None and self.kv_events is not None:
-            raise InvalidArgumentError("a hybrid tree's storage tier sends no KV events (not built yet)")
         self.storage = storage
         self._fingerprint = fingerprint
         self._seeds: dict[Hashable, bytes] = {}
@@ -174,25 +175,28 @@ class StateStorageMixin(_Base):
     def _storage_fetch(self, key: RadixKey, node: TreeNode | None, pos: int, n: int) -> TierNode | None:
         """A new host-only leaf under ``node`` (the match's last node, ``None``: no namespace
         yet) for ``key[pos:n]`` (bytes) as far as storage holds its KV and a state at its
-        end, KV in host pages and the state in a host state slot; ``None`` without one."""
+        end, KV in host pages and the state in a host state slot; ``None`` without one. Its
+        three storage waits share one deadline, the controller's timeout from the start."""
         st = self.storage
         if st is None:
             return None
+        deadline = time.monotonic() + st.timeout_s
         prior = None
         if node is not None and node.parent is not None:
             prior = self._keyed_path(node)[-1].pkeys[-1]
         tokens = np.frombuffer(key._buf, _I32, count=(n - pos) >> 2, offset=pos).copy()
         keys = page_keys(tokens, self.page_size, self._storage_seed(key.extra_key), prior)
-        rows = st.fetch(keys)
+        rows = st.fetch(keys, deadline - time.monotonic())
         k = int(rows.shape[0])
         if not k:
             return None
         skeys = [self._state_key(x) for x in keys[:k]]
         groups = [self._chunk_keys(s) for s in skeys]
-        j = st.last_present(groups)
-        state = st.fetch(groups[j]) if j >= 0 else None
+        j = st.last_present(groups, deadline - time.monotonic())
+        state = st.fetch(groups[j], deadline - time.monotonic()) if j >= 0 else None
         if state is None or int(state.shape[0]) < self._chunks:
-            self.storage_stats["state_misses"] += 1
+            if time.monotonic() < deadline:  # else a timeout (the controller counted it), not a miss
+                self.storage_stats["state_misses"] += 1
             return None
         return self._adopt_stored(key, node, pos, keys[:j + 1], rows[:j + 1], state)
 
@@ -220,6 +224,10 @@ class StateStorageMixin(_Base):
             self._clock += 1
             leaf = TierNode(self._new_id(), node, kb, b"", self._clock)
             leaf.hbuf, leaf.pkeys, leaf.backed, leaf.hits = pages.tobytes(), list(keys), True, 1
+            if self.kv_events is not None:  # announced on the host tier, before its state is
+                ph = node.block_hashes[-1] if node.parent is not None and node.block_hashes else None
+                leaf.block_hashes = self.kv_events.on_stored(ph, np.frombuffer(kb, _I32), key.extra_key,
+                                                             MEDIUM_CPU)
             node.children[kb[:self._page_bytes]] = leaf
             sync_only(node)
             self._host_tokens += size >> 2

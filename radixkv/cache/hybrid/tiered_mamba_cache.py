@@ -12,7 +12,7 @@ into the host-only nodes they reach. Host drops take whole LRU leaves with their
 stateless host-only ancestors they leave childless. ``write_through`` copies every new leaf to
 the host at insert (a victim with a copy just frees its rows). KV events carry the tier, as
 the KV-only tier's (docs/events.md, section 6). Storage (L3): :mod:`.state_storage` (pages and
-states backed up, read past the tree into a host-only leaf; not with KV events).
+states backed up, read past the tree into a host-only leaf, announced on ``CPU``).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
 
     Args as :class:`MambaRadixCache` (no compiled paths), plus ``write_policy`` (one of
     :data:`~radixkv.contracts.WRITE_POLICIES`), ``storage`` (a started StorageController or
-    ``None``; not with KV events) and ``layout_fingerprint`` (seeds its page keys,
+    ``None``) and ``layout_fingerprint`` (seeds its page keys,
     :mod:`.state_storage`). Costs on top: a match O(path); a demotion one batched KV copy per
     ``evict`` call (none for nodes with a host copy) plus one state copy per state; a load back
     one batched KV copy and one state copy; ``write_through`` one KV copy per insert that makes
@@ -360,6 +360,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         while stack:
             y = stack.pop()
             stack.extend(y.children.values())
+            if y.children:  # unlinked from its dropped parent too: ``_in_tree`` is False for it
+                y.children, y.only = {}, None
             order.append(y)
             if y.hbuf is not None:
                 freed += len(y.hbuf) >> 2

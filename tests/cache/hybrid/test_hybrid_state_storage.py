@@ -6,6 +6,7 @@ missing or foreign state is a counted miss; a deleted directory or a stalled bac
 never errors. KV values and states name their own prefix (``serve`` checks every reused row and
 state), and a seeded stress with restarts runs the audit after every step."""
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,6 @@ from storage_double import DictStorage
 from test_tiered_mamba_cache import TieredHybridMachine, kv, make, serve, state_of
 from tier_util import read_kv
 
-from radixkv.errors import InvalidArgumentError
 from radixkv.storage.file import FileStorage
 
 
@@ -190,9 +190,32 @@ def test_admit_reused_backs_up_a_state_once_it_is_hit_again():
     assert _loaded(cache2, mamba2, [1, 2, 3, 4]).prefix_len == 4
 
 
-def test_storage_with_kv_events_is_refused():
-    with pytest.raises(InvalidArgumentError, match="KV events"):
-        make(1, backend=DictStorage(), events=True)
+@pytest.mark.parametrize("timeout_s,hit", [(0.5, False), (5.0, True)])
+def test_a_slow_backend_costs_one_timeout_per_match_not_three(timeout_s, hit):
+    """Every backend read call takes 0.2 s: the KV read (``batch_exists`` + ``batch_get``)
+    0.4 s, the state probe 0.2 s, the state read 0.4 s. The three waits share one deadline:
+    with a 0.5 s timeout the match gives up at the probe (no hit, one counted timeout, back
+    within about one timeout; three separate waits would have returned a hit after 1 s);
+    with 5 s the same double yields the hit (the double is slow, not broken)."""
+    store = DictStorage()
+    cache, alloc, mamba = make(1, backend=store)
+    serve(cache, alloc, mamba, [1, 2, 3, 4])
+    _drained(cache)
+    cache2, _, _ = make(1, backend=store, timeout_s=timeout_s)
+    store.delay = 0.2
+    t0 = time.monotonic()
+    m = cache2.match_prefix([1, 2, 3, 4, 5])
+    took = time.monotonic() - t0
+    assert (m.host_len == 4, m.storage_len == 4) == (hit, hit), m
+    assert cache2.storage.stats.fetch_timeouts == (0 if hit else 1)
+    assert cache2.storage_stats["states_fetched"] == int(hit)
+    assert cache2.storage_stats["state_misses"] == 0  # a timeout is no miss
+    if not hit:
+        assert took < 2.5 * timeout_s, took  # one shared deadline (3 waits: up to 3x)
+    cache2.check_invariants()
+    assert cache2.storage.wait_reads(10.0)  # the late probe ends; nothing leaks
+    cache2.check_invariants()
+    cache2.storage.close()
 
 
 @pytest.mark.parametrize("ps,seed,policy", [(1, 0, "write_back"), (2, 1, "write_back"), (4, 2, "write_back"),
@@ -249,7 +272,8 @@ class StoredHybridMachine(TieredHybridMachine):
 
     def _fresh(self):
         ps = self.PS
-        return make(ps, device_tokens=16 * ps, host_tokens=12 * ps, slots=4, host_slots=3, backend=self.store)
+        return make(ps, device_tokens=16 * ps, host_tokens=12 * ps, slots=4, host_slots=3, backend=self.store,
+                    write_policy=self.POLICY, events=self.EVENTS)
 
     @rule()
     def restart(self):
