@@ -308,8 +308,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
         if self.disable or num_tokens == 0 or not self._leaves:
             return 0
         freed: list[bytes] = []
-        d_pages: list[np.ndarray] = []
-        d_rows: list[bytes] = []
+        demoted: list[tuple[TierNode, np.ndarray, bytes]] = []  # copied once the loop is done
         pinned: list[int] = []
         evicted = 0
         stale_key = self._sort_key if self._lazy else None
@@ -323,8 +322,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
                 if pages is not None:
                     node.hbuf = pages.tobytes()
                     self._host_tokens += t
-                    d_pages.append(pages)
-                    d_rows.append(node.vbuf)
+                    demoted.append((node, pages, node.vbuf))
                     self._pinned.add(node.id)
                     pinned.append(node.id)
             freed.append(node.vbuf)
@@ -341,10 +339,13 @@ class TieredRadixCache(HostTierMixin, RadixCache):
             self._file_if_leaf(parent)
             evicted += t
         self._evictable -= evicted
-        if d_pages:
-            pages = np.concatenate(d_pages)
+        # a node dropped since its demotion (under a later victim) gave its pages back: a later
+        # victim may hold them now, so only the nodes still holding theirs are copied
+        demoted = [d for d in demoted if d[0].hbuf is not None]
+        if demoted:
+            pages = np.concatenate([p for _, p, _ in demoted])
             ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
-                                      rows_tensor(b"".join(d_rows), self.device))
+                                      rows_tensor(b"".join(r for _, _, r in demoted), self.device))
             if ev is not None:
                 ev.synchronize()  # the rows are freed below: the copy must be done
             self.tier_stats["demoted_pages"] += pages.size

@@ -432,3 +432,35 @@ def test_with_free_host_pages_storage_reads_straight_into_them_in_one_pass():
     c.check_invariants()
     ctl.close(1.0)
     ctl2.close(1.0)
+
+
+def test_nodes_dropped_under_a_victim_in_the_same_evict_are_gone_for_good():
+    """One evict demotes leaf a, then its parent b, then drops their device parent c (too big
+    for the host) with them: the pending demotion copy must not write a's or b's freed pages
+    (d, demoted next, reuses them: one copy with a page twice is a race on CUDA), and later
+    host drops must not meet a or b again (a second removal: the event recorder raises)."""
+    c = make_cache(device_tokens=16, host_tokens=4, events=True)
+    chain = seq(1, 12)  # c: 8 tokens, b: 2, a: 2
+    for n in (8, 10, 12):
+        serve(c, chain[:n])
+    serve(c, seq(2, 2))  # d, the most recent
+    c.check_invariants()
+    stores = []
+    store = c.host_pool.store
+
+    def spy(pages, rows):
+        stores.append(pages.tolist())
+        return store(pages, rows)
+
+    c.host_pool.store = spy
+    assert c.evict(14) == 14
+    c.check_invariants()
+    written = [p for s in stores for p in s]
+    assert len(written) == len(set(written)), f"one demotion copy wrote pages twice: {stores}"
+    held = {int(p) for x in c.iter_nodes() if getattr(x, "hbuf", None) for p in np.frombuffer(x.hbuf, np.int32)}
+    assert set(written) <= held, f"the demotion copy wrote freed host pages: {sorted(set(written) - held)}"
+    assert c.evict_host(4) == 2  # only d is left to drop
+    c.check_invariants()
+    assert c.host_size() == 0 and not c._host_heap
+    assert serve(c, seq(2, 2)) == (0, 0, 0) and serve(c, chain) == (0, 0, 0)
+    c.check_invariants()
