@@ -3,12 +3,12 @@ its nodes hold (:class:`~radixkv.cache.tiered_cache.TieredRadixCache`, KV only;
 :class:`~radixkv.cache.hybrid.tiered_mamba_cache.TieredMambaRadixCache`, hybrid models):
 sizes, locks (only device nodes), splits that carry host pages, reviving host-only nodes
 with an insert's rows, filing device leaves, host page allocation, the write-through copy of
-a new leaf and the tier-move and removal events.
+a new leaf, an evict's demotion copy and the tier-move and removal events.
 
 Nodes are :class:`~radixkv.cache.tiered_cache.TierNode` (``vbuf``: device rows, ``hbuf``: host
 pages or ``None``). The class using it sets ``host_pool``, ``host_alloc``, ``write_policy``,
-``_host_tokens``, ``_dups``, ``_pinned`` and ``tier_stats`` (with ``written_through_pages``) and
-defines ``evict_host``. The story: docs/tiers.md.
+``_host_tokens``, ``_dups``, ``_pinned`` and ``tier_stats`` (with ``written_through_pages`` and
+``demoted_pages``) and defines ``evict_host``. The story: docs/tiers.md.
 """
 from __future__ import annotations
 
@@ -228,6 +228,21 @@ class HostTierMixin(_Base):
         leaf.hbuf = pages.tobytes()
         self._host_tokens += len(leaf.kbuf) >> 2
         self.tier_stats["written_through_pages"] += int(pages.size)
+
+    def _copy_demoted(self, demoted: list[tuple[TierNode, np.ndarray, bytes]]) -> None:
+        """The demotion copy of one ``evict``: ``(node, host pages, device rows)`` in one batched
+        copy, done before return (the caller frees the rows); a node dropped since its demotion
+        (under a later victim) is skipped: its pages went back, a later victim may hold them.
+        O(pages)."""
+        demoted = [d for d in demoted if d[0].hbuf is not None]
+        if not demoted:
+            return
+        pages = np.concatenate([p for _, p, _ in demoted])
+        ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
+                                  rows_tensor(b"".join(r for _, _, r in demoted), self.device))
+        if ev is not None:
+            ev.synchronize()
+        self.tier_stats["demoted_pages"] += int(pages.size)
 
     def _record_removed(self, order: list[TierNode], top_medium: str = MEDIUM_CPU) -> None:
         """KV events of the subtree ``order`` (its top first, parents before children) leaving

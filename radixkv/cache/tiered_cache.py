@@ -339,16 +339,7 @@ class TieredRadixCache(HostTierMixin, RadixCache):
             self._file_if_leaf(parent)
             evicted += t
         self._evictable -= evicted
-        # a node dropped since its demotion (under a later victim) gave its pages back: a later
-        # victim may hold them now, so only the nodes still holding theirs are copied
-        demoted = [d for d in demoted if d[0].hbuf is not None]
-        if demoted:
-            pages = np.concatenate([p for _, p, _ in demoted])
-            ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
-                                      rows_tensor(b"".join(r for _, _, r in demoted), self.device))
-            if ev is not None:
-                ev.synchronize()  # the rows are freed below: the copy must be done
-            self.tier_stats["demoted_pages"] += pages.size
+        self._copy_demoted(demoted)
         self._pinned.difference_update(pinned)
         self._free_rows(freed)
         self._metrics.record_evict(evicted)

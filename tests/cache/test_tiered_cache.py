@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from storage_double import DictStorage, ScatterDictStorage
-from tier_util import kv_of, make_cache, read_kv, serve
+from tier_util import check_copies_hit_held_pages_once, kv_of, make_cache, read_kv, record_stores, serve
 
 from radixkv.cache.block_hash import encode_extra_key
 from radixkv.cache.eviction import available_policies
@@ -445,20 +445,10 @@ def test_nodes_dropped_under_a_victim_in_the_same_evict_are_gone_for_good():
         serve(c, chain[:n])
     serve(c, seq(2, 2))  # d, the most recent
     c.check_invariants()
-    stores = []
-    store = c.host_pool.store
-
-    def spy(pages, rows):
-        stores.append(pages.tolist())
-        return store(pages, rows)
-
-    c.host_pool.store = spy
+    stores = record_stores(c)
     assert c.evict(14) == 14
     c.check_invariants()
-    written = [p for s in stores for p in s]
-    assert len(written) == len(set(written)), f"one demotion copy wrote pages twice: {stores}"
-    held = {int(p) for x in c.iter_nodes() if getattr(x, "hbuf", None) for p in np.frombuffer(x.hbuf, np.int32)}
-    assert set(written) <= held, f"the demotion copy wrote freed host pages: {sorted(set(written) - held)}"
+    check_copies_hit_held_pages_once(c, stores)
     assert c.evict_host(4) == 2  # only d is left to drop
     c.check_invariants()
     assert c.host_size() == 0 and not c._host_heap

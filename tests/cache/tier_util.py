@@ -46,6 +46,27 @@ def read_kv(cache: TieredRadixCache, rows: torch.Tensor) -> torch.Tensor:
     return k0
 
 
+def record_stores(cache) -> list[list[int]]:
+    """The host page ids of each ``host_pool.store`` call (a demotion copy) on ``cache`` from now on."""
+    stores: list[list[int]] = []
+    store = cache.host_pool.store
+
+    def spy(pages, rows):
+        stores.append(pages.tolist())
+        return store(pages, rows)
+
+    cache.host_pool.store = spy
+    return stores
+
+
+def check_copies_hit_held_pages_once(cache, stores: list[list[int]]) -> None:
+    """No copy in ``stores`` wrote a host page twice, and every page written is held by a node."""
+    written = [p for s in stores for p in s]
+    assert len(written) == len(set(written)), f"one demotion copy wrote pages twice: {stores}"
+    held = {int(p) for x in cache.iter_nodes() if x.hbuf for p in np.frombuffer(x.hbuf, np.int32)}
+    assert written and set(written) <= held, f"a demotion copy wrote freed host pages: {stores}"
+
+
 def serve(cache: TieredRadixCache, tokens: np.ndarray, extra_key=None) -> tuple[int, int, int]:
     """One request through the scheduler's cycle (match, load back, lock, alloc, insert, free
     duplicates, unlock), checking the reused KV. Returns (device, host, storage) tokens hit.

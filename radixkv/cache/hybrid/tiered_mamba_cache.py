@@ -277,32 +277,25 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         with its host-only subtree (and its host copy)."""
         evicted = 0
         leaves, stale_key = self._leaves, self._sort_key if self._lazy else None
-        d_pages: list[np.ndarray] = []
-        d_rows: list[bytes] = []
+        demoted: list[tuple[Any, np.ndarray, bytes]] = []
         moved: list[Any] = []
         while evicted < num_tokens:
             node = pop_victim(leaves, stale_key)
             if node is None:
                 break
-            if self._demote(node, rows, slots, d_pages, d_rows):
+            if self._demote(node, rows, slots, demoted):
                 moved.append(node)
                 evicted += len(node.kbuf) >> 2
             else:
                 evicted += self._drop_device(node, rows, slots)
-        if d_pages:
-            pages = np.concatenate(d_pages)
-            ev = self.host_pool.store(torch.from_numpy(pages.astype(np.int64)),
-                                      rows_tensor(b"".join(d_rows), self.device))
-            if ev is not None:
-                ev.synchronize()  # the rows are freed by the caller: the copy must be done
-            self.tier_stats["demoted_pages"] += int(pages.size)
+        self._copy_demoted(demoted)
         self._pinned.difference_update(y.id for y in moved)
         for y in moved:  # one whose host state a later demotion took is a tombstone leaf now
             self._prune(y)
         return evicted
 
-    def _demote(self, node: Any, rows: list[bytes], slots: list[int], d_pages: list[np.ndarray],
-                d_rows: list[bytes]) -> bool:
+    def _demote(self, node: Any, rows: list[bytes], slots: list[int],
+                demoted: list[tuple[Any, np.ndarray, bytes]]) -> bool:
         dev, hosted = self._states.slot_of, self._hstates.slot_of
         if node not in dev and node not in hosted and not node.children:
             return False
@@ -318,8 +311,7 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
                 return False
             node.hbuf = pages.tobytes()
             self._host_tokens += t
-            d_pages.append(pages)
-            d_rows.append(node.vbuf)
+            demoted.append((node, pages, node.vbuf))
         self._moved(node, MEDIUM_CPU)
         if node in dev:  # the state goes with the KV (host slot first, then the device slot freed)
             hslot, gone = self._hstates.demote(node, int(self._states.end[dev[node]]))

@@ -25,7 +25,7 @@ from radixkv.memory.host_state_pool import HostStatePool
 from radixkv.memory.kv_pool import MHATokenToKVPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/cache: the tier tests' helpers
-from tier_util import kv_of, read_kv, write_kv  # noqa: E402
+from tier_util import check_copies_hit_held_pages_once, kv_of, read_kv, record_stores, write_kv  # noqa: E402
 
 
 def make(ps=1, device_tokens=32, host_tokens=64, slots=4, host_slots=6, write_policy="write_back", events=False,
@@ -334,3 +334,20 @@ def test_audit_names_a_copy_held_twice():
     y.hbuf = x.hbuf[:len(y.hbuf)]  # two device nodes' copies on one host page
     with pytest.raises(InvariantError, match="double-owned"):
         cache.check_invariants()
+
+
+def test_the_demotion_copy_skips_nodes_dropped_later_in_the_same_evict():
+    """One evict demotes the leaf a (its host pages pending the call's one copy), then drops
+    its stateless parent c (too big for the host) with it; d, demoted next, is given a's
+    pages: the copy writes them once, for d (twice in one copy is a race on CUDA)."""
+    cache, alloc, mamba = make(device_tokens=16, host_tokens=4, slots=4, host_slots=4, events=True)
+    chain = list(range(1000, 1012))
+    cache.insert(chain[:8], alloc.alloc(8))  # c, without a state
+    serve(cache, alloc, mamba, chain[:10])
+    serve(cache, alloc, mamba, chain[:12])
+    serve(cache, alloc, mamba, [5000, 5001])  # d, the most recent
+    stores = record_stores(cache)
+    assert cache.evict(14).num_tokens == 14
+    cache.check_invariants()
+    check_copies_hit_held_pages_once(cache, stores)
+    assert serve(cache, alloc, mamba, [5000, 5001, 5002]) == (0, 2)  # d's KV and state, bit-equal
