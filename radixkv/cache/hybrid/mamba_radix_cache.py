@@ -65,7 +65,8 @@ class MambaMatchResult(NamedTuple):
             a branch point where a scheduler may end a chunk to checkpoint the state.
         host_len: tokens past ``prefix_len`` up to ``host_node``, whose state is in the host
             tier (:meth:`MambaRadixCache.load_back` loads it).
-        storage_len: of ``host_len``, the tokens this match read from storage.
+        storage_len: of ``host_len``, the tokens whose KV this match read from storage (a
+            state read for KV the tree held adds none).
     """
 
     device_indices: torch.Tensor

@@ -5,13 +5,14 @@ position and the state layout's fingerprint, as ``chunks`` page-sized rows (one 
 one backend hold both; a foreign layout's state is never found).
 
 Backup: a node that gets a device state (admit ``all``; ``reused``: once a match hits it again)
-queues its path's pages not yet queued and the state in one ``backup``. Fetch: a match ending
-before its key asks for the pages after it, then for the deepest of them with every chunk of a
-state stored (``last_present``), then that state (read whole, else a counted miss); the KV up
-to it goes into host pages and the state into a host state slot: a new host-only leaf that
-``load_back`` takes to the device. No state: no hit (KV without a state is never used). Its
-three waits share one deadline (the controller's timeout); with KV events the leaf's pages are
-announced ``BlockStored(CPU)``, then its state ``StateStored(CPU)``. The story: docs/tiers.md.
+queues its path's pages not yet queued and the state in one ``backup``. Fetch: a match asks
+for the pages past its walk, then for the deepest page end past the path's deepest state (in
+the path, or past it where the pages are stored) with every chunk of a state stored
+(``last_present``), then that state (read whole, else a counted miss): into a host state slot
+on the path's node there (split there), or with the KV up to it in host pages as a new
+host-only leaf; ``load_back`` takes either to the device. No state: no hit. Its three waits
+share one deadline (the controller's timeout); KV events: a leaf's pages ``BlockStored(CPU)``,
+then the state ``StateStored(CPU)``. The story: docs/tiers.md.
 """
 from __future__ import annotations
 
@@ -64,8 +65,10 @@ def state_fingerprint(pool: HostStatePool) -> str:
 class StateStorageMixin(_Base):
     """Storage for a hybrid tree with host tiers (mixed in first). ``storage_stats``:
     ``states_queued`` / ``states_fetched``, ``state_misses`` (stored KV without a whole
-    stored state: absent, short or corrupt chunks). Costs: a backup O(path) + the new
-    pages' hashes + one state copy; a fetch one hash per page asked and <= one storage timeout."""
+    stored state: absent, short or corrupt chunks), ``states_fetched_in_tree`` (of the
+    fetched, states for KV the tree held) and ``in_tree_state_tokens`` (their hit tokens past
+    the path's deepest state). Costs: a backup O(path) + the new pages' hashes + one state
+    copy; a fetch one hash per page asked or newly keyed and <= one storage timeout."""
 
     if TYPE_CHECKING:  # the tree's (TieredMambaRadixCache, HostTierMixin)
         host_pool: HostKVPool
@@ -79,6 +82,8 @@ class StateStorageMixin(_Base):
 
         def _page_rows(self, node: TierNode) -> torch.Tensor | None: ...
 
+        def _in_tree(self, node: TreeNode) -> bool: ...
+
     def _init_storage(self, storage: StorageController | None, fingerprint: str) -> None:
         self.storage = storage
         self._fingerprint = fingerprint
@@ -88,7 +93,8 @@ class StateStorageMixin(_Base):
         pb = self.host_pool.page_bytes
         self._chunks = -(-hsp.slot_bytes // pb)
         self._recent: OrderedDict[int, None] = OrderedDict()  # node ids
-        self.storage_stats = {"states_queued": 0, "states_fetched": 0, "state_misses": 0}
+        self.storage_stats = {"states_queued": 0, "states_fetched": 0, "state_misses": 0,
+                              "states_fetched_in_tree": 0, "in_tree_state_tokens": 0}
 
     def _hstates_pool(self) -> HostStatePool:
         pool = self.host_state_pool
@@ -172,33 +178,89 @@ class StateStorageMixin(_Base):
             self._recent.popitem(last=False)
 
     # ------------------------------------------------------------------ fetch
-    def _storage_fetch(self, key: RadixKey, node: TreeNode | None, pos: int, n: int) -> TierNode | None:
-        """A new host-only leaf under ``node`` (the match's last node, ``None``: no namespace
-        yet) for ``key[pos:n]`` (bytes) as far as storage holds its KV and a state at its
-        end, KV in host pages and the state in a host state slot; ``None`` without one. Its
-        three storage waits share one deadline, the controller's timeout from the start."""
+    def _storage_fetch(self, key: RadixKey, head: TreeNode | None, path: list[Any], pos: int,
+                       n: int) -> tuple[list[Any], int, TierNode | None]:
+        """Storage's part of a match whose walk gave ``path`` (``pos`` bytes of ``key``;
+        ``head``: its namespace head or ``None``): the deepest stored state at a page end past
+        the path's deepest state, within the path (attached to its node, split there, as a
+        host state: :meth:`_attach_stored`) or past it, as far as storage holds the KV (a new
+        host-only leaf, :meth:`_adopt_stored`). Returns the path and ``pos`` (a host drop may
+        shorten them) and that leaf or ``None``. Its waits share one deadline, the controller's
+        timeout from the start; costs one hash per page asked or newly keyed."""
         st = self.storage
         if st is None:
-            return None
+            return path, pos, None
         deadline = time.monotonic() + st.timeout_s
-        prior = None
-        if node is not None and node.parent is not None:
-            prior = self._keyed_path(node)[-1].pkeys[-1]
-        tokens = np.frombuffer(key._buf, _I32, count=(n - pos) >> 2, offset=pos).copy()
-        keys = page_keys(tokens, self.page_size, self._storage_seed(key.extra_key), prior)
-        rows = st.fetch(keys, deadline - time.monotonic())
+        pb = self._page_bytes
+        inside: list[str] = []  # page keys of the path's pages past its deepest state
+        prior, best = None, 0
+        if path:
+            keyed = self._keyed_path(path[-1])
+            prior = keyed[-1].pkeys[-1]
+            dev, hosted = self._states.slot_of, self._hstates.slot_of
+            depth = 0
+            for x in keyed:
+                depth += len(x.kbuf)
+                if x in dev or x in hosted:
+                    best = depth
+            if best < pos:
+                inside = [k for x in keyed for k in x.pkeys][best // pb:]
+        keys: list[str] = []
+        rows = torch.empty(0, dtype=torch.uint8)
+        if pos < n:
+            tokens = np.frombuffer(key._buf, _I32, count=(n - pos) >> 2, offset=pos).copy()
+            keys = page_keys(tokens, self.page_size, self._storage_seed(key.extra_key), prior)
+            rows = st.fetch(keys, deadline - time.monotonic())
         k = int(rows.shape[0])
-        if not k:
-            return None
-        skeys = [self._state_key(x) for x in keys[:k]]
-        groups = [self._chunk_keys(s) for s in skeys]
+        if not inside and not k or time.monotonic() >= deadline:  # (a KV read's timeout is counted)
+            return path, pos, None
+        groups = [self._chunk_keys(self._state_key(x)) for x in inside + keys[:k]]
         j = st.last_present(groups, deadline - time.monotonic())
         state = st.fetch(groups[j], deadline - time.monotonic()) if j >= 0 else None
         if state is None or int(state.shape[0]) < self._chunks:
-            if time.monotonic() < deadline:  # else a timeout (the controller counted it), not a miss
+            if (k or j >= 0) and time.monotonic() < deadline:  # else a timeout (counted), not a miss
                 self.storage_stats["state_misses"] += 1
-            return None
-        return self._adopt_stored(key, node, pos, keys[:j + 1], rows[:j + 1], state)
+            return path, pos, None
+        j -= len(inside)
+        if j < 0:  # a state within the path: its KV is the tree's
+            end = pos + (j + 1) * pb
+            path = self._attach_stored(path, end, state)
+            self.storage_stats["in_tree_state_tokens"] += (end - best) >> 2
+            return path, sum(len(y.kbuf) for y in path), None
+        node = path[-1] if path else head
+        leaf = self._adopt_stored(key, node, pos, keys[:j + 1], rows[:j + 1], state)
+        if leaf is None:
+            return path, pos, None
+        return path + [leaf], pos + len(leaf.kbuf), leaf
+
+    def _attach_stored(self, path: list[Any], end: int, state: torch.Tensor) -> list[Any]:
+        """Give the path's node ending at ``end`` bytes (a page end past the path's deepest
+        state; the node holding that page is split there if it runs past) ``state`` as a host
+        state (announced ``StateStored(CPU)``), and return the path up to that node: nodes past
+        it and still linked (a full host state table's drop may take some)."""
+        depth = i = 0
+        while depth + len(path[i].kbuf) < end:  # end <= the path's end: i stays in it
+            depth += len(path[i].kbuf)
+            i += 1
+        x, rest = path[i], path[i + 1:]
+        if depth + len(x.kbuf) > end:
+            rest = path[i:]
+            x = self._split(x, end - depth)
+        hslot, gone = self._hstates.demote(x, end >> 2)
+        self._hstates_pool().write_state_bytes(hslot, state)
+        if gone is not None:
+            self._host_state_dropped(gone)
+        if x.skey is not None:  # a filed leaf: its state-aware order key changed
+            self._refile(x)
+        self._remember(x)
+        self.storage_stats["states_fetched"] += 1
+        self.storage_stats["states_fetched_in_tree"] += 1
+        out = path[:i] + [x]
+        for y in rest:
+            if not self._in_tree(y):
+                break
+            out.append(y)
+        return out
 
     def _adopt_stored(self, key: RadixKey, node: TreeNode | None, pos: int, keys: list[str],
                       rows: torch.Tensor, state: torch.Tensor) -> TierNode | None:

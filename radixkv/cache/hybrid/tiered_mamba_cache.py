@@ -11,8 +11,8 @@ loads the path's host KV (all or nothing), then the state. Inserts adopt the req
 into the host-only nodes they reach. Host drops take whole LRU leaves with their state and the
 stateless host-only ancestors they leave childless. ``write_through`` copies every new leaf to
 the host at insert (a victim with a copy just frees its rows). KV events carry the tier, as
-the KV-only tier's (docs/events.md, section 6). Storage (L3): :mod:`.state_storage` (pages and
-states backed up, read past the tree into a host-only leaf, announced on ``CPU``).
+the KV-only tier's (docs/events.md, section 6). Storage (L3): :mod:`.state_storage` (backed up;
+read past the tree as a host-only leaf, or within it as a host state; announced on ``CPU``).
 """
 from __future__ import annotations
 
@@ -122,7 +122,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         to the deepest device state; ``host_node`` / ``host_len`` to the deepest state in any
         tier when deeper (its KV may be on the host); ``kv_prefix_len`` the KV match over
         both tiers. Touches and splits as RadixCache's; with storage, what it holds past the
-        tree (:meth:`_storage_fetch`) continues the path. O(path + tokens)."""
+        tree continues the path, a state it holds for the path's stateless tail ends the hit
+        there (:meth:`_storage_fetch`). O(path + tokens)."""
         if type(key) is not RadixKey or extra_key is not None:
             key = as_radix_key(key, extra_key)
         buf = key._buf
@@ -135,11 +136,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
                                                  0))
         path, pos = self._walk(head, buf, n) if head is not None else ([], 0)
         got = None
-        if self.storage is not None and pos < n:
-            got = self._storage_fetch(key, path[-1] if path else head, pos, n)
-            if got is not None:
-                path.append(got)
-                pos += len(got.kbuf)
+        if self.storage is not None:
+            path, pos, got = self._storage_fetch(key, head, path, pos, n)
             head = self._heads.get(key.extra_key)
         if head is None:
             head = self._heads[None]

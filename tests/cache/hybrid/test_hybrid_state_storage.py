@@ -219,7 +219,7 @@ def test_a_slow_backend_costs_one_timeout_per_match_not_three(timeout_s, hit):
 
 
 @pytest.mark.parametrize("ps,seed,policy", [(1, 0, "write_back"), (2, 1, "write_back"), (4, 2, "write_back"),
-                                           (1, 3, "write_through"), (2, 4, "write_through")])
+                                           (1, 5, "write_through"), (2, 4, "write_through")])
 def test_seeded_stress_with_storage_and_restarts(ps, seed, policy):
     """Conversations served through the tree (either write policy) with KV, state and host
     drops and restarts (the tree started again over fresh pools on the same store, after a
@@ -234,7 +234,7 @@ def test_seeded_stress_with_storage_and_restarts(ps, seed, policy):
 
     cache, alloc, mamba = fresh()
     convs = [list(rng.integers(1, 30, size=int(rng.integers(1, 3)) * ps)) for _ in range(5)]
-    stored = restarts = 0
+    stored = restarts = inside = 0
     for _ in range(200):
         op = rng.random()
         if op < 0.65:
@@ -246,17 +246,20 @@ def test_seeded_stress_with_storage_and_restarts(ps, seed, policy):
                 convs[i] = convs[i] + grow
         elif op < 0.75:
             cache.evict(int(rng.integers(1, 8 * ps)))
-        elif op < 0.82:
-            cache.evict(0, int(rng.integers(1, 3)))
+        elif op < 0.82:  # state pressure, then a conversation again: its KV may have stayed, its state not
+            cache.evict(0, int(rng.integers(2, 9)))
+            serve(cache, alloc, mamba, convs[int(rng.integers(len(convs)))] + [int(rng.integers(1, 30))] * ps)
         elif op < 0.92:
             cache.evict_host(int(rng.integers(1, 6)))
         else:
             stored += _drained(cache).tier_counters()["hit_tokens_storage"]
+            inside += cache.storage_stats["states_fetched_in_tree"]
             cache, alloc, mamba = fresh()
             restarts += 1
         cache.check_invariants()
     stored += cache.tier_counters()["hit_tokens_storage"]
-    assert restarts > 0 and stored > 0, (restarts, stored)
+    inside += cache.storage_stats["states_fetched_in_tree"]
+    assert restarts > 0 and stored > 0 and inside > 0, (restarts, stored, inside)  # inside: states read for KV kept
 
 
 class StoredHybridMachine(TieredHybridMachine):
@@ -305,3 +308,111 @@ def test_audit_names_a_node_whose_storage_keys_do_not_match_its_pages():
     node.pkeys = node.pkeys[:1]
     with pytest.raises(InvariantError, match=rf"2 pages with 1 storage keys: nodes \[{node.id}\]"):
         cache.check_invariants()
+
+
+def _tree_shape(cache):
+    """Every node's id, key length, tiers and state tier: what a match must not change on a miss."""
+    dev, hosted = cache._states.slot_of, cache._hstates.slot_of
+    return sorted((x.id, len(x.kbuf), bool(x.vbuf), x.hbuf is not None, x in dev, x in hosted)
+                  for x in cache.iter_nodes() if x.parent is not None)
+
+
+def _one(store):
+    return lambda: store
+
+
+def _kv_without_states(ps, backend, events=False):  # backend: a store, made anew per tree
+    """A tree whose device KV holds ``[1..8]`` pages (one node ``[1..6]``, then ``[7, 8]``)
+    with no state on that path in any tier, and a store holding the state at 4 pages only
+    (inside the node): a restart read ``[1..6]`` and its state from storage (so no node ends
+    at 4), served ``[7, 8]``, then every state of the path left the tree (demoted, then
+    dropped by a full one-slot host state table: the KV stays)."""
+    a = [t for t in range(1, 5) for _ in range(ps)]
+    b = a + [t for t in (5, 6) for _ in range(ps)]
+    c = b + [t for t in (7, 8) for _ in range(ps)]
+    cache, alloc, mamba = make(ps, backend=backend())
+    serve(cache, alloc, mamba, a)
+    serve(cache, alloc, mamba, b)
+    _drained(cache).storage.close()
+    cache, alloc, mamba = make(ps, device_tokens=64 * ps, host_slots=1, backend=backend(), events=events)
+    assert serve(cache, alloc, mamba, c) == (0, 6 * ps)  # 1..6 from storage, one node
+    _drained(cache)
+    fs = cache.storage.backend
+    for toks in (b, c):  # storage keeps the state at 4 pages only
+        for k in _state_keys(cache, toks):
+            if isinstance(fs, FileStorage):
+                fs.path_of(k).unlink()
+            else:
+                del fs.pages[k]
+    serve(cache, alloc, mamba, [20] * ps)  # its state is demoted last: the one host slot keeps it
+    cache.evict(0, 8)
+    cache.check_invariants()
+    assert not cache._states.slot_of and len(cache._hstates.slot_of) == 1  # [20]'s
+    return cache, alloc, mamba, a, c
+
+
+@pytest.mark.parametrize("ps,events", [(1, False), (2, True), (4, False)])
+def test_a_state_evicted_while_its_kv_stayed_is_read_from_storage(ps, events):
+    """The tree's KV match (8 pages) runs past its deepest state (none): the stored state at
+    4 pages, inside a node, is read into a host state slot on that node (split there), no KV
+    is read, the match ends there (``storage_len`` 0: storage gave no tokens' KV) and
+    ``load_back`` loads it, bit-equal to the bytes stored."""
+    cache, alloc, mamba, a, c = _kv_without_states(ps, _one(DictStorage()), events)
+    fetched, host, queued = cache.storage.stats.fetched, cache.host_size(), cache.storage_stats["states_queued"]
+    m = cache.match_prefix(np.array(c + [99] * ps, dtype=np.int32))
+    assert (m.prefix_len, m.host_len, m.kv_prefix_len, m.storage_len) == (0, 4 * ps, 8 * ps, 0)
+    assert len(m.host_node.kbuf) == 4 * ps * 4 and m.host_node.vbuf  # split at 4 pages; a device node
+    assert cache.storage.stats.fetched - fetched == cache._chunks and cache.host_size() == host  # no KV read
+    st = cache.storage_stats
+    assert (st["states_fetched_in_tree"], st["in_tree_state_tokens"], st["state_misses"]) == (1, 4 * ps, 0)
+    cache.check_invariants()
+    stored = b"".join(cache.storage.backend.pages[k] for k in _state_keys(cache, a))
+    got = cache.load_back(m)
+    cache.check_invariants()
+    assert got.prefix_len == 4 * ps
+    assert torch.equal(read_kv(cache, got.device_indices), kv(a))
+    raw = cache._hstates_pool().device_state_bytes(cache.state_slot(got.last_node))
+    assert raw.numpy().tobytes() == stored[:raw.numel()]  # bit-equal to the stored bytes
+    assert float(mamba.temporal_state[0, cache.state_slot(got.last_node), 0, 0, 0]) == state_of(a)
+    assert cache.storage_stats["states_queued"] == queued  # read from storage: not written again
+    assert serve(cache, alloc, mamba, c + [9] * ps) == (4 * ps, 0)
+    cache.check_invariants()
+
+
+def test_a_corrupt_stored_state_within_the_kv_match_is_a_miss_changing_nothing(tmp_path):
+    cache, _, _, a, c = _kv_without_states(1, lambda: FileStorage(tmp_path, page_bytes=64))
+    fs = cache.storage.backend
+    path = fs.path_of(_state_keys(cache, a)[0])
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    before = _tree_shape(cache)
+    m = cache.match_prefix(c + [99])
+    assert (m.prefix_len, m.host_len, m.kv_prefix_len, m.storage_len) == (0, 0, 8, 0)
+    assert cache.storage_stats["state_misses"] == 1 and fs.stats().corrupt == 1
+    assert cache.storage_stats["states_fetched_in_tree"] == 0 and _tree_shape(cache) == before
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("tail", [0, 1])
+def test_the_deadline_bounds_a_lookup_within_the_kv_match(tail):
+    """Every backend read call takes 0.6 s, the timeout is 0.5 s: with the key inside the
+    tree (``tail`` 0: the probe alone) or past it (the KV read first, then the probe), the
+    match gives up within about one timeout, no hit, one counted timeout and no miss."""
+    store = DictStorage()
+    cache, _, _, _, c = _kv_without_states(1, _one(store))
+    cache.storage.timeout_s = 0.5
+    store.delay = 0.6
+    timeouts = cache.storage.stats.fetch_timeouts
+    t0 = time.monotonic()
+    m = cache.match_prefix(c + [99] * tail)
+    took = time.monotonic() - t0
+    assert (m.host_len, m.kv_prefix_len) == (0, 8)
+    assert cache.storage.stats.fetch_timeouts - timeouts == 1 and cache.storage_stats["state_misses"] == 0
+    assert took < 2.5 * 0.5, took  # one shared deadline
+    cache.check_invariants()
+    assert cache.storage.wait_reads(10.0)
+    store.delay = 0.0
+    cache.storage.timeout_s = 5.0
+    assert cache.match_prefix(c + [99]).host_len == 4  # the slow double was slow, not broken
+    cache.check_invariants()
