@@ -129,3 +129,22 @@ def test_hybrid_logits_over_storage_loads_after_a_restart(engine_factory, ps, tm
     if ps == 16:
         first = [(x["type"], x["medium"]) for x in e.take_events(info.session)[:2]]
         assert first == [("BlockStored", "CPU"), ("StateStored", "CPU")], first
+
+
+@pytest.mark.parametrize("ps", [2, 16])
+def test_hybrid_logits_over_storage_states_for_kv_the_tree_kept(engine_factory, ps, tmp_path):
+    """Device KV for every conversation but 5 state slots and a 2-slot host state table: states
+    leave the tree while their KV stays, so a turn's KV match runs past its deepest state and
+    the state at its end comes from storage (read onto the tree's node, then loaded); every
+    extend's logits equal the from-scratch logits within 1e-9."""
+    turn = 24
+    model = proof_model("KFK")
+    raw = engine_factory(**proof_fields(model, ps), kv_tokens=1024, state_slots=5, host_state_slots=2,
+                         host_kv_tokens=1024, storage=f"file://{tmp_path}", storage_timeout_ms=5000.0)
+    e = Checked(raw)
+    info = e.attach("proof")
+    loaded = prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)
+    assert loaded > 0, "no state came back from the host tier"
+    tree = getattr(raw, "tree", None)
+    if tree is not None:  # embedded: the tree's counters say storage gave states for kept KV
+        assert tree.storage_stats["states_fetched_in_tree"] > 0, tree.storage_stats
