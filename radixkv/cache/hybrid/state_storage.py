@@ -93,6 +93,7 @@ class StateStorageMixin(_Base):
         pb = self.host_pool.page_bytes
         self._chunks = -(-hsp.slot_bytes // pb)
         self._recent: OrderedDict[int, None] = OrderedDict()  # node ids
+        self._probed: OrderedDict[int, None] = OrderedDict()  # stateless nodes whose page ends storage lacked
         self.storage_stats = {"states_queued": 0, "states_fetched": 0, "state_misses": 0,
                               "states_fetched_in_tree": 0, "in_tree_state_tokens": 0}
 
@@ -172,10 +173,17 @@ class StateStorageMixin(_Base):
     def _remember(self, node: TreeNode) -> None:
         """Note that storage holds ``node``'s state (queued or read): not queued again while
         remembered (a node made anew, e.g. after a drop, is queued again: ids are never reused)."""
-        self._recent[node.id] = None
-        self._recent.move_to_end(node.id)
-        if len(self._recent) > _RECENT:
-            self._recent.popitem(last=False)
+        self._probed.pop(node.id, None)
+        self._note(self._recent, [node.id])
+
+    @staticmethod
+    def _note(ids: OrderedDict[int, None], new: list[int]) -> None:
+        """Add ``new`` node ids to the bounded LRU set ``ids`` (the oldest forgotten past 4096)."""
+        for i in new:
+            ids[i] = None
+            ids.move_to_end(i)
+        while len(ids) > _RECENT:
+            ids.popitem(last=False)
 
     # ------------------------------------------------------------------ fetch
     def _storage_fetch(self, key: RadixKey, head: TreeNode | None, path: list[Any], pos: int,
@@ -186,25 +194,33 @@ class StateStorageMixin(_Base):
         host state: :meth:`_attach_stored`) or past it, as far as storage holds the KV (a new
         host-only leaf, :meth:`_adopt_stored`). Returns the path and ``pos`` (a host drop may
         shorten them) and that leaf or ``None``. Its waits share one deadline, the controller's
-        timeout from the start; costs one hash per page asked or newly keyed."""
+        timeout from the start; costs one hash per page asked or newly keyed. Path nodes whose
+        page ends a whole probe found absent are skipped later (``_probed``)."""
         st = self.storage
         if st is None:
             return path, pos, None
         deadline = time.monotonic() + st.timeout_s
         pb = self._page_bytes
-        inside: list[str] = []  # page keys of the path's pages past its deepest state
+        inside: list[str] = []  # page keys of the path's pages past its deepest state, not known absent
+        ends: list[int] = []  # their end positions (bytes)
+        tail: list[Any] = []  # the nodes holding them
         prior, best = None, 0
         if path:
             keyed = self._keyed_path(path[-1])
             prior = keyed[-1].pkeys[-1]
             dev, hosted = self._states.slot_of, self._hstates.slot_of
-            depth = 0
-            for x in keyed:
+            depth = i0 = 0
+            for i, x in enumerate(keyed):
                 depth += len(x.kbuf)
                 if x in dev or x in hosted:
-                    best = depth
-            if best < pos:
-                inside = [k for x in keyed for k in x.pkeys][best // pb:]
+                    best, i0 = depth, i + 1
+            depth = best
+            for x in keyed[i0:]:  # a state ends a node: the stretch is whole nodes
+                if x.id not in self._probed:
+                    tail.append(x)
+                    inside += x.pkeys
+                    ends += range(depth + pb, depth + len(x.kbuf) + 1, pb)
+                depth += len(x.kbuf)
         keys: list[str] = []
         rows = torch.empty(0, dtype=torch.uint8)
         if pos < n:
@@ -218,15 +234,18 @@ class StateStorageMixin(_Base):
         j = st.last_present(groups, deadline - time.monotonic())
         state = st.fetch(groups[j], deadline - time.monotonic()) if j >= 0 else None
         if state is None or int(state.shape[0]) < self._chunks:
-            if (k or j >= 0) and time.monotonic() < deadline:  # else a timeout (counted), not a miss
-                self.storage_stats["state_misses"] += 1
+            if time.monotonic() < deadline:  # else a timeout (counted), not a miss
+                self.storage_stats["state_misses"] += int(bool(k or j >= 0))
+                if j < 0:  # every candidate absent: not asked again (a state queued there may not have landed)
+                    idle = st.stats.pending == 0
+                    self._note(self._probed, [x.id for x in tail if idle or x.id not in self._recent])
             return path, pos, None
-        j -= len(inside)
-        if j < 0:  # a state within the path: its KV is the tree's
-            end = pos + (j + 1) * pb
+        if j < len(inside):  # a state within the path: its KV is the tree's
+            end = ends[j]
             path = self._attach_stored(path, end, state)
             self.storage_stats["in_tree_state_tokens"] += (end - best) >> 2
             return path, sum(len(y.kbuf) for y in path), None
+        j -= len(inside)
         node = path[-1] if path else head
         leaf = self._adopt_stored(key, node, pos, keys[:j + 1], rows[:j + 1], state)
         if leaf is None:

@@ -416,3 +416,29 @@ def test_the_deadline_bounds_a_lookup_within_the_kv_match(tail):
     cache.storage.timeout_s = 5.0
     assert cache.match_prefix(c + [99]).host_len == 4  # the slow double was slow, not broken
     cache.check_invariants()
+
+
+def test_a_stretch_storage_lacked_is_not_probed_again_until_a_state_is_queued_there():
+    """Nothing stored at the KV match's stateless page ends: the first match probes them (one
+    ``batch_exists`` each), the next asks storage nothing; a new node past them whose state
+    was queued, then left the tree, is probed and its state found."""
+    store = DictStorage()
+    cache, alloc, mamba, a, c = _kv_without_states(1, _one(store))
+    for k in _state_keys(cache, a):
+        del store.pages[k]
+    calls = store.calls
+    m = cache.match_prefix(c)
+    assert (m.host_len, m.kv_prefix_len, cache.storage_stats["state_misses"]) == (0, 8, 0)
+    assert store.calls - calls == 8  # one probe per page end
+    calls = store.calls
+    assert cache.match_prefix(c).host_len == 0 and store.calls == calls  # known absent
+    cache.check_invariants()
+    assert serve(cache, alloc, mamba, c + [9]) == (0, 0)  # no state anywhere: from scratch, state at 9
+    _drained(cache)
+    serve(cache, alloc, mamba, [21])
+    cache.evict(0, 8)  # the state at 9 demoted, then dropped by [21]'s
+    calls = store.calls
+    m = cache.match_prefix(c + [9])
+    assert (m.host_len, m.kv_prefix_len, cache.storage_stats["states_fetched_in_tree"]) == (9, 9, 1)
+    assert store.calls - calls == 2  # the probe of page end 9 alone, then the state read's batch_exists
+    cache.check_invariants()
