@@ -57,8 +57,7 @@ class MambaMatchResult(NamedTuple):
     """Result of :meth:`MambaRadixCache.match_prefix` (``MatchResult``'s fields first).
 
     Attributes:
-        device_indices: int64 KV rows of the longest matched prefix that ends at a node
-            holding a state (length ``prefix_len``).
+        device_indices: int64 KV rows of the longest match ending at a state (``prefix_len``).
         last_node: that node (the one to lock and fork from); a namespace head when none.
         prefix_len: tokens of that prefix -- what a request may skip.
         kv_prefix_len: tokens of the full (page-aligned) KV match, ``>= prefix_len``; more is
