@@ -103,17 +103,18 @@ def test_mla_latents_over_host_loads(engine_factory, ps):
     assert loaded > 0, "no latent came back from the host tier"
 
 
-@pytest.mark.parametrize("ps", [1, 16, 64])
-def test_hybrid_logits_over_storage_loads_after_a_restart(engine_factory, ps, tmp_path):
+@pytest.mark.parametrize("ps,kv,host_slots", [(1, 96, 16), (16, 96, 16), (64, 256, 16), (1, 1024, 1)])
+def test_hybrid_logits_over_storage_loads_after_a_restart(engine_factory, ps, kv, host_slots, tmp_path):
     """A hybrid model's storage tier (``file:///DIR``): the proof's conversations through one
     engine, which is stopped (its write queue drained); an engine started again on the same
     directory serves their prefixes (KV pages and the state at their end) from storage, and
     every extend's logits, before and after, equal the from-scratch logits within 1e-9. With KV
-    events (page size 16) the restarted engine's first events are its storage read's, on ``CPU``."""
-    kv, turn = (256, 64) if ps == 64 else (96, 24)
+    events (page size 16) the restarted engine's first events are its storage read's, on ``CPU``.
+    One host state slot: a load back holding it evicts a device state without host room."""
+    turn = 64 if ps == 64 else 24
     model = proof_model("KFK")
-    cfg = dict(proof_fields(model, ps), kv_tokens=kv, state_slots=5, host_state_slots=16, host_kv_tokens=1024,
-               storage=f"file://{tmp_path}", storage_timeout_ms=5000.0, enable_kv_events=ps == 16)
+    cfg = dict(proof_fields(model, ps), kv_tokens=kv, state_slots=5, host_state_slots=host_slots,
+               host_kv_tokens=1024, storage=f"file://{tmp_path}", storage_timeout_ms=5000.0, enable_kv_events=ps == 16)
     raw = engine_factory(**cfg)
     e = Checked(raw)
     info = e.attach("proof")
@@ -131,16 +132,17 @@ def test_hybrid_logits_over_storage_loads_after_a_restart(engine_factory, ps, tm
         assert first == [("BlockStored", "CPU"), ("StateStored", "CPU")], first
 
 
-@pytest.mark.parametrize("ps", [2, 16])
-def test_hybrid_logits_over_storage_states_for_kv_the_tree_kept(engine_factory, ps, tmp_path):
-    """Device KV for every conversation but 5 state slots and a 2-slot host state table: states
+@pytest.mark.parametrize("ps,host_slots", [(2, 2), (16, 2), (1, 1)])
+def test_hybrid_logits_over_storage_states_for_kv_the_tree_kept(engine_factory, ps, host_slots, tmp_path):
+    """Device KV for every conversation but 5 state slots and a 2-slot (or 1-slot) host state table: states
     leave the tree while their KV stays, so a turn's KV match runs past its deepest state and
     the state at its end comes from storage (read onto the tree's node, then loaded); every
     extend's logits equal the from-scratch logits within 1e-9."""
     turn = 24
     model = proof_model("KFK")
-    raw = engine_factory(**proof_fields(model, ps), kv_tokens=1024, state_slots=5, host_state_slots=2,
-                         host_kv_tokens=1024, storage=f"file://{tmp_path}", storage_timeout_ms=5000.0)
+    raw = engine_factory(**proof_fields(model, ps), kv_tokens=1024, state_slots=5,
+                         host_state_slots=host_slots, host_kv_tokens=1024, storage=f"file://{tmp_path}",
+                         storage_timeout_ms=5000.0)
     e = Checked(raw)
     info = e.attach("proof")
     loaded = prove_logits(e, info.session, engine_factory.buffers(raw, info), model, ps, turn)

@@ -44,6 +44,11 @@ class HostStateTable:
     def __len__(self) -> int:
         return len(self.slot_of)
 
+    def has_room(self) -> bool:
+        """Whether :meth:`demote` can place a state: a slot is free or a state can be dropped
+        (not so while a load holds the only slots, :meth:`take`)."""
+        return bool(self.slot_of) or self.alloc.available_size() > 0
+
     def demote(self, node: TreeNode, end: int) -> tuple[int, TreeNode | None]:
         """A host slot for ``node``'s state at ``end`` (the caller copies it in), dropping
         the oldest host state when none is free; returns the slot and the node whose host

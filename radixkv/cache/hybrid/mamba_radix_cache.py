@@ -553,17 +553,18 @@ class MambaRadixCache(RadixCache):
     def _evict_states(self, k: int, slots: list[int]) -> None:
         """Tombstone the first ``k`` unpinned state nodes of the state order (their KV stays: a
         tombstone leaf is re-filed at the front of the full order); with the host tier each
-        state is demoted there first (one batched copy)."""
+        state is demoted there first (one batched copy), unless a load holds its only slots."""
         host, states = self._host, self._states
         demoted: list[tuple[TreeNode, int, int]] = []
         for node in self.state_order.victims(self, k):
-            if host is not None:  # the host slot first: events store it on CPU, then remove it from GPU
-                hslot, gone = host.demote(node, int(states.end[states.slot_of[node]]))
+            tier = host if host is not None and host.has_room() else None  # no room (a load holds it): dropped
+            if tier is not None:  # the host slot first: events store it on CPU, then remove it from GPU
+                hslot, gone = tier.demote(node, int(states.end[states.slot_of[node]]))
                 if gone is not None:
                     self._host_state_dropped(gone)
             slot = states.detach(node)
             slots.append(slot)
-            if host is not None:
+            if tier is not None:
                 demoted.append((node, hslot, slot))
             if node.skey is not None:  # a filed leaf: its full-order key dropped
                 self._refile(node)

@@ -297,6 +297,8 @@ class TieredMambaRadixCache(StateStorageMixin, HostTierMixin, MambaRadixCache):
         dev, hosted = self._states.slot_of, self._hstates.slot_of
         if node not in dev and node not in hosted and not node.children:
             return False
+        if node in dev and not self._hstates.has_room():  # a load holds the host slots: dropped
+            return False
         t = len(node.kbuf) >> 2
         self._pinned.add(node.id)
         if node.hbuf is None:  # else a clean copy (write_through): its rows are just freed

@@ -218,18 +218,20 @@ def test_a_slow_backend_costs_one_timeout_per_match_not_three(timeout_s, hit):
     cache2.storage.close()
 
 
-@pytest.mark.parametrize("ps,seed,policy", [(1, 0, "write_back"), (2, 1, "write_back"), (4, 2, "write_back"),
-                                           (1, 5, "write_through"), (2, 4, "write_through")])
-def test_seeded_stress_with_storage_and_restarts(ps, seed, policy):
+@pytest.mark.parametrize("ps,seed,policy,host_slots", [
+    (1, 0, "write_back", 4), (2, 1, "write_back", 4), (4, 2, "write_back", 4), (1, 5, "write_through", 4),
+    (2, 4, "write_through", 4), (2, 1, "write_back", 1), (1, 0, "write_back", 1)])
+def test_seeded_stress_with_storage_and_restarts(ps, seed, policy, host_slots):
     """Conversations served through the tree (either write policy) with KV, state and host
     drops and restarts (the tree started again over fresh pools on the same store, after a
     drain): every reused row and state (device, host or storage) is checked against its
-    prefix; the audit after every step."""
+    prefix; the audit after every step. One host state slot: a load back that took it and
+    must evict a device state drops that state (no host room) instead of failing."""
     rng = np.random.default_rng(seed)
     store = DictStorage()
 
     def fresh():
-        return make(ps, device_tokens=24 * ps, host_tokens=24 * ps, slots=4, host_slots=4, backend=store,
+        return make(ps, device_tokens=24 * ps, host_tokens=24 * ps, slots=4, host_slots=host_slots, backend=store,
                     write_policy=policy)
 
     cache, alloc, mamba = fresh()
